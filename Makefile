@@ -1,0 +1,34 @@
+# Quick start: `make demo` and `make test`. Each installs what is missing first.
+PYTHON ?= python3
+PIP := $(PYTHON) -m pip
+STAMP := .make-installed
+
+.PHONY: install demo test test-gpu clean
+
+# torch: a machine without a GPU takes the CPU wheel pinned here (a local file on our CPU
+# machines); an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	@if ! $(PYTHON) -c "import torch" 2>/dev/null; then \
+	  if command -v nvidia-smi >/dev/null 2>&1 || command -v rocm-smi >/dev/null 2>&1; then \
+	    $(PIP) install "torch>=2.11"; \
+	  else \
+	    $(PIP) install torch==2.13.0; \
+	  fi; \
+	fi
+	$(PIP) install -q -e ".[test]"
+	@touch $(STAMP)
+
+install: $(STAMP)
+
+demo: $(STAMP)
+	$(PYTHON) -m dspark_compile demo
+
+# TRITON_INTERPRET must be set before any kernel module is imported (it is read by @triton.jit).
+test: $(STAMP)
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -p no:cacheprovider tests
+
+test-gpu: $(STAMP)
+	$(PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests
+
+clean:
+	rm -f $(STAMP)
