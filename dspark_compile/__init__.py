@@ -1,0 +1,11 @@
+"""dspark_compile: derive a packed-ragged speculative-decoding verify from a dense forward."""
+
+from .config import DSparkConfig
+from .layout import VerifyLayout
+from .passes import EnsureError, RefusedOp
+from .state import VerifierState
+from .verifier import Verifier, dspark_compile
+
+__all__ = ["dspark_compile", "DSparkConfig", "Verifier", "VerifyLayout", "VerifierState",
+           "RefusedOp", "EnsureError"]
+__version__ = "0.1.0"

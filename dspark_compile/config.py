@@ -1,0 +1,33 @@
+"""Configuration of a compiled verifier (frozen: build a new one to change it)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields, replace
+
+__all__ = ["DSparkConfig"]
+
+
+@dataclass(frozen=True)
+class DSparkConfig:
+    """How ``dspark_compile`` builds and runs a verifier."""
+
+    page_size: int = 16
+    """Tokens per KV-cache page of the state pools ``new_state`` allocates."""
+    lowering: str = "reference"
+    """Execution of the ``dspark::`` ops: ``"reference"`` (pure torch, the CPU path)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.page_size, int) or self.page_size < 1:
+            raise ValueError(f"DSparkConfig.page_size={self.page_size!r}; it must be an int >= 1")
+        if self.lowering not in ("reference",):
+            raise ValueError(
+                f"DSparkConfig.lowering={self.lowering!r}; supported: 'reference'"
+            )
+
+    def with_overrides(self, **overrides) -> "DSparkConfig":
+        """A copy with ``overrides`` applied; unknown names are refused."""
+        known = {f.name for f in fields(self)}
+        unknown = sorted(set(overrides) - known)
+        if unknown:
+            raise TypeError(f"DSparkConfig has no field(s) {unknown}; known: {sorted(known)}")
+        return replace(self, **overrides)

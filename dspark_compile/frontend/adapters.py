@@ -1,0 +1,145 @@
+"""Model adapters: how to find a model's cached-attention layers and run its dense forward.
+
+Two kinds of model are understood:
+
+* Hugging Face causal LMs. Attention is owned through transformers' ``AttentionInterface``
+  (registered under the name ``"dspark"`` and set on the model only for the duration of a
+  capture); the mask builder is told to build nothing, since causality over the paged cache is
+  the cached-attention op's job.
+* Plain PyTorch decoders whose attention is :class:`dspark_compile.nn.CachedAttention` and whose
+  forward is ``model(input_ids [bs, T], positions [bs, T]) -> logits [bs, T, V]``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from ..nn import CachedAttention
+from ..state import AttentionSpec
+from .scope import active_scope
+
+__all__ = ["ModelAdapter", "adapter_for"]
+
+HF_ATTENTION_NAME = "dspark"
+
+
+@dataclass
+class ModelAdapter:
+    """What the capture needs to know about one model."""
+
+    model: nn.Module
+    """The model whose dense verify forward is captured."""
+    keys: list[object]
+    """Cached-attention layer keys in pool order."""
+    specs: list[AttentionSpec]
+    """KV shape of each cached-attention layer, in pool order."""
+    forward: Callable[..., torch.Tensor]
+    """``(call, input_ids [bs, T], positions [bs, T]) -> logits [bs, T, V]``, where ``call``
+    invokes the model (the capture passes a functional call over fake parameters)."""
+    hooks: Callable[[], contextlib.AbstractContextManager]
+    """Context manager that routes the model's attention to the capture scope."""
+    kind: str
+    """``"hf"`` or ``"plain"``: how the model was recognised (shown by ``explain``)."""
+
+
+def adapter_for(model: nn.Module) -> ModelAdapter:
+    """Recognise ``model`` or raise ``TypeError`` saying what a model must provide."""
+    if _is_hf_model(model):
+        return _hf_adapter(model)
+    layers = [m for m in model.modules() if isinstance(m, CachedAttention)]
+    if layers:
+        return ModelAdapter(
+            model=model,
+            keys=[id(m) for m in layers],
+            specs=[AttentionSpec(m.num_kv_heads, m.head_dim) for m in layers],
+            forward=lambda call, ids, pos: call(ids, pos),
+            hooks=contextlib.nullcontext,
+            kind="plain",
+        )
+    raise TypeError(
+        f"dspark_compile: {type(model).__name__} is neither a Hugging Face causal LM nor a "
+        "module with dspark_compile.nn.CachedAttention layers; write its attention with "
+        "CachedAttention so the KV cache can be owned"
+    )
+
+
+# ---------------------------------------------------------------------- Hugging Face
+def _is_hf_model(model: nn.Module) -> bool:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return False
+    return isinstance(model, PreTrainedModel)
+
+
+def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                  **kwargs):
+    """transformers attention function: q ``[bs, H, T, D]`` -> (``[bs, T, H, D]``, None)."""
+    scope = active_scope()
+    if scope is None:
+        raise RuntimeError(
+            f"attention implementation {HF_ATTENTION_NAME!r} runs only inside a dspark_compile "
+            "capture; set the model back to 'sdpa' or 'eager' to run it on its own"
+        )
+    for name in ("sliding_window", "softcap"):
+        if kwargs.get(name) is not None:
+            raise NotImplementedError(
+                f"{type(module).__name__} (layer {module.layer_idx}) uses {name}="
+                f"{kwargs[name]!r}; dspark::ragged_attention implements full causal attention "
+                "only"
+            )
+    if not getattr(module, "is_causal", True):
+        raise NotImplementedError(
+            f"{type(module).__name__} (layer {module.layer_idx}) is not causal; verify needs "
+            "causal attention"
+        )
+    scale = module.scaling if scaling is None else scaling
+    return scope.attend(module.layer_idx, query, key, value, scale), None
+
+
+def _no_mask(*args, **kwargs):
+    """Mask builder for the dspark implementation: causality lives in the attention op."""
+    return None
+
+
+def _hf_attention_layers(model: nn.Module) -> Iterator[nn.Module]:
+    for module in model.modules():
+        if hasattr(module, "layer_idx") and hasattr(module, "k_proj") and \
+                hasattr(module, "head_dim"):
+            yield module
+
+
+def _hf_adapter(model: nn.Module) -> ModelAdapter:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
+    config = model.config
+    layers = list(_hf_attention_layers(model))
+    if not layers:
+        raise TypeError(
+            f"dspark_compile: found no attention layers (modules with layer_idx, k_proj, "
+            f"head_dim) in {type(model).__name__}"
+        )
+    num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    specs = [AttentionSpec(num_kv, m.head_dim) for m in layers]
+
+    @contextlib.contextmanager
+    def hooks():
+        AttentionInterface.register(HF_ATTENTION_NAME, _hf_attention)
+        AttentionMaskInterface.register(HF_ATTENTION_NAME, _no_mask)
+        previous = config._attn_implementation
+        model.set_attn_implementation(HF_ATTENTION_NAME)
+        try:
+            yield
+        finally:
+            model.set_attn_implementation(previous)
+
+    def forward(call, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        return call(input_ids=ids, position_ids=pos, use_cache=False).logits
+
+    return ModelAdapter(model, [m.layer_idx for m in layers], specs, forward, hooks, "hf")

@@ -1,0 +1,155 @@
+"""Capture a model's dense verify forward as an aten FX graph with symbolic ``bs`` and ``T``.
+
+The captured function is::
+
+    dense_verify(*params, *buffers, input_ids [bs, T], positions [bs, T],
+                 block_table [bs, pages], context_lens [bs], *k_pools, *v_pools)
+        -> logits [bs, T, V]
+
+Inputs are fake tensors: ``bs`` and ``T`` are fresh symbols, every other size is static. The
+sample sizes (3 and 5) are distinct from each other and from 0/1, so that neither gets
+specialised or merged with another size by duck sizing. After tracing, any guard that
+constrains ``bs`` or ``T`` is an error: the graph would be valid only for the sampled shape.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+from torch._subclasses.fake_tensor import FakeTensorMode
+from torch.fx.experimental.proxy_tensor import make_fx
+from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
+                                                   StatelessSymbolicContext)
+
+from ..passes.retrace import name_placeholders
+from .adapters import ModelAdapter
+from .scope import CaptureScope, open_scope
+
+__all__ = ["InputSpec", "CapturedGraph", "capture_dense", "SAMPLE_BS", "SAMPLE_T"]
+
+SAMPLE_BS = 3
+SAMPLE_T = 5
+_SAMPLE_PAGES = 2
+_SAMPLE_PAGE_SIZE = 4
+
+
+@dataclass(frozen=True)
+class InputSpec:
+    """One placeholder of the captured graph."""
+
+    kind: str
+    """param | buffer | input_ids | positions | block_table | context_lens | k_cache | v_cache"""
+    name: str
+    """Parameter/buffer name, or the kind (with the pool index for caches)."""
+
+
+@dataclass
+class CapturedGraph:
+    """A dense verify graph and what its placeholders are."""
+
+    gm: fx.GraphModule
+    inputs: list[InputSpec]
+    bs: sympy.Symbol
+    """The symbol of the request axis."""
+    tokens: sympy.Symbol
+    """The symbol of the per-request token axis ``T``."""
+
+
+def _fake(mode: FakeTensorMode, t: torch.Tensor, dynamic_dims: tuple[int, ...] = ()):
+    if not dynamic_dims:
+        return mode.from_tensor(t, static_shapes=True)
+    sizes = [DimDynamic.DYNAMIC if d in dynamic_dims else DimDynamic.STATIC
+             for d in range(t.dim())]
+    return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+
+
+def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.device):
+    """Real (small) sample tensors of the dense verify inputs, with their specs."""
+    ids = torch.zeros(SAMPLE_BS, SAMPLE_T, dtype=torch.int64, device=device)
+    meta = [
+        (InputSpec("input_ids", "input_ids"), ids, (0, 1)),
+        (InputSpec("positions", "positions"), ids.clone(), (0, 1)),
+        (InputSpec("block_table", "block_table"),
+         torch.zeros(SAMPLE_BS, _SAMPLE_PAGES, dtype=torch.int32, device=device), (0,)),
+        (InputSpec("context_lens", "context_lens"),
+         torch.zeros(SAMPLE_BS, dtype=torch.int32, device=device), (0,)),
+    ]
+    pages = SAMPLE_BS * _SAMPLE_PAGES
+    for kind in ("k_cache", "v_cache"):
+        for i, s in enumerate(adapter.specs):
+            pool = torch.zeros(pages, _SAMPLE_PAGE_SIZE, s.num_kv_heads, s.head_dim,
+                               dtype=dtype, device=device)
+            meta.append((InputSpec(kind, f"{kind}_{i}"), pool, ()))
+    return meta
+
+
+def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
+                  device: torch.device) -> CapturedGraph:
+    """Trace ``adapter``'s dense verify forward into an aten graph (see module docstring)."""
+    model = adapter.model
+    params = dict(model.named_parameters())
+    buffers = dict(model.named_buffers())
+    specs = [InputSpec("param", n) for n in params] + [InputSpec("buffer", n) for n in buffers]
+    samples = _sample_inputs(adapter, dtype, device)
+    specs += [s for s, _, _ in samples]
+    num_pools = len(adapter.specs)
+
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    fakes = [_fake(mode, t) for t in (*params.values(), *buffers.values())]
+    fakes += [_fake(mode, t, dyn) for _, t, dyn in samples]
+    n_p, n_b = len(params), len(buffers)
+
+    def dense_verify(*flat):
+        p = dict(zip(params, flat[:n_p]))
+        b = dict(zip(buffers, flat[n_p:n_p + n_b]))
+        ids, pos, table, ctx, *pools = flat[n_p + n_b:]
+        scope = CaptureScope(
+            kv_caches=list(zip(pools[:num_pools], pools[num_pools:])),
+            block_table=table, context_lens=ctx,
+            pool_index={k: i for i, k in enumerate(adapter.keys)},
+        )
+        def call(*args, **kwargs):
+            return torch.func.functional_call(model, (p, b), args, kwargs)
+
+        with adapter.hooks(), open_scope(scope):
+            return adapter.forward(call, ids, pos)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad():
+            gm = make_fx(dense_verify, tracing_mode="real", record_stack_traces=True)(*fakes)
+    finally:
+        model.train(was_training)
+    gm.graph.eliminate_dead_code()
+    name_placeholders(gm, specs)
+    gm.recompile()
+    bs, tokens = _token_symbols(gm)
+    _check_guards(mode.shape_env, bs, tokens)
+    return CapturedGraph(gm, specs, bs, tokens)
+
+
+def _token_symbols(gm: fx.GraphModule) -> tuple[sympy.Symbol, sympy.Symbol]:
+    ids = next(n for n in gm.graph.nodes if n.meta.get("dspark_input", None) is not None
+               and n.meta["dspark_input"].kind == "input_ids")
+    bs, tokens = (s.node.expr for s in ids.meta["val"].shape)
+    assert isinstance(bs, sympy.Symbol) and isinstance(tokens, sympy.Symbol), \
+        f"input_ids must have symbolic sizes, got {ids.meta['val'].shape}"
+    return bs, tokens
+
+
+def _check_guards(shape_env: ShapeEnv, bs: sympy.Symbol, tokens: sympy.Symbol) -> None:
+    """Refuse a capture that is valid only for the sampled bs or T."""
+    for guard in shape_env.guards:
+        expr = shape_env.simplify(guard.expr)
+        if expr in (sympy.true, True):
+            continue
+        if expr.free_symbols & {bs, tokens}:
+            raise RuntimeError(
+                f"the dense verify forward specialises on its batch or token count (guard "
+                f"{expr}, at {guard.sloc}); write shape-dependent code without Python branches "
+                "on the size"
+            )

@@ -1,0 +1,174 @@
+"""Packed-ragged verify layout: which rows of the flat token batch belong to which request.
+
+Request ``i`` owns rows ``query_start_loc[i] : query_start_loc[i + 1]`` of every ``[N, ...]``
+tensor of a verify step. Its tokens sit at positions ``context_lens[i] + j`` (``j`` counts its
+own rows), and its cache lives in state-pool row ``slots[i]``.
+
+The layout is host metadata: it is validated on the host, before anything launches, and a bad
+layout raises ``ValueError`` naming the field, the value and the rule.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["VerifyLayout"]
+
+
+def _as_host_int32(name: str, value) -> torch.Tensor:
+    """A list or a CPU int32 tensor, as a 1-D CPU int32 tensor; anything else is refused."""
+    if isinstance(value, torch.Tensor):
+        if value.device.type != "cpu":
+            raise ValueError(
+                f"VerifyLayout.{name} is on {value.device}; layout metadata must be a CPU tensor "
+                "(it is validated on the host before any launch)"
+            )
+        if value.dtype != torch.int32:
+            raise ValueError(
+                f"VerifyLayout.{name} has dtype {value.dtype}; it must be torch.int32"
+            )
+        tensor = value
+    else:
+        try:
+            tensor = torch.tensor(list(value), dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError) as err:
+            raise ValueError(f"VerifyLayout.{name}={value!r} is not a sequence of ints") from err
+        if tensor.numel() and (tensor.min() < -(2**31) or tensor.max() >= 2**31):
+            raise ValueError(f"VerifyLayout.{name}={value!r} does not fit in int32")
+        tensor = tensor.to(torch.int32)
+    if tensor.dim() != 1:
+        raise ValueError(f"VerifyLayout.{name} has shape {tuple(tensor.shape)}; it must be 1-D")
+    return tensor.contiguous()
+
+
+@dataclass(frozen=True)
+class VerifyLayout:
+    """Metadata of one packed-ragged forward (a prefill or a verify step)."""
+
+    query_start_loc: torch.Tensor
+    """int32 [R + 1], CPU. Row offsets of each request; starts at 0, non-decreasing."""
+    context_lens: torch.Tensor
+    """int32 [R], CPU. Tokens of each request already committed to the cache."""
+    slots: torch.Tensor
+    """int32 [R], CPU. State-pool row of each request; distinct."""
+
+    def __post_init__(self) -> None:
+        for name in ("query_start_loc", "context_lens", "slots"):
+            object.__setattr__(self, name, _as_host_int32(name, getattr(self, name)))
+        self._check_self()
+
+    # ------------------------------------------------------------------ construction
+    @classmethod
+    def pack(
+        cls, lens: Sequence[int], context_lens: Sequence[int], slots: Sequence[int]
+    ) -> "VerifyLayout":
+        """Build a layout from per-request verify lengths, committed context lengths and slots."""
+        lens_t = _as_host_int32("lens", lens)
+        if (lens_t < 1).any():
+            bad = int(lens_t[lens_t < 1][0])
+            raise ValueError(
+                f"VerifyLayout.lens contains {bad}; every verify length must be >= 1 "
+                "(the anchor token is always verified)"
+            )
+        qsl = torch.zeros(lens_t.numel() + 1, dtype=torch.int64)
+        qsl[1:] = torch.cumsum(lens_t.to(torch.int64), 0)
+        if qsl[-1] >= 2**31:
+            raise ValueError(f"VerifyLayout: {int(qsl[-1])} tokens in total do not fit in int32")
+        return cls(query_start_loc=qsl.to(torch.int32), context_lens=context_lens, slots=slots)
+
+    # ------------------------------------------------------------------ derived values
+    @property
+    def num_requests(self) -> int:
+        """R: requests in the batch."""
+        return self.slots.numel()
+
+    @property
+    def num_tokens(self) -> int:
+        """N: rows of the packed batch."""
+        return int(self.query_start_loc[-1])
+
+    @property
+    def lens(self) -> torch.Tensor:
+        """int32 [R]: rows (verify length) per request."""
+        return self.query_start_loc[1:] - self.query_start_loc[:-1]
+
+    @property
+    def seq_lens(self) -> torch.Tensor:
+        """int32 [R]: context plus verify length per request (keys each request's last row sees)."""
+        return self.context_lens + self.lens
+
+    @property
+    def request_of_token(self) -> torch.Tensor:
+        """int64 [N]: the request each packed row belongs to."""
+        return torch.repeat_interleave(torch.arange(self.num_requests), self.lens.to(torch.int64))
+
+    @property
+    def positions(self) -> torch.Tensor:
+        """int64 [N]: position of each packed row, ``context_lens[i] + j``."""
+        req = self.request_of_token
+        local = torch.arange(self.num_tokens) - self.query_start_loc.to(torch.int64)[req]
+        return self.context_lens.to(torch.int64)[req] + local
+
+    # ------------------------------------------------------------------ validation
+    def _check_self(self) -> None:
+        qsl, ctx, slots = self.query_start_loc, self.context_lens, self.slots
+        if qsl.numel() < 2:
+            raise ValueError(
+                f"VerifyLayout.query_start_loc={qsl.tolist()} has {qsl.numel()} entries; it needs "
+                "R + 1 >= 2 (at least one request)"
+            )
+        if int(qsl[0]) != 0:
+            raise ValueError(
+                f"VerifyLayout.query_start_loc[0]={int(qsl[0])}; it must start at 0"
+            )
+        lens = qsl[1:] - qsl[:-1]
+        if (lens < 1).any():
+            i = int(torch.nonzero(lens < 1)[0])
+            raise ValueError(
+                f"VerifyLayout.query_start_loc={qsl.tolist()} gives request {i} length "
+                f"{int(lens[i])}; query_start_loc must increase by at least 1 per request "
+                "(every verify length >= 1)"
+            )
+        r = qsl.numel() - 1
+        for name, t in (("context_lens", ctx), ("slots", slots)):
+            if t.numel() != r:
+                raise ValueError(
+                    f"VerifyLayout.{name} has {t.numel()} entries but query_start_loc describes "
+                    f"{r} requests; it needs one entry per request"
+                )
+        if (ctx < 0).any():
+            raise ValueError(f"VerifyLayout.context_lens={ctx.tolist()} has a negative entry")
+        if (slots < 0).any():
+            raise ValueError(f"VerifyLayout.slots={slots.tolist()} has a negative entry")
+        if torch.unique(slots).numel() != r:
+            raise ValueError(
+                f"VerifyLayout.slots={slots.tolist()} repeats a slot; each request needs its own "
+                "state-pool row"
+            )
+
+    def validate(self, num_tokens: int, max_requests: int, max_context: int) -> None:
+        """Check the layout against a batch of ``num_tokens`` rows and a state pool.
+
+        Raises ``ValueError`` naming the field, the value and the rule.
+        """
+        if num_tokens != self.num_tokens:
+            raise ValueError(
+                f"input_ids has {num_tokens} rows but VerifyLayout.query_start_loc[-1]="
+                f"{self.num_tokens}; they must be equal"
+            )
+        if int(self.slots.max()) >= max_requests:
+            raise ValueError(
+                f"VerifyLayout.slots={self.slots.tolist()} has slot {int(self.slots.max())}; slots "
+                f"must be < max_requests={max_requests} of the state"
+            )
+        over = self.seq_lens > max_context
+        if over.any():
+            i = int(torch.nonzero(over)[0])
+            raise ValueError(
+                f"request {i}: context_lens={int(self.context_lens[i])} + length "
+                f"{int(self.lens[i])} = {int(self.seq_lens[i])} exceeds the state's "
+                f"max_context={max_context}"
+            )

@@ -1,0 +1,38 @@
+"""FX passes, run in one declared order (PASS_ORDER).
+
+``token_axis`` proves the dense graph token-wise first. ``ragged_attention`` runs before
+``flatten_tokens``: the ragged op takes flat rows, so once attention is rewritten the dense
+graph is still runnable on a uniform layout, and ``flatten_tokens`` finds only ops that treat
+rows independently plus ops that are already flat-native.
+"""
+
+from __future__ import annotations
+
+from . import flatten_tokens, ragged_attention, token_axis
+from .base import EnsureError, PassContext, PassResult, RefusedOp
+
+__all__ = ["PASS_ORDER", "run_passes", "PassContext", "PassResult", "RefusedOp",
+           "EnsureError"]
+
+PASS_ORDER = (
+    ("token_axis", token_axis.run),
+    ("ragged_attention", ragged_attention.run),
+    ("flatten_tokens", flatten_tokens.run),
+)
+"""(name, run) in the order they apply. A run returns a PassResult (analysis) or
+(new graph, PassResult) (rewrite)."""
+
+
+def run_passes(gm, ctx: PassContext, stop_after: str | None = None):
+    """Apply PASS_ORDER to ``gm``; returns the final graph and one result per pass."""
+    results = []
+    for name, fn in PASS_ORDER:
+        out = fn(gm, ctx)
+        if isinstance(out, tuple):
+            gm, result = out
+        else:
+            result = out
+        results.append(result)
+        if name == stop_after:
+            break
+    return gm, results

@@ -1,0 +1,67 @@
+"""What every pass shares: its context, its result, and how it refuses an op."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import sympy
+import torch.fx as fx
+
+__all__ = ["PassContext", "PassResult", "RefusedOp", "source_line", "EnsureError"]
+
+
+@dataclass
+class PassContext:
+    """State handed from pass to pass."""
+
+    bs: sympy.Symbol
+    """Symbol of the request axis in the dense graph."""
+    tokens: sympy.Symbol
+    """Symbol of the per-request token axis ``T`` in the dense graph."""
+    inputs: list
+    """``InputSpec`` per placeholder, in order; passes that add inputs append here."""
+
+
+@dataclass
+class PassResult:
+    """What one pass did."""
+
+    name: str
+    changed: int
+    """Nodes rewritten (0 for an analysis)."""
+    details: dict = field(default_factory=dict)
+    """Counts by kind, e.g. labels found or ops replaced."""
+    rewrites: list[tuple[str, str]] = field(default_factory=list)
+    """(what was rewritten, model source line) pairs for ``explain()``."""
+
+
+class EnsureError(AssertionError):
+    """A pass's stated postcondition does not hold: the pass is wrong, not the model."""
+
+
+def source_line(node: fx.Node) -> str:
+    """The innermost model source line that produced ``node`` (from its stack trace)."""
+    trace = node.meta.get("stack_trace") or ""
+    lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
+    for i in range(len(lines) - 1, -1, -1):
+        if lines[i].startswith("File "):
+            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") \
+                else ""
+            return f"{lines[i]}: {code}".rstrip(": ")
+    return "<no source line recorded>"
+
+
+class RefusedOp(RuntimeError):
+    """An op that no pass can rewrite; raised at compile time, never silently skipped."""
+
+    def __init__(self, node: fx.Node, why: str) -> None:
+        self.node = node
+        self.why = why
+        target = getattr(node.target, "__name__", str(node.target))
+        super().__init__(
+            f"dspark_compile refuses {target} (graph node {node.name}): {why}.\n"
+            f"  at {source_line(node)}\n"
+            "  Every op outside cached attention must treat each token row on its own. Rewrite "
+            "this computation per token (or route sequence mixing through "
+            "dspark_compile.nn.CachedAttention / the model's attention interface)."
+        )

@@ -1,0 +1,50 @@
+"""Re-trace a rewritten graph into a clean aten graph with fresh shape metadata.
+
+Passes insert nodes at the torch level (``torch.Tensor`` methods on FX proxies); re-tracing the
+graph under ``make_fx`` with the same fake inputs decomposes them to aten, recomputes every
+node's ``meta["val"]``, and keeps each node's model source line (``preserve_node_meta``: the FX
+interpreter hands each node's meta to the new nodes it produces).
+"""
+
+from __future__ import annotations
+
+from typing import Callable, Sequence
+
+import torch
+import torch.fx as fx
+import torch.fx.traceback as fx_traceback
+from torch.fx.experimental.proxy_tensor import make_fx
+
+__all__ = ["retrace", "placeholder_values", "name_placeholders"]
+
+
+def placeholder_values(gm: fx.GraphModule) -> list:
+    """The fake value of each placeholder, in order."""
+    return [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
+
+
+def name_placeholders(gm: fx.GraphModule, specs: Sequence) -> None:
+    """Name placeholders after their input specs and remember the spec on each."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    assert len(placeholders) == len(specs), (
+        f"{len(placeholders)} placeholders but {len(specs)} input specs")
+    for node, spec in zip(placeholders, specs):
+        node.name = node.target = spec.name.replace(".", "_")
+        node.meta["dspark_input"] = spec
+
+
+def retrace(fn: Callable, inputs: Sequence, specs: Sequence) -> fx.GraphModule:
+    """Trace ``fn(*inputs)`` (fake inputs) to aten, DCE it and name its placeholders."""
+    with fx_traceback.preserve_node_meta(), torch.no_grad():
+        gm = make_fx(fn, tracing_mode="real", record_stack_traces=True)(*inputs)
+    gm.graph.eliminate_dead_code()
+    name_placeholders(gm, specs)
+    gm.recompile()
+    return gm
+
+
+def interpret(gm: fx.GraphModule) -> Callable:
+    """``gm`` as a function whose ops are re-recorded (with their source meta) when traced."""
+    def run(*args):
+        return fx.Interpreter(gm).run(*args)
+    return run

@@ -1,0 +1,288 @@
+"""token_axis: label every value's token axes and prove every op outside the ragged families
+is token-wise. Analysis only; the graph is not changed.
+
+Labels come from the symbolic shapes (sympy): a dimension of size ``bs`` is the request axis,
+``T`` the per-request token axis, ``bs*T`` the flat token axis. Any other size that involves
+``bs`` or ``T`` (``2*T``, ``T*H``) means the op mixed the token axis into another one, and is
+refused. Per value::
+
+    token-major   [bs, T, 64], [bs, H, T, D]     rows of requests' tokens
+    flat          [bs*T, 64]                      the same rows, merged
+    request       [bs, pages] (from the layout)  one row per request
+    broadcast     [bs, 32, 1] (expand of a weight) the same for every request
+    global        [64, 64]                        weights, constants
+
+Ops, by family (checked in that order)::
+
+    %o = dspark.dense_cached_attention(%q, %k, %v, ...)   known ragged family: allowed
+    %o = aten.mul.Tensor(%a, %b)                         pointwise: token dims must line up
+    %o = aten.view.default(%x, [%bs, %T, -1, 16])        layout: bs before T, both whole
+    %o = aten.mm.default(%x, %w)                         linear: %w global, K not a token dim
+    %o = aten.mean.dim(%x, [-1], True)                   dim op: dims must not be token dims
+    %o = aten.cumsum.default(%x, 1)    on [bs, T, ...]   refused: mixes tokens
+
+A refusal names the op, the model source line (``node.meta["stack_trace"]``) and what to do.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import sympy
+import torch
+import torch.fx as fx
+
+from ..lowering.ops import DENSE_OPS, RAGGED_OPS
+from .base import PassContext, PassResult, RefusedOp, source_line
+
+__all__ = ["AxisLabel", "label_of", "run", "TokenAxisError"]
+
+aten = torch.ops.aten
+
+# Ops that only move, copy or cast data: the shape labels alone say whether they are safe.
+LAYOUT_OPS = {
+    aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze,
+    aten.transpose, aten.permute, aten.t, aten.expand, aten.clone, aten._to_copy,
+    aten.alias, aten.detach, aten.slice, aten.contiguous, aten.lift_fresh_copy,
+}
+# Ops whose semantics are "along these dims": arg index of the dim (or dim list).
+DIM_OPS = {
+    aten.mean: 1, aten.sum: 1, aten.amax: 1, aten.amin: 1, aten.var: 1, aten.std: 1,
+    aten.var_mean: 1, aten.prod: 1, aten.argmax: 1, aten.argmin: 1, aten.max: 1,
+    aten.min: 1, aten.logsumexp: 1, aten.norm: 2, aten.linalg_vector_norm: 2,
+    aten._softmax: 1, aten._log_softmax: 1, aten.softmax: 1, aten.log_softmax: 1,
+    aten.cumsum: 1, aten.cumprod: 1, aten.sort: 1, aten.topk: 2, aten.cat: 1,
+    aten.split: 2, aten.split_with_sizes: 2, aten.chunk: 2, aten.flip: 1, aten.roll: 2,
+    aten.index_select: 1, aten.gather: 1,
+}
+# Dim ops that are undefined without a dim argument over the whole tensor (mixing it all).
+_WHOLE_TENSOR_DEFAULT = {aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std,
+                         aten.prod, aten.argmax, aten.argmin, aten.max, aten.min, aten.norm,
+                         aten.linalg_vector_norm, aten.var_mean}
+
+
+class TokenAxisError(RefusedOp):
+    """An op mixes the token axis in a way no pass can rewrite."""
+
+
+@dataclass(frozen=True)
+class AxisLabel:
+    """Where a value's token axes are. All None: a global value."""
+
+    bs_dim: int | None = None
+    """Dim of size ``bs`` (the request axis)."""
+    t_dim: int | None = None
+    """Dim of size ``T`` (tokens of one request)."""
+    flat_dim: int | None = None
+    """Dim of size ``bs*T`` (the flat token axis)."""
+    from_request: bool = False
+    """Derived from per-request layout inputs (block tables, context lengths)."""
+
+    @property
+    def token_dims(self) -> tuple[int, ...]:
+        return tuple(d for d in (self.bs_dim, self.t_dim, self.flat_dim) if d is not None)
+
+    @property
+    def kind(self) -> str:
+        if self.flat_dim is not None or (self.bs_dim is not None and self.t_dim is not None):
+            return "token"
+        if self.t_dim is not None:
+            return "per-position"
+        if self.bs_dim is not None:
+            return "request" if self.from_request else "broadcast"
+        return "global"
+
+
+def _dim_label(size, bs: sympy.Symbol, tokens: sympy.Symbol) -> str | None:
+    expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+    if expr == bs or expr == bs + 1:  # bs + 1: query_start_loc, one entry per request + 1
+        return "bs"
+    if expr == tokens:
+        return "t"
+    if expr == bs * tokens:
+        return "flat"
+    if expr.free_symbols & {bs, tokens}:
+        return "mixed"
+    return None
+
+
+def label_of(val: torch.Tensor, bs: sympy.Symbol, tokens: sympy.Symbol,
+             from_request: bool = False) -> AxisLabel | str:
+    """The label of a (fake) tensor value, or a string saying why it has none."""
+    found: dict[str, int] = {}
+    for d, size in enumerate(val.shape):
+        kind = _dim_label(size, bs, tokens)
+        if kind is None:
+            continue
+        if kind == "mixed" or kind in found:
+            return f"its shape {tuple(val.shape)} merges the token axis with another axis"
+        found[kind] = d
+    if "flat" in found and len(found) > 1:
+        return f"its shape {tuple(val.shape)} holds the flat token axis twice"
+    return AxisLabel(found.get("bs"), found.get("t"), found.get("flat"), from_request)
+
+
+# ---------------------------------------------------------------------- labelling
+def _tensor_args(node: fx.Node) -> list[fx.Node]:
+    out = []
+    for a in node.all_input_nodes:
+        if isinstance(a.meta.get("val"), torch.Tensor):
+            out.append(a)
+    return out
+
+
+def label_graph(gm: fx.GraphModule, bs: sympy.Symbol, tokens: sympy.Symbol) -> None:
+    """Store an :class:`AxisLabel` (or a reason string) in ``node.meta["dspark_axis"]``."""
+    for node in gm.graph.nodes:
+        val = node.meta.get("val")
+        if isinstance(val, (tuple, list)):
+            val = next((v for v in val if isinstance(v, torch.Tensor)), None)
+        if not isinstance(val, torch.Tensor):
+            continue
+        spec = node.meta.get("dspark_input")
+        from_request = (spec is not None and spec.kind in REQUEST_INPUTS) or any(
+            isinstance(a.meta.get("dspark_axis"), AxisLabel) and a.meta["dspark_axis"].from_request
+            for a in node.all_input_nodes)
+        node.meta["dspark_axis"] = label_of(val, bs, tokens, from_request)
+
+
+REQUEST_INPUTS = {"block_table", "context_lens", "query_start_loc", "seq_lens"}
+"""Placeholder kinds that hold one row per request."""
+
+
+def axis(node: fx.Node) -> AxisLabel:
+    label = node.meta.get("dspark_axis", AxisLabel())
+    assert isinstance(label, AxisLabel), f"{node.name} has no valid axis label: {label}"
+    return label
+
+
+# ---------------------------------------------------------------------- checks
+def _packet(node: fx.Node):
+    target = node.target
+    return getattr(target, "overloadpacket", target)
+
+
+def _norm_dims(dims, rank: int) -> list[int]:
+    if dims is None:
+        return list(range(rank))
+    if isinstance(dims, int):
+        dims = [dims]
+    return [d % rank if rank else 0 for d in dims]
+
+
+def _check_pointwise(node: fx.Node, out: AxisLabel) -> str | None:
+    rank = node.meta["val"].dim()
+    for a in _tensor_args(node):
+        lab = axis(a)
+        if lab.kind == "request":
+            return (f"the per-request value {a.name} {tuple(a.meta['val'].shape)} meets token "
+                    "rows; per-request values may only feed the ragged ops")
+        shift = rank - a.meta["val"].dim()
+        for mine, theirs in ((lab.bs_dim, out.bs_dim), (lab.t_dim, out.t_dim),
+                             (lab.flat_dim, out.flat_dim)):
+            if mine is not None and mine + shift != theirs:
+                return f"operand {a.name} has its token axis at a different dim than the result"
+    return None
+
+
+def _check_layout(node: fx.Node, out: AxisLabel) -> str | None:
+    packet = _packet(node)
+    labels = [axis(a) for a in _tensor_args(node)]
+    for lab in [out, *labels]:
+        if lab.kind == "token" and lab.flat_dim is None and lab.bs_dim > lab.t_dim:
+            return "it puts the token axis before the request axis"
+    if packet in (aten.view, aten._unsafe_view, aten.reshape):
+        for lab in [out, *labels]:
+            if lab.kind == "token" and lab.flat_dim is None and lab.t_dim != lab.bs_dim + 1:
+                return "it reshapes a value whose request and token axes are not adjacent"
+    if packet is aten.slice:
+        x, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
+        lab = axis(x)
+        dim = dim % x.meta["val"].dim()
+        if dim in lab.token_dims and node.meta["val"].shape[dim] != x.meta["val"].shape[dim]:
+            return "it slices along the token axis"
+    return None
+
+
+def _check_linear(node: fx.Node) -> str | None:
+    packet = _packet(node)
+    args = node.args[1:] if packet is aten.addmm else node.args
+    a, b = args[0], args[1]
+    la, lb = axis(a), axis(b)
+    if packet in (aten.mm, aten.addmm):
+        if 1 in la.token_dims or 0 in lb.token_dims:
+            return "it contracts over the token axis"
+        if lb.token_dims:
+            return "its right operand holds token rows (token rows multiplied by token rows)"
+        return None
+    # bmm: batch dim may be the request axis when one side is a broadcast weight.
+    if 2 in la.token_dims or 1 in lb.token_dims:
+        return "it contracts over the token axis"
+    if la.kind == "token" and lb.kind == "token":
+        return "both operands hold token rows (tokens attend to tokens outside cached attention)"
+    if {la.kind, lb.kind} - {"token", "broadcast", "global"}:
+        return "a per-request value meets token rows"
+    return None
+
+
+def _check_dims(node: fx.Node, packet, out: AxisLabel) -> str | None:
+    x = node.args[0]
+    if packet is aten.cat:
+        x = node.args[0][0]
+    lab = axis(x)
+    if not lab.token_dims:
+        return None
+    index = DIM_OPS[packet]
+    dims = node.args[index] if len(node.args) > index else node.kwargs.get("dim")
+    if dims is None and packet not in _WHOLE_TENSOR_DEFAULT:
+        dims = 0
+    if set(_norm_dims(dims, x.meta["val"].dim())) & set(lab.token_dims):
+        return "it reduces, scans or reorders along the token axis"
+    return None
+
+
+def check_node(node: fx.Node) -> str | None:
+    """Why ``node`` is not token-wise, or None if it is (or touches no token value)."""
+    if node.op != "call_function" or "dspark_axis" not in node.meta:
+        return None  # symbolic-size arithmetic and non-tensor values
+    out = node.meta.get("dspark_axis")
+    if isinstance(out, str):
+        return out
+    args = _tensor_args(node)
+    for a in args:
+        if isinstance(a.meta.get("dspark_axis"), str):
+            return None  # refused where that value was made
+    packet = _packet(node)
+    if packet in DENSE_OPS or packet in RAGGED_OPS:
+        return None
+    labels = [axis(a) for a in args] + ([out] if isinstance(out, AxisLabel) else [])
+    if not any(lab.token_dims for lab in labels):
+        return None
+    if isinstance(out, AxisLabel) and out.kind == "per-position":
+        return ("it makes a per-position value with no request axis (e.g. arange(T)); pass "
+                "positions explicitly so every row carries its own")
+    if packet in LAYOUT_OPS:
+        return _check_layout(node, out)
+    if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
+        return _check_pointwise(node, out)
+    if packet in (aten.mm, aten.addmm, aten.bmm):
+        return _check_linear(node)
+    if packet is aten.embedding:
+        return None if not axis(node.args[0]).token_dims else "its table holds token rows"
+    if packet in DIM_OPS:
+        return _check_dims(node, packet, out)
+    return f"{packet} is not known to be token-wise"
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
+    """Label every value and refuse the first op that is not token-wise."""
+    label_graph(gm, ctx.bs, ctx.tokens)
+    counts: dict[str, int] = {}
+    for node in gm.graph.nodes:
+        why = check_node(node)
+        if why is not None:
+            raise TokenAxisError(node, why)
+        label = node.meta.get("dspark_axis")
+        if isinstance(label, AxisLabel) and node.op == "call_function":
+            counts[label.kind] = counts.get(label.kind, 0) + 1
+    return PassResult("token_axis", changed=0, details=counts)

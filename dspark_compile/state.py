@@ -1,0 +1,131 @@
+"""Engine-owned verify state: the paged KV pool, its block tables and committed lengths.
+
+Each state-pool row (a *slot*) owns ``pages_per_request`` pages of ``page_size`` tokens. The
+pages of a slot are spread over the pool by a fixed permutation, so the block table is always
+exercised (no kernel may assume a slot's pages are contiguous).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from .layout import VerifyLayout
+
+__all__ = ["AttentionSpec", "VerifierState"]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Shape of one cached-attention layer's KV."""
+
+    num_kv_heads: int
+    """KV heads of the layer."""
+    head_dim: int
+    """Channels per head."""
+
+
+@dataclass
+class VerifierState:
+    """KV pool and bookkeeping for up to ``max_requests`` requests of ``max_context`` tokens."""
+
+    max_requests: int
+    """State-pool rows (slots)."""
+    max_context: int
+    """Tokens a slot can hold (committed plus provisional)."""
+    page_size: int
+    """Tokens per KV page."""
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per attention layer: K and V pools, each ``[num_pages, page_size, kv_heads, head_dim]``."""
+    block_table: torch.Tensor
+    """int32 ``[max_requests, pages_per_request]`` on the pool's device: page ids per slot."""
+    committed_lens: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    """int32 ``[max_requests]`` on the CPU: tokens committed per slot."""
+
+    def __post_init__(self) -> None:
+        if self.committed_lens is None:
+            self.committed_lens = torch.zeros(self.max_requests, dtype=torch.int32)
+
+    @classmethod
+    def allocate(
+        cls,
+        specs: list[AttentionSpec],
+        max_requests: int,
+        max_context: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> "VerifierState":
+        for name, value in (("max_requests", max_requests), ("max_context", max_context),
+                            ("page_size", page_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"new_state: {name}={value!r}; it must be an int >= 1")
+        pages_per_request = -(-max_context // page_size)
+        num_pages = max_requests * pages_per_request
+        # A fixed permutation (not random per run): the same state layout on every rank.
+        perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
+        block_table = perm.view(max_requests, pages_per_request).to(torch.int32)
+        kv = [
+            tuple(
+                torch.zeros(num_pages, page_size, s.num_kv_heads, s.head_dim, dtype=dtype,
+                            device=device)
+                for _ in range(2)
+            )
+            for s in specs
+        ]
+        return cls(max_requests, max_context, page_size, kv, block_table.to(device))
+
+    # ------------------------------------------------------------------ per-step metadata
+    def check_layout(self, layout: VerifyLayout, num_tokens: int) -> None:
+        """Validate a layout against this pool (host-side, before any launch)."""
+        layout.validate(num_tokens, self.max_requests, self.max_context)
+        committed = self.committed_lens[layout.slots.long()]
+        ahead = layout.context_lens > committed
+        if ahead.any():
+            i = int(torch.nonzero(ahead)[0])
+            raise ValueError(
+                f"request {i}: context_lens={int(layout.context_lens[i])} but slot "
+                f"{int(layout.slots[i])} has only {int(committed[i])} committed tokens; a verify "
+                "step may only read committed context"
+            )
+
+    def slot_mapping(self, layout: VerifyLayout) -> torch.Tensor:
+        """int64 [N]: pool row (page * page_size + offset) that each packed token writes."""
+        pos = layout.positions
+        req = layout.request_of_token
+        table = self.block_table.cpu()[layout.slots.long()][req]  # [N, pages_per_request]
+        page = table.gather(1, (pos // self.page_size).unsqueeze(1)).squeeze(1).long()
+        return page * self.page_size + pos % self.page_size
+
+    def commit(self, layout: VerifyLayout, accept_lens) -> None:
+        """Make the first ``accept_lens[i]`` tokens of request ``i`` permanent."""
+        acc = torch.as_tensor(accept_lens)
+        if acc.dim() != 1 or acc.numel() != layout.num_requests:
+            raise ValueError(
+                f"commit: accept_lens has shape {tuple(acc.shape)}; it needs one entry per "
+                f"request ({layout.num_requests})"
+            )
+        if acc.dtype.is_floating_point or acc.dtype == torch.bool:
+            raise ValueError(f"commit: accept_lens has dtype {acc.dtype}; it must be integers")
+        acc = acc.cpu().to(torch.int64)
+        bad = (acc < 1) | (acc > layout.lens.long())
+        if bad.any():
+            i = int(torch.nonzero(bad)[0])
+            raise ValueError(
+                f"commit: accept_lens[{i}]={int(acc[i])}; it must be in 1..{int(layout.lens[i])} "
+                "(the verify length of that request)"
+            )
+        slots = layout.slots.long()
+        if (self.committed_lens[slots] != layout.context_lens).any():
+            i = int(torch.nonzero(self.committed_lens[slots] != layout.context_lens)[0])
+            raise ValueError(
+                f"commit: request {i} was verified over context_lens="
+                f"{int(layout.context_lens[i])} but slot {int(slots[i])} now has "
+                f"{int(self.committed_lens[slots[i]])} committed tokens; commit each step once"
+            )
+        self.committed_lens[slots] = (layout.context_lens.long() + acc).to(torch.int32)
+
+    def release(self, slots) -> None:
+        """Forget the requests in ``slots`` (their rows may be reused by new requests)."""
+        self.committed_lens[torch.as_tensor(slots, dtype=torch.long)] = 0

@@ -1,0 +1,144 @@
+"""``dspark_compile(model) -> Verifier``: the packed-ragged verify of a model.
+
+    verifier = dspark_compile(model)
+    state = verifier.new_state(max_requests=R, max_context=C)
+    layout = VerifyLayout.pack(lens=[...], context_lens=[...], slots=[...])
+    logits = verifier(input_ids, layout, state)      # input_ids int64 [N] -> logits [N, V]
+    verifier.commit(layout, accept_lens, state)
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import torch
+from torch import nn
+
+from .config import DSparkConfig
+from .frontend.adapters import ModelAdapter, adapter_for
+from .frontend.capture import capture_dense
+from .layout import VerifyLayout
+from .passes import PassContext, PassResult, run_passes
+from .state import VerifierState
+
+__all__ = ["Verifier", "dspark_compile"]
+
+
+def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
+                   **overrides) -> "Verifier":
+    """Capture ``model``'s dense verify forward and rewrite it into a packed-ragged one.
+
+    Raises ``RefusedOp`` (a ``RuntimeError``) naming the op and its source line if the model
+    mixes tokens in a way no pass can rewrite.
+    """
+    config = (config or DSparkConfig()).with_overrides(**overrides)
+    adapter = adapter_for(model)
+    param = next((p for p in model.parameters() if p.is_floating_point()), None)
+    if param is None:
+        raise TypeError(f"dspark_compile: {type(model).__name__} has no floating-point weights")
+    captured = capture_dense(adapter, param.dtype, param.device)
+    dense_summary = _op_summary(captured.gm)
+    ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
+    gm, results = run_passes(captured.gm, ctx)
+    return Verifier(adapter, gm, ctx.inputs, results, dense_summary, config, param.dtype,
+                    param.device)
+
+
+def _op_summary(gm) -> Counter:
+    return Counter(str(getattr(n.target, "overloadpacket", n.target))
+                   for n in gm.graph.nodes if n.op == "call_function")
+
+
+class Verifier:
+    """A compiled packed-ragged verify forward (see the module docstring)."""
+
+    def __init__(self, adapter: ModelAdapter, gm, inputs, results: list[PassResult],
+                 dense_summary: Counter, config: DSparkConfig, dtype: torch.dtype,
+                 device: torch.device) -> None:
+        self.adapter = adapter
+        self.graph_module = gm
+        self.inputs = inputs
+        self.results = results
+        self.config = config
+        self.dtype = dtype
+        self.device = device
+        self._dense_summary = dense_summary
+        model = adapter.model
+        self._weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+
+    # ------------------------------------------------------------------ state
+    def new_state(self, max_requests: int, max_context: int,
+                  page_size: int | None = None) -> VerifierState:
+        """An engine-owned paged KV pool for ``max_requests`` slots of ``max_context`` tokens."""
+        return VerifierState.allocate(
+            self.adapter.specs, max_requests, max_context,
+            page_size or self.config.page_size, self.dtype, self.device)
+
+    # ------------------------------------------------------------------ verify
+    def _check_ids(self, input_ids: torch.Tensor) -> None:
+        if not isinstance(input_ids, torch.Tensor):
+            raise ValueError(f"input_ids is a {type(input_ids).__name__}; it must be a tensor")
+        if input_ids.dtype != torch.int64 or input_ids.dim() != 1:
+            raise ValueError(
+                f"input_ids has dtype {input_ids.dtype} and shape {tuple(input_ids.shape)}; it "
+                "must be int64 [N] (all requests' tokens packed)")
+        if input_ids.device != self.device and not (
+                input_ids.device.type == self.device.type and self.device.index is None):
+            raise ValueError(
+                f"input_ids is on {input_ids.device} but the model is on {self.device}")
+
+    def _metadata(self, layout: VerifyLayout, state: VerifierState) -> dict[str, torch.Tensor]:
+        dev = self.device
+        return {
+            "positions": layout.positions.to(dev),
+            "query_start_loc": layout.query_start_loc.to(dev),
+            "seq_lens": layout.seq_lens.to(dev),
+            "block_table": state.block_table[layout.slots.long().to(state.block_table.device)],
+            "slot_mapping": state.slot_mapping(layout).to(dev),
+        }
+
+    def __call__(self, input_ids: torch.Tensor, layout: VerifyLayout,
+                 state: VerifierState) -> torch.Tensor:
+        """Logits ``[N, V]`` of every packed row; writes provisional KV for every row."""
+        self._check_ids(input_ids)
+        if not isinstance(layout, VerifyLayout):
+            raise ValueError(f"layout is a {type(layout).__name__}; it must be a VerifyLayout")
+        state.check_layout(layout, input_ids.numel())
+        meta = self._metadata(layout, state)
+        args = []
+        for spec in self.inputs:
+            if spec.kind in ("param", "buffer"):
+                args.append(self._weights[spec.name])
+            elif spec.kind == "input_ids":
+                args.append(input_ids)
+            elif spec.kind in ("k_cache", "v_cache"):
+                index = int(spec.name.rsplit("_", 1)[1])
+                args.append(state.kv_caches[index][0 if spec.kind == "k_cache" else 1])
+            else:
+                args.append(meta[spec.kind])
+        with torch.no_grad():
+            return self.graph_module(*args)
+
+    def commit(self, layout: VerifyLayout, accept_lens, state: VerifierState) -> None:
+        """Keep the first ``accept_lens[i]`` tokens of request ``i``; drop the rest."""
+        state.commit(layout, accept_lens)
+
+    # ------------------------------------------------------------------ report
+    def explain(self) -> str:
+        """What each pass did, with the model source lines it rewrote, and the graph summary."""
+        lines = [f"dspark_compile: {type(self.adapter.model).__name__} ({self.adapter.kind} "
+                 f"model, {len(self.adapter.specs)} cached-attention layers)"]
+        for r in self.results:
+            details = ", ".join(f"{k}={v}" for k, v in sorted(r.details.items()))
+            lines.append(f"  pass {r.name}: {r.changed} rewritten" +
+                         (f" ({details})" if details else ""))
+            for what, where in r.rewrites:
+                lines.append(f"      {what}  <- {where}")
+        before, after = self._dense_summary, _op_summary(self.graph_module)
+        lines.append("  graph ops (dense -> packed):")
+        for op in sorted(set(before) | set(after)):
+            if before[op] != after[op]:
+                lines.append(f"      {op}: {before[op]} -> {after[op]}")
+        lines.append(f"  packed inputs: " + ", ".join(
+            s.name for s in self.inputs if s.kind not in ("param", "buffer")))
+        return "\n".join(lines)
