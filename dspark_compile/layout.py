@@ -10,6 +10,7 @@ layout raises ``ValueError`` naming the field, the value and the rule.
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 from typing import Sequence
 
@@ -33,8 +34,9 @@ def _as_host_int32(name: str, value) -> torch.Tensor:
         tensor = value
     else:
         try:
-            tensor = torch.tensor(list(value), dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError) as err:
+            items = [operator.index(x) for x in value]  # refuses 2.5 rather than truncating
+            tensor = torch.tensor(items, dtype=torch.int64)
+        except (TypeError, ValueError, RuntimeError, OverflowError) as err:
             raise ValueError(f"VerifyLayout.{name}={value!r} is not a sequence of ints") from err
         if tensor.numel() and (tensor.min() < -(2**31) or tensor.max() >= 2**31):
             raise ValueError(f"VerifyLayout.{name}={value!r} does not fit in int32")

@@ -16,7 +16,7 @@ from torch import nn
 
 from .config import DSparkConfig
 from .frontend.adapters import ModelAdapter, adapter_for
-from .frontend.capture import capture_dense
+from .frontend.capture import CapturedGraph, capture_dense
 from .layout import VerifyLayout
 from .passes import PassContext, PassResult, run_passes
 from .state import VerifierState
@@ -37,10 +37,9 @@ def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
     if param is None:
         raise TypeError(f"dspark_compile: {type(model).__name__} has no floating-point weights")
     captured = capture_dense(adapter, param.dtype, param.device)
-    dense_summary = _op_summary(captured.gm)
     ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
     gm, results = run_passes(captured.gm, ctx)
-    return Verifier(adapter, gm, ctx.inputs, results, dense_summary, config, param.dtype,
+    return Verifier(adapter, gm, ctx.inputs, results, captured, config, param.dtype,
                     param.device)
 
 
@@ -53,7 +52,7 @@ class Verifier:
     """A compiled packed-ragged verify forward (see the module docstring)."""
 
     def __init__(self, adapter: ModelAdapter, gm, inputs, results: list[PassResult],
-                 dense_summary: Counter, config: DSparkConfig, dtype: torch.dtype,
+                 dense: CapturedGraph, config: DSparkConfig, dtype: torch.dtype,
                  device: torch.device) -> None:
         self.adapter = adapter
         self.graph_module = gm
@@ -62,7 +61,8 @@ class Verifier:
         self.config = config
         self.dtype = dtype
         self.device = device
-        self._dense_summary = dense_summary
+        self.dense_graph_module = dense.gm
+        self._dense_inputs = dense.inputs
         model = adapter.model
         self._weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
 
@@ -105,19 +105,45 @@ class Verifier:
             raise ValueError(f"layout is a {type(layout).__name__}; it must be a VerifyLayout")
         state.check_layout(layout, input_ids.numel())
         meta = self._metadata(layout, state)
+        meta["input_ids"] = input_ids
+        with torch.no_grad():
+            return self.graph_module(*self._arguments(self.inputs, meta, state))
+
+    def _arguments(self, specs, values: dict, state: VerifierState) -> list:
+        """Graph arguments in placeholder order: weights, pools, then ``values`` by kind."""
         args = []
-        for spec in self.inputs:
+        for spec in specs:
             if spec.kind in ("param", "buffer"):
                 args.append(self._weights[spec.name])
-            elif spec.kind == "input_ids":
-                args.append(input_ids)
             elif spec.kind in ("k_cache", "v_cache"):
                 index = int(spec.name.rsplit("_", 1)[1])
                 args.append(state.kv_caches[index][0 if spec.kind == "k_cache" else 1])
             else:
-                args.append(meta[spec.kind])
+                args.append(values[spec.kind])
+        return args
+
+    def run_dense(self, input_ids: torch.Tensor, context_lens, slots,
+                  state: VerifierState) -> torch.Tensor:
+        """The captured dense verify: ``input_ids [bs, T] -> logits [bs, T, V]``.
+
+        Every request runs ``T`` tokens (padding included) at positions ``context_lens[b] + t``
+        and writes their KV. This is the graph the passes started from; it is the baseline the
+        packed one is compared against, not a path an engine should serve from.
+        """
+        if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
+            raise ValueError(f"run_dense: input_ids has shape {tuple(input_ids.shape)} and "
+                             f"dtype {input_ids.dtype}; it must be int64 [bs, T]")
+        bs, t = input_ids.shape
+        layout = VerifyLayout.pack([t] * bs, context_lens, slots)
+        state.check_layout(layout, bs * t)
+        values = {
+            "input_ids": input_ids,
+            "positions": layout.positions.view(bs, t).to(self.device),
+            "block_table": state.block_table[layout.slots.long().to(state.block_table.device)],
+            "context_lens": layout.context_lens.to(self.device),
+        }
         with torch.no_grad():
-            return self.graph_module(*args)
+            return self.dense_graph_module(*self._arguments(self._dense_inputs, values, state))
 
     def commit(self, layout: VerifyLayout, accept_lens, state: VerifierState) -> None:
         """Keep the first ``accept_lens[i]`` tokens of request ``i``; drop the rest."""
@@ -134,7 +160,7 @@ class Verifier:
                          (f" ({details})" if details else ""))
             for what, where in r.rewrites:
                 lines.append(f"      {what}  <- {where}")
-        before, after = self._dense_summary, _op_summary(self.graph_module)
+        before, after = _op_summary(self.dense_graph_module), _op_summary(self.graph_module)
         lines.append("  graph ops (dense -> packed):")
         for op in sorted(set(before) | set(after)):
             if before[op] != after[op]:

@@ -120,7 +120,8 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     was_training = model.training
     model.eval()
     try:
-        with torch.no_grad():
+        # Factory calls inside the model (torch.arange, ...) must make fake tensors too.
+        with torch.no_grad(), mode:
             gm = make_fx(dense_verify, tracing_mode="real", record_stack_traces=True)(*fakes)
     finally:
         model.train(was_training)

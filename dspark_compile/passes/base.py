@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 import sympy
@@ -39,12 +40,19 @@ class EnsureError(AssertionError):
     """A pass's stated postcondition does not hold: the pass is wrong, not the model."""
 
 
+_OWN_FILES = f"{os.sep}dspark_compile{os.sep}"
+
+
 def source_line(node: fx.Node) -> str:
-    """The innermost model source line that produced ``node`` (from its stack trace)."""
+    """The innermost model source line that produced ``node`` (from its stack trace).
+
+    Frames inside dspark_compile itself (the capture, ``nn.CachedAttention``) are skipped: the
+    line a user needs is the one in their model.
+    """
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
     for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File "):
+        if lines[i].startswith("File ") and _OWN_FILES not in lines[i]:
             code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") \
                 else ""
             return f"{lines[i]}: {code}".rstrip(": ")

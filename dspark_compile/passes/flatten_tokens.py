@@ -101,6 +101,8 @@ class _Flattener:
     def call(self, node: fx.Node):
         packet = getattr(node.target, "overloadpacket", node.target)
         args = node.args
+        if node.target is operator.getitem:
+            return self.env[args[0]][args[1]]
         if not isinstance(node.meta.get("val"), torch.Tensor) and not isinstance(
                 node.meta.get("val"), (tuple, list)):
             return self.symbolic(node)

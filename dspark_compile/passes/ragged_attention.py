@@ -29,7 +29,7 @@ from torch.fx.proxy import GraphAppendingTracer
 
 from ..frontend.capture import InputSpec
 from .base import EnsureError, PassContext, PassResult, source_line
-from .retrace import interpret, placeholder_values, retrace
+from .retrace import copy_module, interpret, placeholder_values, retrace
 
 __all__ = ["run"]
 
@@ -73,6 +73,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     matches = [n for n in gm.graph.nodes if _is_dense_attention(n)]
     if not matches:
         return gm, result
+    gm = copy_module(gm)  # the dense graph stays intact for Verifier.run_dense
+    matches = [n for n in gm.graph.nodes if _is_dense_attention(n)]
     meta = _add_inputs(gm, ctx)
     ids = next(n for n in gm.graph.nodes
                if n.op == "placeholder" and n.meta["dspark_input"].kind == "input_ids")

@@ -13,9 +13,10 @@ from typing import Callable, Sequence
 import torch
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
+from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 
-__all__ = ["retrace", "placeholder_values", "name_placeholders"]
+__all__ = ["retrace", "interpret", "placeholder_values", "name_placeholders", "copy_module"]
 
 
 def placeholder_values(gm: fx.GraphModule) -> list:
@@ -35,7 +36,8 @@ def name_placeholders(gm: fx.GraphModule, specs: Sequence) -> None:
 
 def retrace(fn: Callable, inputs: Sequence, specs: Sequence) -> fx.GraphModule:
     """Trace ``fn(*inputs)`` (fake inputs) to aten, DCE it and name its placeholders."""
-    with fx_traceback.preserve_node_meta(), torch.no_grad():
+    mode = detect_fake_mode(list(inputs))
+    with fx_traceback.preserve_node_meta(), torch.no_grad(), mode:
         gm = make_fx(fn, tracing_mode="real", record_stack_traces=True)(*inputs)
     gm.graph.eliminate_dead_code()
     name_placeholders(gm, specs)
@@ -48,3 +50,10 @@ def interpret(gm: fx.GraphModule) -> Callable:
     def run(*args):
         return fx.Interpreter(gm).run(*args)
     return run
+
+
+def copy_module(gm: fx.GraphModule) -> fx.GraphModule:
+    """A copy of ``gm`` whose graph a pass may edit (node metas are copied shallowly)."""
+    graph = fx.Graph()
+    graph.output(graph.graph_copy(gm.graph, {}))
+    return fx.GraphModule(gm, graph)

@@ -26,6 +26,7 @@ A refusal names the op, the model source line (``node.meta["stack_trace"]``) and
 
 from __future__ import annotations
 
+import operator
 from dataclasses import dataclass
 
 import sympy
@@ -53,7 +54,7 @@ DIM_OPS = {
     aten._softmax: 1, aten._log_softmax: 1, aten.softmax: 1, aten.log_softmax: 1,
     aten.cumsum: 1, aten.cumprod: 1, aten.sort: 1, aten.topk: 2, aten.cat: 1,
     aten.split: 2, aten.split_with_sizes: 2, aten.chunk: 2, aten.flip: 1, aten.roll: 2,
-    aten.index_select: 1, aten.gather: 1,
+    aten.index_select: 1, aten.gather: 1, aten.unbind: 1, aten.select: 1, aten.narrow: 1,
 }
 # Dim ops that are undefined without a dim argument over the whole tensor (mixing it all).
 _WHOLE_TENSOR_DEFAULT = {aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std,
@@ -253,8 +254,8 @@ def check_node(node: fx.Node) -> str | None:
         if isinstance(a.meta.get("dspark_axis"), str):
             return None  # refused where that value was made
     packet = _packet(node)
-    if packet in DENSE_OPS or packet in RAGGED_OPS:
-        return None
+    if packet in DENSE_OPS or packet in RAGGED_OPS or packet is operator.getitem:
+        return None  # known ragged families; getitem only picks one output of a checked op
     labels = [axis(a) for a in args] + ([out] if isinstance(out, AxisLabel) else [])
     if not any(lab.token_dims for lab in labels):
         return None

@@ -1,0 +1,133 @@
+"""Per-target choices of the Triton lowering: the one place where CUDA and ROCm differ.
+
+One Triton source serves every target; what differs (warp size, dot precision for float32
+operands, tile sizes, pipeline depth, warps per program) sits in :data:`TARGETS`, one frozen
+:class:`TargetConfig` per target. :func:`target_for_device` picks the entry for a torch device
+and :func:`gpu_target` gives the ``triton.backends.compiler.GPUTarget`` that ahead-of-time
+compilation (``triton.compile``) takes, so CI can build every kernel for every target on a
+machine without a GPU.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["TargetConfig", "TARGETS", "INTERPRETER_TARGET", "target_for_device", "gpu_target"]
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    """Launch and tiling choices of one GPU target."""
+
+    name: str
+    """Key in :data:`TARGETS`: ``sm_80``, ``sm_90``, ``gfx942``, ``gfx950``."""
+    backend: str
+    """Triton backend: ``cuda`` or ``hip``."""
+    arch: int | str
+    """Architecture as ``GPUTarget`` spells it: compute capability ``90`` or ``"gfx942"``."""
+    warp_size: int
+    """Threads per warp (wavefront): 32 on NVIDIA, 64 on CDNA3/CDNA4."""
+    fp32_dot_precision: str
+    """``input_precision`` of ``tl.dot`` on float32 operands. AMD has no TF32 (``ieee``)."""
+    attn_tile_n: int
+    """Keys per iteration of the attention loop (a multiple of the page size is not needed)."""
+    attn_max_block_m: int
+    """Most (query token x query head) rows in one program's tile (long prefills)."""
+    attn_num_warps: int
+    """Warps per attention program."""
+    attn_num_stages: int
+    """Software-pipeline depth of the attention loop's K/V loads."""
+    reduce_num_warps: int
+    """Warps per program of the split-KV reduction."""
+    split_min_keys: int
+    """Fewest keys one split of the context may get: below it a split costs more than it saves."""
+    split_max: int
+    """Most splits of one request's context."""
+    split_waves: int
+    """Programs to aim for, per multiprocessor, when the batch alone does not fill the GPU."""
+    default_sm_count: int
+    """Multiprocessors assumed when the device cannot be asked (the interpreter)."""
+
+
+# H200 (sm_90), bf16, 16/8 heads, head 128, page 16, context 1024 (benchmarks/attention_kernel.py):
+# 64 keys per tile keeps 32 KB of K+V in flight per stage; 3 stages and 4 warps read the KV
+# pool at the rate benchmarks/results/attention_kernel.json records. The AMD entries are
+# untuned starting points (no MI300 was available): 2 stages is what the AMD stream pipeliner
+# is built around, and 4 wavefronts of 64 lanes give the same 256 threads as 8 NVIDIA warps.
+TARGETS: dict[str, TargetConfig] = {
+    "sm_80": TargetConfig(
+        name="sm_80", backend="cuda", arch=80, warp_size=32, fp32_dot_precision="tf32",
+        attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=3,
+        reduce_num_warps=4, split_min_keys=64, split_max=16, split_waves=2,
+        default_sm_count=108,
+    ),
+    "sm_90": TargetConfig(
+        name="sm_90", backend="cuda", arch=90, warp_size=32, fp32_dot_precision="tf32",
+        attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=3,
+        reduce_num_warps=4, split_min_keys=64, split_max=16, split_waves=2,
+        default_sm_count=132,
+    ),
+    "gfx942": TargetConfig(
+        name="gfx942", backend="hip", arch="gfx942", warp_size=64, fp32_dot_precision="ieee",
+        attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
+        reduce_num_warps=4, split_min_keys=64, split_max=16, split_waves=2,
+        default_sm_count=304,
+    ),
+    "gfx950": TargetConfig(
+        name="gfx950", backend="hip", arch="gfx950", warp_size=64, fp32_dot_precision="ieee",
+        attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
+        reduce_num_warps=4, split_min_keys=64, split_max=16, split_waves=2,
+        default_sm_count=256,
+    ),
+}
+"""Every supported target, by name."""
+
+INTERPRETER_TARGET = "sm_90"
+"""Entry used for CPU tensors (``TRITON_INTERPRET=1``): the tests run the H200's tile shapes."""
+
+
+def target_for_device(device: torch.device | str) -> TargetConfig:
+    """The :data:`TARGETS` entry for a torch device.
+
+    CPU tensors (the Triton interpreter) get :data:`INTERPRETER_TARGET`; CUDA devices of compute
+    capability 9.0 or newer get ``sm_90`` and 8.x ``sm_80``; ROCm devices are looked up by their
+    ``gcnArchName``. Anything else raises ``ValueError``.
+    """
+    device = torch.device(device)
+    if device.type == "cpu":
+        return TARGETS[INTERPRETER_TARGET]
+    if device.type != "cuda":
+        raise ValueError(
+            f"target_for_device: device {device} is neither 'cuda' (CUDA or ROCm) nor 'cpu' "
+            "(the Triton interpreter); move the tensors to one of those"
+        )
+    props = torch.cuda.get_device_properties(device)
+    if torch.version.hip is not None:
+        arch = props.gcnArchName.split(":")[0]
+        if arch not in TARGETS:
+            supported = [n for n, t in TARGETS.items() if t.backend == "hip"]
+            raise ValueError(
+                f"target_for_device: ROCm architecture {arch!r} has no entry; supported: "
+                f"{supported}. Add a TargetConfig to dspark_compile/lowering/targets.py"
+            )
+        return TARGETS[arch]
+    if props.major >= 9:
+        return TARGETS["sm_90"]
+    if props.major == 8:
+        return TARGETS["sm_80"]
+    raise ValueError(
+        f"target_for_device: compute capability {props.major}.{props.minor} is below 8.0; "
+        "the kernels need sm_80 or newer (bf16 tensor cores)"
+    )
+
+
+def gpu_target(name: str):
+    """``triton.backends.compiler.GPUTarget`` of a :data:`TARGETS` entry, for ``triton.compile``."""
+    from triton.backends.compiler import GPUTarget  # kept local: importing triton is not free
+
+    if name not in TARGETS:
+        raise ValueError(f"gpu_target: unknown target {name!r}; known: {sorted(TARGETS)}")
+    cfg = TARGETS[name]
+    return GPUTarget(cfg.backend, cfg.arch, cfg.warp_size)

@@ -1,0 +1,216 @@
+"""DSpark planner (host reference): how many tokens each request verifies this step.
+
+Input is the draft's conditional confidence ``c [R, gamma]``: ``c[r, j]`` is the probability that
+draft ``j`` of request ``r`` is accepted given that drafts ``0..j-1`` were. The survival
+``s[r, j] = prod_{m <= j} c[r, m]`` is the probability that draft ``j`` is accepted at all, so
+verifying it adds ``s[r, j]`` expected tokens.
+
+Budget: rank the candidates (survivals >= ``min_survival``) in descending order, let ``P_k`` be
+the sum of the top ``k`` and pick ``K = argmax_k (R + P_k) * SPS(R + k)`` (expected tokens per
+step times steps per second = expected tokens per second), ties to the smallest ``k``.
+
+Lengths: the global top-``K`` survivals, ordered by (survival desc, position asc, request asc);
+``len_r = 1 + picks in row r``. Survival never increases along a row and ties go to the lower
+position, so the picks of a row are a prefix and the lengths are a valid verify layout.
+
+The host reference runs on NumPy views of CPU tensors: on the 2-core CPU it was tuned on, a
+torch op costs ~6 us of dispatch and a stable float sort of 1792 survivals ~95 us, so the
+torch version of this file took 150-190 us per step at R = 256 against ~70 us here (see
+benchmarks/planner_host.py). There is no Python loop over requests. Survival is float32 and the
+sort key packs its 31 bits above the 32-bit position-major index ``j * R + r``: one unstable
+int64 sort then yields (survival desc, position asc, request asc) and is deterministic because
+no two keys are equal. Sums are float64.
+"""
+
+from __future__ import annotations
+
+import math
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ._checks import fraction
+from .sps import StepRateModel
+
+__all__ = ["PlannerConfig", "VerifyPlan", "Planner", "plan_verify", "survival"]
+
+_INDEX_BITS = 32
+_INDEX_MASK = (1 << _INDEX_BITS) - 1
+
+
+@dataclass(frozen=True)
+class PlannerConfig:
+    """How the planner picks the step's draft-token budget ``K``."""
+
+    min_survival: float = 1e-6
+    """Survivals below this are never candidates for the budget (worth < 1e-6 tokens each)."""
+    budget_frac: float | None = None
+    """Hard cap: ``K <= floor(budget_frac * R * gamma)``; None for no cap."""
+    threshold: float | None = None
+    """Confidence-threshold mode: verify every draft whose survival is >= this (no SPS)."""
+    tiers: tuple[tuple[int, int], ...] = ()
+    """``(tokens, request_slots)`` tiers to align the budget up to; empty for no alignment.
+
+    A step runs in the smallest tier that holds ``R + K`` tokens and ``R`` requests and pays for
+    all its tokens, so the budget grows to fill it (within the candidates and the cap)."""
+    budget_lag: int = 0
+    """Steps by which the budget's confidence lags the lengths' (0: both use the current one)."""
+
+    def __post_init__(self) -> None:
+        fraction("PlannerConfig.min_survival", self.min_survival)
+        if self.budget_frac is not None:
+            fraction("PlannerConfig.budget_frac", self.budget_frac)
+        if self.threshold is not None:
+            fraction("PlannerConfig.threshold", self.threshold)
+        for i, tier in enumerate(self.tiers):
+            if len(tier) != 2 or not all(isinstance(v, int) and v >= 1 for v in tier):
+                raise ValueError(f"PlannerConfig.tiers[{i}]={tier!r} is not a (tokens, "
+                                 "request_slots) pair of positive ints; fix the tier set")
+        object.__setattr__(self, "tiers", tuple(sorted(tuple(t) for t in self.tiers)))
+        if not isinstance(self.budget_lag, int) or self.budget_lag < 0:
+            raise ValueError(f"PlannerConfig.budget_lag={self.budget_lag!r} is not an int >= 0; "
+                             "pass the number of steps the budget may lag")
+
+
+@dataclass(frozen=True)
+class VerifyPlan:
+    """One step's decision."""
+
+    lens: torch.Tensor
+    """int32 [R], CPU: verify length of each request, in ``[1, gamma + 1]``."""
+    num_draft_tokens: int
+    """K: draft tokens verified in total, ``sum(lens) - R``."""
+
+    @property
+    def num_tokens(self) -> int:
+        """B = R + K: packed tokens of the verify step."""
+        return self.lens.numel() + self.num_draft_tokens
+
+
+def _host_confidence(confidence: torch.Tensor, name: str = "confidence") -> np.ndarray:
+    """float32 [R, gamma] NumPy copy of ``confidence``; refuses bad shapes and non-probabilities."""
+    if confidence.dim() != 2 or confidence.shape[0] < 1 or confidence.shape[1] < 1:
+        raise ValueError(f"{name} has shape {tuple(confidence.shape)}; it must be [R >= 1, "
+                         "gamma >= 1] (conditional acceptance per request and draft position)")
+    if confidence.shape[0] * confidence.shape[1] > _INDEX_MASK:
+        raise ValueError(f"{name} has {confidence.numel()} entries; the planner ranks at most "
+                         f"{_INDEX_MASK} (split the batch)")
+    host = confidence.detach().cpu()
+    if host.dtype not in (torch.float32, torch.float64):
+        host = host.float()
+    # Adding +0.0 turns -0.0 into +0.0, whose bits would otherwise sort as a negative key.
+    conf = np.add(host.numpy(), np.float32(0.0), dtype=np.float32)  # [R, gamma]
+    if not (conf.min() >= 0.0 and conf.max() <= 1.0):  # NaN fails both comparisons
+        r, j = np.argwhere(~((conf >= 0.0) & (conf <= 1.0)))[0]
+        raise ValueError(f"{name}[{r}, {j}]={conf[r, j]} is not a probability in [0, 1]; "
+                         "calibrate or clamp the draft's confidence")
+    return conf
+
+
+def survival(confidence: torch.Tensor) -> torch.Tensor:
+    """float32 [R, gamma] survival ``prod_{m <= j} c[r, m]``, as the planner ranks it."""
+    return torch.from_numpy(np.cumprod(_host_confidence(confidence), axis=1, dtype=np.float32))
+
+
+def _rank(conf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Ranked survivals (float32 [M], descending) and their sort keys (int64 [M]), M = R*gamma.
+
+    ``key = index - (survival bits << 32)``: the bits of a non-negative float32 order like the
+    float, so ascending keys are survivals descending, then the index ``j * R + r`` ascending.
+    """
+    surv = np.cumprod(conf.T, axis=0, dtype=np.float32)  # [gamma, R]: position-major
+    bits = surv.reshape(-1).view(np.int32).astype(np.int64)  # [M]
+    keys = np.arange(bits.size, dtype=np.int64) - (bits << _INDEX_BITS)  # [M]
+    keys.sort()
+    values = (-(keys >> _INDEX_BITS)).astype(np.int32).view(np.float32)  # [M]
+    return values, keys
+
+
+def _budget(values: np.ndarray, r: int, rate: StepRateModel | None,
+            config: PlannerConfig) -> int:
+    """K for ranked survivals ``values [M]`` of ``r`` requests (before cap and alignment)."""
+    if config.threshold is not None:
+        return int(np.count_nonzero(values >= np.float64(config.threshold)))
+    if rate is None:
+        return values.size  # no table: verify everything
+    mass = np.empty(values.size + 1, dtype=np.float64)  # [M + 1]: P_k, k = 0..M
+    mass[0] = 0.0
+    np.cumsum(values, dtype=np.float64, out=mass[1:])
+    theta = (mass + r) * rate.rate_span(r, values.size + 1, r).numpy()  # [M + 1]: B = R + k
+    # k counts candidates only while the k-th survival is >= min_survival (values are sorted).
+    theta[1:][values < np.float64(config.min_survival)] = -math.inf
+    return int(theta.argmax())  # first maximum: ties go to the smallest k
+
+
+def _candidates(values: np.ndarray, config: PlannerConfig) -> int:
+    return int(np.count_nonzero(values >= np.float64(config.min_survival)))
+
+
+def _cap_and_align(k: int, values: np.ndarray, r: int, gamma: int,
+                   config: PlannerConfig) -> int:
+    """Apply the hard cap and the tier alignment to a budget ``k`` for ``r`` requests."""
+    cap = r * gamma
+    if config.budget_frac is not None:
+        cap = min(cap, math.floor(config.budget_frac * r * gamma))
+    k = min(k, cap)
+    if config.tiers:
+        fits = [tokens for tokens, slots in config.tiers if slots >= r and tokens >= r + k]
+        if fits:
+            k = max(k, min(fits[0] - r, _candidates(values, config), cap))
+    return k
+
+
+def _plan(conf: np.ndarray, budget_conf: np.ndarray | None, rate: StepRateModel | None,
+          config: PlannerConfig) -> VerifyPlan:
+    r, gamma = conf.shape
+    values, keys = _rank(conf)  # [R*gamma] each
+    if budget_conf is None:
+        k = _budget(values, r, rate, config)
+    else:
+        if budget_conf.shape[1] != gamma:
+            raise ValueError(f"budget confidence has gamma={budget_conf.shape[1]} but the "
+                             f"confidence has gamma={gamma}; both must come from one drafter")
+        k = _budget(_rank(budget_conf)[0], budget_conf.shape[0], rate, config)
+        if rate is not None or config.threshold is not None:
+            k = min(k, _candidates(values, config))  # never below-candidate drafts for a lag
+    k = _cap_and_align(k, values, r, gamma, config)
+    requests = (keys[:k] & _INDEX_MASK) % r  # [K]
+    lens = (np.bincount(requests, minlength=r) + 1).astype(np.int32)  # [R]
+    return VerifyPlan(lens=torch.from_numpy(lens), num_draft_tokens=k)
+
+
+def plan_verify(confidence: torch.Tensor, rate: StepRateModel | None,
+                config: PlannerConfig = PlannerConfig(),
+                budget_confidence: torch.Tensor | None = None) -> VerifyPlan:
+    """Plan one step: budget from ``budget_confidence`` (default: ``confidence``), lengths from
+    ``confidence [R, gamma]``. ``rate=None`` verifies everything (unless ``config.threshold``).
+
+    A lagged ``budget_confidence`` may come from a batch of other requests (``[R', gamma]``); its
+    budget is then clipped to the current step's candidates and cap. Device tensors are copied
+    to the host (this is the host reference).
+    """
+    conf = _host_confidence(confidence)
+    lagged = None if budget_confidence is None else _host_confidence(
+        budget_confidence, "budget_confidence")
+    return _plan(conf, lagged, rate, config)
+
+
+class Planner:
+    """Stateful wrapper of :func:`plan_verify` that keeps the last ``budget_lag`` confidences."""
+
+    def __init__(self, rate: StepRateModel | None, config: PlannerConfig = PlannerConfig()):
+        self.rate = rate
+        self.config = config
+        self._history: deque[np.ndarray] = deque(maxlen=config.budget_lag + 1)
+
+    def __call__(self, confidence: torch.Tensor) -> VerifyPlan:
+        """Plan this step; the budget uses the confidence of ``budget_lag`` steps ago (the
+        oldest one held during the first steps)."""
+        conf = _host_confidence(confidence)
+        if self.config.budget_lag == 0:
+            return _plan(conf, None, self.rate, self.config)
+        self._history.append(conf)  # a fresh array: later steps cannot change it
+        lagged = self._history[0]
+        return _plan(conf, None if lagged is conf else lagged, self.rate, self.config)

@@ -1,0 +1,125 @@
+"""Tiny models and drivers shared by the tests."""
+
+from __future__ import annotations
+
+import random
+
+import torch
+from torch import nn
+
+from dspark_compile import VerifyLayout
+from dspark_compile.nn import CachedAttention
+
+
+def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 97):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96,
+                      num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=512)
+    return LlamaForCausalLM(cfg).eval()
+
+
+def tiny_qwen3(seed: int = 0, layers: int = 2, vocab: int = 101):
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3Config(vocab_size=vocab, hidden_size=64, intermediate_size=80,
+                      num_hidden_layers=layers, num_attention_heads=8, num_key_value_heads=2,
+                      head_dim=16, max_position_embeddings=512)
+    return Qwen3ForCausalLM(cfg).eval()
+
+
+class PlainBlock(nn.Module):
+    """A pre-norm decoder block written as free-form torch around CachedAttention."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.heads, self.kv_heads, self.head_dim = heads, kv_heads, dim // heads
+        self.norm1 = nn.RMSNorm(dim)
+        self.qkv = nn.Linear(dim, (heads + 2 * kv_heads) * self.head_dim, bias=False)
+        self.attn = CachedAttention(heads, kv_heads, self.head_dim)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.norm2 = nn.RMSNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def rotate(self, x, positions):  # x [bs, T, heads, D], positions [bs, T]
+        half = self.head_dim // 2
+        freq = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+        angle = positions.unsqueeze(-1).float() * freq  # [bs, T, half]
+        cos, sin = angle.cos().unsqueeze(2), angle.sin().unsqueeze(2)
+        x1, x2 = x[..., :half], x[..., half:]
+        return torch.cat([x1 * cos - x2 * sin, x1 * sin + x2 * cos], dim=-1)
+
+    def forward(self, x, positions):
+        bs, t, _ = x.shape
+        h = self.qkv(self.norm1(x))
+        q, k, v = h.split([self.heads * self.head_dim, self.kv_heads * self.head_dim,
+                           self.kv_heads * self.head_dim], dim=-1)
+        q = self.rotate(q.view(bs, t, self.heads, self.head_dim), positions)
+        k = self.rotate(k.view(bs, t, self.kv_heads, self.head_dim), positions)
+        v = v.view(bs, t, self.kv_heads, self.head_dim)
+        x = x + self.proj(self.attn(q, k, v).reshape(bs, t, -1))
+        return x + self.mlp(self.norm2(x))
+
+
+class PlainDecoder(nn.Module):
+    """``forward(input_ids [bs, T], positions [bs, T]) -> logits [bs, T, V]``."""
+
+    def __init__(self, vocab: int = 61, dim: int = 32, heads: int = 4, kv_heads: int = 2,
+                 layers: int = 2, seed: int = 0) -> None:
+        super().__init__()
+        torch.manual_seed(seed)
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.ModuleList(PlainBlock(dim, heads, kv_heads) for _ in range(layers))
+        self.norm = nn.RMSNorm(dim)
+        self.head = nn.Linear(dim, vocab, bias=False)
+
+    def forward(self, input_ids, positions):
+        x = self.embed(input_ids)
+        for block in self.blocks:
+            x = block(x, positions)
+        return self.head(self.norm(x))
+
+
+def full_logits(model, seq: torch.Tensor) -> torch.Tensor:
+    """The model's own forward over one whole sequence: ``[len, V]`` (the external oracle)."""
+    with torch.no_grad():
+        if isinstance(model, PlainDecoder):
+            return model(seq[None], torch.arange(seq.numel())[None])[0]
+        return model(seq[None]).logits[0]
+
+
+class Session:
+    """Drives a verifier through prefill and verify/commit rounds, checking every row."""
+
+    def __init__(self, model, verifier, slots, max_context=128, seed=0):
+        self.model, self.verifier, self.slots = model, verifier, list(slots)
+        self.state = verifier.new_state(max_requests=max(slots) + 1, max_context=max_context)
+        self.rng = random.Random(seed)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.vocab = None
+        self.seqs: list[torch.Tensor] = []
+        self.max_err = 0.0
+
+    def tokens(self, n: int) -> torch.Tensor:
+        return torch.randint(0, self.vocab, (n,), generator=self.gen)
+
+    def step(self, lens, accept=None):
+        """Run one packed forward of ``lens`` new tokens per request and check every row."""
+        context = [s.numel() for s in self.seqs] or [0] * len(lens)
+        new = [self.tokens(n) for n in lens]
+        layout = VerifyLayout.pack(lens, context, self.slots)
+        logits = self.verifier(torch.cat(new), layout, self.state)
+        qsl = layout.query_start_loc.tolist()
+        for i, n in enumerate(lens):
+            prefix = self.seqs[i] if self.seqs else torch.empty(0, dtype=torch.int64)
+            want = full_logits(self.model, torch.cat([prefix, new[i]]))[-n:]
+            self.max_err = max(self.max_err, (logits[qsl[i]:qsl[i + 1]] - want).abs().max().item())
+        accept = accept or [self.rng.randint(1, n) for n in lens]
+        self.verifier.commit(layout, accept, self.state)
+        if not self.seqs:
+            self.seqs = [torch.empty(0, dtype=torch.int64) for _ in lens]
+        self.seqs = [torch.cat([s, t[:a]]) for s, t, a in zip(self.seqs, new, accept)]
+        return logits, layout
