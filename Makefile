@@ -27,7 +27,7 @@ demo: $(STAMP)
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -p no:cacheprovider tests
 
-test-gpu: $(STAMP)
+test-gpu:
 	$(PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests
 
 clean:

@@ -30,7 +30,7 @@ Design (one launch, two when the context is split):
 
 from __future__ import annotations
 
-import math
+import functools
 import os
 from dataclasses import dataclass
 
@@ -288,6 +288,16 @@ class AttentionPlan:
     """``(num_tokens // block_q + num_requests + 1, num_kv_heads, num_splits)``."""
 
 
+@functools.lru_cache(maxsize=None)
+def _device_target(device: torch.device) -> tuple[TargetConfig, int]:
+    """Target entry and multiprocessor count of a device (asked once per device)."""
+    cfg = target_for_device(device)
+    if device.type == "cuda":
+        return cfg, torch.cuda.get_device_properties(device).multi_processor_count
+    return cfg, cfg.default_sm_count
+
+
+@functools.lru_cache(maxsize=1024)  # a pure function of ints: ~10 us of Python per call saved
 def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_heads: int,
                    max_keys: int, max_query_len: int, cfg: TargetConfig, sm_count: int,
                    num_splits: int | None = None) -> AttentionPlan:
@@ -315,51 +325,65 @@ def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_he
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INTS = (torch.int32, torch.int64)
+_ARG_RULES = (("q", 3, _FLOATS), ("k", 3, _FLOATS), ("v", 3, _FLOATS), ("k_cache", 4, _FLOATS),
+              ("v_cache", 4, _FLOATS), ("query_start_loc", 1, _INTS), ("seq_lens", 1, _INTS),
+              ("block_table", 2, _INTS), ("slot_mapping", 1, _INTS))
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"ragged_attention_triton: {msg}")
+
+
+def _check_tensors(tensors: tuple) -> None:
+    """Each argument is a tensor of the right rank and dtype, on q's device."""
+    device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else None
+    for (name, dims, dtypes), t in zip(_ARG_RULES, tensors):
+        if not isinstance(t, torch.Tensor):
+            _fail(f"{name} is {type(t).__name__}; it must be a tensor")
+        if t.dim() != dims:
+            _fail(f"{name} has shape {tuple(t.shape)}; it must be {dims}-D")
+        if t.dtype not in dtypes:
+            _fail(f"{name} has dtype {t.dtype}; it must be one of {dtypes}")
+        if t.device != device:
+            _fail(f"{name} is on {t.device} but q is on {device}; move every argument there")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        _fail("CPU tensors need TRITON_INTERPRET=1 set before triton kernels are imported; "
+              "for the CPU path call dspark_compile.lowering.reference.ragged_attention")
 
 
 def _check_inputs(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                   slot_mapping, max_query_len) -> None:
-    """Raise ``ValueError`` naming the argument, its value and the rule it breaks."""
-    def need(ok: bool, msg: str) -> None:
-        if not ok:
-            raise ValueError(f"ragged_attention_triton: {msg}")
+    """Raise ``ValueError`` naming the argument, its value and the rule it breaks.
 
-    for name, t, dims, dtypes in (
-            ("q", q, 3, _FLOATS), ("k", k, 3, _FLOATS), ("v", v, 3, _FLOATS),
-            ("k_cache", k_cache, 4, _FLOATS), ("v_cache", v_cache, 4, _FLOATS),
-            ("query_start_loc", query_start_loc, 1, _INTS), ("seq_lens", seq_lens, 1, _INTS),
-            ("block_table", block_table, 2, _INTS), ("slot_mapping", slot_mapping, 1, _INTS)):
-        need(isinstance(t, torch.Tensor), f"{name} is {type(t).__name__}; it must be a tensor")
-        need(t.dim() == dims, f"{name} has shape {tuple(t.shape)}; it must be {dims}-D")
-        need(t.dtype in dtypes, f"{name} has dtype {t.dtype}; it must be one of {dtypes}")
-        need(t.device == q.device, f"{name} is on {t.device} but q is on {q.device}; "
-             "move every argument to one device")
+    Messages are formatted only on failure: this runs on every call (~10 us budget).
+    """
+    _check_tensors((q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                    slot_mapping))
     n, h, d = q.shape
     pages, page_size, hkv, dc = k_cache.shape
-    need(k.shape == v.shape == (n, hkv, d), f"k {tuple(k.shape)} and v {tuple(v.shape)} must "
-         f"both be [N, Hkv, D] = {(n, hkv, d)} (N, D from q, Hkv from k_cache)")
-    need(dc == d, f"k_cache head dim {dc} differs from q's {d}")
-    need(h % hkv == 0, f"{h} query heads are not a multiple of {hkv} KV heads")
-    need(v_cache.shape == k_cache.shape and v_cache.dtype == k_cache.dtype,
-         f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache "
-         f"{tuple(k_cache.shape)} {k_cache.dtype}")
-    need(k_cache.is_contiguous() and v_cache.is_contiguous(), "the KV pools must be contiguous")
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        need(t.stride(2) == 1, f"{name} has stride {t.stride()}; its last dim must be dense")
     r = query_start_loc.shape[0] - 1
-    need(r >= 0, "query_start_loc must have R + 1 >= 1 entries")
-    need(seq_lens.shape == (r,), f"seq_lens has shape {tuple(seq_lens.shape)}; query_start_loc "
-         f"describes {r} requests, so it must be ({r},)")
-    need(block_table.shape[0] == r, f"block_table has {block_table.shape[0]} rows; it needs "
-         f"one per request ({r})")
-    need(block_table.stride(1) == 1, "block_table's last dim must be dense")
-    need(slot_mapping.shape == (n,), f"slot_mapping has shape {tuple(slot_mapping.shape)}; it "
-         f"must be ({n},), one pool row per packed token")
-    need(max_query_len is None or (isinstance(max_query_len, int) and max_query_len >= 1),
-         f"max_query_len={max_query_len!r}; it must be None or a python int >= 1")
-    need(q.device.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1",
-         "CPU tensors need TRITON_INTERPRET=1 set before triton kernels are imported; "
-         "for the CPU path call dspark_compile.lowering.reference.ragged_attention")
+    if k.shape != (n, hkv, d) or v.shape != (n, hkv, d):
+        _fail(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [N, Hkv, D] = "
+              f"{(n, hkv, d)} (N, D from q, Hkv from k_cache)")
+    if dc != d or h % hkv:
+        _fail(f"k_cache {tuple(k_cache.shape)} must have head dim {d} (q's) and a number of "
+              f"KV heads that divides q's {h} heads")
+    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+        _fail(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache "
+              f"{tuple(k_cache.shape)} {k_cache.dtype}")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        _fail("the KV pools must be contiguous")
+    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or block_table.stride(1) != 1:
+        _fail("q, k, v and block_table need a dense last dim")
+    if r < 0 or seq_lens.shape[0] != r or block_table.shape[0] != r:
+        _fail(f"query_start_loc {tuple(query_start_loc.shape)} describes R={r} requests; "
+              f"seq_lens {tuple(seq_lens.shape)} and block_table {tuple(block_table.shape)} "
+              "need R rows")
+    if slot_mapping.shape[0] != n:
+        _fail(f"slot_mapping has shape {tuple(slot_mapping.shape)}; it must be ({n},), one "
+              "pool row per packed token")
+    if max_query_len is not None and (type(max_query_len) is not int or max_query_len < 1):
+        _fail(f"max_query_len={max_query_len!r}; it must be None or a python int >= 1")
 
 
 def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -382,9 +406,8 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     n, h, d = q.shape
     r = query_start_loc.shape[0] - 1
     hkv, page_size = k_cache.shape[2], k_cache.shape[1]
-    cfg = config or target_for_device(q.device)
-    sm_count = (torch.cuda.get_device_properties(q.device).multi_processor_count
-                if q.device.type == "cuda" else cfg.default_sm_count)
+    cfg, sm_count = _device_target(q.device)
+    cfg = config or cfg
     plan = plan_attention(n, r, h, hkv, block_table.shape[1] * page_size,
                           max(1, max_query_len or n), cfg, sm_count, num_splits)
     if out is None:
@@ -397,8 +420,10 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if n == 0:
         return out
     split = plan.num_splits > 1
-    part_acc = q.new_empty((plan.num_splits, n, h, d) if split else (1,), dtype=torch.float32)
-    part_ml = q.new_empty((plan.num_splits, n, h, 2) if split else (1,), dtype=torch.float32)
+    part_acc, part_ml = out, out  # never touched without a split (the branch compiles out)
+    if split:
+        part_acc = q.new_empty((plan.num_splits, n, h, d), dtype=torch.float32)
+        part_ml = q.new_empty((plan.num_splits, n, h, 2), dtype=torch.float32)
     d_pad = triton.next_power_of_2(d)
     _ragged_attention_kernel[plan.grid](
         out, part_acc, part_ml, q, k, v, k_cache, v_cache, query_start_loc, seq_lens,

@@ -55,7 +55,9 @@ def source_line(node: fx.Node) -> str:
         if lines[i].startswith("File ") and _OWN_FILES not in lines[i]:
             code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") \
                 else ""
-            return f"{lines[i]}: {code}".rstrip(": ")
+            where = lines[i].split("site-packages" + os.sep, 1)[-1] if "site-packages" in \
+                lines[i] else lines[i]
+            return f"{where}: {code}".rstrip(": ")
     return "<no source line recorded>"
 
 
