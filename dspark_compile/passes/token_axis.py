@@ -193,9 +193,7 @@ def _check_layout(node: fx.Node, out: AxisLabel) -> str | None:
         if lab.kind == "token" and lab.flat_dim is None and lab.bs_dim > lab.t_dim:
             return "it puts the token axis before the request axis"
     if packet in (aten.view, aten._unsafe_view, aten.reshape):
-        for lab in [out, *labels]:
-            if lab.kind == "token" and lab.flat_dim is None and lab.t_dim != lab.bs_dim + 1:
-                return "it reshapes a value whose request and token axes are not adjacent"
+        return _check_view(node.args[0], node, labels[0], out)
     if packet is aten.slice:
         x, dim = node.args[0], node.args[1] if len(node.args) > 1 else 0
         lab = axis(x)
@@ -203,6 +201,28 @@ def _check_layout(node: fx.Node, out: AxisLabel) -> str | None:
         if dim in lab.token_dims and node.meta["val"].shape[dim] != x.meta["val"].shape[dim]:
             return "it slices along the token axis"
     return None
+
+
+def _segments(shape, lab: AxisLabel) -> list:
+    """Products of the sizes before, between and after the token axes."""
+    cuts = sorted(d for d in (lab.bs_dim, lab.t_dim) if d is not None)
+    bounds = [-1, *cuts, len(shape)]
+    return [sympy.prod([sympy.sympify(s.node.expr if isinstance(s, torch.SymInt) else s)
+                        for s in shape[a + 1:b]]) for a, b in zip(bounds, bounds[1:])]
+
+
+def _check_view(x: fx.Node, node: fx.Node, lab_in: AxisLabel, out: AxisLabel) -> str | None:
+    """A reshape may merge/split [bs, T] <-> [bs*T], or reshape around axes that stay put."""
+    def separate_non_adjacent(lab):
+        return lab.kind == "token" and lab.flat_dim is None and lab.t_dim != lab.bs_dim + 1
+    if not (separate_non_adjacent(lab_in) or separate_non_adjacent(out)):
+        return None
+    same_axes = (lab_in.bs_dim, lab_in.t_dim, lab_in.flat_dim) == \
+        (out.bs_dim, out.t_dim, out.flat_dim)
+    if same_axes and _segments(x.meta["val"].shape, lab_in) == \
+            _segments(node.meta["val"].shape, out):
+        return None
+    return "it reshapes across a request axis and a token axis that are not adjacent"
 
 
 def _check_linear(node: fx.Node) -> str | None:

@@ -72,6 +72,10 @@ class PlannerConfig:
         if not isinstance(self.budget_lag, int) or self.budget_lag < 0:
             raise ValueError(f"PlannerConfig.budget_lag={self.budget_lag!r} is not an int >= 0; "
                              "pass the number of steps the budget may lag")
+        # Sort-key bounds of the two cut-offs, derived once (see _key_bound); not fields.
+        object.__setattr__(self, "_min_survival_key", _key_bound(self.min_survival))
+        if self.threshold is not None:
+            object.__setattr__(self, "_threshold_key", _key_bound(self.threshold))
 
 
 @dataclass(frozen=True)
@@ -90,7 +94,7 @@ class VerifyPlan:
 
 
 def _host_confidence(confidence: torch.Tensor, name: str = "confidence") -> np.ndarray:
-    """float32 [R, gamma] NumPy copy of ``confidence``; refuses bad shapes and non-probabilities."""
+    """float32 [gamma, R] position-major NumPy copy of ``confidence [R, gamma]``, validated."""
     if confidence.dim() != 2 or confidence.shape[0] < 1 or confidence.shape[1] < 1:
         raise ValueError(f"{name} has shape {tuple(confidence.shape)}; it must be [R >= 1, "
                          "gamma >= 1] (conditional acceptance per request and draft position)")
@@ -100,55 +104,75 @@ def _host_confidence(confidence: torch.Tensor, name: str = "confidence") -> np.n
     host = confidence.detach().cpu()
     if host.dtype not in (torch.float32, torch.float64):
         host = host.float()
-    # Adding +0.0 turns -0.0 into +0.0, whose bits would otherwise sort as a negative key.
-    conf = np.add(host.numpy(), np.float32(0.0), dtype=np.float32)  # [R, gamma]
+    # One pass: transpose to position-major, cast, and turn -0.0 into +0.0 (whose bits would
+    # sort as a negative key) by adding +0.0.
+    conf = np.add(host.numpy().T, np.float32(0.0), dtype=np.float32, order="C")  # [gamma, R]
     if not (conf.min() >= 0.0 and conf.max() <= 1.0):  # NaN fails both comparisons
-        r, j = np.argwhere(~((conf >= 0.0) & (conf <= 1.0)))[0]
-        raise ValueError(f"{name}[{r}, {j}]={conf[r, j]} is not a probability in [0, 1]; "
+        j, r = np.argwhere(~((conf >= 0.0) & (conf <= 1.0)))[0]
+        raise ValueError(f"{name}[{r}, {j}]={conf[j, r]} is not a probability in [0, 1]; "
                          "calibrate or clamp the draft's confidence")
     return conf
 
 
 def survival(confidence: torch.Tensor) -> torch.Tensor:
     """float32 [R, gamma] survival ``prod_{m <= j} c[r, m]``, as the planner ranks it."""
-    return torch.from_numpy(np.cumprod(_host_confidence(confidence), axis=1, dtype=np.float32))
+    surv = np.multiply.accumulate(_host_confidence(confidence), axis=0)  # [gamma, R]
+    return torch.from_numpy(np.ascontiguousarray(surv.T))
 
 
-def _rank(conf: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Ranked survivals (float32 [M], descending) and their sort keys (int64 [M]), M = R*gamma.
+def _rank(conf: np.ndarray) -> np.ndarray:
+    """Sort keys (int64 [M], ascending) of the survivals of ``conf [gamma, R]``, M = R * gamma.
 
-    ``key = index - (survival bits << 32)``: the bits of a non-negative float32 order like the
-    float, so ascending keys are survivals descending, then the index ``j * R + r`` ascending.
+    ``key = index - (survival bits << 32)`` with ``index = j * R + r``: the bits of a
+    non-negative float32 order like the float, so ascending keys are survivals descending,
+    then positions ascending, then requests ascending; ``_survivals`` decodes them.
     """
-    surv = np.cumprod(conf.T, axis=0, dtype=np.float32)  # [gamma, R]: position-major
+    surv = np.multiply.accumulate(conf, axis=0)  # [gamma, R]
     bits = surv.reshape(-1).view(np.int32).astype(np.int64)  # [M]
-    keys = np.arange(bits.size, dtype=np.int64) - (bits << _INDEX_BITS)  # [M]
+    keys = np.arange(bits.size, dtype=np.int64)  # [M]
+    keys -= bits << _INDEX_BITS
     keys.sort()
-    values = (-(keys >> _INDEX_BITS)).astype(np.int32).view(np.float32)  # [M]
-    return values, keys
+    return keys
 
 
-def _budget(values: np.ndarray, r: int, rate: StepRateModel | None,
+def _survivals(keys: np.ndarray) -> np.ndarray:
+    """float32 survivals of sort keys (the inverse of ``_rank``'s packing)."""
+    return np.negative(keys >> _INDEX_BITS, dtype=np.int32).view(np.float32)
+
+
+def _key_bound(p: float) -> int:
+    """The least sort key of a survival < ``p`` (keys below it are the survivals >= ``p``).
+
+    With ``b`` the bits of the least float32 >= ``p``, survivals >= ``p`` are exactly those with
+    bits >= ``b``, i.e. keys ``index - (bits << 32) < (1 - b) << 32``.
+    """
+    least = np.float32(p)
+    if float(least) < p:
+        least = np.nextafter(least, np.float32(np.inf))
+    return (1 - int(least.view(np.int32))) << _INDEX_BITS
+
+
+def _at_least(keys: np.ndarray, key_bound: int) -> int:
+    """How many ranked survivals pass a cut-off: one binary search over the sorted keys."""
+    return int(np.searchsorted(keys, key_bound))
+
+
+def _budget(keys: np.ndarray, r: int, rate: StepRateModel | None,
             config: PlannerConfig) -> int:
-    """K for ranked survivals ``values [M]`` of ``r`` requests (before cap and alignment)."""
+    """K for the ranked keys of ``r`` requests (before cap and alignment)."""
     if config.threshold is not None:
-        return int(np.count_nonzero(values >= np.float64(config.threshold)))
+        return _at_least(keys, config._threshold_key)
     if rate is None:
-        return values.size  # no table: verify everything
-    mass = np.empty(values.size + 1, dtype=np.float64)  # [M + 1]: P_k, k = 0..M
-    mass[0] = 0.0
-    np.cumsum(values, dtype=np.float64, out=mass[1:])
-    theta = (mass + r) * rate.rate_span(r, values.size + 1, r).numpy()  # [M + 1]: B = R + k
-    # k counts candidates only while the k-th survival is >= min_survival (values are sorted).
-    theta[1:][values < np.float64(config.min_survival)] = -math.inf
-    return int(theta.argmax())  # first maximum: ties go to the smallest k
+        return keys.size  # no table: verify everything
+    n = _at_least(keys, config._min_survival_key)  # candidates
+    rates = rate.rate_span(r, n + 1, r).numpy()  # [n + 1]: SPS at B = R + k, k = 0..n
+    mass = np.cumsum(_survivals(keys[:n]), dtype=np.float64)  # [n]: P_k, k = 1..n
+    theta = (mass + r) * rates[1:]  # [n]: Theta(k), k = 1..n
+    best = int(theta.argmax()) if n else 0  # first maximum: ties go to the smallest k
+    return best + 1 if n and theta[best] > r * rates[0] else 0
 
 
-def _candidates(values: np.ndarray, config: PlannerConfig) -> int:
-    return int(np.count_nonzero(values >= np.float64(config.min_survival)))
-
-
-def _cap_and_align(k: int, values: np.ndarray, r: int, gamma: int,
+def _cap_and_align(k: int, keys: np.ndarray, r: int, gamma: int,
                    config: PlannerConfig) -> int:
     """Apply the hard cap and the tier alignment to a budget ``k`` for ``r`` requests."""
     cap = r * gamma
@@ -158,26 +182,27 @@ def _cap_and_align(k: int, values: np.ndarray, r: int, gamma: int,
     if config.tiers:
         fits = [tokens for tokens, slots in config.tiers if slots >= r and tokens >= r + k]
         if fits:
-            k = max(k, min(fits[0] - r, _candidates(values, config), cap))
+            k = max(k, min(fits[0] - r, _at_least(keys, config._min_survival_key), cap))
     return k
 
 
 def _plan(conf: np.ndarray, budget_conf: np.ndarray | None, rate: StepRateModel | None,
           config: PlannerConfig) -> VerifyPlan:
-    r, gamma = conf.shape
-    values, keys = _rank(conf)  # [R*gamma] each
+    """Plan from position-major host confidences ``conf [gamma, R]`` (and a lagged one)."""
+    gamma, r = conf.shape
+    keys = _rank(conf)  # [R * gamma]
     if budget_conf is None:
-        k = _budget(values, r, rate, config)
+        k = _budget(keys, r, rate, config)
     else:
-        if budget_conf.shape[1] != gamma:
-            raise ValueError(f"budget confidence has gamma={budget_conf.shape[1]} but the "
+        if budget_conf.shape[0] != gamma:
+            raise ValueError(f"budget confidence has gamma={budget_conf.shape[0]} but the "
                              f"confidence has gamma={gamma}; both must come from one drafter")
-        k = _budget(_rank(budget_conf)[0], budget_conf.shape[0], rate, config)
+        k = _budget(_rank(budget_conf), budget_conf.shape[1], rate, config)
         if rate is not None or config.threshold is not None:
-            k = min(k, _candidates(values, config))  # never below-candidate drafts for a lag
-    k = _cap_and_align(k, values, r, gamma, config)
+            k = min(k, _at_least(keys, config._min_survival_key))  # no sub-candidate drafts
+    k = _cap_and_align(k, keys, r, gamma, config)
     requests = (keys[:k] & _INDEX_MASK) % r  # [K]
-    lens = (np.bincount(requests, minlength=r) + 1).astype(np.int32)  # [R]
+    lens = np.add(np.bincount(requests, minlength=r), 1, dtype=np.int32)  # [R]
     return VerifyPlan(lens=torch.from_numpy(lens), num_draft_tokens=k)
 
 
