@@ -90,6 +90,28 @@ class VerifierState:
                 "step may only read committed context"
             )
 
+    def device_metadata(self, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                        slots: torch.Tensor, num_tokens: int) -> dict[str, torch.Tensor]:
+        """Per-row and per-request metadata of a packed batch, computed on the pool's device.
+
+        Torch ops only, no host sync, so it runs inside a CUDA graph. Inputs may be padded:
+        rows at or past ``query_start_loc[-1]`` belong to no request (position 0, slot mapping
+        -1), and requests of length 0 read nothing. Returns ``positions [N]``, ``seq_lens [R]``,
+        ``block_table [R, pages]`` and ``slot_mapping [N]``.
+        """
+        qsl = query_start_loc.long()
+        rows = torch.arange(num_tokens, device=qsl.device)
+        # request of each row: the last request whose start is <= row.
+        req = torch.searchsorted(qsl[1:], rows, right=True).clamp(max=qsl.numel() - 2)
+        valid = rows < qsl[-1]
+        positions = torch.where(valid, context_lens.long()[req] + rows - qsl[req], 0)
+        table = self.block_table[slots.long()]  # [R, pages]
+        page = table[req, positions // self.page_size].long()
+        slot_mapping = torch.where(valid, page * self.page_size + positions % self.page_size, -1)
+        lens = (qsl[1:] - qsl[:-1]).to(torch.int32)
+        return {"positions": positions, "seq_lens": context_lens + lens, "block_table": table,
+                "slot_mapping": slot_mapping, "query_start_loc": query_start_loc}
+
     def slot_mapping(self, layout: VerifyLayout) -> torch.Tensor:
         """int64 [N]: pool row (page * page_size + offset) that each packed token writes."""
         pos = layout.positions

@@ -16,6 +16,8 @@ from torch import nn
 
 from .config import DSparkConfig
 from .frontend.adapters import ModelAdapter, adapter_for
+from .graphs.runner import TierGraphs, TierReport
+from .graphs.tiers import Tier, tier_set
 from .frontend.capture import CapturedGraph, capture_dense
 from .layout import VerifyLayout
 from .passes import PassContext, PassResult, run_passes
@@ -65,6 +67,7 @@ class Verifier:
         self._dense_inputs = dense.inputs
         model = adapter.model
         self._weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self._graphs: dict[int, TierGraphs] = {}
 
     # ------------------------------------------------------------------ state
     def new_state(self, max_requests: int, max_context: int,
@@ -87,27 +90,53 @@ class Verifier:
             raise ValueError(
                 f"input_ids is on {input_ids.device} but the model is on {self.device}")
 
-    def _metadata(self, layout: VerifyLayout, state: VerifierState) -> dict[str, torch.Tensor]:
-        dev = self.device
-        return {
-            "positions": layout.positions.to(dev),
-            "query_start_loc": layout.query_start_loc.to(dev),
-            "seq_lens": layout.seq_lens.to(dev),
-            "block_table": state.block_table[layout.slots.long().to(state.block_table.device)],
-            "slot_mapping": state.slot_mapping(layout).to(dev),
-        }
-
     def __call__(self, input_ids: torch.Tensor, layout: VerifyLayout,
                  state: VerifierState) -> torch.Tensor:
-        """Logits ``[N, V]`` of every packed row; writes provisional KV for every row."""
+        """Logits ``[N, V]`` of every packed row; writes provisional KV for every row.
+
+        After ``capture(state)`` the result is a view of a static buffer, valid until the next
+        call on that state.
+        """
         self._check_ids(input_ids)
         if not isinstance(layout, VerifyLayout):
             raise ValueError(f"layout is a {type(layout).__name__}; it must be a VerifyLayout")
         state.check_layout(layout, input_ids.numel())
-        meta = self._metadata(layout, state)
-        meta["input_ids"] = input_ids
+        graphs = self._graphs.get(id(state))
+        if graphs is not None:
+            return graphs(input_ids, layout)
+        dev = state.block_table.device
+        return self._packed(input_ids, layout.query_start_loc.to(dev),
+                            layout.context_lens.to(dev), layout.slots.to(dev), state)
+
+    def _packed(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
+                context_lens: torch.Tensor, slots: torch.Tensor,
+                state: VerifierState) -> torch.Tensor:
+        """The packed forward on device tensors (padded or not); no host sync."""
+        values = state.device_metadata(query_start_loc, context_lens, slots,
+                                       input_ids.shape[0])
+        values["input_ids"] = input_ids
         with torch.no_grad():
-            return self.graph_module(*self._arguments(self.inputs, meta, state))
+            return self.graph_module(*self._arguments(self.inputs, values, state))
+
+    def capture(self, state: VerifierState, tiers: tuple[Tier, ...] | None = None,
+                block: int | None = None, progress: bool = True, use_graphs: bool | None = None,
+                debug: bool = False) -> list[TierReport]:
+        """Capture the packed forward per token tier for ``state``; later calls on ``state``
+        replay the smallest tier that holds the batch.
+
+        ``tiers`` defaults to ``tier_set(state.max_requests, block)``. Without a GPU (or with
+        ``use_graphs=False``) nothing is captured but calls still go through the static,
+        padded buffers. Returns the time and pool memory each tier took (empty if not
+        captured).
+        """
+        block = block or self.config.block
+        tiers = tiers or tier_set(state.max_requests, block)
+        vocab = self.graph_module.graph.find_nodes(op="output")[0].args[0].meta["val"].shape[1]
+        graphs = TierGraphs(
+            lambda ids, qsl, ctx, slots: self._packed(ids, qsl, ctx, slots, state),
+            tiers, int(vocab), self.dtype, state.block_table.device, use_graphs, debug)
+        self._graphs[id(state)] = graphs
+        return graphs.capture(progress) if graphs.use_graphs else []
 
     def _arguments(self, specs, values: dict, state: VerifierState) -> list:
         """Graph arguments in placeholder order: weights, pools, then ``values`` by kind."""

@@ -1,0 +1,164 @@
+"""Replay of a packed verify forward per token tier, with static buffers and padding.
+
+The forward is captured once per tier into one shared CUDA-graph memory pool. A call copies
+its inputs into static buffers sized for the largest tier (token ids, and one int32 row holding
+query_start_loc, context lengths and slots, so the host does two copies), pads them, replays
+the smallest tier that holds the batch, and returns the real rows of a static logits buffer.
+Per-row metadata (positions, slot mapping, block-table rows) is computed on the device inside
+the graph, so there is no host-side packing beyond those two copies.
+
+Padding contract: padded requests have length 0 (their query_start_loc entries repeat the real
+token count) and read nothing; padded rows belong to no request, write no KV (slot mapping -1)
+and come out of attention as zeros; their logits are never returned.
+
+Without a GPU (or with ``use_graphs=False``) the same code runs the forward eagerly on the
+static buffers: that is how the static-buffer and padding path is tested on the CPU.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..layout import VerifyLayout
+from .tiers import Tier, format_tiers, select_tier
+
+__all__ = ["TierGraphs", "TierReport"]
+
+log = logging.getLogger("dspark_compile")
+
+
+@dataclass(frozen=True)
+class TierReport:
+    """What capturing one tier cost."""
+
+    tier: Tier
+    seconds: float
+    pool_bytes: int
+    """Growth of the shared graph pool while capturing this tier (largest tier first)."""
+
+
+class TierGraphs:
+    """Per-tier replay of ``forward(input_ids [T], qsl [S+1], ctx [S], slots [S]) -> [T, V]``."""
+
+    def __init__(self, forward: Callable, tiers: tuple[Tier, ...], vocab: int,
+                 dtype: torch.dtype, device: torch.device, use_graphs: bool | None = None,
+                 debug: bool = False) -> None:
+        if not tiers:
+            raise ValueError("TierGraphs: the tier set is empty")
+        self.forward, self.tiers, self.debug = forward, tuple(sorted(tiers)), debug
+        self.device = device
+        self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
+        self.max_tokens = max(t.tokens for t in tiers)
+        self.max_slots = max(t.request_slots for t in tiers)
+        s = self.max_slots
+        self.ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
+        self.meta = torch.zeros(3 * s + 1, dtype=torch.int32, device=device)
+        self.logits = torch.zeros(self.max_tokens, vocab, dtype=dtype, device=device)
+        self._host_meta = torch.zeros(3 * s + 1, dtype=torch.int32,
+                                      pin_memory=device.type == "cuda")
+        self.graphs: dict[Tier, torch.cuda.CUDAGraph] = {}
+        self._addresses = self._buffer_addresses()
+        self._warned_eager = False
+
+    def _buffer_addresses(self) -> tuple[int, ...]:
+        return (self.ids.data_ptr(), self.meta.data_ptr(), self.logits.data_ptr())
+
+    def views(self, tier: Tier) -> tuple[torch.Tensor, ...]:
+        """The static inputs of ``tier``: ids [T], qsl [S+1], context lens [S], slots [S]."""
+        s, base = tier.request_slots, self.max_slots + 1
+        return (self.ids[:tier.tokens], self.meta[:s + 1], self.meta[base:base + s],
+                self.meta[base + self.max_slots:base + self.max_slots + s])
+
+    def fill(self, tier: Tier, input_ids: torch.Tensor, layout: VerifyLayout) -> None:
+        """Copy a batch into the static buffers of ``tier`` and pad the rest."""
+        n, r, s = layout.num_tokens, layout.num_requests, tier.request_slots
+        host, base = self._host_meta, self.max_slots + 1
+        host[:r + 1] = layout.query_start_loc
+        host[r + 1:s + 1] = n  # empty padded requests
+        host[base:base + r] = layout.context_lens
+        host[base + r:base + s] = 0
+        host[base + self.max_slots:base + self.max_slots + r] = layout.slots
+        host[base + self.max_slots + r:base + self.max_slots + s] = 0
+        self.meta.copy_(host, non_blocking=True)
+        self.ids[:n].copy_(input_ids, non_blocking=True)
+        self.ids[n:tier.tokens].zero_()
+
+    def _fill_empty(self, tier: Tier) -> None:
+        """All rows padding: what a capture runs on (it must not write any KV)."""
+        self.meta.zero_()
+        self.ids.zero_()
+
+    # ------------------------------------------------------------------ capture
+    def capture(self, progress: bool = True) -> list[TierReport]:
+        """Capture every tier (largest first) into one pool; returns the cost of each."""
+        if not self.use_graphs:
+            raise RuntimeError("TierGraphs.capture: CUDA graphs need a CUDA or ROCm device")
+        pool, reports = torch.cuda.graph_pool_handle(), []
+        order = sorted(self.tiers, reverse=True)
+        for i, tier in enumerate(order):
+            if progress:
+                _progress(i, len(order), tier)
+            start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+            self._fill_empty(tier)
+            side = torch.cuda.Stream(self.device)
+            side.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(side):  # warm up (compiles, allocator) off the capture
+                self.logits[:tier.tokens].copy_(self.forward(*self.views(tier)))
+            torch.cuda.current_stream(self.device).wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.logits[:tier.tokens].copy_(self.forward(*self.views(tier)))
+            torch.cuda.synchronize(self.device)
+            self.graphs[tier] = graph
+            reports.append(TierReport(tier, time.perf_counter() - start,
+                                      torch.cuda.memory_reserved(self.device) - before))
+        if progress:
+            _progress(len(order), len(order), None)
+        return reports
+
+    # ------------------------------------------------------------------ replay
+    def __call__(self, input_ids: torch.Tensor, layout: VerifyLayout) -> torch.Tensor:
+        """Logits ``[N, V]`` of the batch: a view of the static buffer, valid until the next
+        call."""
+        n, r = layout.num_tokens, layout.num_requests
+        tier = select_tier(self.tiers, n, r)
+        if tier is None:
+            if not self._warned_eager:
+                log.warning("dspark_compile: batch of %d tokens over %d requests is past the "
+                            "largest tier (%d tokens, %d slots); running without a graph", n, r,
+                            self.max_tokens, self.max_slots)
+                self._warned_eager = True
+            dev = self.device
+            return self.forward(input_ids, layout.query_start_loc.to(dev),
+                                layout.context_lens.to(dev), layout.slots.to(dev))
+        if self.debug:
+            self._check(tier, n, r)
+        self.fill(tier, input_ids, layout)
+        if tier in self.graphs:
+            self.graphs[tier].replay()
+        else:
+            self.logits[:tier.tokens].copy_(self.forward(*self.views(tier)))
+        return self.logits[:n]
+
+    def _check(self, tier: Tier, n: int, r: int) -> None:
+        if self._buffer_addresses() != self._addresses:
+            raise RuntimeError("TierGraphs: a static buffer moved since capture")
+        if not tier.fits(n, r):
+            raise RuntimeError(f"TierGraphs: {tier} cannot hold {n} tokens over {r} requests")
+
+    def table(self) -> str:
+        return format_tiers(self.tiers)
+
+
+def _progress(done: int, total: int, tier: Tier | None) -> None:
+    bar = "#" * (20 * done // total) + "-" * (20 - 20 * done // total)
+    what = f" tokens={tier.tokens} slots={tier.request_slots}" if tier else " done"
+    end = "\n" if tier is None else ""
+    sys.stderr.write(f"\rcapturing tiers [{bar}] {done}/{total}{what:<28}{end}")
+    sys.stderr.flush()
