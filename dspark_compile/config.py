@@ -15,18 +15,21 @@ class DSparkConfig:
     """Tokens per KV-cache page of the state pools ``new_state`` allocates."""
     block: int = 8
     """Most tokens a verify step gives one request (draft length + 1); sizes the tier set."""
-    lowering: str = "reference"
-    """Execution of the ``dspark::`` ops: ``"reference"`` (pure torch, the CPU path)."""
+    lowering: str = "auto"
+    """Implementation of the ``dspark::`` ops: ``"triton"`` (CUDA and ROCm), ``"reference"``
+    (pure torch: the CPU path and the test oracle) or ``"auto"`` (Triton on a GPU, else the
+    reference)."""
+    inductor: bool = False
+    """Compile the token-wise rest of the packed graph with Inductor (``torch.compile``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"DSparkConfig.page_size={self.page_size!r}; it must be an int >= 1")
         if not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"DSparkConfig.block={self.block!r}; it must be an int >= 1")
-        if self.lowering not in ("reference",):
-            raise ValueError(
-                f"DSparkConfig.lowering={self.lowering!r}; supported: 'reference'"
-            )
+        if self.lowering not in ("auto", "triton", "reference"):
+            raise ValueError(f"DSparkConfig.lowering={self.lowering!r}; it must be 'auto', "
+                             "'triton' or 'reference'")
 
     def with_overrides(self, **overrides) -> "DSparkConfig":
         """A copy with ``overrides`` applied; unknown names are refused."""

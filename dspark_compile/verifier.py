@@ -20,6 +20,7 @@ from .graphs.runner import TierGraphs, TierReport
 from .graphs.tiers import Tier, tier_set
 from .frontend.capture import CapturedGraph, capture_dense
 from .layout import VerifyLayout
+from .lowering.select import compile_rest, lower, resolve_lowering
 from .passes import PassContext, PassResult, run_passes
 from .state import VerifierState
 
@@ -41,6 +42,8 @@ def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
     captured = capture_dense(adapter, param.dtype, param.device)
     ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
     gm, results = run_passes(captured.gm, ctx)
+    lowering = resolve_lowering(config.lowering, param.device)
+    results.append(lower(gm, lowering))
     return Verifier(adapter, gm, ctx.inputs, results, captured, config, param.dtype,
                     param.device)
 
@@ -68,6 +71,7 @@ class Verifier:
         model = adapter.model
         self._weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self._graphs: dict[int, TierGraphs] = {}
+        self._run = compile_rest(gm) if config.inductor else gm
 
     # ------------------------------------------------------------------ state
     def new_state(self, max_requests: int, max_context: int,
@@ -116,7 +120,7 @@ class Verifier:
                                        input_ids.shape[0])
         values["input_ids"] = input_ids
         with torch.no_grad():
-            return self.graph_module(*self._arguments(self.inputs, values, state))
+            return self._run(*self._arguments(self.inputs, values, state))
 
     def capture(self, state: VerifierState, tiers: tuple[Tier, ...] | None = None,
                 block: int | None = None, progress: bool = True, use_graphs: bool | None = None,

@@ -60,8 +60,13 @@ class TierGraphs:
         self.ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
         self.meta = torch.zeros(3 * s + 1, dtype=torch.int32, device=device)
         self.logits = torch.zeros(self.max_tokens, vocab, dtype=dtype, device=device)
-        self._host_meta = torch.zeros(3 * s + 1, dtype=torch.int32,
-                                      pin_memory=device.type == "cuda")
+        # Two pinned staging rows used in turn: a row is rewritten only after the copy that
+        # read it has run (its event), so a step can be packed while the last one runs.
+        pinned = device.type == "cuda"
+        self._host_meta = [torch.zeros(3 * s + 1, dtype=torch.int32, pin_memory=pinned)
+                           for _ in range(2)]
+        self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
+        self._turn = 0
         self.graphs: dict[Tier, torch.cuda.CUDAGraph] = {}
         self._addresses = self._buffer_addresses()
         self._warned_eager = False
@@ -78,7 +83,10 @@ class TierGraphs:
     def fill(self, tier: Tier, input_ids: torch.Tensor, layout: VerifyLayout) -> None:
         """Copy a batch into the static buffers of ``tier`` and pad the rest."""
         n, r, s = layout.num_tokens, layout.num_requests, tier.request_slots
-        host, base = self._host_meta, self.max_slots + 1
+        turn = self._turn = 1 - self._turn
+        if self._copied[turn] is not None:
+            self._copied[turn].synchronize()
+        host, base = self._host_meta[turn], self.max_slots + 1
         host[:r + 1] = layout.query_start_loc
         host[r + 1:s + 1] = n  # empty padded requests
         host[base:base + r] = layout.context_lens
@@ -86,6 +94,8 @@ class TierGraphs:
         host[base + self.max_slots:base + self.max_slots + r] = layout.slots
         host[base + self.max_slots + r:base + self.max_slots + s] = 0
         self.meta.copy_(host, non_blocking=True)
+        if self._copied[turn] is not None:
+            self._copied[turn].record()
         self.ids[:n].copy_(input_ids, non_blocking=True)
         self.ids[n:tier.tokens].zero_()
 

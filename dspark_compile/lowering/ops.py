@@ -50,3 +50,26 @@ RAGGED_OPS = (torch.ops.dspark.ragged_attention,)
 """Op packets of the ragged families (what the packed graph may contain)."""
 DENSE_OPS = (torch.ops.dspark.dense_cached_attention,)
 """Op packets of the dense families (what a capture emits and the passes must rewrite)."""
+
+
+@torch.library.custom_op("dspark::ragged_attention_triton",
+                         mutates_args=("k_cache", "v_cache"), device_types=("cuda",))
+def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                            scale: float) -> torch.Tensor:
+    """``dspark::ragged_attention`` lowered to Triton (CUDA and ROCm devices)."""
+    from .triton_attention import ragged_attention_triton as kernel  # needs a GPU driver
+
+    return kernel(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                  slot_mapping, scale)
+
+
+@ragged_attention_triton.register_fake
+def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale):
+    return torch.empty_like(q)
+
+
+LOWERED = {"triton": {torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton}}
+"""Per lowering: reference op packet -> the op that implements it there."""

@@ -1,0 +1,62 @@
+"""Lowering: pick the implementation of each ``dspark::`` op for a device, and optionally hand
+the token-wise rest of the packed graph to Inductor.
+
+Matches (packed graph) and writes, for ``lowering="triton"``::
+
+    %o = dspark.ragged_attention.default(%q, %k, %v, ...)
+      ->
+    %o = dspark.ragged_attention_triton.default(%q, %k, %v, ...)
+
+``lowering="auto"`` takes Triton on CUDA and ROCm devices (one source; per-target choices live
+in ``lowering/targets.py``) and the reference on the CPU, and says which once in the log.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable
+
+import torch
+import torch.fx as fx
+
+from ..passes.base import EnsureError, PassResult
+from .ops import LOWERED
+
+__all__ = ["resolve_lowering", "lower", "compile_rest"]
+
+log = logging.getLogger("dspark_compile")
+
+
+def resolve_lowering(requested: str, device: torch.device) -> str:
+    """The lowering to use on ``device``: ``"triton"`` or ``"reference"``."""
+    if requested == "auto":
+        chosen = "triton" if device.type == "cuda" else "reference"
+        log.info("dspark_compile: lowering=%s on %s", chosen, device)
+        return chosen
+    if requested == "triton" and device.type != "cuda":
+        raise ValueError(f"lowering='triton' needs a CUDA or ROCm device; the model is on "
+                         f"{device}. Use lowering='reference' (or 'auto') on the CPU")
+    return requested
+
+
+def lower(gm: fx.GraphModule, lowering: str) -> PassResult:
+    """Swap each reference ``dspark::`` op for its ``lowering`` implementation, in place."""
+    result = PassResult(f"lower[{lowering}]", changed=0)
+    table = LOWERED.get(lowering, {})
+    for node in gm.graph.nodes:
+        packet = getattr(node.target, "overloadpacket", None)
+        if packet in table:
+            node.target = table[packet].default
+            result.changed += 1
+    left = [n.name for n in gm.graph.nodes
+            if getattr(n.target, "overloadpacket", None) in table]
+    if left:
+        raise EnsureError(f"lower: reference ops left after lowering to {lowering}: {left}")
+    gm.recompile()
+    return result
+
+
+def compile_rest(gm: fx.GraphModule) -> Callable:
+    """The packed graph under Inductor (norms, activations, rotary fuse; the ``dspark::`` ops
+    stay calls). Shapes are dynamic in ``N``: one compile serves every batch and tier."""
+    return torch.compile(gm, dynamic=True, fullgraph=True)
