@@ -42,6 +42,10 @@ class VerifierState:
     """int32 ``[max_requests, pages_per_request]`` on the pool's device: page ids per slot."""
     committed_lens: torch.Tensor = field(default=None)  # type: ignore[assignment]
     """int32 ``[max_requests]`` on the CPU: tokens committed per slot."""
+    graphs: object = field(default=None, repr=False)
+    """Tier graphs captured over this state's pools (``Verifier.capture``), or None."""
+    owner: object = field(default=None, repr=False)
+    """The verifier whose ``new_state`` made this state (its pools fit that model only)."""
 
     def __post_init__(self) -> None:
         if self.committed_lens is None:

@@ -70,16 +70,17 @@ class Verifier:
         self._dense_inputs = dense.inputs
         model = adapter.model
         self._weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
-        self._graphs: dict[int, TierGraphs] = {}
         self._run = compile_rest(gm) if config.inductor else gm
 
     # ------------------------------------------------------------------ state
     def new_state(self, max_requests: int, max_context: int,
                   page_size: int | None = None) -> VerifierState:
         """An engine-owned paged KV pool for ``max_requests`` slots of ``max_context`` tokens."""
-        return VerifierState.allocate(
+        state = VerifierState.allocate(
             self.adapter.specs, max_requests, max_context,
             page_size or self.config.page_size, self.dtype, self.device)
+        state.owner = self
+        return state
 
     # ------------------------------------------------------------------ verify
     def _check_ids(self, input_ids: torch.Tensor) -> None:
@@ -104,10 +105,12 @@ class Verifier:
         self._check_ids(input_ids)
         if not isinstance(layout, VerifyLayout):
             raise ValueError(f"layout is a {type(layout).__name__}; it must be a VerifyLayout")
+        if state.owner is not self:
+            raise ValueError("state was not made by this verifier's new_state; its KV pools "
+                             "do not fit this model")
         state.check_layout(layout, input_ids.numel())
-        graphs = self._graphs.get(id(state))
-        if graphs is not None:
-            return graphs(input_ids, layout)
+        if state.graphs is not None:
+            return state.graphs(input_ids, layout)
         dev = state.block_table.device
         return self._packed(input_ids, layout.query_start_loc.to(dev),
                             layout.context_lens.to(dev), layout.slots.to(dev), state)
@@ -139,7 +142,7 @@ class Verifier:
         graphs = TierGraphs(
             lambda ids, qsl, ctx, slots: self._packed(ids, qsl, ctx, slots, state),
             tiers, int(vocab), self.dtype, state.block_table.device, use_graphs, debug)
-        self._graphs[id(state)] = graphs
+        state.graphs = graphs
         return graphs.capture(progress) if graphs.use_graphs else []
 
     def _arguments(self, specs, values: dict, state: VerifierState) -> list:

@@ -106,7 +106,7 @@ def test_padded_rows_write_no_kv_and_attend_to_nothing(plain):
     model, verifier = plain
     state = verifier.new_state(max_requests=4, max_context=32)
     verifier.capture(state, block=4)
-    graphs = verifier._graphs[id(state)]
+    graphs = state.graphs
     layout = VerifyLayout.pack([1, 2], [0, 0], [2, 0])
     before = [k.clone() for k, _ in state.kv_caches]
     verifier(torch.tensor([3, 4, 5]), layout, state)

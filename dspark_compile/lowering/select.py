@@ -58,5 +58,6 @@ def lower(gm: fx.GraphModule, lowering: str) -> PassResult:
 
 def compile_rest(gm: fx.GraphModule) -> Callable:
     """The packed graph under Inductor (norms, activations, rotary fuse; the ``dspark::`` ops
-    stay calls). Shapes are dynamic in ``N``: one compile serves every batch and tier."""
-    return torch.compile(gm, dynamic=True, fullgraph=True)
+    stay calls). Automatic dynamic shapes: after the first batch size, the one recompile
+    marks only the axes that changed (N, R), so weights keep static shapes."""
+    return torch.compile(gm, fullgraph=True)

@@ -1,0 +1,263 @@
+"""Verify-step benchmark on one GPU: ours (Triton + Inductor, eager and tier graphs) against
+PyTorch dense padded to the block, and against the roofline floor, side by side in one run.
+
+Model: Llama-like 1.1B, bf16, random weights (hidden 2048, 16 layers, 16 heads, 8 KV heads,
+head 128, FFN 8192, vocab 32000); context 1024, page 16, block 8; bs 1, 8, 64, 256.
+Verify lengths: all 8, and a fixed-seed mix with mean exactly 3 (same token count as uniform 3).
+
+    python benchmarks/verify_step.py [--out DIR] [--quick]
+
+Writes ``verify_step.json`` (GPU, versions, every setting, all timings) and
+``verify_step.png`` to DIR (default: $OUT if set, else benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import random
+import sys
+import time
+
+import torch
+
+from dspark_compile import VerifyLayout, dspark_compile
+from dspark_compile.graphs.tiers import tier_set
+
+HBM_BYTES_PER_S = 4.8e12
+BF16_FLOPS = 790e12
+CONTEXT, PAGE, BLOCK = 1024, 16, 8
+BATCHES = (1, 8, 64, 256)
+
+
+def build_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                      num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                      vocab_size=32000, max_position_embeddings=4096)
+    torch.manual_seed(0)
+    with torch.device("cuda"):
+        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+    return model
+
+
+def mix_lens(bs: int, mean: int = 3, seed: int = 0) -> list[int]:
+    """Lengths in 1..BLOCK with mean exactly ``mean`` (binomial draw, then evened out)."""
+    if bs == 1:
+        return [mean]
+    rng = random.Random(seed + bs)
+    lens = [1 + sum(rng.random() < (mean - 1) / (BLOCK - 1) for _ in range(BLOCK - 1))
+            for _ in range(bs)]
+    i = 0
+    while sum(lens) != mean * bs:  # deterministic nudge to the exact total
+        j = i % bs
+        if sum(lens) > mean * bs and lens[j] > 1:
+            lens[j] -= 1
+        elif sum(lens) < mean * bs and lens[j] < BLOCK:
+            lens[j] += 1
+        i += 1
+    return lens
+
+
+def time_ms(fn, iters: int) -> float:
+    """Mean ms per call over back-to-back calls between two events (no sync in between)."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def floor_ms(params: int, layers: int, kv_heads: int, head_dim: int, bs: int,
+             mean_len: float) -> float:
+    """max(weight bytes / BW, 2 * params * N / peak) + KV bytes / BW, in ms."""
+    n = bs * mean_len
+    linear = max(params * 2 / HBM_BYTES_PER_S, 2 * params * n / BF16_FLOPS)
+    kv_bytes = bs * (CONTEXT + mean_len) * layers * 2 * kv_heads * head_dim * 2
+    return 1e3 * (linear + kv_bytes / HBM_BYTES_PER_S)
+
+
+def check_correctness(model, verifier) -> float:
+    """Largest |ours - HF| on real tokens (bf16), prefill + one verify of 3 requests."""
+    gen = torch.Generator().manual_seed(0)
+    state = verifier.new_state(max_requests=4, max_context=128)
+    prompts = [torch.randint(0, 32000, (n,), generator=gen).cuda() for n in (17, 5, 30)]
+    layout = VerifyLayout.pack([17, 5, 30], [0, 0, 0], [3, 0, 1])
+    verifier(torch.cat(prompts), layout, state)
+    verifier.commit(layout, [17, 5, 30], state)
+    new = [torch.randint(0, 32000, (n,), generator=gen).cuda() for n in (4, 1, 7)]
+    layout = VerifyLayout.pack([4, 1, 7], [17, 5, 30], [3, 0, 1])
+    logits = verifier(torch.cat(new), layout, state).float()
+    worst, qsl = 0.0, layout.query_start_loc.tolist()
+    with torch.no_grad():
+        for i, (p, t) in enumerate(zip(prompts, new)):
+            want = model(torch.cat([p, t])[None]).logits[0, -t.numel():].float()
+            worst = max(worst, (logits[qsl[i]:qsl[i + 1]] - want).abs().max().item())
+    return worst
+
+
+def hf_dense(model, bs: int):
+    """PyTorch dense verify padded to the block: HF sdpa with a boolean mask over a static
+    KV cache of the same context; returns (step fn, captured graph or error)."""
+    from transformers import StaticCache
+
+    cache = StaticCache(config=model.config, max_cache_len=CONTEXT + BLOCK)
+    ids = torch.randint(0, 32000, (bs, BLOCK), device="cuda")
+    pos = torch.arange(CONTEXT, CONTEXT + BLOCK, device="cuda").expand(bs, -1)
+    mask = torch.ones(bs, CONTEXT + BLOCK, dtype=torch.long, device="cuda")
+    cache_pos = torch.arange(CONTEXT, CONTEXT + BLOCK, device="cuda")
+
+    def step():
+        with torch.no_grad():
+            return model(input_ids=ids, position_ids=pos, attention_mask=mask,
+                         past_key_values=cache, cache_position=cache_pos, use_cache=True).logits
+
+    step()
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return step, graph, None
+    except Exception as err:  # reported in the JSON, never hidden
+        torch.cuda.synchronize()
+        return step, None, f"{type(err).__name__}: {err}"[:300]
+
+
+def run(args) -> dict:
+    model = build_model()
+    cfg = model.config
+    params = sum(p.numel() for p in model.parameters())
+    model.set_attn_implementation("sdpa")
+    t0 = time.perf_counter()
+    verifier = dspark_compile(model, lowering="triton", inductor=True, page_size=PAGE,
+                              block=BLOCK)
+    compile_s = time.perf_counter() - t0
+    max_err = check_correctness(model, verifier)
+    print(f"compiled in {compile_s:.1f} s; max |ours - HF| (bf16) = {max_err:.3g}", flush=True)
+
+    batches = (1, 8) if args.quick else BATCHES
+    max_bs = max(batches)
+    state = verifier.new_state(max_requests=max_bs, max_context=CONTEXT + BLOCK)
+    for k, v in state.kv_caches:
+        k.normal_(0, 0.5)
+        v.normal_(0, 0.5)
+    state.committed_lens[:] = CONTEXT
+    shapes = {bs: {"mix3": mix_lens(bs), "uniform3": [3] * bs, "all8": [BLOCK] * bs}
+              for bs in batches}
+    iters = 20 if args.quick else 50
+
+    def step_fn(bs, lens):
+        layout = VerifyLayout.pack(lens, [CONTEXT] * bs, list(range(bs)))
+        ids = torch.randint(0, 32000, (layout.num_tokens,), device="cuda")
+        return lambda: verifier(ids, layout, state)
+
+    results = {bs: {} for bs in batches}
+    for bs in batches:  # eager: no graphs (launch-bound at small bs)
+        for name, lens in shapes[bs].items():
+            results[bs][f"ours_eager_{name}_ms"] = time_ms(step_fn(bs, lens), iters)
+        print(bs, results[bs], flush=True)
+
+    tiers = tier_set(max_bs, BLOCK)
+    torch.cuda.synchronize()
+    mem0, t0 = torch.cuda.memory_reserved(), time.perf_counter()
+    reports = verifier.capture(state, tiers=tiers, progress=True)
+    capture = {"tiers": len(tiers), "seconds": time.perf_counter() - t0,
+               "pool_bytes": torch.cuda.memory_reserved() - mem0,
+               "per_tier": [(r.tier.tokens, r.tier.request_slots, round(r.seconds, 4),
+                             r.pool_bytes) for r in reports]}
+    print(f"captured {len(tiers)} tiers in {capture['seconds']:.1f} s, pool "
+          f"{capture['pool_bytes'] / 2**30:.2f} GiB", flush=True)
+
+    for bs in batches:
+        for name, lens in shapes[bs].items():
+            results[bs][f"ours_graph_{name}_ms"] = time_ms(step_fn(bs, lens), iters * 2)
+        step, graph, error = hf_dense(model, bs)
+        results[bs]["pytorch_dense8_eager_ms"] = time_ms(step, iters)
+        results[bs]["pytorch_dense8_graph_ms"] = time_ms(graph.replay, iters) if graph else None
+        results[bs]["pytorch_dense8_graph_error"] = error
+        del step, graph
+        torch.cuda.empty_cache()
+        for mean, name in ((3, "floor_mean3_ms"), (BLOCK, "floor_all8_ms")):
+            results[bs][name] = floor_ms(params, cfg.num_hidden_layers,
+                                         cfg.num_key_value_heads, cfg.head_dim, bs, mean)
+        print(bs, results[bs], flush=True)
+    return {"results": {str(k): v for k, v in results.items()}, "capture": capture,
+            "max_abs_err_vs_hf_bf16": max_err, "compile_seconds": compile_s,
+            "shapes": {str(k): v["mix3"] for k, v in shapes.items()}, "params": params}
+
+
+def environment() -> dict:
+    import transformers
+    import triton
+
+    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+            "triton": triton.__version__, "transformers": transformers.__version__,
+            "python": platform.python_version(), "hbm_bytes_per_s": HBM_BYTES_PER_S,
+            "bf16_flops": BF16_FLOPS, "context": CONTEXT, "page_size": PAGE, "block": BLOCK,
+            "model": "Llama-like 1.1B bf16 random weights: hidden 2048, 16 layers, 16 heads, "
+                     "8 kv heads, head 128, ffn 8192, vocab 32000",
+            "timing": "mean of back-to-back calls between two CUDA events, after 3 warm-ups",
+            "command": "python benchmarks/verify_step.py"}
+
+
+def plot(data: dict, path: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = data["results"]
+    bss = sorted(int(b) for b in res)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label in (("ours_graph_mix3_ms", "ours ragged, mean 3 (graph)"),
+                       ("ours_graph_uniform3_ms", "ours uniform 3 (graph)"),
+                       ("ours_eager_mix3_ms", "ours ragged, mean 3 (eager)"),
+                       ("pytorch_dense8_graph_ms", "PyTorch dense padded to 8 (graph)"),
+                       ("floor_mean3_ms", "floor, mean 3")):
+        ys = [res[str(b)].get(key) for b in bss]
+        if all(y is not None for y in ys):
+            ax.plot(bss, ys, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("requests (bs)")
+    ax.set_ylabel("ms per verify step")
+    ax.set_title(f"verify step, {data['environment']['gpu']}")
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    parser.add_argument("--quick", action="store_true", help="bs 1 and 8 only, fewer iters")
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        sys.exit("verify_step.py needs a GPU")
+    data = {"environment": environment(), **run(args)}
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "verify_step.json"), "w") as f:
+        json.dump(data, f, indent=1)
+    try:
+        plot(data, os.path.join(args.out, "verify_step.png"))
+    except ImportError as err:
+        print(f"no plot: {err}")
+    print(json.dumps(data["results"], indent=1))
+
+
+if __name__ == "__main__":
+    main()

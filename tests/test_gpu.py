@@ -1,0 +1,126 @@
+"""GPU tests (``pytest -m gpu`` on the accelerator machine; skipped without a GPU)."""
+
+import random
+
+import pytest
+import torch
+
+from dspark_compile import VerifyLayout, dspark_compile
+from dspark_compile.graphs.tiers import select_tier, tier_set
+from helpers import PlainDecoder, Session, tiny_llama
+
+pytestmark = pytest.mark.gpu
+
+
+def random_layout(rng, max_requests, block, context, slots_pool):
+    r = rng.randint(1, max_requests)
+    lens = [rng.randint(1, block) for _ in range(r)]
+    slots = rng.sample(slots_pool, r)
+    return VerifyLayout.pack(lens, [context[s] for s in slots], slots)
+
+
+def test_hf_llama_float32_on_gpu_matches_hf():
+    model = tiny_llama().cuda()
+    verifier = dspark_compile(model, lowering="triton")
+    session = Session(model, verifier, [3, 0, 2], seed=1)
+    session.vocab = model.config.vocab_size
+    session.gen = torch.Generator().manual_seed(1)
+    real_tokens = session.tokens
+    session.tokens = lambda n: real_tokens(n).cuda()
+    session.step([7, 3, 12], accept=[7, 3, 12])
+    rng = random.Random(0)
+    for _ in range(4):
+        session.step([rng.randint(1, 8) for _ in range(3)])
+    assert session.max_err < 2e-3  # TF32-free fp32 attention, cuBLAS matmuls
+
+
+def test_triton_verifier_equals_reference_in_bf16():
+    model = tiny_llama(layers=2).cuda().to(torch.bfloat16)
+    tri = dspark_compile(model, lowering="triton")
+    ref = dspark_compile(model, lowering="reference")
+    gen = torch.Generator().manual_seed(0)
+    states = [v.new_state(max_requests=6, max_context=96) for v in (tri, ref)]
+    prompts = torch.randint(0, 97, (40,), generator=gen).cuda()
+    layout = VerifyLayout.pack([9, 20, 11], [0, 0, 0], [5, 1, 2])
+    outs = [v(prompts, layout, s) for v, s in zip((tri, ref), states)]
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=5e-2, rtol=5e-2)
+    for v, s in zip((tri, ref), states):
+        v.commit(layout, [9, 20, 11], s)
+    ids = torch.randint(0, 97, (10,), generator=gen).cuda()
+    layout = VerifyLayout.pack([3, 6, 1], [9, 20, 11], [5, 1, 2])
+    outs = [v(ids, layout, s) for v, s in zip((tri, ref), states)]
+    torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=5e-2, rtol=5e-2)
+
+
+@pytest.fixture(scope="module")
+def plain_gpu():
+    model = PlainDecoder(seed=3).cuda()
+    return model, dspark_compile(model, lowering="triton")
+
+
+def test_graph_replay_equals_eager_bitwise_on_every_tier(plain_gpu):
+    _, verifier = plain_gpu
+    block, max_requests = 4, 8
+    tiers = tier_set(max_requests, block)
+    graph_state = verifier.new_state(max_requests=max_requests, max_context=64)
+    eager_state = verifier.new_state(max_requests=max_requests, max_context=64)
+    for st in (graph_state, eager_state):
+        st.committed_lens[:] = 20
+    torch.manual_seed(0)
+    for (k, v), (k2, v2) in zip(graph_state.kv_caches, eager_state.kv_caches):
+        k.normal_(), v.normal_()
+        k2.copy_(k), v2.copy_(v)
+    verifier.capture(graph_state, tiers=tiers, progress=False)
+    verifier.capture(eager_state, tiers=tiers, use_graphs=False)
+    seen = set()
+    rng = random.Random(0)
+    for _ in range(200):
+        layout = random_layout(rng, max_requests, block, [20] * max_requests,
+                               list(range(max_requests)))
+        ids = torch.randint(0, 61, (layout.num_tokens,), device="cuda")
+        a = verifier(ids, layout, graph_state).clone()
+        b = verifier(ids, layout, eager_state).clone()
+        assert torch.equal(a, b)
+        seen.add(select_tier(tiers, layout.num_tokens, layout.num_requests))
+    assert len(seen) > len(tiers) // 2
+
+
+def test_thousand_random_steps_cycle_through_tiers(plain_gpu):
+    model, verifier = plain_gpu
+    block, max_requests = 8, 16
+    state = verifier.new_state(max_requests=max_requests, max_context=2048)
+    verifier.capture(state, tiers=tier_set(max_requests, block), progress=False, debug=True)
+    rng = random.Random(1)
+    context = [0] * max_requests
+    for step in range(1000):
+        layout = random_layout(rng, max_requests, block, context, list(range(max_requests)))
+        ids = torch.randint(0, 61, (layout.num_tokens,), device="cuda")
+        logits = verifier(ids, layout, state)
+        assert logits.shape == (layout.num_tokens, 61)
+        accept = [rng.randint(1, int(n)) for n in layout.lens]
+        verifier.commit(layout, accept, state)
+        for s, a in zip(layout.slots.tolist(), accept):
+            context[s] += a
+            if context[s] > 1900:
+                state.release([s])
+                context[s] = 0
+    assert torch.isfinite(logits).all()
+    torch.cuda.synchronize()
+
+
+def test_capture_whole_tier_set_ten_times(plain_gpu):
+    _, verifier = plain_gpu
+    tiers = tier_set(256, 8)
+    for _ in range(10):
+        state = verifier.new_state(max_requests=256, max_context=64)
+        verifier.capture(state, tiers=tiers, progress=False)
+        graphs = state.graphs
+        for tier in tiers:
+            w = tier.tokens // tier.request_slots
+            layout = VerifyLayout.pack([w] * tier.request_slots, [0] * tier.request_slots,
+                                       list(range(tier.request_slots)))
+            ids = torch.zeros(layout.num_tokens, dtype=torch.int64, device="cuda")
+            out = verifier(ids, layout, state)
+            assert torch.isfinite(out).all()
+        del graphs, state
+    torch.cuda.synchronize()
