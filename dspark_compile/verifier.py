@@ -39,10 +39,10 @@ def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     if param is None:
         raise TypeError(f"dspark_compile: {type(model).__name__} has no floating-point weights")
+    lowering = resolve_lowering(config.lowering, param.device)  # refuse before any work
     captured = capture_dense(adapter, param.dtype, param.device)
     ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
     gm, results = run_passes(captured.gm, ctx)
-    lowering = resolve_lowering(config.lowering, param.device)
     results.append(lower(gm, lowering))
     return Verifier(adapter, gm, ctx.inputs, results, captured, config, param.dtype,
                     param.device)

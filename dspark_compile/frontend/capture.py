@@ -19,6 +19,7 @@ from dataclasses import dataclass
 import sympy
 import torch
 import torch.fx as fx
+from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
@@ -28,7 +29,7 @@ from ..passes.retrace import name_placeholders
 from .adapters import ModelAdapter
 from .scope import CaptureScope, open_scope
 
-__all__ = ["InputSpec", "CapturedGraph", "capture_dense", "SAMPLE_BS", "SAMPLE_T"]
+__all__ = ["InputSpec", "CapturedGraph", "capture_dense", "fake_input", "SAMPLE_BS", "SAMPLE_T"]
 
 SAMPLE_BS = 3
 SAMPLE_T = 5
@@ -58,12 +59,18 @@ class CapturedGraph:
     """The symbol of the per-request token axis ``T``."""
 
 
-def _fake(mode: FakeTensorMode, t: torch.Tensor, dynamic_dims: tuple[int, ...] = ()):
+def fake_input(mode: FakeTensorMode, t: torch.Tensor, name: str,
+               dynamic_dims: tuple[int, ...] = ()) -> torch.Tensor:
+    """A fake copy of ``t`` whose ``dynamic_dims`` are fresh size symbols (others static).
+
+    The source names the input in guards; torch 2.11 makes no symbols without one.
+    """
     if not dynamic_dims:
         return mode.from_tensor(t, static_shapes=True)
     sizes = [DimDynamic.DYNAMIC if d in dynamic_dims else DimDynamic.STATIC
              for d in range(t.dim())]
-    return mode.from_tensor(t, symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+    return mode.from_tensor(t, source=ConstantSource(f"dspark_{name}"),
+                            symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
 
 
 def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.device):
@@ -98,8 +105,8 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     num_pools = len(adapter.specs)
 
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
-    fakes = [_fake(mode, t) for t in (*params.values(), *buffers.values())]
-    fakes += [_fake(mode, t, dyn) for _, t, dyn in samples]
+    fakes = [fake_input(mode, t, "") for t in (*params.values(), *buffers.values())]
+    fakes += [fake_input(mode, t, spec.name, dyn) for spec, t, dyn in samples]
     n_p, n_b = len(params), len(buffers)
 
     def dense_verify(*flat):

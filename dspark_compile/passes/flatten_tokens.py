@@ -27,6 +27,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
+from ..frontend.capture import fake_input
 from .base import EnsureError, PassContext, PassResult
 from .retrace import retrace
 from .token_axis import DIM_OPS, AxisLabel, label_graph
@@ -226,27 +227,21 @@ def _index(ctx: PassContext, kind: str) -> int:
 
 def _flat_inputs(placeholders: list[fx.Node], mode) -> list:
     """Fresh fake inputs for the flat graph: ``N`` and ``R`` symbols of their own."""
-    from torch.fx.experimental.symbolic_shapes import (DimDynamic,
-                                                       StatelessSymbolicContext)
-
-    def dyn(t, dims):
-        ctx = StatelessSymbolicContext(dynamic_sizes=[
-            DimDynamic.DYNAMIC if d in dims else DimDynamic.STATIC for d in range(t.dim())])
-        return mode.from_tensor(t, symbolic_context=ctx)
-
     num_tokens, num_requests = 11, 4  # distinct sample sizes, not 0/1, not each other
     out = []
     for node in placeholders:
-        kind, val = node.meta["dspark_input"].kind, node.meta["val"]
-        if kind in FLAT_INPUTS:
-            out.append(dyn(torch.zeros(num_tokens, dtype=val.dtype, device=val.device), (0,)))
-        elif kind == "query_start_loc":
-            out.append(dyn(torch.zeros(num_requests + 1, dtype=val.dtype, device=val.device), (0,)))
-        elif kind in ("seq_lens", "block_table"):
+        spec, val = node.meta["dspark_input"], node.meta["val"]
+        if spec.kind in FLAT_INPUTS:
+            shape = (num_tokens,)
+        elif spec.kind == "query_start_loc":
+            shape = (num_requests + 1,)
+        elif spec.kind in ("seq_lens", "block_table"):
             shape = (num_requests, *val.shape[1:])
-            out.append(dyn(torch.zeros(shape, dtype=val.dtype, device=val.device), (0,)))
         else:
             out.append(val)
+            continue
+        sample = torch.zeros(shape, dtype=val.dtype, device=val.device)
+        out.append(fake_input(mode, sample, "flat_" + spec.name, (0,)))
     return out
 
 

@@ -1,20 +1,18 @@
 """A stable text form of a graph, for snapshot tests and ``explain``.
 
-One line per op: ``name = op(args)  # shape``. Size symbols are renamed by first appearance
-(``s0``, ``s1``, ...) so that the text does not depend on how the shape environment numbered
-them.
+One line per op: ``name = op(args)  # shape``. Size symbols are renamed ``s0``, ``s1``, ... in
+order of first appearance among the placeholders' dims (substituted in the sympy expressions,
+so products print in a stable order), so the text does not depend on how the shape environment
+numbered them.
 """
 
 from __future__ import annotations
 
-import re
-
+import sympy
 import torch
 import torch.fx as fx
 
 __all__ = ["graph_text"]
-
-_SYMBOL = re.compile(r"\bs\d+\b")
 
 
 def _fmt(arg) -> str:
@@ -30,12 +28,21 @@ def _fmt(arg) -> str:
     return repr(arg)
 
 
-def _shape(node: fx.Node) -> str:
+def _size(s, names: dict) -> str:
+    if not isinstance(s, torch.SymInt):
+        return str(s)
+    expr = s.node.expr
+    for sym in sorted(expr.free_symbols, key=str):
+        names.setdefault(sym, sympy.Symbol(f"s{len(names)}", positive=True, integer=True))
+    return str(expr.xreplace(names))
+
+
+def _shape(node: fx.Node, names: dict) -> str:
     val = node.meta.get("val")
     if isinstance(val, torch.Tensor):
-        return "[" + ", ".join(str(s) for s in val.shape) + "]"
+        return "[" + ", ".join(_size(s, names) for s in val.shape) + "]"
     if isinstance(val, torch.SymInt):
-        return str(val)
+        return _size(val, names)
     return ""
 
 
@@ -51,23 +58,20 @@ def _op_name(target) -> str:
 def graph_text(gm: fx.GraphModule, weights: bool = False) -> str:
     """The graph as text. Weight placeholders are summarised unless ``weights``."""
     lines, names = [], {}
-
-    def rename(match):
-        return names.setdefault(match.group(0), f"s{len(names)}")
-
+    for node in gm.graph.find_nodes(op="placeholder"):
+        _shape(node, names)  # number the symbols by the inputs' dims first
     inputs = []
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             spec = node.meta.get("dspark_input")
             if weights or spec is None or spec.kind not in ("param", "buffer"):
-                inputs.append(f"{node.name}{_shape(node)}")
+                inputs.append(f"{node.name}{_shape(node, names)}")
         elif node.op == "call_function":
             args = ", ".join([_fmt(a) for a in node.args] +
                              [f"{k}={_fmt(v)}" for k, v in node.kwargs.items()])
-            shape = _shape(node)
+            shape = _shape(node, names)
             lines.append(f"{node.name} = {_op_name(node.target)}({args})" +
                          (f"  # {shape}" if shape else ""))
         elif node.op == "output":
             lines.append(f"return {_fmt(node.args[0])}")
-    text = "inputs: " + ", ".join(inputs) + "\n" + "\n".join(lines)
-    return _SYMBOL.sub(rename, text)
+    return "inputs: " + ", ".join(inputs) + "\n" + "\n".join(lines)
