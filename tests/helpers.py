@@ -46,7 +46,7 @@ class PlainBlock(nn.Module):
 
     def rotate(self, x, positions):  # x [bs, T, heads, D], positions [bs, T]
         half = self.head_dim // 2
-        freq = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32) / half))
+        freq = 1.0 / (10000 ** (torch.arange(half, dtype=torch.float32, device=x.device) / half))
         angle = positions.unsqueeze(-1).float() * freq  # [bs, T, half]
         cos, sin = angle.cos().unsqueeze(2), angle.sin().unsqueeze(2)
         x1, x2 = x[..., :half], x[..., half:]

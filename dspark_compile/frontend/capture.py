@@ -22,8 +22,7 @@ import torch.fx as fx
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import (DimDynamic, ShapeEnv,
-                                                   StatelessSymbolicContext)
+from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
 
 from ..passes.retrace import name_placeholders
 from .adapters import ModelAdapter
@@ -61,16 +60,24 @@ class CapturedGraph:
 
 def fake_input(mode: FakeTensorMode, t: torch.Tensor, name: str,
                dynamic_dims: tuple[int, ...] = ()) -> torch.Tensor:
-    """A fake copy of ``t`` whose ``dynamic_dims`` are fresh size symbols (others static).
+    """A fake tensor like ``t`` whose ``dynamic_dims`` are size symbols (the others static).
 
-    The source names the input in guards; torch 2.11 makes no symbols without one.
+    Symbols are made explicitly in the shape environment (``from_tensor`` with a symbolic
+    context makes none on torch 2.11); equal sample sizes share a symbol (duck sizing), which
+    is how ``bs`` is one symbol across input_ids, positions and the block table.
     """
     if not dynamic_dims:
         return mode.from_tensor(t, static_shapes=True)
-    sizes = [DimDynamic.DYNAMIC if d in dynamic_dims else DimDynamic.STATIC
-             for d in range(t.dim())]
-    return mode.from_tensor(t, source=ConstantSource(f"dspark_{name}"),
-                            symbolic_context=StatelessSymbolicContext(dynamic_sizes=sizes))
+    env, sizes = mode.shape_env, []
+    for d, n in enumerate(t.shape):
+        if d not in dynamic_dims:
+            sizes.append(int(n))
+            continue
+        source = ConstantSource(f"dspark_{name}_{d}")
+        symbol = env.create_symbol(int(n), source, dynamic_dim=DimDynamic.DYNAMIC)
+        sizes.append(env.create_symintnode(symbol, hint=int(n), source=source))
+    with mode:
+        return torch.empty(sizes, dtype=t.dtype, device=t.device)
 
 
 def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.device):

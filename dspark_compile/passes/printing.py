@@ -8,6 +8,8 @@ numbered them.
 
 from __future__ import annotations
 
+import re
+
 import sympy
 import torch
 import torch.fx as fx
@@ -15,11 +17,11 @@ import torch.fx as fx
 __all__ = ["graph_text"]
 
 
-def _fmt(arg) -> str:
+def _fmt(arg, names: dict) -> str:
     if isinstance(arg, fx.Node):
-        return arg.name
+        return names.get(arg, arg.name)
     if isinstance(arg, (list, tuple)):
-        inner = ", ".join(_fmt(a) for a in arg)
+        inner = ", ".join(_fmt(a, names) for a in arg)
         return f"[{inner}]"
     if isinstance(arg, torch.dtype):
         return str(arg).replace("torch.", "")
@@ -55,9 +57,22 @@ def _op_name(target) -> str:
     return name
 
 
+def _node_names(gm: fx.GraphModule) -> dict:
+    """Placeholders keep their names; ops are numbered per base name in graph order (FX's own
+    suffixes depend on how many nodes were made and erased on the way)."""
+    names, counts = {}, {}
+    for node in gm.graph.nodes:
+        if node.op != "call_function":
+            continue
+        base = re.sub(r"_\d+$", "", node.name)
+        counts[base] = counts.get(base, -1) + 1
+        names[node] = f"{base}_{counts[base]}" if counts[base] else base
+    return names
+
+
 def graph_text(gm: fx.GraphModule, weights: bool = False) -> str:
     """The graph as text. Weight placeholders are summarised unless ``weights``."""
-    lines, names = [], {}
+    lines, names, node_names = [], {}, _node_names(gm)
     for node in gm.graph.find_nodes(op="placeholder"):
         _shape(node, names)  # number the symbols by the inputs' dims first
     inputs = []
@@ -67,11 +82,11 @@ def graph_text(gm: fx.GraphModule, weights: bool = False) -> str:
             if weights or spec is None or spec.kind not in ("param", "buffer"):
                 inputs.append(f"{node.name}{_shape(node, names)}")
         elif node.op == "call_function":
-            args = ", ".join([_fmt(a) for a in node.args] +
-                             [f"{k}={_fmt(v)}" for k, v in node.kwargs.items()])
+            args = ", ".join([_fmt(a, node_names) for a in node.args] +
+                             [f"{k}={_fmt(v, node_names)}" for k, v in node.kwargs.items()])
             shape = _shape(node, names)
-            lines.append(f"{node.name} = {_op_name(node.target)}({args})" +
+            lines.append(f"{node_names[node]} = {_op_name(node.target)}({args})" +
                          (f"  # {shape}" if shape else ""))
         elif node.op == "output":
-            lines.append(f"return {_fmt(node.args[0])}")
+            lines.append(f"return {_fmt(node.args[0], node_names)}")
     return "inputs: " + ", ".join(inputs) + "\n" + "\n".join(lines)
