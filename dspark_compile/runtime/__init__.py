@@ -44,4 +44,5 @@ __all__ = [
     "fit_additive_model",
     "plan_verify",
     "survival",
+    "table_from_samples",
 ]

@@ -1,4 +1,4 @@
-"""Argument checks shared by the runtime modules; each raises ``ValueError`` with value, rule, fix."""
+"""Argument checks shared by the runtime modules: ``ValueError`` with the value, rule and fix."""
 
 from __future__ import annotations
 

@@ -101,12 +101,15 @@ class TemperatureCalibrator:
         self._log_grid = torch.linspace(-1.0, 1.0, c.grid_points, **f64) * torch.log(
             torch.tensor(c.grid_span, **f64))  # [grid]
         self._sig = torch.sigmoid(mids[None, :] / self._log_grid.exp()[:, None])  # [grid, bins]
+        self._positions = torch.arange(c.gamma, device=device)  # [gamma]
+        self._bin_ids = torch.arange(c.num_bins, device=device)  # [bins]
 
     def temperatures(self) -> torch.Tensor:
         """float64 [gamma]: the temperature applied at each draft position."""
         return self.log_temperature.exp()
 
     def _clamped_logit(self, confidence: torch.Tensor) -> torch.Tensor:
+        """float64 logit of ``confidence`` clamped to the binned range (0 and 1 included)."""
         r = self.config.logit_range
         return torch.logit(confidence.to(torch.float64)).clamp(-r, r)  # NaN stays NaN
 
@@ -124,7 +127,7 @@ class TemperatureCalibrator:
         if c.static_temperature is not None:
             return
         z = self._clamped_logit(confidence)  # [R, gamma]
-        k = torch.arange(c.gamma, device=z.device)[None, :]  # [1, gamma]
+        k = self._positions[None, :]  # [1, gamma]
         acc = accepted[:, None]
         trial = (k < torch.minimum(acc + 1, verified[:, None])) & ~torch.isnan(z)  # [R, gamma]
         hit = trial & (k < acc)  # [R, gamma]
@@ -132,12 +135,13 @@ class TemperatureCalibrator:
         bins = ((torch.nan_to_num(z) + c.logit_range) / width).floor().long()
         bins = bins.clamp_(0, c.num_bins - 1)  # [R, gamma]; z = +range lands in the last bin
         # One-hot sums rather than index_add_: a plain reduction is deterministic on CUDA too.
-        onehot = torch.nn.functional.one_hot(bins, c.num_bins).double()  # [R, gamma, bins]
+        onehot = (bins[..., None] == self._bin_ids).double()  # [R, gamma, bins]
         self.trials.mul_(c.decay).add_((onehot * trial[..., None]).sum(0))
         self.hits.mul_(c.decay).add_((onehot * hit[..., None]).sum(0))
         self._refit()
 
     def _refit(self) -> None:
+        """Grid-fit every position and the pooled bins, then blend (see the module docstring)."""
         prior = self.config.prior_trials
         n = self.trials.sum(1)  # [gamma]
         pooled_n = n.sum()

@@ -11,8 +11,10 @@ position ``k`` (greedy rows use T = 1): one slope shared by all positions, one i
 
 Each verified step labels the accepted drafts 1 and the first rejected one 0 (drafts after it
 were never judged) and adds their Newton (IRLS) statistics; every ``refit_every`` calls one
-damped, ridge-regularised Newton step is taken. Everything stays on the tensors' device with no
-host sync: the call counter is a tensor and the refit is applied with ``torch.where``. The
+damped, ridge-regularised Newton step is taken, bounded per parameter (``max_step``), dropped
+if not finite, and with a slope step that would turn the slope negative halved (up to 8 times)
+or dropped. The statistics then restart at the new parameters. Everything stays on the device
+with no host sync: the call counter is a tensor and the refit is applied with ``torch.where``. The
 Hessian is an arrow matrix (the slope couples to every intercept, intercepts not to each other),
 so the step is solved in closed form with elementwise ops, ready for a Triton port.
 """
@@ -82,9 +84,9 @@ def draft_logit_qmax(draft_logits: torch.Tensor, temperature: torch.Tensor) -> t
     return x.clamp(-_X_CLAMP, _X_CLAMP)
 
 
-def _labels(accepted: torch.Tensor, verified: torch.Tensor, gamma: int, device):
+def _labels(accepted: torch.Tensor, verified: torch.Tensor, positions: torch.Tensor):
     """weight [R, gamma] (1 where a draft was judged) and label [R, gamma] (1 where accepted)."""
-    k = torch.arange(gamma, device=device)[None, :]  # [1, gamma]
+    k = positions[None, :]  # [1, gamma]
     acc = accepted[:, None]
     judged = k < torch.minimum(acc + 1, verified[:, None])  # [R, gamma]
     return judged.to(torch.float64), (k < acc).to(torch.float64)
@@ -106,6 +108,9 @@ class AcceptanceEstimator:
         self.h_xx = torch.zeros(g, **f64)  # [gamma] sum w x^2 per position
         self.h_x1 = torch.zeros(g, **f64)  # [gamma] sum w x per position
         self.h_11 = torch.zeros(g, **f64)  # [gamma] sum w per position
+        # Constants, built once rather than on every step.
+        self._positions = torch.arange(g, device=device)  # [gamma]
+        self._halves = torch.pow(0.5, torch.arange(config.slope_halvings + 1, **f64))  # [H + 1]
 
     def predict(self, x: torch.Tensor) -> torch.Tensor:
         """Conditional acceptance [R, gamma] (float32) for features ``x [R, gamma]``."""
@@ -116,7 +121,7 @@ class AcceptanceEstimator:
         ``accepted [R]`` drafts accepted, ``verified [R]`` drafts verified (``len - 1``)."""
         g = self.config.gamma
         check_outcomes("AcceptanceEstimator.observe", x, accepted, verified, g)
-        weight, label = _labels(accepted, verified, g, x.device)  # [R, gamma] each
+        weight, label = _labels(accepted, verified, self._positions)  # [R, gamma] each
         xd = x.to(torch.float64)
         p = torch.sigmoid(self.slope * xd + self.bias)  # [R, gamma]
         resid = weight * (label - p)  # [R, gamma]
@@ -144,6 +149,11 @@ class AcceptanceEstimator:
         return d_slope, d_bias
 
     def _maybe_refit(self) -> None:
+        """On every ``refit_every``-th call, take the guarded Newton step and restart the window.
+
+        The step is computed on every call and applied with ``torch.where``: reading the call
+        counter on the host to branch would be a device sync per step.
+        """
         cfg = self.config
         due = self.calls.remainder(cfg.refit_every) == 0  # [] bool, stays on the device
         d_slope, d_bias = self._newton_step()
@@ -154,9 +164,7 @@ class AcceptanceEstimator:
         d_bias = (d_bias * damp).clamp(-bound, bound)  # [gamma]
         finite = torch.isfinite(d_slope) & torch.isfinite(d_bias).all()
         # Halve a slope step that would turn the slope negative, up to slope_halvings times.
-        halves = torch.pow(0.5, torch.arange(cfg.slope_halvings + 1, dtype=torch.float64,
-                                             device=d_slope.device))  # [H + 1]
-        tries = d_slope * halves  # [H + 1]
+        tries = d_slope * self._halves  # [H + 1]
         ok = self.slope + tries >= 0  # [H + 1]
         first = torch.argmax(ok.to(torch.int8))  # first try that keeps slope >= 0
         kept = tries.gather(0, first.reshape(1)).reshape(())  # gather: no host read of first

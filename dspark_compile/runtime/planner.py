@@ -13,13 +13,14 @@ Lengths: the global top-``K`` survivals, ordered by (survival desc, position asc
 ``len_r = 1 + picks in row r``. Survival never increases along a row and ties go to the lower
 position, so the picks of a row are a prefix and the lengths are a valid verify layout.
 
-The host reference runs on NumPy views of CPU tensors: on the 2-core CPU it was tuned on, a
-torch op costs ~6 us of dispatch and a stable float sort of 1792 survivals ~95 us, so the
-torch version of this file took 150-190 us per step at R = 256 against ~70 us here (see
-benchmarks/planner_host.py). There is no Python loop over requests. Survival is float32 and the
-sort key packs its 31 bits above the 32-bit position-major index ``j * R + r``: one unstable
-int64 sort then yields (survival desc, position asc, request asc) and is deterministic because
-no two keys are equal. Sums are float64.
+The host reference runs on NumPy views of CPU tensors. On the 2-core Xeon it was tuned on, a
+torch call costs 2-8 us of dispatch even on 1792 elements and a stable torch sort of 1792
+float64 survivals 63 us; the same algorithm written in torch ops took 118 / 120 / 128 / 232 us
+per step at R = 1 / 8 / 64 / 256 (gamma 7) against 37 / 31 / 45 / 72 us in NumPy (see
+benchmarks/planner_host.py for the figures of this file). There is no Python loop over
+requests. Survival is float32 and the sort key packs its 31 bits above the 32-bit
+position-major index ``j * R + r``: one unstable int64 sort then yields (survival desc,
+position asc, request asc) and is deterministic because no two keys are equal. Sums are float64.
 """
 
 from __future__ import annotations

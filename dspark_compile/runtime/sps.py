@@ -39,6 +39,7 @@ __all__ = [
 
 SPS_SCHEMA = "dspark_compile.sps_table/1"
 """Value of the ``schema`` key of every SPS table file this version reads and writes."""
+_MAX_TOKENS = 1 << 20  # lookup keeps a rate per B up to the largest point: 8 MiB at this bound
 
 _TOP_KEYS = {"schema", "metadata", "entries"}
 _META_KEYS = {"gpu", "model", "versions", "tiers"}
@@ -95,6 +96,7 @@ class SpsSample(NamedTuple):
 
 
 def _bad(where: str, value, rule: str, fix: str) -> ValueError:
+    """The error for ``where=value``: what rule it breaks and how to fix it."""
     return ValueError(f"{where}={value!r} {rule}; {fix}")
 
 
@@ -115,22 +117,16 @@ class SpsTable:
     def __post_init__(self) -> None:
         object.__setattr__(self, "entries", tuple(self.entries))
         _check_entries(self.entries, "SpsTable")
-        groups: dict[int | None, tuple[torch.Tensor, torch.Tensor]] = {}
+        dense: dict[int | None, torch.Tensor] = {}
         for key in sorted({e.requests for e in self.entries}, key=lambda r: r or 0):
             rows = [e for e in self.entries if e.requests == key]
-            groups[key] = (
-                torch.tensor([e.tokens for e in rows], dtype=torch.int64),  # [P]
-                torch.tensor([e.steps_per_second for e in rows], dtype=torch.float64),  # [P]
-            )
-        dense = {}
-        for key, (measured_tokens, sps) in groups.items():
-            every_b = torch.arange(int(measured_tokens[-1]) + 1)  # [B_max + 1]
-            idx = torch.searchsorted(measured_tokens, every_b, right=True) - 1
-            dense[key] = sps[idx.clamp_(min=0)]  # [B_max + 1]: floored rate at every B
+            measured = torch.tensor([e.tokens for e in rows])  # [P]
+            sps = torch.tensor([e.steps_per_second for e in rows], dtype=torch.float64)  # [P]
+            idx = torch.searchsorted(measured, torch.arange(rows[-1].tokens + 1), right=True) - 1
+            dense[key] = sps[idx.clamp_(min=0)]  # [B_max + 1]: the floored rate at every B
         # Derived lookup tensors; not dataclass fields, so equality compares the entries only.
-        object.__setattr__(self, "_groups", groups)
         object.__setattr__(self, "_dense", dense)
-        object.__setattr__(self, "_request_keys", tuple(groups))
+        object.__setattr__(self, "_request_keys", tuple(dense))
 
     # ------------------------------------------------------------------ lookup
     def _group(self, requests: int) -> int | None:
@@ -143,12 +139,12 @@ class SpsTable:
 
     def steps_per_second(self, tokens: torch.Tensor, requests: int) -> torch.Tensor:
         """float64 SPS at each entry of ``tokens`` (any shape), floored to the measured points."""
-        measured_tokens, sps = self._groups[self._group(requests)]
-        idx = torch.searchsorted(measured_tokens, tokens.to(torch.int64), right=True) - 1
-        return sps[idx.clamp_(min=0)]
+        dense = self._dense[self._group(requests)]  # [B_max + 1]
+        return dense[tokens.to(torch.int64).clamp(0, dense.numel() - 1)]
 
     def rate_span(self, first_tokens: int, count: int, requests: int) -> torch.Tensor:
-        """float64 [count] SPS at consecutive ``B`` from ``first_tokens``: a view when it can be.
+        """float64 [count] SPS at consecutive ``B`` from ``first_tokens``; read-only (a view of
+        the table when it can be).
 
         The planner asks for ``B = R .. R + R * gamma`` every step; slicing a per-B array built
         once costs one view instead of a search per step.
@@ -217,6 +213,7 @@ class SpsTable:
 
 # ---------------------------------------------------------------------- validation helpers
 def _check_keys(obj: dict, required: set, allowed: set, where: str) -> None:
+    """Refuse a JSON object that lacks a required key or has one outside ``allowed``."""
     missing = sorted(required - obj.keys())
     extra = sorted(obj.keys() - allowed)
     if missing:
@@ -227,6 +224,7 @@ def _check_keys(obj: dict, required: set, allowed: set, where: str) -> None:
 
 
 def _parse_metadata(meta, where: str) -> SpsMetadata:
+    """Validate the ``metadata`` object of a table file."""
     if not isinstance(meta, dict):
         raise _bad(where, meta, "is not an object", f"write an object with {sorted(_META_KEYS)}")
     _check_keys(meta, _META_KEYS, _META_KEYS, where)
@@ -254,6 +252,7 @@ def _parse_metadata(meta, where: str) -> SpsMetadata:
 
 
 def _parse_entry(entry, where: str) -> SpsEntry:
+    """Validate the keys and integer fields of one ``entries`` item (rates: _check_entries)."""
     if not isinstance(entry, dict):
         raise _bad(where, entry, "is not an object", 'write {"tokens": B, "steps_per_second": x}')
     _check_keys(entry, {"tokens", "steps_per_second"}, _ENTRY_KEYS, where)
@@ -272,7 +271,9 @@ def _check_entries(entries: tuple[SpsEntry, ...], where: str) -> None:
     keyed = entries[0].requests is not None
     for i, e in enumerate(entries):
         at = f"{where}[{i}]"
-        positive_int(f"{at}.tokens", e.tokens)
+        if positive_int(f"{at}.tokens", e.tokens) > _MAX_TOKENS:
+            raise _bad(f"{at}.tokens", e.tokens, f"exceeds {_MAX_TOKENS} tokens in one step",
+                       "check the profiler's units (tokens per step, not per run)")
         rate = e.steps_per_second
         if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not (
             math.isfinite(rate) and rate > 0

@@ -50,6 +50,7 @@ def _interp(x: torch.Tensor, knots: torch.Tensor, values: torch.Tensor) -> torch
 
 
 def _knots(name: str, knots: Sequence[int]) -> tuple[int, ...]:
+    """``knots`` as a strictly increasing tuple of positive ints, or a ValueError."""
     knots = tuple(positive_int(f"{name}[{i}]", k) for i, k in enumerate(knots))
     if not knots or any(b <= a for a, b in zip(knots, knots[1:])):
         raise ValueError(f"{name}={knots!r} is not a non-empty strictly increasing sequence; "

@@ -70,9 +70,11 @@ class WidthPolicyConfig:
         object.__setattr__(self, "widths", widths)
 
 
-def expected_tokens(hazards: torch.Tensor, width: int) -> float:
-    """E(w) = 1 + sum_{j < w-1} prod_{m <= j} h_m for hazards ``[gamma]``."""
-    return 1.0 + float(torch.cumprod(hazards[: width - 1].to(torch.float64), 0).sum())
+def expected_tokens(hazards: torch.Tensor) -> torch.Tensor:
+    """float64 [gamma + 1]: ``E(w) = 1 + sum_{j < w-1} prod_{m <= j} h_m`` at index ``w - 1``,
+    for hazards ``[gamma]``."""
+    survival = torch.cumprod(hazards.to(torch.float64), 0)  # [gamma]
+    return torch.cat([survival.new_zeros(1), torch.cumsum(survival, 0)]) + 1.0  # [gamma + 1]
 
 
 class WidthPolicy:
@@ -92,8 +94,8 @@ class WidthPolicy:
         """Queue the histogram of a step run at ``width``; fold the one ``histogram_lag`` old.
 
         ``accept_hist [gamma + 1]``: requests of the step that accepted ``a`` drafts, at index
-        ``a``. It may live on the device; it is read only once ``histogram_lag`` more steps have
-        been queued.
+        ``a``. It may live on the device; it is read (and a corrupt one refused) only once
+        ``histogram_lag`` more steps have been queued.
         """
         gamma = self.config.gamma
         if width not in self.config.widths:
@@ -107,6 +109,7 @@ class WidthPolicy:
             self._fold(*self._pending.popleft())
 
     def _fold(self, width: int, accept_hist: torch.Tensor) -> None:
+        """Decay the counts and add one step's reached / accepted drafts per position."""
         hist = accept_hist.to("cpu", torch.float64)  # [gamma + 1]
         if not bool(torch.isfinite(hist).all()) or bool((hist < 0).any()):
             raise ValueError(f"WidthPolicy: accept_hist={hist.tolist()} has a negative or "
@@ -134,8 +137,8 @@ class WidthPolicy:
                              "run the full width until every position has been reached")
         widths = torch.tensor(self.config.widths)  # [W]
         rates = self.rate.steps_per_second(widths * batch_size, batch_size)  # [W]
-        return {w: batch_size * expected_tokens(h, w) * float(rate)
-                for w, rate in zip(self.config.widths, rates)}
+        scores = batch_size * expected_tokens(h)[widths - 1] * rates  # [W]
+        return dict(zip(self.config.widths, scores.tolist()))
 
     def choose(self, batch_size: int, *, full: bool = False) -> int:
         """Width of this step for ``batch_size`` requests; ``full=True`` for steps that need the

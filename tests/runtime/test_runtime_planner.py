@@ -1,0 +1,253 @@
+"""Planner: budget by argmax Theta, prefix lengths, options, determinism, refusals."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dspark_compile.runtime import (
+    AdditiveStepModel,
+    Planner,
+    PlannerConfig,
+    SpsEntry,
+    SpsMetadata,
+    SpsTable,
+    plan_verify,
+    survival,
+)
+
+META = SpsMetadata(gpu="test", model="test")
+SETTINGS = settings(max_examples=60, deadline=None)
+
+# Ties on purpose: 0, 1 and a few repeated values besides arbitrary probabilities.
+probability = st.one_of(st.sampled_from([0.0, 1.0, 0.5, 0.25, 0.9]),
+                        st.floats(0.0, 1.0, allow_nan=False))
+
+
+@st.composite
+def cases(draw, max_r=5, max_gamma=4):
+    r = draw(st.integers(1, max_r))
+    gamma = draw(st.integers(1, max_gamma))
+    conf = torch.tensor(draw(st.lists(probability, min_size=r * gamma, max_size=r * gamma)),
+                        dtype=torch.float32).reshape(r, gamma)
+    top = r * (gamma + 1) + 2
+    rates = draw(st.lists(st.floats(1.0, 100.0), min_size=top, max_size=top))
+    table = SpsTable(META, tuple(SpsEntry(b + 1, rate) for b, rate in enumerate(rates)))
+    return conf, table
+
+
+def _ranked_reference(conf: torch.Tensor) -> list[tuple[float, int, int]]:
+    """(survival, position, request) sorted by survival desc, position asc, request asc."""
+    surv = survival(conf).tolist()
+    items = [(s, j, r) for r, row in enumerate(surv) for j, s in enumerate(row)]
+    return sorted(items, key=lambda t: (-t[0], t[1], t[2]))
+
+
+def _brute_force_k(conf: torch.Tensor, table, min_survival: float = 1e-6) -> int:
+    r = conf.shape[0]
+    ranked = [s for s, _, _ in _ranked_reference(conf) if s >= min_survival]
+    best_k, best, mass = 0, -math.inf, 0.0
+    for k in range(len(ranked) + 1):
+        if k:
+            mass += ranked[k - 1]
+        theta = (r + mass) * float(table.steps_per_second(torch.tensor([r + k]), r)[0])
+        if theta > best:
+            best_k, best = k, theta
+    return best_k
+
+
+def _reference_lens(conf: torch.Tensor, k: int) -> list[int]:
+    counts = [0] * conf.shape[0]
+    for _, _, r in _ranked_reference(conf)[:k]:
+        counts[r] += 1
+    return [1 + c for c in counts]
+
+
+@SETTINGS
+@given(cases())
+def test_budget_matches_brute_force_and_lengths_are_top_k_prefixes(case):
+    conf, table = case
+    r, gamma = conf.shape
+    plan = plan_verify(conf, table)
+    assert plan.num_draft_tokens == _brute_force_k(conf, table)
+    assert plan.lens.dtype == torch.int32 and plan.lens.shape == (r,)
+    assert int(plan.lens.sum()) - r == plan.num_draft_tokens
+    assert plan.num_tokens == int(plan.lens.sum())
+    assert int(plan.lens.min()) >= 1 and int(plan.lens.max()) <= gamma + 1
+    assert plan.lens.tolist() == _reference_lens(conf, plan.num_draft_tokens)
+    # Prefix: the picks of every row are its first len - 1 positions.
+    picked = {(rr, j) for _, j, rr in _ranked_reference(conf)[: plan.num_draft_tokens]}
+    for rr, length in enumerate(plan.lens.tolist()):
+        assert {j for q, j in picked if q == rr} == set(range(length - 1))
+
+
+@SETTINGS
+@given(cases(), st.data())
+def test_raising_a_requests_confidence_never_shortens_it(case, data):
+    conf, table = case
+    r = data.draw(st.integers(0, conf.shape[0] - 1))
+    factor = data.draw(st.floats(0.0, 1.0))
+    raised = conf.clone()
+    raised[r] = raised[r] + factor * (1.0 - raised[r])  # elementwise >= and still <= 1
+    base = plan_verify(conf, table, budget_confidence=conf)
+    more = plan_verify(raised, table, budget_confidence=conf)  # same lagged budget
+    assert int(more.lens[r]) >= int(base.lens[r])
+
+
+@SETTINGS
+@given(cases())
+def test_same_inputs_same_plan_bit_for_bit(case):
+    conf, table = case
+    a = plan_verify(conf, table)
+    b = plan_verify(conf.clone().double(), table)
+    c = Planner(table)(conf.clone())
+    assert torch.equal(a.lens, b.lens) and torch.equal(a.lens, c.lens)
+    assert a.num_draft_tokens == b.num_draft_tokens == c.num_draft_tokens
+
+
+@pytest.mark.parametrize("levels", [None, 4])
+def test_large_batch_matches_the_reference_ordering(levels):
+    gen = torch.Generator().manual_seed(1)
+    conf = torch.rand(256, 7, generator=gen)
+    if levels:  # many exact ties across requests and positions
+        conf = torch.floor(conf * levels) / levels + 1.0 / levels
+    table = SpsTable(META, tuple(SpsEntry(b, 1000.0 / (1.0 + b / 300.0))
+                                 for b in (1, 64, 256, 300, 512, 1024, 2048)))
+    plan = plan_verify(conf, table)
+    assert plan.lens.tolist() == _reference_lens(conf, plan.num_draft_tokens)
+    assert plan.num_draft_tokens == _brute_force_k(conf, table)
+    assert 0 < plan.num_draft_tokens < 256 * 7
+
+
+def test_additive_model_as_the_rate():
+    model = AdditiveStepModel(bias=1.5e-3, request_knots=(1, 64), request_seconds=(0.0, 1e-3),
+                              token_knots=(1, 512, 2048), token_seconds=(0.0, 4e-3, 2e-2))
+    conf = torch.rand(64, 7, generator=torch.Generator().manual_seed(2))
+    plan = plan_verify(conf, model)
+    assert plan.num_draft_tokens == _brute_force_k(conf, model)
+    assert plan.lens.tolist() == _reference_lens(conf, plan.num_draft_tokens)
+
+
+def test_ties_go_to_the_lower_position_then_the_lower_request():
+    conf = torch.tensor([[1.0, 1.0, 0.5], [1.0, 1.0, 0.5]])  # survivals [1, 1, .5] twice
+    lens = {k: plan_verify(conf, None, PlannerConfig(budget_frac=k / 6)).lens.tolist()
+            for k in range(1, 7)}
+    assert lens == {1: [2, 1], 2: [2, 2], 3: [3, 2], 4: [3, 3], 5: [4, 3], 6: [4, 4]}
+
+
+def test_theta_ties_go_to_the_smallest_budget():
+    conf = torch.tensor([[1.0, 0.5, 1.0]])  # survivals 1, .5, .5
+    # Theta(k) = (1 + P_k) * SPS(1 + k) = 1*3, 2*1.5, 2.5*1.2, 3*1 : all equal to 3.
+    table = SpsTable(META, (SpsEntry(1, 3.0), SpsEntry(2, 1.5), SpsEntry(3, 1.2),
+                            SpsEntry(4, 1.0)))
+    rates = table.rate_span(1, 4, 1).tolist()
+    assert [rate * (1 + p) for rate, p in zip(rates, (0, 1, 1.5, 2))] == [3.0] * 4
+    assert plan_verify(conf, table).num_draft_tokens == 0
+    table = SpsTable(META, (SpsEntry(1, 2.0), SpsEntry(2, 1.5), SpsEntry(3, 1.2),
+                            SpsEntry(4, 1.0)))
+    assert plan_verify(conf, table).num_draft_tokens == 1
+
+
+def test_small_survivals_are_not_candidates():
+    conf = torch.tensor([[0.9, 1e-4, 1.0], [0.9, 1e-3, 1e-2]])  # 9e-5, 9e-5 / 9e-4, 9e-6
+    flat = SpsTable(META, (SpsEntry(1, 10.0),))  # constant rate: Theta grows with every token
+    assert plan_verify(conf, flat).lens.tolist() == [4, 4]
+    tiny = torch.tensor([[1e-3, 1e-3, 1e-3]])  # 1e-3, 1e-6, 1e-9
+    assert plan_verify(tiny, flat).lens.tolist() == [3]
+
+
+def test_no_table_verifies_everything_and_cap_is_hard():
+    conf = torch.rand(5, 4, generator=torch.Generator().manual_seed(0))
+    assert plan_verify(conf, None).lens.tolist() == [5] * 5
+    flat = SpsTable(META, (SpsEntry(1, 10.0),))
+    capped = plan_verify(conf, flat, PlannerConfig(budget_frac=0.3))
+    assert capped.num_draft_tokens == math.floor(0.3 * 20)
+    assert capped.lens.tolist() == _reference_lens(conf, 6)
+
+
+def test_threshold_mode_verifies_survivals_above_it():
+    conf = torch.tensor([[0.9, 0.9, 0.5], [0.4, 1.0, 1.0]])  # .9 .81 .405 / .4 .4 .4
+    plan = plan_verify(conf, None, PlannerConfig(threshold=0.41))
+    assert plan.lens.tolist() == [3, 1]
+    assert plan_verify(conf, None, PlannerConfig(threshold=0.4)).lens.tolist() == [4, 4]
+
+
+def test_budget_aligns_up_to_the_chosen_tier():
+    conf = torch.full((4, 3), 0.5)  # survivals .5 .25 .125 per request
+    cliff = SpsTable(META, (SpsEntry(1, 100.0), SpsEntry(9, 10.0)))  # B <= 8 fast
+    assert plan_verify(conf, cliff).num_draft_tokens == 4  # B = 8
+    small_tiers = PlannerConfig(tiers=((6, 4), (8, 2)))  # too few tokens / request slots
+    assert plan_verify(conf, cliff, small_tiers).num_draft_tokens == 4
+    big_tier = PlannerConfig(tiers=((12, 4), (6, 4), (8, 2)))
+    assert plan_verify(conf, cliff, big_tier).lens.tolist() == [3, 3, 3, 3]  # 12 tokens paid
+    conf_small = torch.full((4, 3), 0.5)
+    slow = SpsTable(META, (SpsEntry(1, 100.0), SpsEntry(6, 10.0)))  # K = 1 (B = 5)
+    assert plan_verify(conf_small, slow).num_draft_tokens == 1
+    aligned = plan_verify(conf_small, slow, PlannerConfig(tiers=((8, 4), (16, 4))))
+    assert aligned.num_draft_tokens == 4  # filled up to the 8-token tier
+    assert aligned.lens.tolist() == [2, 2, 2, 2]
+    capped = plan_verify(conf_small, slow, PlannerConfig(tiers=((8, 4),), budget_frac=0.25))
+    assert capped.num_draft_tokens == 3  # the hard cap wins over alignment
+
+
+def test_budget_lag_uses_the_confidence_of_lag_steps_ago():
+    table = SpsTable(META, tuple(SpsEntry(b, 100.0 / (1 + b / 20)) for b in range(1, 40)))
+    steps = [torch.full((3, 4), v) for v in (0.95, 0.3, 0.6, 0.8)]
+    planner = Planner(table, PlannerConfig(budget_lag=2))
+    for i, conf in enumerate(steps):
+        plan = planner(conf)
+        lagged = steps[max(0, i - 2)]
+        want = plan_verify(conf, table, budget_confidence=lagged)
+        assert plan.num_draft_tokens == want.num_draft_tokens
+        assert torch.equal(plan.lens, want.lens)
+    assert plan_verify(steps[3], table, budget_confidence=steps[1]).num_draft_tokens != \
+        plan_verify(steps[3], table).num_draft_tokens
+
+
+def test_lagged_budget_from_another_batch_size_is_clipped():
+    table = SpsTable(META, (SpsEntry(1, 10.0),))
+    big = torch.full((16, 4), 0.99)
+    small = torch.tensor([[0.5, 0.5, 1e-7, 1.0]])
+    plan = plan_verify(small, table, budget_confidence=big)
+    assert plan.lens.tolist() == [3]  # 64 budgeted, 2 candidates now
+
+
+@pytest.mark.parametrize("conf,match", [
+    (torch.tensor([[0.5, float("nan")]]), r"confidence\[0, 1\]=nan is not a probability"),
+    (torch.tensor([[0.5, 1.5]]), r"confidence\[0, 1\]=1.5 is not"),
+    (torch.tensor([[0.5, 0.5], [-0.25, 0.5]]), r"confidence\[1, 0\]=-0.25 is not"),
+    (torch.tensor([0.5, 0.5]), "shape"),
+    (torch.zeros(0, 3), "shape"),
+])
+def test_bad_confidence_is_refused(conf, match):
+    with pytest.raises(ValueError, match=match):
+        plan_verify(conf, None)
+
+
+def test_negative_zero_is_a_zero():
+    conf = torch.tensor([[-0.0, 0.5], [0.5, 0.5]])
+    plan = plan_verify(conf, None, PlannerConfig(budget_frac=0.5))
+    assert plan.lens.tolist() == [1, 3]
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    ({"budget_frac": 0.0}, "budget_frac"),
+    ({"budget_frac": 1.5}, "budget_frac"),
+    ({"threshold": float("nan")}, "threshold"),
+    ({"min_survival": -1.0}, "min_survival"),
+    ({"tiers": ((8,),)}, r"tiers\[0\]"),
+    ({"tiers": ((8, 0),)}, r"tiers\[0\]"),
+    ({"budget_lag": -1}, "budget_lag"),
+])
+def test_bad_config_is_refused(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        PlannerConfig(**kwargs)
+
+
+def test_budget_confidence_of_another_drafter_is_refused():
+    with pytest.raises(ValueError, match="gamma=4"):
+        plan_verify(torch.full((2, 4), 0.5), None, budget_confidence=torch.full((2, 3), 0.5))
