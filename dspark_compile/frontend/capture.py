@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import sympy
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 import torch.fx as fx
 from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -135,25 +136,31 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     model.eval()
     try:
         # Factory calls inside the model (torch.arange, ...) must make fake tensors too.
-        with torch.no_grad(), mode:
+        # The python dispatcher keeps sizes symbolic through composite ops (F.linear's size()
+        # calls specialised bs and T on torch 2.11 without it).
+        with torch.no_grad(), mode, enable_python_dispatcher():
             gm = make_fx(dense_verify, tracing_mode="real", record_stack_traces=True)(*fakes)
     finally:
         model.train(was_training)
     gm.graph.eliminate_dead_code()
     name_placeholders(gm, specs)
     gm.recompile()
-    bs, tokens = _token_symbols(gm)
+    bs, tokens = _token_symbols(gm, mode.shape_env)
     _check_guards(mode.shape_env, bs, tokens)
     return CapturedGraph(gm, specs, bs, tokens)
 
 
-def _token_symbols(gm: fx.GraphModule) -> tuple[sympy.Symbol, sympy.Symbol]:
+def _token_symbols(gm: fx.GraphModule, shape_env: ShapeEnv) -> tuple[sympy.Symbol, sympy.Symbol]:
     ids = next(n for n in gm.graph.nodes if n.meta.get("dspark_input", None) is not None
                and n.meta["dspark_input"].kind == "input_ids")
-    bs, tokens = (s.node.expr for s in ids.meta["val"].shape)
-    assert isinstance(bs, sympy.Symbol) and isinstance(tokens, sympy.Symbol), \
-        f"input_ids must have symbolic sizes, got {ids.meta['val'].shape}"
-    return bs, tokens
+    sizes = ids.meta["val"].shape
+    if not all(isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)
+               for s in sizes):
+        guards = [f"{g.expr} at {g.sloc}" for g in shape_env.guards][:8]
+        raise RuntimeError(
+            f"the dense verify forward specialised input_ids to {tuple(sizes)} while being "
+            f"captured; replacements {shape_env.replacements}, guards {guards}")
+    return sizes[0].node.expr, sizes[1].node.expr
 
 
 def _check_guards(shape_env: ShapeEnv, bs: sympy.Symbol, tokens: sympy.Symbol) -> None:

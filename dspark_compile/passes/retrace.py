@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Callable, Sequence
 
 import torch
+from torch._dispatch.python import enable_python_dispatcher
 import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
@@ -37,7 +38,7 @@ def name_placeholders(gm: fx.GraphModule, specs: Sequence) -> None:
 def retrace(fn: Callable, inputs: Sequence, specs: Sequence) -> fx.GraphModule:
     """Trace ``fn(*inputs)`` (fake inputs) to aten, DCE it and name its placeholders."""
     mode = detect_fake_mode(list(inputs))
-    with fx_traceback.preserve_node_meta(), torch.no_grad(), mode:
+    with fx_traceback.preserve_node_meta(), torch.no_grad(), mode, enable_python_dispatcher():
         gm = make_fx(fn, tracing_mode="real", record_stack_traces=True)(*inputs)
     gm.graph.eliminate_dead_code()
     name_placeholders(gm, specs)
