@@ -136,7 +136,7 @@ def hf_dense(model, bs: int):
         return step, None, f"{type(err).__name__}: {err}"[:300]
 
 
-def run(args) -> dict:
+def run(args, save) -> dict:
     model = build_model()
     cfg = model.config
     params = sum(p.numel() for p in model.parameters())
@@ -169,6 +169,7 @@ def run(args) -> dict:
         for name, lens in shapes[bs].items():
             results[bs][f"ours_eager_{name}_ms"] = time_ms(step_fn(bs, lens), iters)
         print(bs, results[bs], flush=True)
+        save({"results": {str(k): v for k, v in results.items()}, "partial": True})
 
     tiers = tier_set(max_bs, BLOCK)
     torch.cuda.synchronize()
@@ -188,6 +189,8 @@ def run(args) -> dict:
         results[bs]["pytorch_dense8_eager_ms"] = time_ms(step, iters)
         results[bs]["pytorch_dense8_graph_ms"] = time_ms(graph.replay, iters) if graph else None
         results[bs]["pytorch_dense8_graph_error"] = error
+        save({"results": {str(k): v for k, v in results.items()}, "capture": capture,
+              "partial": True})
         del step, graph
         torch.cuda.empty_cache()
         for mean, name in ((3, "floor_mean3_ms"), (BLOCK, "floor_all8_ms")):
@@ -248,10 +251,15 @@ def main() -> None:
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("verify_step.py needs a GPU")
-    data = {"environment": environment(), **run(args)}
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "verify_step.json"), "w") as f:
-        json.dump(data, f, indent=1)
+    env = environment()
+
+    def save(part: dict) -> None:
+        with open(os.path.join(args.out, "verify_step.json"), "w") as f:
+            json.dump({"environment": env, **part}, f, indent=1)
+
+    data = {"environment": env, **run(args, save)}
+    save(data)
     try:
         plot(data, os.path.join(args.out, "verify_step.png"))
     except ImportError as err:
