@@ -87,14 +87,14 @@ def full_logits(model, seq: torch.Tensor) -> torch.Tensor:
     """The model's own forward over one whole sequence: ``[len, V]`` (the external oracle)."""
     with torch.no_grad():
         if isinstance(model, PlainDecoder):
-            return model(seq[None], torch.arange(seq.numel())[None])[0]
+            return model(seq[None], torch.arange(seq.numel(), device=seq.device)[None])[0]
         return model(seq[None]).logits[0]
 
 
 class Session:
     """Drives a verifier through prefill and verify/commit rounds, checking every row."""
 
-    def __init__(self, model, verifier, slots, max_context=128, seed=0):
+    def __init__(self, model, verifier, slots, max_context=128, seed=0, device="cpu"):
         self.model, self.verifier, self.slots = model, verifier, list(slots)
         self.state = verifier.new_state(max_requests=max(slots) + 1, max_context=max_context)
         self.rng = random.Random(seed)
@@ -102,6 +102,7 @@ class Session:
         self.vocab = None
         self.seqs: list[torch.Tensor] = []
         self.max_err = 0.0
+        self.device = torch.device(device)
 
     def tokens(self, n: int) -> torch.Tensor:
         return torch.randint(0, self.vocab, (n,), generator=self.gen)
@@ -111,11 +112,12 @@ class Session:
         context = [s.numel() for s in self.seqs] or [0] * len(lens)
         new = [self.tokens(n) for n in lens]
         layout = VerifyLayout.pack(lens, context, self.slots)
-        logits = self.verifier(torch.cat(new), layout, self.state)
+        logits = self.verifier(torch.cat(new).to(self.device), layout, self.state).cpu()
         qsl = layout.query_start_loc.tolist()
         for i, n in enumerate(lens):
             prefix = self.seqs[i] if self.seqs else torch.empty(0, dtype=torch.int64)
-            want = full_logits(self.model, torch.cat([prefix, new[i]]))[-n:]
+            want = full_logits(self.model, torch.cat([prefix, new[i]]).to(self.device))[-n:]
+            want = want.cpu()
             self.max_err = max(self.max_err, (logits[qsl[i]:qsl[i + 1]] - want).abs().max().item())
         accept = accept or [self.rng.randint(1, n) for n in lens]
         self.verifier.commit(layout, accept, self.state)

@@ -22,11 +22,8 @@ def random_layout(rng, max_requests, block, context, slots_pool):
 def test_hf_llama_float32_on_gpu_matches_hf():
     model = tiny_llama().cuda()
     verifier = dspark_compile(model, lowering="triton")
-    session = Session(model, verifier, [3, 0, 2], seed=1)
+    session = Session(model, verifier, [3, 0, 2], seed=1, device="cuda")
     session.vocab = model.config.vocab_size
-    session.gen = torch.Generator().manual_seed(1)
-    real_tokens = session.tokens
-    session.tokens = lambda n: real_tokens(n).cuda()
     session.step([7, 3, 12], accept=[7, 3, 12])
     rng = random.Random(0)
     for _ in range(4):

@@ -5,7 +5,7 @@ Matches (packed graph) and writes, for ``lowering="triton"``::
 
     %o = dspark.ragged_attention.default(%q, %k, %v, ...)
       ->
-    %o = dspark.ragged_attention_triton.default(%q, %k, %v, ...)
+    %o = dspark.ragged_attention_triton.default(%q, %k, %v, ..., 8)    # 8: the block
 
 ``lowering="auto"`` takes Triton on CUDA and ROCm devices (one source; per-target choices live
 in ``lowering/targets.py``) and the reference on the CPU, and says which once in the log.
@@ -39,14 +39,19 @@ def resolve_lowering(requested: str, device: torch.device) -> str:
     return requested
 
 
-def lower(gm: fx.GraphModule, lowering: str) -> PassResult:
-    """Swap each reference ``dspark::`` op for its ``lowering`` implementation, in place."""
+def lower(gm: fx.GraphModule, lowering: str, block: int) -> PassResult:
+    """Swap each reference ``dspark::`` op for its ``lowering`` implementation, in place.
+
+    The Triton attention also gets ``block`` as its query-tile bound (a speed choice only).
+    """
     result = PassResult(f"lower[{lowering}]", changed=0)
     table = LOWERED.get(lowering, {})
     for node in gm.graph.nodes:
         packet = getattr(node.target, "overloadpacket", None)
         if packet in table:
             node.target = table[packet].default
+            if packet is torch.ops.dspark.ragged_attention:
+                node.args = (*node.args, block)
             result.changed += 1
     left = [n.name for n in gm.graph.nodes
             if getattr(n.target, "overloadpacket", None) in table]
