@@ -36,9 +36,11 @@ class TargetConfig:
     attn_max_block_m: int
     """Most (query token x query head) rows in one program's tile (long prefills)."""
     attn_num_warps: int
-    """Warps per attention program."""
+    """Warps per attention program of 16 or 32 rows (64 rows: twice as many)."""
     attn_num_stages: int
     """Software-pipeline depth of the attention loop's K/V loads."""
+    attn_max_registers: int | None
+    """Registers per thread of 16-row programs (``maxnreg``, NVIDIA only; None: no cap)."""
     reduce_num_warps: int
     """Warps per program of the split-KV reduction."""
     split_min_keys: int
@@ -49,36 +51,51 @@ class TargetConfig:
     """Programs to aim for, per multiprocessor, when the batch alone does not fill the GPU."""
     default_sm_count: int
     """Multiprocessors assumed when the device cannot be asked (the interpreter)."""
+    search_chunk: int = 1024
+    """``query_start_loc`` entries a program loads at once to find its request (4 KB)."""
 
 
-# H200 (sm_90), bf16, 16/8 heads, head 128, page 16, context 1024 (benchmarks/attention_kernel.py):
-# 64 keys per tile keeps 32 KB of K+V in flight per stage; 3 stages and 4 warps read the KV
-# pool at the rate benchmarks/results/attention_kernel.json records. The AMD entries are
-# untuned starting points (no MI300 was available): 2 stages is what the AMD stream pipeliner
-# is built around, and 4 wavefronts of 64 lanes give the same 256 threads as 8 NVIDIA warps.
+# H200 (sm_90), bf16, 16/8 heads, head 128, page 16, context 1024, verify width 8, CUDA-graph
+# replay, triton 3.6, us at bs 64 / 256 (KV floor at 4.8 TB/s: 56.4 / 225.4), from
+# `benchmarks/attention_kernel.py --sweep` runs of the build before the final one (the final
+# table, 72.1 / 273.4, is in benchmarks/results/attention_kernel.json):
+#   tile 64, 4 warps, 2 stages, maxnreg 128   71.7 / 271  <- chosen: within 1% in three runs;
+#     38 KB smem and 128 registers keep 4 programs/SM (528 >= bs 64's 512 in one wave)
+#   same without the register cap             91.9 / 296  (155 registers: 3 programs/SM)
+#   tile 32, 4 warps, 3 stages, maxnreg 128   70.1 / 267  (one run; within 2%)
+#   tile 64, 4 warps, 3 stages (uncapped)     89.6 / 289;  tile 128, 8 warps, 3 stages 96 / 370
+# Splits at bs 1 / 8: 8 splits 11.9 us / 5-8 splits 19.1-20.2 us, against 22.7 / 28.1 unsplit
+# and 15.2 / 37.4 at 32 splits (so >= 128 keys per split); bs 64 in 2 splits: 81.9 vs 71.6.
+# The sm_80 and AMD entries are untuned starting points (no A100 or MI300 was available):
+# 2 stages is what the AMD stream pipeliner is built around, and 4 wavefronts of 64 lanes
+# give 256 threads a program.
 TARGETS: dict[str, TargetConfig] = {
     "sm_80": TargetConfig(
         name="sm_80", backend="cuda", arch=80, warp_size=32, fp32_dot_precision="tf32",
-        attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=3,
-        reduce_num_warps=4, split_min_keys=64, split_max=16, split_waves=2,
+        attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
+        attn_max_registers=128,
+        reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
         default_sm_count=108,
     ),
     "sm_90": TargetConfig(
         name="sm_90", backend="cuda", arch=90, warp_size=32, fp32_dot_precision="tf32",
-        attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=3,
-        reduce_num_warps=4, split_min_keys=64, split_max=16, split_waves=2,
+        attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
+        attn_max_registers=128,
+        reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
         default_sm_count=132,
     ),
     "gfx942": TargetConfig(
         name="gfx942", backend="hip", arch="gfx942", warp_size=64, fp32_dot_precision="ieee",
         attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
-        reduce_num_warps=4, split_min_keys=64, split_max=16, split_waves=2,
+        attn_max_registers=None,
+        reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
         default_sm_count=304,
     ),
     "gfx950": TargetConfig(
         name="gfx950", backend="hip", arch="gfx950", warp_size=64, fp32_dot_precision="ieee",
         attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
-        reduce_num_warps=4, split_min_keys=64, split_max=16, split_waves=2,
+        attn_max_registers=None,
+        reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
         default_sm_count=256,
     ),
 }

@@ -1,31 +1,24 @@
 """Triton lowering of ``dspark::ragged_attention``: paged KV write + ragged causal attention.
 
-Kernels first, then the launch plan and the host wrapper (the order of the Triton tutorials);
-the oracle is :func:`dspark_compile.lowering.reference.ragged_attention`.
+Kernels, then launch plan and host wrapper (the Triton tutorials' order); the oracle is
+:func:`dspark_compile.lowering.reference.ragged_attention`. One launch, two when split:
 
-Design (one launch, two when the context is split):
-
-- Grid ``(N // BLOCK_Q + R + 1, Hkv, splits)``, from shapes only. Axis 0 enumerates q-blocks:
-  request ``i`` owns block ids ``qsl[i] // BLOCK_Q + i ..`` (a strictly increasing start, so a
-  binary search over ``query_start_loc`` finds it on the device, empty requests included);
-  ids past the last request belong to a pseudo-request holding the padding rows
+- Grid ``(N // BLOCK_Q + R + 1, Hkv, splits)`` from shapes only. Request ``i`` owns q-block
+  ids from ``qsl[i] // BLOCK_Q + i`` (strictly increasing, so a program finds its request by
+  counting, empty requests included); ids past the last request hold the padding rows
   ``qsl[R] .. N - 1``, which come out as zeros. Surplus programs exit at once.
-- A program's tile is ``BLOCK_Q`` query tokens x the ``GROUP`` query heads of one KV head
-  (``BLOCK_M = BLOCK_Q * GROUP_PAD`` rows), so every K/V load serves the whole group: at
-  verify widths (``max_query_len <= BLOCK_Q``) each request's KV is read once per KV head.
-- The KV write is fused: split 0 of each q-block writes its rows' K/V into the pool, and the
-  attention reads the request's *own* new keys straight from ``k``/``v`` (cast to the pool's
-  dtype, as the pool would hold them), so no program reads a pool row written in the same
-  launch. Precondition (what ``VerifierState.slot_mapping`` produces): ``slot_mapping`` of row
-  ``qsl[i] + j`` is the pool row of position ``context_i + j`` in ``block_table[i]``.
-- Keys ``< context`` come from the pool and are visible to every query of the request: that
-  loop has no masks. The tail (the request's own new keys) masks scores to ``-inf`` before the
-  max, and drops non-finite V of keys a row may not see before ``P @ V`` (``0 * NaN`` is NaN):
-  a NaN/Inf in a rejected draft's K/V cannot reach an earlier row. A row that does see a
-  non-finite V gets NaN in that channel (the reference gives NaN, or Inf for an Inf).
-- Split-KV: the key tiles of a q-block are spread evenly over ``splits`` programs that write
-  fp32 partials (unnormalised acc, running max, sum); a reduce kernel merges them. The split
-  count comes from shapes (see :func:`plan_attention`), never from device values.
+- A program's tile is ``BLOCK_Q`` query tokens x the query heads of one KV head, so each K/V
+  load serves the whole group; at verify widths a request's KV is read once per KV head.
+- Fused KV write: split 0 of each q-block writes its rows into the pool, and attention reads
+  the request's own new keys from ``k``/``v`` (cast to the pool dtype), never a pool row
+  written in the same launch. Precondition (``VerifierState.slot_mapping`` meets it): row
+  ``qsl[i] + j`` maps to the pool row of position ``context_i + j`` in ``block_table[i]``.
+- Containment: pool keys ``>= context`` are never loaded; scores of hidden keys are ``-inf``
+  before the max; a non-finite V of a new key some row may not see is zeroed before
+  ``P @ V`` (``0 * NaN`` is NaN) and reaches, as NaN, only the rows that see it (the
+  reference gives NaN there, or Inf for an Inf).
+- Split-KV: a q-block's key tiles are spread evenly over ``splits`` programs writing fp32
+  partials; a reduce kernel merges them. The count comes from shapes (:func:`plan_attention`).
 """
 
 from __future__ import annotations
@@ -46,47 +39,69 @@ _LOG2E = 1.4426950408889634
 
 
 @triton.jit
-def _find_request(query_start_loc_ptr, block_id, num_requests, BLOCK_Q: tl.constexpr):
-    """Largest ``i`` in ``0..R`` with ``qsl[i] // BLOCK_Q + i <= block_id`` (``R``: padding)."""
-    lo = 0
-    hi = num_requests
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        start = tl.load(query_start_loc_ptr + mid)
-        if start // BLOCK_Q + mid <= block_id:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
+def _find_request(query_start_loc_ptr, block_id, num_requests, BLOCK_Q: tl.constexpr,
+                  SEARCH: tl.constexpr, SEARCH_ONCE: tl.constexpr):
+    """(i, qsl[i], qsl[i + 1]) for the largest ``i`` in ``0..R`` with ``qsl[i] // BLOCK_Q + i
+    <= block_id`` (``i = R``: the padding rows; its ``qsl[i + 1]`` is 0).
+
+    ``qsl[i] // BLOCK_Q + i`` strictly increases, so ``i`` is the count of entries ``<=
+    block_id``, minus one: ``SEARCH`` entries per load and one reduction, instead of a binary
+    search's ~log2(R) dependent loads at the head of every program. With ``SEARCH_ONCE`` (all
+    ``R + 1`` entries in one load) the request's bounds come out of the same load too.
+    """
+    offs = tl.arange(0, SEARCH)
+    if SEARCH_ONCE:
+        start = tl.load(query_start_loc_ptr + offs, mask=offs <= num_requests, other=0)
+        hit = (start // BLOCK_Q + offs <= block_id) & (offs <= num_requests)
+        req = tl.sum(hit.to(tl.int32)) - 1
+        req_start = tl.sum(tl.where(offs == req, start, 0))
+        req_end = tl.sum(tl.where(offs == req + 1, start, 0))
+    else:
+        count = 0
+        for c in range(0, num_requests + 1, SEARCH):
+            i = c + offs
+            start = tl.load(query_start_loc_ptr + i, mask=i <= num_requests, other=0)
+            count += tl.sum(((start // BLOCK_Q + i <= block_id)
+                             & (i <= num_requests)).to(tl.int32))
+        req = count - 1
+        req_start = tl.load(query_start_loc_ptr + req)
+        req_end = tl.load(query_start_loc_ptr + req + 1, mask=req < num_requests, other=0)
+    return req, req_start, req_end
 
 
 @triton.jit
-def _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, row0, num_rows,
-                  kv_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                  stride_cache_row, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-                  HEAD_DIM_PAD: tl.constexpr):
-    """Pool rows ``slot_mapping[n]`` (skipped when < 0) <- ``k, v [n, kv_head, :]``."""
+def _write_new_rows(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, row0, num_rows,
+                    kv_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                    stride_cache_row, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
+                    HEAD_DIM_PAD: tl.constexpr):
+    """Pool rows ``slot_mapping[n]`` (skipped when < 0) <- ``k, v [n, kv_head, :]`` for rows
+    ``row0 .. row0 + num_rows``. The k/v loads do not wait for the slots (one round trip).
+
+    Done first: holding the rows in registers until the program's end (to store them last)
+    measured the same on the H200 (71.7 against 71.8 us at bs 64) and spilled at 64-row tiles.
+    """
     offs_r = tl.arange(0, BLOCK_Q)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     rows = (row0 + offs_r).to(tl.int64)  # [BLOCK_Q]
     slot = tl.load(slot_mapping_ptr + rows, mask=offs_r < num_rows, other=-1).to(tl.int64)
-    mask = (slot >= 0)[:, None] & (offs_d < HEAD_DIM)[None, :]  # [BLOCK_Q, HEAD_DIM_PAD]
+    mask = (offs_r < num_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + rows[:, None] * stride_k_tok + kv_head * stride_k_head + offs_d[None, :],
-                mask=mask)
+                mask=mask, other=0.0)
     v = tl.load(v_ptr + rows[:, None] * stride_v_tok + kv_head * stride_v_head + offs_d[None, :],
-                mask=mask)
+                mask=mask, other=0.0)
+    mask = mask & (slot >= 0)[:, None]  # [BLOCK_Q, HEAD_DIM_PAD]
     dst = slot[:, None] * stride_cache_row + kv_head * HEAD_DIM + offs_d[None, :]
     tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
     tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit
-def _pool_offsets(block_table_row_ptr, pos, mask, kv_head, offs_d, stride_cache_row,
-                  PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
-    """Element offsets ``[TILE_N, HEAD_DIM_PAD]`` of key positions ``pos`` in a paged pool."""
+def _pool_rows(block_table_row_ptr, pos, mask, kv_head, stride_cache_row,
+               PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Element offset ``[TILE_N]`` of (key position ``pos``, ``kv_head``, channel 0) in a pool
+    (rows only: the loops form the 2-D offsets at each load)."""
     page = tl.load(block_table_row_ptr + pos // PAGE_SIZE, mask=mask, other=0).to(tl.int64)
-    row = page * PAGE_SIZE + pos % PAGE_SIZE  # [TILE_N] flat pool row
-    return row[:, None] * stride_cache_row + kv_head * HEAD_DIM + offs_d[None, :]
+    return (page * PAGE_SIZE + pos % PAGE_SIZE) * stride_cache_row + kv_head * HEAD_DIM
 
 
 @triton.jit
@@ -106,38 +121,93 @@ def _softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.
 
 
 @triton.jit
-def _tail_step(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_ptr, t, context, kv_end,
-               req_start, q_pos, kv_head, offs_n, offs_d, d_mask, m_i, l_i, acc, scale_log2,
-               stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
-               PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
-               UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """A key tile that reaches the request's own new keys (read from ``k``/``v``, masked)."""
-    pos = t * TILE_N + offs_n  # [TILE_N]
-    in_pool = pos < context
-    is_new = (pos >= context) & (pos < kv_end)
-    pool_off = _pool_offsets(bt_row_ptr, pos, in_pool, kv_head, offs_d, stride_cache_row,
-                             PAGE_SIZE, HEAD_DIM)
-    new_row = (req_start + pos - context).to(tl.int64)  # packed row of a new key
-    pm = in_pool[:, None] & d_mask[None, :]
-    nm = is_new[:, None] & d_mask[None, :]
-    cache_ty = k_cache_ptr.dtype.element_ty
-    k = tl.load(k_cache_ptr + pool_off, mask=pm, other=0.0) + tl.load(
-        k_ptr + new_row[:, None] * stride_k_tok + kv_head * stride_k_head + offs_d[None, :],
-        mask=nm, other=0.0).to(cache_ty)
-    v_new = tl.load(v_ptr + new_row[:, None] * stride_v_tok + kv_head * stride_v_head
-                    + offs_d[None, :], mask=nm, other=0.0).to(cache_ty)
-    bad = ~(tl.abs(v_new.to(tl.float32)) < float("inf"))  # NaN or Inf in a new value
-    v = tl.load(v_cache_ptr + pool_off, mask=pm, other=0.0) + tl.where(bad, 0.0, v_new)
+def _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, kv_head,
+                  offs_n, offs_d, d_mask, m_i, l_i, acc, scale_log2, stride_cache_row,
+                  PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
+                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Key tiles ``t_lo .. t_end`` of the committed context (keys ``< context``, in the pool).
+
+    Every such key is visible to every row of the request, so the only mask is ``< context``
+    (loads and scores): pool rows past it are never read. The next tile's page ids are fetched
+    one iteration ahead, so the K/V loads depend on a loop-carried offset, not on a load of
+    the same iteration: Triton then multi-buffers them (``num_stages - 1`` tiles in flight).
+    """
+    pos = t_lo * TILE_N + offs_n  # [TILE_N]
+    rows = _pool_rows(bt_row_ptr, pos, pos < context, kv_head, stride_cache_row, PAGE_SIZE,
+                      HEAD_DIM)
+    for t in range(t_lo, t_end):
+        key_ok = pos < context
+        mask = key_ok[:, None] & d_mask[None, :]
+        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        pos = (t + 1) * TILE_N + offs_n
+        rows = _pool_rows(bt_row_ptr, pos, pos < context, kv_head, stride_cache_row,
+                          PAGE_SIZE, HEAD_DIM)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        m_i, l_i, acc = _softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, scale_log2,
+                                      DOT_PRECISION, True)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_own,
+                   kv_head, offs_e, offs_d, d_mask, m_i, l_i, acc, scale_log2, stride_k_tok,
+                   stride_k_head, stride_v_tok, stride_v_head, UPCAST: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr):
+    """The request's own new keys ``e0 ..`` (rows ``row0 + e`` of ``k``/``v``), causal.
+
+    Read from the inputs rather than the pool (no program reads a pool row written in this
+    launch), cast to the pool's dtype as the pool would hold them. Row ``r`` sees new key ``e``
+    iff ``e <= q_own[r]``; non-finite V of a key some row may not see is zeroed before
+    ``P @ V`` (``0 * NaN`` is NaN) and given back, as NaN, only to the rows that see it.
+    """
+    e = e0 + offs_e  # [NEW_N]
+    rows = (row0 + e).to(tl.int64)
+    mask = (e < n_keys)[:, None] & d_mask[None, :]
+    k = tl.load(k_ptr + rows[:, None] * stride_k_tok + kv_head * stride_k_head
+                + offs_d[None, :], mask=mask, other=0.0).to(cache_ty)
+    v = tl.load(v_ptr + rows[:, None] * stride_v_tok + kv_head * stride_v_head
+                + offs_d[None, :], mask=mask, other=0.0).to(cache_ty)
+    bad = ~(tl.abs(v.to(tl.float32)) < float("inf"))  # [NEW_N, HEAD_DIM_PAD] NaN or Inf
+    v = tl.where(bad, 0.0, v)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
-    visible = (pos[None, :] <= q_pos[:, None]) & (pos < kv_end)[None, :]  # [BLOCK_M, TILE_N]
+    visible = (e[None, :] <= q_own[:, None]) & (e < n_keys)[None, :]  # [BLOCK_M, NEW_N]
     m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PRECISION,
                                   True)
-    # A row that sees a non-finite value gets NaN in that channel; rows that do not see it
-    # are untouched (bad values were zeroed above, so 0 * NaN never happens).
     hits = tl.dot(visible.to(tl.float16), bad.to(tl.float16), out_dtype=tl.float32)
     return m_i, l_i, tl.where(hits > 0, float("nan"), acc)
+
+
+@triton.jit
+def _attend(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_ptr, context, req_start, q0,
+            n_q, q_idx, kv_head, split, offs_d, d_mask, m_i, l_i, acc, scale_log2,
+            stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
+            PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
+            NEW_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    """This split's share of a q-block's keys. Work units: context tiles of TILE_N keys, then
+    new-key tiles of NEW_N keys (the block's last query sees ``q0 + n_q`` new keys); splits
+    take equal runs of units."""
+    n_ctx = tl.cdiv(context, TILE_N)
+    units = n_ctx + tl.cdiv(q0 + n_q, NEW_N)
+    u_lo = split * units // NUM_SPLITS
+    u_hi = (split + 1) * units // NUM_SPLITS
+    m_i, l_i, acc = _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, u_lo,
+                                  tl.minimum(u_hi, n_ctx), context, kv_head,
+                                  tl.arange(0, TILE_N), offs_d, d_mask, m_i, l_i, acc,
+                                  scale_log2, stride_cache_row, PAGE_SIZE, HEAD_DIM, TILE_N,
+                                  UPCAST, DOT_PRECISION)
+    for u in range(tl.maximum(u_lo, n_ctx), u_hi):
+        m_i, l_i, acc = _new_keys_step(
+            q, k_ptr, v_ptr, k_cache_ptr.dtype.element_ty, req_start, (u - n_ctx) * NEW_N,
+            q0 + n_q, q0 + q_idx, kv_head, tl.arange(0, NEW_N), offs_d, d_mask, m_i, l_i, acc,
+            scale_log2, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, UPCAST,
+            DOT_PRECISION)
+    return m_i, l_i, acc
 
 
 @triton.jit
@@ -166,28 +236,28 @@ def _ragged_attention_kernel(
         stride_cache_row, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
-        TILE_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+        TILE_N: tl.constexpr, NEW_N: tl.constexpr, SEARCH: tl.constexpr,
+        SEARCH_ONCE: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
         DOT_PRECISION: tl.constexpr):
     """One (q-block, KV head, split): fused KV write, then attention over the paged context."""
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    req = _find_request(query_start_loc_ptr, block_id, num_requests, BLOCK_Q)
+    req, req_start, req_end = _find_request(query_start_loc_ptr, block_id, num_requests,
+                                            BLOCK_Q, SEARCH, SEARCH_ONCE)
     is_pad = req >= num_requests
-    req_start = tl.load(query_start_loc_ptr + req)
-    req_end = tl.load(query_start_loc_ptr + req + 1, mask=req < num_requests, other=0)
     req_len = tl.where(is_pad, num_tokens - req_start, req_end - req_start)
     q0 = (block_id - (req_start // BLOCK_Q + req)) * BLOCK_Q  # first own query of the block
     if q0 >= req_len:
         return
     n_q = tl.minimum(req_len - q0, BLOCK_Q)
-    if split == 0:
-        _write_new_kv(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, req_start + q0,
-                      n_q, kv_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                      stride_cache_row, BLOCK_Q, HEAD_DIM, HEAD_DIM_PAD)
+    # split 0 writes the block's rows into the pool (the others touch nothing: 0 rows)
+    _write_new_rows(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, req_start + q0,
+                    tl.where(split == 0, n_q, 0), kv_head, stride_k_tok, stride_k_head,
+                    stride_v_tok, stride_v_head, stride_cache_row, BLOCK_Q, HEAD_DIM,
+                    HEAD_DIM_PAD)
     offs_m = tl.arange(0, BLOCK_M)  # row r: query r // GROUP_PAD, head r % GROUP_PAD
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    offs_n = tl.arange(0, TILE_N)
     d_mask = offs_d < HEAD_DIM
     q_idx = offs_m // GROUP_PAD
     row_ok = (q_idx < n_q) & (offs_m % GROUP_PAD < GROUP)  # [BLOCK_M]
@@ -206,30 +276,13 @@ def _ragged_attention_kernel(
                 + offs_d[None, :], mask=row_ok[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    context = tl.load(seq_lens_ptr + req) - req_len
-    kv_end = context + q0 + n_q  # keys the block's last query sees
-    n_tiles = tl.cdiv(kv_end, TILE_N)
-    t_lo = split * n_tiles // NUM_SPLITS
-    t_hi = (split + 1) * n_tiles // NUM_SPLITS
-    full = context // TILE_N  # tiles wholly inside the committed context
-    bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_req
-    for t in range(t_lo, tl.minimum(t_hi, full)):
-        off = _pool_offsets(bt_row_ptr, t * TILE_N + offs_n, offs_n < TILE_N, kv_head, offs_d,
-                            stride_cache_row, PAGE_SIZE, HEAD_DIM)
-        k = tl.load(k_cache_ptr + off, mask=d_mask[None, :], other=0.0)
-        v = tl.load(v_cache_ptr + off, mask=d_mask[None, :], other=0.0)
-        if UPCAST:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
-        m_i, l_i, acc = _softmax_step(q, k, v, row_ok, m_i, l_i, acc, scale_log2,
-                                      DOT_PRECISION, False)
-    q_pos = context + q0 + q_idx  # [BLOCK_M] position of each row's query
-    for t in range(tl.maximum(t_lo, full), t_hi):
-        m_i, l_i, acc = _tail_step(
-            q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_ptr, t, context, kv_end,
-            req_start, q_pos, kv_head, offs_n, offs_d, d_mask, m_i, l_i, acc, scale_log2,
-            stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
-            PAGE_SIZE, HEAD_DIM, TILE_N, UPCAST, DOT_PRECISION)
+    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
+                            block_table_ptr + req.to(tl.int64) * stride_bt_req,
+                            tl.load(seq_lens_ptr + req) - req_len, req_start, q0, n_q, q_idx,
+                            kv_head, split, offs_d, d_mask, m_i, l_i, acc, scale_log2,
+                            stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                            stride_cache_row, PAGE_SIZE, HEAD_DIM, TILE_N, NEW_N, NUM_SPLITS,
+                            UPCAST, DOT_PRECISION)
     _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads, row_ok,
                 offs_d, d_mask, split, num_tokens, stride_out_tok, stride_out_head, NUM_HEADS,
                 HEAD_DIM, NUM_SPLITS)
@@ -246,7 +299,8 @@ def _split_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    out_ptrs = out_ptr + token * stride_out_tok + offs_h[:, None] * stride_out_head + offs_d[None, :]
+    out_ptrs = (out_ptr + token * stride_out_tok + offs_h[:, None] * stride_out_head
+                + offs_d[None, :])  # [HEADS_PAD, HEAD_DIM_PAD]
     acc = tl.zeros([HEADS_PAD, HEAD_DIM_PAD], tl.float32)
     if token >= tl.load(query_start_loc_ptr + num_requests):
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -272,20 +326,26 @@ def _split_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr
 
 @dataclass(frozen=True)
 class AttentionPlan:
-    """Tiles, split count and grid of one launch, derived from shapes and a target only."""
+    """Tiles, split count and grid of one launch, derived from shapes and a target only.
+
+    ``block_q`` query tokens x ``group_pad`` (query heads per KV head, a power of two) =
+    ``block_m`` rows per program; ``tile_n`` keys per step over the paged context, ``new_n``
+    per step over a request's own new keys; ``search`` ``query_start_loc`` entries per load
+    when a program looks up its request; ``num_splits`` programs share a q-block's keys (1: no
+    reduce kernel); ``grid = (N // block_q + R + 1, Hkv, num_splits)``; ``num_warps`` and
+    ``max_registers`` (``maxnreg``, None: the compiler's choice) of the attention kernel.
+    """
 
     block_q: int
-    """Query tokens per program."""
     group_pad: int
-    """Query heads per KV head, rounded up to a power of two."""
     block_m: int
-    """Rows of a program's tile: ``block_q * group_pad``."""
     tile_n: int
-    """Keys per iteration."""
+    new_n: int
+    search: int
     num_splits: int
-    """Programs sharing one q-block's keys (1: no split, no reduce kernel)."""
     grid: tuple[int, int, int]
-    """``(num_tokens // block_q + num_requests + 1, num_kv_heads, num_splits)``."""
+    num_warps: int
+    max_registers: int | None
 
 
 @functools.lru_cache(maxsize=None)
@@ -320,48 +380,45 @@ def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_he
         most = max(1, min(cfg.split_max, max_keys // cfg.split_min_keys))
         num_splits = min(most, max(1, -(-cfg.split_waves * sm_count // busy)))
     grid = (num_tokens // block_q + num_requests + 1, num_kv_heads, num_splits)
-    return AttentionPlan(block_q, group_pad, block_m, cfg.attn_tile_n, num_splits, grid)
+    new_n = max(16, min(cfg.attn_tile_n, triton.next_power_of_2(block_q)))
+    search = min(triton.next_power_of_2(num_requests + 1), cfg.search_chunk)
+    # The table's warps and register cap are for 16-row (verify) tiles; wider tiles get more
+    # warps and no cap: at 32/64 rows a 128-register cap spilled 16-672 B a thread (ptxas,
+    # triton 3.6), and 64 rows on 4 warps took 255 registers and spilled anyway.
+    num_warps = cfg.attn_num_warps * max(1, block_m // 32)
+    max_registers = cfg.attn_max_registers if block_m <= 16 else None
+    return AttentionPlan(block_q, group_pad, block_m, cfg.attn_tile_n, new_n, search,
+                         num_splits, grid, num_warps, max_registers)
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INTS = (torch.int32, torch.int64)
 _ARG_RULES = (("q", 3, _FLOATS), ("k", 3, _FLOATS), ("v", 3, _FLOATS), ("k_cache", 4, _FLOATS),
               ("v_cache", 4, _FLOATS), ("query_start_loc", 1, _INTS), ("seq_lens", 1, _INTS),
-              ("block_table", 2, _INTS), ("slot_mapping", 1, _INTS))
+              ("block_table", 2, _INTS), ("slot_mapping", 1, _INTS), ("out", 3, _FLOATS))
 
 
 def _fail(msg: str) -> None:
     raise ValueError(f"ragged_attention_triton: {msg}")
 
 
-def _check_tensors(tensors: tuple) -> None:
-    """Each argument is a tensor of the right rank and dtype, on q's device."""
-    device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else None
-    for (name, dims, dtypes), t in zip(_ARG_RULES, tensors):
-        if not isinstance(t, torch.Tensor):
-            _fail(f"{name} is {type(t).__name__}; it must be a tensor")
-        if t.dim() != dims:
-            _fail(f"{name} has shape {tuple(t.shape)}; it must be {dims}-D")
-        if t.dtype not in dtypes:
-            _fail(f"{name} has dtype {t.dtype}; it must be one of {dtypes}")
-        if t.device != device:
-            _fail(f"{name} is on {t.device} but q is on {device}; move every argument there")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        _fail("CPU tensors need TRITON_INTERPRET=1 set before triton kernels are imported; "
-              "for the CPU path call dspark_compile.lowering.reference.ragged_attention")
-
-
-def _check_inputs(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                  slot_mapping, max_query_len) -> None:
+def _check_inputs(tensors: tuple, max_query_len) -> None:
     """Raise ``ValueError`` naming the argument, its value and the rule it breaks.
 
-    Messages are formatted only on failure: this runs on every call (~10 us budget).
+    ``tensors``: the op's tensor arguments in order, then ``out`` (None: allocated). Messages
+    are formatted only on failure: this runs on every call.
     """
-    _check_tensors((q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                    slot_mapping))
-    n, h, d = q.shape
-    pages, page_size, hkv, dc = k_cache.shape
-    r = query_start_loc.shape[0] - 1
+    device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else None
+    for (name, dims, dtypes), t in zip(_ARG_RULES, tensors):
+        if name == "out" and t is None:
+            continue
+        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.dtype not in dtypes:
+            _fail(f"{name} is {getattr(t, 'dtype', type(t).__name__)} of shape "
+                  f"{tuple(getattr(t, 'shape', ()))}; it must be a {dims}-D tensor of {dtypes}")
+        if t.device != device:
+            _fail(f"{name} is on {t.device} but q is on {device}; move every argument there")
+    q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, out = tensors
+    (n, h, d), (_, _, hkv, dc), r = q.shape, k_cache.shape, query_start_loc.shape[0] - 1
     if k.shape != (n, hkv, d) or v.shape != (n, hkv, d):
         _fail(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [N, Hkv, D] = "
               f"{(n, hkv, d)} (N, D from q, Hkv from k_cache)")
@@ -371,19 +428,21 @@ def _check_inputs(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_ta
     if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
         _fail(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache "
               f"{tuple(k_cache.shape)} {k_cache.dtype}")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        _fail("the KV pools must be contiguous")
-    if q.stride(2) != 1 or k.stride(2) != 1 or v.stride(2) != 1 or block_table.stride(1) != 1:
-        _fail("q, k, v and block_table need a dense last dim")
-    if r < 0 or seq_lens.shape[0] != r or block_table.shape[0] != r:
-        _fail(f"query_start_loc {tuple(query_start_loc.shape)} describes R={r} requests; "
-              f"seq_lens {tuple(seq_lens.shape)} and block_table {tuple(block_table.shape)} "
-              "need R rows")
-    if slot_mapping.shape[0] != n:
-        _fail(f"slot_mapping has shape {tuple(slot_mapping.shape)}; it must be ({n},), one "
-              "pool row per packed token")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or any(
+            t.stride(-1) != 1 for t in (q, k, v, block_table, out) if t is not None):
+        _fail("the KV pools must be contiguous; q, k, v, block_table, out need a dense last dim")
+    if r < 0 or seq_lens.shape[0] != r or block_table.shape[0] != r or slot_mapping.shape[0] != n:
+        _fail(f"query_start_loc {tuple(query_start_loc.shape)} describes R={r} requests, q N={n} "
+              f"rows: seq_lens {tuple(seq_lens.shape)} and block_table "
+              f"{tuple(block_table.shape)} need R rows, slot_mapping "
+              f"{tuple(slot_mapping.shape)} N")
+    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
+        _fail(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}")
     if max_query_len is not None and (type(max_query_len) is not int or max_query_len < 1):
         _fail(f"max_query_len={max_query_len!r}; it must be None or a python int >= 1")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        _fail("CPU tensors need TRITON_INTERPRET=1 set before triton kernels are imported; "
+              "for the CPU path call dspark_compile.lowering.reference.ragged_attention")
 
 
 def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -401,8 +460,8 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``[N, H, D]`` buffer of q's dtype to write (every element is written). Mutates the pools;
     no host sync, so it can be captured in a CUDA graph. Returns ``[N, H, D]`` in q's dtype.
     """
-    _check_inputs(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                  slot_mapping, max_query_len)
+    _check_inputs((q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                   slot_mapping, out), max_query_len)
     n, h, d = q.shape
     r = query_start_loc.shape[0] - 1
     hkv, page_size = k_cache.shape[2], k_cache.shape[1]
@@ -412,11 +471,6 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                           max(1, max_query_len or n), cfg, sm_count, num_splits)
     if out is None:
         out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [N, H, D]
-    elif out.shape != q.shape or out.dtype != q.dtype or out.device != q.device or \
-            out.stride(2) != 1:
-        raise ValueError(f"ragged_attention_triton: out {tuple(out.shape)} {out.dtype} on "
-                         f"{out.device} must match q {tuple(q.shape)} {q.dtype} on {q.device} "
-                         "with a dense last dim")
     if n == 0:
         return out
     split = plan.num_splits > 1
@@ -425,15 +479,19 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         part_acc = q.new_empty((plan.num_splits, n, h, d), dtype=torch.float32)
         part_ml = q.new_empty((plan.num_splits, n, h, 2), dtype=torch.float32)
     d_pad = triton.next_power_of_2(d)
+    # maxnreg: NVIDIA only (the HIP backend rejects the option)
+    regs = ({"maxnreg": plan.max_registers} if plan.max_registers is not None
+            and cfg.backend == "cuda" and q.device.type == "cuda" else {})
     _ragged_attention_kernel[plan.grid](
         out, part_acc, part_ml, q, k, v, k_cache, v_cache, query_start_loc, seq_lens,
         block_table, slot_mapping, scale * _LOG2E, n, r, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), hkv * d, NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad,
         HEAD_DIM=d, HEAD_DIM_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_Q=plan.block_q,
-        BLOCK_M=plan.block_m, TILE_N=plan.tile_n, NUM_SPLITS=plan.num_splits,
+        BLOCK_M=plan.block_m, TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
+        SEARCH_ONCE=r + 1 <= plan.search, NUM_SPLITS=plan.num_splits,
         UPCAST=q.dtype != k_cache.dtype, DOT_PRECISION=cfg.fp32_dot_precision,
-        num_warps=cfg.attn_num_warps, num_stages=cfg.attn_num_stages)
+        num_warps=plan.num_warps, num_stages=cfg.attn_num_stages, **regs)
     if split:
         _split_reduce_kernel[(n,)](
             out, part_acc, part_ml, query_start_loc, n, r, out.stride(0), out.stride(1),

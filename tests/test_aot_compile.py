@@ -1,0 +1,117 @@
+"""Every attention kernel compiles ahead of time for cuda:90, hip:gfx942 and hip:gfx950 on the CPU.
+
+``triton.compile(ASTSource(...), target=GPUTarget(...))`` needs no device. It cannot run under
+``TRITON_INTERPRET=1`` (the interpreter swaps ``@triton.jit`` functions for Python ones when the
+kernel module is imported, and ``make test`` sets it), so the compile runs in a subprocess
+started with TRITON_INTERPRET removed: this file run as a script, printing one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_NAMES = ("sm_90", "gfx942", "gfx950")
+ARTIFACTS = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
+
+# case -> (kernel, dtype of q/k/v/pools/out, shape (N, R, H, Hkv, D, page, max_query_len),
+# split count); constexprs and launch options come from plan_attention, as at run time.
+CASES = {
+    "attention_bf16": ("_ragged_attention_kernel", "bf16", (512, 64, 16, 8, 128, 16, 8), 1),
+    # float32 (the target's fp32 dot precision: no TF32 on AMD), GQA 8, 64-row tiles, split
+    "attention_fp32_split": ("_ragged_attention_kernel", "fp32", (24, 3, 8, 1, 64, 32, 8), 4),
+    "split_reduce_bf16": ("_split_reduce_kernel", "bf16", (8, 1, 16, 8, 128, 16, 8), 4),
+}
+
+
+def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg) -> tuple:
+    """(pointer dtypes by argument, constexprs, compile options) of one case on one target."""
+    from dspark_compile.lowering.triton_attention import plan_attention
+
+    n, r, h, hkv, d, page, max_q = shape
+    plan = plan_attention(n, r, h, hkv, 1024, max_q, cfg, cfg.default_sm_count, splits)
+    pointers = {"out_ptr": dtype, "part_acc_ptr": "fp32", "part_ml_ptr": "fp32",
+                "query_start_loc_ptr": "i32"}
+    if kernel_name == "_split_reduce_kernel":
+        consts = dict(NUM_HEADS=h, HEADS_PAD=h, HEAD_DIM=d, HEAD_DIM_PAD=d, NUM_SPLITS=splits)
+        return pointers, consts, {"num_warps": cfg.reduce_num_warps}
+    pointers.update({name: dtype for name in ("q_ptr", "k_ptr", "v_ptr", "k_cache_ptr",
+                                              "v_cache_ptr")})
+    pointers.update(seq_lens_ptr="i32", block_table_ptr="i32", slot_mapping_ptr="i64")
+    consts = dict(NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad, HEAD_DIM=d,
+                  HEAD_DIM_PAD=d, PAGE_SIZE=page, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
+                  TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
+                  SEARCH_ONCE=r + 1 <= plan.search, NUM_SPLITS=plan.num_splits, UPCAST=False,
+                  DOT_PRECISION=cfg.fp32_dot_precision)
+    options = {"num_warps": plan.num_warps, "num_stages": cfg.attn_num_stages}
+    if plan.max_registers is not None and cfg.backend == "cuda":
+        options["maxnreg"] = plan.max_registers
+    return pointers, consts, options
+
+
+def _compile_all() -> dict:
+    """Compile every case for every target; return ``{case: {target: [artifact kinds]}}``."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from dspark_compile.lowering import triton_attention
+    from dspark_compile.lowering.targets import TARGETS, gpu_target
+
+    result: dict = {}
+    for case, (kernel_name, dtype, shape, splits) in CASES.items():
+        kernel = getattr(triton_attention, kernel_name)
+        for name in TARGET_NAMES:
+            pointers, consts, options = _launch_spec(kernel_name, dtype, shape, splits,
+                                                     TARGETS[name])
+            signature = {a: "constexpr" if a in consts else "*" + pointers[a] if a in pointers
+                         else "fp32" if a == "scale_log2" else "i32" for a in kernel.arg_names}
+            # pointers and strides 16-aligned, as the JIT specialises them at real shapes
+            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+                     if a in pointers or a.startswith("stride_")}
+            src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+            compiled = triton.compile(src, target=gpu_target(name), options=options)
+            result.setdefault(case, {})[name] = sorted(
+                kind for kind, blob in compiled.asm.items() if blob)
+    return result
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"AOT compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("target", TARGET_NAMES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_kernel_compiles_ahead_of_time(compiled: dict, case: str, target: str) -> None:
+    from dspark_compile.lowering.targets import TARGETS
+
+    kinds = compiled[case][target]
+    for artifact in ARTIFACTS[TARGETS[target].backend]:
+        assert artifact in kinds, f"{case} for {target}: no {artifact} in {kinds}"
+
+
+def test_gpu_targets_match_the_table() -> None:
+    from dspark_compile.lowering.targets import gpu_target
+
+    got = {name: (t.backend, t.arch, t.warp_size) for name in TARGET_NAMES
+           for t in [gpu_target(name)]}
+    assert got == {"sm_90": ("cuda", 90, 32), "gfx942": ("hip", "gfx942", 64),
+                   "gfx950": ("hip", "gfx950", 64)}
+    with pytest.raises(ValueError, match="unknown target"):
+        gpu_target("sm_75")
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") != "1", "AOT compile needs TRITON_INTERPRET unset"
+    print(json.dumps(_compile_all()))
