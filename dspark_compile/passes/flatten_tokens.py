@@ -30,7 +30,7 @@ from torch._guards import detect_fake_mode
 from ..frontend.capture import fake_input
 from .base import EnsureError, PassContext, PassResult
 from .retrace import retrace
-from .token_axis import DIM_OPS, AxisLabel, label_graph
+from .token_axis import DIM_OPS, NORM_OPS, AxisLabel, label_graph
 
 __all__ = ["run"]
 
@@ -39,7 +39,7 @@ aten = torch.ops.aten
 SIZE_OPS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand}
 AS_IS = {aten.embedding, aten.mm, aten.addmm, aten.clone, aten._to_copy, aten.alias,
          aten.detach, aten.contiguous, aten.lift_fresh_copy,
-         torch.ops.dspark.ragged_attention}
+         torch.ops.dspark.ragged_attention, *NORM_OPS}  # norms: trailing dims stay as they are
 FLAT_INPUTS = {"input_ids", "positions", "slot_mapping"}
 
 

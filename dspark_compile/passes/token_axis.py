@@ -56,6 +56,9 @@ DIM_OPS = {
     aten.split: 2, aten.split_with_sizes: 2, aten.chunk: 2, aten.flip: 1, aten.roll: 2,
     aten.index_select: 1, aten.gather: 1, aten.unbind: 1, aten.select: 1, aten.narrow: 1,
 }
+# Normalisations over the trailing dims ``normalized_shape`` (arg 1) names; torch 2.11 keeps
+# nn.RMSNorm as one _fused_rms_norm op where 2.13 decomposes it.
+NORM_OPS = {aten.native_layer_norm, aten.layer_norm, aten._fused_rms_norm, aten.rms_norm}
 # Dim ops that are undefined without a dim argument over the whole tensor (mixing it all).
 _WHOLE_TENSOR_DEFAULT = {aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std,
                          aten.prod, aten.argmax, aten.argmin, aten.max, aten.min, aten.norm,
@@ -292,6 +295,11 @@ def check_node(node: fx.Node) -> str | None:
         return None if not axis(node.args[0]).token_dims else "its table holds token rows"
     if packet in DIM_OPS:
         return _check_dims(node, packet, out)
+    if packet in NORM_OPS:
+        x, rank = node.args[0], node.args[0].meta["val"].dim()
+        trailing = set(range(rank - len(node.args[1]), rank))
+        return "it normalises over the token axis" if trailing & set(axis(x).token_dims) \
+            else None
     return f"{packet} is not known to be token-wise"
 
 
