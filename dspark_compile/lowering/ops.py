@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import reference
+from . import linear_ops, reference
 
 __all__ = ["ragged_attention", "dense_cached_attention", "RAGGED_OPS", "DENSE_OPS"]
 
@@ -46,7 +46,7 @@ def _(q, k, v, k_cache, v_cache, block_table, context_lens, scale):
     return q.new_empty(bs, t, num_heads, d)
 
 
-RAGGED_OPS = (torch.ops.dspark.ragged_attention,)
+RAGGED_OPS = (torch.ops.dspark.ragged_attention, *linear_ops.LINEAR_RAGGED_OPS)
 """Op packets of the ragged families (what the packed graph may contain)."""
 DENSE_OPS = (torch.ops.dspark.dense_cached_attention,)
 """Op packets of the dense families (what a capture emits and the passes must rewrite)."""
@@ -76,5 +76,6 @@ def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_ma
     return torch.empty_like(q)
 
 
-LOWERED = {"triton": {torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton}}
+LOWERED = {"triton": {torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton,
+                      **linear_ops.LINEAR_LOWERED["triton"]}}
 """Per lowering: reference op packet -> the op that implements it there."""

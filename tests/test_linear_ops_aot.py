@@ -1,0 +1,116 @@
+"""The conv1d and gated-delta-rule kernels compile ahead of time for cuda:90, hip:gfx942, gfx950.
+
+Same harness as ``test_aot_compile.py``: ``triton.compile(ASTSource(...), target=GPUTarget)``
+needs no device but cannot run under ``TRITON_INTERPRET=1`` (the interpreter replaces the
+``@triton.jit`` functions at import), so the compile runs in a subprocess without it: this
+file run as a script, printing one JSON line. Shapes are Qwen3-Next's (conv dim 8192, width 4;
+16 key heads, 32 value heads, K = V = 128) in bf16 with the fp32 state pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_NAMES = ("sm_90", "gfx942", "gfx950")
+ARTIFACTS = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
+_LAYOUT = {"query_start_loc_ptr": "i32", "slots_ptr": "i32"}
+_GDN_SHAPE = {"HK": 16, "HV": 32, "KD": 128, "VD": 128, "K_PAD": 128, "BLOCK_V": 32,
+              "NUM_VB": 4}
+
+# case -> (module, kernel attribute, pointer dtypes by argument, constexprs); the other
+# arguments are i32, except ``scale`` (fp32).
+CASES = {
+    "conv_bf16_silu": ("triton_conv", "_causal_conv1d_kernel",
+                       {"out_ptr": "bf16", "x_ptr": "bf16", "weight_ptr": "bf16",
+                        "bias_ptr": "bf16", "state_ptr": "bf16", "ring_ptr": "bf16", **_LAYOUT},
+                       {"WIDTH": 4, "HAS_BIAS": True, "SILU": True, "BLOCK_T": 8,
+                        "BLOCK_D": 256, "SEARCH": 256}),
+    "conv_fp32_nobias_w3": ("triton_conv", "_causal_conv1d_kernel",
+                            {"out_ptr": "fp32", "x_ptr": "fp32", "weight_ptr": "fp32",
+                             "bias_ptr": "fp32", "state_ptr": "fp32", "ring_ptr": "fp32",
+                             **_LAYOUT},
+                            {"WIDTH": 3, "HAS_BIAS": False, "SILU": False, "BLOCK_T": 16,
+                             "BLOCK_D": 128, "SEARCH": 2}),
+    "conv_commit_bf16": ("triton_conv", "_conv_commit_kernel",
+                         {"state_ptr": "bf16", "ring_ptr": "bf16", "accept_lens_ptr": "i32",
+                          **_LAYOUT},
+                         {"KEEP": 3, "KEEP_PAD": 4, "BLOCK_D": 256}),
+    "gdn_forward_bf16": ("triton_gdn", "_gdn_forward_kernel",
+                         {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
+                          "g_ptr": "fp32", "beta_ptr": "bf16", "state_ptr": "fp32",
+                          "ring_k_ptr": "fp32", "ring_v_ptr": "fp32", "ring_g_ptr": "fp32",
+                          "ring_beta_ptr": "fp32", **_LAYOUT},
+                         {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16}),
+    "gdn_commit": ("triton_gdn", "_gdn_commit_kernel",
+                   {"state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
+                    "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", "accept_lens_ptr": "i32",
+                    **_LAYOUT},
+                   _GDN_SHAPE),
+}
+
+
+def _compile_all() -> dict:
+    """Compile every case for every target; return ``{case: {target: [artifact kinds]}}``."""
+    import importlib
+
+    import triton
+    from triton.compiler import ASTSource
+
+    from dspark_compile.lowering.targets import gpu_target
+
+    result: dict = {}
+    for case, (module, attr, pointers, constexprs) in CASES.items():
+        kernel = getattr(importlib.import_module(f"dspark_compile.lowering.{module}"), attr)
+        missing = set(pointers) | set(constexprs)
+        missing -= set(kernel.arg_names)
+        assert not missing, f"{case}: {attr} has no arguments {sorted(missing)}"
+        signature = {}
+        for arg in kernel.arg_names:
+            if arg in constexprs:
+                signature[arg] = "constexpr"
+            elif arg in pointers:
+                signature[arg] = "*" + pointers[arg]
+            else:
+                signature[arg] = "fp32" if arg == "scale" else "i32"
+        # pointers and strides 16-aligned, as the JIT specialises them at real shapes
+        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+                 if a in pointers or a.startswith("stride_")}
+        for name in TARGET_NAMES:
+            src = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs),
+                            attrs=attrs)
+            compiled = triton.compile(src, target=gpu_target(name), options={"num_warps": 4})
+            result.setdefault(case, {})[name] = sorted(
+                kind for kind, blob in compiled.asm.items() if blob)
+    return result
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
+    proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
+                          text=True, timeout=600)
+    assert proc.returncode == 0, f"AOT compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("target", TARGET_NAMES)
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_linear_kernel_compiles_ahead_of_time(compiled: dict, case: str, target: str) -> None:
+    from dspark_compile.lowering.targets import TARGETS
+
+    kinds = compiled[case][target]
+    for artifact in ARTIFACTS[TARGETS[target].backend]:
+        assert artifact in kinds, f"{case} for {target}: no {artifact} in {kinds}"
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") != "1", "AOT compile needs TRITON_INTERPRET unset"
+    print(json.dumps(_compile_all()))
