@@ -1,0 +1,12 @@
+"""Engine pieces: the accept step (greedy and rejection sampling), drafters, the reference
+speculative-decoding loop."""
+
+from .accept import (AcceptResult, PhiloxNoise, PreDrawnNoise, SamplingParams, accept,
+                     accept_reference, draw_philox_noise, emitted_tokens, philox4x32)
+from .drafter import Drafter, Drafts, NoisyCopyDrafter
+from .loop import MODES, EngineConfig, ReferenceEngine, StepReport
+
+__all__ = ["AcceptResult", "PhiloxNoise", "PreDrawnNoise", "SamplingParams", "accept",
+           "accept_reference", "draw_philox_noise", "emitted_tokens", "philox4x32",
+           "Drafter", "Drafts", "NoisyCopyDrafter", "MODES", "EngineConfig", "ReferenceEngine",
+           "StepReport"]

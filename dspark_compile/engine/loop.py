@@ -1,0 +1,211 @@
+"""Reference speculative-decoding engine: draft -> plan -> verify -> accept -> commit.
+
+A batch of requests with arrivals and completions over one :class:`Verifier` and its state.
+Each step, every running request has an *anchor* (its last emitted token, not yet in the
+cache); the drafter proposes ``gamma`` tokens after it; the mode decides how many of them each
+request verifies (``len = 1 + drafts``); one packed forward verifies all requests; the accept
+step keeps a prefix and emits one more token; ``commit`` keeps the anchor and the accepted
+drafts in the cache. Modes:
+
+``none``     no speculation: every request verifies only its anchor (plain decoding)
+``static``   every request verifies the whole block (``gamma + 1``)
+``fixed``    every request verifies ``fixed_width``
+``width``    one uniform width per step from :class:`WidthPolicy` (measured hazards, SPS)
+``planner``  ragged lengths from :func:`plan_verify` (draft confidence, SPS)
+
+With greedy acceptance the emitted tokens are exactly plain greedy decoding of the target, in
+every mode (the tests hold it to that). New requests are prefilled in a packed forward of their
+own when a slot frees.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+
+import torch
+
+from ..layout import VerifyLayout
+from ..runtime import PlannerConfig, StepRateModel, WidthPolicy, WidthPolicyConfig, plan_verify
+from .accept import PreDrawnNoise, SamplingParams, accept, accept_reference
+from .drafter import Drafter
+
+__all__ = ["EngineConfig", "ReferenceEngine", "StepReport", "MODES"]
+
+MODES = ("none", "static", "fixed", "width", "planner")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """How the reference engine schedules verification."""
+
+    mode: str = "planner"
+    """One of ``MODES`` (see the module docstring)."""
+    gamma: int = 7
+    """Draft tokens proposed per request per step (the block is ``gamma + 1``)."""
+    fixed_width: int | None = None
+    """Verify length of every request in mode ``fixed``, in ``1..gamma + 1``."""
+    max_context: int = 512
+    """Tokens a request may hold (prompt + output + one block)."""
+    planner: PlannerConfig = field(default_factory=PlannerConfig)
+    """Options of the compact planner (mode ``planner``)."""
+
+    def __post_init__(self) -> None:
+        if self.mode not in MODES:
+            raise ValueError(f"EngineConfig.mode={self.mode!r}; it must be one of {MODES}")
+        if not isinstance(self.gamma, int) or self.gamma < 1:
+            raise ValueError(f"EngineConfig.gamma={self.gamma!r}; it must be an int >= 1")
+        if self.mode == "fixed" and not (isinstance(self.fixed_width, int)
+                                         and 1 <= self.fixed_width <= self.gamma + 1):
+            raise ValueError(f"EngineConfig.fixed_width={self.fixed_width!r}; mode 'fixed' "
+                             f"needs an int in 1..gamma+1 = 1..{self.gamma + 1}")
+
+
+@dataclass
+class _Request:
+    rid: int
+    prompt: torch.Tensor
+    max_new_tokens: int
+    slot: int = -1
+    emitted: list[int] = field(default_factory=list)
+
+    def sequence(self) -> torch.Tensor:
+        """Prompt + emitted tokens (the anchor is the last one)."""
+        return torch.cat([self.prompt, torch.tensor(self.emitted, dtype=torch.int64)])
+
+
+@dataclass(frozen=True)
+class StepReport:
+    """What one verify step did."""
+
+    requests: int
+    lens: list[int]
+    """Verify length per running request."""
+    accepted: list[int]
+    """Drafts accepted per running request."""
+    emitted: int
+    """Tokens emitted by the step (accepted drafts + one per request)."""
+
+
+class ReferenceEngine:
+    """Runs requests to completion over ``verifier`` (see the module docstring)."""
+
+    def __init__(self, verifier, drafter: Drafter, config: EngineConfig, max_requests: int,
+                 rate: StepRateModel | None = None) -> None:
+        if config.mode == "width" and rate is None:
+            raise ValueError("ReferenceEngine: mode 'width' needs an SPS rate model (rate=...)")
+        self.verifier, self.drafter, self.config = verifier, drafter, config
+        self.state = verifier.new_state(max_requests=max_requests, max_context=config.max_context)
+        self.rate = rate
+        self.width_policy = WidthPolicy(WidthPolicyConfig(
+            gamma=config.gamma, widths=tuple(range(1, config.gamma + 2))), rate) \
+            if config.mode == "width" else None
+        self.free_slots = deque(range(max_requests))
+        self.queue: deque[_Request] = deque()
+        self.running: list[_Request] = []
+        self.finished: dict[int, list[int]] = {}
+        self.reports: list[StepReport] = []
+        self._next_id = 0
+
+    # ------------------------------------------------------------------ requests
+    def submit(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
+        """Queue a request; returns its id (its output is ``finished[id]`` when done)."""
+        if prompt.dim() != 1 or prompt.numel() < 1 or prompt.dtype != torch.int64:
+            raise ValueError(f"submit: prompt has shape {tuple(prompt.shape)} and dtype "
+                             f"{prompt.dtype}; it must be a non-empty int64 [L]")
+        need = prompt.numel() + max_new_tokens + self.config.gamma + 1
+        if max_new_tokens < 1 or need > self.config.max_context:
+            raise ValueError(f"submit: prompt {prompt.numel()} + max_new_tokens {max_new_tokens}"
+                             f" + block {self.config.gamma + 1} = {need} exceeds max_context="
+                             f"{self.config.max_context} (or max_new_tokens < 1)")
+        rid, self._next_id = self._next_id, self._next_id + 1
+        self.queue.append(_Request(rid, prompt.cpu(), max_new_tokens))
+        return rid
+
+    def _admit(self) -> None:
+        """Prefill queued requests into free slots (one packed forward) and emit their first
+        token."""
+        new = []
+        while self.queue and self.free_slots:
+            req = self.queue.popleft()
+            req.slot = self.free_slots.popleft()
+            new.append(req)
+        if not new:
+            return
+        lens = [r.prompt.numel() for r in new]
+        layout = VerifyLayout.pack(lens, [0] * len(new), [r.slot for r in new])
+        ids = torch.cat([r.prompt for r in new]).to(self.verifier.device)
+        logits = self.verifier(ids, layout, self.state)
+        last = layout.query_start_loc[1:].long() - 1
+        first = logits[last.to(logits.device)].float().argmax(dim=-1).tolist()
+        self.verifier.commit(layout, lens, self.state)
+        for req, tok in zip(new, first):
+            req.emitted.append(tok)
+        self.running.extend(new)
+        self._retire()
+
+    def _retire(self) -> None:
+        for req in [r for r in self.running if len(r.emitted) >= r.max_new_tokens]:
+            self.finished[req.rid] = req.emitted[:req.max_new_tokens]
+            self.running.remove(req)
+            self.state.release([req.slot])
+            self.free_slots.append(req.slot)
+
+    # ------------------------------------------------------------------ one step
+    def _lens(self, confidence: torch.Tensor) -> list[int]:
+        cfg, r = self.config, len(self.running)
+        if cfg.mode == "none":
+            return [1] * r
+        if cfg.mode == "static":
+            return [cfg.gamma + 1] * r
+        if cfg.mode == "fixed":
+            return [cfg.fixed_width] * r
+        if cfg.mode == "width":
+            return [self.width_policy.choose(r)] * r
+        return plan_verify(confidence, self.rate, cfg.planner).lens.tolist()
+
+    def step(self) -> StepReport | None:
+        """Admit, draft, plan, verify, accept, commit; None when nothing is left to run."""
+        self._admit()
+        if not self.running:
+            return None
+        cfg, reqs = self.config, self.running
+        drafts = self.drafter.draft([r.sequence() for r in reqs], cfg.gamma) \
+            if cfg.mode != "none" else None
+        confidence = drafts.confidence if drafts is not None else None
+        lens = self._lens(confidence)
+        rows = [torch.cat([torch.tensor([r.emitted[-1]]), drafts.tokens[i, :n - 1]])
+                if n > 1 else torch.tensor([r.emitted[-1]]) for i, (r, n) in
+                enumerate(zip(reqs, lens))]
+        context = [r.prompt.numel() + len(r.emitted) - 1 for r in reqs]
+        layout = VerifyLayout.pack(lens, context, [r.slot for r in reqs])
+        ids = torch.cat(rows).to(self.verifier.device)
+        logits = self.verifier(ids, layout, self.state)
+        result = self._accept(logits, ids, layout)
+        self.verifier.commit(layout, result.accept_lens.cpu(), self.state)
+        accepted = result.num_accepted_drafts.tolist()
+        for req, row, a, tok in zip(reqs, rows, accepted, result.next_tokens.tolist()):
+            req.emitted.extend(row[1:1 + a].tolist() + [tok])
+        if self.width_policy is not None:
+            hist = torch.bincount(torch.tensor(accepted), minlength=cfg.gamma + 1)
+            self.width_policy.observe(lens[0], hist)
+        report = StepReport(len(reqs), lens, accepted, sum(accepted) + len(reqs))
+        self.reports.append(report)
+        self._retire()
+        return report
+
+    def _accept(self, logits: torch.Tensor, ids: torch.Tensor, layout: VerifyLayout):
+        """Greedy acceptance (temperature 0): noise is unused, zeros keep the shapes right."""
+        n, v = logits.shape
+        r, dev = layout.num_requests, logits.device
+        sampling = SamplingParams.build(0.0, num_requests=r, device=dev)
+        noise = PreDrawnNoise(torch.zeros(n, device=dev), torch.zeros(r, v, device=dev))
+        qsl = layout.query_start_loc.to(dev)
+        fn = accept if dev.type == "cuda" else accept_reference
+        return fn(logits, ids, qsl, sampling, noise)
+
+    def run(self) -> dict[int, list[int]]:
+        """Step until every submitted request has finished; returns ``{id: emitted tokens}``."""
+        while self.step() is not None:
+            pass
+        return self.finished
