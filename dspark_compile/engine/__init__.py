@@ -4,9 +4,10 @@ speculative-decoding loop."""
 from .accept import (AcceptResult, PhiloxNoise, PreDrawnNoise, SamplingParams, accept,
                      accept_reference, draw_philox_noise, emitted_tokens, philox4x32)
 from .drafter import Drafter, Drafts, NoisyCopyDrafter
+from .hook import DSparkHook, VerifyHook
 from .loop import MODES, EngineConfig, ReferenceEngine, StepReport
 
 __all__ = ["AcceptResult", "PhiloxNoise", "PreDrawnNoise", "SamplingParams", "accept",
            "accept_reference", "draw_philox_noise", "emitted_tokens", "philox4x32",
            "Drafter", "Drafts", "NoisyCopyDrafter", "MODES", "EngineConfig", "ReferenceEngine",
-           "StepReport"]
+           "StepReport", "DSparkHook", "VerifyHook"]
