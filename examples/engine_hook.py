@@ -23,9 +23,12 @@ def tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    return LlamaForCausalLM(LlamaConfig(
+    model = LlamaForCausalLM(LlamaConfig(
         vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, head_dim=16)).eval()
+    with torch.no_grad():  # sharpen the random model so drafts carry real confidence
+        model.lm_head.weight.mul_(40.0)
+    return model
 
 
 def generate(model, prompts, new_tokens=12, gamma=4, noise=0.3, verbose=True):
