@@ -13,10 +13,11 @@ def main(argv: list[str] | None = None) -> int:
     demo.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from .demo import run_demo
+        from .demo import run_demo, run_engine_demo
 
         worst = run_demo(seed=args.seed)
-        return 0 if worst < 1e-4 else 1
+        lossless = run_engine_demo(seed=args.seed)
+        return 0 if worst < 1e-4 and lossless else 1
     return 2
 
 
