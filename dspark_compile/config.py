@@ -21,12 +21,19 @@ class DSparkConfig:
     reference)."""
     inductor: bool = False
     """Compile the token-wise rest of the packed graph with Inductor (``torch.compile``)."""
+    max_step_tokens: int = 4096
+    """Most packed rows (all requests' tokens) one forward may run on a model with
+    linear-attention layers: it sizes their replay rings (one saved row per token, per layer),
+    so a longer prefill must be split into steps of at most this many tokens."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.page_size, int) or self.page_size < 1:
             raise ValueError(f"DSparkConfig.page_size={self.page_size!r}; it must be an int >= 1")
         if not isinstance(self.block, int) or self.block < 1:
             raise ValueError(f"DSparkConfig.block={self.block!r}; it must be an int >= 1")
+        if not isinstance(self.max_step_tokens, int) or self.max_step_tokens < 1:
+            raise ValueError(f"DSparkConfig.max_step_tokens={self.max_step_tokens!r}; it must "
+                             "be an int >= 1")
         if self.lowering not in ("auto", "triton", "reference"):
             raise ValueError(f"DSparkConfig.lowering={self.lowering!r}; it must be 'auto', "
                              "'triton' or 'reference'")

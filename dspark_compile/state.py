@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .layout import VerifyLayout
+from .linear_state import LinearPools
 
 __all__ = ["AttentionSpec", "VerifierState"]
 
@@ -46,6 +47,8 @@ class VerifierState:
     """Tier graphs captured over this state's pools (``Verifier.capture``), or None."""
     owner: object = field(default=None, repr=False)
     """The verifier whose ``new_state`` made this state (its pools fit that model only)."""
+    linear: LinearPools | None = field(default=None, repr=False)
+    """Conv/recurrent pools and replay rings of the linear-attention layers (hybrid models)."""
 
     def __post_init__(self) -> None:
         if self.committed_lens is None:
@@ -84,6 +87,8 @@ class VerifierState:
     def check_layout(self, layout: VerifyLayout, num_tokens: int) -> None:
         """Validate a layout against this pool (host-side, before any launch)."""
         layout.validate(num_tokens, self.max_requests, self.max_context)
+        if self.linear is not None:
+            self.linear.check_rows(num_tokens)
         committed = self.committed_lens[layout.slots.long()]
         ahead = layout.context_lens > committed
         if ahead.any():
@@ -114,7 +119,8 @@ class VerifierState:
         slot_mapping = torch.where(valid, page * self.page_size + positions % self.page_size, -1)
         lens = (qsl[1:] - qsl[:-1]).to(torch.int32)
         return {"positions": positions, "seq_lens": context_lens + lens, "block_table": table,
-                "slot_mapping": slot_mapping, "query_start_loc": query_start_loc}
+                "slot_mapping": slot_mapping, "query_start_loc": query_start_loc,
+                "slots": slots}
 
     def slot_mapping(self, layout: VerifyLayout) -> torch.Tensor:
         """int64 [N]: pool row (page * page_size + offset) that each packed token writes."""
@@ -124,8 +130,13 @@ class VerifierState:
         page = table.gather(1, (pos // self.page_size).unsqueeze(1)).squeeze(1).long()
         return page * self.page_size + pos % self.page_size
 
-    def commit(self, layout: VerifyLayout, accept_lens) -> None:
-        """Make the first ``accept_lens[i]`` tokens of request ``i`` permanent."""
+    def commit(self, layout: VerifyLayout, accept_lens) -> torch.Tensor:
+        """Make the first ``accept_lens[i]`` tokens of request ``i`` permanent.
+
+        Checks ``accept_lens`` and advances the committed lengths (host bookkeeping); returns
+        the checked int64 ``accept_lens`` (CPU). Linear-attention state is advanced by
+        ``Verifier.commit``, which knows the lowering of the commit ops.
+        """
         acc = torch.as_tensor(accept_lens)
         if acc.dim() != 1 or acc.numel() != layout.num_requests:
             raise ValueError(
@@ -151,7 +162,11 @@ class VerifierState:
                 f"{int(self.committed_lens[slots[i]])} committed tokens; commit each step once"
             )
         self.committed_lens[slots] = (layout.context_lens.long() + acc).to(torch.int32)
+        return acc
 
     def release(self, slots) -> None:
         """Forget the requests in ``slots`` (their rows may be reused by new requests)."""
-        self.committed_lens[torch.as_tensor(slots, dtype=torch.long)] = 0
+        index = torch.as_tensor(slots, dtype=torch.long)
+        self.committed_lens[index] = 0
+        if self.linear is not None:
+            self.linear.release(index)

@@ -20,6 +20,8 @@ from .graphs.runner import TierGraphs, TierReport
 from .graphs.tiers import Tier, tier_set
 from .frontend.capture import CapturedGraph, capture_dense
 from .layout import VerifyLayout
+from .linear_state import LinearPools, RingSpec
+from .lowering.ops import LOWERED
 from .lowering.select import compile_rest, lower, resolve_lowering
 from .passes import PassContext, PassResult, run_passes
 from .state import VerifierState
@@ -45,7 +47,12 @@ def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
     gm, results = run_passes(captured.gm, ctx)
     results.append(lower(gm, lowering, config.block))
     return Verifier(adapter, gm, ctx.inputs, results, captured, config, param.dtype,
-                    param.device)
+                    param.device, lowering)
+
+
+OPS = torch.ops.dspark
+RING_KINDS = ("conv_ring", "gdn_ring_k", "gdn_ring_v", "gdn_ring_g", "gdn_ring_beta")
+"""Input kinds of the replay rings the ragged linear passes add."""
 
 
 def _op_summary(gm) -> Counter:
@@ -58,7 +65,7 @@ class Verifier:
 
     def __init__(self, adapter: ModelAdapter, gm, inputs, results: list[PassResult],
                  dense: CapturedGraph, config: DSparkConfig, dtype: torch.dtype,
-                 device: torch.device) -> None:
+                 device: torch.device, lowering: str = "reference") -> None:
         self.adapter = adapter
         self.graph_module = gm
         self.inputs = inputs
@@ -71,16 +78,38 @@ class Verifier:
         model = adapter.model
         self._weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         self._run = compile_rest(gm) if config.inductor else gm
+        table = LOWERED.get(lowering, {})
+        self._commit_ops = {  # the linear-state commits, in the forward's lowering
+            "conv": table.get(OPS.causal_conv1d_commit, OPS.causal_conv1d_commit),
+            "gdn": table.get(OPS.gated_delta_rule_commit, OPS.gated_delta_rule_commit)}
 
     # ------------------------------------------------------------------ state
-    def new_state(self, max_requests: int, max_context: int,
-                  page_size: int | None = None) -> VerifierState:
-        """An engine-owned paged KV pool for ``max_requests`` slots of ``max_context`` tokens."""
+    def new_state(self, max_requests: int, max_context: int, page_size: int | None = None,
+                  max_step_tokens: int | None = None) -> VerifierState:
+        """An engine-owned paged KV pool for ``max_requests`` slots of ``max_context`` tokens.
+
+        Hybrid models also get their linear-attention pools and replay rings of
+        ``max_step_tokens`` rows (default ``DSparkConfig.max_step_tokens``).
+        """
         state = VerifierState.allocate(
             self.adapter.specs, max_requests, max_context,
             page_size or self.config.page_size, self.dtype, self.device)
+        if self.adapter.linear_specs:
+            state.linear = LinearPools.allocate(
+                self.adapter.linear_specs, self._ring_specs(), max_requests,
+                max_step_tokens or self.config.max_step_tokens, self.dtype, self.device)
         state.owner = self
         return state
+
+    def _ring_specs(self) -> list[RingSpec]:
+        """Row shape and dtype of each replay ring, read off the packed graph's inputs."""
+        out = []
+        for node in self.graph_module.graph.find_nodes(op="placeholder"):
+            spec = node.meta["dspark_input"]
+            if spec.kind in RING_KINDS:
+                val = node.meta["val"]
+                out.append(RingSpec(spec.name, tuple(int(s) for s in val.shape[1:]), val.dtype))
+        return out
 
     # ------------------------------------------------------------------ verify
     def _check_ids(self, input_ids: torch.Tensor) -> None:
@@ -154,6 +183,13 @@ class Verifier:
             elif spec.kind in ("k_cache", "v_cache"):
                 index = int(spec.name.rsplit("_", 1)[1])
                 args.append(state.kv_caches[index][0 if spec.kind == "k_cache" else 1])
+            elif spec.kind in ("conv_state", "recurrent_state"):
+                index = int(spec.name.rsplit("_", 1)[1])
+                pools = state.linear.conv_states if spec.kind == "conv_state" else \
+                    state.linear.recurrent_states
+                args.append(pools[index])
+            elif spec.kind in RING_KINDS:
+                args.append(state.linear.rings[spec.name])
             else:
                 args.append(values[spec.kind])
         return args
@@ -163,7 +199,8 @@ class Verifier:
         """The captured dense verify: ``input_ids [bs, T] -> logits [bs, T, V]``.
 
         Every request runs ``T`` tokens (padding included) at positions ``context_lens[b] + t``
-        and writes their KV. This is the graph the passes started from; it is the baseline the
+        and writes their KV (linear-attention layers read their slot's state and write
+        nothing). This is the graph the passes started from; it is the baseline the
         packed one is compared against, not a path an engine should serve from.
         """
         if input_ids.dim() != 2 or input_ids.dtype != torch.int64:
@@ -177,13 +214,23 @@ class Verifier:
             "positions": layout.positions.view(bs, t).to(self.device),
             "block_table": state.block_table[layout.slots.long().to(state.block_table.device)],
             "context_lens": layout.context_lens.to(self.device),
+            "slots": layout.slots.to(self.device),
         }
         with torch.no_grad():
             return self.dense_graph_module(*self._arguments(self._dense_inputs, values, state))
 
     def commit(self, layout: VerifyLayout, accept_lens, state: VerifierState) -> None:
-        """Keep the first ``accept_lens[i]`` tokens of request ``i``; drop the rest."""
-        state.commit(layout, accept_lens)
+        """Keep the first ``accept_lens[i]`` tokens of request ``i``; drop the rest.
+
+        KV needs bookkeeping only (rejected rows are never read); linear-attention layers
+        replay each request's accepted prefix from the replay rings onto its slot, so this
+        must follow the forward that wrote the rings, with the same layout.
+        """
+        acc = state.commit(layout, accept_lens)
+        if state.linear is not None:
+            dev = state.block_table.device
+            state.linear.commit(self._commit_ops, layout.query_start_loc.to(dev),
+                                layout.slots.to(dev), acc.to(dev))
 
     # ------------------------------------------------------------------ report
     def explain(self) -> str:

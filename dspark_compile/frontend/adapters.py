@@ -13,14 +13,16 @@ Two kinds of model are understood:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
 from torch import nn
 
 from ..nn import CachedAttention
+from ..linear_state import LinearSpec
 from ..state import AttentionSpec
+from .hybrid import hybrid_hooks, linear_layers, linear_spec
 from .scope import active_scope
 
 __all__ = ["ModelAdapter", "adapter_for"]
@@ -45,6 +47,8 @@ class ModelAdapter:
     """Context manager that routes the model's attention to the capture scope."""
     kind: str
     """``"hf"`` or ``"plain"``: how the model was recognised (shown by ``explain``)."""
+    linear_specs: list[LinearSpec] = field(default_factory=list)
+    """State shape of each linear-attention (Gated DeltaNet) layer, in layer order."""
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter:
@@ -128,6 +132,8 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
     num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
     specs = [AttentionSpec(num_kv, m.head_dim) for m in layers]
 
+    linear = linear_layers(model)
+
     @contextlib.contextmanager
     def hooks():
         AttentionInterface.register(HF_ATTENTION_NAME, _hf_attention)
@@ -135,11 +141,13 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         previous = config._attn_implementation
         model.set_attn_implementation(HF_ATTENTION_NAME)
         try:
-            yield
+            with hybrid_hooks(linear) if linear else contextlib.nullcontext():
+                yield
         finally:
             model.set_attn_implementation(previous)
 
     def forward(call, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return call(input_ids=ids, position_ids=pos, use_cache=False).logits
 
-    return ModelAdapter(model, [m.layer_idx for m in layers], specs, forward, hooks, "hf")
+    return ModelAdapter(model, [m.layer_idx for m in layers], specs, forward, hooks, "hf",
+                        [linear_spec(m) for m in linear])

@@ -3,7 +3,8 @@
 The captured function is::
 
     dense_verify(*params, *buffers, input_ids [bs, T], positions [bs, T],
-                 block_table [bs, pages], context_lens [bs], *k_pools, *v_pools)
+                 block_table [bs, pages], context_lens [bs], *k_pools, *v_pools,
+                 [slots [bs], *conv_states, *recurrent_states])   # hybrid models only
         -> logits [bs, T, V]
 
 Inputs are fake tensors: ``bs`` and ``T`` are fresh symbols, every other size is static. The
@@ -42,7 +43,10 @@ class InputSpec:
     """One placeholder of the captured graph."""
 
     kind: str
-    """param | buffer | input_ids | positions | block_table | context_lens | k_cache | v_cache"""
+    """param | buffer | input_ids | positions | block_table | context_lens | k_cache | v_cache,
+    and for hybrid models slots | conv_state | recurrent_state (the ragged passes add the
+    layout inputs and the replay rings conv_ring | gdn_ring_k | gdn_ring_v | gdn_ring_g |
+    gdn_ring_beta)."""
     name: str
     """Parameter/buffer name, or the kind (with the pool index for caches)."""
 
@@ -98,7 +102,39 @@ def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.devi
             pool = torch.zeros(pages, _SAMPLE_PAGE_SIZE, s.num_kv_heads, s.head_dim,
                                dtype=dtype, device=device)
             meta.append((InputSpec(kind, f"{kind}_{i}"), pool, ()))
+    if adapter.linear_specs:
+        meta += _linear_samples(adapter, dtype, device)
     return meta
+
+
+def _linear_samples(adapter: ModelAdapter, dtype: torch.dtype, device: torch.device):
+    """``slots [bs]`` and each linear layer's conv and recurrent pools (``SAMPLE_BS`` rows)."""
+    meta = [(InputSpec("slots", "slots"),
+             torch.zeros(SAMPLE_BS, dtype=torch.int32, device=device), (0,))]
+    for i, s in enumerate(adapter.linear_specs):
+        meta.append((InputSpec("conv_state", f"conv_state_{i}"),
+                     torch.zeros(SAMPLE_BS, s.conv_dim, s.conv_width - 1, dtype=dtype,
+                                 device=device), ()))
+    for i, s in enumerate(adapter.linear_specs):
+        meta.append((InputSpec("recurrent_state", f"recurrent_state_{i}"),
+                     torch.zeros(SAMPLE_BS, s.num_v_heads, s.head_k_dim, s.head_v_dim,
+                                 dtype=torch.float32, device=device), ()))
+    return meta
+
+
+def _scope_of(adapter: ModelAdapter, specs: list[InputSpec], values) -> CaptureScope:
+    """The capture scope over the dense-input values, found by their input kinds."""
+    by_kind: dict[str, list] = {}
+    for spec, value in zip(specs, values):
+        by_kind.setdefault(spec.kind, []).append(value)
+    return CaptureScope(
+        kv_caches=list(zip(by_kind.get("k_cache", []), by_kind.get("v_cache", []))),
+        block_table=by_kind["block_table"][0], context_lens=by_kind["context_lens"][0],
+        pool_index={k: i for i, k in enumerate(adapter.keys)},
+        slots=by_kind.get("slots", [None])[0],
+        conv_states=by_kind.get("conv_state", []),
+        recurrent_states=by_kind.get("recurrent_state", []),
+    )
 
 
 def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
@@ -110,7 +146,6 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     specs = [InputSpec("param", n) for n in params] + [InputSpec("buffer", n) for n in buffers]
     samples = _sample_inputs(adapter, dtype, device)
     specs += [s for s, _, _ in samples]
-    num_pools = len(adapter.specs)
 
     mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
     fakes = [fake_input(mode, t, "") for t in (*params.values(), *buffers.values())]
@@ -120,17 +155,16 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     def dense_verify(*flat):
         p = dict(zip(params, flat[:n_p]))
         b = dict(zip(buffers, flat[n_p:n_p + n_b]))
-        ids, pos, table, ctx, *pools = flat[n_p + n_b:]
-        scope = CaptureScope(
-            kv_caches=list(zip(pools[:num_pools], pools[num_pools:])),
-            block_table=table, context_lens=ctx,
-            pool_index={k: i for i, k in enumerate(adapter.keys)},
-        )
+        ids, pos = flat[n_p + n_b:n_p + n_b + 2]
+        scope = _scope_of(adapter, specs[n_p + n_b:], flat[n_p + n_b:])
+
         def call(*args, **kwargs):
             return torch.func.functional_call(model, (p, b), args, kwargs)
 
         with adapter.hooks(), open_scope(scope):
-            return adapter.forward(call, ids, pos)
+            logits = adapter.forward(call, ids, pos)
+        _check_linear_calls(scope, len(adapter.linear_specs))
+        return logits
 
     was_training = model.training
     model.eval()
@@ -148,6 +182,15 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     bs, tokens = _token_symbols(gm, mode.shape_env)
     _check_guards(mode.shape_env, bs, tokens)
     return CapturedGraph(gm, specs, bs, tokens)
+
+
+def _check_linear_calls(scope: CaptureScope, num_layers: int) -> None:
+    """Every linear-attention layer made exactly one conv and one gated-delta-rule call."""
+    if any(n != num_layers for n in scope.calls.values()):
+        raise RuntimeError(
+            f"the capture saw {scope.calls} hybrid-layer calls for {num_layers} linear-attention "
+            "layers; each layer must call causal_conv1d_fn and the gated delta rule once per "
+            "forward (a layer that skipped them keeps state dspark_compile cannot own)")
 
 
 def _token_symbols(gm: fx.GraphModule, shape_env: ShapeEnv) -> tuple[sympy.Symbol, sympy.Symbol]:

@@ -32,6 +32,15 @@ class CaptureScope:
     """int32 ``[bs]``: committed tokens of each dense request."""
     pool_index: dict[object, int] = field(default_factory=dict)
     """Layer key (HF ``layer_idx`` or module id) -> pool index."""
+    slots: torch.Tensor | None = None
+    """int32 ``[bs]``: state-pool row of each dense request (hybrid models only)."""
+    conv_states: list[torch.Tensor] = field(default_factory=list)
+    """Per linear-attention layer, in call order: conv pool ``[S, dim, W-1]``."""
+    recurrent_states: list[torch.Tensor] = field(default_factory=list)
+    """Per linear-attention layer, in call order: recurrent pool ``[S, Hv, K, V]`` float32."""
+    calls: dict[str, int] = field(default_factory=lambda: {"conv": 0, "gdn": 0})
+    """Hybrid-layer calls seen so far, by kind: call ``k`` of a kind belongs to linear layer
+    ``k`` (the layers run in order and each makes one call of each kind)."""
 
     def attend(self, key: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float) -> torch.Tensor:
@@ -45,6 +54,31 @@ class CaptureScope:
         return torch.ops.dspark.dense_cached_attention(
             q, k, v, k_cache, v_cache, self.block_table, self.context_lens, float(scale)
         )
+
+    def _linear_layer(self, kind: str, pools: list) -> int:
+        index = self.calls[kind]
+        if index >= len(pools):
+            raise RuntimeError(
+                f"linear-attention {kind} call #{index} during capture, but the model has only "
+                f"{len(pools)} linear-attention layers with state pools; every linear layer "
+                "must make exactly one conv and one gated-delta-rule call per forward")
+        self.calls[kind] = index + 1
+        return index
+
+    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+             activation: str) -> torch.Tensor:
+        """Dense causal conv1d of the next linear layer: x ``[bs, dim, T]`` -> same shape."""
+        pool = self.conv_states[self._linear_layer("conv", self.conv_states)]
+        return torch.ops.dspark.dense_causal_conv1d(x, weight, bias, pool, self.slots,
+                                                     activation)
+
+    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                         g: torch.Tensor, beta: torch.Tensor, scale: float,
+                         use_qk_l2norm: bool) -> torch.Tensor:
+        """Dense gated delta rule of the next linear layer: ``[bs, T, Hv, V]``."""
+        pool = self.recurrent_states[self._linear_layer("gdn", self.recurrent_states)]
+        return torch.ops.dspark.dense_gated_delta_rule(q, k, v, g, beta, pool, self.slots,
+                                                        float(scale), bool(use_qk_l2norm))
 
 
 _ACTIVE: contextvars.ContextVar[CaptureScope | None] = contextvars.ContextVar(

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from . import linear_ops, reference
+from . import linear_dense, linear_ops, reference
 
 __all__ = ["ragged_attention", "dense_cached_attention", "RAGGED_OPS", "DENSE_OPS"]
 
@@ -48,7 +48,7 @@ def _(q, k, v, k_cache, v_cache, block_table, context_lens, scale):
 
 RAGGED_OPS = (torch.ops.dspark.ragged_attention, *linear_ops.LINEAR_RAGGED_OPS)
 """Op packets of the ragged families (what the packed graph may contain)."""
-DENSE_OPS = (torch.ops.dspark.dense_cached_attention,)
+DENSE_OPS = (torch.ops.dspark.dense_cached_attention, *linear_dense.DENSE_LINEAR_OPS)
 """Op packets of the dense families (what a capture emits and the passes must rewrite)."""
 
 

@@ -1,14 +1,16 @@
 """FX passes, run in one declared order (PASS_ORDER).
 
-``token_axis`` proves the dense graph token-wise first. ``ragged_attention`` runs before
-``flatten_tokens``: the ragged op takes flat rows, so once attention is rewritten the dense
-graph is still runnable on a uniform layout, and ``flatten_tokens`` finds only ops that treat
-rows independently plus ops that are already flat-native.
+``token_axis`` proves the dense graph token-wise first. ``ragged_attention``, ``ragged_conv``
+and ``ragged_linear_attention`` run before ``flatten_tokens``: the ragged ops take flat rows,
+so once they are rewritten the dense graph is still runnable on a uniform layout, and
+``flatten_tokens`` finds only ops that treat rows independently plus ops that are already
+flat-native.
 """
 
 from __future__ import annotations
 
-from . import flatten_tokens, ragged_attention, token_axis
+from . import (flatten_tokens, ragged_attention, ragged_conv, ragged_linear_attention,
+               token_axis)
 from .base import EnsureError, PassContext, PassResult, RefusedOp
 
 __all__ = ["PASS_ORDER", "run_passes", "PassContext", "PassResult", "RefusedOp",
@@ -17,6 +19,8 @@ __all__ = ["PASS_ORDER", "run_passes", "PassContext", "PassResult", "RefusedOp",
 PASS_ORDER = (
     ("token_axis", token_axis.run),
     ("ragged_attention", ragged_attention.run),
+    ("ragged_conv", ragged_conv.run),
+    ("ragged_linear_attention", ragged_linear_attention.run),
     ("flatten_tokens", flatten_tokens.run),
 )
 """(name, run) in the order they apply. A run returns a PassResult (analysis) or

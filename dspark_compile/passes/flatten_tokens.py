@@ -28,6 +28,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ..frontend.capture import fake_input
+from ..lowering.linear_ops import LINEAR_RAGGED_OPS
 from .base import EnsureError, PassContext, PassResult
 from .retrace import retrace
 from .token_axis import DIM_OPS, NORM_OPS, AxisLabel, label_graph
@@ -39,7 +40,8 @@ aten = torch.ops.aten
 SIZE_OPS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand}
 AS_IS = {aten.embedding, aten.mm, aten.addmm, aten.clone, aten._to_copy, aten.alias,
          aten.detach, aten.contiguous, aten.lift_fresh_copy,
-         torch.ops.dspark.ragged_attention, *NORM_OPS}  # norms: trailing dims stay as they are
+         torch.ops.dspark.ragged_attention, *LINEAR_RAGGED_OPS,  # flat-native: rows in, rows out
+         *NORM_OPS}  # norms: trailing dims stay as they are
 FLAT_INPUTS = {"input_ids", "positions", "slot_mapping"}
 
 
@@ -87,7 +89,10 @@ class _Flattener:
         for d, s in enumerate(sizes):
             if _drops_bs(lab) and d == lab.bs_dim:
                 continue
-            out.append(self.n if d in (lab.t_dim, lab.flat_dim) else self.value(s))
+            if d == lab.flat_dim:
+                out.append(self.n * lab.flat_factor)  # [bs*T*c] -> [N*c]
+            else:
+                out.append(self.n if d == lab.t_dim else self.value(s))
         return out
 
     def align(self, a: fx.Node, node: fx.Node):
@@ -116,8 +121,8 @@ class _Flattener:
         handler = getattr(self, f"op_{packet.__name__}", None)
         if handler is not None:
             return handler(node, *args)
-        if isinstance(node.target, torch._ops.OpOverload) and \
-                torch.Tag.pointwise in node.target.tags:
+        if packet is aten.copy_ or (isinstance(node.target, torch._ops.OpOverload) and
+                                    torch.Tag.pointwise in node.target.tags):
             new = [self.align(a, node) if isinstance(a, fx.Node) and
                    isinstance(a.meta.get("val"), torch.Tensor) else self.value(a) for a in args]
             return node.target(*new, **self.value(node.kwargs))
@@ -235,7 +240,7 @@ def _flat_inputs(placeholders: list[fx.Node], mode) -> list:
             shape = (num_tokens,)
         elif spec.kind == "query_start_loc":
             shape = (num_requests + 1,)
-        elif spec.kind in ("seq_lens", "block_table"):
+        elif spec.kind in ("seq_lens", "block_table", "slots"):
             shape = (num_requests, *val.shape[1:])
         else:
             out.append(val)

@@ -2,12 +2,14 @@
 is token-wise. Analysis only; the graph is not changed.
 
 Labels come from the symbolic shapes (sympy): a dimension of size ``bs`` is the request axis,
-``T`` the per-request token axis, ``bs*T`` the flat token axis. Any other size that involves
-``bs`` or ``T`` (``2*T``, ``T*H``) means the op mixed the token axis into another one, and is
-refused. Per value::
+``T`` the per-request token axis, ``bs*T`` the flat token axis, and ``bs*T*c`` (``c`` a static
+factor) a flat axis whose rows are ``c`` consecutive sub-rows per token (Qwen3.5's GDN runs
+its gated norm over ``core_attn_out.reshape(-1, head_v_dim)``: ``[bs*T*Hv, V]``; its flat
+form is ``[N*Hv, V]``). Any other size that involves ``bs`` or ``T`` (``2*T``, ``T*H``)
+means the op mixed the token axis into another one, and is refused. Per value::
 
     token-major   [bs, T, 64], [bs, H, T, D]     rows of requests' tokens
-    flat          [bs*T, 64]                      the same rows, merged
+    flat          [bs*T, 64], [bs*T*4, 16]        the same rows, merged (times a factor)
     request       [bs, pages] (from the layout)  one row per request
     broadcast     [bs, 32, 1] (expand of a weight) the same for every request
     global        [64, 64]                        weights, constants
@@ -17,6 +19,7 @@ Ops, by family (checked in that order)::
     %o = dspark.dense_cached_attention(%q, %k, %v, ...)   known ragged family: allowed
     %o = aten.mul.Tensor(%a, %b)                         pointwise: token dims must line up
     %o = aten.view.default(%x, [%bs, %T, -1, 16])        layout: bs before T, both whole
+    %o = aten.view.default(%x, [-1, 16])  [bs,T,4,16]->[bs*T*4,16]: token-major order kept
     %o = aten.mm.default(%x, %w)                         linear: %w global, K not a token dim
     %o = aten.mean.dim(%x, [-1], True)                   dim op: dims must not be token dims
     %o = aten.cumsum.default(%x, 1)    on [bs, T, ...]   refused: mixes tokens
@@ -78,7 +81,9 @@ class AxisLabel:
     t_dim: int | None = None
     """Dim of size ``T`` (tokens of one request)."""
     flat_dim: int | None = None
-    """Dim of size ``bs*T`` (the flat token axis)."""
+    """Dim of size ``bs*T*flat_factor`` (the flat token axis)."""
+    flat_factor: int = 1
+    """Sub-rows per token of the flat axis (1: one row per token)."""
     from_request: bool = False
     """Derived from per-request layout inputs (block tables, context lengths)."""
 
@@ -97,16 +102,18 @@ class AxisLabel:
         return "global"
 
 
-def _dim_label(size, bs: sympy.Symbol, tokens: sympy.Symbol) -> str | None:
+def _dim_label(size, bs: sympy.Symbol, tokens: sympy.Symbol) -> tuple[str, int] | None:
+    """``(kind, flat factor)`` of one size: bs, t, flat (``bs*T*c``), mixed; None if neither."""
     expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
     if expr == bs or expr == bs + 1:  # bs + 1: query_start_loc, one entry per request + 1
-        return "bs"
+        return "bs", 1
     if expr == tokens:
-        return "t"
-    if expr == bs * tokens:
-        return "flat"
+        return "t", 1
+    factor = sympy.cancel(expr / (bs * tokens))
+    if factor.is_Integer and factor > 0:
+        return "flat", int(factor)
     if expr.free_symbols & {bs, tokens}:
-        return "mixed"
+        return "mixed", 1
     return None
 
 
@@ -114,16 +121,20 @@ def label_of(val: torch.Tensor, bs: sympy.Symbol, tokens: sympy.Symbol,
              from_request: bool = False) -> AxisLabel | str:
     """The label of a (fake) tensor value, or a string saying why it has none."""
     found: dict[str, int] = {}
+    factor = 1
     for d, size in enumerate(val.shape):
-        kind = _dim_label(size, bs, tokens)
-        if kind is None:
+        label = _dim_label(size, bs, tokens)
+        if label is None:
             continue
+        kind, c = label
         if kind == "mixed" or kind in found:
             return f"its shape {tuple(val.shape)} merges the token axis with another axis"
         found[kind] = d
+        factor = c if kind == "flat" else factor
     if "flat" in found and len(found) > 1:
         return f"its shape {tuple(val.shape)} holds the flat token axis twice"
-    return AxisLabel(found.get("bs"), found.get("t"), found.get("flat"), from_request)
+    return AxisLabel(found.get("bs"), found.get("t"), found.get("flat"), flat_factor=factor,
+                     from_request=from_request)
 
 
 # ---------------------------------------------------------------------- labelling
@@ -150,7 +161,7 @@ def label_graph(gm: fx.GraphModule, bs: sympy.Symbol, tokens: sympy.Symbol) -> N
         node.meta["dspark_axis"] = label_of(val, bs, tokens, from_request)
 
 
-REQUEST_INPUTS = {"block_table", "context_lens", "query_start_loc", "seq_lens"}
+REQUEST_INPUTS = {"block_table", "context_lens", "query_start_loc", "seq_lens", "slots"}
 """Placeholder kinds that hold one row per request."""
 
 
@@ -182,6 +193,9 @@ def _check_pointwise(node: fx.Node, out: AxisLabel) -> str | None:
             return (f"the per-request value {a.name} {tuple(a.meta['val'].shape)} meets token "
                     "rows; per-request values may only feed the ragged ops")
         shift = rank - a.meta["val"].dim()
+        if lab.flat_dim is not None and lab.flat_factor != out.flat_factor:
+            return (f"operand {a.name} has {lab.flat_factor} rows per token but the result "
+                    f"{out.flat_factor}")
         for mine, theirs in ((lab.bs_dim, out.bs_dim), (lab.t_dim, out.t_dim),
                              (lab.flat_dim, out.flat_dim)):
             if mine is not None and mine + shift != theirs:
@@ -214,8 +228,35 @@ def _segments(shape, lab: AxisLabel) -> list:
                         for s in shape[a + 1:b]]) for a, b in zip(bounds, bounds[1:])]
 
 
+def _token_ordered(lab: AxisLabel) -> bool:
+    """Rows in token-major order: a flat axis, or the request axis right before the token axis."""
+    return lab.flat_dim is not None or (lab.bs_dim is not None and lab.t_dim == lab.bs_dim + 1)
+
+
+def _prefix(shape, lab: AxisLabel):
+    """Product of the sizes before the first token axis."""
+    first = min(lab.token_dims)
+    return sympy.prod([sympy.sympify(s.node.expr if isinstance(s, torch.SymInt) else s)
+                       for s in shape[:first]])
+
+
+def _check_factor_view(x: fx.Node, node: fx.Node, lab_in: AxisLabel,
+                       out: AxisLabel) -> str | None:
+    """A view to or from ``bs*T*c`` rows keeps token-major order with the same leading dims."""
+    if not (_token_ordered(lab_in) and _token_ordered(out)) or \
+            _prefix(x.meta["val"].shape, lab_in) != _prefix(node.meta["val"].shape, out):
+        return ("it merges the token axis with a neighbouring axis out of token-major order "
+                "(only [bs, T, c, ...] <-> [bs*T*c, ...] keeps each token's rows together)")
+    return None
+
+
 def _check_view(x: fx.Node, node: fx.Node, lab_in: AxisLabel, out: AxisLabel) -> str | None:
-    """A reshape may merge/split [bs, T] <-> [bs*T], or reshape around axes that stay put."""
+    """A reshape may merge/split [bs, T] <-> [bs*T] (<-> [bs*T*c] in token-major order), or
+    reshape around axes that stay put."""
+    if (lab_in.flat_dim is not None and lab_in.flat_factor != 1) or \
+            (out.flat_dim is not None and out.flat_factor != 1):
+        return _check_factor_view(x, node, lab_in, out)
+
     def separate_non_adjacent(lab):
         return lab.kind == "token" and lab.flat_dim is None and lab.t_dim != lab.bs_dim + 1
     if not (separate_non_adjacent(lab_in) or separate_non_adjacent(out)):
@@ -287,8 +328,9 @@ def check_node(node: fx.Node) -> str | None:
                 "positions explicitly so every row carries its own")
     if packet in LAYOUT_OPS:
         return _check_layout(node, out)
-    if isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in node.target.tags:
-        return _check_pointwise(node, out)
+    if packet is aten.copy_ or (isinstance(node.target, torch._ops.OpOverload) and
+                                torch.Tag.pointwise in node.target.tags):
+        return _check_pointwise(node, out)  # copy_: mRoPE sections recomposed by slice copy
     if packet in (aten.mm, aten.addmm, aten.bmm):
         return _check_linear(node)
     if packet is aten.embedding:

@@ -1,0 +1,95 @@
+"""ragged_linear_attention: dense gated delta rule -> ``dspark::gated_delta_rule`` on rows.
+
+Matches (dense verify graph, every request ``T`` tokens; HF's GDN recurrence)::
+
+    %o = dspark.dense_gated_delta_rule.default(%q, %k, %v, %g, %beta, %recurrent_state_0,
+                                               %slots, 0.25, True)
+        # q, k [bs, T, Hk, K], v [bs, T, Hv, V], g, beta [bs, T, Hv] -> o [bs, T, Hv, V]
+
+Writes::
+
+    %q_rows = reshape(%q, [bs*T, Hk, K])          # same for k, v [bs*T, Hv, V], g, beta
+    %o_rows = dspark.gated_delta_rule.default(%q_rows, %k_rows, %v_rows, %g_rows, %beta_rows,
+                  %recurrent_state_0, %query_start_loc, %slots, %gdn_ring_k_0, %gdn_ring_v_0,
+                  %gdn_ring_g_0, %gdn_ring_beta_0, 0.25, True)     # [bs*T, Hv, V]
+    %o = view(%o_rows, [bs, T, Hv, V])
+
+The four replay rings (float32 ``[rows, Hk, K]``, ``[rows, Hv, V]``, ``[rows, Hv]``,
+``[rows, Hv]``) become graph inputs, sized by the key heads the rule actually receives (HF
+5.17 repeats them to ``Hv`` before the call, 5.24 does not). The pass ensures that no dense
+rule is left and that every rewrite produced one ragged op.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.fx as fx
+from torch.fx.proxy import GraphAppendingTracer
+
+from .base import EnsureError, PassContext, PassResult, source_line
+from .graph_inputs import RING_SAMPLE_ROWS, add_input, find_input, query_start_loc
+from .ragged_conv import layer_index
+from .retrace import copy_module, interpret, placeholder_values, retrace
+
+__all__ = ["run"]
+
+DENSE = torch.ops.dspark.dense_gated_delta_rule
+RAGGED = torch.ops.dspark.gated_delta_rule
+RINGS = ("k", "v", "g", "beta")
+
+
+def _is(node: fx.Node, packet) -> bool:
+    return node.op == "call_function" and (
+        node.target is packet or getattr(node.target, "overloadpacket", None) is packet)
+
+
+def _rings(gm: fx.GraphModule, ctx: PassContext, k: fx.Node, v: fx.Node,
+           pool: fx.Node) -> list[fx.Node]:
+    """Add ``gdn_ring_{k,v,g,beta}_<i>`` inputs shaped after this call's k and v."""
+    _, _, hk, kd = k.meta["val"].shape
+    _, _, hv, vd = v.meta["val"].shape
+    rows = RING_SAMPLE_ROWS
+    shapes = {"k": (rows, hk, kd), "v": (rows, hv, vd), "g": (rows, hv), "beta": (rows, hv)}
+    index = layer_index(pool)
+    return [add_input(gm, ctx, f"gdn_ring_{r}", f"gdn_ring_{r}_{index}", shapes[r],
+                      torch.float32) for r in RINGS]
+
+
+def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResult]:
+    result = PassResult("ragged_linear_attention", changed=0)
+    if not any(_is(n, DENSE) for n in gm.graph.nodes):
+        return gm, result
+    gm = copy_module(gm)
+    qsl = query_start_loc(gm, ctx)
+    ids = find_input(gm, "input_ids")
+    tracer = GraphAppendingTracer(gm.graph)
+    for node in [n for n in gm.graph.nodes if _is(n, DENSE)]:
+        q, k, v, g, beta, pool, slots, scale, use_l2 = node.args
+        rings = _rings(gm, ctx, k, v, pool)
+        with gm.graph.inserting_before(node):
+            ids_p = fx.Proxy(ids, tracer)
+            n = ids_p.size(0) * ids_p.size(1)
+            rows = [fx.Proxy(a, tracer).reshape(n, *a.meta["val"].shape[2:]).node
+                    for a in (q, k, v, g, beta)]
+            out = gm.graph.call_function(RAGGED.default, (
+                *rows, pool, qsl, slots, *rings, scale, use_l2))
+            dense_out = fx.Proxy(out, tracer).view(ids_p.size(0), ids_p.size(1),
+                                                   *v.meta["val"].shape[2:])
+        node.replace_all_uses_with(dense_out.node)
+        gm.graph.erase_node(node)
+        result.changed += 1
+        result.rewrites.append((f"{node.name} -> gated_delta_rule", source_line(node)))
+    gm.recompile()
+    new_gm = retrace(interpret(gm), placeholder_values(gm), list(ctx.inputs))
+    _ensure(new_gm, result)
+    return new_gm, result
+
+
+def _ensure(gm: fx.GraphModule, result: PassResult) -> None:
+    left = [n.name for n in gm.graph.nodes if _is(n, DENSE)]
+    if left:
+        raise EnsureError(f"ragged_linear_attention: dense rule left in the graph: {left}")
+    found = sum(1 for n in gm.graph.nodes if _is(n, RAGGED))
+    if found != result.changed:
+        raise EnsureError(f"ragged_linear_attention: rewrote {result.changed} rules but the "
+                          f"graph has {found}")
