@@ -31,6 +31,22 @@ def tiny_qwen3(seed: int = 0, layers: int = 2, vocab: int = 101):
     return Qwen3ForCausalLM(cfg).eval()
 
 
+def tiny_qwen35(seed: int = 0, vocab: int = 101,
+                layer_types=("linear_attention", "full_attention", "linear_attention",
+                             "full_attention")):
+    """Qwen3.5 text model: Gated DeltaNet (conv + delta rule) and gated full attention."""
+    from transformers import Qwen3_5ForCausalLM, Qwen3_5TextConfig
+
+    torch.manual_seed(seed)
+    cfg = Qwen3_5TextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, max_position_embeddings=512)
+    return Qwen3_5ForCausalLM(cfg).eval()
+
+
 class PlainBlock(nn.Module):
     """A pre-norm decoder block written as free-form torch around CachedAttention."""
 
