@@ -55,7 +55,8 @@ def _feature_predict_kernel(logits_ptr, temperature_ptr, slope_ptr, bias_ptr, x_
     offs = tl.arange(0, BLOCK_V)
     m = tl.full([], float("-inf"), tl.float32)
     s = tl.zeros([], tl.float32)
-    for v0 in range(0, vocab, BLOCK_V):
+    v0 = tl.zeros([], tl.int32)
+    while v0 < vocab:  # a while, not range(vocab): triton 3.6's interpreter fails at vocab 1
         ok = v0 + offs < vocab
         z = tl.load(row + v0 + offs, mask=ok, other=float("-inf")).to(tl.float32) / t
         bm = tl.max(z, 0)
@@ -65,6 +66,7 @@ def _feature_predict_kernel(logits_ptr, temperature_ptr, slope_ptr, bias_ptr, x_
         ex = tl.where(ok & ~skip, tl.exp(z - new_m), 0.0)
         s = tl.where(bm > m, (s + 1.0) * tl.exp(m - new_m), s) + tl.sum(ex, 0)
         m = new_m
+        v0 += BLOCK_V
     # s < 1e-30 (V = 1, or q_max rounding to 1) gives -log(s) > 69: clamped to 40 either way.
     x = tl.minimum(tl.maximum(-tl.log(tl.maximum(s, 1e-30)), -_X_CLAMP), _X_CLAMP)
     logit = tl.load(slope_ptr) * x.to(tl.float64) + tl.load(bias_ptr + k)
@@ -85,7 +87,8 @@ def _accumulate(x_ptr, accepted_ptr, verified_ptr, slope, bias, R, gamma, stride
     acc_xx = tl.zeros([BLOCK_R, G_PAD], tl.float64)
     acc_x1 = tl.zeros([BLOCK_R, G_PAD], tl.float64)
     acc_11 = tl.zeros([BLOCK_R, G_PAD], tl.float64)
-    for r0 in range(0, R, BLOCK_R):
+    r0 = tl.zeros([], tl.int32)
+    while r0 < R:  # a while, as in _feature_predict_kernel
         offs_r = r0 + tl.arange(0, BLOCK_R)
         r_ok = offs_r < R
         acc = tl.load(accepted_ptr + offs_r, mask=r_ok, other=0).to(tl.int64)
@@ -106,6 +109,7 @@ def _accumulate(x_ptr, accepted_ptr, verified_ptr, slope, bias, R, gamma, stride
         acc_xx += curv * x * x
         acc_x1 += curv * x
         acc_11 += curv
+        r0 += BLOCK_R
     return (tl.sum(acc_n, 0), tl.sum(tl.sum(acc_gx, 0), 0), tl.sum(acc_g1, 0),
             tl.sum(acc_xx, 0), tl.sum(acc_x1, 0), tl.sum(acc_11, 0))
 
@@ -116,12 +120,14 @@ def _guarded_slope_step(slope, d_slope, halvings):
     factor = tl.full([], 1.0, tl.float64)
     kept = tl.zeros([], tl.float64)
     found = tl.zeros([], tl.int1)
-    for _ in range(0, halvings + 1):
+    h = tl.zeros([], tl.int32)
+    while h <= halvings:
         step = d_slope * factor
         take = ~found & (slope + step >= 0.0)
         kept = tl.where(take, step, kept)
         found = found | take
         factor = factor * 0.5  # powers of two: exact, as torch.pow(0.5, h)
+        h += 1
     return kept
 
 

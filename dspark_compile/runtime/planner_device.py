@@ -83,12 +83,14 @@ def _serial_argmax(surv, n, r, sps_ptr, sps_last, M_PAD: tl.constexpr):
     mass = tl.zeros([], tl.float64)
     best = tl.full([], float("-inf"), tl.float64)
     best_k = tl.zeros([], tl.int32)
-    for k in range(0, n):
+    k = tl.zeros([], tl.int32)
+    while k < n:  # a while, not range(n): triton 3.6's interpreter cannot index with n
         mass += tl.sum(tl.where(pos == k, surv, 0.0), 0)  # the k-th ranked survival, exactly
         rate = tl.load(sps_ptr + tl.minimum(r + k + 1, sps_last))
         theta = (mass + r) * rate
         best_k = tl.where(theta > best, k + 1, best_k)
         best = tl.maximum(theta, best)
+        k += 1
     return best, best_k
 
 
@@ -124,9 +126,9 @@ def _budget(ranked, bits, r, gamma, min_bits, thr_bits, sps_ptr, sps_last,
             HAS_RATE: tl.constexpr, THRESHOLD: tl.constexpr, M_PAD: tl.constexpr):
     """K of one ranked batch of ``r`` requests, before cap and alignment (host ``_budget``)."""
     if THRESHOLD:
-        k = tl.sum(tl.sum((bits >= thr_bits).to(tl.int32), 1), 0)
+        k = tl.sum(tl.reshape(bits >= thr_bits, [M_PAD]).to(tl.int32), 0)
     elif HAS_RATE:
-        n = tl.sum(tl.sum((bits >= min_bits).to(tl.int32), 1), 0)
+        n = tl.sum(tl.reshape(bits >= min_bits, [M_PAD]).to(tl.int32), 0)
         k = _rate_budget(ranked, bits, n, r, min_bits, sps_ptr, sps_last, M_PAD)
     else:
         k = r * gamma  # no table: verify everything
@@ -155,7 +157,7 @@ def _plan_kernel(conf_ptr, budget_ptr, sps_ptr, tiers_ptr, lens_ptr, k_ptr, R, g
     M_PAD: tl.constexpr = G_PAD * R_PAD
     keys, bits, bad = _survival_keys(conf_ptr, R, gamma, stride_r, stride_j, R_PAD, G_PAD)
     ranked = tl.sort(tl.reshape(keys, [M_PAD]))  # [M_PAD] ascending: the host's order
-    n = tl.sum(tl.sum((bits >= min_bits).to(tl.int32), 1), 0)  # candidates of this step
+    n = tl.sum(tl.reshape(bits >= min_bits, [M_PAD]).to(tl.int32), 0)  # candidates now
     if LAGGED:
         MB_PAD: tl.constexpr = G_PAD * RB_PAD
         bkeys, bbits, bbad = _survival_keys(budget_ptr, RB, gamma, stride_br, stride_bj,
