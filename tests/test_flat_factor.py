@@ -1,4 +1,5 @@
-"""token_axis / flatten_tokens: a flat axis of ``bs*T*c`` rows (``c`` sub-rows per token).
+"""token_axis / flatten_tokens: a flat axis of ``bs*T*c`` rows (``c`` sub-rows per token), and
+a request axis with a static axis merged in front (``c*bs``).
 
 Qwen3.5's GDN runs its gated norm over ``core_attn_out.reshape(-1, head_v_dim)``, a
 ``[bs*T*Hv, V]`` value; its flat form is ``[N*Hv, V]``. Merges that do not keep each token's
@@ -37,6 +38,13 @@ def test_flat_axis_times_a_static_factor(shape_fn, factor):
     label = label_of(val, bs, t)
     assert isinstance(label, AxisLabel) and label.flat_dim == 0
     assert label.flat_factor == factor and label.kind == "token"
+
+
+def test_static_axis_merged_before_the_request_axis():
+    """transformers 5.17's mRoPE: ``[3, bs, 1, T] -> [3*bs, 1, T]`` for a batched matmul."""
+    val, bs, t = _symbolic(lambda bs, t: (3 * bs, 1, t))
+    label = label_of(val, bs, t)
+    assert (label.bs_dim, label.t_dim, label.bs_factor) == (0, 2, 3)
 
 
 @pytest.mark.parametrize("shape_fn", [lambda bs, t: (t * 4, 16), lambda bs, t: (bs * t + 4,)])

@@ -58,7 +58,13 @@ def _label(node) -> AxisLabel:
 
 
 def _drops_bs(lab: AxisLabel) -> bool:
-    return lab.bs_dim is not None and lab.kind in ("token", "broadcast")
+    """The flat form has no request axis (a ``[c*bs]`` axis keeps its static ``c``)."""
+    return lab.bs_dim is not None and lab.kind in ("token", "broadcast") and lab.bs_factor == 1
+
+
+def _shrinks_bs(lab: AxisLabel) -> bool:
+    """A ``[c*bs]`` axis whose flat form is ``[c]``."""
+    return lab.bs_dim is not None and lab.kind in ("token", "broadcast") and lab.bs_factor > 1
 
 
 def _fdim(lab: AxisLabel, d: int, rank: int) -> int:
@@ -88,6 +94,9 @@ class _Flattener:
         lab, out = _label(node), []
         for d, s in enumerate(sizes):
             if _drops_bs(lab) and d == lab.bs_dim:
+                continue
+            if _shrinks_bs(lab) and d == lab.bs_dim:
+                out.append(lab.bs_factor)
                 continue
             if d == lab.flat_dim:
                 out.append(self.n * lab.flat_factor)  # [bs*T*c] -> [N*c]
@@ -181,6 +190,11 @@ class _Flattener:
     def op_bmm(self, node, a, b):
         la, lb = _label(a), _label(b)
         xa, xb = self.env[a], self.env[b]
+        if la.bs_factor > 1 or lb.bs_factor > 1:  # [c, M, K] @ [c, K, N]: batched over c
+            if la.bs_factor != lb.bs_factor:
+                raise EnsureError(f"flatten_tokens: bmm {node.name} batches {la.bs_factor} "
+                                  f"and {lb.bs_factor} rows per request")
+            return torch.bmm(xa, xb)
         if la.kind == "broadcast" and lb.kind == "token":   # [M, K] @ [K, N]
             return torch.mm(xa, xb)
         if la.kind == "token" and lb.kind in ("broadcast", "global"):  # [N, K] @ [K, M]

@@ -5,7 +5,9 @@ Labels come from the symbolic shapes (sympy): a dimension of size ``bs`` is the 
 ``T`` the per-request token axis, ``bs*T`` the flat token axis, and ``bs*T*c`` (``c`` a static
 factor) a flat axis whose rows are ``c`` consecutive sub-rows per token (Qwen3.5's GDN runs
 its gated norm over ``core_attn_out.reshape(-1, head_v_dim)``: ``[bs*T*Hv, V]``; its flat
-form is ``[N*Hv, V]``). Any other size that involves ``bs`` or ``T`` (``2*T``, ``T*H``)
+form is ``[N*Hv, V]``); ``c*bs`` is a static axis merged in front of the request axis
+(transformers 5.17's mRoPE batches its rotary matmul over ``[3*bs, ...]``; flat form ``[3,
+...]``). Any other size that involves ``bs`` or ``T`` (``2*T``, ``T*H``)
 means the op mixed the token axis into another one, and is refused. Per value::
 
     token-major   [bs, T, 64], [bs, H, T, D]     rows of requests' tokens
@@ -77,13 +79,16 @@ class AxisLabel:
     """Where a value's token axes are. All None: a global value."""
 
     bs_dim: int | None = None
-    """Dim of size ``bs`` (the request axis)."""
+    """Dim of size ``bs_factor*bs`` (the request axis)."""
     t_dim: int | None = None
     """Dim of size ``T`` (tokens of one request)."""
     flat_dim: int | None = None
     """Dim of size ``bs*T*flat_factor`` (the flat token axis)."""
     flat_factor: int = 1
     """Sub-rows per token of the flat axis (1: one row per token)."""
+    bs_factor: int = 1
+    """A static axis merged in front of the request axis (``[c, bs] -> [c*bs]``: batched
+    matmuls over mRoPE sections, transformers 5.17); its flat form keeps ``c``."""
     from_request: bool = False
     """Derived from per-request layout inputs (block tables, context lengths)."""
 
@@ -109,6 +114,9 @@ def _dim_label(size, bs: sympy.Symbol, tokens: sympy.Symbol) -> tuple[str, int] 
         return "bs", 1
     if expr == tokens:
         return "t", 1
+    per_request = sympy.cancel(expr / bs)
+    if per_request.is_Integer and per_request > 0:
+        return "bs", int(per_request)
     factor = sympy.cancel(expr / (bs * tokens))
     if factor.is_Integer and factor > 0:
         return "flat", int(factor)
@@ -121,7 +129,7 @@ def label_of(val: torch.Tensor, bs: sympy.Symbol, tokens: sympy.Symbol,
              from_request: bool = False) -> AxisLabel | str:
     """The label of a (fake) tensor value, or a string saying why it has none."""
     found: dict[str, int] = {}
-    factor = 1
+    factor = bs_factor = 1
     for d, size in enumerate(val.shape):
         label = _dim_label(size, bs, tokens)
         if label is None:
@@ -131,10 +139,11 @@ def label_of(val: torch.Tensor, bs: sympy.Symbol, tokens: sympy.Symbol,
             return f"its shape {tuple(val.shape)} merges the token axis with another axis"
         found[kind] = d
         factor = c if kind == "flat" else factor
+        bs_factor = c if kind == "bs" else bs_factor
     if "flat" in found and len(found) > 1:
         return f"its shape {tuple(val.shape)} holds the flat token axis twice"
     return AxisLabel(found.get("bs"), found.get("t"), found.get("flat"), flat_factor=factor,
-                     from_request=from_request)
+                     from_request=from_request, bs_factor=bs_factor)
 
 
 # ---------------------------------------------------------------------- labelling
@@ -193,6 +202,9 @@ def _check_pointwise(node: fx.Node, out: AxisLabel) -> str | None:
             return (f"the per-request value {a.name} {tuple(a.meta['val'].shape)} meets token "
                     "rows; per-request values may only feed the ragged ops")
         shift = rank - a.meta["val"].dim()
+        if lab.bs_dim is not None and lab.bs_factor != out.bs_factor:
+            return (f"operand {a.name} merges {lab.bs_factor} rows into its request axis but "
+                    f"the result {out.bs_factor}")
         if lab.flat_dim is not None and lab.flat_factor != out.flat_factor:
             return (f"operand {a.name} has {lab.flat_factor} rows per token but the result "
                     f"{out.flat_factor}")
@@ -224,8 +236,10 @@ def _segments(shape, lab: AxisLabel) -> list:
     """Products of the sizes before, between and after the token axes."""
     cuts = sorted(d for d in (lab.bs_dim, lab.t_dim) if d is not None)
     bounds = [-1, *cuts, len(shape)]
-    return [sympy.prod([sympy.sympify(s.node.expr if isinstance(s, torch.SymInt) else s)
-                        for s in shape[a + 1:b]]) for a, b in zip(bounds, bounds[1:])]
+    out = [sympy.prod([sympy.sympify(s.node.expr if isinstance(s, torch.SymInt) else s)
+                       for s in shape[a + 1:b]]) for a, b in zip(bounds, bounds[1:])]
+    out[0] *= lab.bs_factor  # [c*bs] is [c, bs]: c belongs to the sizes before the request axis
+    return out
 
 
 def _token_ordered(lab: AxisLabel) -> bool:
@@ -250,12 +264,26 @@ def _check_factor_view(x: fx.Node, node: fx.Node, lab_in: AxisLabel,
     return None
 
 
+def _check_bs_factor_view(x: fx.Node, node: fx.Node, lab_in: AxisLabel,
+                          out: AxisLabel) -> str | None:
+    """A view to or from ``[c*bs, ...]`` only merges or splits ``[c, bs]``, in that order."""
+    if lab_in.bs_dim is None or out.bs_dim is None or lab_in.flat_dim is not None or \
+            out.flat_dim is not None or (lab_in.t_dim is None) != (out.t_dim is None) or \
+            _segments(x.meta["val"].shape, lab_in) != _segments(node.meta["val"].shape, out):
+        return ("it merges a static axis into the request axis out of order (only "
+                "[c, bs, ...] <-> [c*bs, ...] keeps each request's rows apart)")
+    return None
+
+
 def _check_view(x: fx.Node, node: fx.Node, lab_in: AxisLabel, out: AxisLabel) -> str | None:
     """A reshape may merge/split [bs, T] <-> [bs*T] (<-> [bs*T*c] in token-major order), or
     reshape around axes that stay put."""
     if (lab_in.flat_dim is not None and lab_in.flat_factor != 1) or \
             (out.flat_dim is not None and out.flat_factor != 1):
         return _check_factor_view(x, node, lab_in, out)
+
+    if lab_in.bs_factor != 1 or out.bs_factor != 1:
+        return _check_bs_factor_view(x, node, lab_in, out)
 
     def separate_non_adjacent(lab):
         return lab.kind == "token" and lab.flat_dim is None and lab.t_dim != lab.bs_dim + 1
