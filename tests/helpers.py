@@ -141,3 +141,36 @@ class Session:
             self.seqs = [torch.empty(0, dtype=torch.int64) for _ in lens]
         self.seqs = [torch.cat([s, t[:a]]) for s, t, a in zip(self.seqs, new, accept)]
         return logits, layout
+
+
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+
+
+def tiny_vl(family: str, seed: int = 0, vocab: int = 64):
+    """A tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL (random weights; special ids at the top of the
+    vocabulary: vision start/end ``vocab-5``/``vocab-4``, image ``vocab-3``, video
+    ``vocab-2``). mRoPE sections [2, 3, 3] over head_dim 16; Qwen3-VL without DeepStack."""
+    import transformers as tf
+
+    torch.manual_seed(seed)
+    rope = {"rope_type": "default", "rope_theta": 10000.0, "mrope_section": [2, 3, 3]}
+    text = dict(vocab_size=vocab, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                rope_parameters=rope, head_dim=16)
+    vision = dict(depth=1, num_heads=2, patch_size=4, spatial_merge_size=2,
+                  temporal_patch_size=2, in_channels=3)
+    if family == "qwen2_vl":
+        vision.update(embed_dim=32, hidden_size=64)
+        config_cls, model_cls = tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration
+    elif family == "qwen2_5_vl":
+        vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=48, window_size=16,
+                      fullatt_block_indexes=[0])
+        config_cls, model_cls = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
+    else:
+        vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=48,
+                      num_position_embeddings=16, deepstack_visual_indexes=[])
+        config_cls, model_cls = tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration
+    cfg = config_cls(text_config=text, vision_config=vision, image_token_id=vocab - 3,
+                     video_token_id=vocab - 2, vision_start_token_id=vocab - 5,
+                     vision_end_token_id=vocab - 4)
+    return model_cls(cfg).eval()

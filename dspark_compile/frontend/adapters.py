@@ -23,6 +23,7 @@ from ..nn import CachedAttention
 from ..linear_state import LinearSpec
 from ..state import AttentionSpec
 from .hybrid import hybrid_hooks, linear_layers, linear_spec
+from .multimodal import MRopeSpec, mrope_spec, vision_hook
 from .scope import active_scope
 
 __all__ = ["ModelAdapter", "adapter_for"]
@@ -49,6 +50,9 @@ class ModelAdapter:
     """``"hf"`` or ``"plain"``: how the model was recognised (shown by ``explain``)."""
     linear_specs: list[LinearSpec] = field(default_factory=list)
     """State shape of each linear-attention (Gated DeltaNet) layer, in layer order."""
+    mrope: MRopeSpec | None = None
+    """Multimodal rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): positions are
+    ``[3, bs, T]`` and ``vision_embeds [bs, T, hidden]`` is one more input; None otherwise."""
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter:
@@ -129,10 +133,13 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
             f"dspark_compile: found no attention layers (modules with layer_idx, k_proj, "
             f"head_dim) in {type(model).__name__}"
         )
-    num_kv = getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+    text_config = config.get_text_config()
+    num_kv = getattr(text_config, "num_key_value_heads", None) or \
+        text_config.num_attention_heads
     specs = [AttentionSpec(num_kv, m.head_dim) for m in layers]
 
     linear = linear_layers(model)
+    mrope = mrope_spec(model)
 
     @contextlib.contextmanager
     def hooks():
@@ -141,7 +148,8 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         previous = config._attn_implementation
         model.set_attn_implementation(HF_ATTENTION_NAME)
         try:
-            with hybrid_hooks(linear) if linear else contextlib.nullcontext():
+            with hybrid_hooks(linear) if linear else contextlib.nullcontext(), \
+                    vision_hook(model, mrope) if mrope else contextlib.nullcontext():
                 yield
         finally:
             model.set_attn_implementation(previous)
@@ -150,4 +158,4 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         return call(input_ids=ids, position_ids=pos, use_cache=False).logits
 
     return ModelAdapter(model, [m.layer_idx for m in layers], specs, forward, hooks, "hf",
-                        [linear_spec(m) for m in linear])
+                        [linear_spec(m) for m in linear], mrope)

@@ -4,8 +4,11 @@ The captured function is::
 
     dense_verify(*params, *buffers, input_ids [bs, T], positions [bs, T],
                  block_table [bs, pages], context_lens [bs], *k_pools, *v_pools,
-                 [slots [bs], *conv_states, *recurrent_states])   # hybrid models only
+                 [slots [bs], *conv_states, *recurrent_states],   # hybrid models only
+                 [vision_embeds [bs, T, hidden]])                 # mRoPE models only
         -> logits [bs, T, V]
+
+mRoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) take ``positions [3, bs, T]`` instead.
 
 Inputs are fake tensors: ``bs`` and ``T`` are fresh symbols, every other size is static. The
 sample sizes (3 and 5) are distinct from each other and from 0/1, so that neither gets
@@ -44,9 +47,10 @@ class InputSpec:
 
     kind: str
     """param | buffer | input_ids | positions | block_table | context_lens | k_cache | v_cache,
-    and for hybrid models slots | conv_state | recurrent_state (the ragged passes add the
-    layout inputs and the replay rings conv_ring | gdn_ring_k | gdn_ring_v | gdn_ring_g |
-    gdn_ring_beta)."""
+    for hybrid models slots | conv_state | recurrent_state, for mRoPE models vision_embeds
+    (the ragged passes add the layout inputs and the replay rings conv_ring | gdn_ring_k |
+    gdn_ring_v | gdn_ring_g | gdn_ring_beta; flat_mrope turns positions into
+    mrope_positions)."""
     name: str
     """Parameter/buffer name, or the kind (with the pool index for caches)."""
 
@@ -88,9 +92,11 @@ def fake_input(mode: FakeTensorMode, t: torch.Tensor, name: str,
 def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.device):
     """Real (small) sample tensors of the dense verify inputs, with their specs."""
     ids = torch.zeros(SAMPLE_BS, SAMPLE_T, dtype=torch.int64, device=device)
+    positions = (ids.clone(), (0, 1)) if adapter.mrope is None else (
+        torch.zeros(adapter.mrope.sections, *ids.shape, dtype=torch.int64, device=device), (1, 2))
     meta = [
         (InputSpec("input_ids", "input_ids"), ids, (0, 1)),
-        (InputSpec("positions", "positions"), ids.clone(), (0, 1)),
+        (InputSpec("positions", "positions"), *positions),
         (InputSpec("block_table", "block_table"),
          torch.zeros(SAMPLE_BS, _SAMPLE_PAGES, dtype=torch.int32, device=device), (0,)),
         (InputSpec("context_lens", "context_lens"),
@@ -104,6 +110,10 @@ def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.devi
             meta.append((InputSpec(kind, f"{kind}_{i}"), pool, ()))
     if adapter.linear_specs:
         meta += _linear_samples(adapter, dtype, device)
+    if adapter.mrope is not None:
+        meta.append((InputSpec("vision_embeds", "vision_embeds"),
+                     torch.zeros(*ids.shape, adapter.mrope.hidden_size, dtype=dtype,
+                                 device=device), (0, 1)))
     return meta
 
 
@@ -134,6 +144,7 @@ def _scope_of(adapter: ModelAdapter, specs: list[InputSpec], values) -> CaptureS
         slots=by_kind.get("slots", [None])[0],
         conv_states=by_kind.get("conv_state", []),
         recurrent_states=by_kind.get("recurrent_state", []),
+        vision_embeds=by_kind.get("vision_embeds", [None])[0],
     )
 
 

@@ -38,6 +38,9 @@ class CaptureScope:
     """Per linear-attention layer, in call order: conv pool ``[S, dim, W-1]``."""
     recurrent_states: list[torch.Tensor] = field(default_factory=list)
     """Per linear-attention layer, in call order: recurrent pool ``[S, Hv, K, V]`` float32."""
+    vision_embeds: torch.Tensor | None = None
+    """``[bs, T, hidden]``: vision-tower rows merged into the input embeddings at image/video
+    tokens (mRoPE models only)."""
     calls: dict[str, int] = field(default_factory=lambda: {"conv": 0, "gdn": 0})
     """Hybrid-layer calls seen so far, by kind: call ``k`` of a kind belongs to linear layer
     ``k`` (the layers run in order and each makes one call of each kind)."""

@@ -1,7 +1,8 @@
 """FX passes, run in one declared order (PASS_ORDER).
 
-``token_axis`` proves the dense graph token-wise first. ``ragged_attention``, ``ragged_conv``
-and ``ragged_linear_attention`` run before ``flatten_tokens``: the ragged ops take flat rows,
+``token_axis`` proves the dense graph token-wise first; ``flat_mrope`` then checks that mRoPE
+positions only become rotary angles and takes them as flat rows. ``ragged_attention``,
+``ragged_conv`` and ``ragged_linear_attention`` run before ``flatten_tokens``: the ragged ops take flat rows,
 so once they are rewritten the dense graph is still runnable on a uniform layout, and
 ``flatten_tokens`` finds only ops that treat rows independently plus ops that are already
 flat-native.
@@ -9,8 +10,8 @@ flat-native.
 
 from __future__ import annotations
 
-from . import (flatten_tokens, ragged_attention, ragged_conv, ragged_linear_attention,
-               token_axis)
+from . import (flat_mrope, flatten_tokens, ragged_attention, ragged_conv,
+               ragged_linear_attention, token_axis)
 from .base import EnsureError, PassContext, PassResult, RefusedOp
 
 __all__ = ["PASS_ORDER", "run_passes", "PassContext", "PassResult", "RefusedOp",
@@ -18,6 +19,7 @@ __all__ = ["PASS_ORDER", "run_passes", "PassContext", "PassResult", "RefusedOp",
 
 PASS_ORDER = (
     ("token_axis", token_axis.run),
+    ("flat_mrope", flat_mrope.run),
     ("ragged_attention", ragged_attention.run),
     ("ragged_conv", ragged_conv.run),
     ("ragged_linear_attention", ragged_linear_attention.run),

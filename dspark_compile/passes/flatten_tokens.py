@@ -13,7 +13,8 @@ and writes, for example::
     %permute = aten.permute.default(%view_1, [1, 0, 2])               # [4, N, 16]
     %mul_8 = aten.mul.Tensor(%permute, %unsqueeze_1)
 
-The flat graph's inputs are ``input_ids [N]``, ``positions [N]``, ``slot_mapping [N]`` and the
+The flat graph's inputs are ``input_ids [N]``, ``positions [N]`` (mRoPE models:
+``mrope_positions [3, N]`` and ``vision_embeds [N, hidden]``), ``slot_mapping [N]`` and the
 per-request ``query_start_loc [R + 1]``, ``seq_lens [R]``, ``block_table [R, pages]``; it
 returns ``logits [N, V]``. It is built by interpreting the dense graph on flat values under
 ``make_fx``, so every shape is checked again by fake tensors as it is written.
@@ -250,8 +251,13 @@ def _flat_inputs(placeholders: list[fx.Node], mode) -> list:
     out = []
     for node in placeholders:
         spec, val = node.meta["dspark_input"], node.meta["val"]
+        dynamic = (0,)
         if spec.kind in FLAT_INPUTS:
             shape = (num_tokens,)
+        elif spec.kind == "mrope_positions":  # [3, bs*T] -> [3, N]
+            shape, dynamic = (val.shape[0], num_tokens), (1,)
+        elif spec.kind == "vision_embeds":  # [bs, T, hidden] -> [N, hidden]
+            shape = (num_tokens, val.shape[2])
         elif spec.kind == "query_start_loc":
             shape = (num_requests + 1,)
         elif spec.kind in ("seq_lens", "block_table", "slots"):
@@ -260,7 +266,7 @@ def _flat_inputs(placeholders: list[fx.Node], mode) -> list:
             out.append(val)
             continue
         sample = torch.zeros(shape, dtype=val.dtype, device=val.device)
-        out.append(fake_input(mode, sample, "flat_" + spec.name, (0,)))
+        out.append(fake_input(mode, sample, "flat_" + spec.name, dynamic))
     return out
 
 

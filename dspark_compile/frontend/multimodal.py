@@ -1,0 +1,136 @@
+"""Hugging Face vision-language models with multimodal rotary positions (mRoPE).
+
+Qwen2-VL, Qwen2.5-VL and Qwen3-VL rotate every token by three position ids (temporal, height,
+width): their text model takes ``position_ids [3, bs, T]``. Text tokens carry the same id in
+all three rows; the tokens of an image carry its grid coordinates, so after an image a
+request's positions run ``delta`` behind (or ahead of) its length, and every later token sits
+at ``context + j + delta`` in all three rows (HF's ``rope_deltas``).
+
+The capture runs the model on ``input_ids`` with explicit ``position_ids`` and no pixels. The
+vision tower's output enters through one more token-major input, ``vision_embeds [bs, T,
+hidden]``: a forward hook on the input embedding replaces the rows whose id is the image or
+video token, as HF's ``masked_scatter`` does::
+
+    embeds = where((ids == image_token_id) | (ids == video_token_id), vision_embeds, embeds)
+
+That is a pointwise select, so ``token_axis`` proves it token-wise like the rest. The vision
+tower itself runs outside the verify forward (:func:`prefill_inputs`, once per image prompt).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from .scope import active_scope
+
+__all__ = ["MRopeSpec", "mrope_spec", "vision_hook", "prefill_inputs", "PrefillInputs"]
+
+
+@dataclass(frozen=True)
+class MRopeSpec:
+    """What the capture and the verifier need to know about an mRoPE model."""
+
+    sections: int
+    """Rows of the position ids the text model's rotary takes (3: temporal, height, width)."""
+    hidden_size: int
+    """Width of a vision embedding row (the text model's hidden size)."""
+    vision_token_ids: tuple[int, ...]
+    """Token ids whose embedding the vision tower's output replaces (image, video)."""
+
+
+def mrope_spec(model: nn.Module) -> MRopeSpec | None:
+    """The mRoPE spec of an HF vision-language model, or None for a text-only model.
+
+    Recognised by ``model.model.get_rope_index`` (HF's own mRoPE position computation) and a
+    config with ``image_token_id``.
+    """
+    inner = getattr(model, "model", None)
+    config = model.config
+    if inner is None or not hasattr(inner, "get_rope_index") or \
+            not hasattr(config, "image_token_id"):
+        return None
+    text = config.get_text_config()
+    ids = tuple(i for i in (config.image_token_id, getattr(config, "video_token_id", None))
+                if i is not None)
+    return MRopeSpec(sections=3, hidden_size=text.hidden_size, vision_token_ids=ids)
+
+
+def _merge_vision(spec: MRopeSpec):
+    def hook(module, args, out):
+        scope = active_scope()
+        if scope is None or scope.vision_embeds is None:
+            return out
+        ids = args[0]
+        is_vision = ids == spec.vision_token_ids[0]
+        for token in spec.vision_token_ids[1:]:
+            is_vision = is_vision | (ids == token)
+        return torch.where(is_vision.unsqueeze(-1), scope.vision_embeds.to(out.dtype), out)
+    return hook
+
+
+@contextlib.contextmanager
+def vision_hook(model: nn.Module, spec: MRopeSpec) -> Iterator[None]:
+    """For the duration of a capture, merge ``vision_embeds`` into the input embeddings."""
+    handle = model.get_input_embeddings().register_forward_hook(_merge_vision(spec))
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
+@dataclass(frozen=True)
+class PrefillInputs:
+    """One request's image prompt, prepared for a packed prefill."""
+
+    positions: torch.Tensor
+    """int64 ``[3, L]``: HF's ``get_rope_index`` positions of the prompt."""
+    delta: int
+    """``max(positions) + 1 - L`` (HF's ``rope_deltas``): later tokens sit at
+    ``context + j + delta``."""
+    vision_embeds: torch.Tensor
+    """``[L, hidden]``: the vision tower's output at image/video rows, zeros elsewhere."""
+
+
+def prefill_inputs(model: nn.Module, input_ids: torch.Tensor, pixel_values: torch.Tensor,
+                   image_grid_thw: torch.Tensor) -> PrefillInputs:
+    """Positions, rope delta and vision rows of one image prompt ``input_ids [L]``.
+
+    Runs HF's own ``get_rope_index`` and vision tower (host work, once per prompt). Refuses a
+    vision tower with DeepStack features (Qwen3-VL's ``deepstack_visual_indexes``): those are
+    added to the hidden states of the first decoder layers, which the verify forward does not
+    take as an input.
+    """
+    spec = mrope_spec(model)
+    if spec is None:
+        raise TypeError(f"prefill_inputs: {type(model).__name__} has no get_rope_index; it is "
+                        "not a Qwen2-VL / Qwen2.5-VL / Qwen3-VL model")
+    if input_ids.dim() != 1:
+        raise ValueError(f"prefill_inputs: input_ids has shape {tuple(input_ids.shape)}; pass "
+                         "one request's prompt, int64 [L]")
+    ids = input_ids[None]
+    mm_types = (ids == model.config.image_token_id).int()
+    with torch.no_grad():
+        positions, deltas = model.model.get_rope_index(
+            ids, mm_token_type_ids=mm_types, image_grid_thw=image_grid_thw)
+        features = model.model.get_image_features(pixel_values, image_grid_thw)
+    if getattr(features, "deepstack_features", None):
+        raise NotImplementedError(
+            f"{type(model).__name__}'s vision tower returns {len(features.deepstack_features)} "
+            "DeepStack feature maps (vision_config.deepstack_visual_indexes); the packed verify "
+            "forward does not add them to the decoder's hidden states, so an image prompt would "
+            "be wrong. Use a checkpoint without DeepStack layers or verify text-only prompts")
+    rows = torch.cat(features.pooler_output, dim=0)
+    is_image = input_ids == model.config.image_token_id
+    if int(is_image.sum()) != rows.shape[0]:
+        raise ValueError(
+            f"prefill_inputs: the prompt has {int(is_image.sum())} image tokens but the vision "
+            f"tower made {rows.shape[0]} rows for image_grid_thw={image_grid_thw.tolist()}; "
+            "each image needs t*h*w/merge^2 image tokens")
+    vision = torch.zeros(input_ids.numel(), spec.hidden_size, dtype=rows.dtype)
+    vision[is_image] = rows
+    return PrefillInputs(positions[:, 0], int(deltas.reshape(-1)[0]), vision)
