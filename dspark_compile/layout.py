@@ -2,7 +2,9 @@
 
 Request ``i`` owns rows ``query_start_loc[i] : query_start_loc[i + 1]`` of every ``[N, ...]``
 tensor of a verify step. Its tokens sit at positions ``context_lens[i] + j`` (``j`` counts its
-own rows), and its cache lives in state-pool row ``slots[i]``.
+own rows), and its cache lives in state-pool row ``slots[i]``. Models with multimodal rotary
+positions (mRoPE) take ``[3, N]`` positions: ``context_lens[i] + j + mrope_deltas[i]`` in all
+three rows, or, for a prefill of an image prompt, explicit ``mrope_positions``.
 
 The layout is host metadata: it is validated on the host, before anything launches, and a bad
 layout raises ``ValueError`` naming the field, the value and the rule.
@@ -56,18 +58,31 @@ class VerifyLayout:
     """int32 [R], CPU. Tokens of each request already committed to the cache."""
     slots: torch.Tensor
     """int32 [R], CPU. State-pool row of each request; distinct."""
+    mrope_deltas: torch.Tensor | None = None
+    """int32 [R], CPU, or None (all 0). mRoPE models: how far each request's positions run
+    from its length after its images (HF's ``rope_deltas``, ``max position + 1 - length`` of
+    the prompt); ignored by text-rotary models."""
+    mrope_positions: torch.Tensor | None = None
+    """int64 [3, N], CPU, or None. mRoPE models: explicit positions of every row (a prefill of
+    an image prompt, from HF's ``get_rope_index``); None: ``context + j + delta``."""
 
     def __post_init__(self) -> None:
         for name in ("query_start_loc", "context_lens", "slots"):
             object.__setattr__(self, name, _as_host_int32(name, getattr(self, name)))
+        if self.mrope_deltas is not None:
+            object.__setattr__(self, "mrope_deltas",
+                               _as_host_int32("mrope_deltas", self.mrope_deltas))
         self._check_self()
+        self._check_mrope()
 
     # ------------------------------------------------------------------ construction
     @classmethod
     def pack(
-        cls, lens: Sequence[int], context_lens: Sequence[int], slots: Sequence[int]
+        cls, lens: Sequence[int], context_lens: Sequence[int], slots: Sequence[int],
+        mrope_deltas: Sequence[int] | None = None, mrope_positions: torch.Tensor | None = None,
     ) -> "VerifyLayout":
-        """Build a layout from per-request verify lengths, committed context lengths and slots."""
+        """Build a layout from per-request verify lengths, committed context lengths and slots
+        (and, for mRoPE models, per-request deltas or a prefill's explicit positions)."""
         lens_t = _as_host_int32("lens", lens)
         if (lens_t < 1).any():
             bad = int(lens_t[lens_t < 1][0])
@@ -79,7 +94,8 @@ class VerifyLayout:
         qsl[1:] = torch.cumsum(lens_t.to(torch.int64), 0)
         if qsl[-1] >= 2**31:
             raise ValueError(f"VerifyLayout: {int(qsl[-1])} tokens in total do not fit in int32")
-        return cls(query_start_loc=qsl.to(torch.int32), context_lens=context_lens, slots=slots)
+        return cls(query_start_loc=qsl.to(torch.int32), context_lens=context_lens, slots=slots,
+                   mrope_deltas=mrope_deltas, mrope_positions=mrope_positions)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -114,7 +130,35 @@ class VerifyLayout:
         local = torch.arange(self.num_tokens) - self.query_start_loc.to(torch.int64)[req]
         return self.context_lens.to(torch.int64)[req] + local
 
+    @property
+    def mrope_rows(self) -> torch.Tensor:
+        """int64 [3, N]: mRoPE positions of each packed row (explicit, or context + j + delta)."""
+        if self.mrope_positions is not None:
+            return self.mrope_positions
+        deltas = torch.zeros(self.num_requests, dtype=torch.int64) if self.mrope_deltas is None \
+            else self.mrope_deltas.to(torch.int64)
+        return (self.positions + deltas[self.request_of_token]).expand(3, -1)
+
     # ------------------------------------------------------------------ validation
+    def _check_mrope(self) -> None:
+        if self.mrope_deltas is not None and self.mrope_deltas.numel() != self.num_requests:
+            raise ValueError(
+                f"VerifyLayout.mrope_deltas has {self.mrope_deltas.numel()} entries for "
+                f"{self.num_requests} requests; it needs one entry per request")
+        pos = self.mrope_positions
+        if pos is None:
+            return
+        if not isinstance(pos, torch.Tensor) or pos.device.type != "cpu" or \
+                pos.dtype != torch.int64 or tuple(pos.shape) != (3, self.num_tokens):
+            what = (f"a {pos.dtype} tensor of shape {tuple(pos.shape)} on {pos.device}"
+                    if isinstance(pos, torch.Tensor) else f"a {type(pos).__name__}")
+            raise ValueError(
+                f"VerifyLayout.mrope_positions is {what}; it must be a CPU int64 tensor "
+                f"[3, {self.num_tokens}] (three position rows per packed token)")
+        if (pos < 0).any():
+            raise ValueError("VerifyLayout.mrope_positions has a negative position; mRoPE "
+                             "positions start at 0 (HF's get_rope_index)")
+
     def _check_self(self) -> None:
         qsl, ctx, slots = self.query_start_loc, self.context_lens, self.slots
         if qsl.numel() < 2:

@@ -100,13 +100,16 @@ class VerifierState:
             )
 
     def device_metadata(self, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
-                        slots: torch.Tensor, num_tokens: int) -> dict[str, torch.Tensor]:
+                        slots: torch.Tensor, num_tokens: int,
+                        mrope_deltas: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
         """Per-row and per-request metadata of a packed batch, computed on the pool's device.
 
         Torch ops only, no host sync, so it runs inside a CUDA graph. Inputs may be padded:
         rows at or past ``query_start_loc[-1]`` belong to no request (position 0, slot mapping
         -1), and requests of length 0 read nothing. Returns ``positions [N]``, ``seq_lens [R]``,
-        ``block_table [R, pages]`` and ``slot_mapping [N]``.
+        ``block_table [R, pages]`` and ``slot_mapping [N]``; with ``mrope_deltas [R]`` also
+        ``mrope_positions [3, N]``: ``positions + mrope_deltas[request]`` in all three rows
+        (padding rows take delta 0).
         """
         qsl = query_start_loc.long()
         rows = torch.arange(num_tokens, device=qsl.device)
@@ -118,9 +121,12 @@ class VerifierState:
         page = table[req, positions // self.page_size].long()
         slot_mapping = torch.where(valid, page * self.page_size + positions % self.page_size, -1)
         lens = (qsl[1:] - qsl[:-1]).to(torch.int32)
-        return {"positions": positions, "seq_lens": context_lens + lens, "block_table": table,
-                "slot_mapping": slot_mapping, "query_start_loc": query_start_loc,
-                "slots": slots}
+        out = {"positions": positions, "seq_lens": context_lens + lens, "block_table": table,
+               "slot_mapping": slot_mapping, "query_start_loc": query_start_loc, "slots": slots}
+        if mrope_deltas is not None:
+            delta = torch.where(valid, mrope_deltas.long()[req], 0)
+            out["mrope_positions"] = (positions + delta).expand(3, num_tokens)
+        return out
 
     def slot_mapping(self, layout: VerifyLayout) -> torch.Tensor:
         """int64 [N]: pool row (page * page_size + offset) that each packed token writes."""

@@ -60,6 +60,12 @@ def _op_summary(gm) -> Counter:
                    for n in gm.graph.nodes if n.op == "call_function")
 
 
+def _deltas(layout: VerifyLayout) -> torch.Tensor:
+    """int32 [R]: the layout's mRoPE deltas (zeros when it carries none)."""
+    return layout.mrope_deltas if layout.mrope_deltas is not None else \
+        torch.zeros(layout.num_requests, dtype=torch.int32)
+
+
 class Verifier:
     """A compiled packed-ragged verify forward (see the module docstring)."""
 
@@ -124,12 +130,17 @@ class Verifier:
             raise ValueError(
                 f"input_ids is on {input_ids.device} but the model is on {self.device}")
 
-    def __call__(self, input_ids: torch.Tensor, layout: VerifyLayout,
-                 state: VerifierState) -> torch.Tensor:
+    def __call__(self, input_ids: torch.Tensor, layout: VerifyLayout, state: VerifierState,
+                 vision_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[N, V]`` of every packed row; writes provisional KV for every row.
 
-        After ``capture(state)`` the result is a view of a static buffer, valid until the next
-        call on that state.
+        mRoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) take ``vision_embeds [N, hidden]`` for
+        a prefill of an image prompt: rows whose token is the image (video) token take that
+        row instead of the token embedding (``frontend.multimodal.prefill_inputs`` makes them
+        with HF's vision tower). After ``capture(state)`` the result is a view of a static
+        buffer, valid until the next call on that state; a call with ``vision_embeds`` or
+        explicit ``layout.mrope_positions`` (a prefill) runs outside the tier graphs, whose
+        static buffers hold neither.
         """
         self._check_ids(input_ids)
         if not isinstance(layout, VerifyLayout):
@@ -138,19 +149,56 @@ class Verifier:
             raise ValueError("state was not made by this verifier's new_state; its KV pools "
                              "do not fit this model")
         state.check_layout(layout, input_ids.numel())
-        if state.graphs is not None:
+        self._check_mrope(layout, vision_embeds, input_ids.numel())
+        explicit = vision_embeds is not None or layout.mrope_positions is not None
+        if state.graphs is not None and not explicit:
             return state.graphs(input_ids, layout)
         dev = state.block_table.device
+        deltas = None if self.adapter.mrope is None else _deltas(layout).to(dev)
         return self._packed(input_ids, layout.query_start_loc.to(dev),
-                            layout.context_lens.to(dev), layout.slots.to(dev), state)
+                            layout.context_lens.to(dev), layout.slots.to(dev), state, deltas,
+                            layout.mrope_positions, vision_embeds)
+
+    def _check_mrope(self, layout: VerifyLayout, vision_embeds, num_tokens: int) -> None:
+        """mRoPE inputs only for mRoPE models, in the shape the graph takes."""
+        spec = self.adapter.mrope
+        if spec is None:
+            given = [name for name, v in (("vision_embeds", vision_embeds),
+                                          ("layout.mrope_positions", layout.mrope_positions),
+                                          ("layout.mrope_deltas", layout.mrope_deltas))
+                     if v is not None]
+            if given:
+                raise ValueError(
+                    f"{given[0]} was given, but {type(self.adapter.model).__name__} has text "
+                    "rotary positions (context + j); mRoPE inputs apply to Qwen2-VL, Qwen2.5-VL "
+                    "and Qwen3-VL models only")
+            return
+        if vision_embeds is not None and (
+                not isinstance(vision_embeds, torch.Tensor) or
+                tuple(vision_embeds.shape) != (num_tokens, spec.hidden_size) or
+                vision_embeds.dtype != self.dtype):
+            what = (f"{vision_embeds.dtype} {tuple(vision_embeds.shape)}"
+                    if isinstance(vision_embeds, torch.Tensor) else type(vision_embeds).__name__)
+            raise ValueError(
+                f"vision_embeds is {what}; it must be {self.dtype} [{num_tokens}, "
+                f"{spec.hidden_size}] (one row per packed token, zeros at text rows)")
 
     def _packed(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
-                context_lens: torch.Tensor, slots: torch.Tensor,
-                state: VerifierState) -> torch.Tensor:
-        """The packed forward on device tensors (padded or not); no host sync."""
-        values = state.device_metadata(query_start_loc, context_lens, slots,
-                                       input_ids.shape[0])
+                context_lens: torch.Tensor, slots: torch.Tensor, state: VerifierState,
+                mrope_deltas: torch.Tensor | None = None,
+                mrope_positions: torch.Tensor | None = None,
+                vision_embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """The packed forward on device tensors (padded or not); no host sync unless a
+        prefill passes explicit mRoPE positions or vision rows."""
+        n = input_ids.shape[0]
+        values = state.device_metadata(query_start_loc, context_lens, slots, n, mrope_deltas)
         values["input_ids"] = input_ids
+        if self.adapter.mrope is not None:
+            if mrope_positions is not None:
+                values["mrope_positions"] = mrope_positions.to(input_ids.device)
+            values["vision_embeds"] = torch.zeros(
+                n, self.adapter.mrope.hidden_size, dtype=self.dtype, device=input_ids.device
+            ) if vision_embeds is None else vision_embeds.to(input_ids.device)
         with torch.no_grad():
             return self._run(*self._arguments(self.inputs, values, state))
 
@@ -168,8 +216,10 @@ class Verifier:
         block = block or self.config.block
         tiers = tiers or tier_set(state.max_requests, block)
         vocab = self.graph_module.graph.find_nodes(op="output")[0].args[0].meta["val"].shape[1]
+        mrope = self.adapter.mrope is not None
         graphs = TierGraphs(
-            lambda ids, qsl, ctx, slots: self._packed(ids, qsl, ctx, slots, state),
+            lambda ids, qsl, ctx, slots, deltas: self._packed(
+                ids, qsl, ctx, slots, state, deltas if mrope else None),
             tiers, int(vocab), self.dtype, state.block_table.device, use_graphs, debug)
         state.graphs = graphs
         return graphs.capture(progress) if graphs.use_graphs else []
@@ -209,9 +259,13 @@ class Verifier:
         bs, t = input_ids.shape
         layout = VerifyLayout.pack([t] * bs, context_lens, slots)
         state.check_layout(layout, bs * t)
+        positions = layout.positions.view(bs, t) if self.adapter.mrope is None else \
+            layout.mrope_rows.reshape(3, bs, t)
         values = {
             "input_ids": input_ids,
-            "positions": layout.positions.view(bs, t).to(self.device),
+            "positions": positions.to(self.device),
+            "vision_embeds": torch.zeros(bs, t, getattr(self.adapter.mrope, "hidden_size", 0),
+                                         dtype=self.dtype, device=self.device),
             "block_table": state.block_table[layout.slots.long().to(state.block_table.device)],
             "context_lens": layout.context_lens.to(self.device),
             "slots": layout.slots.to(self.device),

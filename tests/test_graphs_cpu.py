@@ -111,9 +111,9 @@ def test_padded_rows_write_no_kv_and_attend_to_nothing(plain):
     before = [k.clone() for k, _ in state.kv_caches]
     verifier(torch.tensor([3, 4, 5]), layout, state)
     tier = select_tier(graphs.tiers, 3, 2)
-    ids, qsl, ctx, slots = graphs.views(tier)
+    ids, qsl, ctx, slots, deltas = graphs.views(tier)
     assert qsl.tolist() == [0, 1, 3] + [3] * (tier.request_slots - 2)
-    assert ids[3:].eq(0).all()
+    assert ids[3:].eq(0).all() and deltas.eq(0).all()
     meta = state.device_metadata(qsl, ctx, slots, tier.tokens)
     assert (meta["slot_mapping"][3:] == -1).all() and (meta["positions"][3:] == 0).all()
     written = sum(int((k != b).any(-1).any(-1).sum()) for (k, _), b in

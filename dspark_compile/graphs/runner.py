@@ -2,7 +2,7 @@
 
 The forward is captured once per tier into one shared CUDA-graph memory pool. A call copies
 its inputs into static buffers sized for the largest tier (token ids, and one int32 row holding
-query_start_loc, context lengths and slots, so the host does two copies), pads them, replays
+query_start_loc, context lengths, slots and mRoPE deltas, so the host does two copies), pads them, replays
 the smallest tier that holds the batch, and returns the real rows of a static logits buffer.
 Per-row metadata (positions, slot mapping, block-table rows) is computed on the device inside
 the graph, so there is no host-side packing beyond those two copies.
@@ -44,7 +44,8 @@ class TierReport:
 
 
 class TierGraphs:
-    """Per-tier replay of ``forward(input_ids [T], qsl [S+1], ctx [S], slots [S]) -> [T, V]``."""
+    """Per-tier replay of ``forward(input_ids [T], qsl [S+1], ctx [S], slots [S],
+    mrope_deltas [S]) -> [T, V]``."""
 
     def __init__(self, forward: Callable, tiers: tuple[Tier, ...], vocab: int,
                  dtype: torch.dtype, device: torch.device, use_graphs: bool | None = None,
@@ -58,12 +59,12 @@ class TierGraphs:
         self.max_slots = max(t.request_slots for t in tiers)
         s = self.max_slots
         self.ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
-        self.meta = torch.zeros(3 * s + 1, dtype=torch.int32, device=device)
+        self.meta = torch.zeros(4 * s + 1, dtype=torch.int32, device=device)
         self.logits = torch.zeros(self.max_tokens, vocab, dtype=dtype, device=device)
         # Two pinned staging rows used in turn: a row is rewritten only after the copy that
         # read it has run (its event), so a step can be packed while the last one runs.
         pinned = device.type == "cuda"
-        self._host_meta = [torch.zeros(3 * s + 1, dtype=torch.int32, pin_memory=pinned)
+        self._host_meta = [torch.zeros(4 * s + 1, dtype=torch.int32, pin_memory=pinned)
                            for _ in range(2)]
         self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self._turn = 0
@@ -75,10 +76,11 @@ class TierGraphs:
         return (self.ids.data_ptr(), self.meta.data_ptr(), self.logits.data_ptr())
 
     def views(self, tier: Tier) -> tuple[torch.Tensor, ...]:
-        """The static inputs of ``tier``: ids [T], qsl [S+1], context lens [S], slots [S]."""
-        s, base = tier.request_slots, self.max_slots + 1
+        """The static inputs of ``tier``: ids [T], qsl [S+1], context lens [S], slots [S],
+        mRoPE deltas [S]."""
+        s, base, m = tier.request_slots, self.max_slots + 1, self.max_slots
         return (self.ids[:tier.tokens], self.meta[:s + 1], self.meta[base:base + s],
-                self.meta[base + self.max_slots:base + self.max_slots + s])
+                self.meta[base + m:base + m + s], self.meta[base + 2 * m:base + 2 * m + s])
 
     def fill(self, tier: Tier, input_ids: torch.Tensor, layout: VerifyLayout) -> None:
         """Copy a batch into the static buffers of ``tier`` and pad the rest."""
@@ -93,6 +95,10 @@ class TierGraphs:
         host[base + r:base + s] = 0
         host[base + self.max_slots:base + self.max_slots + r] = layout.slots
         host[base + self.max_slots + r:base + self.max_slots + s] = 0
+        deltas = host[base + 2 * self.max_slots:base + 2 * self.max_slots + s]
+        deltas.zero_()  # padded requests (and layouts without mRoPE deltas): delta 0
+        if layout.mrope_deltas is not None:
+            deltas[:r] = layout.mrope_deltas
         self.meta.copy_(host, non_blocking=True)
         if self._copied[turn] is not None:
             self._copied[turn].record()
@@ -145,8 +151,11 @@ class TierGraphs:
                             self.max_tokens, self.max_slots)
                 self._warned_eager = True
             dev = self.device
+            deltas = layout.mrope_deltas if layout.mrope_deltas is not None else \
+                torch.zeros(r, dtype=torch.int32)
             return self.forward(input_ids, layout.query_start_loc.to(dev),
-                                layout.context_lens.to(dev), layout.slots.to(dev))
+                                layout.context_lens.to(dev), layout.slots.to(dev),
+                                deltas.to(dev))
         if self.debug:
             self._check(tier, n, r)
         self.fill(tier, input_ids, layout)
