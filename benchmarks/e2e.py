@@ -1,0 +1,570 @@
+"""End-to-end greedy speculative decoding: tokens/s of every verify mode, side by side.
+
+Target: verify_step.py's Llama-like 1.1B (bf16, seed 0) with a *successor head* (below);
+context 1024, 256 decoded tokens per request, gamma 7, concurrency 1, 8, 64, 256. Modes: no
+speculation (every request verifies its anchor), the static full block (8), every fixed width
+2..7 (the best one, chosen after the fact, is reported as "best fixed"), the per-step width
+policy and the compact planner (ragged lengths from draft confidence). Both policies trade on an
+SPS table that ``profile_sps`` measures first on the same verifier and state (it is in the JSON).
+
+    python benchmarks/e2e.py            # full (H200, ~5 min)
+    python benchmarks/e2e.py --quick    # bs 1 and 8, 64 tokens
+    python benchmarks/e2e.py --smoke    # tiny random Llama on the CPU, bs 1 and 4, 16 tokens
+
+What is timed (CUDA events around each whole run, after a warm-up run of the same mode): every
+step's planning (width policy or planner, on the host), packing (layout, token ids), the
+verify forward (tier-graph replay), the accept kernel, the copy of its result to the host, the
+commit and the bookkeeping of emitted tokens. Drafting is *not* timed: the drafter below is a
+table lookup, its host time is measured per step and subtracted (``draft_seconds`` in the JSON).
+The prefill (one per concurrency, shared by every mode: a mode starts from the committed prompt)
+is not timed either. tokens/s = requests x decoded tokens / (run time - draft time).
+
+Drafter: synthetic and calibrated. Each request's greedy continuation is decoded first with no
+speculation (the reference); at emitted count ``e`` draft ``j`` is the reference token ``e + j``
+with probability ``c`` and a wrong one otherwise, where the confidence ``c ~ Beta`` (mean ``mu``,
+``alpha + beta = concentration``) is what the drafter reports. ``mu`` solves
+``sum_{j=1..gamma} mu^j = mean_accepted`` (3.0: about 3 of 7 accepted). The draws are seeded
+per concurrency and shared by every mode, so all modes see the same drafts in the same state.
+Acceptance is decided by the target (greedy accept kernel), never by the draw.
+
+Successor head: the random model's top two logits are often one bf16 step apart (one greedy
+step in 20 within 0.016, some exactly tied), so batch geometries that sum in another order
+would flip its greedy tokens and the drafts would stop matching the reference. The embeddings
+are scaled by ``embed_scale`` and the LM head row of ``sigma(u)`` is the unit embedding of
+``u`` (``sigma`` a seeded permutation), so the greedy successor wins by > 13 logits (measured
+on CPU over 1280 tokens); every matmul and attention read is unchanged, so a step costs what
+the 1.1B model's step costs. ``--target random`` keeps
+the plain random model (used by the CPU test, where the float32 numerics agree).
+
+Writes ``e2e[_quick|_smoke].json`` (GPU, versions, every setting, the SPS table, per
+concurrency and mode: tokens/s, mean verify tokens per step, mean accepted, steps, mismatches
+against the reference) and a PNG to --out (default: $OUT if set, else benchmarks/results).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import hashlib
+import json
+import os
+import platform
+import sys
+import time
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+
+import numpy as np
+import torch
+
+if __name__ == "__main__":  # run as a script: import this checkout's package, not an installed one
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from dspark_compile import VerifyLayout, dspark_compile  # noqa: E402
+from dspark_compile.engine.accept import (PreDrawnNoise, SamplingParams, accept,  # noqa: E402
+                                          accept_reference)
+from dspark_compile.engine.drafter import SyntheticDrafter  # noqa: E402
+from dspark_compile.graphs.tiers import select_tier, tier_set  # noqa: E402
+from dspark_compile.runtime import (PlannerConfig, WidthPolicy, WidthPolicyConfig,  # noqa: E402
+                                    plan_verify)
+from dspark_compile.runtime.profiler import profile_sps  # noqa: E402
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=32000,
+                max_position_embeddings=4096)
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=512)
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything a run depends on; all of it is written to the JSON."""
+
+    name: str
+    """"full", "quick" or "smoke" (the JSON file's suffix)."""
+    device: str
+    """"cuda" (Triton lowering, Inductor, tier graphs) or "cpu" (reference ops, eager)."""
+    model: dict
+    """LlamaConfig arguments of the target."""
+    dtype: str
+    """Weights and logits dtype: "bfloat16" or "float32"."""
+    context: int
+    """Prompt tokens per request (random ids, prefilled once per concurrency)."""
+    output: int
+    """Tokens decoded per request after the prefill's first token (tokens/s counts these)."""
+    concurrency: tuple[int, ...]
+    """Requests decoded together, one run per value (all admitted at once, none queued)."""
+    gamma: int = 7
+    """Draft tokens per request per step (the full block is gamma + 1)."""
+    target: str = "successor"
+    """"successor" (greedy robust to summation order, see the docstring) or "random"."""
+    embed_scale: float = 100.0
+    """Embedding scale of the successor head (100: smallest greedy margin 13.8 logits)."""
+    mean_accepted: float = 3.0
+    """Design mean of drafts accepted per step out of gamma (sets the drafter's mu)."""
+    concentration: float = 2.0
+    """alpha + beta of the confidence Beta: lower is a more decisive confidence signal."""
+    warmup_output: int = 16
+    """Tokens per request of the untimed warm-up run before each timed run."""
+    prefill_tokens: int = 16384
+    """Packed tokens per prefill chunk (the logits of a chunk are [tokens, vocab])."""
+    page_size: int = 16
+    """KV page size in tokens."""
+    sps_iters: int = 5
+    """Timed steps per tier when profiling the SPS table (the median is kept)."""
+    seed: int = 0
+    """Seed of the weights, the prompts, the successor permutation and the drafter."""
+
+
+FULL = Settings("full", "cuda", LLAMA_1B, "bfloat16", 1024, 256, (1, 8, 64, 256))
+QUICK = replace(FULL, name="quick", output=64, concurrency=(1, 8))
+SMOKE = Settings("smoke", "cpu", TINY, "float32", 32, 16, (1, 4), warmup_output=4,
+                 prefill_tokens=256, sps_iters=2)
+
+
+def mode_names(gamma: int) -> tuple[str, ...]:
+    """Every mode a concurrency runs, in order."""
+    return ("none", "static", *(f"fixed_{w}" for w in range(2, gamma + 1)), "width", "planner")
+
+
+# ---------------------------------------------------------------------- target
+def build_target(s: Settings):
+    """The target model and its successor permutation (None for ``target="random"``)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    if s.target not in ("successor", "random"):
+        raise ValueError(f"Settings.target={s.target!r}; it must be 'successor' or 'random'")
+    torch.manual_seed(s.seed)  # the weights of verify_step.py's model at seed 0
+    with torch.device(s.device):
+        model = LlamaForCausalLM(LlamaConfig(**s.model)).to(getattr(torch, s.dtype)).eval()
+    if s.target == "random":
+        return model, None
+    emb = model.model.embed_tokens.weight
+    if model.lm_head.weight.data_ptr() == emb.data_ptr():
+        raise ValueError("build_target: the LM head is tied to the embeddings; the successor "
+                         "head needs its own weight (tie_word_embeddings=False)")
+    perm = torch.randperm(emb.shape[0], generator=torch.Generator().manual_seed(s.seed + 1))
+    with torch.no_grad():
+        unit = emb.float() / emb.float().norm(dim=1, keepdim=True)  # [V, H]
+        head = torch.empty_like(unit)
+        head[perm.to(unit.device)] = unit  # row sigma(u) reads u's direction
+        model.lm_head.weight.copy_(head)
+        emb.mul_(s.embed_scale)  # the current token dominates the residual stream
+    return model, perm
+
+
+# ---------------------------------------------------------------------- decoding loop
+class TierRate:
+    """``StepRateModel`` of tier-graph steps: the SPS table read at the tier a step replays.
+
+    ``SpsTable`` floors ``B`` to the measured point below, but a step of ``B`` tokens over ``R``
+    requests replays the smallest tier holding both and pays for all of its tokens: with the
+    floor, ``B`` just below a tier boundary looks as cheap as the tier below it. Rates per
+    ``(R, B)`` are precomputed (one table lookup per tier), so a step only slices an array.
+    """
+
+    def __init__(self, table, tiers, max_requests: int) -> None:
+        ordered = sorted(tiers)  # by (tokens, request slots): the first that fits is the one
+        tokens = np.array([t.tokens for t in ordered])
+        slots = np.array([t.request_slots for t in ordered])
+        rates = np.array([float(table.steps_per_second(torch.tensor([t.tokens]),
+                                                       t.request_slots)[0]) for t in ordered])
+        self.dense = np.zeros((max_requests + 1, int(tokens.max()) + 1))  # [R + 1, B + 1]
+        for r in range(1, max_requests + 1):
+            fits = slots >= r
+            first = np.searchsorted(tokens[fits], np.arange(self.dense.shape[1]), side="left")
+            self.dense[r] = rates[fits][np.minimum(first, fits.sum() - 1)]
+
+    def steps_per_second(self, tokens: torch.Tensor, requests: int) -> torch.Tensor:
+        row = self.dense[min(requests, self.dense.shape[0] - 1)]
+        return torch.from_numpy(row)[tokens.to(torch.int64).clamp(0, row.size - 1)]
+
+    def rate_span(self, first_tokens: int, count: int, requests: int) -> torch.Tensor:
+        b = np.minimum(np.arange(first_tokens, first_tokens + count), self.dense.shape[1] - 1)
+        return torch.from_numpy(self.dense[min(requests, self.dense.shape[0] - 1)][b])
+
+
+def start_clock(device: torch.device):
+    """Start timing a whole run; the returned function gives (seconds, host seconds): CUDA
+    events on a GPU (the loop syncs every step, so both agree within a launch), the host clock
+    on the CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+        events = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
+        events[0].record()
+    host0 = time.perf_counter()
+
+    def stop() -> tuple[float, float]:
+        if device.type != "cuda":
+            return (time.perf_counter() - host0,) * 2
+        events[1].record()
+        events[1].synchronize()
+        return events[0].elapsed_time(events[1]) / 1e3, time.perf_counter() - host0
+    return stop
+
+
+@dataclass
+class Run:
+    """One decoding run: the token table and what its steps did."""
+
+    tokens: np.ndarray
+    """int64 [c, width]: emitted tokens per request, the prefill's first one at column 0."""
+    steps: int = 0
+    verify_tokens: int = 0
+    """Sum over steps of the packed tokens verified (sum of lens)."""
+    request_steps: int = 0
+    accepted: int = 0
+    draft_seconds: float = 0.0
+    seconds: float = 0.0
+    host_seconds: float = 0.0
+    shapes: list = field(default_factory=list)
+    """(tokens, requests) of every step, to find the tier each replayed."""
+
+
+class Decoder:
+    """Greedy speculative decoding of a fixed batch in slots ``0..c-1`` of one state.
+
+    Per-request state lives in NumPy arrays (no Python loop over requests), so the host work of
+    a step is what an engine would do, not the reference engine's per-request bookkeeping.
+    """
+
+    def __init__(self, verifier, state, s: Settings, rate, tiers) -> None:
+        self.verifier, self.state, self.s, self.rate, self.tiers = verifier, state, s, rate, tiers
+        self.dev = verifier.device
+        self.vocab = s.model["vocab_size"]
+        self.planner = PlannerConfig(tiers=tuple((t.tokens, t.request_slots) for t in tiers))
+        rows = state.max_requests
+        self._uniforms = torch.zeros(rows * (s.gamma + 1), device=self.dev)  # unused by greedy
+        self._gumbel = torch.zeros(rows, self.vocab, device=self.dev)
+        self._sampling: dict[int, SamplingParams] = {}
+        self._accept = accept if self.dev.type == "cuda" else accept_reference
+
+    def prefill(self, prompts: torch.Tensor) -> np.ndarray:
+        """Prefill ``prompts [c, context]`` into slots ``0..c-1``; their first greedy tokens.
+
+        Runs the packed forward without tier graphs (they are sized for verify blocks), in
+        chunks of ``prefill_tokens``."""
+        c, ctx = prompts.shape
+        self.state.release(list(range(c)))
+        per, first, graphs = max(1, self.s.prefill_tokens // ctx), [], self.state.graphs
+        self.state.graphs = None
+        try:
+            for lo in range(0, c, per):
+                slots = list(range(lo, min(c, lo + per)))
+                layout = VerifyLayout.pack([ctx] * len(slots), [0] * len(slots), slots)
+                logits = self.verifier(prompts[slots].reshape(-1).to(self.dev), layout,
+                                       self.state)
+                last = torch.arange(1, len(slots) + 1, device=self.dev) * ctx - 1
+                first.append(logits[last].float().argmax(-1).cpu())
+                self.verifier.commit(layout, [ctx] * len(slots), self.state)
+        finally:
+            self.state.graphs = graphs
+        return torch.cat(first).numpy()
+
+    def warm_accept(self, c: int) -> None:
+        """Run the accept step once at every request count ``1..c``: the Triton kernels
+        specialise on it (a lookup width, ``r == 1``, ``r % 16``), and a compile inside a
+        timed run would cost more than the run."""
+        for r in range(1, c + 1):
+            logits = torch.zeros(r, self.vocab, dtype=self.verifier.dtype, device=self.dev)
+            ids = torch.zeros(r, dtype=torch.int64, device=self.dev)
+            self._accept_step(logits, ids, VerifyLayout.pack([1] * r, [0] * r, list(range(r))))
+
+    def _accept_step(self, logits, ids, layout) -> tuple[np.ndarray, np.ndarray]:
+        """Greedy accept; (accepted drafts [R], next token [R]) on the host (one copy)."""
+        n, r = layout.num_tokens, layout.num_requests
+        if r not in self._sampling:
+            self._sampling[r] = SamplingParams.build(0.0, num_requests=r, device=self.dev)
+        noise = PreDrawnNoise(self._uniforms[:n], self._gumbel[:r])
+        res = self._accept(logits, ids, layout.query_start_loc.to(self.dev), self._sampling[r],
+                           noise)
+        out = torch.stack([res.num_accepted_drafts.to(torch.int64), res.next_tokens]).cpu()
+        return out[0].numpy(), out[1].numpy()
+
+    def run(self, mode: str, first: np.ndarray, drafter, output: int) -> Run:
+        """Decode ``output`` tokens per request after ``first`` in ``mode``; timed."""
+        c, g = first.size, self.s.gamma
+        run = Run(np.zeros((c, output + g + 2), np.int64))
+        run.tokens[:, 0] = first
+        counts = np.ones(c, np.int64)  # tokens emitted per request; the last one is the anchor
+        self.state.committed_lens[:c] = self.s.context  # back to the prefilled prompt
+        policy = WidthPolicy(WidthPolicyConfig(g, tuple(range(1, g + 2))), self.rate) \
+            if mode == "width" else None
+        stop = start_clock(self.dev)
+        while (rids := np.flatnonzero(counts < 1 + output)).size:
+            self._step(mode, rids, counts, drafter, policy, run)
+        run.seconds, run.host_seconds = stop()
+        return run
+
+    def _lens(self, mode: str, conf, r: int, policy) -> np.ndarray:
+        g = self.s.gamma
+        if mode == "planner":
+            return plan_verify(torch.from_numpy(conf), self.rate, self.planner).lens.numpy()
+        width = {"none": 1, "static": g + 1}.get(mode) or \
+            (policy.choose(r) if mode == "width" else int(mode.removeprefix("fixed_")))
+        return np.full(r, width, np.int32)
+
+    def _step(self, mode: str, rids: np.ndarray, counts: np.ndarray, drafter, policy,
+              run: Run) -> None:
+        """Draft, plan, verify, accept, commit and emit for the running requests ``rids``."""
+        g, e = self.s.gamma, counts[rids]
+        drafts, conf = np.zeros((rids.size, g), np.int64), None
+        if mode != "none":
+            t0 = time.perf_counter()
+            drafts, conf = drafter.draft(rids, e)
+            run.draft_seconds += time.perf_counter() - t0
+        lens = self._lens(mode, conf, rids.size, policy)  # int32 [R]
+        block = np.concatenate([run.tokens[rids, e - 1][:, None], drafts], 1)  # [R, g + 1]
+        layout = VerifyLayout.pack(torch.from_numpy(lens), torch.from_numpy(
+            (self.s.context + e - 1).astype(np.int32)), torch.from_numpy(rids.astype(np.int32)))
+        ids = torch.from_numpy(block[np.arange(g + 1) < lens[:, None]]).to(self.dev)  # [N]
+        logits = self.verifier(ids, layout, self.state)
+        acc, nxt = self._accept_step(logits, ids, layout)
+        self.verifier.commit(layout, torch.from_numpy(acc + 1), self.state)
+        emit = np.concatenate([drafts, np.zeros((rids.size, 1), np.int64)], 1)  # [R, g + 1]
+        emit[np.arange(rids.size), acc] = nxt  # accepted drafts, then the next token
+        keep = np.arange(g + 1) <= acc[:, None]
+        run.tokens[np.repeat(rids, acc + 1), (e[:, None] + np.arange(g + 1))[keep]] = emit[keep]
+        counts[rids] += acc + 1
+        if policy is not None:
+            policy.observe(int(lens[0]), torch.from_numpy(np.bincount(acc, minlength=g + 1)))
+        run.steps += 1
+        run.verify_tokens += int(lens.sum())
+        run.request_steps += rids.size
+        run.accepted += int(acc.sum())
+        run.shapes.append((int(lens.sum()), rids.size))
+
+
+# ---------------------------------------------------------------------- one concurrency
+def summarize(run: Run, got: np.ndarray, want: np.ndarray, tiers) -> dict:
+    """The JSON row of one timed run (``got``/``want``: decoded tokens [c, output])."""
+    tier_tokens = sum(select_tier(tiers, n, r).tokens for n, r in run.shapes)
+    timed = run.seconds - run.draft_seconds
+    return {"tokens_per_s": got.size / timed, "mean_verify_tokens_per_step":
+            run.verify_tokens / run.steps, "mean_tier_tokens_per_step": tier_tokens / run.steps,
+            "mean_verify_len_per_request": run.verify_tokens / run.request_steps,
+            "mean_accepted": run.accepted / run.request_steps, "steps": run.steps,
+            "seconds": run.seconds, "host_seconds": run.host_seconds,
+            "draft_seconds": run.draft_seconds, "decoded_tokens": int(got.size),
+            "mismatched_tokens": int((got != want).sum()),
+            "output_sha1": hashlib.sha1(np.ascontiguousarray(got).tobytes()).hexdigest()}
+
+
+def bench_concurrency(decoder: Decoder, prompts: torch.Tensor, s: Settings):
+    """Prefill, decode the reference, then warm up and time every mode; (rows, outputs)."""
+    out = s.output
+    first = decoder.prefill(prompts)
+    reference = decoder.run("none", first, None, out + s.gamma).tokens[:, :1 + out + s.gamma]
+    drafter = SyntheticDrafter(reference, s.gamma, s.mean_accepted, s.concentration,
+                               decoder.vocab, s.seed + prompts.shape[0])
+    decoder.warm_accept(prompts.shape[0])
+    rows, outputs = {}, {"reference": reference[:, 1:1 + out]}
+    for mode in mode_names(s.gamma):
+        decoder.run(mode, first, drafter, s.warmup_output)
+        run = decoder.run(mode, first, drafter, out)
+        outputs[mode] = run.tokens[:, 1:1 + out]
+        rows[mode] = summarize(run, outputs[mode], outputs["reference"], decoder.tiers)
+        print(f"  c={prompts.shape[0]:>3} {mode:>8}: {rows[mode]['tokens_per_s']:10.1f} tok/s, "
+              f"{rows[mode]['mean_verify_tokens_per_step']:7.1f} verify tokens/step, "
+              f"accepted {rows[mode]['mean_accepted']:.2f}, "
+              f"mismatches {rows[mode]['mismatched_tokens']}", flush=True)
+    fixed = [m for m in rows if m.startswith("fixed_")] + ["static"]
+    best = max(fixed, key=lambda m: rows[m]["tokens_per_s"])
+    return {"modes": rows, "best_fixed": best, "drafter_mu": drafter.mu}, outputs
+
+
+def targets(c: int, row: dict) -> dict:
+    """The issue's targets: planner >= 1.0x no speculation at every concurrency, and >= the
+    best fixed width (an after-the-fact pick, so an oracle) from 64 requests up."""
+    tps = {m: v["tokens_per_s"] for m, v in row["modes"].items()}
+    vs_none, vs_fixed = tps["planner"] / tps["none"], tps["planner"] / tps[row["best_fixed"]]
+    return {"planner_over_none": vs_none, "planner_over_best_fixed": vs_fixed,
+            "meets_none": vs_none >= 1.0, "meets_best_fixed": vs_fixed >= 1.0 if c >= 64 else None}
+
+
+def markdown_table(results: dict) -> str:
+    """tokens/s (mean verify tokens per step) per mode and concurrency, and the planner's
+    ratios."""
+    head = ["c", "no spec", "static 8", "best fixed", "width policy", "planner",
+            "planner / no spec", "planner / best fixed"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for c, row in results.items():
+        m, best = row["modes"], row["best_fixed"]
+
+        def cell(k: str) -> str:
+            return f"{m[k]['tokens_per_s']:.0f} ({m[k]['mean_verify_tokens_per_step']:.1f})"
+        width = "8" if best == "static" else best.removeprefix("fixed_")
+        ratios = row["targets"]
+        lines.append(f"| {c} | {cell('none')} | {cell('static')} | w={width}: {cell(best)} | "
+                     f"{cell('width')} | {cell('planner')} | {ratios['planner_over_none']:.2f}x "
+                     f"| {ratios['planner_over_best_fixed']:.2f}x |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------- the whole run
+def build_verifier(s: Settings):
+    """Target, verifier, state with tier graphs and the SPS table measured on them."""
+    model, perm = build_target(s)
+    kwargs = dict(lowering="triton", inductor=True) if s.device == "cuda" else \
+        dict(lowering="reference", inductor=False)
+    t0 = time.perf_counter()
+    verifier = dspark_compile(model, page_size=s.page_size, block=s.gamma + 1, **kwargs)
+    compile_s, max_c = time.perf_counter() - t0, max(s.concurrency)
+    state = verifier.new_state(max_requests=max_c,
+                               max_context=s.context + s.output + 2 * (s.gamma + 1))
+    tiers = tier_set(max_c, s.gamma + 1)
+    t0 = time.perf_counter()
+    verifier.capture(state, tiers=tiers, progress=s.device == "cuda")
+    capture_s, t0 = time.perf_counter() - t0, time.perf_counter()
+    table = profile_sps(verifier, state, context=s.context, tiers=tiers, block=s.gamma + 1,
+                        warmup=1 if s.device == "cpu" else 2, iters=s.sps_iters,
+                        model=f"llama {s.model['hidden_size']}x{s.model['num_hidden_layers']} "
+                              f"{s.dtype} {s.target}", progress=s.device == "cuda")
+    timing = {"compile": compile_s, "capture": capture_s, "profile_sps":
+              time.perf_counter() - t0, "tiers": len(tiers)}
+    return model, perm, verifier, state, tiers, table, timing
+
+
+@contextlib.contextmanager
+def cpu_threads(s: Settings):
+    """One intra-op thread for the CPU smoke run, restored after: the tiny model gains nothing
+    from more, and on a loaded 2-core machine OpenMP threads waiting on each other made the
+    smoke run 5x slower (78 s against 16 s)."""
+    threads = torch.get_num_threads()
+    if s.device == "cpu":
+        torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def run_benchmark(s: Settings, save=None) -> tuple[dict, dict]:
+    """Every mode at every concurrency; (JSON data, decoded tokens per concurrency and mode).
+
+    ``save(data)`` is called after each concurrency with the results so far."""
+    with cpu_threads(s):
+        return _run_benchmark(s, save)
+
+
+def _run_benchmark(s: Settings, save) -> tuple[dict, dict]:
+    model, perm, verifier, state, tiers, table, timing = build_verifier(s)
+    print(f"compiled in {timing['compile']:.1f} s, captured {timing['tiers']} tiers in "
+          f"{timing['capture']:.1f} s, SPS table in {timing['profile_sps']:.1f} s", flush=True)
+    decoder = Decoder(verifier, state, s, TierRate(table, tiers, max(s.concurrency)), tiers)
+    gen = torch.Generator().manual_seed(s.seed + 2)
+    data = {"environment": environment(s), "settings": asdict(s), "measured": MEASURED,
+            "policies": POLICIES, "planner": {"tiers": list(decoder.planner.tiers)},
+            "timing": timing, "sps_table": table.to_json(), "results": {}}
+    outputs = {"perm": perm}
+    for c in s.concurrency:
+        prompts = torch.randint(0, s.model["vocab_size"], (c, s.context), generator=gen)
+        row, outputs[c] = bench_concurrency(decoder, prompts, s)
+        outputs[c]["prompts"] = prompts
+        data["results"][str(c)] = {**row, "targets": targets(c, row)}
+        if save is not None:
+            save({**data, "partial": True})
+    data["lossless"] = all(v["mismatched_tokens"] == 0 for row in data["results"].values()
+                           for v in row["modes"].values())
+    data["table_markdown"] = markdown_table(data["results"])
+    return data, outputs
+
+
+MEASURED = ("tokens/s = requests x decoded tokens / (run seconds - draft seconds); run seconds "
+            "are CUDA events around the whole run (after a warm-up run of the same mode) and "
+            "include planning, packing, the verify forward (tier-graph replay), the greedy "
+            "accept kernel, the copy of its result to the host, commit and bookkeeping. "
+            "Excluded: drafting (a synthetic table lookup; its host time is subtracted) and the "
+            "prefill (shared by all modes). mean_verify_tokens_per_step: packed tokens verified "
+            "per step (sum of lens); mean_tier_tokens_per_step: tokens of the tier replayed.")
+
+
+POLICIES = ("width: WidthPolicy over widths 1..gamma+1 (default knobs); planner: plan_verify "
+            "with PlannerConfig(tiers=the captured tiers) (budget aligned up to the tier it "
+            "replays). Both read the SPS table through TierRate: the rate of the tier a step "
+            "of (B tokens, R requests) replays, not the table's floor to the point below B.")
+
+
+def environment(s: Settings) -> dict:
+    import transformers
+    import triton
+
+    gpu = torch.cuda.get_device_name() if s.device == "cuda" else \
+        f"cpu ({platform.processor() or platform.machine()})"
+    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
+            "transformers": transformers.__version__, "numpy": np.__version__,
+            "python": platform.python_version(), "command": " ".join(sys.argv)}
+
+
+def plot(data: dict, path: str) -> None:
+    """tokens/s and mean verify tokens per step against concurrency, per mode."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    res = data["results"]
+    cs = sorted(int(c) for c in res)
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4.5))
+    for label, pick in (("no speculation", lambda r: "none"), ("static 8", lambda r: "static"),
+                        ("best fixed width", lambda r: r["best_fixed"]),
+                        ("width policy", lambda r: "width"), ("compact planner",
+                                                              lambda r: "planner")):
+        rows = [res[str(c)]["modes"][pick(res[str(c)])] for c in cs]
+        axes[0].plot(cs, [r["tokens_per_s"] for r in rows], marker="o", label=label)
+        axes[1].plot(cs, [r["mean_verify_len_per_request"] for r in rows], marker="o",
+                     label=label)
+    for ax, ylabel in zip(axes, ("tokens/s", "mean verify length per request")):
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("concurrency (requests)")
+        ax.set_ylabel(ylabel)
+        ax.grid(True, which="both", alpha=0.3)
+    axes[0].set_yscale("log")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"end-to-end greedy speculative decoding, {data['environment']['gpu']}")
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def parse_settings(argv=None) -> tuple[Settings, str]:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--quick", action="store_true", help="GPU: bs 1 and 8, 64 tokens")
+    group.add_argument("--smoke", action="store_true", help="CPU: tiny random Llama, bs 1, 4")
+    parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    parser.add_argument("--target", choices=("successor", "random"), default=None)
+    parser.add_argument("--mean-accepted", type=float, default=None)
+    parser.add_argument("--concentration", type=float, default=None)
+    args = parser.parse_args(argv)
+    s = SMOKE if args.smoke else QUICK if args.quick else FULL
+    changes = {k: v for k, v in (("target", args.target), ("mean_accepted", args.mean_accepted),
+                                 ("concentration", args.concentration)) if v is not None}
+    return replace(s, **changes), args.out
+
+
+def main(argv=None) -> dict:
+    s, out = parse_settings(argv)
+    if s.device == "cuda" and not torch.cuda.is_available():
+        sys.exit("e2e.py needs a GPU for the full and --quick runs; use --smoke on the CPU")
+    os.makedirs(out, exist_ok=True)
+    stem = os.path.join(out, "e2e" if s.name == "full" else f"e2e_{s.name}")
+
+    def save(part: dict) -> None:
+        with open(stem + ".json", "w") as f:
+            json.dump(part, f, indent=1, allow_nan=False)
+
+    data, _ = run_benchmark(s, save)
+    try:
+        plot(data, stem + ".png")
+        data["png"] = stem + ".png"
+    except ImportError as err:  # matplotlib is not a dependency of the package
+        data["png"] = None
+        print(f"no plot ({err}); the JSON has every number")
+    save(data)
+    print(data["table_markdown"])
+    print(f"lossless (every mode decoded the reference tokens): {data['lossless']}")
+    return data
+
+
+if __name__ == "__main__":
+    main()
