@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TARGET_NAMES = ("sm_90", "gfx942", "gfx950")
-ARTIFACTS = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
+from aot import TARGET_NAMES, compile_kernel, missing_artifacts, run_script
 
 _ROW_PTRS = {"logits_ptr": "bf16", "input_ids_ptr": "i64", "qsl_ptr": "i32",
              "temperature_ptr": "fp32", "top_k_ptr": "i32", "top_p_ptr": "fp32",
@@ -39,11 +34,8 @@ CASES = {  # case: (kernel attribute, pointer dtypes by argument, constexprs; ot
 
 def _compile_all() -> dict:
     """Compile every case for every target; return ``{case: {target: [artifact kinds]}}``."""
-    import triton
-    from triton.compiler import ASTSource
-
     from dspark_compile.engine import accept_triton
-    from dspark_compile.lowering.targets import TARGETS, gpu_target
+    from dspark_compile.lowering.targets import TARGETS
 
     result: dict = {}
     for case, (attr, pointers, constexprs) in CASES.items():
@@ -55,36 +47,21 @@ def _compile_all() -> dict:
                 consts.update(BLOCK_V=block_v, BLOCK_S=block_s, FANOUT=accept_triton.FANOUT)
             else:
                 warps = 1
-            signature = {a: "constexpr" if a in consts else "*" + pointers[a] if a in pointers
-                         else "i32" for a in kernel.arg_names}
-            # pointers and row strides 16-aligned, as the JIT specialises them at real shapes
-            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
-                     if a in pointers or a.startswith("stride_")}
-            src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-            compiled = triton.compile(src, target=gpu_target(name), options={"num_warps": warps})
-            result.setdefault(case, {})[name] = sorted(
-                kind for kind, blob in compiled.asm.items() if blob)
+            result.setdefault(case, {})[name] = compile_kernel(kernel, pointers, consts, name,
+                                                               {"num_warps": warps})
     return result
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"AOT compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(__file__)
 
 
 @pytest.mark.parametrize("target", TARGET_NAMES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_accept_kernel_compiles_ahead_of_time(compiled: dict, case: str, target: str) -> None:
-    from dspark_compile.lowering.targets import TARGETS
-
     kinds = compiled[case][target]
-    for artifact in ARTIFACTS[TARGETS[target].backend]:
-        assert artifact in kinds, f"{case} for {target}: no {artifact} in {kinds}"
+    assert not missing_artifacts(kinds, target), f"{case} for {target}: only {kinds}"
 
 
 def test_tiles_follow_the_target_table() -> None:

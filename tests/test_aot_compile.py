@@ -10,15 +10,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TARGET_NAMES = ("sm_90", "gfx942", "gfx950")
-ARTIFACTS = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
+from aot import TARGET_NAMES, compile_kernel, missing_artifacts, run_script
 
 # case -> (kernel, dtype of q/k/v/pools/out, shape (N, R, H, Hkv, D, page, max_query_len),
 # split count); constexprs and launch options come from plan_attention, as at run time.
@@ -57,11 +52,8 @@ def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg) -
 
 def _compile_all() -> dict:
     """Compile every case for every target; return ``{case: {target: [artifact kinds]}}``."""
-    import triton
-    from triton.compiler import ASTSource
-
     from dspark_compile.lowering import triton_attention
-    from dspark_compile.lowering.targets import TARGETS, gpu_target
+    from dspark_compile.lowering.targets import TARGETS
 
     result: dict = {}
     for case, (kernel_name, dtype, shape, splits) in CASES.items():
@@ -69,36 +61,21 @@ def _compile_all() -> dict:
         for name in TARGET_NAMES:
             pointers, consts, options = _launch_spec(kernel_name, dtype, shape, splits,
                                                      TARGETS[name])
-            signature = {a: "constexpr" if a in consts else "*" + pointers[a] if a in pointers
-                         else "fp32" if a == "scale_log2" else "i32" for a in kernel.arg_names}
-            # pointers and strides 16-aligned, as the JIT specialises them at real shapes
-            attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
-                     if a in pointers or a.startswith("stride_")}
-            src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-            compiled = triton.compile(src, target=gpu_target(name), options=options)
-            result.setdefault(case, {})[name] = sorted(
-                kind for kind, blob in compiled.asm.items() if blob)
+            result.setdefault(case, {})[name] = compile_kernel(
+                kernel, pointers, consts, name, options, scalars={"scale_log2": "fp32"})
     return result
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"AOT compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(__file__)
 
 
 @pytest.mark.parametrize("target", TARGET_NAMES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_kernel_compiles_ahead_of_time(compiled: dict, case: str, target: str) -> None:
-    from dspark_compile.lowering.targets import TARGETS
-
     kinds = compiled[case][target]
-    for artifact in ARTIFACTS[TARGETS[target].backend]:
-        assert artifact in kinds, f"{case} for {target}: no {artifact} in {kinds}"
+    assert not missing_artifacts(kinds, target), f"{case} for {target}: only {kinds}"
 
 
 def test_gpu_targets_match_the_table() -> None:

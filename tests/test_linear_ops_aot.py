@@ -11,15 +11,10 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
-import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
-TARGET_NAMES = ("sm_90", "gfx942", "gfx950")
-ARTIFACTS = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
+from aot import TARGET_NAMES, compile_kernel, missing_artifacts, run_script
 _LAYOUT = {"query_start_loc_ptr": "i32", "slots_ptr": "i32"}
 _GDN_SHAPE = {"HK": 16, "HV": 32, "KD": 128, "VD": 128, "K_PAD": 128, "BLOCK_V": 32,
               "NUM_VB": 4}
@@ -60,55 +55,27 @@ def _compile_all() -> dict:
     """Compile every case for every target; return ``{case: {target: [artifact kinds]}}``."""
     import importlib
 
-    import triton
-    from triton.compiler import ASTSource
-
-    from dspark_compile.lowering.targets import gpu_target
-
     result: dict = {}
     for case, (module, attr, pointers, constexprs) in CASES.items():
         kernel = getattr(importlib.import_module(f"dspark_compile.lowering.{module}"), attr)
-        missing = set(pointers) | set(constexprs)
-        missing -= set(kernel.arg_names)
+        missing = (set(pointers) | set(constexprs)) - set(kernel.arg_names)
         assert not missing, f"{case}: {attr} has no arguments {sorted(missing)}"
-        signature = {}
-        for arg in kernel.arg_names:
-            if arg in constexprs:
-                signature[arg] = "constexpr"
-            elif arg in pointers:
-                signature[arg] = "*" + pointers[arg]
-            else:
-                signature[arg] = "fp32" if arg == "scale" else "i32"
-        # pointers and strides 16-aligned, as the JIT specialises them at real shapes
-        attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
-                 if a in pointers or a.startswith("stride_")}
         for name in TARGET_NAMES:
-            src = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs),
-                            attrs=attrs)
-            compiled = triton.compile(src, target=gpu_target(name), options={"num_warps": 4})
-            result.setdefault(case, {})[name] = sorted(
-                kind for kind, blob in compiled.asm.items() if blob)
+            result.setdefault(case, {})[name] = compile_kernel(
+                kernel, pointers, constexprs, name, {"num_warps": 4}, scalars={"scale": "fp32"})
     return result
 
 
 @pytest.fixture(scope="module")
 def compiled() -> dict:
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")])
-    proc = subprocess.run([sys.executable, __file__], cwd=REPO, env=env, capture_output=True,
-                          text=True, timeout=600)
-    assert proc.returncode == 0, f"AOT compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_script(__file__)
 
 
 @pytest.mark.parametrize("target", TARGET_NAMES)
 @pytest.mark.parametrize("case", sorted(CASES))
 def test_linear_kernel_compiles_ahead_of_time(compiled: dict, case: str, target: str) -> None:
-    from dspark_compile.lowering.targets import TARGETS
-
     kinds = compiled[case][target]
-    for artifact in ARTIFACTS[TARGETS[target].backend]:
-        assert artifact in kinds, f"{case} for {target}: no {artifact} in {kinds}"
+    assert not missing_artifacts(kinds, target), f"{case} for {target}: only {kinds}"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,78 @@
+"""Shared harness of the ahead-of-time compile tests (``test_*aot*.py``).
+
+``triton.compile(ASTSource(...), target=GPUTarget(...))`` needs no device, but it cannot run
+under ``TRITON_INTERPRET=1`` (the interpreter swaps ``@triton.jit`` functions for Python ones
+when a kernel module is imported, and ``make test`` sets it). So each AOT test file runs itself
+as a script in a subprocess with TRITON_INTERPRET removed; the script prints one JSON line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+TARGET_NAMES = ("sm_90", "gfx942", "gfx950")
+ARTIFACTS = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
+"""Artifacts a successful compile leaves, per backend."""
+
+
+def compile_kernel(kernel, pointers: dict, constexprs: dict, target: str, options: dict,
+                   scalars: dict | None = None) -> list[str]:
+    """Compile one ``@triton.jit`` kernel for ``target``; returns the artifact kinds made.
+
+    ``pointers``: argument -> element type (``"bf16"``, ``"i32"``, ...); ``scalars``: argument ->
+    type for non-i32 scalars (``"fp32"``); every other argument is an i32 scalar. Pointers and
+    strides are declared 16-aligned, as the JIT specialises them at real shapes.
+    """
+    import triton
+    from triton.compiler import ASTSource
+
+    from dspark_compile.lowering.targets import gpu_target
+
+    scalars = scalars or {}
+    signature = {a: "constexpr" if a in constexprs else "*" + pointers[a] if a in pointers
+                 else scalars.get(a, "i32") for a in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+             if a in pointers or a.startswith("stride_")}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
+    compiled = triton.compile(src, target=gpu_target(target), options=options)
+    return sorted(kind for kind, blob in compiled.asm.items() if blob)
+
+
+def _env() -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"),
+                                         env.get("PYTHONPATH", "")])
+    return env
+
+
+def run_script(path: str, *args: str) -> dict:
+    """Run an AOT test file as a script without the interpreter; its last line of JSON."""
+    proc = subprocess.run([sys.executable, path, *args], cwd=REPO, env=_env(),
+                          capture_output=True, text=True, timeout=900)
+    assert proc.returncode == 0, f"AOT compile failed:\n{proc.stdout}\n{proc.stderr[-6000:]}"
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def run_scripts(path: str, arg_sets: list[tuple[str, ...]]) -> list[dict]:
+    """Like :func:`run_script`, one subprocess per argument set, side by side."""
+    procs = [subprocess.Popen([sys.executable, path, *args], cwd=REPO, env=_env(), text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+             for args in arg_sets]
+    out = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=900)
+        assert proc.returncode == 0, f"AOT compile failed:\n{stdout}\n{stderr[-6000:]}"
+        out.append(json.loads(stdout.strip().splitlines()[-1]))
+    return out
+
+
+def missing_artifacts(kinds: list[str], target: str) -> list[str]:
+    """Artifacts ``target``'s backend should have made that ``kinds`` lacks."""
+    from dspark_compile.lowering.targets import TARGETS
+
+    return [a for a in ARTIFACTS[TARGETS[target].backend] if a not in kinds]
