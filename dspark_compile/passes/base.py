@@ -75,3 +75,21 @@ class RefusedOp(RuntimeError):
             "this computation per token (or route sequence mixing through "
             "dspark_compile.nn.CachedAttention / the model's attention interface)."
         )
+
+
+def is_op(node: fx.Node, packet) -> bool:
+    """``node`` calls any overload of op ``packet`` (matching by packet, never one overload)."""
+    return node.op == "call_function" and (
+        node.target is packet or getattr(node.target, "overloadpacket", None) is packet)
+
+
+def check_rewritten(gm: fx.GraphModule, dense, ragged, result: PassResult) -> None:
+    """Ensure of a dense -> ragged rewrite: no ``dense`` call is left, and the graph holds as
+    many ``ragged`` calls as the pass says it wrote."""
+    left = [n.name for n in gm.graph.nodes if is_op(n, dense)]
+    if left:
+        raise EnsureError(f"{result.name}: {dense} left in the graph: {left}")
+    found = sum(1 for n in gm.graph.nodes if is_op(n, ragged))
+    if found != result.changed:
+        raise EnsureError(f"{result.name}: rewrote {result.changed} calls but the graph has "
+                          f"{found} {ragged}")

@@ -28,18 +28,13 @@ from torch._guards import detect_fake_mode
 from torch.fx.proxy import GraphAppendingTracer
 
 from ..frontend.capture import InputSpec
-from .base import EnsureError, PassContext, PassResult, source_line
+from .base import PassContext, PassResult, check_rewritten, is_op, source_line
 from .retrace import copy_module, interpret, placeholder_values, retrace
 
 __all__ = ["run"]
 
 DENSE = torch.ops.dspark.dense_cached_attention
 RAGGED = torch.ops.dspark.ragged_attention
-
-
-def _is_dense_attention(node: fx.Node) -> bool:
-    return node.op == "call_function" and (
-        node.target is DENSE or getattr(node.target, "overloadpacket", None) is DENSE)
 
 
 def _add_inputs(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.Node]:
@@ -70,11 +65,10 @@ def _rows(x: fx.Proxy, rows, heads: int, dim: int) -> fx.Proxy:
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResult]:
     result = PassResult("ragged_attention", changed=0)
-    matches = [n for n in gm.graph.nodes if _is_dense_attention(n)]
-    if not matches:
+    if not any(is_op(n, DENSE) for n in gm.graph.nodes):
         return gm, result
     gm = copy_module(gm)  # the dense graph stays intact for Verifier.run_dense
-    matches = [n for n in gm.graph.nodes if _is_dense_attention(n)]
+    matches = [n for n in gm.graph.nodes if is_op(n, DENSE)]
     meta = _add_inputs(gm, ctx)
     ids = next(n for n in gm.graph.nodes
                if n.op == "placeholder" and n.meta["dspark_input"].kind == "input_ids")
@@ -103,7 +97,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     gm.recompile()
     new_gm = retrace(interpret(gm), placeholder_values(gm), specs)
     _drop_unused_input(new_gm, ctx, ctx_idx)
-    _ensure(new_gm, result)
+    check_rewritten(new_gm, DENSE, RAGGED, result)
     return new_gm, result
 
 
@@ -113,14 +107,3 @@ def _drop_unused_input(gm: fx.GraphModule, ctx: PassContext, index: int) -> None
         gm.graph.erase_node(node)
         del ctx.inputs[index]
         gm.recompile()
-
-
-def _ensure(gm: fx.GraphModule, result: PassResult) -> None:
-    left = [n.name for n in gm.graph.nodes if _is_dense_attention(n)]
-    if left:
-        raise EnsureError(f"ragged_attention: dense attention left in the graph: {left}")
-    found = sum(1 for n in gm.graph.nodes
-                if getattr(n.target, "overloadpacket", None) is RAGGED)
-    if found != result.changed:
-        raise EnsureError(
-            f"ragged_attention: rewrote {result.changed} layers but the graph has {found}")

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 from torch.fx.proxy import GraphAppendingTracer
 
-from .base import EnsureError, PassContext, PassResult, source_line
+from .base import PassContext, PassResult, check_rewritten, is_op, source_line
 from .graph_inputs import RING_SAMPLE_ROWS, add_input, find_input, query_start_loc
 from .retrace import copy_module, interpret, placeholder_values, retrace
 
@@ -34,11 +34,6 @@ DENSE = torch.ops.dspark.dense_causal_conv1d
 RAGGED = torch.ops.dspark.causal_conv1d
 
 
-def _is(node: fx.Node, packet) -> bool:
-    return node.op == "call_function" and (
-        node.target is packet or getattr(node.target, "overloadpacket", None) is packet)
-
-
 def layer_index(pool: fx.Node) -> int:
     """Linear-layer index of a state-pool placeholder (``conv_state_3`` -> 3)."""
     return int(pool.meta["dspark_input"].name.rsplit("_", 1)[1])
@@ -46,13 +41,13 @@ def layer_index(pool: fx.Node) -> int:
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResult]:
     result = PassResult("ragged_conv", changed=0)
-    if not any(_is(n, DENSE) for n in gm.graph.nodes):
+    if not any(is_op(n, DENSE) for n in gm.graph.nodes):
         return gm, result
     gm = copy_module(gm)
     qsl = query_start_loc(gm, ctx)
     ids = find_input(gm, "input_ids")
     tracer = GraphAppendingTracer(gm.graph)
-    for node in [n for n in gm.graph.nodes if _is(n, DENSE)]:
+    for node in [n for n in gm.graph.nodes if is_op(n, DENSE)]:
         x, weight, bias, pool, slots, activation = node.args
         dim = x.meta["val"].shape[1]
         ring = add_input(gm, ctx, "conv_ring", f"conv_ring_{layer_index(pool)}",
@@ -70,15 +65,5 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
         result.rewrites.append((f"{node.name} -> causal_conv1d", source_line(node)))
     gm.recompile()
     new_gm = retrace(interpret(gm), placeholder_values(gm), list(ctx.inputs))
-    _ensure(new_gm, result)
+    check_rewritten(new_gm, DENSE, RAGGED, result)
     return new_gm, result
-
-
-def _ensure(gm: fx.GraphModule, result: PassResult) -> None:
-    left = [n.name for n in gm.graph.nodes if _is(n, DENSE)]
-    if left:
-        raise EnsureError(f"ragged_conv: dense conv left in the graph: {left}")
-    found = sum(1 for n in gm.graph.nodes if _is(n, RAGGED))
-    if found != result.changed:
-        raise EnsureError(f"ragged_conv: rewrote {result.changed} convs but the graph has "
-                          f"{found}")

@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch.fx.proxy import GraphAppendingTracer
 
-from .base import EnsureError, PassContext, PassResult, source_line
+from .base import PassContext, PassResult, check_rewritten, is_op, source_line
 from .graph_inputs import RING_SAMPLE_ROWS, add_input, find_input, query_start_loc
 from .ragged_conv import layer_index
 from .retrace import copy_module, interpret, placeholder_values, retrace
@@ -36,11 +36,6 @@ __all__ = ["run"]
 DENSE = torch.ops.dspark.dense_gated_delta_rule
 RAGGED = torch.ops.dspark.gated_delta_rule
 RINGS = ("k", "v", "g", "beta")
-
-
-def _is(node: fx.Node, packet) -> bool:
-    return node.op == "call_function" and (
-        node.target is packet or getattr(node.target, "overloadpacket", None) is packet)
 
 
 def _rings(gm: fx.GraphModule, ctx: PassContext, k: fx.Node, v: fx.Node,
@@ -57,13 +52,13 @@ def _rings(gm: fx.GraphModule, ctx: PassContext, k: fx.Node, v: fx.Node,
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResult]:
     result = PassResult("ragged_linear_attention", changed=0)
-    if not any(_is(n, DENSE) for n in gm.graph.nodes):
+    if not any(is_op(n, DENSE) for n in gm.graph.nodes):
         return gm, result
     gm = copy_module(gm)
     qsl = query_start_loc(gm, ctx)
     ids = find_input(gm, "input_ids")
     tracer = GraphAppendingTracer(gm.graph)
-    for node in [n for n in gm.graph.nodes if _is(n, DENSE)]:
+    for node in [n for n in gm.graph.nodes if is_op(n, DENSE)]:
         q, k, v, g, beta, pool, slots, scale, use_l2 = node.args
         rings = _rings(gm, ctx, k, v, pool)
         with gm.graph.inserting_before(node):
@@ -81,15 +76,5 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
         result.rewrites.append((f"{node.name} -> gated_delta_rule", source_line(node)))
     gm.recompile()
     new_gm = retrace(interpret(gm), placeholder_values(gm), list(ctx.inputs))
-    _ensure(new_gm, result)
+    check_rewritten(new_gm, DENSE, RAGGED, result)
     return new_gm, result
-
-
-def _ensure(gm: fx.GraphModule, result: PassResult) -> None:
-    left = [n.name for n in gm.graph.nodes if _is(n, DENSE)]
-    if left:
-        raise EnsureError(f"ragged_linear_attention: dense rule left in the graph: {left}")
-    found = sum(1 for n in gm.graph.nodes if _is(n, RAGGED))
-    if found != result.changed:
-        raise EnsureError(f"ragged_linear_attention: rewrote {result.changed} rules but the "
-                          f"graph has {found}")
