@@ -47,6 +47,25 @@ def tiny_qwen35(seed: int = 0, vocab: int = 101,
     return Qwen3_5ForCausalLM(cfg).eval()
 
 
+def tiny_qwen3_next(seed: int = 0, vocab: int = 101,
+                    layer_types=("linear_attention", "full_attention", "linear_attention",
+                                 "full_attention")):
+    """Qwen3-Next: Gated DeltaNet and gated attention layers, each with a sparse MoE (4 experts,
+    top 2, and a gated shared expert)."""
+    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = Qwen3NextConfig(
+        vocab_size=vocab, hidden_size=64, intermediate_size=96,
+        num_hidden_layers=len(layer_types), layer_types=list(layer_types),
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, linear_num_key_heads=2,
+        linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+        linear_conv_kernel_dim=4, num_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, shared_expert_intermediate_size=32, decoder_sparse_step=1,
+        mlp_only_layers=[], max_position_embeddings=512)
+    return Qwen3NextForCausalLM(cfg).eval()
+
+
 class PlainBlock(nn.Module):
     """A pre-norm decoder block written as free-form torch around CachedAttention."""
 

@@ -115,6 +115,27 @@ def _no_mask(*args, **kwargs):
     return None
 
 
+@contextlib.contextmanager
+def _batched_experts(model: nn.Module) -> Iterator[None]:
+    """Mixture-of-experts models run their experts as ``batched_mm`` during a capture.
+
+    transformers' default experts forward loops over the experts a batch happens to hit (data-
+    dependent control flow, not traceable) and ``grouped_mm`` has no float32 CPU kernel; the
+    ``batched_mm`` forward gathers each (token, expert) pair's weights and runs one ``bmm``, which
+    the token-axis pass proves token-wise. The previous implementation is restored afterwards.
+    """
+    previous = getattr(model.config, "_experts_implementation", None)
+    if previous is None or not hasattr(model, "set_experts_implementation") or \
+            not model._can_set_experts_implementation():
+        yield
+        return
+    model.set_experts_implementation("batched_mm")
+    try:
+        yield
+    finally:
+        model.set_experts_implementation(previous)
+
+
 def _hf_attention_layers(model: nn.Module) -> Iterator[nn.Module]:
     for module in model.modules():
         if hasattr(module, "layer_idx") and hasattr(module, "k_proj") and \
@@ -149,7 +170,8 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         model.set_attn_implementation(HF_ATTENTION_NAME)
         try:
             with hybrid_hooks(linear) if linear else contextlib.nullcontext(), \
-                    vision_hook(model, mrope) if mrope else contextlib.nullcontext():
+                    vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
+                    _batched_experts(model):
                 yield
         finally:
             model.set_attn_implementation(previous)

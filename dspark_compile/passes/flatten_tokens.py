@@ -39,7 +39,7 @@ __all__ = ["run"]
 aten = torch.ops.aten
 
 SIZE_OPS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand}
-AS_IS = {aten.embedding, aten.mm, aten.addmm, aten.clone, aten._to_copy, aten.alias,
+AS_IS = {aten.embedding, aten.index, aten.mm, aten.addmm, aten.clone, aten._to_copy, aten.alias,
          aten.detach, aten.contiguous, aten.lift_fresh_copy,
          torch.ops.dspark.ragged_attention, *LINEAR_RAGGED_OPS,  # flat-native: rows in, rows out
          *NORM_OPS}  # norms: trailing dims stay as they are
@@ -195,6 +195,8 @@ class _Flattener:
             if la.bs_factor != lb.bs_factor:
                 raise EnsureError(f"flatten_tokens: bmm {node.name} batches {la.bs_factor} "
                                   f"and {lb.bs_factor} rows per request")
+            return torch.bmm(xa, xb)
+        if la.flat_dim == 0 and lb.flat_dim == 0:  # [N*c, M, K] @ [N*c, K, P]: per row
             return torch.bmm(xa, xb)
         if la.kind == "broadcast" and lb.kind == "token":   # [M, K] @ [K, N]
             return torch.mm(xa, xb)

@@ -23,6 +23,8 @@ Ops, by family (checked in that order)::
     %o = aten.view.default(%x, [%bs, %T, -1, 16])        layout: bs before T, both whole
     %o = aten.view.default(%x, [-1, 16])  [bs,T,4,16]->[bs*T*4,16]: token-major order kept
     %o = aten.mm.default(%x, %w)                         linear: %w global, K not a token dim
+    %o = aten.bmm.default(%w_rows, %x)  [N*k, M, K] @ [N*k, K, 1]: batched over flat rows
+    %o = aten.index.Tensor(%w, [%ids])   [E, M, K][N*k] -> [N*k, M, K]: %w global, like embedding
     %o = aten.mean.dim(%x, [-1], True)                   dim op: dims must not be token dims
     %o = aten.cumsum.default(%x, 1)    on [bs, T, ...]   refused: mixes tokens
 
@@ -68,6 +70,9 @@ NORM_OPS = {aten.native_layer_norm, aten.layer_norm, aten._fused_rms_norm, aten.
 _WHOLE_TENSOR_DEFAULT = {aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std,
                          aten.prod, aten.argmax, aten.argmin, aten.max, aten.min, aten.norm,
                          aten.linalg_vector_norm, aten.var_mean}
+
+# Dim ops whose dim argument defaults to the last dim (topk over the experts of each token).
+_LAST_DIM_DEFAULT = {aten.topk, aten.sort}
 
 
 class TokenAxisError(RefusedOp):
@@ -311,10 +316,26 @@ def _check_linear(node: fx.Node) -> str | None:
     # bmm: batch dim may be the request axis when one side is a broadcast weight.
     if 2 in la.token_dims or 1 in lb.token_dims:
         return "it contracts over the token axis"
+    if la.token_dims == lb.token_dims == (0,) and la.flat_dim == lb.flat_dim == 0:
+        return None  # one product per flat row: a (token, expert) row times its gathered weights
     if la.kind == "token" and lb.kind == "token":
         return "both operands hold token rows (tokens attend to tokens outside cached attention)"
     if {la.kind, lb.kind} - {"token", "broadcast", "global"}:
         return "a per-request value meets token rows"
+    return None
+
+
+def _check_gather(node: fx.Node) -> str | None:
+    """``aten.index.Tensor(%w, [%ids])``: rows of a global table picked per token (expert
+    weights by each token's expert ids), like an embedding."""
+    table, indices = node.args[0], node.args[1]
+    if axis(table).token_dims:
+        return ("it gathers rows of a token value by index (a token would read another "
+                "token's row); index only weights or constants by per-token ids")
+    used = [i for i in indices if i is not None]
+    if indices[0] is None or len(used) != 1:
+        return ("it indexes a table with several index tensors or not along its first dim; "
+                "only table[ids] with one per-token index tensor is known to be token-wise")
     return None
 
 
@@ -328,7 +349,7 @@ def _check_dims(node: fx.Node, packet, out: AxisLabel) -> str | None:
     index = DIM_OPS[packet]
     dims = node.args[index] if len(node.args) > index else node.kwargs.get("dim")
     if dims is None and packet not in _WHOLE_TENSOR_DEFAULT:
-        dims = 0
+        dims = -1 if packet in _LAST_DIM_DEFAULT else 0
     if set(_norm_dims(dims, x.meta["val"].dim())) & set(lab.token_dims):
         return "it reduces, scans or reorders along the token axis"
     return None
@@ -363,6 +384,8 @@ def check_node(node: fx.Node) -> str | None:
         return _check_linear(node)
     if packet is aten.embedding:
         return None if not axis(node.args[0]).token_dims else "its table holds token rows"
+    if packet is aten.index:
+        return _check_gather(node)
     if packet in DIM_OPS:
         return _check_dims(node, packet, out)
     if packet in NORM_OPS:
