@@ -28,13 +28,13 @@ import math
 import os
 import platform
 import sys
-import time
 from pathlib import Path
 
 if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel import
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
+from timing import time_calls  # noqa: E402  (benchmarks/timing.py)
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
@@ -67,42 +67,6 @@ def layout(lens: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
     qsl[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
     slots = torch.randperm(2 * len(lens), generator=torch.Generator().manual_seed(1))
     return qsl.to(device), slots[: len(lens)].to(torch.int32).to(device)
-
-
-def time_calls(fns: list, s: dict, device: str) -> dict:
-    """us per call: back-to-back eager launches and CUDA-graph replays, cycling ``fns``."""
-    if device == "cpu":  # smoke mode: wall clock, nothing to report
-        t0 = time.perf_counter()
-        for i in range(s["eager_iters"]):
-            fns[i % len(fns)]()
-        return dict(eager_us=(time.perf_counter() - t0) * 1e6 / s["eager_iters"], graph_us=None)
-    for f in fns:  # compile, warm the clocks
-        f()
-    torch.cuda.synchronize()
-    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
-    ev[0].record()
-    for i in range(s["eager_iters"]):
-        fns[i % len(fns)]()
-    ev[1].record()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(s["graph_calls"]):
-            fns[i % len(fns)]()
-    graph.replay()
-    ev[2].record()
-    for _ in range(s["graph_replays"]):
-        graph.replay()
-    ev[3].record()
-    ev[3].synchronize()
-    return dict(eager_us=ev[0].elapsed_time(ev[1]) * 1e3 / s["eager_iters"],
-                graph_us=ev[2].elapsed_time(ev[3]) * 1e3 / (s["graph_calls"] *
-                                                            s["graph_replays"]))
 
 
 def _rates(nbytes: float, times: dict, s: dict) -> dict:

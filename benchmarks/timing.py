@@ -1,0 +1,47 @@
+"""Kernel timing shared by the kernel benchmarks: eager back-to-back launches and CUDA-graph
+replays between CUDA events (a sync after each launch lets the clocks drop and doubles small
+figures, so none is taken inside a timed loop)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+__all__ = ["time_calls"]
+
+
+def time_calls(fns: list, s: dict, device: str) -> dict:
+    """us per call: back-to-back eager launches and CUDA-graph replays, cycling ``fns``."""
+    if device == "cpu":  # smoke mode: wall clock, nothing to report
+        t0 = time.perf_counter()
+        for i in range(s["eager_iters"]):
+            fns[i % len(fns)]()
+        return dict(eager_us=(time.perf_counter() - t0) * 1e6 / s["eager_iters"], graph_us=None)
+    for f in fns:  # compile, warm the clocks
+        f()
+    torch.cuda.synchronize()
+    ev = [torch.cuda.Event(enable_timing=True) for _ in range(4)]
+    ev[0].record()
+    for i in range(s["eager_iters"]):
+        fns[i % len(fns)]()
+    ev[1].record()
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(s["graph_calls"]):
+            fns[i % len(fns)]()
+    graph.replay()
+    ev[2].record()
+    for _ in range(s["graph_replays"]):
+        graph.replay()
+    ev[3].record()
+    ev[3].synchronize()
+    calls = s["graph_calls"] * s["graph_replays"]
+    return dict(eager_us=ev[0].elapsed_time(ev[1]) * 1e3 / s["eager_iters"],
+                graph_us=ev[2].elapsed_time(ev[3]) * 1e3 / calls)
