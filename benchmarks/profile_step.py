@@ -1,49 +1,122 @@
-"""Where a verify step's time goes: kernel table of one packed step under torch.profiler.
+"""Where a tier-graph verify step's time goes, per batch size.
 
-Same model and settings as verify_step.py (1.1B Llama-like, bf16, context 1024, page 16);
-one batch size and the mean-3 mix, Triton lowering + Inductor, eager (kernels are the same
-as in the tier graph, launches are not).
+Same model and settings as verify_step.py (1.1B Llama-like, bf16, context 1024, page 16,
+block 8, the mean-3 mix). For each bs it captures the one tier the mix takes, then reports:
 
-    python benchmarks/profile_step.py [--bs 256] [--out DIR]
+- a full ``verifier(ids, layout, state)`` call and ``graph.replay()`` alone (ms, back-to-back
+  between CUDA events), and the host-side ``check_layout`` and ``fill`` per call (ms);
+- the kernels of 10 replays under torch.profiler, summed per step by kind (attention, its
+  split reduce, GEMMs, Inductor's fused kernels, other), and the top kernels.
+
+    python benchmarks/profile_step.py [--bs 1 8 64 256] [--out DIR]
+
+Writes ``profile_step.json`` and ``profile_step_bs{bs}.txt`` (kernel tables) to DIR.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import time
+from collections import defaultdict
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dspark_compile import VerifyLayout, dspark_compile
-from verify_step import BLOCK, CONTEXT, PAGE, build_model, environment, mix_lens
+from dspark_compile.graphs.tiers import select_tier, tier_set
+from verify_step import BLOCK, CONTEXT, PAGE, build_model, environment, mix_lens, time_ms
+
+KINDS = (("attention", ("_ragged_attention_kernel",)),
+         ("split_reduce", ("_split_reduce_kernel",)),
+         ("gemm", ("nvjet", "gemm", "gemv", "cutlass", "sm90_xmma", "cublas", "splitk")),
+         ("inductor_fused", ("triton_",)))
+
+
+def kind_of(name: str) -> str:
+    for kind, keys in KINDS:
+        if any(k in name for k in keys):
+            return kind
+    return "other"
+
+
+def host_ms(fn, iters: int = 200) -> float:
+    """Host time per call (the device work these launch is not waited on per call)."""
+    start = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    elapsed = time.perf_counter() - start
+    torch.cuda.synchronize()
+    return elapsed / iters * 1e3
+
+
+def profile_bs(verifier, state, bs: int, out: str) -> dict:
+    graphs = state.graphs
+    layout = VerifyLayout.pack(mix_lens(bs), [CONTEXT] * bs, list(range(bs)))
+    tier = select_tier(graphs.tiers, layout.num_tokens, layout.num_requests)
+    ids = torch.randint(0, 32000, (layout.num_tokens,), device="cuda")
+    graph = graphs.graphs[tier]
+    row = {"tier": [tier.tokens, tier.request_slots], "tokens": layout.num_tokens,
+           "full_call_ms": time_ms(lambda: verifier(ids, layout, state), 100),
+           "replay_ms": time_ms(graph.replay, 100),
+           "check_layout_host_ms": host_ms(lambda: state.check_layout(layout,
+                                                                      layout.num_tokens)),
+           "fill_host_ms": host_ms(lambda: graphs.fill(tier, ids, layout))}
+    torch.cuda.synchronize()
+    steps = 10
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            graph.replay()
+        torch.cuda.synchronize()
+    per_kind, kernels = defaultdict(float), []
+    for evt in prof.key_averages():
+        us = getattr(evt, "self_device_time_total", None)
+        if us is None:
+            us = evt.self_cuda_time_total
+        if us <= 0:
+            continue
+        per_kind[kind_of(evt.key)] += us / steps / 1e3
+        kernels.append((evt.key, us / steps, evt.count // steps))
+    row["kernel_ms_per_step"] = {k: round(v, 4) for k, v in sorted(per_kind.items())}
+    row["kernel_sum_ms"] = round(sum(per_kind.values()), 4)
+    row["kernels_per_step"] = sum(c for _, _, c in kernels)
+    kernels.sort(key=lambda k: -k[1])
+    row["top_kernels_us_per_step"] = [(k[:90], round(us, 1), c) for k, us, c in kernels[:25]]
+    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
+    with open(os.path.join(out, f"profile_step_bs{bs}.txt"), "w") as f:
+        f.write(f"{environment()}\nbs={bs} tokens={layout.num_tokens} tier={tier} "
+                f"({steps} graph replays)\n{table}\n")
+    return row
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--bs", type=int, default=256)
+    parser.add_argument("--bs", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     args = parser.parse_args()
+    os.makedirs(args.out, exist_ok=True)
     model = build_model()
     verifier = dspark_compile(model, lowering="triton", inductor=True, page_size=PAGE,
                               block=BLOCK)
-    state = verifier.new_state(max_requests=args.bs, max_context=CONTEXT + BLOCK)
+    max_bs = max(args.bs)
+    state = verifier.new_state(max_requests=max_bs, max_context=CONTEXT + BLOCK)
+    for k, v in state.kv_caches:
+        k.normal_(0, 0.5)
+        v.normal_(0, 0.5)
     state.committed_lens[:] = CONTEXT
-    layout = VerifyLayout.pack(mix_lens(args.bs), [CONTEXT] * args.bs, list(range(args.bs)))
-    ids = torch.randint(0, 32000, (layout.num_tokens,), device="cuda")
-    for _ in range(5):
-        verifier(ids, layout, state)
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(10):
-            verifier(ids, layout, state)
-        torch.cuda.synchronize()
-    table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=25)
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, f"profile_step_bs{args.bs}.txt")
-    with open(path, "w") as f:
-        f.write(f"{environment()}\nbs={args.bs} tokens={layout.num_tokens} (10 steps)\n{table}\n")
-    print(table)
+    all_tiers = tier_set(max_bs, BLOCK)
+    tiers = tuple(sorted({select_tier(all_tiers, 3 * bs, bs) for bs in args.bs}))
+    verifier.capture(state, tiers=tiers, progress=False)
+    rows = {}
+    for bs in args.bs:
+        rows[str(bs)] = profile_bs(verifier, state, bs, args.out)
+        print(bs, json.dumps({k: v for k, v in rows[str(bs)].items()
+                              if k != "top_kernels_us_per_step"}), flush=True)
+    env = dict(environment(), command="python benchmarks/profile_step.py --bs " +
+               " ".join(map(str, args.bs)))
+    with open(os.path.join(args.out, "profile_step.json"), "w") as f:
+        json.dump({"environment": env, "results": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -34,7 +34,7 @@ def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg) -
     pointers = {"out_ptr": dtype, "part_acc_ptr": "fp32", "part_ml_ptr": "fp32",
                 "query_start_loc_ptr": "i32"}
     if kernel_name == "_split_reduce_kernel":
-        consts = dict(NUM_HEADS=h, HEADS_PAD=h, HEAD_DIM=d, HEAD_DIM_PAD=d, NUM_SPLITS=splits)
+        consts = dict(NUM_HEADS=h, HEADS_PAD=h, HEAD_DIM=d, HEAD_DIM_PAD=d)
         return pointers, consts, {"num_warps": cfg.reduce_num_warps}
     pointers.update({name: dtype for name in ("q_ptr", "k_ptr", "v_ptr", "k_cache_ptr",
                                               "v_cache_ptr")})
@@ -42,7 +42,7 @@ def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg) -
     consts = dict(NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad, HEAD_DIM=d,
                   HEAD_DIM_PAD=d, PAGE_SIZE=page, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
                   TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
-                  SEARCH_ONCE=r + 1 <= plan.search, NUM_SPLITS=plan.num_splits, UPCAST=False,
+                  SEARCH_ONCE=r + 1 <= plan.search, SPLIT=plan.num_splits > 1, UPCAST=False,
                   DOT_PRECISION=cfg.fp32_dot_precision)
     options = {"num_warps": plan.num_warps, "num_stages": cfg.attn_num_stages}
     if plan.max_registers is not None and cfg.backend == "cuda":

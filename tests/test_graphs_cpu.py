@@ -14,14 +14,16 @@ def test_tier_set_covers_every_uniform_width():
     tiers = tier_set(max_requests=6, block=4)
     for r in (1, 2, 4, 6):
         for w in (1, 2, 3, 4):
-            assert Tier(r * w, r) in tiers
+            assert Tier(r * w, r) in tiers or (r, w) == (1, 1)
+    assert Tier(1, 1) not in tiers and select_tier(tiers, 1, 1) == Tier(2, 1)
     assert len(tiers) == len(set(tiers))
     assert "slots | tokens" in format_tiers(tiers)
 
 
 @pytest.mark.parametrize("bad", [dict(max_requests=0, block=4), dict(max_requests=2, block=0),
                                  dict(max_requests=2, block=4, widths=(1, 2)),
-                                 dict(max_requests=2, block=4, widths=(4, 5))])
+                                 dict(max_requests=2, block=4, widths=(4, 5)),
+                                 dict(max_requests=1, block=1)])
 def test_bad_tier_sets_are_refused(bad):
     with pytest.raises(ValueError):
         tier_set(**bad)

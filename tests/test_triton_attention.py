@@ -185,11 +185,26 @@ def test_split_rule_uses_shapes_only() -> None:
     assert sizes[64].num_splits == sizes[256].num_splits == 1, "full GPU: no split, no reduce"
     p = sizes[64]
     assert (p.block_q, p.block_m, p.grid) == (8, 16, (64 * 8 // 8 + 64 + 1, 8, 1))
-    assert (p.new_n, p.search, p.num_warps, p.max_registers) == (16, 128, 4, 128)
+    assert (p.new_n, p.search, p.num_warps, p.max_registers) == (16, 256, 4, 128)
     wide = plan_attention(512, 64, 16, 8, 1040, 512, cfg, 132)  # no hint: 64-row tiles
     assert (wide.block_m, wide.num_warps, wide.max_registers) == (64, 8, None)
     assert plan_attention(8, 1, 16, 8, 64, 8, cfg, 132).num_splits == 1, "too few keys"
     assert plan_attention(4, 1, 2, 2, 4096, 4, cfg, 132, num_splits=5).num_splits == 5
+
+
+def test_tier_set_compiles_few_kernel_variants() -> None:
+    """Every specialised choice of a launch, over the 72-tier set of 256 requests x block 8:
+    the split count, N and R are runtime arguments, so capture compiles a handful of variants
+    (each one ~1 s), not one per tier."""
+    from dspark_compile.graphs.tiers import tier_set
+
+    cfg = TARGETS["sm_90"]
+    variants = set()
+    for tier in tier_set(256, 8):
+        p = plan_attention(tier.tokens, tier.request_slots, 16, 8, 1040, 8, cfg, 132)
+        variants.add((p.block_q, p.block_m, p.tile_n, p.new_n, p.search, p.num_splits > 1,
+                      tier.request_slots + 1 <= p.search, p.num_warps, p.max_registers))
+    assert len(variants) <= 4, variants
 
 
 def test_target_table() -> None:

@@ -40,7 +40,8 @@ class TierReport:
     tier: Tier
     seconds: float
     pool_bytes: int
-    """Growth of the shared graph pool while capturing this tier (largest tier first)."""
+    """Growth of the shared graph pool while capturing this tier (largest tier first; the
+    sum over tiers is the pool's size)."""
 
 
 class TierGraphs:
@@ -112,28 +113,42 @@ class TierGraphs:
 
     # ------------------------------------------------------------------ capture
     def capture(self, progress: bool = True) -> list[TierReport]:
-        """Capture every tier (largest first) into one pool; returns the cost of each."""
+        """Capture every tier (largest first) into one pool; returns the cost of each.
+
+        The allocator cache is emptied once, before the first tier, not per tier as
+        ``torch.cuda.graph`` does: per-tier emptying makes later tiers re-reserve memory and
+        hides what the pool holds. Pool bytes are read from the allocator's segments that
+        belong to the pool.
+        """
         if not self.use_graphs:
             raise RuntimeError("TierGraphs.capture: CUDA graphs need a CUDA or ROCm device")
         pool, reports = torch.cuda.graph_pool_handle(), []
         order = sorted(self.tiers, reverse=True)
+        stream = torch.cuda.Stream(self.device)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        held = _pool_bytes(pool, self.device)
         for i, tier in enumerate(order):
             if progress:
                 _progress(i, len(order), tier)
-            start, before = time.perf_counter(), torch.cuda.memory_reserved(self.device)
+            start = time.perf_counter()
             self._fill_empty(tier)
-            side = torch.cuda.Stream(self.device)
-            side.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(side):  # warm up (compiles, allocator) off the capture
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):  # warm up (compiles, allocator) off the capture
                 self.logits[:tier.tokens].copy_(self.forward(*self.views(tier)))
-            torch.cuda.current_stream(self.device).wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph, pool=pool):
-                self.logits[:tier.tokens].copy_(self.forward(*self.views(tier)))
+                stream.synchronize()
+                graph = torch.cuda.CUDAGraph()
+                graph.capture_begin(pool=pool)
+                try:
+                    self.logits[:tier.tokens].copy_(self.forward(*self.views(tier)))
+                finally:
+                    graph.capture_end()
+            torch.cuda.current_stream(self.device).wait_stream(stream)
             torch.cuda.synchronize(self.device)
             self.graphs[tier] = graph
-            reports.append(TierReport(tier, time.perf_counter() - start,
-                                      torch.cuda.memory_reserved(self.device) - before))
+            now = _pool_bytes(pool, self.device)
+            reports.append(TierReport(tier, time.perf_counter() - start, now - held))
+            held = now
         if progress:
             _progress(len(order), len(order), None)
         return reports
@@ -173,6 +188,14 @@ class TierGraphs:
 
     def table(self) -> str:
         return format_tiers(self.tiers)
+
+
+def _pool_bytes(pool, device: torch.device) -> int:
+    """Bytes the caching allocator has reserved for graph memory pool ``pool``."""
+    pool = tuple(pool)
+    return sum(seg["total_size"] for seg in torch.cuda.memory_snapshot()
+               if seg.get("device", device.index) == (device.index or 0)
+               and tuple(seg.get("segment_pool_id", ())) == pool)
 
 
 def _progress(done: int, total: int, tier: Tier | None) -> None:

@@ -36,6 +36,10 @@ from .targets import TargetConfig, target_for_device
 __all__ = ["AttentionPlan", "plan_attention", "ragged_attention_triton"]
 
 _LOG2E = 1.4426950408889634
+_SEARCH_BUCKETS = (32, 256)
+"""``query_start_loc`` entries per load below ``search_chunk``: few widths, so a tier set
+compiles few kernel variants (the split count, N and R are runtime arguments, not
+specialised, for the same reason: each variant costs ~1 s of capture)."""
 
 
 @triton.jit
@@ -187,15 +191,15 @@ def _attend(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_ptr, context, req_
             n_q, q_idx, kv_head, split, offs_d, d_mask, m_i, l_i, acc, scale_log2,
             stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
             PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
-            NEW_N: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+            num_splits, NEW_N: tl.constexpr, UPCAST: tl.constexpr,
             DOT_PRECISION: tl.constexpr):
     """This split's share of a q-block's keys. Work units: context tiles of TILE_N keys, then
     new-key tiles of NEW_N keys (the block's last query sees ``q0 + n_q`` new keys); splits
     take equal runs of units."""
     n_ctx = tl.cdiv(context, TILE_N)
     units = n_ctx + tl.cdiv(q0 + n_q, NEW_N)
-    u_lo = split * units // NUM_SPLITS
-    u_hi = (split + 1) * units // NUM_SPLITS
+    u_lo = split * units // num_splits
+    u_hi = (split + 1) * units // num_splits
     m_i, l_i, acc = _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, u_lo,
                                   tl.minimum(u_hi, n_ctx), context, kv_head,
                                   tl.arange(0, TILE_N), offs_d, d_mask, m_i, l_i, acc,
@@ -213,10 +217,10 @@ def _attend(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_ptr, context, req_
 @triton.jit
 def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads, row_ok,
                 offs_d, d_mask, split, num_tokens, stride_out_tok, stride_out_head,
-                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, NUM_SPLITS: tl.constexpr):
+                NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, SPLIT: tl.constexpr):
     """Final rows (``acc / l`` in the output dtype) or, when split, fp32 partials."""
     mask = row_ok[:, None] & d_mask[None, :]
-    if NUM_SPLITS == 1:
+    if not SPLIT:
         out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
         ptrs = out_ptr + tokens[:, None] * stride_out_tok + heads[:, None] * stride_out_head
         tl.store(ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
@@ -227,17 +231,17 @@ def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_requests", "num_splits"])
 def _ragged_attention_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_table_ptr, slot_mapping_ptr, scale_log2,
-        num_tokens, num_requests, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+        num_tokens, num_requests, num_splits, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
         stride_v_tok, stride_v_head, stride_out_tok, stride_out_head, stride_bt_req,
         stride_cache_row, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, NEW_N: tl.constexpr, SEARCH: tl.constexpr,
-        SEARCH_ONCE: tl.constexpr, NUM_SPLITS: tl.constexpr, UPCAST: tl.constexpr,
+        SEARCH_ONCE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
         DOT_PRECISION: tl.constexpr):
     """One (q-block, KV head, split): fused KV write, then attention over the paged context."""
     block_id = tl.program_id(0)
@@ -267,10 +271,10 @@ def _ragged_attention_kernel(
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
     if is_pad:  # padding rows: zeros (the reduce writes them when split)
-        if NUM_SPLITS == 1:
+        if not SPLIT:
             _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads,
                         row_ok, offs_d, d_mask, split, num_tokens, stride_out_tok,
-                        stride_out_head, NUM_HEADS, HEAD_DIM, NUM_SPLITS)
+                        stride_out_head, NUM_HEADS, HEAD_DIM, SPLIT)
         return
     q = tl.load(q_ptr + tokens[:, None] * stride_q_tok + heads[:, None] * stride_q_head
                 + offs_d[None, :], mask=row_ok[:, None] & d_mask[None, :], other=0.0)
@@ -281,19 +285,18 @@ def _ragged_attention_kernel(
                             tl.load(seq_lens_ptr + req) - req_len, req_start, q0, n_q, q_idx,
                             kv_head, split, offs_d, d_mask, m_i, l_i, acc, scale_log2,
                             stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                            stride_cache_row, PAGE_SIZE, HEAD_DIM, TILE_N, NEW_N, NUM_SPLITS,
+                            stride_cache_row, PAGE_SIZE, HEAD_DIM, TILE_N, num_splits, NEW_N,
                             UPCAST, DOT_PRECISION)
     _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads, row_ok,
                 offs_d, d_mask, split, num_tokens, stride_out_tok, stride_out_head, NUM_HEADS,
-                HEAD_DIM, NUM_SPLITS)
+                HEAD_DIM, SPLIT)
 
 
-@triton.jit
+@triton.jit(do_not_specialize=["num_tokens", "num_requests", "num_splits"])
 def _split_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, num_tokens,
-                         num_requests, stride_out_tok, stride_out_head,
+                         num_requests, num_splits, stride_out_tok, stride_out_head,
                          NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                         NUM_SPLITS: tl.constexpr):
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
     """Merge the split partials of one token row ``[H, D]``; padding rows become zeros."""
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, HEADS_PAD)
@@ -306,13 +309,13 @@ def _split_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr
         tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
         return
     m_max = tl.full([HEADS_PAD], float("-inf"), tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         row = (s * num_tokens + token) * NUM_HEADS + offs_h
         m_max = tl.maximum(m_max, tl.load(part_ml_ptr + row * 2, mask=offs_h < NUM_HEADS,
                                           other=float("-inf")))
     m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
     l_sum = tl.zeros([HEADS_PAD], tl.float32)
-    for s in range(NUM_SPLITS):
+    for s in range(num_splits):
         row = (s * num_tokens + token) * NUM_HEADS + offs_h
         m_s = tl.load(part_ml_ptr + row * 2, mask=offs_h < NUM_HEADS, other=float("-inf"))
         w = tl.exp2(m_s - m_use)  # [HEADS_PAD]; 0 for a split that saw no key
@@ -381,7 +384,8 @@ def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_he
         num_splits = min(most, max(1, -(-cfg.split_waves * sm_count // busy)))
     grid = (num_tokens // block_q + num_requests + 1, num_kv_heads, num_splits)
     new_n = max(16, min(cfg.attn_tile_n, triton.next_power_of_2(block_q)))
-    search = min(triton.next_power_of_2(num_requests + 1), cfg.search_chunk)
+    search = next((b for b in _SEARCH_BUCKETS if b < cfg.search_chunk and num_requests < b),
+                  cfg.search_chunk)
     # The table's warps and register cap are for 16-row (verify) tiles; wider tiles get more
     # warps and no cap: at 32/64 rows a 128-register cap spilled 16-672 B a thread (ptxas,
     # triton 3.6), and 64 rows on 4 warps took 255 registers and spilled anyway.
@@ -484,17 +488,17 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and cfg.backend == "cuda" and q.device.type == "cuda" else {})
     _ragged_attention_kernel[plan.grid](
         out, part_acc, part_ml, q, k, v, k_cache, v_cache, query_start_loc, seq_lens,
-        block_table, slot_mapping, scale * _LOG2E, n, r, q.stride(0), q.stride(1), k.stride(0),
+        block_table, slot_mapping, scale * _LOG2E, n, r, plan.num_splits, q.stride(0), q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), hkv * d, NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad,
         HEAD_DIM=d, HEAD_DIM_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_Q=plan.block_q,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
-        SEARCH_ONCE=r + 1 <= plan.search, NUM_SPLITS=plan.num_splits,
+        SEARCH_ONCE=r + 1 <= plan.search, SPLIT=split,
         UPCAST=q.dtype != k_cache.dtype, DOT_PRECISION=cfg.fp32_dot_precision,
         num_warps=plan.num_warps, num_stages=cfg.attn_num_stages, **regs)
     if split:
         _split_reduce_kernel[(n,)](
-            out, part_acc, part_ml, query_start_loc, n, r, out.stride(0), out.stride(1),
-            NUM_HEADS=h, HEADS_PAD=triton.next_power_of_2(h), HEAD_DIM=d, HEAD_DIM_PAD=d_pad,
-            NUM_SPLITS=plan.num_splits, num_warps=cfg.reduce_num_warps)
+            out, part_acc, part_ml, query_start_loc, n, r, plan.num_splits, out.stride(0),
+            out.stride(1), NUM_HEADS=h, HEADS_PAD=triton.next_power_of_2(h), HEAD_DIM=d,
+            HEAD_DIM_PAD=d_pad, num_warps=cfg.reduce_num_warps)
     return out

@@ -1,0 +1,54 @@
+#!/usr/bin/env bash
+# Run a list of GPU jobs (tests and benchmarks) one after another on a GPU machine, each under
+# its own time limit, and pack every result into one archive.
+#
+#   bash benchmarks/gpu_session.sh OUTDIR JOB:SECONDS [JOB:SECONDS ...]
+#
+# Jobs: tests, sanitizer, verify_step, profile_step, attention, hybrid_kernels, hybrid_step,
+# rotary, runtime_device, profile_sps, e2e_quick, e2e. Each job's output goes to
+# OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
+# A job that runs past its limit is stopped and the next one starts.
+set -u
+
+job() {
+  case $1 in
+    tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;
+    sanitizer) compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
+        tests/test_gpu.py -k bitwise -p no:cacheprovider ;;
+    verify_step) python3 benchmarks/verify_step.py ;;
+    profile_step) python3 benchmarks/profile_step.py ;;
+    attention) python3 benchmarks/attention_kernel.py ;;
+    hybrid_kernels) python3 benchmarks/hybrid_kernels.py ;;
+    hybrid_step) python3 benchmarks/hybrid_step.py ;;
+    rotary) python3 benchmarks/rotary.py ;;
+    runtime_device) python3 benchmarks/runtime_device.py ;;
+    profile_sps) python3 -m dspark_compile profile-sps --max-requests 256 --block 8 \
+        --context 1024 --out "$res/sps_h200.json" ;;
+    e2e_quick) python3 benchmarks/e2e.py --quick ;;
+    e2e) python3 benchmarks/e2e.py ;;
+    *) echo "unknown job $1"; return 2 ;;
+  esac
+}
+
+if [ "${1:-}" = "--one" ]; then  # one job, under the caller's timeout
+  job "$2"
+  exit $?
+fi
+out=${1:?usage: gpu_session.sh OUTDIR JOB:SECONDS ...}
+shift
+res=$out/res
+mkdir -p "$res"
+export PYTHONUNBUFFERED=1 OUT=$res
+export PYTHONPATH=${PYTHONPATH:+$PYTHONPATH:}$PWD:$PWD/benchmarks
+
+for spec in "$@"; do
+  name=${spec%%:*}
+  limit=${spec##*:}
+  start=$(date +%s)
+  echo "=== $name (limit ${limit}s)" | tee -a "$res/session.log"
+  timeout -k 10 "$limit" bash "$0" --one "$name" >"$res/$name.log" 2>&1
+  rc=$?
+  echo "=== $name rc=$rc in $(( $(date +%s) - start ))s" | tee -a "$res/session.log"
+  tail -n 15 "$res/$name.log"
+done
+tar czf "$out/results.tgz" -C "$out" res
