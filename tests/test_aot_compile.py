@@ -22,25 +22,29 @@ CASES = {
     # float32 (the target's fp32 dot precision: no TF32 on AMD), GQA 8, 64-row tiles, split
     "attention_fp32_split": ("_ragged_attention_kernel", "fp32", (24, 3, 8, 1, 64, 32, 8), 4),
     "split_reduce_bf16": ("_split_reduce_kernel", "bf16", (8, 1, 16, 8, 128, 16, 8), 4),
+    # head dim 8 (small test models): tiled as 16, since tl.dot needs K >= 16 on a GPU
+    "attention_fp32_d8": ("_ragged_attention_kernel", "fp32", (12, 3, 4, 2, 8, 16, 4), 1),
+    "split_reduce_fp32_d8": ("_split_reduce_kernel", "fp32", (12, 3, 4, 2, 8, 16, 4), 2),
 }
 
 
 def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg) -> tuple:
     """(pointer dtypes by argument, constexprs, compile options) of one case on one target."""
-    from dspark_compile.lowering.triton_attention import plan_attention
+    from dspark_compile.lowering.triton_attention import head_dim_pad, plan_attention
 
     n, r, h, hkv, d, page, max_q = shape
     plan = plan_attention(n, r, h, hkv, 1024, max_q, cfg, cfg.default_sm_count, splits)
     pointers = {"out_ptr": dtype, "part_acc_ptr": "fp32", "part_ml_ptr": "fp32",
                 "query_start_loc_ptr": "i32"}
     if kernel_name == "_split_reduce_kernel":
-        consts = dict(NUM_HEADS=h, HEADS_PAD=h, HEAD_DIM=d, HEAD_DIM_PAD=d)
+        consts = dict(NUM_HEADS=h, HEADS_PAD=h, HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad(d))
         return pointers, consts, {"num_warps": cfg.reduce_num_warps}
     pointers.update({name: dtype for name in ("q_ptr", "k_ptr", "v_ptr", "k_cache_ptr",
                                               "v_cache_ptr")})
     pointers.update(seq_lens_ptr="i32", block_table_ptr="i32", slot_mapping_ptr="i64")
     consts = dict(NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad, HEAD_DIM=d,
-                  HEAD_DIM_PAD=d, PAGE_SIZE=page, BLOCK_Q=plan.block_q, BLOCK_M=plan.block_m,
+                  HEAD_DIM_PAD=head_dim_pad(d), PAGE_SIZE=page, BLOCK_Q=plan.block_q,
+                  BLOCK_M=plan.block_m,
                   TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
                   SEARCH_ONCE=r + 1 <= plan.search, SPLIT=plan.num_splits > 1, UPCAST=False,
                   DOT_PRECISION=cfg.fp32_dot_precision)

@@ -351,6 +351,12 @@ class AttentionPlan:
     max_registers: int | None
 
 
+def head_dim_pad(head_dim: int) -> int:
+    """Head dim as the kernels tile it: a power of two, at least 16 (``tl.dot`` needs K >= 16
+    on a GPU; the interpreter does not check it)."""
+    return max(16, triton.next_power_of_2(head_dim))
+
+
 @functools.lru_cache(maxsize=None)
 def _device_target(device: torch.device) -> tuple[TargetConfig, int]:
     """Target entry and multiprocessor count of a device (asked once per device)."""
@@ -482,7 +488,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if split:
         part_acc = q.new_empty((plan.num_splits, n, h, d), dtype=torch.float32)
         part_ml = q.new_empty((plan.num_splits, n, h, 2), dtype=torch.float32)
-    d_pad = triton.next_power_of_2(d)
+    d_pad = head_dim_pad(d)
     # maxnreg: NVIDIA only (the HIP backend rejects the option)
     regs = ({"maxnreg": plan.max_registers} if plan.max_registers is not None
             and cfg.backend == "cuda" and q.device.type == "cuda" else {})
