@@ -5,7 +5,7 @@
 #   bash benchmarks/gpu_session.sh OUTDIR JOB:SECONDS [JOB:SECONDS ...]
 #
 # Jobs: tests, sanitizer, verify_step, profile_step, attention, hybrid_kernels, hybrid_step,
-# rotary, runtime_device, profile_sps, e2e_quick, e2e. Each job's output goes to
+# rotary, runtime_device, profile_sps, linear, e2e_quick, e2e. Each job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
 # A job that runs past its limit is stopped and the next one starts.
 set -u
@@ -22,8 +22,9 @@ job() {
     hybrid_step) python3 benchmarks/hybrid_step.py ;;
     rotary) python3 benchmarks/rotary.py ;;
     runtime_device) python3 benchmarks/runtime_device.py ;;
-    profile_sps) python3 -m dspark_compile profile-sps --max-requests 256 --block 8 \
-        --context 1024 --out "$res/sps_h200.json" ;;
+    profile_sps) python3 -m dspark_compile profile-sps --config benchmarks/configs/llama-1b \
+        --max-requests 256 --block 8 --context 1024 --out "$res/sps_h200.json" ;;
+    linear) python3 benchmarks/linear_kernel.py --sweep ;;
     e2e_quick) python3 benchmarks/e2e.py --quick ;;
     e2e) python3 benchmarks/e2e.py ;;
     *) echo "unknown job $1"; return 2 ;;

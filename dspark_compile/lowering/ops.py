@@ -76,6 +76,32 @@ def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_ma
     return torch.empty_like(q)
 
 
+@torch.library.custom_op("dspark::linear_group", mutates_args=())
+def linear_group(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``[x @ w.T for w in weights]``: matmuls by weights that read the same rows ``x [M, K]``
+    (each ``w [N_i, K]``), one node; the reference is ``torch.mm`` per weight."""
+    return [torch.mm(x, w.t()) for w in weights]
+
+
+@linear_group.register_fake
+def _(x, weights):
+    return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
+
+
+@torch.library.custom_op("dspark::linear_group_triton", mutates_args=(), device_types=("cuda",))
+def linear_group_triton(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``dspark::linear_group`` lowered to Triton (one launch per group at small M)."""
+    from .triton_linear import linear_group_triton as kernel  # needs a GPU driver
+
+    return kernel(x, weights)
+
+
+@linear_group_triton.register_fake
+def _(x, weights):
+    return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
+
+
 LOWERED = {"triton": {torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton,
+                      torch.ops.dspark.linear_group: torch.ops.dspark.linear_group_triton,
                       **linear_ops.LINEAR_LOWERED["triton"]}}
 """Per lowering: reference op packet -> the op that implements it there."""

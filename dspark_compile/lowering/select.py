@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..passes.base import EnsureError, PassResult
+from .group_linear import group_linears
 from .ops import LOWERED
 
 __all__ = ["resolve_lowering", "lower", "compile_rest"]
@@ -39,11 +40,13 @@ def resolve_lowering(requested: str, device: torch.device) -> str:
     return requested
 
 
-def lower(gm: fx.GraphModule, lowering: str, block: int) -> PassResult:
-    """Swap each reference ``dspark::`` op for its ``lowering`` implementation, in place.
+def lower(gm: fx.GraphModule, lowering: str, block: int) -> list[PassResult]:
+    """Group the matmuls that share their rows (``group_linears``), then swap each reference
+    ``dspark::`` op for its ``lowering`` implementation, in place.
 
     The Triton attention also gets ``block`` as its query-tile bound (a speed choice only).
     """
+    grouped = group_linears(gm)
     result = PassResult(f"lower[{lowering}]", changed=0)
     table = LOWERED.get(lowering, {})
     for node in gm.graph.nodes:
@@ -58,7 +61,7 @@ def lower(gm: fx.GraphModule, lowering: str, block: int) -> PassResult:
     if left:
         raise EnsureError(f"lower: reference ops left after lowering to {lowering}: {left}")
     gm.recompile()
-    return result
+    return [grouped, result]
 
 
 def compile_rest(gm: fx.GraphModule) -> Callable:

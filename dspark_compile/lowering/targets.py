@@ -53,6 +53,19 @@ class TargetConfig:
     """Multiprocessors assumed when the device cannot be asked (the interpreter)."""
     search_chunk: int = 1024
     """``query_start_loc`` entries a program loads at once to find its request (4 KB)."""
+    linear_max_m: int = 64
+    """Most rows (packed tokens) the grouped skinny matmul takes; more go to ``torch.mm``."""
+    linear_block_n: int = 64
+    """Weight rows (output columns) per program of the skinny matmul."""
+    linear_block_k: int = 128
+    """K per iteration of the skinny matmul."""
+    linear_num_warps: int = 4
+    linear_num_stages: int = 4
+    linear_min_split_k: int = 256
+    """Fewest K one split of the skinny matmul may get."""
+    linear_waves: int = 1
+    """Programs per multiprocessor the skinny matmul's column tiles must reach before K is
+    left whole (fewer: split K)."""
 
 
 # H200 (sm_90), bf16, 16/8 heads, head 128, page 16, context 1024, verify width 8, CUDA-graph
