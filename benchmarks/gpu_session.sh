@@ -21,7 +21,9 @@ job() {
     hybrid_kernels) python3 benchmarks/hybrid_kernels.py ;;
     hybrid_step) python3 benchmarks/hybrid_step.py ;;
     rotary) python3 benchmarks/rotary.py ;;
-    runtime_device) python3 benchmarks/runtime_device.py ;;
+    runtime_device)  # share of this session's bs-256 verify step, when verify_step ran first
+      ms=$(python3 -c "import json; print(json.load(open('$OUT/verify_step.json'))['results']['256']['ours_graph_mix3_ms'])" 2>/dev/null)
+      python3 benchmarks/runtime_device.py ${ms:+--verify-ms $ms} ;;
     profile_sps) python3 -m dspark_compile profile-sps --config benchmarks/configs/llama-1b \
         --max-requests 256 --block 8 --context 1024 --out "$res/sps_h200.json" ;;
     linear) python3 benchmarks/linear_kernel.py --sweep ;;

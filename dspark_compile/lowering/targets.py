@@ -55,6 +55,8 @@ class TargetConfig:
     """``query_start_loc`` entries a program loads at once to find its request (4 KB)."""
     linear_max_m: int = 64
     """Most rows (packed tokens) the grouped skinny matmul takes; more go to ``torch.mm``."""
+    linear_max_group_elems: int = 16 * 2**20
+    """Largest group (sum of N_i x K) the skinny matmul takes (q+k+v of the 1.1B model: 8M)."""
     linear_block_n: int = 64
     """Weight rows (output columns) per program of the skinny matmul."""
     linear_block_k: int = 128
@@ -63,7 +65,7 @@ class TargetConfig:
     linear_num_stages: int = 4
     linear_min_split_k: int = 256
     """Fewest K one split of the skinny matmul may get."""
-    linear_waves: int = 1
+    linear_waves: int = 2
     """Programs per multiprocessor the skinny matmul's column tiles must reach before K is
     left whole (fewer: split K)."""
 

@@ -12,8 +12,11 @@ from HBM. Vendor GEMMs tile such shapes into too few programs to keep the memory
 - Split-K when the column tiles alone are too few for ``linear_waves`` programs per
   multiprocessor: each split writes fp32 partials, and a second kernel sums them in split
   order (deterministic: replays are bitwise equal) and casts.
-- ``M`` above ``max_m`` (the table's) goes to ``torch.mm`` per weight: wide batches are
-  compute-bound and the vendor GEMM is right for them.
+- The kernel takes a group of 2+ weights of at most ``linear_max_group_elems`` elements at
+  ``M <= linear_max_m``; anything else goes to ``torch.mm`` per weight. Measured on an H200
+  (``benchmarks/linear_kernel.py``, 1.1B shapes): q+k+v at M = 3 in 11-14 us against 31.6 us
+  for three ``torch.mm``, 14 against 17.9 at M = 24, even at M = 64; but gate+up (67 MB),
+  the LM head and every single weight ran 1.4-3x slower than ``torch.mm``, so they stay there.
 
 Kernels, then plan and host wrapper; the oracle is ``x @ w.T`` per weight.
 """
@@ -174,8 +177,9 @@ def _check(x: torch.Tensor, weights: list[torch.Tensor]) -> None:
 def linear_group_triton(x: torch.Tensor, weights: list[torch.Tensor],
                         config: TargetConfig | None = None, **overrides) -> list[torch.Tensor]:
     """``[x @ w.T for w in weights]`` (``x [M, K]``, each ``w [N_i, K]``): one launch (two with
-    a split) for 16-bit ``x`` and ``M <= linear_max_m``; ``torch.mm`` per weight above it and
-    for float32 (whose matmuls must not round through TF32). ``overrides``
+    a split) for 16-bit ``x``, ``M <= linear_max_m`` and a group the table takes (module
+    docstring); ``torch.mm`` per weight otherwise, float32 included (its matmuls must not round
+    through TF32). ``overrides``
     (``split_k``, ``block_n``, ``block_k``, ``num_stages``, ``num_warps``) are for the
     benchmark's sweep. No host sync; CUDA-graph safe."""
     _check(x, weights)
@@ -186,7 +190,8 @@ def linear_group_triton(x: torch.Tensor, weights: list[torch.Tensor],
     outs = [x.new_empty((m, n)) for n in ns]
     if m == 0:
         return outs
-    if m > cfg.linear_max_m or x.dtype == torch.float32:
+    if (m > cfg.linear_max_m or x.dtype == torch.float32 or len(weights) < 2
+            or sum(ns) * k > cfg.linear_max_group_elems):
         for w, o in zip(weights, outs):
             torch.mm(x, w.t(), out=o)
         return outs
