@@ -21,6 +21,12 @@ class DSparkConfig:
     reference)."""
     inductor: bool = False
     """Compile the token-wise rest of the packed graph with Inductor (``torch.compile``)."""
+    group_linears: bool = False
+    """Rewrite matmuls by weights that share their rows (q, k, v; gate, up) into one
+    ``dspark::linear_group`` each; on a GPU a small verify batch then streams q+k+v in one
+    Triton launch (2.3x faster than three ``torch.mm`` at 3 rows on an H200, kernel alone:
+    ``benchmarks/linear_kernel.py``). Off by default until a whole verify step is measured
+    with it."""
     max_step_tokens: int = 4096
     """Most packed rows (all requests' tokens) one forward may run on a model with
     linear-attention layers: it sizes their replay rings (one saved row per token, per layer),

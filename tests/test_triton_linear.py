@@ -110,7 +110,9 @@ def test_group_linears_groups_weights_that_share_rows() -> None:
     from dspark_compile import dspark_compile
     from helpers import tiny_llama
 
-    verifier = dspark_compile(tiny_llama(layers=2))
+    assert not [n for n in dspark_compile(tiny_llama(layers=1)).graph_module.graph.nodes
+                if n.target is torch.ops.dspark.linear_group.default], "off by default"
+    verifier = dspark_compile(tiny_llama(layers=2), group_linears=True)
     groups = [[a.name for a in n.args[1]] for n in verifier.graph_module.graph.nodes
               if n.target is torch.ops.dspark.linear_group.default]
     assert ["model_layers_0_self_attn_q_proj_weight", "model_layers_0_self_attn_k_proj_weight",
@@ -120,6 +122,27 @@ def test_group_linears_groups_weights_that_share_rows() -> None:
     mms = [n for n in verifier.graph_module.graph.nodes if n.target is torch.ops.aten.mm.default]
     assert len(mms) == 2 * 2 + 1
     assert "group_linears: 4 rewritten" in verifier.explain()
+
+
+def test_grouped_verifier_equals_ungrouped() -> None:
+    """The rewrite is semantics-preserving: same logits and KV over prefill + verify."""
+    from dspark_compile import VerifyLayout, dspark_compile
+    from helpers import tiny_llama
+
+    model = tiny_llama(layers=2)
+    outs = []
+    for group in (False, True):
+        verifier = dspark_compile(model, group_linears=group)
+        state = verifier.new_state(max_requests=3, max_context=40)
+        g = torch.Generator().manual_seed(0)
+        layout = VerifyLayout.pack([5, 9], [0, 0], [2, 0])
+        first = verifier(torch.randint(0, 97, (14,), generator=g), layout, state)
+        verifier.commit(layout, [5, 9], state)
+        layout = VerifyLayout.pack([3, 1], [5, 9], [2, 0])
+        outs.append((first, verifier(torch.randint(0, 97, (4,), generator=g), layout, state),
+                     state.kv_caches[0][0].clone()))
+    for a, b in zip(*outs):
+        assert torch.equal(a, b)
 
 
 # --------------------------------------------------------------------------- ahead of time

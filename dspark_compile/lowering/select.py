@@ -40,13 +40,14 @@ def resolve_lowering(requested: str, device: torch.device) -> str:
     return requested
 
 
-def lower(gm: fx.GraphModule, lowering: str, block: int) -> list[PassResult]:
-    """Group the matmuls that share their rows (``group_linears``), then swap each reference
-    ``dspark::`` op for its ``lowering`` implementation, in place.
+def lower(gm: fx.GraphModule, lowering: str, block: int, group: bool = False
+          ) -> list[PassResult]:
+    """With ``group``, group the matmuls that share their rows (``group_linears``); then swap
+    each reference ``dspark::`` op for its ``lowering`` implementation, in place.
 
     The Triton attention also gets ``block`` as its query-tile bound (a speed choice only).
     """
-    grouped = group_linears(gm)
+    grouped = [group_linears(gm)] if group else []
     result = PassResult(f"lower[{lowering}]", changed=0)
     table = LOWERED.get(lowering, {})
     for node in gm.graph.nodes:
@@ -61,7 +62,7 @@ def lower(gm: fx.GraphModule, lowering: str, block: int) -> list[PassResult]:
     if left:
         raise EnsureError(f"lower: reference ops left after lowering to {lowering}: {left}")
     gm.recompile()
-    return [grouped, result]
+    return [*grouped, result]
 
 
 def compile_rest(gm: fx.GraphModule) -> Callable:
