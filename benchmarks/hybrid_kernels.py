@@ -108,8 +108,10 @@ def check_conv(c: dict, lens: list[int], plan=None) -> float:
             torch.equal(state.float(), f32["conv_state"])):
         raise AssertionError("conv: ring or committed window differs from the reference")
     err = (got.float() - want).abs().max().item()
-    if not err < (3e-2 if c["x"].dtype == torch.bfloat16 else 1e-4):
-        raise AssertionError(f"conv: triton vs reference max abs error {err}")
+    scale = max(1.0, want.abs().max().item())  # bf16 rounds the output: 2^-8 of its size
+    if not err < (1e-2 * scale if c["x"].dtype == torch.bfloat16 else 1e-4):
+        raise AssertionError(f"conv: triton vs reference max abs error {err} at output scale "
+                             f"{scale}")
     return err
 
 
