@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_session.sh OUTDIR JOB:SECONDS [JOB:SECONDS ...]
 #
-# Jobs: tests, sanitizer, verify_step, profile_step, attention, hybrid_kernels, hybrid_step,
+# Jobs: tests, tests_graphs, sanitizer, verify_step, profile_step, attention, hybrid_kernels, hybrid_step,
 # rotary, runtime_device, profile_sps, linear, e2e_quick, e2e. Each job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
 # A job that runs past its limit is stopped and the next one starts.
@@ -13,6 +13,8 @@ set -u
 job() {
   case $1 in
     tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;
+    tests_graphs) python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_triton_linear.py \
+        -p no:cacheprovider ;;
     sanitizer) compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
         tests/test_gpu.py -k bitwise -p no:cacheprovider ;;
     verify_step) python3 benchmarks/verify_step.py ;;
