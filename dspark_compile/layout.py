@@ -16,13 +16,24 @@ import operator
 from dataclasses import dataclass
 from typing import Sequence
 
+import numpy as np
 import torch
 
 __all__ = ["VerifyLayout"]
 
+_INT32 = np.iinfo(np.int32)
+
 
 def _as_host_int32(name: str, value) -> torch.Tensor:
-    """A list or a CPU int32 tensor, as a 1-D CPU int32 tensor; anything else is refused."""
+    """A list, an integer NumPy array or a CPU int32 tensor, as a 1-D CPU int32 tensor; anything
+    else is refused. Validation runs on every step of an engine, so the checks here and below
+    use NumPy views (a small torch op on the CPU costs several microseconds)."""
+    if not isinstance(value, torch.Tensor):
+        arr = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
+        if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":
+            if arr.size and (arr.min() < _INT32.min or arr.max() > _INT32.max):
+                raise ValueError(f"VerifyLayout.{name}={value!r} does not fit in int32")
+            return torch.from_numpy(np.ascontiguousarray(arr, dtype=np.int32))
     if isinstance(value, torch.Tensor):
         if value.device.type != "cpu":
             raise ValueError(
@@ -83,19 +94,20 @@ class VerifyLayout:
     ) -> "VerifyLayout":
         """Build a layout from per-request verify lengths, committed context lengths and slots
         (and, for mRoPE models, per-request deltas or a prefill's explicit positions)."""
-        lens_t = _as_host_int32("lens", lens)
-        if (lens_t < 1).any():
-            bad = int(lens_t[lens_t < 1][0])
+        lens_a = _as_host_int32("lens", lens).numpy()
+        if lens_a.size and lens_a.min() < 1:
+            bad = int(lens_a[lens_a < 1][0])
             raise ValueError(
                 f"VerifyLayout.lens contains {bad}; every verify length must be >= 1 "
                 "(the anchor token is always verified)"
             )
-        qsl = torch.zeros(lens_t.numel() + 1, dtype=torch.int64)
-        qsl[1:] = torch.cumsum(lens_t.to(torch.int64), 0)
-        if qsl[-1] >= 2**31:
+        qsl = np.zeros(lens_a.size + 1, dtype=np.int64)
+        np.cumsum(lens_a, out=qsl[1:])
+        if qsl[-1] > _INT32.max:
             raise ValueError(f"VerifyLayout: {int(qsl[-1])} tokens in total do not fit in int32")
-        return cls(query_start_loc=qsl.to(torch.int32), context_lens=context_lens, slots=slots,
-                   mrope_deltas=mrope_deltas, mrope_positions=mrope_positions)
+        return cls(query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
+                   context_lens=context_lens, slots=slots, mrope_deltas=mrope_deltas,
+                   mrope_positions=mrope_positions)
 
     # ------------------------------------------------------------------ derived values
     @property
@@ -160,36 +172,37 @@ class VerifyLayout:
                              "positions start at 0 (HF's get_rope_index)")
 
     def _check_self(self) -> None:
-        qsl, ctx, slots = self.query_start_loc, self.context_lens, self.slots
-        if qsl.numel() < 2:
+        qsl, ctx, slots = (t.numpy() for t in (self.query_start_loc, self.context_lens,
+                                                self.slots))
+        if qsl.size < 2:
             raise ValueError(
-                f"VerifyLayout.query_start_loc={qsl.tolist()} has {qsl.numel()} entries; it needs "
+                f"VerifyLayout.query_start_loc={qsl.tolist()} has {qsl.size} entries; it needs "
                 "R + 1 >= 2 (at least one request)"
             )
         if int(qsl[0]) != 0:
             raise ValueError(
                 f"VerifyLayout.query_start_loc[0]={int(qsl[0])}; it must start at 0"
             )
-        lens = qsl[1:] - qsl[:-1]
-        if (lens < 1).any():
-            i = int(torch.nonzero(lens < 1)[0])
+        lens = np.diff(qsl)
+        if lens.min() < 1:
+            i = int(np.flatnonzero(lens < 1)[0])
             raise ValueError(
                 f"VerifyLayout.query_start_loc={qsl.tolist()} gives request {i} length "
                 f"{int(lens[i])}; query_start_loc must increase by at least 1 per request "
                 "(every verify length >= 1)"
             )
-        r = qsl.numel() - 1
+        r = qsl.size - 1
         for name, t in (("context_lens", ctx), ("slots", slots)):
-            if t.numel() != r:
+            if t.size != r:
                 raise ValueError(
-                    f"VerifyLayout.{name} has {t.numel()} entries but query_start_loc describes "
+                    f"VerifyLayout.{name} has {t.size} entries but query_start_loc describes "
                     f"{r} requests; it needs one entry per request"
                 )
-        if (ctx < 0).any():
+        if ctx.min() < 0:
             raise ValueError(f"VerifyLayout.context_lens={ctx.tolist()} has a negative entry")
-        if (slots < 0).any():
+        if slots.min() < 0:
             raise ValueError(f"VerifyLayout.slots={slots.tolist()} has a negative entry")
-        if torch.unique(slots).numel() != r:
+        if r > 1 and (np.diff(np.sort(slots)) == 0).any():
             raise ValueError(
                 f"VerifyLayout.slots={slots.tolist()} repeats a slot; each request needs its own "
                 "state-pool row"
@@ -205,16 +218,18 @@ class VerifyLayout:
                 f"input_ids has {num_tokens} rows but VerifyLayout.query_start_loc[-1]="
                 f"{self.num_tokens}; they must be equal"
             )
-        if int(self.slots.max()) >= max_requests:
+        slots, ctx, qsl = self.slots.numpy(), self.context_lens.numpy(), \
+            self.query_start_loc.numpy()
+        if int(slots.max()) >= max_requests:
             raise ValueError(
-                f"VerifyLayout.slots={self.slots.tolist()} has slot {int(self.slots.max())}; slots "
+                f"VerifyLayout.slots={slots.tolist()} has slot {int(slots.max())}; slots "
                 f"must be < max_requests={max_requests} of the state"
             )
-        over = self.seq_lens > max_context
-        if over.any():
-            i = int(torch.nonzero(over)[0])
+        seq = ctx.astype(np.int64) + np.diff(qsl)
+        if seq.max() > max_context:
+            i = int(np.flatnonzero(seq > max_context)[0])
             raise ValueError(
-                f"request {i}: context_lens={int(self.context_lens[i])} + length "
-                f"{int(self.lens[i])} = {int(self.seq_lens[i])} exceeds the state's "
+                f"request {i}: context_lens={int(ctx[i])} + length "
+                f"{int(qsl[i + 1] - qsl[i])} = {int(seq[i])} exceeds the state's "
                 f"max_context={max_context}"
             )

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from .layout import VerifyLayout
@@ -89,10 +90,10 @@ class VerifierState:
         layout.validate(num_tokens, self.max_requests, self.max_context)
         if self.linear is not None:
             self.linear.check_rows(num_tokens)
-        committed = self.committed_lens[layout.slots.long()]
-        ahead = layout.context_lens > committed
+        committed = self.committed_lens.numpy()[layout.slots.numpy()]
+        ahead = layout.context_lens.numpy() > committed
         if ahead.any():
-            i = int(torch.nonzero(ahead)[0])
+            i = int(np.flatnonzero(ahead)[0])
             raise ValueError(
                 f"request {i}: context_lens={int(layout.context_lens[i])} but slot "
                 f"{int(layout.slots[i])} has only {int(committed[i])} committed tokens; a verify "
@@ -152,22 +153,26 @@ class VerifierState:
         if acc.dtype.is_floating_point or acc.dtype == torch.bool:
             raise ValueError(f"commit: accept_lens has dtype {acc.dtype}; it must be integers")
         acc = acc.cpu().to(torch.int64)
-        bad = (acc < 1) | (acc > layout.lens.long())
+        a, qsl = acc.numpy(), layout.query_start_loc.numpy()
+        lens = np.diff(qsl)
+        bad = (a < 1) | (a > lens)
         if bad.any():
-            i = int(torch.nonzero(bad)[0])
+            i = int(np.flatnonzero(bad)[0])
             raise ValueError(
-                f"commit: accept_lens[{i}]={int(acc[i])}; it must be in 1..{int(layout.lens[i])} "
+                f"commit: accept_lens[{i}]={int(a[i])}; it must be in 1..{int(lens[i])} "
                 "(the verify length of that request)"
             )
-        slots = layout.slots.long()
-        if (self.committed_lens[slots] != layout.context_lens).any():
-            i = int(torch.nonzero(self.committed_lens[slots] != layout.context_lens)[0])
+        slots, ctx, committed = layout.slots.numpy(), layout.context_lens.numpy(), \
+            self.committed_lens.numpy()
+        stale = committed[slots] != ctx
+        if stale.any():
+            i = int(np.flatnonzero(stale)[0])
             raise ValueError(
-                f"commit: request {i} was verified over context_lens="
-                f"{int(layout.context_lens[i])} but slot {int(slots[i])} now has "
-                f"{int(self.committed_lens[slots[i]])} committed tokens; commit each step once"
+                f"commit: request {i} was verified over context_lens={int(ctx[i])} but slot "
+                f"{int(slots[i])} now has {int(committed[slots[i]])} committed tokens; commit "
+                "each step once"
             )
-        self.committed_lens[slots] = (layout.context_lens.long() + acc).to(torch.int32)
+        committed[slots] = ctx + a  # writes through to committed_lens (a NumPy view)
         return acc
 
     def release(self, slots) -> None:

@@ -89,17 +89,17 @@ class TierGraphs:
         turn = self._turn = 1 - self._turn
         if self._copied[turn] is not None:
             self._copied[turn].synchronize()
-        host, base = self._host_meta[turn], self.max_slots + 1
-        host[:r + 1] = layout.query_start_loc
-        host[r + 1:s + 1] = n  # empty padded requests
-        host[base:base + r] = layout.context_lens
-        host[base + r:base + s] = 0
-        host[base + self.max_slots:base + self.max_slots + r] = layout.slots
-        host[base + self.max_slots + r:base + self.max_slots + s] = 0
-        deltas = host[base + 2 * self.max_slots:base + 2 * self.max_slots + s]
-        deltas.zero_()  # padded requests (and layouts without mRoPE deltas): delta 0
+        host, base, m = self._host_meta[turn], self.max_slots + 1, self.max_slots
+        h = host.numpy()  # NumPy view of the pinned row: slice writes cost ~1 us, not ~5
+        h[:r + 1] = layout.query_start_loc.numpy()
+        h[r + 1:s + 1] = n  # empty padded requests
+        h[base:base + r] = layout.context_lens.numpy()
+        h[base + r:base + s] = 0
+        h[base + m:base + m + r] = layout.slots.numpy()
+        h[base + m + r:base + m + s] = 0
+        h[base + 2 * m:base + 2 * m + s] = 0  # padded requests (and no mRoPE deltas): delta 0
         if layout.mrope_deltas is not None:
-            deltas[:r] = layout.mrope_deltas
+            h[base + 2 * m:base + 2 * m + r] = layout.mrope_deltas.numpy()
         self.meta.copy_(host, non_blocking=True)
         if self._copied[turn] is not None:
             self._copied[turn].record()
