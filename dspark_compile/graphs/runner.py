@@ -72,6 +72,7 @@ class TierGraphs:
         self.graphs: dict[Tier, torch.cuda.CUDAGraph] = {}
         self._addresses = self._buffer_addresses()
         self._warned_eager = False
+        self._tier_of: dict[tuple[int, int], Tier | None] = {}
 
     def _buffer_addresses(self) -> tuple[int, ...]:
         return (self.ids.data_ptr(), self.meta.data_ptr(), self.logits.data_ptr())
@@ -158,7 +159,9 @@ class TierGraphs:
         """Logits ``[N, V]`` of the batch: a view of the static buffer, valid until the next
         call."""
         n, r = layout.num_tokens, layout.num_requests
-        tier = select_tier(self.tiers, n, r)
+        tier = self._tier_of.get((n, r), False)
+        if tier is False:  # a scan of the tier set, once per geometry
+            tier = self._tier_of[(n, r)] = select_tier(self.tiers, n, r)
         if tier is None:
             if not self._warned_eager:
                 log.warning("dspark_compile: batch of %d tokens over %d requests is past the "
