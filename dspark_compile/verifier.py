@@ -60,6 +60,22 @@ def _op_summary(gm) -> Counter:
                    for n in gm.graph.nodes if n.op == "call_function")
 
 
+_AXIS = {"mrope_positions": 1}
+"""Inputs whose token axis is not the first."""
+
+
+def _mark_dynamic(values: dict) -> None:
+    """Mark the token and request axes of the packed graph's inputs dynamic before torch.compile
+    sees them: the first call then compiles for any N and R, where automatic dynamic shapes
+    compile once per axis that changes (three compiles over a tier set instead of one; sizes 0
+    and 1 still specialise, so one-request batches compile once more)."""
+    for name, value in values.items():
+        if isinstance(value, torch.Tensor):
+            axis = _AXIS.get(name, 0)
+            if value.dim() > axis and value.shape[axis] >= 2:
+                torch._dynamo.maybe_mark_dynamic(value, axis)
+
+
 def _deltas(layout: VerifyLayout) -> torch.Tensor:
     """int32 [R]: the layout's mRoPE deltas (zeros when it carries none)."""
     return layout.mrope_deltas if layout.mrope_deltas is not None else \
@@ -199,6 +215,8 @@ class Verifier:
             values["vision_embeds"] = torch.zeros(
                 n, self.adapter.mrope.hidden_size, dtype=self.dtype, device=input_ids.device
             ) if vision_embeds is None else vision_embeds.to(input_ids.device)
+        if self.config.inductor:
+            _mark_dynamic(values)
         with torch.no_grad():
             return self._run(*self._arguments(self.inputs, values, state))
 

@@ -133,3 +133,25 @@ def test_device_metadata_matches_host_layout(plain):
     assert meta["positions"].tolist() == layout.positions.tolist()
     assert meta["slot_mapping"].tolist() == state.slot_mapping(layout).tolist()
     assert meta["seq_lens"].tolist() == layout.seq_lens.tolist()
+
+
+def test_inductor_compiles_a_tier_set_twice_not_four_times():
+    """Token and request axes are marked dynamic before the first call: one compile serves
+    every tier of two or more requests, one more the one-request tiers (automatic dynamic
+    shapes compiled four times: static, then N, then R, then R = 1)."""
+    from torch._dynamo.utils import counters
+
+    from helpers import tiny_llama
+
+    torch._dynamo.reset()
+    counters.clear()
+    verifier = dspark_compile(tiny_llama(layers=1), inductor=True)
+    state = verifier.new_state(max_requests=8, max_context=64)
+    verifier.capture(state, tiers=tier_set(8, 4), use_graphs=False)
+    for tier in sorted(state.graphs.tiers, reverse=True):
+        w = tier.tokens // tier.request_slots
+        layout = VerifyLayout.pack([w] * tier.request_slots, [0] * tier.request_slots,
+                                   list(range(tier.request_slots)))
+        out = verifier(torch.zeros(layout.num_tokens, dtype=torch.int64), layout, state)
+        assert torch.isfinite(out).all()
+    assert counters["stats"]["unique_graphs"] == 2
