@@ -45,7 +45,6 @@ import inspect
 import json
 import os
 import platform
-import random
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
@@ -55,9 +54,11 @@ import torch
 
 if __name__ == "__main__":  # run as a script: import this checkout's package, not an installed one
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared helpers
 
 from dspark_compile import VerifyLayout, dspark_compile  # noqa: E402
 from dspark_compile.graphs.tiers import Tier  # noqa: E402
+from timing import mix_lens  # noqa: E402
 
 PATTERN = ["linear_attention"] * 3 + ["full_attention"]
 QWEN3_NEXT_SMALL = dict(
@@ -125,24 +126,6 @@ def build_model(s: Settings):
     model = model.to(getattr(torch, s.dtype)).eval()
     model.set_attn_implementation("sdpa")
     return model
-
-
-def mix_lens(bs: int, block: int, mean: int = 3, seed: int = 0) -> list[int]:
-    """Lengths in 1..block with mean exactly ``mean`` (binomial draw, then evened out)."""
-    if bs == 1:
-        return [mean]
-    rng = random.Random(seed + bs)
-    lens = [1 + sum(rng.random() < (mean - 1) / (block - 1) for _ in range(block - 1))
-            for _ in range(bs)]
-    i = 0
-    while sum(lens) != mean * bs:  # deterministic nudge to the exact total
-        j = i % bs
-        if sum(lens) > mean * bs and lens[j] > 1:
-            lens[j] -= 1
-        elif sum(lens) < mean * bs and lens[j] < block:
-            lens[j] += 1
-        i += 1
-    return lens
 
 
 def shapes_for(s: Settings, bs: int) -> dict[str, list[int]]:

@@ -1,14 +1,33 @@
-"""Kernel timing shared by the kernel benchmarks: eager back-to-back launches and CUDA-graph
-replays between CUDA events (a sync after each launch lets the clocks drop and doubles small
-figures, so none is taken inside a timed loop)."""
+"""Shared by the benchmarks: kernel timing (eager back-to-back launches and CUDA-graph replays
+between CUDA events; a sync after each launch lets the clocks drop and doubles small figures,
+so none is taken inside a timed loop) and the fixed-seed verify-length mix."""
 
 from __future__ import annotations
 
+import random
 import time
 
 import torch
 
-__all__ = ["time_calls"]
+__all__ = ["time_calls", "mix_lens"]
+
+
+def mix_lens(bs: int, block: int, mean: int = 3, seed: int = 0) -> list[int]:
+    """Lengths in 1..block with mean exactly ``mean`` (binomial draw, then evened out)."""
+    if bs == 1:
+        return [mean]
+    rng = random.Random(seed + bs)
+    lens = [1 + sum(rng.random() < (mean - 1) / (block - 1) for _ in range(block - 1))
+            for _ in range(bs)]
+    i = 0
+    while sum(lens) != mean * bs:  # deterministic nudge to the exact total
+        j = i % bs
+        if sum(lens) > mean * bs and lens[j] > 1:
+            lens[j] -= 1
+        elif sum(lens) < mean * bs and lens[j] < block:
+            lens[j] += 1
+        i += 1
+    return lens
 
 
 def time_calls(fns: list, s: dict, device: str) -> dict:

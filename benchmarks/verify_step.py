@@ -17,13 +17,13 @@ import argparse
 import json
 import os
 import platform
-import random
 import sys
 import time
 
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
+from timing import mix_lens as _mix_lens
 from dspark_compile.graphs.tiers import tier_set
 
 HBM_BYTES_PER_S = 4.8e12
@@ -45,21 +45,8 @@ def build_model():
 
 
 def mix_lens(bs: int, mean: int = 3, seed: int = 0) -> list[int]:
-    """Lengths in 1..BLOCK with mean exactly ``mean`` (binomial draw, then evened out)."""
-    if bs == 1:
-        return [mean]
-    rng = random.Random(seed + bs)
-    lens = [1 + sum(rng.random() < (mean - 1) / (BLOCK - 1) for _ in range(BLOCK - 1))
-            for _ in range(bs)]
-    i = 0
-    while sum(lens) != mean * bs:  # deterministic nudge to the exact total
-        j = i % bs
-        if sum(lens) > mean * bs and lens[j] > 1:
-            lens[j] -= 1
-        elif sum(lens) < mean * bs and lens[j] < BLOCK:
-            lens[j] += 1
-        i += 1
-    return lens
+    """The fixed-seed mix of lengths 1..BLOCK with mean exactly ``mean``."""
+    return _mix_lens(bs, BLOCK, mean, seed)
 
 
 def time_ms(fn, iters: int) -> float:
