@@ -8,7 +8,7 @@ block 8, the mean-3 mix). For each bs it captures the one tier the mix takes, th
 - the kernels of 10 replays under torch.profiler, summed per step by kind (attention, its
   split reduce, GEMMs, Inductor's fused kernels, other), and the top kernels.
 
-    python benchmarks/profile_step.py [--bs 1 8 64 256] [--out DIR]
+    python benchmarks/profile_step.py [--bs 1 8 64 256] [--out DIR] [--group-linears]
 
 Writes ``profile_step.json`` and ``profile_step_bs{bs}.txt`` (kernel tables) to DIR.
 """
@@ -51,7 +51,7 @@ def host_ms(fn, iters: int = 200) -> float:
     return elapsed / iters * 1e3
 
 
-def profile_bs(verifier, state, bs: int, out: str) -> dict:
+def profile_bs(verifier, state, bs: int, out: str, suffix: str = "") -> dict:
     graphs = state.graphs
     layout = VerifyLayout.pack(mix_lens(bs), [CONTEXT] * bs, list(range(bs)))
     tier = select_tier(graphs.tiers, layout.num_tokens, layout.num_requests)
@@ -84,7 +84,7 @@ def profile_bs(verifier, state, bs: int, out: str) -> dict:
     kernels.sort(key=lambda k: -k[1])
     row["top_kernels_us_per_step"] = [(k[:90], round(us, 1), c) for k, us, c in kernels[:25]]
     table = prof.key_averages().table(sort_by="cuda_time_total", row_limit=40)
-    with open(os.path.join(out, f"profile_step_bs{bs}.txt"), "w") as f:
+    with open(os.path.join(out, f"profile_step_bs{bs}{suffix}.txt"), "w") as f:
         f.write(f"{environment()}\nbs={bs} tokens={layout.num_tokens} tier={tier} "
                 f"({steps} graph replays)\n{table}\n")
     return row
@@ -94,11 +94,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bs", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    parser.add_argument("--group-linears", action="store_true",
+                        help="DSparkConfig(group_linears=True); files get a _group_linears suffix")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
+    suffix = "_group_linears" if args.group_linears else ""
     model = build_model()
     verifier = dspark_compile(model, lowering="triton", inductor=True, page_size=PAGE,
-                              block=BLOCK)
+                              block=BLOCK, group_linears=args.group_linears)
     max_bs = max(args.bs)
     state = verifier.new_state(max_requests=max_bs, max_context=CONTEXT + BLOCK)
     for k, v in state.kv_caches:
@@ -110,12 +113,13 @@ def main() -> None:
     verifier.capture(state, tiers=tiers, progress=False)
     rows = {}
     for bs in args.bs:
-        rows[str(bs)] = profile_bs(verifier, state, bs, args.out)
+        rows[str(bs)] = profile_bs(verifier, state, bs, args.out, suffix)
         print(bs, json.dumps({k: v for k, v in rows[str(bs)].items()
                               if k != "top_kernels_us_per_step"}), flush=True)
-    env = dict(environment(), command="python benchmarks/profile_step.py --bs " +
-               " ".join(map(str, args.bs)))
-    with open(os.path.join(args.out, "profile_step.json"), "w") as f:
+    env = dict(environment(), group_linears=args.group_linears,
+               command="python benchmarks/profile_step.py --bs " + " ".join(map(str, args.bs))
+               + (" --group-linears" if args.group_linears else ""))
+    with open(os.path.join(args.out, f"profile_step{suffix}.json"), "w") as f:
         json.dump({"environment": env, "results": rows}, f, indent=1)
 
 

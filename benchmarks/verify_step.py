@@ -5,7 +5,7 @@ Model: Llama-like 1.1B, bf16, random weights (hidden 2048, 16 layers, 16 heads, 
 head 128, FFN 8192, vocab 32000); context 1024, page 16, block 8; bs 1, 8, 64, 256.
 Verify lengths: all 8, and a fixed-seed mix with mean exactly 3 (same token count as uniform 3).
 
-    python benchmarks/verify_step.py [--out DIR] [--quick]
+    python benchmarks/verify_step.py [--out DIR] [--quick] [--group-linears]
 
 Writes ``verify_step.json`` (GPU, versions, every setting, all timings) and
 ``verify_step.png`` to DIR (default: $OUT if set, else benchmarks/results).
@@ -130,7 +130,7 @@ def run(args, save) -> dict:
     model.set_attn_implementation("sdpa")
     t0 = time.perf_counter()
     verifier = dspark_compile(model, lowering="triton", inductor=True, page_size=PAGE,
-                              block=BLOCK)
+                              block=BLOCK, group_linears=args.group_linears)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     max_err = check_correctness(model, verifier)
@@ -241,20 +241,25 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="bs 1 and 8 only, fewer iters")
+    parser.add_argument("--group-linears", action="store_true",
+                        help="DSparkConfig(group_linears=True); files get a _group_linears suffix")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("verify_step.py needs a GPU")
     os.makedirs(args.out, exist_ok=True)
     env = environment()
+    suffix = "_group_linears" if args.group_linears else ""
+    env["group_linears"] = args.group_linears
+    env["command"] += " --group-linears" if args.group_linears else ""
 
     def save(part: dict) -> None:
-        with open(os.path.join(args.out, "verify_step.json"), "w") as f:
+        with open(os.path.join(args.out, f"verify_step{suffix}.json"), "w") as f:
             json.dump({"environment": env, **part}, f, indent=1)
 
     data = {"environment": env, **run(args, save)}
     save(data)
     try:
-        plot(data, os.path.join(args.out, "verify_step.png"))
+        plot(data, os.path.join(args.out, f"verify_step{suffix}.png"))
     except ImportError as err:
         print(f"no plot: {err}")
     print(json.dumps(data["results"], indent=1))
