@@ -60,7 +60,7 @@ def _op_summary(gm) -> Counter:
                    for n in gm.graph.nodes if n.op == "call_function")
 
 
-_AXIS = {"mrope_positions": 1}
+_AXIS = {"mrope_positions": 1, "deepstack_embeds": 1}
 """Inputs whose token axis is not the first."""
 
 
@@ -147,16 +147,19 @@ class Verifier:
                 f"input_ids is on {input_ids.device} but the model is on {self.device}")
 
     def __call__(self, input_ids: torch.Tensor, layout: VerifyLayout, state: VerifierState,
-                 vision_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                 vision_embeds: torch.Tensor | None = None,
+                 deepstack_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """Logits ``[N, V]`` of every packed row; writes provisional KV for every row.
 
         mRoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) take ``vision_embeds [N, hidden]`` for
         a prefill of an image prompt: rows whose token is the image (video) token take that
         row instead of the token embedding (``frontend.multimodal.prefill_inputs`` makes them
-        with HF's vision tower). After ``capture(state)`` the result is a view of a static
-        buffer, valid until the next call on that state; a call with ``vision_embeds`` or
-        explicit ``layout.mrope_positions`` (a prefill) runs outside the tier graphs, whose
-        static buffers hold neither.
+        with HF's vision tower); Qwen3-VL models with DeepStack layers also take
+        ``deepstack_embeds [layers, N, hidden]`` (zeros at text rows; None: all zeros). After
+        ``capture(state)`` the result is a view of a static buffer, valid until the next call
+        on that state; a call with vision or DeepStack rows or explicit
+        ``layout.mrope_positions`` (a prefill) runs outside the tier graphs, whose static
+        buffers hold none of them.
         """
         self._check_ids(input_ids)
         if not isinstance(layout, VerifyLayout):
@@ -165,21 +168,24 @@ class Verifier:
             raise ValueError("state was not made by this verifier's new_state; its KV pools "
                              "do not fit this model")
         state.check_layout(layout, input_ids.numel())
-        self._check_mrope(layout, vision_embeds, input_ids.numel())
-        explicit = vision_embeds is not None or layout.mrope_positions is not None
+        self._check_mrope(layout, vision_embeds, input_ids.numel(), deepstack_embeds)
+        explicit = vision_embeds is not None or deepstack_embeds is not None or \
+            layout.mrope_positions is not None
         if state.graphs is not None and not explicit:
             return state.graphs(input_ids, layout)
         dev = state.block_table.device
         deltas = None if self.adapter.mrope is None else _deltas(layout).to(dev)
         return self._packed(input_ids, layout.query_start_loc.to(dev),
                             layout.context_lens.to(dev), layout.slots.to(dev), state, deltas,
-                            layout.mrope_positions, vision_embeds)
+                            layout.mrope_positions, vision_embeds, deepstack_embeds)
 
-    def _check_mrope(self, layout: VerifyLayout, vision_embeds, num_tokens: int) -> None:
+    def _check_mrope(self, layout: VerifyLayout, vision_embeds, num_tokens: int,
+                     deepstack_embeds=None) -> None:
         """mRoPE inputs only for mRoPE models, in the shape the graph takes."""
         spec = self.adapter.mrope
         if spec is None:
             given = [name for name, v in (("vision_embeds", vision_embeds),
+                                          ("deepstack_embeds", deepstack_embeds),
                                           ("layout.mrope_positions", layout.mrope_positions),
                                           ("layout.mrope_deltas", layout.mrope_deltas))
                      if v is not None]
@@ -198,12 +204,28 @@ class Verifier:
             raise ValueError(
                 f"vision_embeds is {what}; it must be {self.dtype} [{num_tokens}, "
                 f"{spec.hidden_size}] (one row per packed token, zeros at text rows)")
+        if deepstack_embeds is None:
+            return
+        if not spec.deepstack_layers:
+            raise ValueError(
+                f"deepstack_embeds was given, but {type(self.adapter.model).__name__} has no "
+                "DeepStack layers (vision_config.deepstack_visual_indexes is empty)")
+        want = (spec.deepstack_layers, num_tokens, spec.hidden_size)
+        if not isinstance(deepstack_embeds, torch.Tensor) or \
+                tuple(deepstack_embeds.shape) != want or deepstack_embeds.dtype != self.dtype:
+            what = (f"{deepstack_embeds.dtype} {tuple(deepstack_embeds.shape)}"
+                    if isinstance(deepstack_embeds, torch.Tensor)
+                    else type(deepstack_embeds).__name__)
+            raise ValueError(
+                f"deepstack_embeds is {what}; it must be {self.dtype} {list(want)} (one row per "
+                "DeepStack layer and packed token, zeros at text rows)")
 
     def _packed(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
                 context_lens: torch.Tensor, slots: torch.Tensor, state: VerifierState,
                 mrope_deltas: torch.Tensor | None = None,
                 mrope_positions: torch.Tensor | None = None,
-                vision_embeds: torch.Tensor | None = None) -> torch.Tensor:
+                vision_embeds: torch.Tensor | None = None,
+                deepstack_embeds: torch.Tensor | None = None) -> torch.Tensor:
         """The packed forward on device tensors (padded or not); no host sync unless a
         prefill passes explicit mRoPE positions or vision rows."""
         n = input_ids.shape[0]
@@ -212,9 +234,15 @@ class Verifier:
         if self.adapter.mrope is not None:
             if mrope_positions is not None:
                 values["mrope_positions"] = mrope_positions.to(input_ids.device)
+            spec = self.adapter.mrope
             values["vision_embeds"] = torch.zeros(
-                n, self.adapter.mrope.hidden_size, dtype=self.dtype, device=input_ids.device
+                n, spec.hidden_size, dtype=self.dtype, device=input_ids.device
             ) if vision_embeds is None else vision_embeds.to(input_ids.device)
+            if spec.deepstack_layers:
+                values["deepstack_embeds"] = torch.zeros(
+                    spec.deepstack_layers, n, spec.hidden_size, dtype=self.dtype,
+                    device=input_ids.device
+                ) if deepstack_embeds is None else deepstack_embeds.to(input_ids.device)
         if self.config.inductor:
             _mark_dynamic(values)
         with torch.no_grad():
@@ -284,6 +312,10 @@ class Verifier:
             "positions": positions.to(self.device),
             "vision_embeds": torch.zeros(bs, t, getattr(self.adapter.mrope, "hidden_size", 0),
                                          dtype=self.dtype, device=self.device),
+            "deepstack_embeds": torch.zeros(
+                getattr(self.adapter.mrope, "deepstack_layers", 0), bs, t,
+                getattr(self.adapter.mrope, "hidden_size", 0), dtype=self.dtype,
+                device=self.device),
             "block_table": state.block_table[layout.slots.long().to(state.block_table.device)],
             "context_lens": layout.context_lens.to(self.device),
             "slots": layout.slots.to(self.device),

@@ -162,13 +162,14 @@ class Session:
         return logits, layout
 
 
-VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl")
+VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_deepstack")
 
 
 def tiny_vl(family: str, seed: int = 0, vocab: int = 64):
     """A tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL (random weights; special ids at the top of the
     vocabulary: vision start/end ``vocab-5``/``vocab-4``, image ``vocab-3``, video
-    ``vocab-2``). mRoPE sections [2, 3, 3] over head_dim 16; Qwen3-VL without DeepStack."""
+    ``vocab-2``). mRoPE sections [2, 3, 3] over head_dim 16; ``qwen3_vl`` without DeepStack,
+    ``qwen3_vl_deepstack`` with its one vision block's features added after text layer 0."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -187,7 +188,8 @@ def tiny_vl(family: str, seed: int = 0, vocab: int = 64):
         config_cls, model_cls = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
     else:
         vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=48,
-                      num_position_embeddings=16, deepstack_visual_indexes=[])
+                      num_position_embeddings=16,
+                      deepstack_visual_indexes=[0] if family.endswith("deepstack") else [])
         config_cls, model_cls = tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration
     cfg = config_cls(text_config=text, vision_config=vision, image_token_id=vocab - 3,
                      video_token_id=vocab - 2, vision_start_token_id=vocab - 5,

@@ -48,12 +48,17 @@ class Request:
         self.seq = self.prompt.clone()
 
     def prefill(self):
-        """(positions [3, L], delta, vision rows [L, hidden]) of the prompt."""
+        """(positions [3, L], delta, vision rows [L, hidden], DeepStack rows [layers, L, hidden]
+        or None) of the prompt."""
+        layers = len(getattr(self.model.config.vision_config, "deepstack_visual_indexes", ())
+                     or ())
         if self.grid is None:
             n = self.prompt.numel()
-            return torch.arange(n).expand(3, n), 0, torch.zeros(n, 64)
+            return (torch.arange(n).expand(3, n), 0, torch.zeros(n, 64),
+                    torch.zeros(layers, n, 64) if layers else None)
         p = prefill_inputs(self.model, self.prompt, self.pixels, self.grid)
-        return p.positions, p.delta, p.vision_embeds
+        assert (p.deepstack_embeds is None) == (layers == 0)
+        return p.positions, p.delta, p.vision_embeds, p.deepstack_embeds
 
     def hf_logits(self, tokens):
         """HF's forward over the prompt + committed + ``tokens``: logits of ``tokens``' rows."""
@@ -79,12 +84,14 @@ def run_session(model, verifier, grids, slots, lens_fn, rounds=3, seed=0, graphs
     if graphs:
         verifier.capture(state, block=8, progress=False)
     parts = [r.prefill() for r in reqs]
-    deltas = [d for _, d, _ in parts]
+    deltas = [d for _, d, _, _ in parts]
     layout = VerifyLayout.pack([r.prompt.numel() for r in reqs], [0] * len(reqs), slots,
                                mrope_deltas=deltas,
-                               mrope_positions=torch.cat([p for p, _, _ in parts], dim=1))
+                               mrope_positions=torch.cat([p for p, _, _, _ in parts], dim=1))
+    deepstack = None if parts[0][3] is None else torch.cat([d for *_, d in parts], dim=1)
     logits = verifier(torch.cat([r.prompt for r in reqs]), layout, state,
-                      vision_embeds=torch.cat([v for _, _, v in parts]))
+                      vision_embeds=torch.cat([v for _, _, v, _ in parts]),
+                      deepstack_embeds=deepstack)
     err = _check_rows(logits, layout, [_prompt_logits(r) for r in reqs])
     verifier.commit(layout, [r.prompt.numel() for r in reqs], state)
     for _ in range(rounds):
@@ -182,6 +189,13 @@ def test_mrope_inputs_are_checked(compiled):
         VerifyLayout.pack([3], [0], [0], mrope_deltas=[1, 2])
     with pytest.raises(ValueError, match=r"vision_embeds is .*\[3, 64\]"):
         verifier(ids, VerifyLayout.pack([3], [0], [0]), state, vision_embeds=torch.zeros(3, 8))
+    layout = VerifyLayout.pack([3], [0], [0])
+    if verifier.adapter.mrope.deepstack_layers:
+        with pytest.raises(ValueError, match=r"deepstack_embeds is .*\[1, 3, 64\]"):
+            verifier(ids, layout, state, deepstack_embeds=torch.zeros(1, 2, 64))
+    else:
+        with pytest.raises(ValueError, match="has no DeepStack layers"):
+            verifier(ids, layout, state, deepstack_embeds=torch.zeros(1, 3, 64))
 
 
 def test_text_model_refuses_mrope_inputs():

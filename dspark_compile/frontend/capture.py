@@ -114,6 +114,11 @@ def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.devi
         meta.append((InputSpec("vision_embeds", "vision_embeds"),
                      torch.zeros(*ids.shape, adapter.mrope.hidden_size, dtype=dtype,
                                  device=device), (0, 1)))
+        if adapter.mrope.deepstack_layers:
+            meta.append((InputSpec("deepstack_embeds", "deepstack_embeds"),
+                         torch.zeros(adapter.mrope.deepstack_layers, *ids.shape,
+                                     adapter.mrope.hidden_size, dtype=dtype, device=device),
+                         (1, 2)))
     return meta
 
 
@@ -145,6 +150,7 @@ def _scope_of(adapter: ModelAdapter, specs: list[InputSpec], values) -> CaptureS
         conv_states=by_kind.get("conv_state", []),
         recurrent_states=by_kind.get("recurrent_state", []),
         vision_embeds=by_kind.get("vision_embeds", [None])[0],
+        deepstack_embeds=by_kind.get("deepstack_embeds", [None])[0],
     )
 
 

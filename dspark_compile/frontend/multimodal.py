@@ -13,8 +13,12 @@ video token, as HF's ``masked_scatter`` does::
 
     embeds = where((ids == image_token_id) | (ids == video_token_id), vision_embeds, embeds)
 
-That is a pointwise select, so ``token_axis`` proves it token-wise like the rest. The vision
-tower itself runs outside the verify forward (:func:`prefill_inputs`, once per image prompt).
+That is a pointwise select, so ``token_axis`` proves it token-wise like the rest. Qwen3-VL's
+DeepStack feature maps enter the same way: ``deepstack_embeds [L, bs, T, hidden]`` (zeros at text
+rows), and a forward hook on each of the first ``L`` text decoder layers adds row ``l`` to its
+output, which is what HF's ``_deepstack_process`` does at the image rows and, adding zeros,
+leaves the other rows as they are. The vision tower itself runs outside the verify forward
+(:func:`prefill_inputs`, once per image prompt).
 """
 
 from __future__ import annotations
@@ -41,6 +45,9 @@ class MRopeSpec:
     """Width of a vision embedding row (the text model's hidden size)."""
     vision_token_ids: tuple[int, ...]
     """Token ids whose embedding the vision tower's output replaces (image, video)."""
+    deepstack_layers: int = 0
+    """Text decoder layers that add a DeepStack feature map (Qwen3-VL's
+    ``vision_config.deepstack_visual_indexes``; 0: none)."""
 
 
 def mrope_spec(model: nn.Module) -> MRopeSpec | None:
@@ -57,7 +64,10 @@ def mrope_spec(model: nn.Module) -> MRopeSpec | None:
     text = config.get_text_config()
     ids = tuple(i for i in (config.image_token_id, getattr(config, "video_token_id", None))
                 if i is not None)
-    return MRopeSpec(sections=3, hidden_size=text.hidden_size, vision_token_ids=ids)
+    vision = getattr(config, "vision_config", None)
+    deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+    return MRopeSpec(sections=3, hidden_size=text.hidden_size, vision_token_ids=ids,
+                     deepstack_layers=deepstack)
 
 
 def _merge_vision(spec: MRopeSpec):
@@ -73,14 +83,40 @@ def _merge_vision(spec: MRopeSpec):
     return hook
 
 
+def _add_deepstack(index: int):
+    def hook(module, args, out):
+        scope = active_scope()
+        if scope is None or scope.deepstack_embeds is None:
+            return out
+        if isinstance(out, tuple):  # older decoder layers return (hidden_states, ...)
+            return (out[0] + scope.deepstack_embeds[index].to(out[0].dtype), *out[1:])
+        return out + scope.deepstack_embeds[index].to(out.dtype)
+    return hook
+
+
+def _text_layers(model: nn.Module) -> nn.ModuleList:
+    layers = getattr(getattr(getattr(model, "model", None), "language_model", None), "layers",
+                     None)
+    if layers is None:
+        raise TypeError(f"{type(model).__name__} has DeepStack layers but no "
+                        "model.language_model.layers to add them to")
+    return layers
+
+
 @contextlib.contextmanager
 def vision_hook(model: nn.Module, spec: MRopeSpec) -> Iterator[None]:
-    """For the duration of a capture, merge ``vision_embeds`` into the input embeddings."""
-    handle = model.get_input_embeddings().register_forward_hook(_merge_vision(spec))
+    """For the duration of a capture, merge ``vision_embeds`` into the input embeddings (and
+    add ``deepstack_embeds`` to the outputs of the first text decoder layers)."""
+    handles = [model.get_input_embeddings().register_forward_hook(_merge_vision(spec))]
+    if spec.deepstack_layers:
+        layers = _text_layers(model)
+        handles += [layers[i].register_forward_hook(_add_deepstack(i))
+                    for i in range(spec.deepstack_layers)]
     try:
         yield
     finally:
-        handle.remove()
+        for handle in handles:
+            handle.remove()
 
 
 @dataclass(frozen=True)
@@ -94,16 +130,18 @@ class PrefillInputs:
     ``context + j + delta``."""
     vision_embeds: torch.Tensor
     """``[L, hidden]``: the vision tower's output at image/video rows, zeros elsewhere."""
+    deepstack_embeds: torch.Tensor | None = None
+    """``[layers, L, hidden]``: the DeepStack feature maps at the image rows, zeros elsewhere
+    (Qwen3-VL with ``deepstack_visual_indexes``); None for models without them."""
 
 
 def prefill_inputs(model: nn.Module, input_ids: torch.Tensor, pixel_values: torch.Tensor,
                    image_grid_thw: torch.Tensor) -> PrefillInputs:
     """Positions, rope delta and vision rows of one image prompt ``input_ids [L]``.
 
-    Runs HF's own ``get_rope_index`` and vision tower (host work, once per prompt). Refuses a
-    vision tower with DeepStack features (Qwen3-VL's ``deepstack_visual_indexes``): those are
-    added to the hidden states of the first decoder layers, which the verify forward does not
-    take as an input.
+    Runs HF's own ``get_rope_index`` and vision tower (host work, once per prompt); a vision
+    tower with DeepStack features (Qwen3-VL's ``deepstack_visual_indexes``) also gives their
+    rows, which the verifier adds to the first text decoder layers' outputs.
     """
     spec = mrope_spec(model)
     if spec is None:
@@ -118,12 +156,6 @@ def prefill_inputs(model: nn.Module, input_ids: torch.Tensor, pixel_values: torc
         positions, deltas = model.model.get_rope_index(
             ids, mm_token_type_ids=mm_types, image_grid_thw=image_grid_thw)
         features = model.model.get_image_features(pixel_values, image_grid_thw)
-    if getattr(features, "deepstack_features", None):
-        raise NotImplementedError(
-            f"{type(model).__name__}'s vision tower returns {len(features.deepstack_features)} "
-            "DeepStack feature maps (vision_config.deepstack_visual_indexes); the packed verify "
-            "forward does not add them to the decoder's hidden states, so an image prompt would "
-            "be wrong. Use a checkpoint without DeepStack layers or verify text-only prompts")
     rows = torch.cat(features.pooler_output, dim=0)
     is_image = input_ids == model.config.image_token_id
     if int(is_image.sum()) != rows.shape[0]:
@@ -133,4 +165,16 @@ def prefill_inputs(model: nn.Module, input_ids: torch.Tensor, pixel_values: torc
             "each image needs t*h*w/merge^2 image tokens")
     vision = torch.zeros(input_ids.numel(), spec.hidden_size, dtype=rows.dtype)
     vision[is_image] = rows
-    return PrefillInputs(positions[:, 0], int(deltas.reshape(-1)[0]), vision)
+    deepstack = None
+    if spec.deepstack_layers:
+        maps = list(getattr(features, "deepstack_features", None) or ())
+        if len(maps) != spec.deepstack_layers:
+            raise ValueError(
+                f"prefill_inputs: the vision tower made {len(maps)} DeepStack feature maps; the "
+                f"config's deepstack_visual_indexes name {spec.deepstack_layers}")
+        deepstack = torch.zeros(spec.deepstack_layers, input_ids.numel(), spec.hidden_size,
+                                dtype=rows.dtype)
+        for i, m in enumerate(maps):  # per layer: one tensor, or one per image (HF 5.x)
+            m = torch.cat(list(m), dim=0) if isinstance(m, (tuple, list)) else m
+            deepstack[i, is_image] = m.to(rows.dtype)
+    return PrefillInputs(positions[:, 0], int(deltas.reshape(-1)[0]), vision, deepstack)

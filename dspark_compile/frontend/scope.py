@@ -41,6 +41,9 @@ class CaptureScope:
     vision_embeds: torch.Tensor | None = None
     """``[bs, T, hidden]``: vision-tower rows merged into the input embeddings at image/video
     tokens (mRoPE models only)."""
+    deepstack_embeds: torch.Tensor | None = None
+    """``[layers, bs, T, hidden]``: DeepStack rows added to the first text decoder layers'
+    outputs (Qwen3-VL with DeepStack only)."""
     calls: dict[str, int] = field(default_factory=lambda: {"conv": 0, "gdn": 0})
     """Hybrid-layer calls seen so far, by kind: call ``k`` of a kind belongs to linear layer
     ``k`` (the layers run in order and each makes one call of each kind)."""

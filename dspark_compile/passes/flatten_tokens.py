@@ -260,6 +260,8 @@ def _flat_inputs(placeholders: list[fx.Node], mode) -> list:
             shape, dynamic = (val.shape[0], num_tokens), (1,)
         elif spec.kind == "vision_embeds":  # [bs, T, hidden] -> [N, hidden]
             shape = (num_tokens, val.shape[2])
+        elif spec.kind == "deepstack_embeds":  # [layers, bs, T, hidden] -> [layers, N, hidden]
+            shape, dynamic = (val.shape[0], num_tokens, val.shape[3]), (1,)
         elif spec.kind == "query_start_loc":
             shape = (num_requests + 1,)
         elif spec.kind in ("seq_lens", "block_table", "slots"):
