@@ -1,7 +1,8 @@
-"""mRoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) against HF transformers' own forward.
+"""mRoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL with and without DeepStack) against HF
+transformers' own forward.
 
-Requests with text-only and image prompts (images of different grids: different, non-zero rope
-deltas) are prefilled together (explicit positions from HF's get_rope_index, vision rows from
+Requests with text-only, image and video prompts (grids of different sizes: different, non-zero
+rope deltas) are prefilled together (explicit positions from HF's get_rope_index, vision rows from
 HF's vision tower), then verified over three verify/commit rounds with per-request deltas.
 Every ragged logit row equals HF's forward over that request's prompt (with its pixels) +
 committed + new tokens alone (float32, CPU, reference ops).
@@ -28,19 +29,22 @@ def compiled(request):
 
 
 class Request:
-    """One request: its prompt (text, or text + one image) and what it committed since."""
+    """One request: its prompt (text, or text + one image or video) and what it committed
+    since. ``grid`` is ``(t, h, w)``, or ``("video", t, h, w)`` for a video."""
 
     def __init__(self, model, gen, grid=None, text=(3, 4)):
         cfg, self.model = model.config, model
         before, after = (torch.randint(0, TEXT_IDS, (n,), generator=gen) for n in text)
         self.grid = self.pixels = None
+        self.video = grid is not None and grid[0] == "video"
         middle = torch.empty(0, dtype=torch.int64)
         if grid is not None:
             vision = cfg.vision_config
-            self.grid = torch.tensor([grid])
+            self.grid = torch.tensor([grid[1:] if self.video else grid])
             n_img = int(self.grid.prod()) // vision.spatial_merge_size ** 2
+            token = cfg.video_token_id if self.video else cfg.image_token_id
             middle = torch.cat([torch.tensor([cfg.vision_start_token_id]),
-                                torch.full((n_img,), cfg.image_token_id),
+                                torch.full((n_img,), token),
                                 torch.tensor([cfg.vision_end_token_id])])
             self.pixels = torch.randn(int(self.grid.prod()), 3 * vision.temporal_patch_size *
                                       vision.patch_size ** 2, generator=gen)
@@ -56,17 +60,23 @@ class Request:
             n = self.prompt.numel()
             return (torch.arange(n).expand(3, n), 0, torch.zeros(n, 64),
                     torch.zeros(layers, n, 64) if layers else None)
-        p = prefill_inputs(self.model, self.prompt, self.pixels, self.grid)
+        p = prefill_inputs(self.model, self.prompt, **self._media())
         assert (p.deepstack_embeds is None) == (layers == 0)
         return p.positions, p.delta, p.vision_embeds, p.deepstack_embeds
+
+    def _media(self) -> dict:
+        if self.video:
+            return dict(pixel_values_videos=self.pixels, video_grid_thw=self.grid)
+        return dict(pixel_values=self.pixels, image_grid_thw=self.grid)
 
     def hf_logits(self, tokens):
         """HF's forward over the prompt + committed + ``tokens``: logits of ``tokens``' rows."""
         seq = torch.cat([self.seq, tokens])[None]
         kwargs = {}
         if self.grid is not None:
-            kwargs = dict(pixel_values=self.pixels, image_grid_thw=self.grid,
-                          mm_token_type_ids=(seq == self.model.config.image_token_id).int())
+            cfg = self.model.config
+            types = (seq == cfg.image_token_id).int() + 2 * (seq == cfg.video_token_id).int()
+            kwargs = dict(self._media(), mm_token_type_ids=types)
         with torch.no_grad():
             return self.model(input_ids=seq, **kwargs).logits[0, -tokens.numel():]
 
@@ -124,6 +134,9 @@ SCENARIOS = {
     "N not a multiple of bs": ([(1, 4, 6), None, (1, 8, 4)], [0, 1, 2],
                                lambda r, n: [2, 3, 2]),
     "one image request": ([(1, 8, 4)], [3], lambda r, n: [r.randint(1, 8)]),
+    "a video, an image and a text prompt": (
+        [("video", 1, 4, 6), (1, 8, 4), None], [1, 4, 0],
+        lambda r, n: [r.randint(1, 8) for _ in range(n)]),
 }
 
 
@@ -133,7 +146,7 @@ def test_ragged_equals_hf_forward(compiled, scenario):
     grids, slots, lens_fn = SCENARIOS[scenario]
     err, deltas = run_session(model, verifier, grids, slots, lens_fn)
     assert err < TOL, f"{scenario}: max |ragged - HF| = {err}"
-    image_deltas = [d for g, d in zip(grids, deltas) if g is not None]
+    image_deltas = [d for g, d in zip(grids, deltas) if g is not None]  # images and videos
     assert all(d != 0 for d in image_deltas), deltas  # the images do shift positions
     if len(image_deltas) > 1:
         assert len(set(image_deltas)) > 1, deltas  # and by a different amount per request

@@ -135,9 +135,14 @@ class PrefillInputs:
     (Qwen3-VL with ``deepstack_visual_indexes``); None for models without them."""
 
 
-def prefill_inputs(model: nn.Module, input_ids: torch.Tensor, pixel_values: torch.Tensor,
-                   image_grid_thw: torch.Tensor) -> PrefillInputs:
-    """Positions, rope delta and vision rows of one image prompt ``input_ids [L]``.
+def prefill_inputs(model: nn.Module, input_ids: torch.Tensor,
+                   pixel_values: torch.Tensor | None = None,
+                   image_grid_thw: torch.Tensor | None = None,
+                   pixel_values_videos: torch.Tensor | None = None,
+                   video_grid_thw: torch.Tensor | None = None) -> PrefillInputs:
+    """Positions, rope delta and vision rows of one prompt ``input_ids [L]`` with images and/or
+    videos (HF's ``pixel_values``/``image_grid_thw``, ``pixel_values_videos``/
+    ``video_grid_thw``).
 
     Runs HF's own ``get_rope_index`` and vision tower (host work, once per prompt); a vision
     tower with DeepStack features (Qwen3-VL's ``deepstack_visual_indexes``) also gives their
@@ -150,31 +155,56 @@ def prefill_inputs(model: nn.Module, input_ids: torch.Tensor, pixel_values: torc
     if input_ids.dim() != 1:
         raise ValueError(f"prefill_inputs: input_ids has shape {tuple(input_ids.shape)}; pass "
                          "one request's prompt, int64 [L]")
+    media = [(kind, token, pixels, grid) for kind, token, pixels, grid in (
+        ("image", model.config.image_token_id, pixel_values, image_grid_thw),
+        ("video", getattr(model.config, "video_token_id", None), pixel_values_videos,
+         video_grid_thw)) if pixels is not None or grid is not None]
+    for kind, token, pixels, grid in media:
+        if pixels is None or grid is None or token is None:
+            raise ValueError(f"prefill_inputs: a {kind} needs both its pixel values and its "
+                             f"grid_thw (and the model a {kind}_token_id)")
+    if not media:
+        raise ValueError("prefill_inputs: no image or video given; a text prompt's positions "
+                         "are context + j (no prefill_inputs needed)")
     ids = input_ids[None]
-    mm_types = (ids == model.config.image_token_id).int()
+    mm_types = torch.zeros_like(ids, dtype=torch.int32)
+    for kind, token, _, _ in media:
+        mm_types[ids == token] = 1 if kind == "image" else 2
+    vision = deepstack = None
     with torch.no_grad():
         positions, deltas = model.model.get_rope_index(
-            ids, mm_token_type_ids=mm_types, image_grid_thw=image_grid_thw)
-        features = model.model.get_image_features(pixel_values, image_grid_thw)
-    rows = torch.cat(features.pooler_output, dim=0)
-    is_image = input_ids == model.config.image_token_id
-    if int(is_image.sum()) != rows.shape[0]:
-        raise ValueError(
-            f"prefill_inputs: the prompt has {int(is_image.sum())} image tokens but the vision "
-            f"tower made {rows.shape[0]} rows for image_grid_thw={image_grid_thw.tolist()}; "
-            "each image needs t*h*w/merge^2 image tokens")
-    vision = torch.zeros(input_ids.numel(), spec.hidden_size, dtype=rows.dtype)
-    vision[is_image] = rows
-    deepstack = None
-    if spec.deepstack_layers:
-        maps = list(getattr(features, "deepstack_features", None) or ())
-        if len(maps) != spec.deepstack_layers:
-            raise ValueError(
-                f"prefill_inputs: the vision tower made {len(maps)} DeepStack feature maps; the "
-                f"config's deepstack_visual_indexes name {spec.deepstack_layers}")
-        deepstack = torch.zeros(spec.deepstack_layers, input_ids.numel(), spec.hidden_size,
-                                dtype=rows.dtype)
-        for i, m in enumerate(maps):  # per layer: one tensor, or one per image (HF 5.x)
-            m = torch.cat(list(m), dim=0) if isinstance(m, (tuple, list)) else m
-            deepstack[i, is_image] = m.to(rows.dtype)
+            ids, mm_token_type_ids=mm_types, image_grid_thw=image_grid_thw,
+            video_grid_thw=video_grid_thw)
+        for kind, token, pixels, grid in media:
+            get = model.model.get_image_features if kind == "image" else \
+                model.model.get_video_features
+            features = get(pixels, grid)
+            rows = torch.cat(features.pooler_output, dim=0)
+            at = input_ids == token
+            if int(at.sum()) != rows.shape[0]:
+                raise ValueError(
+                    f"prefill_inputs: the prompt has {int(at.sum())} {kind} tokens but the "
+                    f"vision tower made {rows.shape[0]} rows for {kind}_grid_thw="
+                    f"{grid.tolist()}; each needs t*h*w/merge^2 {kind} tokens")
+            if vision is None:
+                vision = torch.zeros(input_ids.numel(), spec.hidden_size, dtype=rows.dtype)
+            vision[at] = rows
+            if spec.deepstack_layers:
+                deepstack = _deepstack_rows(features, spec, at, deepstack, rows.dtype)
     return PrefillInputs(positions[:, 0], int(deltas.reshape(-1)[0]), vision, deepstack)
+
+
+def _deepstack_rows(features, spec: MRopeSpec, at: torch.Tensor, into: torch.Tensor | None,
+                    dtype: torch.dtype) -> torch.Tensor:
+    """``into`` (zeros ``[layers, L, hidden]`` if None) with the DeepStack maps at rows ``at``."""
+    maps = list(getattr(features, "deepstack_features", None) or ())
+    if len(maps) != spec.deepstack_layers:
+        raise ValueError(
+            f"prefill_inputs: the vision tower made {len(maps)} DeepStack feature maps; the "
+            f"config's deepstack_visual_indexes name {spec.deepstack_layers}")
+    if into is None:
+        into = torch.zeros(spec.deepstack_layers, at.numel(), spec.hidden_size, dtype=dtype)
+    for i, m in enumerate(maps):  # per layer: one tensor, or one per image / video (HF 5.x)
+        m = torch.cat(list(m), dim=0) if isinstance(m, (tuple, list)) else m
+        into[i, at] = m.to(dtype)
+    return into
