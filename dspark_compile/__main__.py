@@ -17,7 +17,7 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("--max-requests", type=int, default=8)
     prof.add_argument("--block", type=int, default=8)
     prof.add_argument("--context", type=int, default=256)
-    prof.add_argument("--iters", type=int, default=5)
+    prof.add_argument("--iters", type=int, default=20)
     prof.add_argument("--out", default="sps.json", help="table path; the PNG goes beside it")
     args = parser.parse_args(argv)
     if args.command == "profile-sps":
