@@ -111,9 +111,9 @@ class Settings:
     page_size: int = 16
     """KV page size in tokens."""
     sps_iters: int = 20
-    """Timed steps per tier when profiling the SPS table (the median is kept). 5 left ~10%
-    noise between neighbouring tiers on the H200 (1 request: 623 steps/s at 2 tokens, 682 at
-    8), enough to flip width decisions."""
+    """Timed steps per tier when profiling the SPS table (the median is kept). The H200 table
+    from 5 was not monotone within a request tier (1 request: 623 steps/s at 2 tokens, 682 at
+    8; noise or a real matmul cliff, not yet told apart); 20 steadies each median."""
     seed: int = 0
     """Seed of the weights, the prompts, the successor permutation and the drafter."""
 
