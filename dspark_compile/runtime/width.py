@@ -19,6 +19,7 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from ._checks import fraction, positive_int
@@ -73,8 +74,16 @@ class WidthPolicyConfig:
 def expected_tokens(hazards: torch.Tensor) -> torch.Tensor:
     """float64 [gamma + 1]: ``E(w) = 1 + sum_{j < w-1} prod_{m <= j} h_m`` at index ``w - 1``,
     for hazards ``[gamma]``."""
-    survival = torch.cumprod(hazards.to(torch.float64), 0)  # [gamma]
-    return torch.cat([survival.new_zeros(1), torch.cumsum(survival, 0)]) + 1.0  # [gamma + 1]
+    return torch.from_numpy(_expected(hazards.detach().to("cpu", torch.float64).numpy()))
+
+
+def _expected(hazards: np.ndarray) -> np.ndarray:
+    """:func:`expected_tokens` on a float64 NumPy array (the per-step path: small torch ops on
+    the CPU cost microseconds each, and a step makes ~30 of them)."""
+    out = np.ones(hazards.size + 1)
+    np.cumsum(np.cumprod(hazards), out=out[1:])
+    out[1:] += 1.0
+    return out
 
 
 class WidthPolicy:
@@ -87,6 +96,8 @@ class WidthPolicy:
         self.accepted = torch.zeros(config.gamma, dtype=torch.float64)  # [gamma] decayed counts
         self.width: int | None = None  # the policy's current choice (None before the first)
         self.steps = 0
+        self._widths = np.array(config.widths, dtype=np.int64)
+        self._positions = np.arange(config.gamma)
         self._pending: deque[tuple[int, torch.Tensor]] = deque()
 
     # ------------------------------------------------------------------ observations
@@ -110,34 +121,43 @@ class WidthPolicy:
 
     def _fold(self, width: int, accept_hist: torch.Tensor) -> None:
         """Decay the counts and add one step's reached / accepted drafts per position."""
-        hist = accept_hist.to("cpu", torch.float64)  # [gamma + 1]
-        if not bool(torch.isfinite(hist).all()) or bool((hist < 0).any()):
+        hist = accept_hist.to("cpu", torch.float64).numpy()  # [gamma + 1]
+        if not np.isfinite(hist).all() or (hist < 0).any():
             raise ValueError(f"WidthPolicy: accept_hist={hist.tolist()} has a negative or "
                              "non-finite count; the engine's histogram is corrupt")
-        if bool((hist[width:] != 0).any()):
+        if (hist[width:] != 0).any():
             raise ValueError(f"WidthPolicy: accept_hist={hist.tolist()} counts more than "
                              f"{width - 1} accepted drafts in a step of width {width}; pass "
                              "the width that step actually ran at")
-        tail = torch.flip(torch.cumsum(torch.flip(hist, (0,)), 0), (0,))  # [gamma+1]: sum a>=j
-        seen = torch.arange(self.config.gamma) < width - 1  # [gamma]: positions verified
+        tail = np.cumsum(hist[::-1])[::-1]  # [gamma + 1]: requests that accepted >= j
+        seen = self._positions < width - 1  # [gamma]: positions verified
         decay = self.config.decay
-        self.reached.mul_(decay).add_(torch.where(seen, tail[:-1], 0.0))
-        self.accepted.mul_(decay).add_(torch.where(seen, tail[1:], 0.0))
+        reached, accepted = self.reached.numpy(), self.accepted.numpy()  # views: in place
+        reached *= decay
+        reached += np.where(seen, tail[:-1], 0.0)
+        accepted *= decay
+        accepted += np.where(seen, tail[1:], 0.0)
 
     def hazards(self) -> torch.Tensor:
         """float64 [gamma]: accepted / reached per draft position; NaN where never reached."""
-        return torch.where(self.reached > 0, self.accepted / self.reached, torch.nan)
+        return torch.from_numpy(self._hazards())
+
+    def _hazards(self) -> np.ndarray:
+        reached, accepted = self.reached.numpy(), self.accepted.numpy()
+        out = np.full(reached.size, np.nan)
+        np.divide(accepted, reached, out=out, where=reached > 0)
+        return out
 
     # ------------------------------------------------------------------ decisions
     def scores(self, batch_size: int) -> dict[int, float]:
         """Expected tokens per second at every captured width (needs every hazard measured)."""
-        h = self.hazards()
-        if bool(torch.isnan(h).any()):
+        h = self._hazards()
+        if np.isnan(h).any():
             raise ValueError(f"WidthPolicy.scores: hazards {h.tolist()} are not all measured; "
                              "run the full width until every position has been reached")
-        widths = torch.tensor(self.config.widths)  # [W]
-        rates = self.rate.steps_per_second(widths * batch_size, batch_size)  # [W]
-        scores = batch_size * expected_tokens(h)[widths - 1] * rates  # [W]
+        widths = self._widths  # [W]
+        rates = self.rate.steps_per_second(torch.from_numpy(widths * batch_size), batch_size)
+        scores = batch_size * _expected(h)[widths - 1] * np.asarray(rates, dtype=np.float64)
         return dict(zip(self.config.widths, scores.tolist()))
 
     def choose(self, batch_size: int, *, full: bool = False) -> int:
@@ -150,7 +170,7 @@ class WidthPolicy:
             return cfg.gamma + 1
         if cfg.forced_width is not None:
             return cfg.forced_width
-        if not bool((self.reached > 0).all()) or step % cfg.refresh_every == 0:
+        if not self.reached.numpy().min() > 0 or step % cfg.refresh_every == 0:
             return cfg.gamma + 1
         scores = self.scores(batch_size)
         best = max(cfg.widths, key=lambda w: (scores[w], -w))  # ties to the narrower width
