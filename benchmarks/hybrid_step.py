@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shar
 
 from dspark_compile import VerifyLayout, dspark_compile  # noqa: E402
 from dspark_compile.graphs.tiers import Tier  # noqa: E402
-from timing import mix_lens  # noqa: E402
+from timing import mix_lens, plot_step_ms, time_ms as _time_ms  # noqa: E402
 
 PATTERN = ["linear_attention"] * 3 + ["full_attention"]
 QWEN3_NEXT_SMALL = dict(
@@ -141,26 +141,10 @@ def tiers_for(s: Settings) -> tuple[Tier, ...]:
 
 
 def time_ms(fn, s: Settings, iters: int) -> float:
-    """Mean ms per call over back-to-back calls between two events (no sync in between); wall
-    clock on the CPU."""
-    for _ in range(s.warmup):
-        fn()
-    if not s.gpu:
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            fn()
-        return (time.perf_counter() - t0) * 1e3 / iters
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
+    """ms per call (CUDA events on the GPU, wall clock in the CPU smoke run)."""
+    return _time_ms(fn, iters, warmup=s.warmup, gpu=s.gpu)
 
 
-# ---------------------------------------------------------------------- ours
 def check_correctness(model, verifier, s: Settings) -> float:
     """Largest |ours - HF| on real rows: prefill + one verify of 3 requests, each against HF's
     forward over that request's tokens alone."""
@@ -316,14 +300,11 @@ def compile_and_check(model, s: Settings) -> tuple:
 
 def capture(verifier, state, s: Settings) -> dict:
     tiers = tiers_for(s)
-    if s.gpu:
-        torch.cuda.synchronize()
-        torch.cuda.empty_cache()
-    mem0, t0 = torch.cuda.memory_reserved() if s.gpu else 0, time.perf_counter()
+    t0 = time.perf_counter()
     reports = verifier.capture(state, tiers=tiers, progress=s.gpu, use_graphs=s.gpu)
     out = {"graphs": s.gpu, "tiers": [(t.tokens, t.request_slots) for t in tiers],
            "seconds": time.perf_counter() - t0,
-           "pool_bytes": (torch.cuda.memory_reserved() - mem0) if s.gpu else 0,
+           "pool_bytes": sum(r.pool_bytes for r in reports),  # the graph pool's own segments
            "per_tier": [(r.tier.tokens, r.tier.request_slots, round(r.seconds, 4),
                          r.pool_bytes) for r in reports]}
     print(f"captured {len(reports)} of {len(tiers)} tiers in {out['seconds']:.1f} s, pool "
@@ -408,34 +389,16 @@ def environment(s: Settings) -> dict:
 
 
 def plot(data: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     res = data["results"]
-    bss = sorted(int(b) for b in res)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    hf = "hf_dense8_graph_ms" if all(res[str(b)]["hf_dense8_graph_ms"] for b in bss) else \
+    hf = "hf_dense8_graph_ms" if all(r["hf_dense8_graph_ms"] for r in res.values()) else \
         "hf_dense8_eager_ms"
-    for key, label in (("ours_graph_mix3_ms", "ours ragged, mean 3 (tier graph)"),
+    plot_step_ms(res, (("ours_graph_mix3_ms", "ours ragged, mean 3 (tier graph)"),
                        ("ours_graph_uniform3_ms", "ours uniform 3 (tier graph)"),
                        ("ours_graph_all8_ms", "ours all 8 (tier graph)"),
                        ("ours_eager_mix3_ms", "ours ragged, mean 3 (eager)"),
                        (hf, f"HF dense padded to 8 ({hf.split('_')[2]})"),
-                       ("floor_mean3_ms", "floor, mean 3")):
-        ys = [res[str(b)].get(key) for b in bss]
-        if all(y is not None for y in ys):
-            ax.plot(bss, ys, marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("requests (bs)")
-    ax.set_ylabel("ms per verify step")
-    ax.set_title(f"hybrid (Qwen3-Next-like) verify step, {data['environment']['gpu']}")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+                       ("floor_mean3_ms", "floor, mean 3")),
+                 f"hybrid (Qwen3-Next-like) verify step, {data['environment']['gpu']}", path)
 
 
 def main(argv=None) -> dict:

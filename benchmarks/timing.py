@@ -9,7 +9,52 @@ import time
 
 import torch
 
-__all__ = ["time_calls", "mix_lens"]
+__all__ = ["time_calls", "time_ms", "mix_lens", "plot_step_ms"]
+
+
+def time_ms(fn, iters: int, warmup: int = 3, gpu: bool = True) -> float:
+    """Mean ms per call over back-to-back calls between two CUDA events (no sync in between);
+    wall clock with ``gpu=False`` (CPU smoke runs)."""
+    for _ in range(warmup):
+        fn()
+    if not gpu:
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            fn()
+        return (time.perf_counter() - t0) * 1e3 / iters
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / iters
+
+
+def plot_step_ms(results: dict, series, title: str, path: str) -> None:
+    """PNG of ms per step against bs (log-log), one line per ``(key, label)`` of ``series``
+    that every bs of ``results`` (``{bs: {key: ms}}``) has."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    bss = sorted(int(b) for b in results)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for key, label in series:
+        ys = [results[str(b)].get(key) for b in bss]
+        if all(y is not None for y in ys):
+            ax.plot(bss, ys, marker="o", label=label)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("requests (bs)")
+    ax.set_ylabel("ms per verify step")
+    ax.set_title(title)
+    ax.legend(fontsize=8)
+    ax.grid(True, which="both", alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
 
 
 def mix_lens(bs: int, block: int, mean: int = 3, seed: int = 0) -> list[int]:

@@ -23,7 +23,7 @@ import time
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from timing import mix_lens as _mix_lens
+from timing import mix_lens as _mix_lens, plot_step_ms, time_ms  # noqa: F401 (re-exported)
 from dspark_compile.graphs.tiers import tier_set
 
 HBM_BYTES_PER_S = 4.8e12
@@ -47,20 +47,6 @@ def build_model():
 def mix_lens(bs: int, mean: int = 3, seed: int = 0) -> list[int]:
     """The fixed-seed mix of lengths 1..BLOCK with mean exactly ``mean``."""
     return _mix_lens(bs, BLOCK, mean, seed)
-
-
-def time_ms(fn, iters: int) -> float:
-    """Mean ms per call over back-to-back calls between two events (no sync in between)."""
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / iters
 
 
 def floor_ms(params: int, layers: int, kv_heads: int, head_dim: int, bs: int,
@@ -210,31 +196,12 @@ def environment() -> dict:
 
 
 def plot(data: dict, path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    res = data["results"]
-    bss = sorted(int(b) for b in res)
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for key, label in (("ours_graph_mix3_ms", "ours ragged, mean 3 (graph)"),
-                       ("ours_graph_uniform3_ms", "ours uniform 3 (graph)"),
-                       ("ours_eager_mix3_ms", "ours ragged, mean 3 (eager)"),
-                       ("pytorch_dense8_graph_ms", "PyTorch dense padded to 8 (graph)"),
-                       ("floor_mean3_ms", "floor, mean 3")):
-        ys = [res[str(b)].get(key) for b in bss]
-        if all(y is not None for y in ys):
-            ax.plot(bss, ys, marker="o", label=label)
-    ax.set_xscale("log", base=2)
-    ax.set_yscale("log")
-    ax.set_xlabel("requests (bs)")
-    ax.set_ylabel("ms per verify step")
-    ax.set_title(f"verify step, {data['environment']['gpu']}")
-    ax.legend(fontsize=8)
-    ax.grid(True, which="both", alpha=0.3)
-    fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    plot_step_ms(data["results"], (
+        ("ours_graph_mix3_ms", "ours ragged, mean 3 (graph)"),
+        ("ours_graph_uniform3_ms", "ours uniform 3 (graph)"),
+        ("ours_eager_mix3_ms", "ours ragged, mean 3 (eager)"),
+        ("pytorch_dense8_graph_ms", "PyTorch dense padded to 8 (graph)"),
+        ("floor_mean3_ms", "floor, mean 3")), f"verify step, {data['environment']['gpu']}", path)
 
 
 def main() -> None:
