@@ -58,7 +58,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shar
 
 from dspark_compile import VerifyLayout, dspark_compile  # noqa: E402
 from dspark_compile.graphs.tiers import Tier  # noqa: E402
-from timing import mix_lens, plot_step_ms, time_ms as _time_ms  # noqa: E402
+from timing import capture_graph, mix_lens, plot_step_ms, time_ms as _time_ms  # noqa: E402
 
 PATTERN = ["linear_attention"] * 3 + ["full_attention"]
 QWEN3_NEXT_SMALL = dict(
@@ -225,19 +225,7 @@ def hf_dense(model, s: Settings, bs: int):
     classes = sorted({type(layer).__name__ for layer in cache.layers})
     if not s.gpu:
         return step, None, "no CUDA device (--smoke): eager only", classes
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return step, graph, None, classes
-    except Exception as err:  # reported in the JSON, never hidden
-        torch.cuda.synchronize()
-        return step, None, f"{type(err).__name__}: {err}"[:300], classes
+    return (step, *capture_graph(step), classes)
 
 
 def _cache_tensors(cache) -> list[torch.Tensor]:

@@ -9,7 +9,26 @@ import time
 
 import torch
 
-__all__ = ["time_calls", "time_ms", "mix_lens", "plot_step_ms"]
+__all__ = ["time_calls", "time_ms", "capture_graph", "mix_lens", "plot_step_ms"]
+
+
+def capture_graph(step) -> tuple:
+    """``(graph, None)``: ``step`` captured in a CUDA graph after a warm-up call on a side
+    stream; ``(None, error)`` if it cannot be captured (the error goes into the JSON, never
+    hidden)."""
+    try:
+        side = torch.cuda.Stream()
+        side.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(side):
+            step()
+        torch.cuda.current_stream().wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            step()
+        return graph, None
+    except Exception as err:  # noqa: BLE001 - reported by the caller
+        torch.cuda.synchronize()
+        return None, f"{type(err).__name__}: {err}"[:300]
 
 
 def time_ms(fn, iters: int, warmup: int = 3, gpu: bool = True) -> float:

@@ -23,7 +23,7 @@ import time
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from timing import mix_lens as _mix_lens, plot_step_ms, time_ms  # noqa: F401 (re-exported)
+from timing import capture_graph, mix_lens as _mix_lens, plot_step_ms, time_ms  # noqa: F401
 from dspark_compile.graphs.tiers import tier_set
 
 HBM_BYTES_PER_S = 4.8e12
@@ -94,19 +94,7 @@ def hf_dense(model, bs: int):
                          past_key_values=cache, cache_position=cache_pos, use_cache=True).logits
 
     step()
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            step()
-        return step, graph, None
-    except Exception as err:  # reported in the JSON, never hidden
-        torch.cuda.synchronize()
-        return step, None, f"{type(err).__name__}: {err}"[:300]
+    return (step, *capture_graph(step))
 
 
 def run(args, save) -> dict:

@@ -2,8 +2,9 @@
 
 The forward is captured once per tier into one shared CUDA-graph memory pool. A call copies
 its inputs into static buffers sized for the largest tier (token ids, and one int32 row holding
-query_start_loc, context lengths, slots and mRoPE deltas, so the host does two copies), pads them, replays
-the smallest tier that holds the batch, and returns the real rows of a static logits buffer.
+query_start_loc, context lengths, slots and mRoPE deltas, so the host does two copies), pads
+them, replays the smallest tier that holds the batch, and returns the real rows of a static
+logits buffer.
 Per-row metadata (positions, slot mapping, block-table rows) is computed on the device inside
 the graph, so there is no host-side packing beyond those two copies.
 

@@ -235,7 +235,8 @@ def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads
 def _ragged_attention_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
         query_start_loc_ptr, seq_lens_ptr, block_table_ptr, slot_mapping_ptr, scale_log2,
-        num_tokens, num_requests, num_splits, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+        num_tokens, num_requests, num_splits, stride_q_tok, stride_q_head, stride_k_tok,
+        stride_k_head,
         stride_v_tok, stride_v_head, stride_out_tok, stride_out_head, stride_bt_req,
         stride_cache_row, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
@@ -494,7 +495,8 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
             and cfg.backend == "cuda" and q.device.type == "cuda" else {})
     _ragged_attention_kernel[plan.grid](
         out, part_acc, part_ml, q, k, v, k_cache, v_cache, query_start_loc, seq_lens,
-        block_table, slot_mapping, scale * _LOG2E, n, r, plan.num_splits, q.stride(0), q.stride(1), k.stride(0),
+        block_table, slot_mapping, scale * _LOG2E, n, r, plan.num_splits, q.stride(0),
+        q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), hkv * d, NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad,
         HEAD_DIM=d, HEAD_DIM_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_Q=plan.block_q,
