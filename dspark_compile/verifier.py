@@ -250,23 +250,26 @@ class Verifier:
 
     def capture(self, state: VerifierState, tiers: tuple[Tier, ...] | None = None,
                 block: int | None = None, progress: bool = True, use_graphs: bool | None = None,
-                debug: bool = False) -> list[TierReport]:
+                debug: bool = False, commit_graphs: bool = True) -> list[TierReport]:
         """Capture the packed forward per token tier for ``state``; later calls on ``state``
         replay the smallest tier that holds the batch.
 
         ``tiers`` defaults to ``tier_set(state.max_requests, block)``. Without a GPU (or with
         ``use_graphs=False``) nothing is captured but calls still go through the static,
-        padded buffers. Returns the time and pool memory each tier took (empty if not
-        captured).
+        padded buffers. Models with linear-attention layers also capture their commit, one graph
+        per request-slot count (``commit_graphs=False``: commits run eagerly). Returns the time
+        and pool memory each tier took (empty if not captured).
         """
         block = block or self.config.block
         tiers = tiers or tier_set(state.max_requests, block)
         vocab = self.graph_module.graph.find_nodes(op="output")[0].args[0].meta["val"].shape[1]
         mrope = self.adapter.mrope is not None
+        commit = None if state.linear is None or not commit_graphs else (
+            lambda qsl, slots, acc: state.linear.commit(self._commit_ops, qsl, slots, acc))
         graphs = TierGraphs(
             lambda ids, qsl, ctx, slots, deltas: self._packed(
                 ids, qsl, ctx, slots, state, deltas if mrope else None),
-            tiers, int(vocab), self.dtype, state.block_table.device, use_graphs, debug)
+            tiers, int(vocab), self.dtype, state.block_table.device, use_graphs, debug, commit)
         state.graphs = graphs
         return graphs.capture(progress) if graphs.use_graphs else []
 
@@ -328,10 +331,13 @@ class Verifier:
 
         KV needs bookkeeping only (rejected rows are never read); linear-attention layers
         replay each request's accepted prefix from the replay rings onto its slot, so this
-        must follow the forward that wrote the rings, with the same layout.
+        must follow the forward that wrote the rings, with the same layout. After
+        ``capture(state)`` that replay is one CUDA graph per request-slot count (the static,
+        padded path on the CPU).
         """
         acc = state.commit(layout, accept_lens)
-        if state.linear is not None:
+        if state.linear is not None and not (
+                state.graphs is not None and state.graphs.commit(layout, acc)):
             dev = state.block_table.device
             state.linear.commit(self._commit_ops, layout.query_start_loc.to(dev),
                                 layout.slots.to(dev), acc.to(dev))

@@ -121,3 +121,38 @@ def test_capture_whole_tier_set_ten_times(plain_gpu):
             assert torch.isfinite(out).all()
         del graphs, state
     torch.cuda.synchronize()
+
+
+def test_hybrid_commit_graphs_match_eager_commit():
+    """Qwen3.5-like hybrid on the GPU: tier graphs for the forward and one commit graph per
+    request-slot count, against the same steps without graphs (slot 0 is both a real request
+    and where padded requests point)."""
+    from helpers import tiny_qwen35
+
+    model = tiny_qwen35(vocab=101).cuda()
+    verifier = dspark_compile(model, lowering="triton")
+    states = [verifier.new_state(max_requests=8, max_context=96) for _ in range(2)]
+    verifier.capture(states[1], block=8, progress=False)
+    assert states[1].graphs.commit_graphs, "hybrid states capture their commit"
+    gen, rng = torch.Generator().manual_seed(5), random.Random(5)
+    slots, ctx = [0, 3, 5], [0, 0, 0]
+    prompt = [torch.randint(0, 100, (n,), generator=gen).cuda() for n in (6, 2, 9)]
+    for state in states:
+        layout = VerifyLayout.pack([6, 2, 9], ctx, slots)
+        verifier(torch.cat(prompt), layout, state)
+        verifier.commit(layout, [6, 2, 9], state)
+    ctx = [6, 2, 9]
+    for _ in range(20):
+        lens = [rng.randint(1, 8) for _ in slots]
+        accept = [rng.randint(1, n) for n in lens]
+        ids = torch.randint(0, 100, (sum(lens),), generator=gen).cuda()
+        layout = VerifyLayout.pack(lens, ctx, slots)
+        outs = []
+        for state in states:
+            outs.append(verifier(ids, layout, state).clone())
+            verifier.commit(layout, accept, state)
+        torch.testing.assert_close(outs[1], outs[0], atol=2e-3, rtol=2e-3)
+        ctx = [c + a for c, a in zip(ctx, accept)]
+    for a, b in zip((*states[0].linear.conv_states, *states[0].linear.recurrent_states),
+                    (*states[1].linear.conv_states, *states[1].linear.recurrent_states)):
+        torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)

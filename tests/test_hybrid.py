@@ -128,3 +128,41 @@ def test_forward_longer_than_the_rings_is_refused(compiled):
     with pytest.raises(ValueError, match="max_step_tokens=8"):
         verifier(torch.zeros(9, dtype=torch.int64), layout, state)
     assert all(p.abs().sum() == 0 for p in _linear_state(state))
+
+
+def test_tier_buffers_commit_like_the_plain_path(compiled, monkeypatch):
+    """After ``capture`` the commit goes through the static, padded buffers (one graph per
+    request-slot count on a GPU): padded requests sit in slot 0 and accept nothing, and slot 0
+    also holds a real request here. Logits and every conv and recurrent state match the plain
+    path, and the static commit is the one that ran."""
+    _, verifier = compiled
+    from dspark_compile.graphs.runner import TierGraphs
+
+    used = []
+    original = TierGraphs.commit
+    monkeypatch.setattr(TierGraphs, "commit",
+                        lambda self, *a: used.append(original(self, *a)) or used[-1])
+    gen = torch.Generator().manual_seed(5)
+    slots, prompts = [0, 3, 5], [6, 2, 9]
+    states = [verifier.new_state(max_requests=8, max_context=96) for _ in range(2)]
+    verifier.capture(states[1], block=8, use_graphs=False)
+    ctx = [0] * len(slots)
+    prompt = [torch.randint(0, POISON, (n,), generator=gen) for n in prompts]
+    for state in states:
+        _, layout = _step(verifier, state, prompt, ctx, slots)
+        verifier.commit(layout, prompts, state)
+    ctx, rng = list(prompts), random.Random(5)
+    for _ in range(4):
+        lens = [rng.randint(1, 8) for _ in slots]
+        accept = [rng.randint(1, n) for n in lens]
+        tokens = [torch.randint(0, POISON, (n,), generator=gen) for n in lens]
+        outs = []
+        for state in states:
+            logits, layout = _step(verifier, state, tokens, ctx, slots)
+            verifier.commit(layout, accept, state)
+            outs.append(logits.clone())
+        torch.testing.assert_close(outs[1], outs[0], atol=1e-5, rtol=1e-5)
+        for a, b in zip(_linear_state(states[0]), _linear_state(states[1])):
+            torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
+        ctx = [c + a for c, a in zip(ctx, accept)]
+    assert used and all(used), "the static-buffer commit must have run"

@@ -12,8 +12,14 @@ Padding contract: padded requests have length 0 (their query_start_loc entries r
 token count) and read nothing; padded rows belong to no request, write no KV (slot mapping -1)
 and come out of attention as zeros; their logits are never returned.
 
-Without a GPU (or with ``use_graphs=False``) the same code runs the forward eagerly on the
-static buffers: that is how the static-buffer and padding path is tested on the CPU.
+Models with linear-attention layers also get one commit graph per request-slot count: a commit
+stages ``query_start_loc``, slots and accept lengths into the same row (padded requests accept
+nothing, so the commit kernels leave every state alone for them) and replays the commit of every
+layer in one graph instead of two eager launches per layer.
+
+Without a GPU (or with ``use_graphs=False``) the same code runs the forward and the commit
+eagerly on the static buffers: that is how the static-buffer and padding path is tested on the
+CPU.
 """
 
 from __future__ import annotations
@@ -51,26 +57,30 @@ class TierGraphs:
 
     def __init__(self, forward: Callable, tiers: tuple[Tier, ...], vocab: int,
                  dtype: torch.dtype, device: torch.device, use_graphs: bool | None = None,
-                 debug: bool = False) -> None:
+                 debug: bool = False, commit: Callable | None = None) -> None:
         if not tiers:
             raise ValueError("TierGraphs: the tier set is empty")
         self.forward, self.tiers, self.debug = forward, tuple(sorted(tiers)), debug
+        self.commit_fn = commit  # (qsl [S+1], slots [S], accept_lens [S]) -> None, or None
+        self.commit_slots = tuple(sorted({t.request_slots for t in tiers}))
         self.device = device
         self.use_graphs = device.type == "cuda" if use_graphs is None else use_graphs
         self.max_tokens = max(t.tokens for t in tiers)
         self.max_slots = max(t.request_slots for t in tiers)
         s = self.max_slots
         self.ids = torch.zeros(self.max_tokens, dtype=torch.int64, device=device)
-        self.meta = torch.zeros(4 * s + 1, dtype=torch.int32, device=device)
+        # [qsl S+1 | context S | slots S | mRoPE deltas S | accept lens S]
+        self.meta = torch.zeros(5 * s + 1, dtype=torch.int32, device=device)
         self.logits = torch.zeros(self.max_tokens, vocab, dtype=dtype, device=device)
         # Two pinned staging rows used in turn: a row is rewritten only after the copy that
         # read it has run (its event), so a step can be packed while the last one runs.
         pinned = device.type == "cuda"
-        self._host_meta = [torch.zeros(4 * s + 1, dtype=torch.int32, pin_memory=pinned)
+        self._host_meta = [torch.zeros(5 * s + 1, dtype=torch.int32, pin_memory=pinned)
                            for _ in range(2)]
         self._copied = [torch.cuda.Event() if pinned else None for _ in range(2)]
         self._turn = 0
         self.graphs: dict[Tier, torch.cuda.CUDAGraph] = {}
+        self.commit_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self._addresses = self._buffer_addresses()
         self._warned_eager = False
         self._tier_of: dict[tuple[int, int], Tier | None] = {}
@@ -85,9 +95,25 @@ class TierGraphs:
         return (self.ids[:tier.tokens], self.meta[:s + 1], self.meta[base:base + s],
                 self.meta[base + m:base + m + s], self.meta[base + 2 * m:base + 2 * m + s])
 
+    def commit_views(self, slots: int) -> tuple[torch.Tensor, ...]:
+        """The static commit inputs of ``slots`` request slots: qsl [S+1], slots [S], accept
+        lens [S]."""
+        base, m = self.max_slots + 1, self.max_slots
+        return (self.meta[:slots + 1], self.meta[base + m:base + m + slots],
+                self.meta[base + 3 * m:base + 3 * m + slots])
+
     def fill(self, tier: Tier, input_ids: torch.Tensor, layout: VerifyLayout) -> None:
         """Copy a batch into the static buffers of ``tier`` and pad the rest."""
-        n, r, s = layout.num_tokens, layout.num_requests, tier.request_slots
+        self._stage(layout, tier.request_slots)
+        n = layout.num_tokens
+        self.ids[:n].copy_(input_ids, non_blocking=True)
+        self.ids[n:tier.tokens].zero_()
+
+    def _stage(self, layout: VerifyLayout, s: int, accept_lens: torch.Tensor | None = None
+               ) -> None:
+        """Write the layout (and accept lengths; zeros without them) of ``s`` request slots into
+        a pinned row and copy it to the static metadata."""
+        n, r = layout.num_tokens, layout.num_requests
         turn = self._turn = 1 - self._turn
         if self._copied[turn] is not None:
             self._copied[turn].synchronize()
@@ -102,11 +128,12 @@ class TierGraphs:
         h[base + 2 * m:base + 2 * m + s] = 0  # padded requests (and no mRoPE deltas): delta 0
         if layout.mrope_deltas is not None:
             h[base + 2 * m:base + 2 * m + r] = layout.mrope_deltas.numpy()
+        h[base + 3 * m:base + 3 * m + s] = 0  # padded requests accept nothing
+        if accept_lens is not None:
+            h[base + 3 * m:base + 3 * m + r] = accept_lens.numpy()
         self.meta.copy_(host, non_blocking=True)
         if self._copied[turn] is not None:
             self._copied[turn].record()
-        self.ids[:n].copy_(input_ids, non_blocking=True)
-        self.ids[n:tier.tokens].zero_()
 
     def _fill_empty(self, tier: Tier) -> None:
         """All rows padding: what a capture runs on (it must not write any KV)."""
@@ -151,6 +178,22 @@ class TierGraphs:
             now = _pool_bytes(pool, self.device)
             reports.append(TierReport(tier, time.perf_counter() - start, now - held))
             held = now
+        if self.commit_fn is not None:  # all-zero metadata: every request empty, no state moves
+            self.meta.zero_()
+            for slots in sorted(self.commit_slots, reverse=True):
+                stream.wait_stream(torch.cuda.current_stream(self.device))
+                with torch.cuda.stream(stream):
+                    self.commit_fn(*self.commit_views(slots))
+                    stream.synchronize()
+                    graph = torch.cuda.CUDAGraph()
+                    graph.capture_begin(pool=pool)
+                    try:
+                        self.commit_fn(*self.commit_views(slots))
+                    finally:
+                        graph.capture_end()
+                torch.cuda.current_stream(self.device).wait_stream(stream)
+                torch.cuda.synchronize(self.device)
+                self.commit_graphs[slots] = graph
         if progress:
             _progress(len(order), len(order), None)
         return reports
@@ -183,6 +226,23 @@ class TierGraphs:
         else:
             self.logits[:tier.tokens].copy_(self.forward(*self.views(tier)))
         return self.logits[:n]
+
+    def commit(self, layout: VerifyLayout, accept_lens: torch.Tensor) -> bool:
+        """Replay the linear-state commit of ``layout`` (``accept_lens``: int64 [R], CPU,
+        checked) on the smallest commit graph that holds its requests; False (nothing done) when
+        there is no commit function or the batch is past the largest tier."""
+        if self.commit_fn is None:
+            return False
+        r = layout.num_requests
+        slots = next((s for s in self.commit_slots if s >= r), None)
+        if slots is None:
+            return False
+        self._stage(layout, slots, accept_lens)
+        if slots in self.commit_graphs:
+            self.commit_graphs[slots].replay()
+        else:
+            self.commit_fn(*self.commit_views(slots))
+        return True
 
     def _check(self, tier: Tier, n: int, r: int) -> None:
         if self._buffer_addresses() != self._addresses:
