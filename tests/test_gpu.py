@@ -156,3 +156,29 @@ def test_hybrid_commit_graphs_match_eager_commit():
     for a, b in zip((*states[0].linear.conv_states, *states[0].linear.recurrent_states),
                     (*states[1].linear.conv_states, *states[1].linear.recurrent_states)):
         torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)
+
+
+def test_group_linears_verifier_matches_ungrouped_in_bf16():
+    """q+k+v through the grouped skinny matmul (Triton, bf16) against torch.mm, whole verifier:
+    a prefill (wide, torch.mm) and verify steps of 3..40 rows (the kernel)."""
+    model = tiny_llama(layers=2).cuda().to(torch.bfloat16)
+    verifiers = [dspark_compile(model, lowering="triton", group_linears=g) for g in (False, True)]
+    states = [v.new_state(max_requests=8, max_context=96) for v in verifiers]
+    gen, rng = torch.Generator().manual_seed(2), random.Random(2)
+    slots, ctx = [1, 4, 6, 0, 2], [0] * 5
+    prompts = [rng.randint(3, 20) for _ in slots]
+    ids = torch.randint(0, 97, (sum(prompts),), generator=gen).cuda()
+    layout = VerifyLayout.pack(prompts, ctx, slots)
+    for v, s in zip(verifiers, states):
+        v(ids, layout, s)
+        v.commit(layout, prompts, s)
+    ctx = list(prompts)
+    for _ in range(5):
+        lens = [rng.randint(1, 8) for _ in slots]
+        ids = torch.randint(0, 97, (sum(lens),), generator=gen).cuda()
+        layout = VerifyLayout.pack(lens, ctx, slots)
+        outs = [v(ids, layout, s).float() for v, s in zip(verifiers, states)]
+        torch.testing.assert_close(outs[1], outs[0], atol=5e-2, rtol=5e-2)
+        for v, s in zip(verifiers, states):
+            v.commit(layout, lens, s)
+        ctx = [c + n for c, n in zip(ctx, lens)]
