@@ -9,6 +9,11 @@
 # rotary, runtime_device, profile_sps, linear, e2e_quick, e2e. Each job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
 # A job that runs past its limit is stopped and the next one starts.
+#
+# The tests need expecttest, which a bare GPU image may lack: put its wheel in .whl/ (ignored by
+# git), e.g. `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
+# --implementation cp --platform manylinux2014_x86_64 -d .whl expecttest==0.3.0`, and ship that
+# folder with the tree; the wheels found there are installed to /tmp/site first.
 set -u
 
 job() {
@@ -44,6 +49,10 @@ if [ "${1:-}" = "--one" ]; then  # one job, under the caller's timeout
 fi
 out=${1:?usage: gpu_session.sh OUTDIR JOB:SECONDS ...}
 shift
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --target /tmp/site .whl/*.whl &&
+    export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 res=$out/res
 mkdir -p "$res"
 export PYTHONUNBUFFERED=1 OUT=$res
