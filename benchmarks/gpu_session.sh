@@ -4,9 +4,9 @@
 #
 #   bash benchmarks/gpu_session.sh OUTDIR JOB:SECONDS [JOB:SECONDS ...]
 #
-# Jobs: tests, tests_graphs, sanitizer, verify_step, verify_step_grouped, profile_step,
-# profile_step_grouped, attention, hybrid_kernels, hybrid_step,
-# rotary, runtime_device, profile_sps, linear, e2e_quick, e2e. Each job's output goes to
+# Jobs: tests, tests_graphs, sanitizer, verify_step, verify_step_grouped, verify_step_rotary,
+# profile_step, profile_step_grouped, attention, hybrid_kernels, hybrid_step, rotary,
+# runtime_device, profile_sps, linear, e2e_quick, e2e. Each job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
 # A job that runs past its limit is stopped and the next one starts.
 #
@@ -25,6 +25,7 @@ job() {
         tests/test_gpu.py -k bitwise -p no:cacheprovider ;;
     verify_step) python3 benchmarks/verify_step.py ;;
     verify_step_grouped) python3 benchmarks/verify_step.py --group-linears ;;
+    verify_step_rotary) python3 benchmarks/verify_step.py --rotary triton ;;
     profile_step) python3 benchmarks/profile_step.py ;;
     profile_step_grouped) python3 benchmarks/profile_step.py --group-linears ;;
     attention) python3 benchmarks/attention_kernel.py ;;

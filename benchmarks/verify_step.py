@@ -5,7 +5,7 @@ Model: Llama-like 1.1B, bf16, random weights (hidden 2048, 16 layers, 16 heads, 
 head 128, FFN 8192, vocab 32000); context 1024, page 16, block 8; bs 1, 8, 64, 256.
 Verify lengths: all 8, and a fixed-seed mix with mean exactly 3 (same token count as uniform 3).
 
-    python benchmarks/verify_step.py [--out DIR] [--quick] [--group-linears]
+    python benchmarks/verify_step.py [--out DIR] [--quick] [--group-linears] [--rotary triton]
 
 Writes ``verify_step.json`` (GPU, versions, every setting, all timings) and
 ``verify_step.png`` to DIR (default: $OUT if set, else benchmarks/results).
@@ -104,7 +104,8 @@ def run(args, save) -> dict:
     model.set_attn_implementation("sdpa")
     t0 = time.perf_counter()
     verifier = dspark_compile(model, lowering="triton", inductor=True, page_size=PAGE,
-                              block=BLOCK, group_linears=args.group_linears)
+                              block=BLOCK, group_linears=args.group_linears,
+                              rotary=args.rotary)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     max_err = check_correctness(model, verifier)
@@ -198,14 +199,18 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="bs 1 and 8 only, fewer iters")
     parser.add_argument("--group-linears", action="store_true",
                         help="DSparkConfig(group_linears=True); files get a _group_linears suffix")
+    parser.add_argument("--rotary", choices=("inductor", "triton"), default="inductor",
+                        help="DSparkConfig(rotary=...); triton: files get a _rotary_triton suffix")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("verify_step.py needs a GPU")
     os.makedirs(args.out, exist_ok=True)
     env = environment()
-    suffix = "_group_linears" if args.group_linears else ""
-    env["group_linears"] = args.group_linears
-    env["command"] += " --group-linears" if args.group_linears else ""
+    suffix = ("_group_linears" if args.group_linears else "") + \
+        ("_rotary_triton" if args.rotary == "triton" else "")
+    env["group_linears"], env["rotary"] = args.group_linears, args.rotary
+    env["command"] += (" --group-linears" if args.group_linears else "") + \
+        (" --rotary triton" if args.rotary == "triton" else "")
 
     def save(part: dict) -> None:
         with open(os.path.join(args.out, f"verify_step{suffix}.json"), "w") as f:

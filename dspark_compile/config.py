@@ -27,6 +27,13 @@ class DSparkConfig:
     Triton launch (2.3x faster than three ``torch.mm`` at 3 rows on an H200, kernel alone:
     ``benchmarks/linear_kernel.py``). Off by default until a whole verify step is measured
     with it."""
+    rotary: str = "inductor"
+    """Where a layer's rotary runs: ``"inductor"`` (the packed graph's own ops, fused by
+    Inductor when ``inductor=True``) or ``"triton"`` (``fuse_rotary`` makes each layer's q/k
+    rotation one ``dspark::rotary_apply``: one Triton launch on a GPU). In-graph on an H200 the
+    Inductor rotary kernels took 2.8 / 7.8 / 18.1 us per layer at bs 1 / 64 / 256 and the Triton
+    kernel alone 2.4 / 3.4 / 8.9 (``benchmarks/rotary.py``); ``"inductor"`` stays the default
+    until a whole step is measured with ``"triton"``."""
     max_step_tokens: int = 4096
     """Most packed rows (all requests' tokens) one forward may run on a model with
     linear-attention layers: it sizes their replay rings (one saved row per token, per layer),
@@ -40,6 +47,9 @@ class DSparkConfig:
         if not isinstance(self.max_step_tokens, int) or self.max_step_tokens < 1:
             raise ValueError(f"DSparkConfig.max_step_tokens={self.max_step_tokens!r}; it must "
                              "be an int >= 1")
+        if self.rotary not in ("inductor", "triton"):
+            raise ValueError(f"DSparkConfig.rotary={self.rotary!r}; it must be 'inductor' or "
+                             "'triton'")
         if self.lowering not in ("auto", "triton", "reference"):
             raise ValueError(f"DSparkConfig.lowering={self.lowering!r}; it must be 'auto', "
                              "'triton' or 'reference'")

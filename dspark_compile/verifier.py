@@ -45,7 +45,7 @@ def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
     captured = capture_dense(adapter, param.dtype, param.device)
     ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
     gm, results = run_passes(captured.gm, ctx)
-    results.extend(lower(gm, lowering, config.block, config.group_linears))
+    results.extend(lower(gm, lowering, config.block, config.group_linears, config.rotary))
     return Verifier(adapter, gm, ctx.inputs, results, captured, config, param.dtype,
                     param.device, lowering)
 

@@ -182,3 +182,23 @@ def test_group_linears_verifier_matches_ungrouped_in_bf16():
         for v, s in zip(verifiers, states):
             v.commit(layout, lens, s)
         ctx = [c + n for c, n in zip(ctx, lens)]
+
+
+def test_fused_rotary_verifier_matches_inductor_rotary_in_bf16():
+    """rotary="triton" (one Triton launch per layer for q and k) against the graph's own rotary
+    under Inductor, whole verifier in bf16."""
+    model = tiny_llama(layers=2).cuda().to(torch.bfloat16)
+    verifiers = [dspark_compile(model, lowering="triton", inductor=True, rotary=r)
+                 for r in ("inductor", "triton")]
+    states = [v.new_state(max_requests=8, max_context=96) for v in verifiers]
+    gen, rng = torch.Generator().manual_seed(3), random.Random(3)
+    slots, ctx = [1, 4, 6], [0, 0, 0]
+    for _ in range(5):
+        lens = [rng.randint(1, 8) for _ in slots]
+        ids = torch.randint(0, 97, (sum(lens),), generator=gen).cuda()
+        layout = VerifyLayout.pack(lens, ctx, slots)
+        outs = [v(ids, layout, s).float() for v, s in zip(verifiers, states)]
+        torch.testing.assert_close(outs[1], outs[0], atol=5e-2, rtol=5e-2)
+        for v, s in zip(verifiers, states):
+            v.commit(layout, lens, s)
+        ctx = [c + n for c, n in zip(ctx, lens)]

@@ -101,7 +101,43 @@ def _(x, weights):
     return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
 
 
+def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    half = t.shape[-1] // 2
+    return t * cos[:, None] + torch.cat([-t[..., half:], t[..., :half]], -1) * sin[:, None]
+
+
+@torch.library.custom_op("dspark::rotary_apply", mutates_args=())
+def rotary_apply(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
+                 sin: torch.Tensor) -> list[torch.Tensor]:
+    """HF's ``q * cos + rotate_half(q) * sin`` for a layer's q ``x [N, Hx, D]`` and k ``y [N, Hy,
+    D]`` with ``cos``/``sin [N, D]``, one node; the reference is that math in the inputs' dtype
+    (the ops the model's own graph ran)."""
+    return [_rotate(x, cos, sin), _rotate(y, cos, sin)]
+
+
+@rotary_apply.register_fake
+def _(x, y, cos, sin):
+    return [torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(y.shape, dtype=y.dtype, device=y.device)]
+
+
+@torch.library.custom_op("dspark::rotary_apply_triton", mutates_args=(), device_types=("cuda",))
+def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor) -> list[torch.Tensor]:
+    """``dspark::rotary_apply`` lowered to Triton (q and k in one launch)."""
+    from .triton_rotary_apply import rotary_apply_triton as kernel  # needs a GPU driver
+
+    return kernel(x, y, cos, sin)
+
+
+@rotary_apply_triton.register_fake
+def _(x, y, cos, sin):
+    return [torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(y.shape, dtype=y.dtype, device=y.device)]
+
+
 LOWERED = {"triton": {torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton,
                       torch.ops.dspark.linear_group: torch.ops.dspark.linear_group_triton,
+                      torch.ops.dspark.rotary_apply: torch.ops.dspark.rotary_apply_triton,
                       **linear_ops.LINEAR_LOWERED["triton"]}}
 """Per lowering: reference op packet -> the op that implements it there."""

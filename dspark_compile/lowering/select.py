@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..passes.base import EnsureError, PassResult
+from .fuse_rotary import fuse_rotary
 from .group_linear import group_linears
 from .ops import LOWERED
 
@@ -40,14 +41,17 @@ def resolve_lowering(requested: str, device: torch.device) -> str:
     return requested
 
 
-def lower(gm: fx.GraphModule, lowering: str, block: int, group: bool = False
-          ) -> list[PassResult]:
-    """With ``group``, group the matmuls that share their rows (``group_linears``); then swap
-    each reference ``dspark::`` op for its ``lowering`` implementation, in place.
+def lower(gm: fx.GraphModule, lowering: str, block: int, group: bool = False,
+          rotary: str = "inductor") -> list[PassResult]:
+    """With ``group``, group the matmuls that share their rows (``group_linears``); with
+    ``rotary="triton"``, fuse each layer's q/k rotation (``fuse_rotary``); then swap each
+    reference ``dspark::`` op for its ``lowering`` implementation, in place.
 
     The Triton attention also gets ``block`` as its query-tile bound (a speed choice only).
     """
     grouped = [group_linears(gm)] if group else []
+    if rotary == "triton":
+        grouped.append(fuse_rotary(gm))
     result = PassResult(f"lower[{lowering}]", changed=0)
     table = LOWERED.get(lowering, {})
     for node in gm.graph.nodes:
