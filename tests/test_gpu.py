@@ -158,30 +158,30 @@ def test_hybrid_commit_graphs_match_eager_commit():
         torch.testing.assert_close(b, a, atol=2e-3, rtol=2e-3)
 
 
+def _same_steps(verifiers, slots, prompts, seed, steps=5, tol=5e-2):
+    """Prefill ``prompts`` (if any) and run ``steps`` random verify/commit steps through each
+    verifier on its own state; every step's logits must agree within ``tol``."""
+    states = [v.new_state(max_requests=8, max_context=96) for v in verifiers]
+    gen, rng = torch.Generator().manual_seed(seed), random.Random(seed)
+    ctx = [0] * len(slots)
+    for i in range(steps + (1 if prompts else 0)):
+        lens = prompts if (i == 0 and prompts) else [rng.randint(1, 8) for _ in slots]
+        ids = torch.randint(0, 97, (sum(lens),), generator=gen).cuda()
+        layout = VerifyLayout.pack(lens, ctx, slots)
+        outs = [v(ids, layout, s).float() for v, s in zip(verifiers, states)]
+        torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+        for v, s in zip(verifiers, states):
+            v.commit(layout, lens, s)
+        ctx = [c + n for c, n in zip(ctx, lens)]
+
+
 def test_group_linears_verifier_matches_ungrouped_in_bf16():
     """q+k+v through the grouped skinny matmul (Triton, bf16) against torch.mm, whole verifier:
     a prefill (wide, torch.mm) and verify steps of 3..40 rows (the kernel)."""
     model = tiny_llama(layers=2).cuda().to(torch.bfloat16)
     verifiers = [dspark_compile(model, lowering="triton", group_linears=g) for g in (False, True)]
-    states = [v.new_state(max_requests=8, max_context=96) for v in verifiers]
-    gen, rng = torch.Generator().manual_seed(2), random.Random(2)
-    slots, ctx = [1, 4, 6, 0, 2], [0] * 5
-    prompts = [rng.randint(3, 20) for _ in slots]
-    ids = torch.randint(0, 97, (sum(prompts),), generator=gen).cuda()
-    layout = VerifyLayout.pack(prompts, ctx, slots)
-    for v, s in zip(verifiers, states):
-        v(ids, layout, s)
-        v.commit(layout, prompts, s)
-    ctx = list(prompts)
-    for _ in range(5):
-        lens = [rng.randint(1, 8) for _ in slots]
-        ids = torch.randint(0, 97, (sum(lens),), generator=gen).cuda()
-        layout = VerifyLayout.pack(lens, ctx, slots)
-        outs = [v(ids, layout, s).float() for v, s in zip(verifiers, states)]
-        torch.testing.assert_close(outs[1], outs[0], atol=5e-2, rtol=5e-2)
-        for v, s in zip(verifiers, states):
-            v.commit(layout, lens, s)
-        ctx = [c + n for c, n in zip(ctx, lens)]
+    rng = random.Random(2)
+    _same_steps(verifiers, [1, 4, 6, 0, 2], [rng.randint(3, 20) for _ in range(5)], seed=2)
 
 
 def test_fused_rotary_verifier_matches_inductor_rotary_in_bf16():
@@ -190,15 +190,4 @@ def test_fused_rotary_verifier_matches_inductor_rotary_in_bf16():
     model = tiny_llama(layers=2).cuda().to(torch.bfloat16)
     verifiers = [dspark_compile(model, lowering="triton", inductor=True, rotary=r)
                  for r in ("inductor", "triton")]
-    states = [v.new_state(max_requests=8, max_context=96) for v in verifiers]
-    gen, rng = torch.Generator().manual_seed(3), random.Random(3)
-    slots, ctx = [1, 4, 6], [0, 0, 0]
-    for _ in range(5):
-        lens = [rng.randint(1, 8) for _ in slots]
-        ids = torch.randint(0, 97, (sum(lens),), generator=gen).cuda()
-        layout = VerifyLayout.pack(lens, ctx, slots)
-        outs = [v(ids, layout, s).float() for v, s in zip(verifiers, states)]
-        torch.testing.assert_close(outs[1], outs[0], atol=5e-2, rtol=5e-2)
-        for v, s in zip(verifiers, states):
-            v.commit(layout, lens, s)
-        ctx = [c + n for c, n in zip(ctx, lens)]
+    _same_steps(verifiers, [1, 4, 6], None, seed=3)
