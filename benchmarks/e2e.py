@@ -65,8 +65,8 @@ from dspark_compile.engine.accept import (PreDrawnNoise, SamplingParams, accept,
                                           accept_reference)
 from dspark_compile.engine.drafter import SyntheticDrafter  # noqa: E402
 from dspark_compile.graphs.tiers import select_tier, tier_set  # noqa: E402
-from dspark_compile.runtime import (PlannerConfig, WidthPolicy, WidthPolicyConfig,  # noqa: E402
-                                    plan_verify)
+from dspark_compile.runtime import (PlannerConfig, TierRate, WidthPolicy,  # noqa: E402
+                                    WidthPolicyConfig, plan_verify)
 from dspark_compile.runtime.profiler import profile_sps  # noqa: E402
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
@@ -156,36 +156,6 @@ def build_target(s: Settings):
 
 
 # ---------------------------------------------------------------------- decoding loop
-class TierRate:
-    """``StepRateModel`` of tier-graph steps: the SPS table read at the tier a step replays.
-
-    ``SpsTable`` floors ``B`` to the measured point below, but a step of ``B`` tokens over ``R``
-    requests replays the smallest tier holding both and pays for all of its tokens: with the
-    floor, ``B`` just below a tier boundary looks as cheap as the tier below it. Rates per
-    ``(R, B)`` are precomputed (one table lookup per tier), so a step only slices an array.
-    """
-
-    def __init__(self, table, tiers, max_requests: int) -> None:
-        ordered = sorted(tiers)  # by (tokens, request slots): the first that fits is the one
-        tokens = np.array([t.tokens for t in ordered])
-        slots = np.array([t.request_slots for t in ordered])
-        rates = np.array([float(table.steps_per_second(torch.tensor([t.tokens]),
-                                                       t.request_slots)[0]) for t in ordered])
-        self.dense = np.zeros((max_requests + 1, int(tokens.max()) + 1))  # [R + 1, B + 1]
-        for r in range(1, max_requests + 1):
-            fits = slots >= r
-            first = np.searchsorted(tokens[fits], np.arange(self.dense.shape[1]), side="left")
-            self.dense[r] = rates[fits][np.minimum(first, fits.sum() - 1)]
-
-    def steps_per_second(self, tokens: torch.Tensor, requests: int) -> torch.Tensor:
-        row = self.dense[min(requests, self.dense.shape[0] - 1)]
-        return torch.from_numpy(row)[tokens.to(torch.int64).clamp(0, row.size - 1)]
-
-    def rate_span(self, first_tokens: int, count: int, requests: int) -> torch.Tensor:
-        b = np.minimum(np.arange(first_tokens, first_tokens + count), self.dense.shape[1] - 1)
-        return torch.from_numpy(self.dense[min(requests, self.dense.shape[0] - 1)][b])
-
-
 def start_clock(device: torch.device):
     """Start timing a whole run; the returned function gives (seconds, host seconds): CUDA
     events on a GPU (the loop syncs every step, so both agree within a launch), the host clock

@@ -6,7 +6,7 @@ full-width step's histogram of 1000 requests drawn exactly from the hazards, so 
 is measured; its first choice is the refresh step (full width), the second is the decision
 plotted. No state carries from one bs to the next (the switch margin would make the curve
 depend on the sweep order). The rate model is the table read at the tier a step replays
-(``TierRate`` of ``benchmarks/e2e.py``, over the tiers in the table's metadata), as the engine
+(``dspark_compile.runtime.TierRate``, over the tiers in the table's metadata), as the engine
 pays it; a table without tiers is read as is (floored).
 
 Tables:
@@ -40,7 +40,7 @@ from dspark_compile.graphs.tiers import Tier, tier_set  # noqa: E402
 from dspark_compile.runtime import (SpsEntry, SpsMetadata, SpsTable, WidthPolicy,  # noqa: E402
                                     WidthPolicyConfig, expected_tokens)
 from dspark_compile.runtime.profiler import plot_sps  # noqa: E402
-from e2e import TierRate  # noqa: E402  (benchmarks/e2e.py)
+from dspark_compile.runtime import TierRate  # noqa: E402
 
 GAMMA = 7
 WIDTHS = tuple(range(1, GAMMA + 2))
@@ -100,7 +100,7 @@ def rate_model(table: SpsTable) -> tuple[object, int, str]:
     tier_objs = tuple(Tier(t, r) for t, r in tiers)
     top = min(MAX_BS, max(r for _, r in tiers))
     return TierRate(table, tier_objs, top), top, \
-        "TierRate (benchmarks/e2e.py): the table's rate at the tier a step replays"
+        "TierRate (dspark_compile.runtime): the table's rate at the tier a step replays"
 
 
 def sweep(table: SpsTable) -> dict:

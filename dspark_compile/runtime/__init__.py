@@ -17,6 +17,7 @@ from .sps import (
     SpsSample,
     SpsTable,
     StepRateModel,
+    TierRate,
     table_from_samples,
 )
 from .sps_fit import AdditiveStepModel, fit_additive_model
@@ -36,6 +37,7 @@ __all__ = [
     "SpsTable",
     "StepRateModel",
     "TemperatureCalibrator",
+    "TierRate",
     "VerifyPlan",
     "WidthPolicy",
     "WidthPolicyConfig",

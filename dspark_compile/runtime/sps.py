@@ -23,11 +23,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, NamedTuple, Protocol
 
+import numpy as np
 import torch
 
 from ._checks import positive_int
 
 __all__ = [
+    "TierRate",
     "SPS_SCHEMA",
     "StepRateModel",
     "SpsMetadata",
@@ -327,3 +329,41 @@ def table_from_samples(samples: Iterable[SpsSample], metadata: SpsMetadata) -> S
         for (r, b), times in sorted(by_point.items())
     )
     return SpsTable(metadata=metadata, entries=entries)
+
+
+class TierRate:
+    """``StepRateModel`` of tier-graph steps: the table read at the tier a step replays.
+
+    ``SpsTable`` floors ``B`` to the measured point below, but a step of ``B`` tokens over ``R``
+    requests replays the smallest captured tier holding both, and pays for all of its tokens:
+    read through the floor, ``B`` just past a tier boundary looks as cheap as the tier below.
+    Rates per ``(R, B)`` are precomputed here (one table lookup per tier), so a step only
+    slices an array. ``tiers``: ``(tokens, request_slots)`` pairs or ``Tier`` objects; ``B``
+    past the largest tier reads the largest one, ``R`` past ``max_requests`` the last row.
+    """
+
+    def __init__(self, table: StepRateModel, tiers, max_requests: int) -> None:
+        pairs = sorted({(int(getattr(t, "tokens", None) or t[0]),
+                         int(getattr(t, "request_slots", None) or t[1])) for t in tiers})
+        if not pairs or max_requests < 1:
+            raise ValueError(f"TierRate: {len(pairs)} tiers for max_requests={max_requests}; "
+                             "it needs at least one tier and one request")
+        tokens = np.array([t for t, _ in pairs])
+        slots = np.array([r for _, r in pairs])
+        rates = np.array([float(table.steps_per_second(torch.tensor([t]), r)[0])
+                          for t, r in pairs])
+        self.dense = np.zeros((max_requests + 1, int(tokens.max()) + 1))  # [R + 1, B + 1]
+        for r in range(1, max_requests + 1):
+            fits = slots >= r
+            if not fits.any():  # more requests than any tier holds: the largest tiers
+                fits = slots == slots.max()
+            first = np.searchsorted(tokens[fits], np.arange(self.dense.shape[1]), side="left")
+            self.dense[r] = rates[fits][np.minimum(first, fits.sum() - 1)]
+
+    def steps_per_second(self, tokens: torch.Tensor, requests: int) -> torch.Tensor:
+        row = self.dense[min(requests, self.dense.shape[0] - 1)]
+        return torch.from_numpy(row)[tokens.to(torch.int64).clamp(0, row.size - 1)]
+
+    def rate_span(self, first_tokens: int, count: int, requests: int) -> torch.Tensor:
+        b = np.minimum(np.arange(first_tokens, first_tokens + count), self.dense.shape[1] - 1)
+        return torch.from_numpy(self.dense[min(requests, self.dense.shape[0] - 1)][b])

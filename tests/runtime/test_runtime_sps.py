@@ -16,6 +16,7 @@ from dspark_compile.runtime import (
     SpsMetadata,
     SpsSample,
     SpsTable,
+    TierRate,
     fit_additive_model,
     table_from_samples,
 )
@@ -78,6 +79,23 @@ def test_request_keyed_table_floors_requests_then_tokens():
     assert table.steps_per_second(b, 8).tolist() == [50.0, 50.0, 50.0, 20.0]
     assert table.steps_per_second(b, 500).tolist() == [50.0, 50.0, 50.0, 20.0]
     assert torch.equal(table.rate_span(8, 60, 9), table.steps_per_second(torch.arange(8, 68), 9))
+
+
+def test_tier_rate_prices_a_step_at_the_tier_it_replays():
+    """B tokens over R requests cost the smallest tier holding both, not the measured point
+    below B; past the largest tier (or more requests than any) the largest tiers price it."""
+    entries = (SpsEntry(4, 100.0, 1), SpsEntry(8, 80.0, 1),
+               SpsEntry(8, 60.0, 2), SpsEntry(16, 40.0, 2))
+    table = SpsTable(META, entries)
+    rate = TierRate(table, [(4, 1), (8, 1), (8, 2), (16, 2)], max_requests=3)
+    b = torch.tensor([1, 4, 5, 8, 9, 16, 40])
+    assert rate.steps_per_second(b, 1).tolist() == [100.0, 100.0, 80.0, 80.0, 40.0, 40.0, 40.0]
+    assert table.steps_per_second(torch.tensor([5]), 1).tolist() == [100.0]  # the floor
+    assert rate.steps_per_second(b, 2).tolist() == [60.0, 60.0, 60.0, 60.0, 40.0, 40.0, 40.0]
+    assert rate.steps_per_second(b, 3).tolist() == rate.steps_per_second(b, 2).tolist()
+    assert torch.equal(rate.rate_span(3, 20, 1), rate.steps_per_second(torch.arange(3, 23), 1))
+    with pytest.raises(ValueError, match="at least one tier"):
+        TierRate(table, [], max_requests=2)
 
 
 BAD_ENTRIES = [
