@@ -116,6 +116,10 @@ class Settings:
     8; noise or a real matmul cliff, not yet told apart); 20 steadies each median."""
     seed: int = 0
     """Seed of the weights, the prompts, the successor permutation and the drafter."""
+    group_linears: bool = False
+    """``DSparkConfig(group_linears=...)`` of the verifier (GPU runs)."""
+    rotary: str = "inductor"
+    """``DSparkConfig(rotary=...)`` of the verifier (GPU runs)."""
 
 
 FULL = Settings("full", "cuda", LLAMA_1B, "bfloat16", 1024, 256, (1, 8, 64, 256))
@@ -377,7 +381,8 @@ def markdown_table(results: dict) -> str:
 def build_verifier(s: Settings):
     """Target, verifier, state with tier graphs and the SPS table measured on them."""
     model, perm = build_target(s)
-    kwargs = dict(lowering="triton", inductor=True) if s.device == "cuda" else \
+    kwargs = dict(lowering="triton", inductor=True, group_linears=s.group_linears,
+                  rotary=s.rotary) if s.device == "cuda" else \
         dict(lowering="reference", inductor=False)
     t0 = time.perf_counter()
     verifier = dspark_compile(model, page_size=s.page_size, block=s.gamma + 1, **kwargs)
@@ -507,10 +512,19 @@ def parse_settings(argv=None) -> tuple[Settings, str]:
     parser.add_argument("--target", choices=("successor", "random"), default=None)
     parser.add_argument("--mean-accepted", type=float, default=None)
     parser.add_argument("--concentration", type=float, default=None)
+    parser.add_argument("--group-linears", action="store_true",
+                        help="DSparkConfig(group_linears=True); the files get a suffix")
+    parser.add_argument("--rotary", choices=("inductor", "triton"), default="inductor",
+                        help="DSparkConfig(rotary=...); triton: the files get a suffix")
     args = parser.parse_args(argv)
     s = SMOKE if args.smoke else QUICK if args.quick else FULL
     changes = {k: v for k, v in (("target", args.target), ("mean_accepted", args.mean_accepted),
                                  ("concentration", args.concentration)) if v is not None}
+    if args.group_linears or args.rotary != "inductor":
+        suffix = ("_group_linears" if args.group_linears else "") + \
+            ("_rotary_triton" if args.rotary == "triton" else "")
+        changes.update(group_linears=args.group_linears, rotary=args.rotary,
+                       name=s.name + suffix)
     return replace(s, **changes), args.out
 
 

@@ -6,7 +6,7 @@
 #
 # Jobs: tests, tests_graphs, sanitizer, verify_step, verify_step_grouped, verify_step_rotary,
 # profile_step, profile_step_grouped, attention, hybrid_kernels, hybrid_step, rotary,
-# runtime_device, profile_sps, linear, e2e_quick, e2e. Each job's output goes to
+# runtime_device, profile_sps, linear, e2e_quick, e2e, e2e_grouped, e2e_rotary. Each job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
 # A job that runs past its limit is stopped and the next one starts.
 #
@@ -40,6 +40,8 @@ job() {
     linear) python3 benchmarks/linear_kernel.py --sweep ;;
     e2e_quick) python3 benchmarks/e2e.py --quick ;;
     e2e) python3 benchmarks/e2e.py ;;
+    e2e_grouped) python3 benchmarks/e2e.py --group-linears ;;
+    e2e_rotary) python3 benchmarks/e2e.py --rotary triton ;;
     *) echo "unknown job $1"; return 2 ;;
   esac
 }
