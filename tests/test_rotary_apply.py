@@ -1,5 +1,6 @@
 """``dspark::rotary_apply``: the ``fuse_rotary`` rewrite (``DSparkConfig(rotary="triton")``),
-its Triton kernel against the reference math, and its ahead-of-time compiles.
+the rotary kernel in its given-cos/sin form against the reference math, and its ahead-of-time
+compiles.
 
 Kernel cases run under the Triton interpreter on the CPU (``TRITON_INTERPRET=1``, set by
 conftest.py without a GPU; fp32 and fp16, since the interpreter mis-reads bf16 in some ops);
@@ -33,7 +34,7 @@ def _reference(t, cos, sin):
                                           (40, 8, 8, 80)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 def test_kernel_matches_the_reference_math(n, hx, hy, d, dtype) -> None:
-    from dspark_compile.lowering.triton_rotary_apply import rotary_apply_triton
+    from dspark_compile.lowering.triton_rotary import rotary_apply_triton
 
     g = torch.Generator().manual_seed(n + d)
     x, y = (torch.randn(n, h, d, generator=g).to(dtype).to(DEVICE) for h in (hx, hy))
@@ -53,12 +54,12 @@ def test_kernel_matches_the_reference_math(n, hx, hy, d, dtype) -> None:
                     reason="needs a GPU or TRITON_INTERPRET=1")
 @pytest.mark.parametrize("mutate, match", [
     (lambda a: (a[0][None], *a[1:]), "x is"),
-    (lambda a: (a[0], a[1][:-1], *a[2:]), "same N"),
-    (lambda a: (*a[:2], a[2][:, :-2], a[3]), r"must both be \[N, D\]"),
-    (lambda a: (a[0][..., :-1], a[1][..., :-1], a[2][:, :-1], a[3][:, :-1]), "even head dim"),
+    (lambda a: (a[0], a[1][:-1], *a[2:]), "needs x's N"),
+    (lambda a: (*a[:2], a[2][:, :-2], a[3]), r"both must be \[N, D\]"),
+    (lambda a: (a[0][..., :-1], a[1][..., :-1], a[2][:, :-1], a[3][:, :-1]), "15, even"),
 ])
 def test_bad_inputs_raise_value_error(mutate, match) -> None:
-    from dspark_compile.lowering.triton_rotary_apply import rotary_apply_triton
+    from dspark_compile.lowering.triton_rotary import rotary_apply_triton
 
     args = (torch.zeros(3, 4, 16), torch.zeros(3, 2, 16), torch.zeros(3, 16), torch.zeros(3, 16))
     with pytest.raises(ValueError, match=match):
@@ -111,16 +112,19 @@ def test_partial_rotary_is_left_to_the_graph() -> None:
 
 # --------------------------------------------------------------------------- ahead of time
 def _compile_all() -> dict:
-    from dspark_compile.lowering import triton_rotary_apply as mod
+    """The rotary kernel in its given-cos/sin form (``GIVEN=True``), as rotary_apply runs it."""
+    from dspark_compile.lowering import triton_rotary
 
-    kernel = mod._rotary_apply_kernel
+    kernel = triton_rotary._rotary_kernel
     out: dict = {}
     for dtype in ("bf16", "fp16"):
         pointers = {a: dtype for a in kernel.arg_names if a.endswith("_ptr")}
-        consts = dict(HALF=64, HALF_PAD=64, BLOCK_N=16, BLOCK_H=2)
+        consts = dict(HALF=64, HALF_PAD=64, BLOCK_N=2, BLOCK_H=8, MROPE=0, S0=0, S1=0, S2=0,
+                      GIVEN=True)
         for target in TARGET_NAMES:
-            out.setdefault(dtype, {})[target] = compile_kernel(kernel, pointers, consts, target,
-                                                               {"num_warps": 4})
+            out.setdefault(dtype, {})[target] = compile_kernel(
+                kernel, pointers, consts, target, {"num_warps": 4, "enable_fp_fusion": False},
+                scalars={"scaling": "fp32"})
     return out
 
 

@@ -262,16 +262,18 @@ def test_benchmark_smoke(tmp_path) -> None:
 
 # ---- ahead-of-time compile for cuda:90, hip:gfx942, hip:gfx950 ------------------------------
 
-_PTRS = ("q_ptr", "k_ptr", "out_q_ptr", "out_k_ptr")
+_PTRS = ("q_ptr", "k_ptr", "out_q_ptr", "out_k_ptr", "cos_ptr", "sin_ptr")
 # case -> (activation dtype, position dtype, constexprs, warps); other scalars are i32,
 # ``scaling`` fp32. One case per position mode; D = 80 pads 40 frequencies to 64 lanes.
 AOT_CASES = {
     "text_bf16": ("bf16", "i64", dict(HALF=64, HALF_PAD=64, BLOCK_N=1, BLOCK_H=16, MROPE=0,
-                                      S0=0, S1=0, S2=0), 4),
+                                      S0=0, S1=0, S2=0, GIVEN=False), 4),
     "mrope_chunked_fp16_d80": ("fp16", "i32", dict(HALF=40, HALF_PAD=64, BLOCK_N=2,
-                                                   BLOCK_H=8, MROPE=1, S0=8, S1=16, S2=16), 4),
+                                                   BLOCK_H=8, MROPE=1, S0=8, S1=16, S2=16,
+                                                   GIVEN=False), 4),
     "mrope_interleaved_fp32": ("fp32", "i64", dict(HALF=64, HALF_PAD=64, BLOCK_N=1,
-                                                   BLOCK_H=4, MROPE=2, S0=24, S1=20, S2=20), 1),
+                                                   BLOCK_H=4, MROPE=2, S0=24, S1=20, S2=20,
+                                                   GIVEN=False), 1),
 }
 
 

@@ -125,7 +125,7 @@ def _(x, y, cos, sin):
 def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
                         sin: torch.Tensor) -> list[torch.Tensor]:
     """``dspark::rotary_apply`` lowered to Triton (q and k in one launch)."""
-    from .triton_rotary_apply import rotary_apply_triton as kernel  # needs a GPU driver
+    from .triton_rotary import rotary_apply_triton as kernel  # needs a GPU driver
 
     return kernel(x, y, cos, sin)
 

@@ -52,7 +52,7 @@ import triton.language as tl
 
 from .triton_conv import device_sm_count
 
-__all__ = ["RotaryPlan", "plan_rotary", "rotary_triton", "check_rotary"]
+__all__ = ["RotaryPlan", "plan_rotary", "rotary_triton", "rotary_apply_triton", "check_rotary"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _POS_DTYPES = (torch.int32, torch.int64)
@@ -106,13 +106,16 @@ def _cos_sin(pos_ptr, inv_freq_ptr, tokens, tok_ok, pos_stride_row, pos_stride_t
 
 @triton.jit
 def _rotary_kernel(
-        q_ptr, k_ptr, out_q_ptr, out_k_ptr, pos_ptr, inv_freq_ptr, num_tokens, num_q_heads,
-        num_k_heads, q_head_blocks, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-        stride_oq_tok, stride_oq_head, stride_ok_tok, stride_ok_head, pos_stride_row,
-        pos_stride_tok, scaling, HALF: tl.constexpr, HALF_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_H: tl.constexpr, MROPE: tl.constexpr, S0: tl.constexpr,
-        S1: tl.constexpr, S2: tl.constexpr):
-    """``BLOCK_N`` tokens x ``BLOCK_H`` heads of q (head blocks first) or of k."""
+        q_ptr, k_ptr, out_q_ptr, out_k_ptr, pos_ptr, inv_freq_ptr, cos_ptr, sin_ptr, num_tokens,
+        num_q_heads, num_k_heads, q_head_blocks, stride_q_tok, stride_q_head, stride_k_tok,
+        stride_k_head, stride_oq_tok, stride_oq_head, stride_ok_tok, stride_ok_head,
+        pos_stride_row, pos_stride_tok, cos_stride_tok, sin_stride_tok, scaling,
+        HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
+        BLOCK_H: tl.constexpr, MROPE: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
+        S2: tl.constexpr, GIVEN: tl.constexpr):
+    """``BLOCK_N`` tokens x ``BLOCK_H`` heads of q (head blocks first) or of k. ``GIVEN``: read
+    ``cos``/``sin [N, D]`` as the model's rotary module made them (``dspark::rotary_apply``;
+    their two halves are read apart), else compute them from the positions."""
     dtype = out_q_ptr.dtype.element_ty
     tokens = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # [BLOCK_N]
     tok_ok = tokens < num_tokens
@@ -124,20 +127,31 @@ def _rotary_kernel(
         x_ptr, o_ptr, num_heads = k_ptr, out_k_ptr, num_k_heads
         head0 = (block - q_head_blocks) * BLOCK_H
         s_tok, s_head, so_tok, so_head = stride_k_tok, stride_k_head, stride_ok_tok, stride_ok_head
-    cos, sin = _cos_sin(pos_ptr, inv_freq_ptr, tokens, tok_ok, pos_stride_row, pos_stride_tok,
-                        scaling, HALF, HALF_PAD, MROPE, S0, S1, S2)
-    # HF's rotary module returns cos/sin in the activation dtype: round them the same way
-    c = _round(cos, dtype)[:, None, :]  # [BLOCK_N, 1, HALF_PAD]
-    s = _round(sin, dtype)[:, None, :]
-    heads = head0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     f = tl.arange(0, HALF_PAD)
+    if GIVEN:
+        cs_ok = tok_ok[:, None] & (f < HALF)[None, :]
+        c_ptrs = cos_ptr + tokens[:, None] * cos_stride_tok + f[None, :]
+        s_ptrs = sin_ptr + tokens[:, None] * sin_stride_tok + f[None, :]
+        c1 = tl.load(c_ptrs, mask=cs_ok, other=0.0).to(tl.float32)[:, None, :]
+        c2 = tl.load(c_ptrs + HALF, mask=cs_ok, other=0.0).to(tl.float32)[:, None, :]
+        s1 = tl.load(s_ptrs, mask=cs_ok, other=0.0).to(tl.float32)[:, None, :]
+        s2 = tl.load(s_ptrs + HALF, mask=cs_ok, other=0.0).to(tl.float32)[:, None, :]
+    else:
+        cos, sin = _cos_sin(pos_ptr, inv_freq_ptr, tokens, tok_ok, pos_stride_row,
+                            pos_stride_tok, scaling, HALF, HALF_PAD, MROPE, S0, S1, S2)
+        # HF's rotary module returns cos/sin in the activation dtype: round them the same way
+        c1 = _round(cos, dtype)[:, None, :]  # [BLOCK_N, 1, HALF_PAD]
+        s1 = _round(sin, dtype)[:, None, :]
+        c2 = c1
+        s2 = s1
+    heads = head0 + tl.arange(0, BLOCK_H)  # [BLOCK_H]
     ok = tok_ok[:, None, None] & (heads < num_heads)[None, :, None] & (f < HALF)[None, None, :]
     x_offs = tokens[:, None, None] * s_tok + heads[None, :, None] * s_head + f[None, None, :]
     x1 = tl.load(x_ptr + x_offs, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_H, HALF_PAD]
     x2 = tl.load(x_ptr + x_offs + HALF, mask=ok, other=0.0).to(tl.float32)
     # each product rounded to the activation dtype, then the sum (HF eager's roundings)
-    o1 = _round(_round(x1 * c, dtype) - _round(x2 * s, dtype), dtype)
-    o2 = _round(_round(x2 * c, dtype) + _round(x1 * s, dtype), dtype)
+    o1 = _round(_round(x1 * c1, dtype) - _round(x2 * s1, dtype), dtype)
+    o2 = _round(_round(x2 * c2, dtype) + _round(x1 * s2, dtype), dtype)
     o_offs = tokens[:, None, None] * so_tok + heads[None, :, None] * so_head + f[None, None, :]
     tl.store(o_ptr + o_offs, o1.to(dtype), mask=ok)
     tl.store(o_ptr + o_offs + HALF, o2.to(dtype), mask=ok)
@@ -181,8 +195,8 @@ def plan_rotary(num_tokens: int, num_q_heads: int, num_k_heads: int, head_dim: i
     return RotaryPlan(block_n, block_h, num_warps)
 
 
-def _fail(name: str, value, rule: str) -> ValueError:
-    return ValueError(f"rotary_triton: {name} is {value}; {rule}")
+def _fail(name: str, value, rule: str, owner: str = "rotary_triton") -> ValueError:
+    return ValueError(f"{owner}: {name} is {value}; {rule}")
 
 
 def _desc(t) -> str:
@@ -282,10 +296,51 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     grid = (triton.cdiv(n, plan.block_n), q_blocks + triton.cdiv(hkv, plan.block_h))
     pos_row = positions.stride(0) if mode else 0
     _rotary_kernel[grid](
-        q, k, out_q, out_k, positions, inv_freq, n, h, hkv, q_blocks, q.stride(0), q.stride(1),
-        k.stride(0), k.stride(1), out_q.stride(0), out_q.stride(1), out_k.stride(0),
-        out_k.stride(1), pos_row, positions.stride(-1), float(attention_scaling), HALF=d // 2,
-        HALF_PAD=triton.next_power_of_2(d // 2), BLOCK_N=plan.block_n, BLOCK_H=plan.block_h,
-        MROPE=mode, S0=s0, S1=s1, S2=(d // 2 - s0 - s1) if mode else 0,
-        num_warps=plan.num_warps, enable_fp_fusion=False)
+        q, k, out_q, out_k, positions, inv_freq, q, q, n, h, hkv, q_blocks, q.stride(0),
+        q.stride(1), k.stride(0), k.stride(1), out_q.stride(0), out_q.stride(1),
+        out_k.stride(0), out_k.stride(1), pos_row, positions.stride(-1), 0, 0,
+        float(attention_scaling), HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2),
+        BLOCK_N=plan.block_n, BLOCK_H=plan.block_h, MROPE=mode, S0=s0, S1=s1,
+        S2=(d // 2 - s0 - s1) if mode else 0, GIVEN=False, num_warps=plan.num_warps,
+        enable_fp_fusion=False)
     return out_q, out_k
+
+
+_APPLY = "rotary_apply_triton"
+
+
+def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor) -> list[torch.Tensor]:
+    """Triton ``dspark::rotary_apply``: ``[x * cos + rotate_half(x) * sin, the same for y]``
+    for a layer's q ``x [N, Hx, D]`` and k ``y [N, Hy, D]`` (any strides with a dense last dim)
+    with ``cos``/``sin [N, D]`` as the model's rotary module made them; contiguous outputs in
+    the inputs' dtype, with HF eager's roundings (the reference op's). One launch, no host
+    sync."""
+    for name, t, dims in (("x", x, 3), ("y", y, 3), ("cos", cos, 2), ("sin", sin, 2)):
+        if not isinstance(t, torch.Tensor) or t.dim() != dims or t.stride(-1) != 1:
+            raise _fail(name, _desc(t), f"it must be a {dims}-D tensor with a dense last dim",
+                        _APPLY)
+        if t.device != x.device:
+            raise _fail(name, f"on {t.device}", f"x is on {x.device}; move it there", _APPLY)
+    n, hx, d = x.shape
+    if y.shape[0] != n or y.shape[2] != d or y.dtype != x.dtype or d % 2:
+        raise _fail("y", _desc(y), f"it needs x's N and head dim ({n}, {d}, even) and dtype "
+                                   f"{x.dtype}", _APPLY)
+    if cos.shape != (n, d) or sin.shape != (n, d):
+        raise _fail("cos/sin", f"{tuple(cos.shape)} / {tuple(sin.shape)}",
+                    f"both must be [N, D] = {(n, d)}", _APPLY)
+    outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (x, y)]
+    if n == 0:
+        return outs
+    hy = y.shape[1]
+    plan = plan_rotary(n, hx, hy, d, device_sm_count(x.device))
+    x_blocks = triton.cdiv(hx, plan.block_h)
+    grid = (triton.cdiv(n, plan.block_n), x_blocks + triton.cdiv(hy, plan.block_h))
+    _rotary_kernel[grid](
+        x, y, outs[0], outs[1], cos, cos, cos, sin, n, hx, hy, x_blocks, x.stride(0),
+        x.stride(1), y.stride(0), y.stride(1), outs[0].stride(0), outs[0].stride(1),
+        outs[1].stride(0), outs[1].stride(1), 0, 0, cos.stride(0), sin.stride(0), 1.0,
+        HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), BLOCK_N=plan.block_n,
+        BLOCK_H=plan.block_h, MROPE=0, S0=0, S1=0, S2=0, GIVEN=True,
+        num_warps=plan.num_warps, enable_fp_fusion=False)
+    return outs
