@@ -135,7 +135,7 @@ class TierGraphs:
         if self._copied[turn] is not None:
             self._copied[turn].record()
 
-    def _fill_empty(self, tier: Tier) -> None:
+    def _fill_empty(self) -> None:
         """All rows padding: what a capture runs on (it must not write any KV)."""
         self.meta.zero_()
         self.ids.zero_()
@@ -161,42 +161,38 @@ class TierGraphs:
             if progress:
                 _progress(i, len(order), tier)
             start = time.perf_counter()
-            self._fill_empty(tier)
-            stream.wait_stream(torch.cuda.current_stream(self.device))
-            with torch.cuda.stream(stream):  # warm up (compiles, allocator) off the capture
-                self.logits[:tier.tokens].copy_(self.forward(*self.views(tier)))
-                stream.synchronize()
-                graph = torch.cuda.CUDAGraph()
-                graph.capture_begin(pool=pool)
-                try:
-                    self.logits[:tier.tokens].copy_(self.forward(*self.views(tier)))
-                finally:
-                    graph.capture_end()
-            torch.cuda.current_stream(self.device).wait_stream(stream)
-            torch.cuda.synchronize(self.device)
-            self.graphs[tier] = graph
+            self._fill_empty()
+            self.graphs[tier] = self._capture_one(
+                stream, pool, lambda t=tier: self.logits[:t.tokens].copy_(
+                    self.forward(*self.views(t))))
             now = _pool_bytes(pool, self.device)
             reports.append(TierReport(tier, time.perf_counter() - start, now - held))
             held = now
         if self.commit_fn is not None:  # all-zero metadata: every request empty, no state moves
             self.meta.zero_()
             for slots in sorted(self.commit_slots, reverse=True):
-                stream.wait_stream(torch.cuda.current_stream(self.device))
-                with torch.cuda.stream(stream):
-                    self.commit_fn(*self.commit_views(slots))
-                    stream.synchronize()
-                    graph = torch.cuda.CUDAGraph()
-                    graph.capture_begin(pool=pool)
-                    try:
-                        self.commit_fn(*self.commit_views(slots))
-                    finally:
-                        graph.capture_end()
-                torch.cuda.current_stream(self.device).wait_stream(stream)
-                torch.cuda.synchronize(self.device)
-                self.commit_graphs[slots] = graph
+                self.commit_graphs[slots] = self._capture_one(
+                    stream, pool, lambda s=slots: self.commit_fn(*self.commit_views(s)))
         if progress:
             _progress(len(order), len(order), None)
         return reports
+
+    def _capture_one(self, stream: torch.cuda.Stream, pool, fn: Callable) -> torch.cuda.CUDAGraph:
+        """``fn`` run once on ``stream`` (compiles, allocator warm-up), then captured into
+        ``pool``."""
+        stream.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(stream):
+            fn()
+            stream.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            graph.capture_begin(pool=pool)
+            try:
+                fn()
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(stream)
+        torch.cuda.synchronize(self.device)
+        return graph
 
     # ------------------------------------------------------------------ replay
     def __call__(self, input_ids: torch.Tensor, layout: VerifyLayout) -> torch.Tensor:

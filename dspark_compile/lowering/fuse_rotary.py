@@ -111,7 +111,7 @@ def fuse_rotary(gm: fx.GraphModule) -> PassResult:
     result = PassResult("fuse_rotary", changed=0)
     order = {n: i for i, n in enumerate(gm.graph.nodes)}
     pending: dict[tuple[fx.Node, fx.Node], tuple] = {}
-    pairs = []
+    pairs, dead = [], set()
     for node in list(gm.graph.nodes):
         found = _match(node)
         if found is None:
@@ -132,11 +132,11 @@ def fuse_rotary(gm: fx.GraphModule) -> PassResult:
         for item, back in zip(items, (back_x, back_y)):
             item.meta["val"] = back.meta["val"]
             back.replace_all_uses_with(item)
-        dead = nodes_x | nodes_y
-        for node in reversed(list(gm.graph.nodes)):  # the old rotation, consumers first
-            if node in dead and not node.users:
-                gm.graph.erase_node(node)
+        dead |= nodes_x | nodes_y
         result.changed += 1
+    for node in reversed(list(gm.graph.nodes)):  # the old rotations, consumers first
+        if node in dead and not node.users:
+            gm.graph.erase_node(node)
     gm.recompile()
     result.details = {"q/k pairs": result.changed}
     return result
