@@ -58,7 +58,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shar
 
 from dspark_compile import VerifyLayout, dspark_compile  # noqa: E402
 from dspark_compile.graphs.tiers import Tier  # noqa: E402
-from timing import capture_graph, mix_lens, plot_step_ms, time_ms as _time_ms  # noqa: E402
+from timing import (capture_graph, max_err_vs_hf, mix_lens, plot_step_ms,  # noqa: E402
+                    time_ms as _time_ms)
 
 PATTERN = ["linear_attention"] * 3 + ["full_attention"]
 QWEN3_NEXT_SMALL = dict(
@@ -143,27 +144,6 @@ def tiers_for(s: Settings) -> tuple[Tier, ...]:
 def time_ms(fn, s: Settings, iters: int) -> float:
     """ms per call (CUDA events on the GPU, wall clock in the CPU smoke run)."""
     return _time_ms(fn, iters, warmup=s.warmup, gpu=s.gpu)
-
-
-def check_correctness(model, verifier, s: Settings) -> float:
-    """Largest |ours - HF| on real rows: prefill + one verify of 3 requests, each against HF's
-    forward over that request's tokens alone."""
-    gen, vocab = torch.Generator().manual_seed(0), s.model["vocab_size"]
-    state = verifier.new_state(max_requests=4, max_context=128, max_step_tokens=64)
-    prompt_lens, new_lens, slots = [17, 5, 30], [4, 1, 7], [3, 0, 1]
-    prompts = [torch.randint(0, vocab, (n,), generator=gen).to(s.device) for n in prompt_lens]
-    layout = VerifyLayout.pack(prompt_lens, [0, 0, 0], slots)
-    verifier(torch.cat(prompts), layout, state)
-    verifier.commit(layout, prompt_lens, state)
-    new = [torch.randint(0, vocab, (n,), generator=gen).to(s.device) for n in new_lens]
-    layout = VerifyLayout.pack(new_lens, prompt_lens, slots)
-    logits = verifier(torch.cat(new), layout, state).float()
-    worst, qsl = 0.0, layout.query_start_loc.tolist()
-    with torch.no_grad():
-        for i, (p, t) in enumerate(zip(prompts, new)):
-            want = model(torch.cat([p, t])[None]).logits[0, -t.numel():].float()
-            worst = max(worst, (logits[qsl[i]:qsl[i + 1]] - want).abs().max().item())
-    return worst
 
 
 def fill_state(state, s: Settings) -> None:
@@ -278,7 +258,8 @@ def compile_and_check(model, s: Settings) -> tuple:
                               inductor=s.gpu, page_size=s.page_size, block=s.block)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    max_err = check_correctness(model, verifier, s)
+    max_err = max_err_vs_hf(model, verifier, s.model["vocab_size"], s.device,
+                            max_step_tokens=64)
     check_s = time.perf_counter() - t0
     print(f"compiled in {compile_s:.1f} s; check (first calls compile) {check_s:.1f} s; "
           f"max |ours - HF| ({s.dtype}) = {max_err:.3g}", flush=True)

@@ -9,7 +9,32 @@ import time
 
 import torch
 
-__all__ = ["time_calls", "time_ms", "capture_graph", "mix_lens", "plot_step_ms"]
+__all__ = ["time_calls", "time_ms", "capture_graph", "mix_lens", "plot_step_ms",
+           "max_err_vs_hf"]
+
+
+def max_err_vs_hf(model, verifier, vocab: int, device, **state_kwargs) -> float:
+    """Largest |ours - HF| on real rows: a prefill of 3 requests (17, 5, 30 tokens in slots
+    3, 0, 1), then one verify of 4, 1, 7 tokens, each request against HF's forward over its own
+    tokens alone. ``state_kwargs`` go to ``new_state`` (e.g. ``max_step_tokens``)."""
+    from dspark_compile import VerifyLayout
+
+    gen = torch.Generator().manual_seed(0)
+    state = verifier.new_state(max_requests=4, max_context=128, **state_kwargs)
+    prompt_lens, new_lens, slots = [17, 5, 30], [4, 1, 7], [3, 0, 1]
+    prompts = [torch.randint(0, vocab, (n,), generator=gen).to(device) for n in prompt_lens]
+    layout = VerifyLayout.pack(prompt_lens, [0, 0, 0], slots)
+    verifier(torch.cat(prompts), layout, state)
+    verifier.commit(layout, prompt_lens, state)
+    new = [torch.randint(0, vocab, (n,), generator=gen).to(device) for n in new_lens]
+    layout = VerifyLayout.pack(new_lens, prompt_lens, slots)
+    logits = verifier(torch.cat(new), layout, state).float()
+    worst, qsl = 0.0, layout.query_start_loc.tolist()
+    with torch.no_grad():
+        for i, (p, t) in enumerate(zip(prompts, new)):
+            want = model(torch.cat([p, t])[None]).logits[0, -t.numel():].float()
+            worst = max(worst, (logits[qsl[i]:qsl[i + 1]] - want).abs().max().item())
+    return worst
 
 
 def capture_graph(step) -> tuple:

@@ -23,7 +23,8 @@ import time
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from timing import capture_graph, mix_lens as _mix_lens, plot_step_ms, time_ms  # noqa: F401
+from timing import capture_graph, max_err_vs_hf, plot_step_ms, time_ms  # noqa: F401
+from timing import mix_lens as _mix_lens
 from dspark_compile.graphs.tiers import tier_set
 
 HBM_BYTES_PER_S = 4.8e12
@@ -58,25 +59,6 @@ def floor_ms(params: int, layers: int, kv_heads: int, head_dim: int, bs: int,
     return 1e3 * (linear + kv_bytes / HBM_BYTES_PER_S)
 
 
-def check_correctness(model, verifier) -> float:
-    """Largest |ours - HF| on real tokens (bf16), prefill + one verify of 3 requests."""
-    gen = torch.Generator().manual_seed(0)
-    state = verifier.new_state(max_requests=4, max_context=128)
-    prompts = [torch.randint(0, 32000, (n,), generator=gen).cuda() for n in (17, 5, 30)]
-    layout = VerifyLayout.pack([17, 5, 30], [0, 0, 0], [3, 0, 1])
-    verifier(torch.cat(prompts), layout, state)
-    verifier.commit(layout, [17, 5, 30], state)
-    new = [torch.randint(0, 32000, (n,), generator=gen).cuda() for n in (4, 1, 7)]
-    layout = VerifyLayout.pack([4, 1, 7], [17, 5, 30], [3, 0, 1])
-    logits = verifier(torch.cat(new), layout, state).float()
-    worst, qsl = 0.0, layout.query_start_loc.tolist()
-    with torch.no_grad():
-        for i, (p, t) in enumerate(zip(prompts, new)):
-            want = model(torch.cat([p, t])[None]).logits[0, -t.numel():].float()
-            worst = max(worst, (logits[qsl[i]:qsl[i + 1]] - want).abs().max().item())
-    return worst
-
-
 def hf_dense(model, bs: int):
     """PyTorch dense verify padded to the block: HF sdpa with a boolean mask over a static
     KV cache of the same context; returns (step fn, captured graph or error)."""
@@ -108,7 +90,7 @@ def run(args, save) -> dict:
                               rotary=args.rotary)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
-    max_err = check_correctness(model, verifier)
+    max_err = max_err_vs_hf(model, verifier, 32000, "cuda")
     first_calls_s = time.perf_counter() - t0
     print(f"compiled in {compile_s:.1f} s; max |ours - HF| (bf16) = {max_err:.3g}", flush=True)
 
