@@ -68,6 +68,9 @@ from dspark_compile.graphs.tiers import select_tier, tier_set  # noqa: E402
 from dspark_compile.runtime import (PlannerConfig, TierRate, WidthPolicy,  # noqa: E402
                                     WidthPolicyConfig, plan_verify)
 from dspark_compile.runtime.profiler import profile_sps  # noqa: E402
+if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the CPU tests)
+    sys.path.append(str(Path(__file__).resolve().parent))
+from timing import variant_suffix  # noqa: E402
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=32000,
@@ -116,9 +119,9 @@ class Settings:
     8; noise or a real matmul cliff, not yet told apart); 20 steadies each median."""
     seed: int = 0
     """Seed of the weights, the prompts, the successor permutation and the drafter."""
-    group_linears: bool = False
+    group_linears: str = "auto"
     """``DSparkConfig(group_linears=...)`` of the verifier (GPU runs)."""
-    rotary: str = "inductor"
+    rotary: str = "auto"
     """``DSparkConfig(rotary=...)`` of the verifier (GPU runs)."""
 
 
@@ -512,17 +515,17 @@ def parse_settings(argv=None) -> tuple[Settings, str]:
     parser.add_argument("--target", choices=("successor", "random"), default=None)
     parser.add_argument("--mean-accepted", type=float, default=None)
     parser.add_argument("--concentration", type=float, default=None)
-    parser.add_argument("--group-linears", action="store_true",
-                        help="DSparkConfig(group_linears=True); the files get a suffix")
-    parser.add_argument("--rotary", choices=("inductor", "triton"), default="inductor",
-                        help="DSparkConfig(rotary=...); triton: the files get a suffix")
+    parser.add_argument("--group-linears", choices=("auto", "concat", "triton", "off"),
+                        default="auto",
+                        help="DSparkConfig(group_linears=...); not auto: the files get a suffix")
+    parser.add_argument("--rotary", choices=("auto", "inductor", "triton"), default="auto",
+                        help="DSparkConfig(rotary=...); not auto: the files get a suffix")
     args = parser.parse_args(argv)
     s = SMOKE if args.smoke else QUICK if args.quick else FULL
     changes = {k: v for k, v in (("target", args.target), ("mean_accepted", args.mean_accepted),
                                  ("concentration", args.concentration)) if v is not None}
-    if args.group_linears or args.rotary != "inductor":
-        suffix = ("_group_linears" if args.group_linears else "") + \
-            ("_rotary_triton" if args.rotary == "triton" else "")
+    if args.group_linears != "auto" or args.rotary != "auto":
+        suffix = variant_suffix(args.group_linears, args.rotary)
         changes.update(group_linears=args.group_linears, rotary=args.rotary,
                        name=s.name + suffix)
     return replace(s, **changes), args.out

@@ -4,9 +4,11 @@
 #
 #   bash benchmarks/gpu_session.sh OUTDIR JOB:SECONDS [JOB:SECONDS ...]
 #
-# Jobs: tests, tests_graphs, sanitizer, verify_step, verify_step_grouped, verify_step_rotary,
+# Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
+# verify_step_off, verify_step_rotary,
 # profile_step, profile_step_grouped, attention, hybrid_kernels, hybrid_step, rotary,
-# runtime_device, profile_sps, linear, e2e_quick, e2e, e2e_grouped, e2e_rotary. Each job's output goes to
+# runtime_device, profile_sps, linear, e2e_quick, e2e, e2e_grouped, e2e_off, e2e_rotary. Each
+# job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
 # A job that runs past its limit is stopped and the next one starts.
 #
@@ -24,10 +26,12 @@ job() {
     sanitizer) compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
         tests/test_gpu.py -k bitwise -p no:cacheprovider ;;
     verify_step) python3 benchmarks/verify_step.py ;;
-    verify_step_grouped) python3 benchmarks/verify_step.py --group-linears ;;
-    verify_step_rotary) python3 benchmarks/verify_step.py --rotary triton ;;
+    verify_step_grouped) python3 benchmarks/verify_step.py --group-linears triton ;;
+    verify_step_off) python3 benchmarks/verify_step.py --group-linears off ;;
+    step_variants) python3 benchmarks/step_variants.py --profile ;;
+    verify_step_rotary) python3 benchmarks/verify_step.py --rotary inductor ;;
     profile_step) python3 benchmarks/profile_step.py ;;
-    profile_step_grouped) python3 benchmarks/profile_step.py --group-linears ;;
+    profile_step_grouped) python3 benchmarks/profile_step.py --group-linears triton ;;
     attention) python3 benchmarks/attention_kernel.py ;;
     hybrid_kernels) python3 benchmarks/hybrid_kernels.py ;;
     hybrid_step) python3 benchmarks/hybrid_step.py ;;
@@ -40,8 +44,9 @@ job() {
     linear) python3 benchmarks/linear_kernel.py --sweep ;;
     e2e_quick) python3 benchmarks/e2e.py --quick ;;
     e2e) python3 benchmarks/e2e.py ;;
-    e2e_grouped) python3 benchmarks/e2e.py --group-linears ;;
-    e2e_rotary) python3 benchmarks/e2e.py --rotary triton ;;
+    e2e_grouped) python3 benchmarks/e2e.py --group-linears triton ;;
+    e2e_off) python3 benchmarks/e2e.py --group-linears off ;;
+    e2e_rotary) python3 benchmarks/e2e.py --rotary inductor ;;
     *) echo "unknown job $1"; return 2 ;;
   esac
 }

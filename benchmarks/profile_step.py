@@ -8,7 +8,7 @@ block 8, the mean-3 mix). For each bs it captures the one tier the mix takes, th
 - the kernels of 10 replays under torch.profiler, summed per step by kind (attention, its
   split reduce, GEMMs, Inductor's fused kernels, other), and the top kernels.
 
-    python benchmarks/profile_step.py [--bs 1 8 64 256] [--out DIR] [--group-linears]
+    python benchmarks/profile_step.py [--bs 1 8 64 256] [--out DIR] [--group-linears MODE]
 
 Writes ``profile_step.json`` and ``profile_step_bs{bs}.txt`` (kernel tables) to DIR.
 """
@@ -26,6 +26,7 @@ from torch.profiler import ProfilerActivity, profile
 
 from dspark_compile import VerifyLayout, dspark_compile
 from dspark_compile.graphs.tiers import select_tier, tier_set
+from timing import variant_flags, variant_suffix
 from verify_step import BLOCK, CONTEXT, PAGE, build_model, environment, mix_lens, time_ms
 
 KINDS = (("attention", ("_ragged_attention_kernel",)),
@@ -94,11 +95,12 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bs", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
-    parser.add_argument("--group-linears", action="store_true",
-                        help="DSparkConfig(group_linears=True); files get a _group_linears suffix")
+    parser.add_argument("--group-linears", choices=("auto", "concat", "triton", "off"),
+                        default="auto",
+                        help="DSparkConfig(group_linears=...); not auto: files get a suffix")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    suffix = "_group_linears" if args.group_linears else ""
+    suffix = variant_suffix(args.group_linears, "auto")
     model = build_model()
     verifier = dspark_compile(model, lowering="triton", inductor=True, page_size=PAGE,
                               block=BLOCK, group_linears=args.group_linears)
@@ -118,7 +120,7 @@ def main() -> None:
                               if k != "top_kernels_us_per_step"}), flush=True)
     env = dict(environment(), group_linears=args.group_linears,
                command="python benchmarks/profile_step.py --bs " + " ".join(map(str, args.bs))
-               + (" --group-linears" if args.group_linears else ""))
+               + variant_flags(args.group_linears, "auto"))
     with open(os.path.join(args.out, f"profile_step{suffix}.json"), "w") as f:
         json.dump({"environment": env, "results": rows}, f, indent=1)
 

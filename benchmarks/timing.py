@@ -10,7 +10,19 @@ import time
 import torch
 
 __all__ = ["time_calls", "time_ms", "capture_graph", "mix_lens", "plot_step_ms",
-           "max_err_vs_hf"]
+           "max_err_vs_hf", "variant_suffix", "variant_flags"]
+
+
+def variant_suffix(group_linears: str, rotary: str) -> str:
+    """File-name suffix of a run with non-default ``group_linears`` / ``rotary`` options."""
+    return (f"_group_{group_linears}" if group_linears != "auto" else "") + \
+        (f"_rotary_{rotary}" if rotary != "auto" else "")
+
+
+def variant_flags(group_linears: str, rotary: str) -> str:
+    """The command-line flags of those options (empty for the defaults)."""
+    return (f" --group-linears {group_linears}" if group_linears != "auto" else "") + \
+        (f" --rotary {rotary}" if rotary != "auto" else "")
 
 
 def max_err_vs_hf(model, verifier, vocab: int, device, **state_kwargs) -> float:

@@ -5,7 +5,7 @@ Model: Llama-like 1.1B, bf16, random weights (hidden 2048, 16 layers, 16 heads, 
 head 128, FFN 8192, vocab 32000); context 1024, page 16, block 8; bs 1, 8, 64, 256.
 Verify lengths: all 8, and a fixed-seed mix with mean exactly 3 (same token count as uniform 3).
 
-    python benchmarks/verify_step.py [--out DIR] [--quick] [--group-linears] [--rotary triton]
+    python benchmarks/verify_step.py [--out DIR] [--quick] [--group-linears MODE] [--rotary MODE]
 
 Writes ``verify_step.json`` (GPU, versions, every setting, all timings) and
 ``verify_step.png`` to DIR (default: $OUT if set, else benchmarks/results).
@@ -24,6 +24,7 @@ import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
 from timing import capture_graph, max_err_vs_hf, plot_step_ms, time_ms  # noqa: F401
+from timing import variant_flags, variant_suffix
 from timing import mix_lens as _mix_lens
 from dspark_compile.graphs.tiers import tier_set
 
@@ -179,20 +180,19 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="bs 1 and 8 only, fewer iters")
-    parser.add_argument("--group-linears", action="store_true",
-                        help="DSparkConfig(group_linears=True); files get a _group_linears suffix")
-    parser.add_argument("--rotary", choices=("inductor", "triton"), default="inductor",
-                        help="DSparkConfig(rotary=...); triton: files get a _rotary_triton suffix")
+    parser.add_argument("--group-linears", choices=("auto", "concat", "triton", "off"),
+                        default="auto",
+                        help="DSparkConfig(group_linears=...); not auto: files get a suffix")
+    parser.add_argument("--rotary", choices=("auto", "inductor", "triton"), default="auto",
+                        help="DSparkConfig(rotary=...); not auto: files get a suffix")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("verify_step.py needs a GPU")
     os.makedirs(args.out, exist_ok=True)
     env = environment()
-    suffix = ("_group_linears" if args.group_linears else "") + \
-        ("_rotary_triton" if args.rotary == "triton" else "")
+    suffix = variant_suffix(args.group_linears, args.rotary)
     env["group_linears"], env["rotary"] = args.group_linears, args.rotary
-    env["command"] += (" --group-linears" if args.group_linears else "") + \
-        (" --rotary triton" if args.rotary == "triton" else "")
+    env["command"] += variant_flags(args.group_linears, args.rotary)
 
     def save(part: dict) -> None:
         with open(os.path.join(args.out, f"verify_step{suffix}.json"), "w") as f:

@@ -6,6 +6,8 @@ from dataclasses import dataclass, fields, replace
 
 __all__ = ["DSparkConfig"]
 
+GROUP_LINEARS = ("auto", "concat", "triton", "off")
+
 
 @dataclass(frozen=True)
 class DSparkConfig:
@@ -21,19 +23,31 @@ class DSparkConfig:
     reference)."""
     inductor: bool = False
     """Compile the token-wise rest of the packed graph with Inductor (``torch.compile``)."""
-    group_linears: bool = False
-    """Rewrite matmuls by weights that share their rows (q, k, v; gate, up) into one
-    ``dspark::linear_group`` each; on a GPU a small verify batch then streams q+k+v in one
-    Triton launch (2.3x faster than three ``torch.mm`` at 3 rows on an H200, kernel alone:
-    ``benchmarks/linear_kernel.py``). Off by default until a whole verify step is measured
-    with it."""
-    rotary: str = "inductor"
+    group_linears: str = "auto"
+    """Matmuls by weights that share their rows (q, k, v; gate, up):
+
+    - ``"concat"``: one matmul by the weights stacked into one buffer (the parameters become
+      row views of it; ``lowering/concat_linear.py``), then column slices of the product;
+    - ``"triton"``: one ``dspark::linear_group`` each, a Triton kernel streaming the group in
+      one launch with split-K (``lowering/triton_linear.py``);
+    - ``"off"``: one matmul per weight, as the model wrote it;
+    - ``"auto"`` (default): ``"concat"`` with the Triton lowering, ``"off"`` with the reference
+      one (so the CPU reference stays bitwise equal to the dense graph; the stacked GEMM may
+      sum in another order).
+
+    Whole verify step on an H200 (1.1B model, mean-3 mix, graphs): ``"concat"`` 1.20 / 1.48 /
+    2.56 / 7.34 ms at bs 1 / 8 / 64 / 256 against 1.56 / 1.71 / 2.78 / 7.50 with ``"off"``
+    (``benchmarks/step_variants.py``); ``"triton"`` took 2.14 ms at bs 1 in an earlier run (its
+    kernel loses to the vendor GEMM on gate+up and the LM head).
+    """
+    rotary: str = "auto"
     """Where a layer's rotary runs: ``"inductor"`` (the packed graph's own ops, fused by
-    Inductor when ``inductor=True``) or ``"triton"`` (``fuse_rotary`` makes each layer's q/k
-    rotation one ``dspark::rotary_apply``: one Triton launch on a GPU). In-graph on an H200 the
-    Inductor rotary kernels took 2.8 / 7.8 / 18.1 us per layer at bs 1 / 64 / 256 and the Triton
-    kernel alone 2.4 / 3.4 / 8.9 (``benchmarks/rotary.py``); ``"inductor"`` stays the default
-    until a whole step is measured with ``"triton"``."""
+    Inductor when ``inductor=True``), ``"triton"`` (``fuse_rotary`` makes each layer's q/k
+    rotation one ``dspark::rotary_apply``: one Triton launch on a GPU) or ``"auto"`` (default:
+    ``"triton"`` with the Triton lowering, ``"inductor"`` with the reference one). Whole verify
+    step on an H200 (1.1B model, mean-3 mix, graphs, stacked q/k/v): 1.20 / 1.39 / 2.45 / 7.19 ms
+    at bs 1 / 8 / 64 / 256 with ``"triton"`` against 1.20 / 1.48 / 2.56 / 7.34 with
+    ``"inductor"`` (``benchmarks/step_variants.py``)."""
     max_step_tokens: int = 4096
     """Most packed rows (all requests' tokens) one forward may run on a model with
     linear-attention layers: it sizes their replay rings (one saved row per token, per layer),
@@ -47,9 +61,12 @@ class DSparkConfig:
         if not isinstance(self.max_step_tokens, int) or self.max_step_tokens < 1:
             raise ValueError(f"DSparkConfig.max_step_tokens={self.max_step_tokens!r}; it must "
                              "be an int >= 1")
-        if self.rotary not in ("inductor", "triton"):
-            raise ValueError(f"DSparkConfig.rotary={self.rotary!r}; it must be 'inductor' or "
-                             "'triton'")
+        if self.group_linears not in GROUP_LINEARS:
+            raise ValueError(f"DSparkConfig.group_linears={self.group_linears!r}; it must be one "
+                             f"of {', '.join(map(repr, GROUP_LINEARS))}")
+        if self.rotary not in ("auto", "inductor", "triton"):
+            raise ValueError(f"DSparkConfig.rotary={self.rotary!r}; it must be 'auto', "
+                             "'inductor' or 'triton'")
         if self.lowering not in ("auto", "triton", "reference"):
             raise ValueError(f"DSparkConfig.lowering={self.lowering!r}; it must be 'auto', "
                              "'triton' or 'reference'")

@@ -21,6 +21,7 @@ from .graphs.tiers import Tier, tier_set
 from .frontend.capture import CapturedGraph, capture_dense
 from .layout import VerifyLayout
 from .linear_state import LinearPools, RingSpec
+from .lowering.concat_linear import stack_weights
 from .lowering.ops import LOWERED
 from .lowering.select import compile_rest, lower, resolve_lowering
 from .passes import PassContext, PassResult, run_passes
@@ -45,12 +46,15 @@ def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
     captured = capture_dense(adapter, param.dtype, param.device)
     ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
     gm, results = run_passes(captured.gm, ctx)
-    results.extend(lower(gm, lowering, config.block, config.group_linears, config.rotary))
+    results.extend(lower(gm, lowering, config.block, config.group_linears, config.rotary,
+                         ctx.inputs))
     return Verifier(adapter, gm, ctx.inputs, results, captured, config, param.dtype,
                     param.device, lowering)
 
 
 OPS = torch.ops.dspark
+WEIGHT_KINDS = ("param", "buffer", "param_concat")
+"""Input kinds the model's weights fill (``param_concat``: stacked by ``concat_linears``)."""
 RING_KINDS = ("conv_ring", "gdn_ring_k", "gdn_ring_v", "gdn_ring_g", "gdn_ring_beta")
 """Input kinds of the replay rings the ragged linear passes add."""
 
@@ -99,6 +103,7 @@ class Verifier:
         self._dense_inputs = dense.inputs
         model = adapter.model
         self._weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        stack_weights(self._weights, inputs)  # concat_linears' stacked inputs, if any
         self._run = compile_rest(gm) if config.inductor else gm
         table = LOWERED.get(lowering, {})
         self._commit_ops = {  # the linear-state commits, in the forward's lowering
@@ -277,7 +282,7 @@ class Verifier:
         """Graph arguments in placeholder order: weights, pools, then ``values`` by kind."""
         args = []
         for spec in specs:
-            if spec.kind in ("param", "buffer"):
+            if spec.kind in WEIGHT_KINDS:
                 args.append(self._weights[spec.name])
             elif spec.kind in ("k_cache", "v_cache"):
                 index = int(spec.name.rsplit("_", 1)[1])
@@ -359,5 +364,5 @@ class Verifier:
             if before[op] != after[op]:
                 lines.append(f"      {op}: {before[op]} -> {after[op]}")
         lines.append(f"  packed inputs: " + ", ".join(
-            s.name for s in self.inputs if s.kind not in ("param", "buffer")))
+            s.name for s in self.inputs if s.kind not in WEIGHT_KINDS))
         return "\n".join(lines)

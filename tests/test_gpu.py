@@ -169,17 +169,20 @@ def _same_steps(verifiers, slots, prompts, seed, steps=5, tol=5e-2):
         ids = torch.randint(0, 97, (sum(lens),), generator=gen).cuda()
         layout = VerifyLayout.pack(lens, ctx, slots)
         outs = [v(ids, layout, s).float() for v, s in zip(verifiers, states)]
-        torch.testing.assert_close(outs[1], outs[0], atol=tol, rtol=tol)
+        for out in outs[1:]:
+            torch.testing.assert_close(out, outs[0], atol=tol, rtol=tol)
         for v, s in zip(verifiers, states):
             v.commit(layout, lens, s)
         ctx = [c + n for c, n in zip(ctx, lens)]
 
 
 def test_group_linears_verifier_matches_ungrouped_in_bf16():
-    """q+k+v through the grouped skinny matmul (Triton, bf16) against torch.mm, whole verifier:
-    a prefill (wide, torch.mm) and verify steps of 3..40 rows (the kernel)."""
+    """q+k+v (and gate+up) through the grouped skinny matmul (Triton, bf16) and through one
+    matmul by the stacked weights, against one torch.mm per weight, whole verifier: a prefill
+    (wide, torch.mm) and verify steps of 3..40 rows (the kernel)."""
     model = tiny_llama(layers=2).cuda().to(torch.bfloat16)
-    verifiers = [dspark_compile(model, lowering="triton", group_linears=g) for g in (False, True)]
+    verifiers = [dspark_compile(model, lowering="triton", group_linears=g)
+                 for g in ("off", "triton", "concat")]
     rng = random.Random(2)
     _same_steps(verifiers, [1, 4, 6, 0, 2], [rng.randint(3, 20) for _ in range(5)], seed=2)
 

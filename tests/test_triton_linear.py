@@ -111,8 +111,8 @@ def test_group_linears_groups_weights_that_share_rows() -> None:
     from helpers import tiny_llama
 
     assert not [n for n in dspark_compile(tiny_llama(layers=1)).graph_module.graph.nodes
-                if n.target is torch.ops.dspark.linear_group.default], "off by default"
-    verifier = dspark_compile(tiny_llama(layers=2), group_linears=True)
+                if n.target is torch.ops.dspark.linear_group.default], "not by default"
+    verifier = dspark_compile(tiny_llama(layers=2), group_linears="triton")
     groups = [[a.name for a in n.args[1]] for n in verifier.graph_module.graph.nodes
               if n.target is torch.ops.dspark.linear_group.default]
     assert ["model_layers_0_self_attn_q_proj_weight", "model_layers_0_self_attn_k_proj_weight",
@@ -131,7 +131,7 @@ def test_grouped_verifier_equals_ungrouped() -> None:
 
     model = tiny_llama(layers=2)
     outs = []
-    for group in (False, True):
+    for group in ("off", "triton"):
         verifier = dspark_compile(model, group_linears=group)
         state = verifier.new_state(max_requests=3, max_context=40)
         g = torch.Generator().manual_seed(0)

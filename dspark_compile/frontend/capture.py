@@ -50,9 +50,12 @@ class InputSpec:
     for hybrid models slots | conv_state | recurrent_state, for mRoPE models vision_embeds
     (the ragged passes add the layout inputs and the replay rings conv_ring | gdn_ring_k |
     gdn_ring_v | gdn_ring_g | gdn_ring_beta; flat_mrope turns positions into
-    mrope_positions)."""
+    mrope_positions; concat_linears stacks parameters into param_concat)."""
     name: str
     """Parameter/buffer name, or the kind (with the pool index for caches)."""
+    parts: tuple[str, ...] = ()
+    """For kind ``param_concat`` (``lowering/concat_linear.py``): the parameters stacked along
+    dim 0 into this input, in order."""
 
 
 @dataclass

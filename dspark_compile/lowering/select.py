@@ -20,6 +20,7 @@ import torch
 import torch.fx as fx
 
 from ..passes.base import EnsureError, PassResult
+from .concat_linear import concat_linears
 from .fuse_rotary import fuse_rotary
 from .group_linear import group_linears
 from .ops import LOWERED
@@ -41,15 +42,25 @@ def resolve_lowering(requested: str, device: torch.device) -> str:
     return requested
 
 
-def lower(gm: fx.GraphModule, lowering: str, block: int, group: bool = False,
-          rotary: str = "inductor") -> list[PassResult]:
-    """With ``group``, group the matmuls that share their rows (``group_linears``); with
-    ``rotary="triton"``, fuse each layer's q/k rotation (``fuse_rotary``); then swap each
-    reference ``dspark::`` op for its ``lowering`` implementation, in place.
+def lower(gm: fx.GraphModule, lowering: str, block: int, group: str = "off",
+          rotary: str = "auto", inputs: list | None = None) -> list[PassResult]:
+    """Group the matmuls that share their rows per ``group`` (``DSparkConfig.group_linears``:
+    ``"concat"`` stacks their weights, ``"triton"`` makes ``dspark::linear_group`` ops,
+    ``"auto"`` is ``"concat"`` for ``lowering="triton"``); with ``rotary="triton"`` (``"auto"``
+    with ``lowering="triton"``), fuse each layer's q/k rotation (``fuse_rotary``); then swap each reference ``dspark::`` op for its
+    ``lowering`` implementation, in place. ``inputs`` (the ``InputSpec`` per placeholder) is
+    kept in step when ``concat`` replaces weight inputs by stacked ones.
 
     The Triton attention also gets ``block`` as its query-tile bound (a speed choice only).
     """
-    grouped = [group_linears(gm)] if group else []
+    if group == "auto":
+        group = "concat" if lowering == "triton" else "off"
+    if rotary == "auto":
+        rotary = "triton" if lowering == "triton" else "inductor"
+    if group == "concat" and inputs is None:
+        raise ValueError("lower(group='concat') needs the graph's inputs list to keep in step")
+    grouped = [group_linears(gm)] if group == "triton" else \
+        [concat_linears(gm, inputs)] if group == "concat" else []
     if rotary == "triton":
         grouped.append(fuse_rotary(gm))
     result = PassResult(f"lower[{lowering}]", changed=0)

@@ -79,7 +79,7 @@ def graph_text(gm: fx.GraphModule, weights: bool = False) -> str:
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             spec = node.meta.get("dspark_input")
-            if weights or spec is None or spec.kind not in ("param", "buffer"):
+            if weights or spec is None or spec.kind not in ("param", "buffer", "param_concat"):
                 inputs.append(f"{node.name}{_shape(node, names)}")
         elif node.op == "call_function":
             args = ", ".join([_fmt(a, node_names) for a in node.args] +
