@@ -196,6 +196,9 @@ class Run:
     draft_seconds: float = 0.0
     seconds: float = 0.0
     host_seconds: float = 0.0
+    verify_gpu_seconds: float = 0.0
+    """Sum over steps of the verify call's GPU time (CUDA events around it; 0 on the CPU):
+    the rest of ``seconds`` is host work and the accept/commit kernels."""
     shapes: list = field(default_factory=list)
     """(tokens, requests) of every step, to find the tier each replayed."""
 
@@ -217,6 +220,8 @@ class Decoder:
         self._gumbel = torch.zeros(rows, self.vocab, device=self.dev)
         self._sampling: dict[int, SamplingParams] = {}
         self._accept = accept if self.dev.type == "cuda" else accept_reference
+        self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] \
+            if self.dev.type == "cuda" else None
 
     def prefill(self, prompts: torch.Tensor) -> np.ndarray:
         """Prefill ``prompts [c, context]`` into slots ``0..c-1``; their first greedy tokens.
@@ -297,8 +302,14 @@ class Decoder:
         layout = VerifyLayout.pack(torch.from_numpy(lens), torch.from_numpy(
             (self.s.context + e - 1).astype(np.int32)), torch.from_numpy(rids.astype(np.int32)))
         ids = torch.from_numpy(block[np.arange(g + 1) < lens[:, None]]).to(self.dev)  # [N]
+        if self._events:
+            self._events[0].record()
         logits = self.verifier(ids, layout, self.state)
-        acc, nxt = self._accept_step(logits, ids, layout)
+        if self._events:
+            self._events[1].record()
+        acc, nxt = self._accept_step(logits, ids, layout)  # waits for the step: events are done
+        if self._events:
+            run.verify_gpu_seconds += self._events[0].elapsed_time(self._events[1]) / 1e3
         self.verifier.commit(layout, torch.from_numpy(acc + 1), self.state)
         emit = np.concatenate([drafts, np.zeros((rids.size, 1), np.int64)], 1)  # [R, g + 1]
         emit[np.arange(rids.size), acc] = nxt  # accepted drafts, then the next token
@@ -324,7 +335,8 @@ def summarize(run: Run, got: np.ndarray, want: np.ndarray, tiers) -> dict:
             "mean_verify_len_per_request": run.verify_tokens / run.request_steps,
             "mean_accepted": run.accepted / run.request_steps, "steps": run.steps,
             "seconds": run.seconds, "host_seconds": run.host_seconds,
-            "draft_seconds": run.draft_seconds, "decoded_tokens": int(got.size),
+            "draft_seconds": run.draft_seconds, "verify_gpu_ms_per_step":
+            1e3 * run.verify_gpu_seconds / run.steps, "decoded_tokens": int(got.size),
             "mismatched_tokens": int((got != want).sum()),
             "output_sha1": hashlib.sha1(np.ascontiguousarray(got).tobytes()).hexdigest()}
 
