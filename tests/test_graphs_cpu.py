@@ -12,10 +12,15 @@ from helpers import PlainDecoder, full_logits
 
 def test_tier_set_covers_every_uniform_width():
     tiers = tier_set(max_requests=6, block=4)
-    for r in (1, 2, 4, 6):
+    for r in (2, 4, 6):
         for w in (1, 2, 3, 4):
-            assert Tier(r * w, r) in tiers or (r, w) == (1, 1)
-    assert Tier(1, 1) not in tiers and select_tier(tiers, 1, 1) == Tier(2, 1)
+            assert Tier(r * w, r) in tiers
+    for w in (2, 3, 4):  # one request: a second, empty slot (no size-1 compile)
+        assert select_tier(tiers, w, 1) == Tier(w, 2)
+    assert not [t for t in tiers if t.request_slots == 1]
+    assert Tier(1, 1) not in tiers and select_tier(tiers, 1, 1) == Tier(2, 2)
+    assert [t.request_slots for t in tier_set(max_requests=1, block=4)] == [1, 1, 1], \
+        "with one slot in all, the one-slot tiers stay"
     assert len(tiers) == len(set(tiers))
     assert "slots | tokens" in format_tiers(tiers)
 
@@ -135,9 +140,9 @@ def test_device_metadata_matches_host_layout(plain):
     assert meta["seq_lens"].tolist() == layout.seq_lens.tolist()
 
 
-def test_inductor_compiles_a_tier_set_twice_not_four_times():
-    """Token and request axes are marked dynamic before the first call: one compile serves
-    every tier of two or more requests, one more the one-request tiers (automatic dynamic
+def test_inductor_compiles_a_tier_set_once():
+    """Token and request axes are marked dynamic before the first call and no tier has one
+    request slot: one compile serves every tier, single requests included (automatic dynamic
     shapes compiled four times: static, then N, then R, then R = 1)."""
     from torch._dynamo.utils import counters
 
@@ -150,8 +155,11 @@ def test_inductor_compiles_a_tier_set_twice_not_four_times():
     verifier.capture(state, tiers=tier_set(8, 4), use_graphs=False)
     for tier in sorted(state.graphs.tiers, reverse=True):
         w = tier.tokens // tier.request_slots
-        layout = VerifyLayout.pack([w] * tier.request_slots, [0] * tier.request_slots,
-                                   list(range(tier.request_slots)))
-        out = verifier(torch.zeros(layout.num_tokens, dtype=torch.int64), layout, state)
-        assert torch.isfinite(out).all()
-    assert counters["stats"]["unique_graphs"] == 2
+        layouts = [VerifyLayout.pack([w] * tier.request_slots, [0] * tier.request_slots,
+                                     list(range(tier.request_slots)))]
+        if tier.request_slots == 2:
+            layouts.append(VerifyLayout.pack([tier.tokens], [0], [3]))  # one request
+        for layout in layouts:
+            out = verifier(torch.zeros(layout.num_tokens, dtype=torch.int64), layout, state)
+            assert torch.isfinite(out).all()
+    assert counters["stats"]["unique_graphs"] == 1

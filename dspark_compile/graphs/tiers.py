@@ -7,10 +7,12 @@ smallest tier with ``tokens >= N`` and ``request_slots >= R``. A uniform verify 
 ``w`` tokens, the full block included) is the tier ``(R_t * w, R_t)``, so the per-step width
 policy and the ragged planner share one graph family.
 
-The one exception: ``tier_set`` has no one-token tier. A one-token graph would make
-``torch.compile`` specialise the token axis to 1 and compile the model again (15.6 s of a 40 s
-capture for the 1.1B benchmark model on an H200); a single one-token request replays the
-``(2, 1)`` tier with one padding row instead.
+Two exceptions, both for the same reason: ``torch.compile`` specialises a size of 1 and would
+compile the whole model once more for it (15.6 s of a 40 s capture for the 1.1B benchmark
+model on an H200, for the token axis). ``tier_set`` has no one-token tier (a single one-token
+request replays ``(2, 2)`` with one padding row) and, when ``max_requests >= 2``, no one-slot
+tier: a single request of ``w`` tokens replays ``(w, 2)``, whose second slot is an empty
+request (no rows, no work).
 """
 
 from __future__ import annotations
@@ -53,8 +55,9 @@ def tier_set(max_requests: int, block: int, widths: tuple[int, ...] | None = Non
 
     Request slots go in powers of two up to ``max_requests``; for each, the token counts are
     ``slots * w`` for every width ``w`` in ``widths`` (default ``1..block``), so every uniform
-    width has an exact tier and a ragged batch pads to the next width up; the smallest tier
-    has 2 tokens (see the module docstring), so ``block >= 2`` or ``max_requests >= 2``.
+    width has an exact tier and a ragged batch pads to the next width up. The smallest tier
+    has 2 tokens and, given ``max_requests >= 2``, every tier at least 2 request slots (see
+    the module docstring), so ``block >= 2`` or ``max_requests >= 2``.
     """
     if max_requests < 1 or block < 1:
         raise ValueError(f"tier_set: max_requests={max_requests}, block={block}; both must be "
@@ -64,7 +67,9 @@ def tier_set(max_requests: int, block: int, widths: tuple[int, ...] | None = Non
     if bad or block not in widths:
         raise ValueError(f"tier_set: widths={widths}; each must be in 1..block={block} and the "
                          "full block must be among them")
-    tiers = {Tier(r * w, r) for r in _request_tiers(max_requests) for w in widths if r * w >= 2}
+    least = min(2, max_requests)
+    tiers = {Tier(r * w, max(r, least)) for r in _request_tiers(max_requests) for w in widths
+             if r * w >= 2}
     if not tiers:
         raise ValueError(f"tier_set: max_requests={max_requests}, block={block}, widths="
                          f"{widths} give only the one-token tier; verify at least 2 tokens")
