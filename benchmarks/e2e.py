@@ -121,6 +121,11 @@ class Settings:
     """Seed of the weights, the prompts, the successor permutation and the drafter."""
     group_linears: str = "auto"
     """``DSparkConfig(group_linears=...)`` of the verifier (GPU runs)."""
+    step_overhead: bool = True
+    """Price steps for the width policy and the planner at ``1 / SPS + overhead``
+    (``TierRate(step_overhead_s=...)``), the overhead being this loop's time per step outside
+    the graph replay, measured on the no-speculation run at the same concurrency (which runs
+    first); False: the SPS table of graph replays alone."""
     rotary: str = "auto"
     """``DSparkConfig(rotary=...)`` of the verifier (GPU runs)."""
 
@@ -210,8 +215,14 @@ class Decoder:
     a step is what an engine would do, not the reference engine's per-request bookkeeping.
     """
 
-    def __init__(self, verifier, state, s: Settings, rate, tiers) -> None:
-        self.verifier, self.state, self.s, self.rate, self.tiers = verifier, state, s, rate, tiers
+    def __init__(self, verifier, state, s: Settings, table, tiers) -> None:
+        self.verifier, self.state, self.s, self.table, self.tiers = \
+            verifier, state, s, table, tiers
+        self.replay_rate = TierRate(table, tiers, state.max_requests)
+        """Steps priced by the SPS table of graph replays alone."""
+        self.rate = self.replay_rate
+        """What the width policy and the planner price steps with (``bench_concurrency`` adds
+        the loop's overhead per concurrency)."""
         self.dev = verifier.device
         self.vocab = s.model["vocab_size"]
         self.planner = PlannerConfig(tiers=tuple((t.tokens, t.request_slots) for t in tiers))
@@ -350,18 +361,26 @@ def bench_concurrency(decoder: Decoder, prompts: torch.Tensor, s: Settings):
                                decoder.vocab, s.seed + prompts.shape[0])
     decoder.warm_accept(prompts.shape[0])
     rows, outputs = {}, {"reference": reference[:, 1:1 + out]}
+    c, overhead = prompts.shape[0], 0.0
+    decoder.rate = decoder.replay_rate
     for mode in mode_names(s.gamma):
         decoder.run(mode, first, drafter, s.warmup_output)
         run = decoder.run(mode, first, drafter, out)
         outputs[mode] = run.tokens[:, 1:1 + out]
         rows[mode] = summarize(run, outputs[mode], outputs["reference"], decoder.tiers)
+        if mode == "none" and s.step_overhead:  # c tokens over c requests every step
+            replay_s = 1.0 / float(decoder.replay_rate.steps_per_second(torch.tensor([c]), c)[0])
+            overhead = min(max(0.0, run.seconds / run.steps - replay_s), 0.5)
+            decoder.rate = TierRate(decoder.table, decoder.tiers, decoder.state.max_requests,
+                                    overhead)
         print(f"  c={prompts.shape[0]:>3} {mode:>8}: {rows[mode]['tokens_per_s']:10.1f} tok/s, "
               f"{rows[mode]['mean_verify_tokens_per_step']:7.1f} verify tokens/step, "
               f"accepted {rows[mode]['mean_accepted']:.2f}, "
               f"mismatches {rows[mode]['mismatched_tokens']}", flush=True)
     fixed = [m for m in rows if m.startswith("fixed_")] + ["static"]
     best = max(fixed, key=lambda m: rows[m]["tokens_per_s"])
-    return {"modes": rows, "best_fixed": best, "drafter_mu": drafter.mu}, outputs
+    return {"modes": rows, "best_fixed": best, "drafter_mu": drafter.mu,
+            "step_overhead_ms": 1e3 * overhead}, outputs
 
 
 def targets(c: int, row: dict) -> dict:
@@ -443,7 +462,7 @@ def _run_benchmark(s: Settings, save) -> tuple[dict, dict]:
     model, perm, verifier, state, tiers, table, timing = build_verifier(s)
     print(f"compiled in {timing['compile']:.1f} s, captured {timing['tiers']} tiers in "
           f"{timing['capture']:.1f} s, SPS table in {timing['profile_sps']:.1f} s", flush=True)
-    decoder = Decoder(verifier, state, s, TierRate(table, tiers, max(s.concurrency)), tiers)
+    decoder = Decoder(verifier, state, s, table, tiers)
     gen = torch.Generator().manual_seed(s.seed + 2)
     data = {"environment": environment(s), "settings": asdict(s), "measured": MEASURED,
             "policies": POLICIES, "planner": {"tiers": list(decoder.planner.tiers)},
@@ -474,7 +493,10 @@ MEASURED = ("tokens/s = requests x decoded tokens / (run seconds - draft seconds
 POLICIES = ("width: WidthPolicy over widths 1..gamma+1 (default knobs); planner: plan_verify "
             "with PlannerConfig(tiers=the captured tiers) (budget aligned up to the tier it "
             "replays). Both read the SPS table through TierRate: the rate of the tier a step "
-            "of (B tokens, R requests) replays, not the table's floor to the point below B.")
+            "of (B tokens, R requests) replays, not the table's floor to the point below B; "
+            "with step_overhead, a step costs 1 / SPS + the loop's own time per step outside "
+            "the replay, measured on the no-speculation run of the same concurrency "
+            "(results[c].step_overhead_ms).")
 
 
 def environment(s: Settings) -> dict:
@@ -530,6 +552,9 @@ def parse_settings(argv=None) -> tuple[Settings, str]:
     parser.add_argument("--group-linears", choices=("auto", "concat", "triton", "off"),
                         default="auto",
                         help="DSparkConfig(group_linears=...); not auto: the files get a suffix")
+    parser.add_argument("--replay-rates", action="store_true",
+                        help="price steps for the width policy and the planner by the SPS table "
+                             "of graph replays alone (no loop overhead); the files get a suffix")
     parser.add_argument("--rotary", choices=("auto", "inductor", "triton"), default="auto",
                         help="DSparkConfig(rotary=...); not auto: the files get a suffix")
     args = parser.parse_args(argv)
@@ -540,6 +565,8 @@ def parse_settings(argv=None) -> tuple[Settings, str]:
         suffix = variant_suffix(args.group_linears, args.rotary)
         changes.update(group_linears=args.group_linears, rotary=args.rotary,
                        name=s.name + suffix)
+    if args.replay_rates:
+        changes.update(step_overhead=False, name=changes.get("name", s.name) + "_replay_rates")
     return replace(s, **changes), args.out
 
 

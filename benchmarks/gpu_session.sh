@@ -7,7 +7,8 @@
 # Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
 # verify_step_off, verify_step_rotary,
 # profile_step, profile_step_grouped, attention, hybrid_kernels, hybrid_step, rotary,
-# runtime_device, profile_sps, linear, e2e_quick, e2e, e2e_grouped, e2e_off, e2e_rotary. Each
+# runtime_device, profile_sps, linear, e2e_quick, e2e, e2e_grouped, e2e_off, e2e_replay,
+# e2e_rotary. Each
 # job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
 # A job that runs past its limit is stopped and the next one starts.
@@ -46,6 +47,7 @@ job() {
     e2e) python3 benchmarks/e2e.py ;;
     e2e_grouped) python3 benchmarks/e2e.py --group-linears triton ;;
     e2e_off) python3 benchmarks/e2e.py --group-linears off ;;
+    e2e_replay) python3 benchmarks/e2e.py --replay-rates ;;
     e2e_rotary) python3 benchmarks/e2e.py --rotary inductor ;;
     *) echo "unknown job $1"; return 2 ;;
   esac

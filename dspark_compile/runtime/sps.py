@@ -340,18 +340,28 @@ class TierRate:
     Rates per ``(R, B)`` are precomputed here (one table lookup per tier), so a step only
     slices an array. ``tiers``: ``(tokens, request_slots)`` pairs or ``Tier`` objects; ``B``
     past the largest tier reads the largest one, ``R`` past ``max_requests`` the last row.
+
+    ``step_overhead_s``: the engine loop's fixed cost per step that a table of graph replays
+    leaves out (planning, packing, the accept kernel and its copy to the host, commit); a step
+    then takes ``1 / SPS + step_overhead_s``. A fixed cost per step makes a longer verify
+    relatively cheaper, so a planner fed replay rates alone verifies too little.
     """
 
-    def __init__(self, table: StepRateModel, tiers, max_requests: int) -> None:
+    def __init__(self, table: StepRateModel, tiers, max_requests: int,
+                 step_overhead_s: float = 0.0) -> None:
         pairs = sorted({(int(getattr(t, "tokens", None) or t[0]),
                          int(getattr(t, "request_slots", None) or t[1])) for t in tiers})
         if not pairs or max_requests < 1:
             raise ValueError(f"TierRate: {len(pairs)} tiers for max_requests={max_requests}; "
                              "it needs at least one tier and one request")
+        if not (isinstance(step_overhead_s, (int, float)) and 0 <= step_overhead_s < 1):
+            raise ValueError(f"TierRate: step_overhead_s={step_overhead_s!r}; it must be seconds "
+                             "in [0, 1)")
         tokens = np.array([t for t, _ in pairs])
         slots = np.array([r for _, r in pairs])
         rates = np.array([float(table.steps_per_second(torch.tensor([t]), r)[0])
                           for t, r in pairs])
+        rates = 1.0 / (1.0 / rates + step_overhead_s)
         self.dense = np.zeros((max_requests + 1, int(tokens.max()) + 1))  # [R + 1, B + 1]
         for r in range(1, max_requests + 1):
             fits = slots >= r

@@ -98,6 +98,22 @@ def test_tier_rate_prices_a_step_at_the_tier_it_replays():
         TierRate(table, [], max_requests=2)
 
 
+def test_tier_rate_adds_the_loops_fixed_cost_per_step():
+    """1 / SPS + overhead: 100 steps/s with 5 ms per step outside the replay is 66.7 steps/s,
+    and the fixed cost shrinks the price gap between a short and a long verify."""
+    entries = (SpsEntry(4, 100.0, 1), SpsEntry(8, 50.0, 1))
+    table = SpsTable(META, entries)
+    plain = TierRate(table, [(4, 1), (8, 1)], max_requests=1)
+    loaded = TierRate(table, [(4, 1), (8, 1)], max_requests=1, step_overhead_s=0.005)
+    b = torch.tensor([4, 8])
+    assert loaded.steps_per_second(b, 1).tolist() == pytest.approx([1 / 0.015, 1 / 0.025])
+    ratio = lambda r: (r.steps_per_second(b, 1)[0] / r.steps_per_second(b, 1)[1]).item()
+    assert ratio(loaded) < ratio(plain) == pytest.approx(2.0)
+    for bad in (-1e-3, 1.5, "5ms"):
+        with pytest.raises(ValueError, match="step_overhead_s"):
+            TierRate(table, [(4, 1)], max_requests=1, step_overhead_s=bad)
+
+
 BAD_ENTRIES = [
     ([{"tokens": 1, "steps_per_second": 5.0}, {"tokens": 2, "steps_per_second": float("nan")}],
      "entries[1].steps_per_second"),
