@@ -38,6 +38,8 @@ def test_smoke_json_has_every_mode_and_concurrency(e2e, smoke):
     s = e2e.SMOKE
     assert saved["settings"]["concurrency"] == [1, 4] and "partial" not in saved
     assert saved["sps_table"]["entries"] and saved["environment"]["torch"] == torch.__version__
+    assert all(len(m["tokens_per_s_runs"]) == s.repeats == 3
+               for row in saved["results"].values() for m in row["modes"].values())
     assert all(0 < saved["results"][c]["step_overhead_ms"] < 500 for c in ("1", "4")), \
         "the loop's overhead per step, measured on the no-speculation run, prices the planner"
     assert set(saved["results"]) == {"1", "4"}
