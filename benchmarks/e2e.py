@@ -205,6 +205,8 @@ class Run:
     draft_seconds: float = 0.0
     seconds: float = 0.0
     host_seconds: float = 0.0
+    plan_seconds: float = 0.0
+    """Host time choosing the lengths (planner, width policy; ~0 for a fixed width)."""
     verify_gpu_seconds: float = 0.0
     """Sum over steps of the verify call's GPU time (CUDA events around it; 0 on the CPU):
     the rest of ``seconds`` is host work and the accept/commit kernels."""
@@ -312,7 +314,9 @@ class Decoder:
             t0 = time.perf_counter()
             drafts, conf = drafter.draft(rids, e)
             run.draft_seconds += time.perf_counter() - t0
+        t0 = time.perf_counter()
         lens = self._lens(mode, conf, rids.size, policy)  # int32 [R]
+        run.plan_seconds += time.perf_counter() - t0
         block = np.concatenate([run.tokens[rids, e - 1][:, None], drafts], 1)  # [R, g + 1]
         layout = VerifyLayout.pack(torch.from_numpy(lens), torch.from_numpy(
             (self.s.context + e - 1).astype(np.int32)), torch.from_numpy(rids.astype(np.int32)))
@@ -332,7 +336,9 @@ class Decoder:
         run.tokens[np.repeat(rids, acc + 1), (e[:, None] + np.arange(g + 1))[keep]] = emit[keep]
         counts[rids] += acc + 1
         if policy is not None:
+            t0 = time.perf_counter()
             policy.observe(int(lens[0]), torch.from_numpy(np.bincount(acc, minlength=g + 1)))
+            run.plan_seconds += time.perf_counter() - t0
         run.steps += 1
         run.verify_tokens += int(lens.sum())
         run.request_steps += rids.size
@@ -350,7 +356,8 @@ def summarize(run: Run, got: np.ndarray, want: np.ndarray, tiers) -> dict:
             "mean_verify_len_per_request": run.verify_tokens / run.request_steps,
             "mean_accepted": run.accepted / run.request_steps, "steps": run.steps,
             "seconds": run.seconds, "host_seconds": run.host_seconds,
-            "draft_seconds": run.draft_seconds, "verify_gpu_ms_per_step":
+            "draft_seconds": run.draft_seconds, "plan_ms_per_step":
+            1e3 * run.plan_seconds / run.steps, "verify_gpu_ms_per_step":
             1e3 * run.verify_gpu_seconds / run.steps, "decoded_tokens": int(got.size),
             "mismatched_tokens": int((got != want).sum()),
             "output_sha1": hashlib.sha1(np.ascontiguousarray(got).tobytes()).hexdigest()}
