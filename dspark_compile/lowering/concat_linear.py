@@ -41,15 +41,14 @@ from torch._guards import detect_fake_mode
 
 from ..frontend.capture import InputSpec
 from ..passes.base import PassResult, source_line
+from .group_linear import row_source
 
 __all__ = ["concat_linears", "stack_weights"]
 
 log = logging.getLogger("dspark_compile")
 
-_VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
-          torch.ops.aten.reshape.default)
-_MM, _ADDMM = torch.ops.aten.mm.default, torch.ops.aten.addmm.default
 _aten = torch.ops.aten
+_MM, _ADDMM = _aten.mm.default, _aten.addmm.default
 _VIEW_LIKE = (_aten.view.default, _aten._unsafe_view.default, _aten.reshape.default,
               _aten.permute.default, _aten.transpose.int, _aten.unsqueeze.default,
               _aten.squeeze.dim, _aten.slice.Tensor, _aten.select.int, _aten.expand.default,
@@ -66,16 +65,10 @@ def _param(node, params: set) -> fx.Node | None:
 def _weight(t, params: set) -> fx.Node | None:
     """The 2-D parameter that ``t = aten.t(param)`` transposes, if ``t`` feeds one matmul."""
     if not (isinstance(t, fx.Node) and t.op == "call_function" and
-            t.target is torch.ops.aten.t.default and len(t.users) == 1):
+            t.target is _aten.t.default and len(t.users) == 1):
         return None
     w = _param(t.args[0], params)
     return w if w is not None and w.meta["val"].dim() == 2 else None
-
-
-def _source(node: fx.Node) -> fx.Node:
-    while node.op == "call_function" and node.target in _VIEWS:
-        node = node.args[0]
-    return node
 
 
 def _match(node: fx.Node, params: set):
@@ -145,7 +138,7 @@ def concat_linears(gm: fx.GraphModule, inputs: list) -> PassResult:
         if found is None:
             continue
         x, w, bias = found
-        key = (_source(x), tuple(str(s) for s in x.meta["val"].shape), bias is not None,
+        key = (row_source(x), tuple(str(s) for s in x.meta["val"].shape), bias is not None,
                str(w.meta["val"].shape[1]), w.meta["val"].dtype)
         groups.setdefault(key, []).append((node, w, bias))
     for members in groups.values():
@@ -157,7 +150,7 @@ def concat_linears(gm: fx.GraphModule, inputs: list) -> PassResult:
         bias = None if members[0][2] is None else \
             _stacked_input(gm, [b for _, _, b in members], inputs, "param_concat")
         with gm.graph.inserting_before(first):
-            t = gm.graph.call_function(torch.ops.aten.t.default, (weight,))
+            t = gm.graph.call_function(_aten.t.default, (weight,))
             mm = gm.graph.call_function(_MM, (x, t)) if bias is None else \
                 gm.graph.call_function(_ADDMM, (bias, x, t))
         mode = detect_fake_mode([x.meta["val"]])
@@ -169,7 +162,7 @@ def concat_linears(gm: fx.GraphModule, inputs: list) -> PassResult:
         for node, w, b in members:
             width = int(w.meta["val"].shape[0])
             with gm.graph.inserting_before(node):
-                part = gm.graph.call_function(torch.ops.aten.slice.Tensor,
+                part = gm.graph.call_function(_aten.slice.Tensor,
                                               (mm, 1, start, start + width))
             with mode:
                 part.meta["val"] = mm.meta["val"][:, start:start + width]

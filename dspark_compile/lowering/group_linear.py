@@ -28,7 +28,7 @@ import torch.fx as fx
 from ..passes.base import PassResult, source_line
 from .triton_linear import MAX_GROUP
 
-__all__ = ["group_linears"]
+__all__ = ["group_linears", "row_source"]
 
 _VIEWS = (torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
           torch.ops.aten.reshape.default)
@@ -43,8 +43,8 @@ def _weight(node: fx.Node, params: set) -> fx.Node | None:
     return None
 
 
-def _source(node: fx.Node) -> fx.Node:
-    """The tensor under any chain of views."""
+def row_source(node: fx.Node) -> fx.Node:
+    """The tensor under any chain of views (matmuls of one row source share their input)."""
     while node.op == "call_function" and node.target in _VIEWS:
         node = node.args[0]
     return node
@@ -63,7 +63,7 @@ def group_linears(gm: fx.GraphModule) -> PassResult:
         w = _weight(t, params)
         if w is None or x.meta["val"].dtype != w.meta["val"].dtype:
             continue
-        key = (_source(x), tuple(str(s) for s in x.meta["val"].shape))
+        key = (row_source(x), tuple(str(s) for s in x.meta["val"].shape))
         groups.setdefault(key, []).append((node, w))
     for members in groups.values():
         for i in range(0, len(members), MAX_GROUP):

@@ -47,9 +47,10 @@ def lower(gm: fx.GraphModule, lowering: str, block: int, group: str = "off",
     """Group the matmuls that share their rows per ``group`` (``DSparkConfig.group_linears``:
     ``"concat"`` stacks their weights, ``"triton"`` makes ``dspark::linear_group`` ops,
     ``"auto"`` is ``"concat"`` for ``lowering="triton"``); with ``rotary="triton"`` (``"auto"``
-    with ``lowering="triton"``), fuse each layer's q/k rotation (``fuse_rotary``); then swap each reference ``dspark::`` op for its
-    ``lowering`` implementation, in place. ``inputs`` (the ``InputSpec`` per placeholder) is
-    kept in step when ``concat`` replaces weight inputs by stacked ones.
+    with ``lowering="triton"``), fuse each layer's q/k rotation (``fuse_rotary``); then swap
+    each reference ``dspark::`` op for its ``lowering`` implementation, in place. ``inputs``
+    (the ``InputSpec`` per placeholder) is kept in step when ``concat`` replaces weight inputs
+    by stacked ones.
 
     The Triton attention also gets ``block`` as its query-tile bound (a speed choice only).
     """
