@@ -61,6 +61,7 @@ if __name__ == "__main__":  # run as a script: import this checkout's package, n
     sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from dspark_compile import VerifyLayout, dspark_compile  # noqa: E402
+from dspark_compile.config import GROUP_LINEARS, ROTARY  # noqa: E402
 from dspark_compile.engine.accept import (PreDrawnNoise, SamplingParams, accept,  # noqa: E402
                                           accept_reference)
 from dspark_compile.engine.drafter import SyntheticDrafter  # noqa: E402
@@ -68,9 +69,7 @@ from dspark_compile.graphs.tiers import select_tier, tier_set  # noqa: E402
 from dspark_compile.runtime import (PlannerConfig, TierRate, WidthPolicy,  # noqa: E402
                                     WidthPolicyConfig, plan_verify)
 from dspark_compile.runtime.profiler import profile_sps  # noqa: E402
-if str(Path(__file__).resolve().parent) not in sys.path:  # loaded by path (the CPU tests)
-    sys.path.append(str(Path(__file__).resolve().parent))
-from timing import variant_suffix  # noqa: E402
+from timing import variant_suffix  # noqa: E402  (this folder: sys.path[0] as a script)
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=32000,
@@ -378,14 +377,13 @@ def bench_concurrency(decoder: Decoder, prompts: torch.Tensor, s: Settings):
         decoder.run(mode, first, drafter, s.warmup_output)
         runs = sorted((decoder.run(mode, first, drafter, out) for _ in range(s.repeats)),
                       key=lambda r: r.seconds - r.draft_seconds)
+        summaries = [summarize(r, r.tokens[:, 1:1 + out], outputs["reference"], decoder.tiers)
+                     for r in runs]
         run = runs[len(runs) // 2]  # the median run
         outputs[mode] = run.tokens[:, 1:1 + out]
-        rows[mode] = summarize(run, outputs[mode], outputs["reference"], decoder.tiers)
-        rows[mode]["tokens_per_s_runs"] = [
-            summarize(r, r.tokens[:, 1:1 + out], outputs["reference"], decoder.tiers)
-            ["tokens_per_s"] for r in runs]
-        if any(not np.array_equal(r.tokens, run.tokens) for r in runs):
-            rows[mode]["mismatched_tokens"] += 1  # repeats must decode the same tokens
+        rows[mode] = {**summaries[len(runs) // 2],
+                      "tokens_per_s_runs": [x["tokens_per_s"] for x in summaries],
+                      "mismatched_tokens": max(x["mismatched_tokens"] for x in summaries)}
         if mode == "none" and s.step_overhead:  # c tokens over c requests every step
             replay_s = 1.0 / float(decoder.replay_rate.steps_per_second(torch.tensor([c]), c)[0])
             overhead = min(max(0.0, run.seconds / run.steps - replay_s), 0.5)
@@ -567,13 +565,13 @@ def parse_settings(argv=None) -> tuple[Settings, str]:
     parser.add_argument("--target", choices=("successor", "random"), default=None)
     parser.add_argument("--mean-accepted", type=float, default=None)
     parser.add_argument("--concentration", type=float, default=None)
-    parser.add_argument("--group-linears", choices=("auto", "concat", "triton", "off"),
+    parser.add_argument("--group-linears", choices=GROUP_LINEARS,
                         default="auto",
                         help="DSparkConfig(group_linears=...); not auto: the files get a suffix")
     parser.add_argument("--replay-rates", action="store_true",
                         help="price steps for the width policy and the planner by the SPS table "
                              "of graph replays alone (no loop overhead); the files get a suffix")
-    parser.add_argument("--rotary", choices=("auto", "inductor", "triton"), default="auto",
+    parser.add_argument("--rotary", choices=ROTARY, default="auto",
                         help="DSparkConfig(rotary=...); not auto: the files get a suffix")
     args = parser.parse_args(argv)
     s = SMOKE if args.smoke else QUICK if args.quick else FULL

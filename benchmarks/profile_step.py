@@ -25,6 +25,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dspark_compile import VerifyLayout, dspark_compile
+from dspark_compile.config import GROUP_LINEARS
 from dspark_compile.graphs.tiers import select_tier, tier_set
 from timing import variant_flags, variant_suffix
 from verify_step import BLOCK, CONTEXT, PAGE, build_model, environment, mix_lens, time_ms
@@ -95,7 +96,7 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bs", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
-    parser.add_argument("--group-linears", choices=("auto", "concat", "triton", "off"),
+    parser.add_argument("--group-linears", choices=GROUP_LINEARS,
                         default="auto",
                         help="DSparkConfig(group_linears=...); not auto: files get a suffix")
     args = parser.parse_args()

@@ -61,8 +61,6 @@ def run_variant(model, group: str, rotary: str, batches, profile: bool, out: str
                               "_group_auto")
             row["profile"][str(bs)] = {k: prof[k] for k in ("kernel_ms_per_step",
                                                             "kernel_sum_ms", "kernels_per_step")}
-    del state, verifier
-    torch.cuda.empty_cache()
     return row
 
 
@@ -89,6 +87,7 @@ def main() -> None:
     for variant in args.variants:
         group, rotary = variant.split("/")
         results[variant] = run_variant(model, group, rotary, args.bs, args.profile, args.out)
+        torch.cuda.empty_cache()  # the variant's state and graph pool, freed on its return
         row = results[variant]
         row["over_floor"] = {bs: row["graph_mix3_ms"][bs] / floors[bs] for bs in floors}
         print(variant, json.dumps({k: v for k, v in row.items() if k != "profile"}), flush=True)

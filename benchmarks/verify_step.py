@@ -23,6 +23,7 @@ import time
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
+from dspark_compile.config import GROUP_LINEARS, ROTARY
 from timing import capture_graph, max_err_vs_hf, plot_step_ms, time_ms  # noqa: F401
 from timing import variant_flags, variant_suffix
 from timing import mix_lens as _mix_lens
@@ -180,10 +181,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="bs 1 and 8 only, fewer iters")
-    parser.add_argument("--group-linears", choices=("auto", "concat", "triton", "off"),
+    parser.add_argument("--group-linears", choices=GROUP_LINEARS,
                         default="auto",
                         help="DSparkConfig(group_linears=...); not auto: files get a suffix")
-    parser.add_argument("--rotary", choices=("auto", "inductor", "triton"), default="auto",
+    parser.add_argument("--rotary", choices=ROTARY, default="auto",
                         help="DSparkConfig(rotary=...); not auto: files get a suffix")
     args = parser.parse_args()
     if not torch.cuda.is_available():

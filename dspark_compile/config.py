@@ -7,6 +7,9 @@ from dataclasses import dataclass, fields, replace
 __all__ = ["DSparkConfig"]
 
 GROUP_LINEARS = ("auto", "concat", "triton", "off")
+"""The values of ``DSparkConfig.group_linears``."""
+ROTARY = ("auto", "inductor", "triton")
+"""The values of ``DSparkConfig.rotary``."""
 
 
 @dataclass(frozen=True)
@@ -64,9 +67,9 @@ class DSparkConfig:
         if self.group_linears not in GROUP_LINEARS:
             raise ValueError(f"DSparkConfig.group_linears={self.group_linears!r}; it must be one "
                              f"of {', '.join(map(repr, GROUP_LINEARS))}")
-        if self.rotary not in ("auto", "inductor", "triton"):
-            raise ValueError(f"DSparkConfig.rotary={self.rotary!r}; it must be 'auto', "
-                             "'inductor' or 'triton'")
+        if self.rotary not in ROTARY:
+            raise ValueError(f"DSparkConfig.rotary={self.rotary!r}; it must be one of "
+                             f"{', '.join(map(repr, ROTARY))}")
         if self.lowering not in ("auto", "triton", "reference"):
             raise ValueError(f"DSparkConfig.lowering={self.lowering!r}; it must be 'auto', "
                              "'triton' or 'reference'")
