@@ -2,25 +2,20 @@
 
 import importlib.util
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from dspark_compile.graphs.tiers import Tier, select_tier
+from helpers import load_benchmark
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "hybrid_step.py"
 TOL = 1e-4  # float32 reference ops against HF's forward (test_hybrid.py's tolerance)
 
 
 @pytest.fixture(scope="module")
 def hybrid_step():
-    spec = importlib.util.spec_from_file_location("hybrid_step_benchmark", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the script loads
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("hybrid_step")
 
 
 @pytest.fixture(scope="module")

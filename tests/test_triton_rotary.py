@@ -10,12 +10,9 @@ without the interpreter (``tests/aot.py``); ``benchmarks/rotary.py --smoke`` run
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import sys
 from concurrent.futures import ThreadPoolExecutor
-from pathlib import Path
 
 import pytest
 import torch
@@ -23,6 +20,7 @@ import torch
 from aot import TARGET_NAMES, compile_kernel, missing_artifacts, run_script
 from dspark_compile.lowering import triton_rotary
 from dspark_compile.lowering.triton_rotary import RotaryPlan, plan_rotary, rotary_triton
+from helpers import load_benchmark
 
 # (rtol, atol) of the comparison, and the largest share of elements allowed to differ at all
 TOL = {torch.float32: ((2e-6, 2e-6), 1.0), torch.bfloat16: ((2 ** -6, 2 ** -6), 1e-3),
@@ -247,11 +245,7 @@ def test_bad_input_raises_before_launch(case, monkeypatch) -> None:
 # ---- benchmarks/rotary.py --smoke, in this process -----------------------------------------
 
 def test_benchmark_smoke(tmp_path) -> None:
-    script = Path(__file__).resolve().parents[1] / "benchmarks" / "rotary.py"
-    spec = importlib.util.spec_from_file_location("rotary_benchmark", script)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+    module = load_benchmark("rotary")
     report = module.main(["--smoke", "--out", str(tmp_path)])
     saved = json.loads((tmp_path / "rotary_smoke.json").read_text())
     assert saved["results"] and len(saved["results"]) == len(report["results"])
