@@ -316,10 +316,7 @@ class Decoder:
         t0 = time.perf_counter()
         lens = self._lens(mode, conf, rids.size, policy)  # int32 [R]
         run.plan_seconds += time.perf_counter() - t0
-        block = np.concatenate([run.tokens[rids, e - 1][:, None], drafts], 1)  # [R, g + 1]
-        layout = VerifyLayout.pack(torch.from_numpy(lens), torch.from_numpy(
-            (self.s.context + e - 1).astype(np.int32)), torch.from_numpy(rids.astype(np.int32)))
-        ids = torch.from_numpy(block[np.arange(g + 1) < lens[:, None]]).to(self.dev)  # [N]
+        layout, ids = self._pack(rids, e, lens, drafts, run.tokens)
         if self._events:
             self._events[0].record()
         logits = self.verifier(ids, layout, self.state)
@@ -329,15 +326,33 @@ class Decoder:
         if self._events:
             run.verify_gpu_seconds += self._events[0].elapsed_time(self._events[1]) / 1e3
         self.verifier.commit(layout, torch.from_numpy(acc + 1), self.state)
+        self._emit(rids, e, lens, drafts, acc, nxt, counts, run)
+        if policy is not None:
+            t0 = time.perf_counter()
+            policy.observe(int(lens[0]), torch.from_numpy(np.bincount(acc, minlength=g + 1)))
+            run.plan_seconds += time.perf_counter() - t0
+
+    def _pack(self, rids: np.ndarray, e: np.ndarray, lens: np.ndarray, drafts: np.ndarray,
+              tokens: np.ndarray) -> tuple[VerifyLayout, torch.Tensor]:
+        """The step's layout and packed token ids ``[N]`` on the device: each request's anchor
+        (its last emitted token) and its first ``lens - 1`` drafts."""
+        g = self.s.gamma
+        block = np.concatenate([tokens[rids, e - 1][:, None], drafts], 1)  # [R, g + 1]
+        layout = VerifyLayout.pack(torch.from_numpy(lens), torch.from_numpy(
+            (self.s.context + e - 1).astype(np.int32)), torch.from_numpy(rids.astype(np.int32)))
+        ids = torch.from_numpy(block[np.arange(g + 1) < lens[:, None]]).to(self.dev)  # [N]
+        return layout, ids
+
+    def _emit(self, rids: np.ndarray, e: np.ndarray, lens: np.ndarray, drafts: np.ndarray,
+              acc: np.ndarray, nxt: np.ndarray, counts: np.ndarray, run: Run) -> None:
+        """Write each request's accepted drafts and next token into ``run.tokens``, advance
+        ``counts`` and the run's statistics."""
+        g = self.s.gamma
         emit = np.concatenate([drafts, np.zeros((rids.size, 1), np.int64)], 1)  # [R, g + 1]
         emit[np.arange(rids.size), acc] = nxt  # accepted drafts, then the next token
         keep = np.arange(g + 1) <= acc[:, None]
         run.tokens[np.repeat(rids, acc + 1), (e[:, None] + np.arange(g + 1))[keep]] = emit[keep]
         counts[rids] += acc + 1
-        if policy is not None:
-            t0 = time.perf_counter()
-            policy.observe(int(lens[0]), torch.from_numpy(np.bincount(acc, minlength=g + 1)))
-            run.plan_seconds += time.perf_counter() - t0
         run.steps += 1
         run.verify_tokens += int(lens.sum())
         run.request_steps += rids.size
