@@ -67,7 +67,7 @@ from dspark_compile.engine.accept import (PreDrawnNoise, SamplingParams, accept,
 from dspark_compile.engine.drafter import SyntheticDrafter  # noqa: E402
 from dspark_compile.graphs.tiers import select_tier, tier_set  # noqa: E402
 from dspark_compile.runtime import (PlannerConfig, TierRate, WidthPolicy,  # noqa: E402
-                                    WidthPolicyConfig, plan_verify)
+                                    WidthPolicyConfig, plan_lengths)
 from dspark_compile.runtime.profiler import profile_sps  # noqa: E402
 from timing import variant_suffix  # noqa: E402  (this folder: sys.path[0] as a script)
 
@@ -299,7 +299,7 @@ class Decoder:
     def _lens(self, mode: str, conf, r: int, policy) -> np.ndarray:
         g = self.s.gamma
         if mode == "planner":
-            return plan_verify(torch.from_numpy(conf), self.rate, self.planner).lens.numpy()
+            return plan_lengths(conf, self.rate, self.planner)  # NumPy in and out
         width = {"none": 1, "static": g + 1}.get(mode) or \
             (policy.choose(r) if mode == "width" else int(mode.removeprefix("fixed_")))
         return np.full(r, width, np.int32)

@@ -9,7 +9,7 @@
 
 from .calibration import CalibrationConfig, TemperatureCalibrator
 from .estimator import AcceptanceEstimator, EstimatorConfig, draft_logit_qmax
-from .planner import Planner, PlannerConfig, VerifyPlan, plan_verify, survival
+from .planner import Planner, PlannerConfig, VerifyPlan, plan_lengths, plan_verify, survival
 from .sps import (
     SPS_SCHEMA,
     SpsEntry,
@@ -44,6 +44,7 @@ __all__ = [
     "draft_logit_qmax",
     "expected_tokens",
     "fit_additive_model",
+    "plan_lengths",
     "plan_verify",
     "survival",
     "table_from_samples",

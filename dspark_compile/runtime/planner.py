@@ -17,8 +17,11 @@ The host reference runs on NumPy views of CPU tensors. On the 2-core Xeon it was
 torch call costs 2-8 us of dispatch even on 1792 elements and a stable torch sort of 1792
 float64 survivals 63 us; the same algorithm written in torch ops took 118 / 120 / 128 / 232 us
 per step at R = 1 / 8 / 64 / 256 (gamma 7) against 37 / 31 / 45 / 72 us in NumPy (see
-benchmarks/planner_host.py for the figures of this file). There is no Python loop over
-requests. Survival is float32 and the sort key packs its 31 bits above the 32-bit
+benchmarks/planner_host.py for the figures of this file). Every NumPy call costs 1-3 us there
+too, so the step makes few: the tier alignment bisects lists derived once per config, the rates
+are a slice of ``TierRate``'s table (``rate_span_host``), and ``plan_lengths`` takes and gives
+NumPy arrays for a host loop (e2e.py's), with no tensor made and read back. There is no Python
+loop over requests. Survival is float32 and the sort key packs its 31 bits above the 32-bit
 position-major index ``j * R + r``: one unstable int64 sort then yields (survival desc,
 position asc, request asc) and is deterministic because no two keys are equal. Sums are float64.
 """
@@ -26,6 +29,7 @@ position asc, request asc) and is deterministic because no two keys are equal. S
 from __future__ import annotations
 
 import math
+from bisect import bisect_left
 from collections import deque
 from dataclasses import dataclass
 
@@ -35,7 +39,7 @@ import torch
 from ._checks import fraction
 from .sps import StepRateModel
 
-__all__ = ["PlannerConfig", "VerifyPlan", "Planner", "plan_verify", "survival"]
+__all__ = ["PlannerConfig", "VerifyPlan", "Planner", "plan_verify", "plan_lengths", "survival"]
 
 _INDEX_BITS = 32
 _INDEX_MASK = (1 << _INDEX_BITS) - 1
@@ -77,6 +81,23 @@ class PlannerConfig:
         object.__setattr__(self, "_min_survival_key", _key_bound(self.min_survival))
         if self.threshold is not None:
             object.__setattr__(self, "_threshold_key", _key_bound(self.threshold))
+        # Tier lookup by bisection (see _tier_tokens): the distinct request-slot counts, and per
+        # count the sorted token counts of the tiers with at least that many slots.
+        slots = sorted({s for _, s in self.tiers})
+        object.__setattr__(self, "_tier_slots", tuple(slots))
+        object.__setattr__(self, "_tier_tokens_from", tuple(
+            tuple(sorted(t for t, s in self.tiers if s >= least)) for least in slots))
+
+    def _tier_tokens(self, requests: int, tokens: int) -> int | None:
+        """Tokens of the smallest tier holding ``requests`` requests and ``tokens`` tokens, or
+        None: two bisections over lists derived once, where a scan of the ~70 tiers of
+        ``tier_set(256, 8)`` took ~5 us per step."""
+        i = bisect_left(self._tier_slots, requests)
+        if i == len(self._tier_slots):
+            return None
+        fitting = self._tier_tokens_from[i]  # tiers with >= requests slots, by tokens
+        j = bisect_left(fitting, tokens)
+        return fitting[j] if j < len(fitting) else None
 
 
 @dataclass(frozen=True)
@@ -94,20 +115,33 @@ class VerifyPlan:
         return self.lens.numel() + self.num_draft_tokens
 
 
-def _host_confidence(confidence: torch.Tensor, name: str = "confidence") -> np.ndarray:
-    """float32 [gamma, R] position-major NumPy copy of ``confidence [R, gamma]``, validated."""
-    if confidence.dim() != 2 or confidence.shape[0] < 1 or confidence.shape[1] < 1:
+def _host_confidence(confidence, name: str = "confidence") -> np.ndarray:
+    """float32 [gamma, R] position-major NumPy copy of ``confidence [R, gamma]`` (a tensor or a
+    NumPy array of real numbers), validated."""
+    if isinstance(confidence, np.ndarray):
+        if confidence.dtype.kind not in "fiu":
+            raise ValueError(f"{name} has dtype {confidence.dtype}; it must be real numbers "
+                             "(float32 or float64 probabilities)")
+        host = confidence
+    elif isinstance(confidence, torch.Tensor):
+        host = None
+    else:
+        raise ValueError(f"{name} is a {type(confidence).__name__}; it must be a tensor or a "
+                         "NumPy array [R, gamma]")
+    if confidence.ndim != 2 or confidence.shape[0] < 1 or confidence.shape[1] < 1:
         raise ValueError(f"{name} has shape {tuple(confidence.shape)}; it must be [R >= 1, "
                          "gamma >= 1] (conditional acceptance per request and draft position)")
     if confidence.shape[0] * confidence.shape[1] > _INDEX_MASK:
-        raise ValueError(f"{name} has {confidence.numel()} entries; the planner ranks at most "
-                         f"{_INDEX_MASK} (split the batch)")
-    host = confidence.detach().cpu()
-    if host.dtype not in (torch.float32, torch.float64):
-        host = host.float()
+        raise ValueError(f"{name} has {confidence.shape[0] * confidence.shape[1]} entries; the "
+                         f"planner ranks at most {_INDEX_MASK} (split the batch)")
+    if host is None:
+        tensor = confidence.detach().cpu()
+        if tensor.dtype not in (torch.float32, torch.float64):
+            tensor = tensor.float()
+        host = tensor.numpy()
     # One pass: transpose to position-major, cast, and turn -0.0 into +0.0 (whose bits would
     # sort as a negative key) by adding +0.0.
-    conf = np.add(host.numpy().T, np.float32(0.0), dtype=np.float32, order="C")  # [gamma, R]
+    conf = np.add(host.T, np.float32(0.0), dtype=np.float32, order="C")  # [gamma, R]
     if not (conf.min() >= 0.0 and conf.max() <= 1.0):  # NaN fails both comparisons
         j, r = np.argwhere(~((conf >= 0.0) & (conf <= 1.0)))[0]
         raise ValueError(f"{name}[{r}, {j}]={conf[j, r]} is not a probability in [0, 1]; "
@@ -129,9 +163,8 @@ def _rank(conf: np.ndarray) -> np.ndarray:
     then positions ascending, then requests ascending; ``_survivals`` decodes them.
     """
     surv = np.multiply.accumulate(conf, axis=0)  # [gamma, R]
-    bits = surv.reshape(-1).view(np.int32).astype(np.int64)  # [M]
-    keys = np.arange(bits.size, dtype=np.int64)  # [M]
-    keys -= bits << _INDEX_BITS
+    keys = np.arange(surv.size, dtype=np.int64)  # [M]
+    keys -= np.left_shift(surv.reshape(-1).view(np.int32), _INDEX_BITS, dtype=np.int64)
     keys.sort()
     return keys
 
@@ -155,56 +188,86 @@ def _key_bound(p: float) -> int:
 
 def _at_least(keys: np.ndarray, key_bound: int) -> int:
     """How many ranked survivals pass a cut-off: one binary search over the sorted keys."""
-    return int(np.searchsorted(keys, key_bound))
+    return int(keys.searchsorted(key_bound))
 
 
-def _budget(keys: np.ndarray, r: int, rate: StepRateModel | None,
-            config: PlannerConfig) -> int:
-    """K for the ranked keys of ``r`` requests (before cap and alignment)."""
+def _rate_span(rate: StepRateModel, first_tokens: int, count: int, requests: int) -> np.ndarray:
+    """float64 [count] rates as a NumPy array: ``rate_span_host`` where the model has one (a
+    view of its table, no tensor made and read back), else ``rate_span``."""
+    host = getattr(rate, "rate_span_host", None)
+    if host is not None:
+        return host(first_tokens, count, requests)
+    return rate.rate_span(first_tokens, count, requests).numpy()
+
+
+def _budget(keys: np.ndarray, r: int, rate: StepRateModel | None, config: PlannerConfig,
+            candidates: int | None = None) -> int:
+    """K for the ranked keys of ``r`` requests (before cap and alignment); ``candidates``: the
+    keys' count of survivals >= ``min_survival`` when the caller has it."""
     if config.threshold is not None:
         return _at_least(keys, config._threshold_key)
     if rate is None:
         return keys.size  # no table: verify everything
-    n = _at_least(keys, config._min_survival_key)  # candidates
-    rates = rate.rate_span(r, n + 1, r).numpy()  # [n + 1]: SPS at B = R + k, k = 0..n
-    mass = np.cumsum(_survivals(keys[:n]), dtype=np.float64)  # [n]: P_k, k = 1..n
-    theta = (mass + r) * rates[1:]  # [n]: Theta(k), k = 1..n
-    best = int(theta.argmax()) if n else 0  # first maximum: ties go to the smallest k
-    return best + 1 if n and theta[best] > r * rates[0] else 0
+    n = _at_least(keys, config._min_survival_key) if candidates is None else candidates
+    if not n:
+        return 0
+    rates = _rate_span(rate, r, n + 1, r)  # [n + 1]: SPS at B = R + k, k = 0..n
+    # [n]: P_k, k = 1..n (add.accumulate is cumsum without its wrapper: 1.7 us less per step)
+    theta = np.add.accumulate(_survivals(keys[:n]), dtype=np.float64)
+    theta += r
+    theta *= rates[1:]  # [n]: Theta(k) = (P_k + R) * SPS(R + k), k = 1..n
+    best = int(theta.argmax())  # first maximum: ties go to the smallest k
+    return best + 1 if theta[best] > r * rates[0] else 0
 
 
-def _cap_and_align(k: int, keys: np.ndarray, r: int, gamma: int,
-                   config: PlannerConfig) -> int:
-    """Apply the hard cap and the tier alignment to a budget ``k`` for ``r`` requests."""
+def _cap_and_align(k: int, candidates: int, r: int, gamma: int, config: PlannerConfig) -> int:
+    """Apply the hard cap and the tier alignment to a budget ``k`` for ``r`` requests with
+    ``candidates`` survivals >= ``min_survival``."""
     cap = r * gamma
     if config.budget_frac is not None:
         cap = min(cap, math.floor(config.budget_frac * r * gamma))
     k = min(k, cap)
     if config.tiers:
-        fits = [tokens for tokens, slots in config.tiers if slots >= r and tokens >= r + k]
-        if fits:
-            k = max(k, min(fits[0] - r, _at_least(keys, config._min_survival_key), cap))
+        tokens = config._tier_tokens(r, r + k)
+        if tokens is not None:
+            k = max(k, min(tokens - r, candidates, cap))
     return k
 
 
 def _plan(conf: np.ndarray, budget_conf: np.ndarray | None, rate: StepRateModel | None,
-          config: PlannerConfig) -> VerifyPlan:
-    """Plan from position-major host confidences ``conf [gamma, R]`` (and a lagged one)."""
+          config: PlannerConfig) -> tuple[np.ndarray, int]:
+    """Lengths (int32 [R]) and K from position-major host confidences ``conf [gamma, R]`` (and
+    a lagged one)."""
     gamma, r = conf.shape
     keys = _rank(conf)  # [R * gamma]
+    candidates = _at_least(keys, config._min_survival_key)
     if budget_conf is None:
-        k = _budget(keys, r, rate, config)
+        k = _budget(keys, r, rate, config, candidates)
     else:
         if budget_conf.shape[0] != gamma:
             raise ValueError(f"budget confidence has gamma={budget_conf.shape[0]} but the "
                              f"confidence has gamma={gamma}; both must come from one drafter")
         k = _budget(_rank(budget_conf), budget_conf.shape[1], rate, config)
         if rate is not None or config.threshold is not None:
-            k = min(k, _at_least(keys, config._min_survival_key))  # no sub-candidate drafts
-    k = _cap_and_align(k, keys, r, gamma, config)
-    requests = (keys[:k] & _INDEX_MASK) % r  # [K]
-    lens = np.add(np.bincount(requests, minlength=r), 1, dtype=np.int32)  # [R]
-    return VerifyPlan(lens=torch.from_numpy(lens), num_draft_tokens=k)
+            k = min(k, candidates)  # no sub-candidate drafts
+    k = _cap_and_align(k, candidates, r, gamma, config)
+    if r == 1:  # every pick is request 0's
+        return np.array([1 + k], dtype=np.int32), k
+    requests = keys[:k] & _INDEX_MASK  # [K]: j * R + r of each pick
+    requests %= r
+    lens = np.bincount(requests, minlength=r)  # [R]
+    return np.add(lens, 1, dtype=np.int32), k
+
+
+def plan_lengths(confidence, rate: StepRateModel | None, config: PlannerConfig = PlannerConfig(),
+                 budget_confidence=None) -> np.ndarray:
+    """:func:`plan_verify`'s lengths as an int32 NumPy array [R], for a host loop that keeps its
+    state in NumPy: ``confidence`` (and ``budget_confidence``) may be NumPy arrays, validated
+    the same way, and no tensor is made (each torch call costs microseconds on the host)."""
+    conf = _host_confidence(confidence)
+    lagged = None if budget_confidence is None else _host_confidence(
+        budget_confidence, "budget_confidence")
+    return _plan(conf, lagged, rate, config)[0]
 
 
 def plan_verify(confidence: torch.Tensor, rate: StepRateModel | None,
@@ -215,12 +278,13 @@ def plan_verify(confidence: torch.Tensor, rate: StepRateModel | None,
 
     A lagged ``budget_confidence`` may come from a batch of other requests (``[R', gamma]``); its
     budget is then clipped to the current step's candidates and cap. Device tensors are copied
-    to the host (this is the host reference).
+    to the host (this is the host reference); NumPy arrays are taken as they are.
     """
     conf = _host_confidence(confidence)
     lagged = None if budget_confidence is None else _host_confidence(
         budget_confidence, "budget_confidence")
-    return _plan(conf, lagged, rate, config)
+    lens, k = _plan(conf, lagged, rate, config)
+    return VerifyPlan(lens=torch.from_numpy(lens), num_draft_tokens=k)
 
 
 class Planner:
@@ -236,7 +300,9 @@ class Planner:
         oldest one held during the first steps)."""
         conf = _host_confidence(confidence)
         if self.config.budget_lag == 0:
-            return _plan(conf, None, self.rate, self.config)
-        self._history.append(conf)  # a fresh array: later steps cannot change it
-        lagged = self._history[0]
-        return _plan(conf, None if lagged is conf else lagged, self.rate, self.config)
+            lens, k = _plan(conf, None, self.rate, self.config)
+        else:
+            self._history.append(conf)  # a fresh array: later steps cannot change it
+            lagged = self._history[0]
+            lens, k = _plan(conf, None if lagged is conf else lagged, self.rate, self.config)
+        return VerifyPlan(lens=torch.from_numpy(lens), num_draft_tokens=k)

@@ -19,6 +19,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+from bisect import bisect_right
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterable, NamedTuple, Protocol
@@ -58,6 +59,9 @@ class StepRateModel(Protocol):
     def rate_span(self, first_tokens: int, count: int, requests: int) -> torch.Tensor:
         """float64 [count]: steps per second at ``B = first_tokens, ..., first_tokens+count-1``."""
         ...
+
+    # Optional, for the host planner: ``rate_span_host(first_tokens, count, requests) ->
+    # np.ndarray``, the same rates as a NumPy array (``SpsTable`` and ``TierRate`` have it).
 
 
 @dataclass(frozen=True)
@@ -128,6 +132,7 @@ class SpsTable:
             dense[key] = sps[idx.clamp_(min=0)]  # [B_max + 1]: the floored rate at every B
         # Derived lookup tensors; not dataclass fields, so equality compares the entries only.
         object.__setattr__(self, "_dense", dense)
+        object.__setattr__(self, "_dense_host", {k: v.numpy() for k, v in dense.items()})
         object.__setattr__(self, "_request_keys", tuple(dense))
 
     # ------------------------------------------------------------------ lookup
@@ -136,8 +141,8 @@ class SpsTable:
         keys = self._request_keys
         if keys == (None,):
             return None
-        below = [r for r in keys if r <= requests]
-        return below[-1] if below else keys[0]
+        below = bisect_right(keys, requests)  # keys are sorted
+        return keys[below - 1] if below else keys[0]
 
     def steps_per_second(self, tokens: torch.Tensor, requests: int) -> torch.Tensor:
         """float64 SPS at each entry of ``tokens`` (any shape), floored to the measured points."""
@@ -157,6 +162,14 @@ class SpsTable:
             return dense[first_tokens:stop]
         inside = dense[min(first_tokens, dense.numel()):]
         return torch.cat([inside, dense[-1:].expand(count - inside.numel())])
+
+    def rate_span_host(self, first_tokens: int, count: int, requests: int) -> np.ndarray:
+        """``rate_span`` as a NumPy array (a view of the table when it can be), for the host
+        planner."""
+        dense = self._dense_host[self._group(requests)]  # [B_max + 1]
+        if first_tokens + count <= dense.size:
+            return dense[first_tokens:first_tokens + count]
+        return self.rate_span(first_tokens, count, requests).numpy()
 
     # ------------------------------------------------------------------ JSON
     def to_json(self) -> dict:
@@ -375,5 +388,16 @@ class TierRate:
         return torch.from_numpy(row)[tokens.to(torch.int64).clamp(0, row.size - 1)]
 
     def rate_span(self, first_tokens: int, count: int, requests: int) -> torch.Tensor:
-        b = np.minimum(np.arange(first_tokens, first_tokens + count), self.dense.shape[1] - 1)
-        return torch.from_numpy(self.dense[min(requests, self.dense.shape[0] - 1)][b])
+        """float64 [count] SPS at consecutive ``B`` from ``first_tokens``; read-only (a view of
+        the table when the span lies inside it)."""
+        return torch.from_numpy(self.rate_span_host(first_tokens, count, requests))
+
+    def rate_span_host(self, first_tokens: int, count: int, requests: int) -> np.ndarray:
+        """``rate_span`` as a NumPy array, for the host planner: a slice of the table's row when
+        the span lies inside it (the planner's ``B = R .. R + R * gamma`` always does), with no
+        index array built per step."""
+        row = self.dense[min(requests, self.dense.shape[0] - 1)]  # [B_max + 1]
+        stop = first_tokens + count
+        if stop <= row.size:
+            return row[first_tokens:stop]
+        return row[np.minimum(np.arange(first_tokens, stop), row.size - 1)]
