@@ -39,10 +39,14 @@ SETTINGS = dict(num_heads=16, num_kv_heads=8, head_dim=128, page_size=16, contex
                 mix_seed=0, hbm_bytes_per_s=4.8e12, rotate_bytes=256e6, eager_iters=200,
                 graph_calls=32, graph_replays=20, sweep_tile_bs=[64, 256],
                 sweep_tiles=[[64, 4, 2, 128], [64, 4, 2, None], [32, 4, 3, 128]],
-                sweep_splits=[[1, [4, 8, 16]], [8, [2, 4, 8]], [64, [1, 2]]])
+                sweep_splits=[[1, [4, 8, 16]], [8, [2, 4, 8]], [64, [1, 2]]],
+                small_bs=[1, 8], small_tiles=[[64, 4, 2, 128], [32, 4, 2, 128], [32, 4, 3, 128],
+                                              [64, 4, 3, 128]],
+                small_splits=[None, 8, 16])
 SMOKE = dict(SETTINGS, num_heads=4, num_kv_heads=2, head_dim=64, context=40, dtype="float32",
              batch_sizes=[1, 3], rotate_bytes=0, eager_iters=2, graph_calls=1, graph_replays=1,
-             sweep_tile_bs=[2], sweep_tiles=[[32, 4, 3, None]], sweep_splits=[[1, [1, 2]]])
+             sweep_tile_bs=[2], sweep_tiles=[[32, 4, 3, None]], sweep_splits=[[1, [1, 2]]],
+             small_bs=[1], small_tiles=[[32, 4, 3, None]], small_splits=[None, 2])
 
 
 def verify_lengths(bs: int, mix: bool, s: dict) -> list[int]:
@@ -186,9 +190,33 @@ def sweep(s: dict, device: str) -> list[dict]:
     return rows
 
 
+def small_sweep(s: dict, device: str) -> list[dict]:
+    """Small batches (mean-3 mix, where the launch is latency-bound): merge in the attention
+    launch (fold) or in a reduce launch, x tiles (tile_n, warps, stages, register cap) x split
+    counts (None: the split rule's)."""
+    base = target_for_device(device)
+    rows = []
+    for bs in s["small_bs"]:
+        for tile_n, warps, stages, regs in s["small_tiles"]:
+            cfg = dataclasses.replace(base, attn_tile_n=tile_n, attn_num_warps=warps,
+                                      attn_num_stages=stages, attn_max_registers=regs)
+            for splits in s["small_splits"]:
+                for fold in (False, True):
+                    r = run_case(bs, True, s, device, with_sdpa=False, num_splits=splits,
+                                 config=cfg, fold_reduce=fold)
+                    rows.append(dict(bs=bs, **_tiles(cfg), fold=fold,
+                                     num_splits=r["plan"]["num_splits"],
+                                     eager_us=r["eager_us"], graph_us=r["graph_us"],
+                                     max_abs_err=r["max_abs_err"]))
+                    print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also sweep tiles and split counts")
+    ap.add_argument("--small-sweep", action="store_true",
+                    help="also sweep fold/tiles/splits at the small batch sizes")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the interpreter")
     opts = ap.parse_args()
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
@@ -202,6 +230,8 @@ def main() -> None:
             report["results"].append(run_case(bs, mix, s, device))
     if opts.sweep:
         report["sweep"] = sweep(s, device)
+    if opts.small_sweep:
+        report["small_sweep"] = small_sweep(s, device)
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
     (out_dir / "attention_kernel.json").write_text(json.dumps(report, indent=1))

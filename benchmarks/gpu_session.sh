@@ -6,7 +6,8 @@
 #
 # Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
 # verify_step_off, verify_step_rotary,
-# profile_step, profile_step_grouped, attention, hybrid_kernels, hybrid_step, rotary,
+# profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk,
+# hybrid_kernels, hybrid_step, rotary,
 # runtime_device, profile_sps, linear, e2e_quick, e2e, e2e_grouped, e2e_off, e2e_replay,
 # e2e_rotary. Each
 # job's output goes to
@@ -43,6 +44,9 @@ job() {
     profile_sps) python3 -m dspark_compile profile-sps --config benchmarks/configs/llama-1b \
         --max-requests 256 --block 8 --context 1024 --out "$res/sps_h200.json" ;;
     linear) python3 benchmarks/linear_kernel.py --sweep ;;
+    splitk) python3 benchmarks/splitk_bmm.py ;;
+    attention_small) python3 benchmarks/attention_kernel.py --small-sweep ;;
+    tests_attention) python3 -m pytest -q tests/test_triton_attention.py -p no:cacheprovider ;;
     e2e_quick) python3 benchmarks/e2e.py --quick ;;
     e2e) python3 benchmarks/e2e.py ;;
     e2e_grouped) python3 benchmarks/e2e.py --group-linears triton ;;

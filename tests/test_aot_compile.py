@@ -21,6 +21,9 @@ CASES = {
     "attention_bf16": ("_ragged_attention_kernel", "bf16", (512, 64, 16, 8, 128, 16, 8), 1),
     # float32 (the target's fp32 dot precision: no TF32 on AMD), GQA 8, 64-row tiles, split
     "attention_fp32_split": ("_ragged_attention_kernel", "fp32", (24, 3, 8, 1, 64, 32, 8), 4),
+    # bs 1 verify: 8 splits merged in the launch (atomic counter, 8 partials per row)
+    "attention_bf16_split_fold": ("_ragged_attention_kernel", "bf16", (3, 1, 16, 8, 128, 16, 8),
+                                  8),
     "split_reduce_bf16": ("_split_reduce_kernel", "bf16", (8, 1, 16, 8, 128, 16, 8), 4),
     # head dim 8 (small test models): tiled as 16, since tl.dot needs K >= 16 on a GPU
     "attention_fp32_d8": ("_ragged_attention_kernel", "fp32", (12, 3, 4, 2, 8, 16, 4), 1),
@@ -41,12 +44,14 @@ def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg) -
         return pointers, consts, {"num_warps": cfg.reduce_num_warps}
     pointers.update({name: dtype for name in ("q_ptr", "k_ptr", "v_ptr", "k_cache_ptr",
                                               "v_cache_ptr")})
-    pointers.update(seq_lens_ptr="i32", block_table_ptr="i32", slot_mapping_ptr="i64")
+    pointers.update(seq_lens_ptr="i32", block_table_ptr="i32", slot_mapping_ptr="i64",
+                    counter_ptr="i32")
     consts = dict(NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad, HEAD_DIM=d,
                   HEAD_DIM_PAD=head_dim_pad(d), PAGE_SIZE=page, BLOCK_Q=plan.block_q,
                   BLOCK_M=plan.block_m,
                   TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
-                  SEARCH_ONCE=r + 1 <= plan.search, SPLIT=plan.num_splits > 1, UPCAST=False,
+                  SEARCH_ONCE=r + 1 <= plan.search, SPLIT=plan.num_splits > 1,
+                  FOLD=plan.num_splits > 1, MAX_SPLITS=max(2, plan.num_splits), UPCAST=False,
                   DOT_PRECISION=cfg.fp32_dot_precision)
     options = {"num_warps": plan.num_warps, "num_stages": cfg.attn_num_stages}
     if plan.max_registers is not None and cfg.backend == "cuda":

@@ -51,6 +51,10 @@ class TargetConfig:
     """Programs to aim for, per multiprocessor, when the batch alone does not fill the GPU."""
     default_sm_count: int
     """Multiprocessors assumed when the device cannot be asked (the interpreter)."""
+    attn_fold_reduce: bool = True
+    """Split launches merge their partials in the attention kernel (the last program of a
+    q-block to finish, found with an atomic counter) instead of a second reduce launch.
+    Untested on ROCm: the AMD entries keep the reduce launch."""
     search_chunk: int = 1024
     """``query_start_loc`` entries a program loads at once to find its request (4 KB)."""
     linear_max_m: int = 64
@@ -74,13 +78,20 @@ class TargetConfig:
 # replay, triton 3.6, us at bs 64 / 256 (KV floor at 4.8 TB/s: 56.4 / 225.4), from
 # `benchmarks/attention_kernel.py --sweep` runs of the build before the final one (the final
 # table, 72.1 / 273.4, is in benchmarks/results/attention_kernel.json):
-#   tile 64, 4 warps, 2 stages, maxnreg 128   71.7 / 271  <- chosen: within 1% in three runs;
-#     38 KB smem and 128 registers keep 4 programs/SM (528 >= bs 64's 512 in one wave)
+#   tile 64, 4 warps, 2 stages, maxnreg 128   71.7 / 271  (the choice before the small-batch
+#     sweep below; 38 KB smem and 128 registers keep 4 programs/SM)
 #   same without the register cap             91.9 / 296  (155 registers: 3 programs/SM)
 #   tile 32, 4 warps, 3 stages, maxnreg 128   70.1 / 267  (one run; within 2%)
 #   tile 64, 4 warps, 3 stages (uncapped)     89.6 / 289;  tile 128, 8 warps, 3 stages 96 / 370
 # Splits at bs 1 / 8: 8 splits 11.9 us / 5-8 splits 19.1-20.2 us, against 22.7 / 28.1 unsplit
 # and 15.2 / 37.4 at 32 splits (so >= 128 keys per split); bs 64 in 2 splits: 81.9 vs 71.6.
+# Small batches, mean-3 mix (`attention_kernel.py --small-sweep`, attention_small_sweep.json),
+# us at bs 1 / 8 with the rule's 8 / 5 splits, merge in a reduce launch -> folded:
+#   tile 64, 2 stages   12.1 -> 12.1 / 20.8 -> 19.8
+#   tile 64, 3 stages   11.7 ->  9.4 / 20.0 -> 18.6
+#   tile 32, 3 stages   11.5 ->  9.2 / 19.4 -> 17.6  <- chosen (sm_90), with the fold
+# (16 splits: 9.3 / 21.6 folded). At bs 64 / 256 tile 32 with 3 stages ran 70.1 / 267 us
+# against 71.7 / 271 for tile 64 with 2 stages (above).
 # The sm_80 and AMD entries are untuned starting points (no A100 or MI300 was available):
 # 2 stages is what the AMD stream pipeliner is built around, and 4 wavefronts of 64 lanes
 # give 256 threads a program.
@@ -94,7 +105,7 @@ TARGETS: dict[str, TargetConfig] = {
     ),
     "sm_90": TargetConfig(
         name="sm_90", backend="cuda", arch=90, warp_size=32, fp32_dot_precision="tf32",
-        attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
+        attn_tile_n=32, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=3,
         attn_max_registers=128,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
         default_sm_count=132,
@@ -104,14 +115,14 @@ TARGETS: dict[str, TargetConfig] = {
         attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
         attn_max_registers=None,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
-        default_sm_count=304,
+        default_sm_count=304, attn_fold_reduce=False,
     ),
     "gfx950": TargetConfig(
         name="gfx950", backend="hip", arch="gfx950", warp_size=64, fp32_dot_precision="ieee",
         attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
         attn_max_registers=None,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
-        default_sm_count=256,
+        default_sm_count=256, attn_fold_reduce=False,
     ),
 }
 """Every supported target, by name."""

@@ -24,6 +24,7 @@ Kernels, then launch plan and host wrapper (the Triton tutorials' order); the or
 from __future__ import annotations
 
 import functools
+import logging
 import os
 from dataclasses import dataclass
 
@@ -35,6 +36,8 @@ from .targets import TargetConfig, target_for_device
 
 __all__ = ["AttentionPlan", "plan_attention", "ragged_attention_triton"]
 
+log = logging.getLogger("dspark_compile")
+
 _LOG2E = 1.4426950408889634
 _SEARCH_BUCKETS = (32, 256)
 """``query_start_loc`` entries per load below ``search_chunk``: few widths, so a tier set
@@ -43,23 +46,27 @@ specialised, for the same reason: each variant costs ~1 s of capture)."""
 
 
 @triton.jit
-def _find_request(query_start_loc_ptr, block_id, num_requests, BLOCK_Q: tl.constexpr,
-                  SEARCH: tl.constexpr, SEARCH_ONCE: tl.constexpr):
-    """(i, qsl[i], qsl[i + 1]) for the largest ``i`` in ``0..R`` with ``qsl[i] // BLOCK_Q + i
-    <= block_id`` (``i = R``: the padding rows; its ``qsl[i + 1]`` is 0).
+def _find_request(query_start_loc_ptr, seq_lens_ptr, block_id, num_requests,
+                  BLOCK_Q: tl.constexpr, SEARCH: tl.constexpr, SEARCH_ONCE: tl.constexpr):
+    """(i, qsl[i], qsl[i + 1], seq_lens[i]) for the largest ``i`` in ``0..R`` with
+    ``qsl[i] // BLOCK_Q + i <= block_id`` (``i = R``: the padding rows; its ``qsl[i + 1]`` and
+    ``seq_lens[i]`` are 0).
 
     ``qsl[i] // BLOCK_Q + i`` strictly increases, so ``i`` is the count of entries ``<=
     block_id``, minus one: ``SEARCH`` entries per load and one reduction, instead of a binary
     search's ~log2(R) dependent loads at the head of every program. With ``SEARCH_ONCE`` (all
-    ``R + 1`` entries in one load) the request's bounds come out of the same load too.
+    ``R + 1`` entries in one load) the request's bounds and its ``seq_lens`` entry come out of
+    loads issued together, so the block-table and K/V loads wait one round trip, not two.
     """
     offs = tl.arange(0, SEARCH)
     if SEARCH_ONCE:
         start = tl.load(query_start_loc_ptr + offs, mask=offs <= num_requests, other=0)
+        lens = tl.load(seq_lens_ptr + offs, mask=offs < num_requests, other=0)
         hit = (start // BLOCK_Q + offs <= block_id) & (offs <= num_requests)
         req = tl.sum(hit.to(tl.int32)) - 1
         req_start = tl.sum(tl.where(offs == req, start, 0))
         req_end = tl.sum(tl.where(offs == req + 1, start, 0))
+        seq_len = tl.sum(tl.where(offs == req, lens, 0))
     else:
         count = 0
         for c in range(0, num_requests + 1, SEARCH):
@@ -70,7 +77,8 @@ def _find_request(query_start_loc_ptr, block_id, num_requests, BLOCK_Q: tl.const
         req = count - 1
         req_start = tl.load(query_start_loc_ptr + req)
         req_end = tl.load(query_start_loc_ptr + req + 1, mask=req < num_requests, other=0)
-    return req, req_start, req_end
+        seq_len = tl.load(seq_lens_ptr + req, mask=req < num_requests, other=0)
+    return req, req_start, req_end, seq_len
 
 
 @triton.jit
@@ -231,10 +239,47 @@ def _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads
         tl.store(part_ml_ptr + row * 2 + 1, l_i, mask=row_ok)
 
 
+@triton.jit
+def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, tokens, heads, row_ok, offs_d, d_mask,
+                  num_splits, num_tokens, stride_out_tok, stride_out_head,
+                  NUM_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+                  HEAD_DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr):
+    """Final rows of a q-block from the fp32 partials of its ``num_splits`` programs.
+
+    Run by the program that finished last. Every partial is loaded at once (``MAX_SPLITS``
+    unrolled, masked: one round trip, not one per split) and past L1 (``.cg``): the other
+    programs wrote them from other multiprocessors.
+    """
+    offs_s = tl.arange(0, MAX_SPLITS)
+    s_ok = offs_s < num_splits
+    rows = (offs_s[:, None] * num_tokens + tokens[None, :]) * NUM_HEADS + heads[None, :]
+    ml_mask = s_ok[:, None] & row_ok[None, :]  # [MAX_SPLITS, BLOCK_M]
+    m_all = tl.load(part_ml_ptr + rows * 2, mask=ml_mask, other=float("-inf"),
+                    cache_modifier=".cg")
+    l_all = tl.load(part_ml_ptr + rows * 2 + 1, mask=ml_mask, other=0.0, cache_modifier=".cg")
+    m_max = tl.max(m_all, 0)  # [BLOCK_M]
+    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
+    w_all = tl.exp2(m_all - m_use[None, :])  # 0 for a split that saw no key
+    l_sum = tl.sum(w_all * l_all, 0)
+    mask = row_ok[:, None] & d_mask[None, :]
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    for s in tl.static_range(MAX_SPLITS):
+        row = (s * num_tokens + tokens) * NUM_HEADS + heads  # [BLOCK_M]
+        live = (row_ok & (tl.zeros_like(heads) + s < num_splits))[:, None] & d_mask[None, :]
+        part = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=live,
+                       other=0.0, cache_modifier=".cg")
+        w = tl.sum(tl.where(offs_s[:, None] == s, w_all, 0.0), 0)  # [BLOCK_M]
+        acc += w[:, None] * part
+    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
+    ptrs = out_ptr + tokens[:, None] * stride_out_tok + heads[:, None] * stride_out_head
+    tl.store(ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 @triton.jit(do_not_specialize=["num_tokens", "num_requests", "num_splits"])
 def _ragged_attention_kernel(
-        out_ptr, part_acc_ptr, part_ml_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
-        query_start_loc_ptr, seq_lens_ptr, block_table_ptr, slot_mapping_ptr, scale_log2,
+        out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr,
+        v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, slot_mapping_ptr,
+        scale_log2,
         num_tokens, num_requests, num_splits, stride_q_tok, stride_q_head, stride_k_tok,
         stride_k_head,
         stride_v_tok, stride_v_head, stride_out_tok, stride_out_head, stride_bt_req,
@@ -242,21 +287,28 @@ def _ragged_attention_kernel(
         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, NEW_N: tl.constexpr, SEARCH: tl.constexpr,
-        SEARCH_ONCE: tl.constexpr, SPLIT: tl.constexpr, UPCAST: tl.constexpr,
-        DOT_PRECISION: tl.constexpr):
-    """One (q-block, KV head, split): fused KV write, then attention over the paged context."""
+        SEARCH_ONCE: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
+        MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """One (q-block, KV head, split): fused KV write, then attention over the paged context.
+
+    ``FOLD`` (with ``SPLIT``): the last of a q-block's programs to finish merges the partials
+    (:func:`_merge_splits`), so there is no reduce launch. It is found with a counter per
+    (q-block, KV head) in ``counter_ptr``, which it sets back to 0 for the next launch.
+    """
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    req, req_start, req_end = _find_request(query_start_loc_ptr, block_id, num_requests,
-                                            BLOCK_Q, SEARCH, SEARCH_ONCE)
+    req, req_start, req_end, seq_len = _find_request(query_start_loc_ptr, seq_lens_ptr,
+                                                     block_id, num_requests, BLOCK_Q, SEARCH,
+                                                     SEARCH_ONCE)
     is_pad = req >= num_requests
     req_len = tl.where(is_pad, num_tokens - req_start, req_end - req_start)
     q0 = (block_id - (req_start // BLOCK_Q + req)) * BLOCK_Q  # first own query of the block
     if q0 >= req_len:
         return
     n_q = tl.minimum(req_len - q0, BLOCK_Q)
-    # split 0 writes the block's rows into the pool (the others touch nothing: 0 rows)
+    # split 0 writes the block's rows into the pool (the others touch nothing: 0 rows). Done
+    # last instead measured the same at bs 1 and 8 (9.2-9.5 against 9.2 us, folded splits).
     _write_new_rows(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, req_start + q0,
                     tl.where(split == 0, n_q, 0), kv_head, stride_k_tok, stride_k_head,
                     stride_v_tok, stride_v_head, stride_cache_row, BLOCK_Q, HEAD_DIM,
@@ -271,11 +323,11 @@ def _ragged_attention_kernel(
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
-    if is_pad:  # padding rows: zeros (the reduce writes them when split)
-        if not SPLIT:
+    if is_pad:  # padding rows: zeros (the reduce writes them when split and not folded)
+        if not SPLIT or (FOLD and split == 0):
             _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads,
                         row_ok, offs_d, d_mask, split, num_tokens, stride_out_tok,
-                        stride_out_head, NUM_HEADS, HEAD_DIM, SPLIT)
+                        stride_out_head, NUM_HEADS, HEAD_DIM, False)
         return
     q = tl.load(q_ptr + tokens[:, None] * stride_q_tok + heads[:, None] * stride_q_head
                 + offs_d[None, :], mask=row_ok[:, None] & d_mask[None, :], other=0.0)
@@ -283,7 +335,7 @@ def _ragged_attention_kernel(
         q = q.to(tl.float32)
     m_i, l_i, acc = _attend(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
                             block_table_ptr + req.to(tl.int64) * stride_bt_req,
-                            tl.load(seq_lens_ptr + req) - req_len, req_start, q0, n_q, q_idx,
+                            seq_len - req_len, req_start, q0, n_q, q_idx,
                             kv_head, split, offs_d, d_mask, m_i, l_i, acc, scale_log2,
                             stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                             stride_cache_row, PAGE_SIZE, HEAD_DIM, TILE_N, num_splits, NEW_N,
@@ -291,6 +343,14 @@ def _ragged_attention_kernel(
     _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads, row_ok,
                 offs_d, d_mask, split, num_tokens, stride_out_tok, stride_out_head, NUM_HEADS,
                 HEAD_DIM, SPLIT)
+    if SPLIT and FOLD:
+        tl.debug_barrier()  # every thread's partial stores are issued before the release
+        counter = counter_ptr + block_id * tl.num_programs(1) + kv_head
+        if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
+            tl.store(counter, 0)  # the last one: reset for the next launch, then merge
+            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, tokens, heads, row_ok, offs_d,
+                          d_mask, num_splits, num_tokens, stride_out_tok, stride_out_head,
+                          NUM_HEADS, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD, MAX_SPLITS)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_requests", "num_splits"])
@@ -356,6 +416,44 @@ def head_dim_pad(head_dim: int) -> int:
     """Head dim as the kernels tile it: a power of two, at least 16 (``tl.dot`` needs K >= 16
     on a GPU; the interpreter does not check it)."""
     return max(16, triton.next_power_of_2(head_dim))
+
+
+_COUNTER_SLOTS = 1 << 14
+"""Entries of a split-merge counter buffer: (q-blocks x KV heads) of one split launch. A split
+only runs when those programs are too few to fill the GPU (``plan_attention``), so a launch
+needs a few hundred; 64 KB a buffer."""
+_counter_buffers: dict[tuple, torch.Tensor] = {}
+_counter_fallbacks_logged: set[str] = set()
+
+
+def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
+    """The zeroed int32 counters a folded split launch on ``device`` and the current stream
+    uses (None: too many q-blocks; the launch then merges in a reduce kernel, logged once).
+
+    Every folded launch leaves its counters at 0 (the last program of each q-block resets
+    its own), so one buffer serves every launch of one stream in turn, CUDA-graph replays
+    included, and is allocated once (zeros, outside any capture: the first call, which
+    ``TierGraphs`` makes before capturing). Launches that may run at the same time must come
+    from different streams. Buffers are never freed: captured graphs hold their address.
+    """
+    cuda = device.type == "cuda"
+    key = (device, torch.cuda.current_stream(device).cuda_stream if cuda else 0)
+    buf = _counter_buffers.get(key)
+    why = None
+    if needed > _COUNTER_SLOTS:
+        why = f"{needed} q-block counters needed, {_COUNTER_SLOTS} held"
+    elif buf is None and cuda and torch.cuda.is_current_stream_capturing():
+        why = "first split launch of this stream is inside a CUDA-graph capture"
+    if why is not None:
+        if why not in _counter_fallbacks_logged:
+            log.info("ragged_attention_triton: %s; this launch merges its splits in a "
+                     "separate reduce kernel", why)
+            _counter_fallbacks_logged.add(why)
+        return None
+    if buf is None:
+        buf = _counter_buffers[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32,
+                                                  device=device)
+    return buf
 
 
 @functools.lru_cache(maxsize=None)
@@ -462,13 +560,16 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
                             max_query_len: int | None = None, num_splits: int | None = None,
                             config: TargetConfig | None = None,
-                            out: torch.Tensor | None = None) -> torch.Tensor:
+                            out: torch.Tensor | None = None,
+                            fold_reduce: bool | None = None) -> torch.Tensor:
     """Triton ``dspark::ragged_attention``: same arguments and result as the reference.
 
     ``max_query_len``: a host bound on any request's length (default ``N``, always safe); a
     tighter bound lets one program cover a whole verify block. ``num_splits`` and ``config``
     override the split rule and the target entry (benchmarks, tests); ``out`` is an optional
-    ``[N, H, D]`` buffer of q's dtype to write (every element is written). Mutates the pools;
+    ``[N, H, D]`` buffer of q's dtype to write (every element is written). ``fold_reduce``
+    (default: the target's ``attn_fold_reduce``) merges split partials in the attention launch
+    instead of a second one (:func:`_counters`). Mutates the pools;
     no host sync, so it can be captured in a CUDA graph. Returns ``[N, H, D]`` in q's dtype.
     """
     _check_inputs((q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
@@ -485,6 +586,8 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if n == 0:
         return out
     split = plan.num_splits > 1
+    fold = cfg.attn_fold_reduce if fold_reduce is None else bool(fold_reduce)
+    counters = _counters(q.device, plan.grid[0] * plan.grid[1]) if split and fold else None
     part_acc, part_ml = out, out  # never touched without a split (the branch compiles out)
     if split:
         part_acc = q.new_empty((plan.num_splits, n, h, d), dtype=torch.float32)
@@ -494,17 +597,18 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     regs = ({"maxnreg": plan.max_registers} if plan.max_registers is not None
             and cfg.backend == "cuda" and q.device.type == "cuda" else {})
     _ragged_attention_kernel[plan.grid](
-        out, part_acc, part_ml, q, k, v, k_cache, v_cache, query_start_loc, seq_lens,
+        out, part_acc, part_ml, out if counters is None else counters, q, k, v, k_cache,
+        v_cache, query_start_loc, seq_lens,
         block_table, slot_mapping, scale * _LOG2E, n, r, plan.num_splits, q.stride(0),
         q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), hkv * d, NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad,
         HEAD_DIM=d, HEAD_DIM_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_Q=plan.block_q,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
-        SEARCH_ONCE=r + 1 <= plan.search, SPLIT=split,
-        UPCAST=q.dtype != k_cache.dtype, DOT_PRECISION=cfg.fp32_dot_precision,
+        SEARCH_ONCE=r + 1 <= plan.search, SPLIT=split, FOLD=counters is not None,
+        MAX_SPLITS=max(2, triton.next_power_of_2(plan.num_splits)), UPCAST=q.dtype != k_cache.dtype, DOT_PRECISION=cfg.fp32_dot_precision,
         num_warps=plan.num_warps, num_stages=cfg.attn_num_stages, **regs)
-    if split:
+    if split and counters is None:
         _split_reduce_kernel[(n,)](
             out, part_acc, part_ml, query_start_loc, n, r, plan.num_splits, out.stride(0),
             out.stride(1), NUM_HEADS=h, HEADS_PAD=triton.next_power_of_2(h), HEAD_DIM=d,
