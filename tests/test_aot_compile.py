@@ -51,7 +51,7 @@ def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg) -
                   BLOCK_M=plan.block_m,
                   TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
                   SEARCH_ONCE=r + 1 <= plan.search, SPLIT=plan.num_splits > 1,
-                  FOLD=plan.num_splits > 1, MAX_SPLITS=max(2, plan.num_splits), UPCAST=False,
+                  FOLD=plan.num_splits > 1, MAX_SPLITS=max(8, plan.num_splits), UPCAST=False,
                   DOT_PRECISION=cfg.fp32_dot_precision)
     options = {"num_warps": plan.num_warps, "num_stages": cfg.attn_num_stages}
     if plan.max_registers is not None and cfg.backend == "cuda":

@@ -230,11 +230,15 @@ def test_tier_set_compiles_few_kernel_variants() -> None:
     (each one ~1 s), not one per tier."""
     from dspark_compile.graphs.tiers import tier_set
 
+    from dspark_compile.lowering.triton_attention import _max_splits
+
     cfg = TARGETS["sm_90"]
     variants = set()
     for tier in tier_set(256, 8):
         p = plan_attention(tier.tokens, tier.request_slots, 16, 8, 1040, 8, cfg, 132)
-        variants.add((p.block_q, p.block_m, p.tile_n, p.new_n, p.search, p.num_splits > 1,
+        split = p.num_splits > 1
+        variants.add((p.block_q, p.block_m, p.tile_n, p.new_n, p.search, split,
+                      _max_splits(p.num_splits) if split and cfg.attn_fold_reduce else None,
                       tier.request_slots + 1 <= p.search, p.num_warps, p.max_registers))
     assert len(variants) <= 4, variants
 

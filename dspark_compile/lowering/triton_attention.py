@@ -456,6 +456,13 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
     return buf
 
 
+def _max_splits(num_splits: int) -> int:
+    """Partials a folded merge loads (unrolled, the surplus masked): 8 covers every split
+    count the rule gives a verify step, so a tier set compiles one folded variant, not one per
+    power of two (~1 s of capture each)."""
+    return max(8, triton.next_power_of_2(num_splits))
+
+
 @functools.lru_cache(maxsize=None)
 def _device_target(device: torch.device) -> tuple[TargetConfig, int]:
     """Target entry and multiprocessor count of a device (asked once per device)."""
@@ -606,7 +613,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HEAD_DIM=d, HEAD_DIM_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_Q=plan.block_q,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
         SEARCH_ONCE=r + 1 <= plan.search, SPLIT=split, FOLD=counters is not None,
-        MAX_SPLITS=max(2, triton.next_power_of_2(plan.num_splits)), UPCAST=q.dtype != k_cache.dtype, DOT_PRECISION=cfg.fp32_dot_precision,
+        MAX_SPLITS=_max_splits(plan.num_splits), UPCAST=q.dtype != k_cache.dtype, DOT_PRECISION=cfg.fp32_dot_precision,
         num_warps=plan.num_warps, num_stages=cfg.attn_num_stages, **regs)
     if split and counters is None:
         _split_reduce_kernel[(n,)](
