@@ -195,7 +195,8 @@ class Run:
     """One decoding run: the token table and what its steps did."""
 
     tokens: np.ndarray
-    """int64 [c, width]: emitted tokens per request, the prefill's first one at column 0."""
+    """int64 [c, width]: emitted tokens per request, the prefill's first one at column 0 (columns
+    at or past a request's count are scratch)."""
     steps: int = 0
     verify_tokens: int = 0
     """Sum over steps of the packed tokens verified (sum of lens)."""
@@ -238,6 +239,7 @@ class Decoder:
         self._accept = accept if self.dev.type == "cuda" else accept_reference
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] \
             if self.dev.type == "cuda" else None
+        self._positions = np.arange(s.gamma + 1)  # [g + 1]: a request's rows in a step
 
     def prefill(self, prompts: torch.Tensor) -> np.ndarray:
         """Prefill ``prompts [c, context]`` into slots ``0..c-1``; their first greedy tokens.
@@ -325,8 +327,8 @@ class Decoder:
         acc, nxt = self._accept_step(logits, ids, layout)  # waits for the step: events are done
         if self._events:
             run.verify_gpu_seconds += self._events[0].elapsed_time(self._events[1]) / 1e3
-        self.verifier.commit(layout, torch.from_numpy(acc + 1), self.state)
-        self._emit(rids, e, lens, drafts, acc, nxt, counts, run)
+        self.verifier.commit(layout, acc + 1, self.state)  # int64 NumPy, taken as it is
+        self._emit(rids, e, layout, drafts, acc, nxt, counts, run)
         if policy is not None:
             t0 = time.perf_counter()
             policy.observe(int(lens[0]), torch.from_numpy(np.bincount(acc, minlength=g + 1)))
@@ -335,29 +337,38 @@ class Decoder:
     def _pack(self, rids: np.ndarray, e: np.ndarray, lens: np.ndarray, drafts: np.ndarray,
               tokens: np.ndarray) -> tuple[VerifyLayout, torch.Tensor]:
         """The step's layout and packed token ids ``[N]`` on the device: each request's anchor
-        (its last emitted token) and its first ``lens - 1`` drafts."""
-        g = self.s.gamma
-        block = np.concatenate([tokens[rids, e - 1][:, None], drafts], 1)  # [R, g + 1]
-        layout = VerifyLayout.pack(torch.from_numpy(lens), torch.from_numpy(
-            (self.s.context + e - 1).astype(np.int32)), torch.from_numpy(rids.astype(np.int32)))
-        ids = torch.from_numpy(block[np.arange(g + 1) < lens[:, None]]).to(self.dev)  # [N]
-        return layout, ids
+        (its last emitted token) and its first ``lens - 1`` drafts.
 
-    def _emit(self, rids: np.ndarray, e: np.ndarray, lens: np.ndarray, drafts: np.ndarray,
+        NumPy in, one tensor out: ``VerifyLayout.pack`` takes int32 arrays as they are, and a
+        full block (every request ``gamma + 1`` tokens) is the block itself, no mask."""
+        g, r = self.s.gamma, rids.size
+        block = np.empty((r, g + 1), np.int64)  # [R, g + 1]
+        block[:, 0] = tokens[rids, e - 1]
+        block[:, 1:] = drafts
+        layout = VerifyLayout.pack(lens, np.add(e, self.s.context - 1, dtype=np.int32),
+                                   rids.astype(np.int32))
+        flat = block.reshape(-1) if layout.num_tokens == r * (g + 1) else \
+            block[self._positions < lens[:, None]]  # [N]
+        return layout, torch.from_numpy(flat).to(self.dev)
+
+    def _emit(self, rids: np.ndarray, e: np.ndarray, layout: VerifyLayout, drafts: np.ndarray,
               acc: np.ndarray, nxt: np.ndarray, counts: np.ndarray, run: Run) -> None:
         """Write each request's accepted drafts and next token into ``run.tokens``, advance
-        ``counts`` and the run's statistics."""
-        g = self.s.gamma
-        emit = np.concatenate([drafts, np.zeros((rids.size, 1), np.int64)], 1)  # [R, g + 1]
-        emit[np.arange(rids.size), acc] = nxt  # accepted drafts, then the next token
-        keep = np.arange(g + 1) <= acc[:, None]
-        run.tokens[np.repeat(rids, acc + 1), (e[:, None] + np.arange(g + 1))[keep]] = emit[keep]
+        ``counts`` and the run's statistics.
+
+        All ``gamma`` drafts go to columns ``e .. e + gamma - 1`` and the next token to
+        ``e + acc`` after them: the columns past it are at or beyond the request's new count,
+        scratch that its next step overwrites before reading (only column ``count - 1``, the
+        anchor, is read), so no mask of the accepted ones is built."""
+        tokens, n = run.tokens, layout.num_tokens
+        tokens[rids[:, None], e[:, None] + self._positions[:-1]] = drafts  # [R, g]
+        tokens[rids, e + acc] = nxt
         counts[rids] += acc + 1
         run.steps += 1
-        run.verify_tokens += int(lens.sum())
+        run.verify_tokens += n
         run.request_steps += rids.size
         run.accepted += int(acc.sum())
-        run.shapes.append((int(lens.sum()), rids.size))
+        run.shapes.append((n, rids.size))
 
 
 # ---------------------------------------------------------------------- one concurrency

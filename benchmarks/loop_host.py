@@ -129,8 +129,8 @@ class Case:
         tier = d.state.graphs._tier_of[(layout.num_tokens, r)]
         _timed(times, "fill", d.state.graphs.fill, tier, ids, layout)
         acc, nxt = self.accept(drafts, e, lens)
-        _timed(times, "commit", d.verifier.commit, layout, torch.from_numpy(acc + 1), d.state)
-        _timed(times, "emit", d._emit, rids, e, lens, drafts, acc, nxt, counts, run)
+        _timed(times, "commit", d.verifier.commit, layout, acc + 1, d.state)
+        _timed(times, "emit", d._emit, rids, e, layout, drafts, acc, nxt, counts, run)
 
     def accept(self, drafts: np.ndarray, e: np.ndarray, lens: np.ndarray):
         """What the greedy accept kernel would return: the drafts that match the reference, up

@@ -90,13 +90,14 @@ class VerifierState:
         layout.validate(num_tokens, self.max_requests, self.max_context)
         if self.linear is not None:
             self.linear.check_rows(num_tokens)
-        committed = self.committed_lens.numpy()[layout.slots.numpy()]
-        ahead = layout.context_lens.numpy() > committed
+        _, ctx, slots = layout.host
+        committed = self.committed_lens.numpy()[slots]
+        ahead = ctx > committed
         if ahead.any():
             i = int(np.flatnonzero(ahead)[0])
             raise ValueError(
-                f"request {i}: context_lens={int(layout.context_lens[i])} but slot "
-                f"{int(layout.slots[i])} has only {int(committed[i])} committed tokens; a verify "
+                f"request {i}: context_lens={int(ctx[i])} but slot "
+                f"{int(slots[i])} has only {int(committed[i])} committed tokens; a verify "
                 "step may only read committed context"
             )
 
@@ -144,26 +145,32 @@ class VerifierState:
         the checked int64 ``accept_lens`` (CPU). Linear-attention state is advanced by
         ``Verifier.commit``, which knows the lowering of the commit ops.
         """
-        acc = torch.as_tensor(accept_lens)
+        if isinstance(accept_lens, np.ndarray) and accept_lens.dtype == np.int64:
+            acc = torch.from_numpy(accept_lens)  # a host loop's array: no conversions
+            a = accept_lens
+        else:
+            acc = torch.as_tensor(accept_lens)
+            a = None
         if acc.dim() != 1 or acc.numel() != layout.num_requests:
             raise ValueError(
                 f"commit: accept_lens has shape {tuple(acc.shape)}; it needs one entry per "
                 f"request ({layout.num_requests})"
             )
-        if acc.dtype.is_floating_point or acc.dtype == torch.bool:
-            raise ValueError(f"commit: accept_lens has dtype {acc.dtype}; it must be integers")
-        acc = acc.cpu().to(torch.int64)
-        a, qsl = acc.numpy(), layout.query_start_loc.numpy()
-        lens = np.diff(qsl)
-        bad = (a < 1) | (a > lens)
-        if bad.any():
-            i = int(np.flatnonzero(bad)[0])
+        if a is None:
+            if acc.dtype.is_floating_point or acc.dtype == torch.bool:
+                raise ValueError(f"commit: accept_lens has dtype {acc.dtype}; it must be "
+                                 "integers")
+            acc = acc.cpu().to(torch.int64)
+            a = acc.numpy()
+        qsl, ctx, slots = layout.host
+        lens = qsl[1:] - qsl[:-1]
+        if a.min() < 1 or (a > lens).any():
+            i = int(np.flatnonzero((a < 1) | (a > lens))[0])
             raise ValueError(
                 f"commit: accept_lens[{i}]={int(a[i])}; it must be in 1..{int(lens[i])} "
                 "(the verify length of that request)"
             )
-        slots, ctx, committed = layout.slots.numpy(), layout.context_lens.numpy(), \
-            self.committed_lens.numpy()
+        committed = self.committed_lens.numpy()
         stale = committed[slots] != ctx
         if stale.any():
             i = int(np.flatnonzero(stale)[0])

@@ -161,3 +161,59 @@ def test_tier_rate_charges_the_tier_a_step_replays(e2e):
                 pytest.approx(want)
     # the table floors B = 5 (2 requests) to its 4-token point; the step replays (6, 2)
     assert table.steps_per_second(torch.tensor([5]), 2).item() > rate.rate_span(5, 1, 2).item()
+
+
+def _pack_before(s, rids, e, lens, drafts, tokens):
+    """Decoder._pack as it was before its fast path (the oracle)."""
+    from dspark_compile import VerifyLayout
+
+    block = np.concatenate([tokens[rids, e - 1][:, None], drafts], 1)
+    layout = VerifyLayout.pack(torch.from_numpy(lens), torch.from_numpy(
+        (s.context + e - 1).astype(np.int32)), torch.from_numpy(rids.astype(np.int32)))
+    return layout, torch.from_numpy(block[np.arange(s.gamma + 1) < lens[:, None]])
+
+
+def _emit_before(gamma, rids, e, drafts, acc, nxt, counts, tokens):
+    """Decoder._emit's token writes as they were (a mask of the accepted drafts)."""
+    emit = np.concatenate([drafts, np.zeros((rids.size, 1), np.int64)], 1)
+    emit[np.arange(rids.size), acc] = nxt
+    keep = np.arange(gamma + 1) <= acc[:, None]
+    tokens[np.repeat(rids, acc + 1), (e[:, None] + np.arange(gamma + 1))[keep]] = emit[keep]
+    counts[rids] += acc + 1
+
+
+@pytest.fixture(scope="module")
+def loop_host():
+    """benchmarks/loop_host.py and its decoder (e2e.py's, over a tiny verifier) for 16."""
+    module = load_benchmark("loop_host")
+    return module, module.build(16)
+
+
+@pytest.mark.parametrize("width", [None, 8])  # ragged (the planner) and the full block
+def test_pack_and_emit_match_the_masked_versions(loop_host, width):
+    """Over many steps of random lengths, acceptances and finished requests: the same layout,
+    ids, emitted tokens (every column below a request's count) and counts as before."""
+    module, decoder = loop_host
+    s, g, c, output = decoder.s, decoder.s.gamma, 16, 60
+    rng = np.random.default_rng(0 if width is None else width)
+    run = module.e2e.Run(np.zeros((c, output + g + 2), np.int64))
+    run.tokens[:, 0] = rng.integers(0, 64, c)
+    old_tokens, counts, old_counts = run.tokens.copy(), np.ones(c, np.int64), np.ones(c, np.int64)
+    while (rids := np.flatnonzero(counts < 1 + output)).size:
+        r, e = rids.size, counts[rids]
+        drafts = rng.integers(0, 64, (r, g))
+        lens = np.full(r, width, np.int32) if width else rng.integers(1, g + 2, r).astype(
+            np.int32)
+        layout, ids = decoder._pack(rids, e, lens, drafts, run.tokens)
+        old_layout, old_ids = _pack_before(s, rids, e, lens, drafts, old_tokens)
+        for field in ("query_start_loc", "context_lens", "slots"):
+            assert torch.equal(getattr(layout, field), getattr(old_layout, field))
+        assert torch.equal(ids, old_ids)
+        acc = np.minimum(rng.integers(0, g + 1, r), lens - 1).astype(np.int64)
+        nxt = rng.integers(0, 64, r)
+        decoder._emit(rids, e, layout, drafts, acc, nxt, counts, run)
+        _emit_before(g, rids, e, drafts, acc, nxt, old_counts, old_tokens)
+        assert np.array_equal(counts, old_counts)
+        for i in range(c):
+            assert np.array_equal(run.tokens[i, :counts[i]], old_tokens[i, :counts[i]])
+    assert run.verify_tokens == sum(n for n, _ in run.shapes) and run.steps == len(run.shapes)

@@ -119,3 +119,51 @@ def test_random_layouts_raise_only_value_error(qsl, ctx, slots, num_tokens):
     assert layout.query_start_loc[0] == 0 and (layout.lens >= 1).all()
     assert layout.num_tokens == num_tokens
     assert (layout.seq_lens <= state.max_context).all()
+
+
+def test_host_views_share_memory_with_the_fields():
+    import numpy as np
+
+    layout = VerifyLayout.pack(np.array([2, 1, 3], np.int32), np.array([5, 0, 7], np.int32),
+                               np.array([2, 0, 1], np.int32))
+    qsl, ctx, slots = layout.host
+    assert qsl.tolist() == [0, 2, 3, 6] and ctx.tolist() == [5, 0, 7]
+    assert slots.tolist() == [2, 0, 1]
+    for view, field in zip(layout.host, (layout.query_start_loc, layout.context_lens,
+                                         layout.slots)):
+        assert view.dtype == np.int32 and view.ctypes.data == field.data_ptr()
+    assert (layout.num_tokens, layout.num_requests) == (6, 3)
+
+
+def test_int32_arrays_skip_the_range_check_and_wider_ones_keep_it():
+    import numpy as np
+
+    big = np.array([0, 2**31], np.int64)
+    with pytest.raises(ValueError, match="does not fit in int32"):
+        VerifyLayout(query_start_loc=big, context_lens=[0], slots=[0])
+    layout = VerifyLayout(query_start_loc=np.array([0, 2], np.int64), context_lens=[0],
+                          slots=np.array([3], np.uint8))
+    assert layout.slots.dtype == torch.int32 and layout.slots.tolist() == [3]
+
+
+@pytest.mark.parametrize("kind", ["list", "tensor", "numpy"])
+def test_commit_takes_numpy_int64_like_any_integer_sequence(kind):
+    import numpy as np
+
+    def as_kind(values):
+        return {"list": list(values), "tensor": torch.tensor(values),
+                "numpy": np.array(values, np.int64)}[kind]
+
+    state = make_state()
+    layout = VerifyLayout.pack([3, 2], [0, 0], [1, 3])
+    with pytest.raises(ValueError, match=r"accept_lens\[0\]=4"):
+        state.commit(layout, as_kind([4, 1]))
+    with pytest.raises(ValueError, match=r"accept_lens\[1\]=0"):
+        state.commit(layout, as_kind([1, 0]))
+    with pytest.raises(ValueError, match="one entry per request"):
+        state.commit(layout, as_kind([1]))
+    acc = state.commit(layout, as_kind([2, 1]))
+    assert acc.dtype == torch.int64 and acc.tolist() == [2, 1]
+    assert state.committed_lens.tolist() == [0, 2, 0, 1]
+    with pytest.raises(ValueError, match="commit each step once"):
+        state.commit(layout, as_kind([1, 1]))
