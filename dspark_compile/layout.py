@@ -24,12 +24,13 @@ __all__ = ["VerifyLayout"]
 _INT32 = np.iinfo(np.int32)
 
 
-def _as_host_int32(name: str, value) -> tuple[torch.Tensor, np.ndarray]:
+def _as_host_int32(name: str, value, array_only: bool = False
+                   ) -> tuple[torch.Tensor | None, np.ndarray]:
     """A list, an integer NumPy array or a CPU int32 tensor, as a 1-D CPU int32 tensor and a NumPy
-    view of it; anything else is refused. Validation runs on every step of an engine, so the
-    checks here and below use NumPy views (a small torch op on the CPU costs several
-    microseconds, ``Tensor.numpy()`` alone ~2 us on a 2-core Xeon): each layout makes its views
-    once."""
+    view of it (``array_only``: the tensor may be None, where none was given); anything else is
+    refused. Validation runs on every step of an engine, so the checks here and below use NumPy
+    views (a small torch op on the CPU costs several microseconds, ``Tensor.numpy()`` alone ~2 us
+    and ``torch.from_numpy`` ~1.6 us on a 2-core Xeon): each layout makes its views once."""
     if not isinstance(value, torch.Tensor):
         arr = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
         if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":
@@ -37,7 +38,7 @@ def _as_host_int32(name: str, value) -> tuple[torch.Tensor, np.ndarray]:
                     arr.min() < _INT32.min or arr.max() > _INT32.max):
                 raise ValueError(f"VerifyLayout.{name}={value!r} does not fit in int32")
             host = np.ascontiguousarray(arr, dtype=np.int32)
-            return torch.from_numpy(host), host
+            return None if array_only else torch.from_numpy(host), host
     if isinstance(value, torch.Tensor):
         if not value.is_cpu:
             raise ValueError(
@@ -104,7 +105,7 @@ class VerifyLayout:
     ) -> "VerifyLayout":
         """Build a layout from per-request verify lengths, committed context lengths and slots
         (and, for mRoPE models, per-request deltas or a prefill's explicit positions)."""
-        lens_a = _as_host_int32("lens", lens)[1]
+        lens_a = _as_host_int32("lens", lens, array_only=True)[1]
         if lens_a.size and lens_a.min() < 1:
             bad = int(lens_a[lens_a < 1][0])
             raise ValueError(
@@ -116,7 +117,7 @@ class VerifyLayout:
         np.add.accumulate(lens_a, dtype=np.int64, out=qsl[1:])  # cumsum, less its wrapper
         if qsl[-1] > _INT32.max:
             raise ValueError(f"VerifyLayout: {int(qsl[-1])} tokens in total do not fit in int32")
-        return cls(query_start_loc=torch.from_numpy(qsl.astype(np.int32)),
+        return cls(query_start_loc=qsl.astype(np.int32),  # int32 NumPy: no range check
                    context_lens=context_lens, slots=slots, mrope_deltas=mrope_deltas,
                    mrope_positions=mrope_positions)
 
@@ -217,9 +218,10 @@ class VerifyLayout:
                 )
         if ctx.min() < 0:
             raise ValueError(f"VerifyLayout.context_lens={ctx.tolist()} has a negative entry")
-        if slots.min() < 0:
+        ordered = np.sort(slots)  # its first entry is the least: no separate min()
+        if ordered[0] < 0:
             raise ValueError(f"VerifyLayout.slots={slots.tolist()} has a negative entry")
-        if r > 1 and _repeats(np.sort(slots)):
+        if r > 1 and _repeats(ordered):
             raise ValueError(
                 f"VerifyLayout.slots={slots.tolist()} repeats a slot; each request needs its own "
                 "state-pool row"

@@ -110,7 +110,8 @@ class TierGraphs:
         self._stage(layout, tier.request_slots)
         n = layout.num_tokens
         self.ids[:n].copy_(input_ids, non_blocking=True)
-        self.ids[n:tier.tokens].zero_()
+        if n < tier.tokens:  # a full tier (every uniform width has one) has no padding rows
+            self.ids[n:tier.tokens].zero_()
 
     def _stage(self, layout: VerifyLayout, s: int, accept_lens: torch.Tensor | None = None
                ) -> None:
