@@ -532,7 +532,7 @@ MEASURED = ("tokens/s = requests x decoded tokens / (run seconds - draft seconds
             "per step (sum of lens); mean_tier_tokens_per_step: tokens of the tier replayed.")
 
 
-POLICIES = ("width: WidthPolicy over widths 1..gamma+1 (default knobs); planner: plan_verify "
+POLICIES = ("width: WidthPolicy over widths 1..gamma+1 (default knobs); planner: plan_lengths "
             "with PlannerConfig(tiers=the captured tiers) (budget aligned up to the tier it "
             "replays). Both read the SPS table through TierRate: the rate of the tier a step "
             "of (B tokens, R requests) replays, not the table's floor to the point below B; "
