@@ -7,6 +7,7 @@
 # Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
 # verify_step_off, verify_step_rotary,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk,
+# compile_cold, compile_warm,
 # hybrid_kernels, hybrid_step, rotary,
 # runtime_device, profile_sps, linear, e2e_quick, e2e, e2e_grouped, e2e_off, e2e_replay,
 # e2e_rotary. Each
@@ -45,6 +46,15 @@ job() {
         --max-requests 256 --block 8 --context 1024 --out "$res/sps_h200.json" ;;
     linear) python3 benchmarks/linear_kernel.py --sweep ;;
     splitk) python3 benchmarks/splitk_bmm.py ;;
+    compile_cold)  # empty Inductor and Triton caches, as on a new machine
+      rm -rf /tmp/dspark_cold_cache
+      TORCHINDUCTOR_CACHE_DIR=/tmp/dspark_cold_cache/inductor \
+        TRITON_CACHE_DIR=/tmp/dspark_cold_cache/triton \
+        python3 benchmarks/compile_time.py --label cold ;;
+    compile_warm)  # the caches compile_cold filled: a second process on the same machine
+      TORCHINDUCTOR_CACHE_DIR=/tmp/dspark_cold_cache/inductor \
+        TRITON_CACHE_DIR=/tmp/dspark_cold_cache/triton \
+        python3 benchmarks/compile_time.py --label warm ;;
     attention_small) python3 benchmarks/attention_kernel.py --small-sweep ;;
     tests_attention) python3 -m pytest -q tests/test_triton_attention.py -p no:cacheprovider ;;
     e2e_quick) python3 benchmarks/e2e.py --quick ;;

@@ -1,0 +1,65 @@
+"""Where the cold start of a verifier goes: dspark_compile, the first call (torch.compile of the
+packed graph), and the capture of every tier, with torch's own per-phase compile times.
+
+Run it in a fresh process with an empty Inductor cache to see what a new machine pays:
+
+    TORCHINDUCTOR_CACHE_DIR=$(mktemp -d) TRITON_CACHE_DIR=$(mktemp -d) \
+        python benchmarks/compile_time.py [--label NAME]
+
+The model is verify_step.py's Llama-like 1.1B (bf16, random weights), block 8, 256 request
+slots (67 tiers). Writes ``compile_time[_NAME].json`` to ``$OUT`` (or benchmarks/results/).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from dspark_compile import dspark_compile
+from dspark_compile.graphs.tiers import tier_set
+from verify_step import build_model
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--label", default="", help="suffix of the JSON file name")
+    opts = ap.parse_args()
+    import torch._dynamo.utils as dyn_utils
+    import torch._inductor.config as ind_config
+    import triton
+
+    model = build_model()
+    row: dict = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
+                 "triton": triton.__version__, "cpus": os.cpu_count(),
+                 "compile_threads": ind_config.compile_threads,
+                 "inductor_cache_dir": os.environ.get("TORCHINDUCTOR_CACHE_DIR"),
+                 "command": "python benchmarks/compile_time.py"
+                            + (f" --label {opts.label}" if opts.label else "")}
+    t0 = time.perf_counter()
+    verifier = dspark_compile(model, page_size=16, block=8, lowering="triton", inductor=True)
+    row["dspark_compile_s"] = time.perf_counter() - t0
+    state = verifier.new_state(max_requests=256, max_context=1024 + 64)
+    tiers = tier_set(256, 8)
+    t0 = time.perf_counter()
+    reports = verifier.capture(state, tiers=tiers, progress=False)
+    row["capture_s"] = time.perf_counter() - t0
+    row["tiers"] = len(tiers)
+    row["slowest_tiers"] = sorted(([r.tier.tokens, r.tier.request_slots, round(r.seconds, 3)]
+                                   for r in reports), key=lambda t: -t[2])[:8]
+    row["tier_seconds_sum"] = sum(r.seconds for r in reports)
+    row["dynamo_compile_times"] = dyn_utils.compile_times(repr="str", aggregate=True)
+    print(json.dumps({k: v for k, v in row.items() if k != "dynamo_compile_times"}, indent=1))
+    print(row["dynamo_compile_times"])
+    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    name = f"compile_time_{opts.label}.json" if opts.label else "compile_time.json"
+    (out / name).write_text(json.dumps(row, indent=1))
+
+
+if __name__ == "__main__":
+    main()
