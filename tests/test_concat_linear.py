@@ -41,7 +41,12 @@ def test_concat_stacks_qkv_and_gate_up_into_views_of_one_buffer() -> None:
          "model.layers.1.self_attn.v_proj.weight"),
         ("model.layers.1.mlp.gate_proj.weight", "model.layers.1.mlp.up_proj.weight")]
     assert _mms(verifier) == 2 * 2 + 2 * 2 + 1, "o, down and the LM head stay single matmuls"
-    assert "concat_linears: 4 rewritten" in verifier.explain()
+    text = verifier.explain()
+    assert "concat_linears: 4 rewritten" in text
+    # each rewrite names the model's line (flatten_tokens keeps the source meta; nn.Linear's
+    # own forward is skipped for the line that calls it)
+    assert "<no source line recorded>" not in text
+    assert "self.q_proj(hidden_states)" in text and "self.gate_proj(x)" in text
     q, k, v = (layer.self_attn.q_proj.weight, layer.self_attn.k_proj.weight,
                layer.self_attn.v_proj.weight)
     assert q.untyped_storage().data_ptr() == v.untyped_storage().data_ptr()

@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass, field
 
 import sympy
+import torch
 import torch.fx as fx
 
 __all__ = ["PassContext", "PassResult", "RefusedOp", "source_line", "EnsureError"]
@@ -41,23 +42,26 @@ class EnsureError(AssertionError):
 
 
 _OWN_FILES = f"{os.sep}dspark_compile{os.sep}"
+_TORCH_FILES = os.path.dirname(torch.__file__) + os.sep
 
 
 def source_line(node: fx.Node) -> str:
     """The innermost model source line that produced ``node`` (from its stack trace).
 
-    Frames inside dspark_compile itself (the capture, ``nn.CachedAttention``) are skipped: the
-    line a user needs is the one in their model.
+    Frames inside dspark_compile itself (the capture, ``nn.CachedAttention``) are skipped, and
+    so are torch's own modules (``nn.Linear.forward``) while a frame outside them exists: the
+    line a user needs is the one in their model (``self.q_proj(hidden_states)``).
     """
     trace = node.meta.get("stack_trace") or ""
     lines = [ln.strip() for ln in trace.strip().splitlines() if ln.strip()]
-    for i in range(len(lines) - 1, -1, -1):
-        if lines[i].startswith("File ") and _OWN_FILES not in lines[i]:
-            code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith("File ") \
-                else ""
-            where = lines[i].split("site-packages" + os.sep, 1)[-1] if "site-packages" in \
-                lines[i] else lines[i]
-            return f"{where}: {code}".rstrip(": ")
+    for skip in ((_OWN_FILES, _TORCH_FILES), (_OWN_FILES,)):
+        for i in range(len(lines) - 1, -1, -1):
+            if lines[i].startswith("File ") and not any(s in lines[i] for s in skip):
+                code = lines[i + 1] if i + 1 < len(lines) and not lines[i + 1].startswith(
+                    "File ") else ""
+                where = lines[i].split("site-packages" + os.sep, 1)[-1] if "site-packages" in \
+                    lines[i] else lines[i]
+                return f"{where}: {code}".rstrip(": ")
     return "<no source line recorded>"
 
 

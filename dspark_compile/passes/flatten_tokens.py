@@ -26,6 +26,7 @@ import operator
 
 import torch
 import torch.fx as fx
+import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
 
 from ..frontend.capture import fake_input
@@ -232,7 +233,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
             fl.env[node] = x
         for node in gm.graph.nodes:
             if node.op == "call_function":
-                fl.env[node] = fl.call(node)
+                with fx_traceback.set_current_meta(node):  # the new nodes keep its source line
+                    fl.env[node] = fl.call(node)
             elif node.op == "output":
                 return fl.value(node.args[0])
         raise EnsureError("flatten_tokens: graph has no output")
