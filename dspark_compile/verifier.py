@@ -104,6 +104,11 @@ class Verifier:
         model = adapter.model
         self._weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         stack_weights(self._weights, inputs)  # concat_linears' stacked inputs, if any
+        # One parameter's storage, to notice model.to() / .half() / .data = ... after the
+        # build (every parameter moves then): stacked buffers and captured tier graphs would
+        # go on reading the old tensors. One data_ptr per call, not one per weight.
+        self._sentinel = next(((name, p, p.data_ptr()) for name, p in model.named_parameters()),
+                              None)
         self._run = compile_rest(gm) if config.inductor else gm
         table = LOWERED.get(lowering, {})
         self._commit_ops = {  # the linear-state commits, in the forward's lowering
@@ -167,6 +172,7 @@ class Verifier:
         buffers hold none of them.
         """
         self._check_ids(input_ids)
+        self._check_weights_bound()
         if not isinstance(layout, VerifyLayout):
             raise ValueError(f"layout is a {type(layout).__name__}; it must be a VerifyLayout")
         if state.owner is not self:
@@ -183,6 +189,20 @@ class Verifier:
         return self._packed(input_ids, layout.query_start_loc.to(dev),
                             layout.context_lens.to(dev), layout.slots.to(dev), state, deltas,
                             layout.mrope_positions, vision_embeds, deepstack_embeds)
+
+    def _check_weights_bound(self) -> None:
+        """Raise if the model's parameters no longer live where this verifier bound them."""
+        if self._sentinel is None:
+            return
+        name, param, ptr = self._sentinel
+        if param.data_ptr() != ptr:
+            raise RuntimeError(
+                f"dspark_compile: parameter {name} moved since this verifier was built (its "
+                f"storage was at {ptr:#x}, now {param.data_ptr():#x}, {param.dtype} on "
+                f"{param.device}): model.to(), .half(), .cuda() or assigning .data leave the "
+                "verifier's stacked weights and tier graphs reading the old tensors. Call "
+                "dspark_compile(model) again after moving the model (load_state_dict, which "
+                "copies in place, needs no rebuild)")
 
     def _check_mrope(self, layout: VerifyLayout, vision_embeds, num_tokens: int,
                      deepstack_embeds=None) -> None:
@@ -265,6 +285,7 @@ class Verifier:
         per request-slot count (``commit_graphs=False``: commits run eagerly). Returns the time
         and pool memory each tier took (empty if not captured).
         """
+        self._check_weights_bound()
         block = block or self.config.block
         tiers = tiers or tier_set(state.max_requests, block)
         vocab = self.graph_module.graph.find_nodes(op="output")[0].args[0].meta["val"].shape[1]

@@ -156,3 +156,23 @@ slice_tensor_3 = aten.slice(mm_default_1, 1, 0, 96)  # [s0, 96]
 slice_tensor_4 = aten.slice(mm_default_1, 1, 96, 192)  # [s0, 96]
 mm_1 = aten.mm(view_11, t_1)  # [s0, 64]
 mm_2 = aten.mm(view_12, t_2)  # [s0, 97]""")
+
+
+def test_moving_the_model_after_the_build_is_refused_not_read_stale() -> None:
+    """model.to() after dspark_compile gives every parameter a new storage: the stacked
+    buffers (and captured graphs) would read the old one, so the next call says so;
+    load_state_dict copies in place and is seen."""
+    model = tiny_llama(layers=2)
+    verifier = dspark_compile(model, group_linears="concat")
+    state = verifier.new_state(max_requests=2, max_context=32)
+    ids = torch.arange(5)
+    layout = VerifyLayout.pack([5], [0], [0])
+    before = verifier(ids, layout, state).clone()
+    model.load_state_dict({k: v * 1.0 for k, v in model.state_dict().items()})
+    state.release([0])
+    torch.testing.assert_close(verifier(ids, layout, state), before, rtol=0, atol=0)
+    model.to(torch.float64)
+    with pytest.raises(RuntimeError, match="moved since this verifier was built"):
+        verifier(ids, layout, state)
+    with pytest.raises(RuntimeError, match="dspark_compile\\(model\\) again"):
+        verifier.capture(state, progress=False)
