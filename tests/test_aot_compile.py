@@ -33,14 +33,15 @@ CASES = {
 
 def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg) -> tuple:
     """(pointer dtypes by argument, constexprs, compile options) of one case on one target."""
-    from dspark_compile.lowering.triton_attention import head_dim_pad, plan_attention
+    from dspark_compile.lowering.triton_attention import _max_splits, head_dim_pad, plan_attention
 
     n, r, h, hkv, d, page, max_q = shape
     plan = plan_attention(n, r, h, hkv, 1024, max_q, cfg, cfg.default_sm_count, splits)
     pointers = {"out_ptr": dtype, "part_acc_ptr": "fp32", "part_ml_ptr": "fp32",
                 "query_start_loc_ptr": "i32"}
     if kernel_name == "_split_reduce_kernel":
-        consts = dict(NUM_HEADS=h, HEADS_PAD=h, HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad(d))
+        consts = dict(NUM_HEADS=h, HEADS_PAD=h, HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad(d),
+                      MAX_SPLITS=_max_splits(plan.num_splits))
         return pointers, consts, {"num_warps": cfg.reduce_num_warps}
     pointers.update({name: dtype for name in ("q_ptr", "k_ptr", "v_ptr", "k_cache_ptr",
                                               "v_cache_ptr")})
@@ -51,7 +52,8 @@ def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg) -
                   BLOCK_M=plan.block_m,
                   TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
                   SEARCH_ONCE=r + 1 <= plan.search, SPLIT=plan.num_splits > 1,
-                  FOLD=plan.num_splits > 1, MAX_SPLITS=max(8, plan.num_splits), UPCAST=False,
+                  FOLD=plan.num_splits > 1, MAX_SPLITS=_max_splits(plan.num_splits),
+                  UPCAST=False,
                   DOT_PRECISION=cfg.fp32_dot_precision)
     options = {"num_warps": plan.num_warps, "num_stages": cfg.attn_num_stages}
     if plan.max_registers is not None and cfg.backend == "cuda":

@@ -246,8 +246,9 @@ def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, tokens, heads, row_ok, off
                   HEAD_DIM_PAD: tl.constexpr, MAX_SPLITS: tl.constexpr):
     """Final rows of a q-block from the fp32 partials of its ``num_splits`` programs.
 
-    Run by the program that finished last. Every partial is loaded at once (``MAX_SPLITS``
-    unrolled, masked: one round trip, not one per split) and past L1 (``.cg``): the other
+    Run by the program that finished last (folded) or by the reduce kernel, one token row at a
+    time (``tokens`` all equal, ``heads`` 0..H-1). Every partial is loaded at once (``MAX_SPLITS``
+    unrolled, masked: one round trip, not one per split) and past L1 (``.cg``): other
     programs wrote them from other multiprocessors.
     """
     offs_s = tl.arange(0, MAX_SPLITS)
@@ -357,35 +358,25 @@ def _ragged_attention_kernel(
 def _split_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr, num_tokens,
                          num_requests, num_splits, stride_out_tok, stride_out_head,
                          NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
-                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr):
-    """Merge the split partials of one token row ``[H, D]``; padding rows become zeros."""
+                         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+                         MAX_SPLITS: tl.constexpr):
+    """Merge the split partials of one token row ``[H, D]`` (:func:`_merge_splits`, as a
+    folded launch does for its q-block); padding rows become zeros."""
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
-    mask = (offs_h < NUM_HEADS)[:, None] & (offs_d < HEAD_DIM)[None, :]
-    out_ptrs = (out_ptr + token * stride_out_tok + offs_h[:, None] * stride_out_head
-                + offs_d[None, :])  # [HEADS_PAD, HEAD_DIM_PAD]
-    acc = tl.zeros([HEADS_PAD, HEAD_DIM_PAD], tl.float32)
+    d_mask = offs_d < HEAD_DIM
+    tokens = token + tl.zeros([HEADS_PAD], tl.int64)
     if token >= tl.load(query_start_loc_ptr + num_requests):
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        mask = (offs_h < NUM_HEADS)[:, None] & d_mask[None, :]
+        out_ptrs = (out_ptr + token * stride_out_tok + offs_h[:, None] * stride_out_head
+                    + offs_d[None, :])  # [HEADS_PAD, HEAD_DIM_PAD]
+        tl.store(out_ptrs, tl.zeros([HEADS_PAD, HEAD_DIM_PAD], out_ptr.dtype.element_ty),
+                 mask=mask)
         return
-    m_max = tl.full([HEADS_PAD], float("-inf"), tl.float32)
-    for s in range(num_splits):
-        row = (s * num_tokens + token) * NUM_HEADS + offs_h
-        m_max = tl.maximum(m_max, tl.load(part_ml_ptr + row * 2, mask=offs_h < NUM_HEADS,
-                                          other=float("-inf")))
-    m_use = tl.where(m_max == float("-inf"), 0.0, m_max)
-    l_sum = tl.zeros([HEADS_PAD], tl.float32)
-    for s in range(num_splits):
-        row = (s * num_tokens + token) * NUM_HEADS + offs_h
-        m_s = tl.load(part_ml_ptr + row * 2, mask=offs_h < NUM_HEADS, other=float("-inf"))
-        w = tl.exp2(m_s - m_use)  # [HEADS_PAD]; 0 for a split that saw no key
-        l_sum += w * tl.load(part_ml_ptr + row * 2 + 1, mask=offs_h < NUM_HEADS, other=0.0)
-        part = tl.load(part_acc_ptr + row[:, None] * HEAD_DIM + offs_d[None, :], mask=mask,
-                       other=0.0)
-        acc += w[:, None] * part
-    out = acc / tl.where(l_sum == 0.0, 1.0, l_sum)[:, None]
-    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=mask)
+    _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, tokens, offs_h, offs_h < NUM_HEADS,
+                  offs_d, d_mask, num_splits, num_tokens, stride_out_tok, stride_out_head,
+                  NUM_HEADS, HEAD_DIM, HEADS_PAD, HEAD_DIM_PAD, MAX_SPLITS)
 
 
 @dataclass(frozen=True)
@@ -457,9 +448,9 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
 
 
 def _max_splits(num_splits: int) -> int:
-    """Partials a folded merge loads (unrolled, the surplus masked): 8 covers every split
-    count the rule gives a verify step, so a tier set compiles one folded variant, not one per
-    power of two (~1 s of capture each)."""
+    """Partials a merge loads (unrolled, the surplus masked): 8 covers every split count the
+    rule gives a verify step, so a tier set compiles one variant, not one per power of two
+    (~1 s of capture each)."""
     return max(8, triton.next_power_of_2(num_splits))
 
 
@@ -600,6 +591,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         part_acc = q.new_empty((plan.num_splits, n, h, d), dtype=torch.float32)
         part_ml = q.new_empty((plan.num_splits, n, h, 2), dtype=torch.float32)
     d_pad = head_dim_pad(d)
+    max_splits = _max_splits(plan.num_splits)
     # maxnreg: NVIDIA only (the HIP backend rejects the option)
     regs = ({"maxnreg": plan.max_registers} if plan.max_registers is not None
             and cfg.backend == "cuda" and q.device.type == "cuda" else {})
@@ -613,11 +605,12 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HEAD_DIM=d, HEAD_DIM_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_Q=plan.block_q,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
         SEARCH_ONCE=r + 1 <= plan.search, SPLIT=split, FOLD=counters is not None,
-        MAX_SPLITS=_max_splits(plan.num_splits), UPCAST=q.dtype != k_cache.dtype, DOT_PRECISION=cfg.fp32_dot_precision,
+        MAX_SPLITS=max_splits, UPCAST=q.dtype != k_cache.dtype,
+        DOT_PRECISION=cfg.fp32_dot_precision,
         num_warps=plan.num_warps, num_stages=cfg.attn_num_stages, **regs)
     if split and counters is None:
         _split_reduce_kernel[(n,)](
             out, part_acc, part_ml, query_start_loc, n, r, plan.num_splits, out.stride(0),
             out.stride(1), NUM_HEADS=h, HEADS_PAD=triton.next_power_of_2(h), HEAD_DIM=d,
-            HEAD_DIM_PAD=d_pad, num_warps=cfg.reduce_num_warps)
+            HEAD_DIM_PAD=d_pad, MAX_SPLITS=max_splits, num_warps=cfg.reduce_num_warps)
     return out
