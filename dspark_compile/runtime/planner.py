@@ -264,10 +264,15 @@ def plan_lengths(confidence, rate: StepRateModel | None, config: PlannerConfig =
     """:func:`plan_verify`'s lengths as an int32 NumPy array [R], for a host loop that keeps its
     state in NumPy: ``confidence`` (and ``budget_confidence``) may be NumPy arrays, validated
     the same way, and no tensor is made (each torch call costs microseconds on the host)."""
-    conf = _host_confidence(confidence)
+    return _plan_inputs(confidence, rate, config, budget_confidence)[0]
+
+
+def _plan_inputs(confidence, rate: StepRateModel | None, config: PlannerConfig,
+                 budget_confidence) -> tuple[np.ndarray, int]:
+    """``_plan`` of validated host copies of the confidences (lengths, K)."""
     lagged = None if budget_confidence is None else _host_confidence(
         budget_confidence, "budget_confidence")
-    return _plan(conf, lagged, rate, config)[0]
+    return _plan(_host_confidence(confidence), lagged, rate, config)
 
 
 def plan_verify(confidence: torch.Tensor, rate: StepRateModel | None,
@@ -280,10 +285,7 @@ def plan_verify(confidence: torch.Tensor, rate: StepRateModel | None,
     budget is then clipped to the current step's candidates and cap. Device tensors are copied
     to the host (this is the host reference); NumPy arrays are taken as they are.
     """
-    conf = _host_confidence(confidence)
-    lagged = None if budget_confidence is None else _host_confidence(
-        budget_confidence, "budget_confidence")
-    lens, k = _plan(conf, lagged, rate, config)
+    lens, k = _plan_inputs(confidence, rate, config, budget_confidence)
     return VerifyPlan(lens=torch.from_numpy(lens), num_draft_tokens=k)
 
 
