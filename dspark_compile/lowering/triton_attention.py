@@ -417,9 +417,12 @@ _counter_buffers: dict[tuple, torch.Tensor] = {}
 _counter_fallbacks_logged: set[str] = set()
 
 
-def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
+def _counters(device: torch.device, needed: int,
+              fallback: str = "ragged_attention_triton: {why}; this launch merges its splits "
+                              "in a separate reduce kernel") -> torch.Tensor | None:
     """The zeroed int32 counters a folded split launch on ``device`` and the current stream
-    uses (None: too many q-blocks; the launch then merges in a reduce kernel, logged once).
+    uses (None: too many tiles, or no buffer yet inside a capture; the caller then takes its
+    other path, and ``fallback`` (formatted with ``why``) is logged once).
 
     Every folded launch leaves its counters at 0 (the last program of each q-block resets
     its own), so one buffer serves every launch of one stream in turn, CUDA-graph replays
@@ -432,14 +435,14 @@ def _counters(device: torch.device, needed: int) -> torch.Tensor | None:
     buf = _counter_buffers.get(key)
     why = None
     if needed > _COUNTER_SLOTS:
-        why = f"{needed} q-block counters needed, {_COUNTER_SLOTS} held"
+        why = f"{needed} counters needed, {_COUNTER_SLOTS} held"
     elif buf is None and cuda and torch.cuda.is_current_stream_capturing():
         why = "first split launch of this stream is inside a CUDA-graph capture"
     if why is not None:
-        if why not in _counter_fallbacks_logged:
-            log.info("ragged_attention_triton: %s; this launch merges its splits in a "
-                     "separate reduce kernel", why)
-            _counter_fallbacks_logged.add(why)
+        line = fallback.format(why=why)
+        if line not in _counter_fallbacks_logged:
+            log.info("%s", line)
+            _counter_fallbacks_logged.add(line)
         return None
     if buf is None:
         buf = _counter_buffers[key] = torch.zeros(_COUNTER_SLOTS, dtype=torch.int32,
