@@ -5,8 +5,8 @@
 #   bash benchmarks/gpu_session.sh OUTDIR JOB:SECONDS [JOB:SECONDS ...]
 #
 # Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
-# verify_step_off, verify_step_rotary,
-# profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk,
+# verify_step_off, verify_step_rotary, verify_step_nofuse, profile_small, skinny_rows,
+# profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # compile_cold, compile_warm,
 # hybrid_kernels, hybrid_step, rotary,
 # runtime_device, profile_sps, linear, e2e_quick, e2e, e2e_grouped, e2e_off, e2e_replay,
@@ -31,6 +31,9 @@ job() {
     verify_step) python3 benchmarks/verify_step.py ;;
     verify_step_grouped) python3 benchmarks/verify_step.py --group-linears triton ;;
     verify_step_off) python3 benchmarks/verify_step.py --group-linears off ;;
+    verify_step_nofuse) python3 benchmarks/verify_step.py --fuse-linears off ;;
+    profile_small) python3 benchmarks/profile_step.py --bs 1 8 64 ;;
+    skinny_rows) python3 benchmarks/skinny_kernel.py ;;
     step_variants) python3 benchmarks/step_variants.py --profile ;;
     verify_step_rotary) python3 benchmarks/verify_step.py --rotary inductor ;;
     profile_step) python3 benchmarks/profile_step.py ;;
@@ -46,6 +49,7 @@ job() {
         --max-requests 256 --block 8 --context 1024 --out "$res/sps_h200.json" ;;
     linear) python3 benchmarks/linear_kernel.py --sweep ;;
     splitk) python3 benchmarks/splitk_bmm.py ;;
+    skinny) python3 benchmarks/skinny_kernel.py --sweep ;;
     compile_cold)  # empty Inductor and Triton caches, as on a new machine
       rm -rf /tmp/dspark_cold_cache
       TORCHINDUCTOR_CACHE_DIR=/tmp/dspark_cold_cache/inductor \

@@ -72,6 +72,23 @@ class TargetConfig:
     linear_waves: int = 2
     """Programs per multiprocessor the skinny matmul's column tiles must reach before K is
     left whole (fewer: split K)."""
+    skinny_max_m: int = 64
+    """Most rows (packed tokens) ``dspark::skinny_linear`` gives its skinny Triton kernel; more
+    go to ``torch.mm`` (``lowering/triton_skinny.py``)."""
+    skinny_block_n: int = 64
+    """Weight rows (output columns) per program of the skinny kernel."""
+    skinny_block_k: int = 128
+    """K per iteration of the skinny kernel."""
+    skinny_num_warps: int = 4
+    skinny_num_stages: int = 5
+    skinny_min_programs: int = 128
+    """Column tiles x K splits the skinny kernel aims for: about one per multiprocessor."""
+    skinny_min_split_k: int = 512
+    """Fewest K one split of the skinny kernel may get."""
+    skinny_max_smem: int = 210 * 1024
+    """Shared memory the skinny kernel's pipeline may take (its stages are cut to fit)."""
+    skinny_tma: bool = False
+    """Load weight tiles through a tensor descriptor (TMA on sm_90) instead of pointers."""
 
 
 # H200 (sm_90), bf16, 16/8 heads, head 128, page 16, context 1024, verify width 8, CUDA-graph

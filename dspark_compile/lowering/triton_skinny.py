@@ -1,0 +1,409 @@
+"""Triton lowering of ``dspark::skinny_mm``: ``x @ w.T`` for the few rows of a verify step.
+
+At a verify step's few rows (``M`` = packed tokens: 3 at one request of mean length 3, 24 at
+eight) a matmul is a weight read: its time is how fast ``w`` streams from HBM. The kernel is
+written for that case:
+
+- **Weight rows as the tile's long side** ("swap AB"): a program computes ``w[cols] @ x.T``,
+  ``[BLOCK_N, BLOCK_M]``, so ``tl.dot`` gets the weight tile as its first operand and the
+  tokens (padded to 16, 32 or 64) as its narrow second one. No weight tile is transposed.
+- **One long K loop per program** with a deep software pipeline, and a grid of about one
+  program per multiprocessor: ``BLOCK_N`` is picked so the column tiles cover the GPU, and K is
+  split only when they cannot.
+- **Split-K folded into the launch**: each split writes fp32 partials, and the last program of
+  a column tile to finish (an int32 counter per tile, reset by that program) sums them in split
+  order, so the result does not depend on which program finished last and replays are bitwise
+  equal. No second launch.
+
+``skinny_linear_triton`` takes 16-bit ``x [M, K]`` (dense last dim), a contiguous ``w [N, K]`` of
+the same dtype and an optional bias ``[N]``; ``M <= skinny_max_m``. Anything else is a
+``ValueError`` naming the value, before any launch; the op (``lowering/ops.py``) sends larger
+``M`` to ``torch.mm`` itself. The oracle is ``x @ w.T (+ bias)`` in fp32, rounded once.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .targets import TargetConfig
+from .triton_attention import _counters, _device_target
+
+__all__ = ["SkinnyPlan", "plan_skinny", "skinny_linear_triton"]
+
+
+@triton.jit
+def _skinny_epilogue(acc, acc_u, ssq, k, eps, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok,
+                     stride_om, n, PRO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                     EPI_GLU: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_M]`` (RMS: times each row's ``rsqrt(ssq / K + eps)``; + bias;
+    ``EPI_GLU``: ``silu(acc) * acc_u``, ``acc_u`` the up rows' product treated the same) stored
+    transposed into ``out [M, N]``, rounded once."""
+    if PRO == 2:
+        rstd = tl.rsqrt(ssq / k + eps)[None, :]
+        acc = acc * rstd
+        if EPI_GLU:
+            acc_u = acc_u * rstd
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+        if EPI_GLU:
+            acc_u += tl.load(bias_ptr + n + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
+    if EPI_GLU:
+        acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+    ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
+    tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
+
+
+@triton.jit
+def _w_tile(w_ptr, w_ptrs, row0, k0, n_ok, k_ok, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+            W_DESC: tl.constexpr):
+    """The ``[BLOCK_N, BLOCK_K]`` weight tile at rows ``row0``, K offset ``k0`` (streamed once:
+    evict first)."""
+    if W_DESC:
+        wt = w_ptr.load([row0, k0])
+    elif EVEN_K:
+        if EVEN_N:
+            wt = tl.load(w_ptrs, eviction_policy="evict_first")
+        else:
+            wt = tl.load(w_ptrs, mask=n_ok[:, None], other=0.0, eviction_policy="evict_first")
+    else:
+        wt = tl.load(w_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0,
+                     eviction_policy="evict_first")
+    return wt
+
+
+@triton.jit
+def _prologue_tiles(x_ptrs, res_ptrs, gamma_ptr, kk, k_ok, m_ok, glu_offset, PRO: tl.constexpr,
+                    HAS_RES: tl.constexpr):
+    """The prologue's loads for K offsets ``kk``: ``(a, b)`` = (gate, up) for GLU, (x or
+    x + residual, gamma) for RMS. Each ``[BLOCK_K, BLOCK_M]`` (gamma ``[BLOCK_K]``)."""
+    mask = m_ok[None, :] & k_ok[:, None]
+    a = tl.load(x_ptrs, mask=mask, other=0.0)
+    if PRO == 1:
+        b = tl.load(x_ptrs + glu_offset, mask=mask, other=0.0)
+    else:
+        if HAS_RES:  # the residual stream's add, rounded to its dtype as the model's add is
+            a = (a.to(tl.float32) + tl.load(res_ptrs, mask=mask, other=0.0).to(tl.float32)
+                 ).to(a.dtype)
+        b = tl.load(gamma_ptr + kk, mask=k_ok, other=0.0)
+    return a, b
+
+
+@triton.jit(do_not_specialize=["m"])
+def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, part_ptr,
+                   counter_ptr, m, n, k, stride_xm, stride_rm, stride_hm, stride_om,
+                   k_per_split, glu_offset, eps,
+                   BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                   SPLIT_K: tl.constexpr, PRO: tl.constexpr, HAS_BIAS: tl.constexpr,
+                   HAS_RES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
+                   W_DESC: tl.constexpr, EPI_GLU: tl.constexpr):
+    """One (column tile, K split): ``w[cols, ks] @ a[:, ks].T``, then the epilogue or the
+    split merge. ``a`` is ``x`` (``PRO`` 0), ``silu(x[:, k]) * x[:, glu_offset + k]`` (1), or
+    ``gamma * h`` with ``h = x (+ residual)`` (2; the rows' sums of squares of ``h`` are kept
+    alongside and the epilogue scales by ``rsqrt(mean + eps)``; with a residual, the programs
+    of column tile 0 store ``h``). ``W_DESC``: ``w_ptr`` is a tensor descriptor of ``w`` with
+    block ``[BLOCK_N, BLOCK_K]`` (TMA on sm_90; it reads zeros past ``w``'s edges).
+    ``EPI_GLU``: ``w`` is ``[2N, K]`` (gate rows, then up rows) and the output is
+    ``silu(a @ gate.T) * (a @ up.T)``: each program also streams the up rows of its columns."""
+    tile = tl.program_id(0)
+    split = tl.program_id(1)
+    offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_k = tl.arange(0, BLOCK_K)
+    n_ok = offs_n < n
+    m_ok = offs_m < m
+    k_lo = split * k_per_split
+    k_hi = tl.minimum(k, k_lo + k_per_split)
+    if W_DESC:
+        w_ptrs = w_ptr  # unused: the descriptor loads by coordinates
+    else:
+        w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * k + (k_lo + offs_k)[None, :]
+    rows = offs_m[None, :].to(tl.int64)
+    x_ptrs = x_ptr + rows * stride_xm + (k_lo + offs_k)[:, None]
+    res_ptrs = res_ptr + rows * stride_rm + (k_lo + offs_k)[:, None]
+    h_ptrs = h_ptr + rows * stride_hm + (k_lo + offs_k)[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    ssq = tl.zeros([BLOCK_M], tl.float32)
+    k_ok = offs_k < BLOCK_K  # replaced per iteration unless EVEN_K
+    if PRO != 0:  # the prologue's inputs are loaded one iteration ahead (see below)
+        nxt_a, nxt_b = _prologue_tiles(x_ptrs, res_ptrs, gamma_ptr, k_lo + offs_k,
+                                       k_lo + offs_k < k_hi, m_ok, glu_offset, PRO, HAS_RES)
+    for k0 in range(k_lo, k_hi, BLOCK_K):
+        if EVEN_K:
+            x_mask = m_ok[None, :]
+        else:
+            k_ok = k0 + offs_k < k_hi
+            x_mask = m_ok[None, :] & k_ok[:, None]
+        if PRO == 0:
+            xt = tl.load(x_ptrs, mask=x_mask, other=0.0)  # [BLOCK_K, BLOCK_M]
+        else:
+            # A loaded tile that is computed on before the dot is not software-pipelined, so
+            # each iteration would wait a full L2 round trip for it: this iteration uses the
+            # tiles loaded in the previous one and issues the next ones' loads first.
+            cur_a, cur_b = nxt_a, nxt_b
+            kk = k0 + BLOCK_K + offs_k
+            nxt_a, nxt_b = _prologue_tiles(x_ptrs + BLOCK_K, res_ptrs + BLOCK_K, gamma_ptr, kk,
+                                           kk < k_hi, m_ok, glu_offset, PRO, HAS_RES)
+            a = cur_a.to(tl.float32)
+            if PRO == 1:
+                xt = (a / (1.0 + tl.exp(-a)) * cur_b.to(tl.float32)).to(x_ptr.dtype.element_ty)
+            else:
+                if HAS_RES:
+                    if tile == 0:
+                        tl.store(h_ptrs, cur_a, mask=x_mask)
+                    h_ptrs += BLOCK_K
+                ssq += tl.sum(a * a, 0)
+                xt = (a * cur_b.to(tl.float32)[:, None]).to(x_ptr.dtype.element_ty)
+            res_ptrs += BLOCK_K
+        if not EVEN_K:
+            k_ok = k0 + offs_k < k_hi
+        wt = _w_tile(w_ptr, w_ptrs, tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N, EVEN_K, W_DESC)
+        acc = tl.dot(wt, xt, acc)
+        if EPI_GLU:
+            if W_DESC:
+                wu = _w_tile(w_ptr, w_ptrs, n + tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N, EVEN_K,
+                             W_DESC)
+            else:
+                wu = _w_tile(w_ptr, w_ptrs + n * k, n + tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N,
+                             EVEN_K, W_DESC)
+            acc_u = tl.dot(wu, xt, acc_u)
+        if not W_DESC:
+            w_ptrs += BLOCK_K
+        x_ptrs += BLOCK_K
+    if SPLIT_K == 1:
+        _skinny_epilogue(acc, acc_u, ssq, k, eps, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok,
+                         stride_om, n, PRO, HAS_BIAS, EPI_GLU)
+    else:
+        # fp32 partials [SPLIT_K, N_ACC, N, BLOCK_M] (N_ACC = 2 with EPI_GLU), then for RMS
+        # the sums of squares [tiles, SPLIT_K, BLOCK_M]; the tile's last program sums them in
+        # split order
+        N_ACC: tl.constexpr = 2 if EPI_GLU else 1
+        tile_part = offs_n[:, None].to(tl.int64) * BLOCK_M + offs_m[None, :]
+        part = part_ptr + split * N_ACC * n * BLOCK_M + tile_part
+        tl.store(part, acc, mask=n_ok[:, None])
+        if EPI_GLU:
+            tl.store(part + n * BLOCK_M, acc_u, mask=n_ok[:, None])
+        ssq_ptr = part_ptr + SPLIT_K * N_ACC * n * BLOCK_M + tile * SPLIT_K * BLOCK_M
+        if PRO == 2:
+            tl.store(ssq_ptr + split * BLOCK_M + offs_m, ssq)
+        tl.debug_barrier()  # every thread's partial stores are issued before the release
+        counter = counter_ptr + tile
+        if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
+            tl.store(counter, 0)  # reset for the next launch
+            total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            total_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            ssq_total = tl.zeros([BLOCK_M], tl.float32)
+            for s in tl.static_range(SPLIT_K):
+                part = part_ptr + s * N_ACC * n * BLOCK_M + tile_part
+                total += tl.load(part, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
+                if EPI_GLU:
+                    total_u += tl.load(part + n * BLOCK_M, mask=n_ok[:, None], other=0.0,
+                                       cache_modifier=".cg")
+                if PRO == 2:
+                    ssq_total += tl.load(ssq_ptr + s * BLOCK_M + offs_m, cache_modifier=".cg")
+            _skinny_epilogue(total, total_u, ssq_total, k, eps, bias_ptr, out_ptr, offs_n,
+                             offs_m, n_ok, m_ok, stride_om, n, PRO, HAS_BIAS, EPI_GLU)
+
+
+@dataclass(frozen=True)
+class SkinnyPlan:
+    """Tiles, split and grid of one launch (from shapes and the target only)."""
+
+    block_m: int
+    block_n: int
+    block_k: int
+    split_k: int
+    k_per_split: int
+    grid: tuple[int, int]
+    num_warps: int
+    num_stages: int
+    tma: bool
+    """Weight tiles through a tensor descriptor (``TargetConfig.skinny_tma``; its row stride
+    must be a multiple of 16 bytes, so only when ``K % 8 == 0``)."""
+
+
+@functools.lru_cache(maxsize=1024)
+def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
+                block_n: int | None = None, block_k: int | None = None,
+                split_k: int | None = None, num_warps: int | None = None,
+                num_stages: int | None = None, tma: bool | None = None,
+                glu_out: bool = False) -> SkinnyPlan:
+    """``BLOCK_M``: the smallest of 16 / 32 / 64 holding ``m``; ``BLOCK_N``, ``BLOCK_K``, warps
+    and stages from ``cfg`` (stages cut while the pipeline would take more than
+    ``cfg.skinny_max_smem``; ``glu_out`` streams two weight tiles an iteration). Split-K (a
+    power of two) while the column tiles x splits are fewer than ``cfg.skinny_min_programs``,
+    keeping at least ``cfg.skinny_min_split_k`` of K per split. The keyword arguments override
+    a choice (the benchmark's sweep)."""
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = block_n or cfg.skinny_block_n
+    block_k = block_k or cfg.skinny_block_k
+    num_stages = num_stages or cfg.skinny_num_stages
+    w_rows = 2 * block_n if glu_out else block_n
+    while num_stages > 2 and (w_rows + block_m) * block_k * 2 * num_stages > cfg.skinny_max_smem:
+        num_stages -= 1
+    tiles = -(-n // block_n)
+    if split_k is None:
+        split_k = 1
+        while (tiles * split_k < cfg.skinny_min_programs
+               and k // (2 * split_k) >= cfg.skinny_min_split_k):
+            split_k *= 2
+    k_per_split = -(-(-(-k // split_k)) // block_k) * block_k  # a multiple of BLOCK_K
+    split_k = -(-k // k_per_split)  # no empty split
+    return SkinnyPlan(block_m, block_n, block_k, split_k, k_per_split, (tiles, split_k),
+                      num_warps or cfg.skinny_num_warps, num_stages,
+                      (cfg.skinny_tma if tma is None else tma) and k % 8 == 0)
+
+
+@triton.jit
+def _prologue_kernel(x_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, k, stride_xm, stride_rm,
+                     stride_hm, glu_offset, eps, PRO: tl.constexpr, HAS_RES: tl.constexpr,
+                     BLOCK_K: tl.constexpr):
+    """One row of the matmul input for rows past the skinny kernel's, the row held whole:
+    ``silu(gate) * up`` (``PRO`` 1) or HF's RMSNorm ``gamma * dtype(h * rsqrt(mean(h^2) +
+    eps))`` of ``h = x (+ residual, then stored)`` (2)."""
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK_K)
+    ok = offs < k
+    ty = out_ptr.dtype.element_ty
+    a = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0)
+    if PRO == 1:
+        u = tl.load(x_ptr + row * stride_xm + glu_offset + offs, mask=ok, other=0.0)
+        g = a.to(tl.float32)
+        a = g / (1.0 + tl.exp(-g)) * u.to(tl.float32)
+    else:
+        if HAS_RES:
+            r = tl.load(res_ptr + row * stride_rm + offs, mask=ok, other=0.0)
+            a = (a.to(tl.float32) + r.to(tl.float32)).to(ty)
+            tl.store(h_ptr + row * stride_hm + offs, a, mask=ok)
+        h = a.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(h * h, 0) / k + eps)
+        g = tl.load(gamma_ptr + offs, mask=ok, other=0.0).to(tl.float32)
+        a = g * (h * rstd).to(ty).to(tl.float32)
+    tl.store(out_ptr + row * k + offs, a.to(ty), mask=ok)
+
+
+def _descriptor(w: torch.Tensor, block_n: int, block_k: int):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(w, list(w.shape), list(w.stride()), [block_n, block_k])
+
+
+_NO_COUNTERS = "skinny_linear_triton: {why}; this launch leaves K whole (no split)"
+
+
+def _fail(msg: str) -> None:
+    raise ValueError(f"skinny_linear_triton: {msg}")
+
+
+def _desc(t) -> str:
+    if not isinstance(t, torch.Tensor):
+        return type(t).__name__
+    return f"{t.dtype} {tuple(t.shape)} on {t.device}"
+
+
+def _check(x, w, bias, gamma, residual, glu: bool, glu_out: bool) -> None:
+    if not isinstance(x, torch.Tensor) or x.dim() != 2 or x.stride(-1) != 1:
+        _fail(f"x is {_desc(x)}; it must be a 2-D tensor [M, K] with a dense last dim")
+    if x.dtype not in (torch.bfloat16, torch.float16):
+        _fail(f"x is {x.dtype}; the kernel takes bfloat16 or float16 (float32 matmuls stay "
+              "with torch.mm, which does not round through TF32)")
+    k = x.shape[1] // 2 if glu else x.shape[1]
+    if glu and x.shape[1] % 2:
+        _fail(f"x has {x.shape[1]} columns with glu=True; it must be [M, 2K] (gate, then up)")
+    if (not isinstance(w, torch.Tensor) or w.dim() != 2 or w.shape[1] != k
+            or w.dtype != x.dtype or w.device != x.device or not w.is_contiguous()):
+        _fail(f"w is {_desc(w)}; it must be a contiguous [N, K={k}] tensor of x's dtype "
+              f"{x.dtype} on {x.device}")
+    if glu_out and w.shape[0] % 2:
+        _fail(f"w has {w.shape[0]} rows with glu_out=True; it must be [2N, K] (gate, then up)")
+    for name, t, shape in (("bias", bias, (w.shape[0],)), ("gamma", gamma, (k,)),
+                           ("residual", residual, tuple(x.shape))):
+        if t is not None and (not isinstance(t, torch.Tensor) or tuple(t.shape) != shape
+                              or t.dtype != x.dtype or t.device != x.device
+                              or t.stride(-1) != 1):
+            _fail(f"{name} is {_desc(t)}; it must be {list(shape)} of x's dtype {x.dtype} on "
+                  f"{x.device} with a dense last dim")
+    if glu and gamma is not None:
+        _fail("glu=True and gamma given; a matmul input is one or the other")
+    if residual is not None and gamma is None:
+        _fail("residual given without gamma; the residual add is fused only before a norm")
+
+
+def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+                         gamma: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
+                         residual: torch.Tensor | None = None, glu_out: bool = False,
+                         config: TargetConfig | None = None,
+                         **overrides) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, h)`` with ``y = a @ w.T + bias`` (``glu_out``: ``silu(y[:, :N]) * y[:, N:]`` of
+    ``w [2N, K]``), where ``a`` is ``x``, or ``silu(x[:, :K]) * x[:, K:]`` (``glu``), or HF's
+    RMSNorm with weight ``gamma`` and ``eps`` of ``h = x + residual`` (or of ``x``); ``h`` is
+    returned when a residual is given (else an empty tensor). Up to ``cfg.skinny_max_m`` rows:
+    one launch of the skinny kernel (module docstring); more rows: the input in one Triton
+    launch (``glu`` / ``gamma``), ``torch.mm`` (``addmm`` with a bias), and the output's SiLU in
+    one more (``glu_out``): the launches Inductor would make. ``overrides`` (``block_n``,
+    ``block_k``, ``split_k``, ``num_warps``, ``num_stages``, ``tma``) are for the benchmark's
+    sweep. No host sync; CUDA-graph safe (a split launch takes its counters from the buffer of
+    the current stream, made outside any capture by the first call)."""
+    _check(x, w, bias, gamma, residual, glu, glu_out)
+    cfg, sm_count = _device_target(x.device)
+    cfg = config or cfg
+    m = x.shape[0]
+    n, k = w.shape
+    n_out = n // 2 if glu_out else n
+    pro = 1 if glu else 2 if gamma is not None else 0
+    h = x.new_empty((m, k) if residual is not None else (0,))
+    res_args = (residual, h, residual.stride(0), h.stride(0)) if residual is not None else \
+        (x, x, 0, 0)
+    if m > cfg.skinny_max_m or k == 0:
+        a = x
+        if pro and m:
+            a = x.new_empty((m, k))
+            _prologue(x, gamma, res_args, a, k, eps, pro, residual is not None)
+        y = torch.mm(a, w.t()) if bias is None else torch.addmm(bias, a, w.t())
+        if glu_out:
+            out = x.new_empty((m, n_out))
+            if m:
+                _prologue(y, None, (x, x, 0, 0), out, n_out, 0.0, 1)
+            y = out
+        return y, h
+    out = x.new_empty((m, n_out))
+    if m == 0 or n == 0:
+        if residual is not None:
+            torch.add(x, residual, out=h)
+        return out, h
+    plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, **overrides)
+    split = plan.split_k
+    counters = _counters(x.device, plan.grid[0], _NO_COUNTERS) if split > 1 else None
+    if split > 1 and counters is None:  # logged once by _counters
+        plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out,
+                           **{**overrides, "split_k": 1})
+        split = 1
+    n_acc = 2 if glu_out else 1
+    part = (x.new_empty((split * (n_acc * n_out + plan.grid[0]) * plan.block_m,),
+                        dtype=torch.float32) if split > 1 else out)
+    w_arg = _descriptor(w, plan.block_n, plan.block_k) if plan.tma else w
+    _skinny_kernel[plan.grid](
+        x, w_arg, bias if bias is not None else x, gamma if gamma is not None else x,
+        res_args[0], res_args[1], out, part, counters if counters is not None else out,
+        m, n_out, k, x.stride(0), res_args[2], res_args[3], out.stride(0), plan.k_per_split, k,
+        eps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT_K=split,
+        PRO=pro, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
+        EVEN_N=n_out % plan.block_n == 0,
+        EVEN_K=k % plan.k_per_split == 0 and plan.k_per_split % plan.block_k == 0,
+        W_DESC=plan.tma, EPI_GLU=glu_out, num_warps=plan.num_warps,
+        num_stages=plan.num_stages)
+    return out, h
+
+
+def _prologue(x, gamma, res_args, out, k: int, eps: float, pro: int,
+              has_res: bool = False) -> None:
+    """``out [M, k]`` <- the matmul input of ``x``'s rows (``_prologue_kernel``)."""
+    _prologue_kernel[(x.shape[0],)](
+        x, gamma if gamma is not None else x, res_args[0], res_args[1], out, k, x.stride(0),
+        res_args[2], res_args[3], k, eps, PRO=pro, HAS_RES=has_res,
+        BLOCK_K=max(16, triton.next_power_of_2(k)), num_warps=4 if k <= 4096 else 8)

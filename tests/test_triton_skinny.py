@@ -1,0 +1,229 @@
+"""``dspark::skinny_linear``'s Triton kernel against an fp32 oracle: plain, SiLU-and-mul and
+RMSNorm (with the residual add) prologues, the SiLU-and-mul epilogue, split-K folded into the
+launch, the path past ``skinny_max_m``, input checks, the plan, and ahead-of-time compiles for
+cuda:90, gfx942 and gfx950.
+
+Kernel cases run under the Triton interpreter on the CPU (``TRITON_INTERPRET=1``, set by
+conftest.py without a GPU) in float16 (the interpreter mis-reads bf16 in ``tl.dot``); bf16 runs
+on a GPU only. The AOT cases run this file as a script without the interpreter (tests/aot.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from aot import TARGET_NAMES, compile_kernel, missing_artifacts, run_script
+
+INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
+needs_kernel_device = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
+                                         reason="needs a GPU or TRITON_INTERPRET=1")
+DTYPES = [torch.float16, pytest.param(torch.bfloat16, marks=[pytest.mark.gpu, pytest.mark.skipif(
+    INTERPRET or not torch.cuda.is_available(), reason="bf16 tl.dot needs a GPU")])]
+MODES = ("plain", "glu", "rms", "rms_res")
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
+
+
+def _case(m: int, n: int, k: int, mode: str, glu_out: bool, dtype, seed: int = 0) -> dict:
+    g = torch.Generator().manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(_device())
+
+    n_w = 2 * n if glu_out else n
+    args = dict(x=rnd(m, 2 * k if mode == "glu" else k), w=rnd(n_w, k, scale=k ** -0.5),
+                bias=rnd(n_w), eps=1e-6, glu=mode == "glu", glu_out=glu_out)
+    if mode.startswith("rms"):
+        args["gamma"] = (torch.rand(k, generator=g) + 0.5).to(dtype).to(_device())
+    if mode == "rms_res":
+        args["residual"] = rnd(m, k)
+    return args
+
+
+def _oracle(x, w, bias=None, gamma=None, eps=0.0, glu=False, residual=None, glu_out=False):
+    """fp32 math of the op; ``h`` rounded to the dtype as the model's residual add is."""
+    h = None
+    k = w.shape[1]
+    if glu:
+        a = F.silu(x[:, :k].float()) * x[:, k:].float()
+    elif gamma is not None:
+        if residual is not None:
+            x = h = (x.float() + residual.float()).to(x.dtype)
+        hf = x.float()
+        a = gamma.float() * hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + eps)
+    else:
+        a = x.float()
+    y = a @ w.float().t() + (0 if bias is None else bias.float())
+    if glu_out:
+        y = F.silu(y[:, :w.shape[0] // 2]) * y[:, w.shape[0] // 2:]
+    return y, h
+
+
+def _check(args: dict, **over) -> tuple[torch.Tensor, torch.Tensor]:
+    from dspark_compile.lowering.triton_skinny import skinny_linear_triton
+
+    got, h = skinny_linear_triton(**args, **over)
+    want, want_h = _oracle(**args)
+    assert got.shape == want.shape and got.dtype == args["x"].dtype
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    if want_h is None:
+        assert h.numel() == 0
+    else:  # the sum is rounded once, as x + residual in the model's dtype
+        assert torch.equal(h, want_h)
+    return got, h
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("m, n, k, over", [
+    (3, 128, 256, {}),                                        # one tile row of the plan
+    (1, 40, 200, {"block_k": 64, "block_n": 16}),             # N and K not tile multiples
+    (20, 64, 512, {"split_k": 4, "block_n": 16}),             # 32-row tile, four splits
+    (40, 48, 384, {"split_k": 3, "block_k": 64, "block_n": 32}),  # 64 rows, uneven last split
+])
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_skinny_matches_oracle(m, n, k, over, mode, dtype) -> None:
+    for glu_out in (False, True):
+        args = _case(m, n, k, mode, glu_out, dtype)
+        got, h = _check(args, **over)
+        again, h2 = _check(args, **over)
+        assert torch.equal(got, again) and torch.equal(h, h2), \
+            "two runs must agree bit for bit (ordered split sums)"
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("mode", ["plain", "rms_res"])
+def test_weight_tiles_through_a_descriptor(mode) -> None:
+    """``tma=True`` (a tensor descriptor of ``w``; TMA on sm_90) gives the pointer path's result."""
+    args = _case(5, 48, 200, mode, True, torch.float16, seed=3)
+    over = dict(block_k=64, block_n=16, split_k=2)
+    got, _ = _check(args, tma=True, **over)
+    ref, _ = _check(args, tma=False, **over)
+    torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("mode", MODES)
+def test_rows_past_the_kernel_take_the_input_launch_and_mm(mode) -> None:
+    """Past ``skinny_max_m``: the prologue in its own launch, then ``torch.mm``; same results."""
+    from dspark_compile.lowering.targets import TARGETS
+
+    cfg = dataclasses.replace(TARGETS["sm_90"], skinny_max_m=4)
+    for glu_out in (False, True):
+        _check(_case(9, 32, 96, mode, glu_out, torch.float16, seed=5), config=cfg)
+        _check(_case(0, 32, 96, mode, glu_out, torch.float16), config=cfg)  # no rows
+
+
+@needs_kernel_device
+def test_split_counters_are_left_at_zero() -> None:
+    from dspark_compile.lowering import triton_attention
+    from dspark_compile.lowering.triton_skinny import skinny_linear_triton
+
+    args = _case(4, 64, 1024, "rms_res", True, torch.float16, seed=7)
+    for split in (2, 4, 8):
+        skinny_linear_triton(**args, split_k=split, block_n=16, block_k=128)
+        for buf in triton_attention._counter_buffers.values():
+            assert int(buf.count_nonzero()) == 0
+
+
+def test_bad_inputs_are_refused_before_launch() -> None:
+    from dspark_compile.lowering.triton_skinny import skinny_linear_triton
+
+    def base(**over):
+        args = _case(3, 16, 32, "plain", False, torch.float16)
+        args.update(over)
+        return args
+
+    x = base()["x"]
+    cases = [
+        (dict(x=x.float()), "float32"),
+        (dict(x=x.t()), "dense last dim"),
+        (dict(w=torch.zeros(16, 24, dtype=torch.float16)), "K=32"),
+        (dict(bias=torch.zeros(15, dtype=torch.float16)), "bias is"),
+        (dict(glu=True), "K=16"),
+        (dict(residual=torch.zeros_like(x), gamma=None), "without gamma"),
+        (dict(gamma=torch.ones(32, dtype=torch.float16), glu=True,
+              x=torch.zeros(3, 64, dtype=torch.float16)), "one or the other"),
+        (dict(glu_out=True, w=torch.zeros(15, 32, dtype=torch.float16),
+              bias=None), "glu_out=True"),
+    ]
+    for over, message in cases:
+        with pytest.raises(ValueError, match=message):
+            skinny_linear_triton(**base(**over))
+
+
+def test_plan_tiles_and_split() -> None:
+    from dspark_compile.lowering.targets import TARGETS
+    from dspark_compile.lowering.triton_skinny import plan_skinny
+
+    cfg = TARGETS["sm_90"]
+    o = plan_skinny(3, 2048, 2048, cfg, 132)  # the 1.1B model's o projection
+    assert (o.block_m, o.block_n, o.split_k, o.grid) == (16, 64, 4, (32, 4))
+    assert o.k_per_split == 512 and o.k_per_split % o.block_k == 0
+    gate_up = plan_skinny(24, 8192, 2048, cfg, 132, glu_out=True)  # 8192 outputs of 16384 rows
+    assert (gate_up.block_m, gate_up.split_k, gate_up.grid) == (32, 1, (128, 1))
+    smem = (2 * gate_up.block_n + gate_up.block_m) * gate_up.block_k * 2 * gate_up.num_stages
+    assert smem <= cfg.skinny_max_smem
+    assert plan_skinny(64, 64, 256, cfg, 132).split_k == 1  # K too short to split
+    assert plan_skinny(3, 64, 300, cfg, 132).tma is False or not cfg.skinny_tma
+    assert plan_skinny(3, 64, 300, cfg, 132, tma=True).tma is False  # 600-byte rows: no TMA
+
+
+# --------------------------------------------------------------------------- ahead of time
+AOT_CASES = {  # case -> constexprs
+    "plain_m16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, PRO=0, HAS_BIAS=False,
+                      HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False),
+    "rms_res_glu_split": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, PRO=2,
+                              HAS_BIAS=True, HAS_RES=True, EVEN_N=False, EVEN_K=False,
+                              W_DESC=False, EPI_GLU=True),
+    "glu_m64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, PRO=1, HAS_BIAS=False,
+                    HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False),
+}
+
+
+def _compile_all() -> dict:
+    from dspark_compile.lowering import triton_skinny
+    from dspark_compile.lowering.targets import TARGETS
+
+    kernel = triton_skinny._skinny_kernel
+    pointers = {a: "bf16" for a in kernel.arg_names if a.endswith("_ptr")}
+    pointers.update(part_ptr="fp32", counter_ptr="i32")
+    out: dict = {}
+    for case, consts in AOT_CASES.items():
+        for target in TARGET_NAMES:
+            cfg = TARGETS[target]
+            opts = {"num_warps": cfg.skinny_num_warps, "num_stages": 4}
+            out.setdefault(case, {})[target] = compile_kernel(kernel, pointers, consts, target,
+                                                              opts, scalars={"eps": "fp32"})
+    pro = triton_skinny._prologue_kernel
+    pointers = {a: "bf16" for a in pro.arg_names if a.endswith("_ptr")}
+    for target in TARGET_NAMES:
+        out.setdefault("prologue_rms_res", {})[target] = compile_kernel(
+            pro, pointers, dict(PRO=2, HAS_RES=True, BLOCK_K=2048), target, {"num_warps": 4},
+            scalars={"eps": "fp32"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def compiled() -> dict:
+    return run_script(__file__)
+
+
+@pytest.mark.parametrize("target", TARGET_NAMES)
+@pytest.mark.parametrize("case", sorted([*AOT_CASES, "prologue_rms_res"]))
+def test_kernel_compiles_ahead_of_time(compiled: dict, case: str, target: str) -> None:
+    kinds = compiled[case][target]
+    assert not missing_artifacts(kinds, target), f"{case} for {target}: only {kinds}"
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") != "1", "AOT compile needs TRITON_INTERPRET unset"
+    print(json.dumps(_compile_all()))
