@@ -9,6 +9,7 @@ block 8, the mean-3 mix). For each bs it captures the one tier the mix takes, th
   split reduce, GEMMs, Inductor's fused kernels, other), and the top kernels.
 
     python benchmarks/profile_step.py [--bs 1 8 64 256] [--out DIR] [--group-linears MODE]
+        [--fuse-linears MODE]
 
 Writes ``profile_step.json`` and ``profile_step_bs{bs}.txt`` (kernel tables) to DIR.
 """
@@ -25,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dspark_compile import VerifyLayout, dspark_compile
-from dspark_compile.config import GROUP_LINEARS
+from dspark_compile.config import FUSE_LINEARS, GROUP_LINEARS
 from dspark_compile.graphs.tiers import select_tier, tier_set
 from timing import variant_flags, variant_suffix
 from verify_step import BLOCK, CONTEXT, PAGE, build_model, environment, mix_lens, time_ms
@@ -99,12 +100,15 @@ def main() -> None:
     parser.add_argument("--group-linears", choices=GROUP_LINEARS,
                         default="auto",
                         help="DSparkConfig(group_linears=...); not auto: files get a suffix")
+    parser.add_argument("--fuse-linears", choices=FUSE_LINEARS, default="auto",
+                        help="DSparkConfig(fuse_linears=...); not auto: files get a suffix")
     args = parser.parse_args()
     os.makedirs(args.out, exist_ok=True)
-    suffix = variant_suffix(args.group_linears, "auto")
+    suffix = variant_suffix(args.group_linears, "auto", args.fuse_linears)
     model = build_model()
     verifier = dspark_compile(model, lowering="triton", inductor=True, page_size=PAGE,
-                              block=BLOCK, group_linears=args.group_linears)
+                              block=BLOCK, group_linears=args.group_linears,
+                              fuse_linears=args.fuse_linears)
     max_bs = max(args.bs)
     state = verifier.new_state(max_requests=max_bs, max_context=CONTEXT + BLOCK)
     for k, v in state.kv_caches:
@@ -119,9 +123,9 @@ def main() -> None:
         rows[str(bs)] = profile_bs(verifier, state, bs, args.out, suffix)
         print(bs, json.dumps({k: v for k, v in rows[str(bs)].items()
                               if k != "top_kernels_us_per_step"}), flush=True)
-    env = dict(environment(), group_linears=args.group_linears,
+    env = dict(environment(), group_linears=args.group_linears, fuse_linears=args.fuse_linears,
                command="python benchmarks/profile_step.py --bs " + " ".join(map(str, args.bs))
-               + variant_flags(args.group_linears, "auto"))
+               + variant_flags(args.group_linears, "auto", args.fuse_linears))
     with open(os.path.join(args.out, f"profile_step{suffix}.json"), "w") as f:
         json.dump({"environment": env, "results": rows}, f, indent=1)
 

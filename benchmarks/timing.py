@@ -13,16 +13,19 @@ __all__ = ["time_calls", "time_ms", "capture_graph", "mix_lens", "plot_step_ms",
            "max_err_vs_hf", "variant_suffix", "variant_flags"]
 
 
-def variant_suffix(group_linears: str, rotary: str) -> str:
-    """File-name suffix of a run with non-default ``group_linears`` / ``rotary`` options."""
+def variant_suffix(group_linears: str, rotary: str, fuse_linears: str = "auto") -> str:
+    """File-name suffix of a run with non-default ``group_linears`` / ``rotary`` /
+    ``fuse_linears`` options."""
     return (f"_group_{group_linears}" if group_linears != "auto" else "") + \
-        (f"_rotary_{rotary}" if rotary != "auto" else "")
+        (f"_rotary_{rotary}" if rotary != "auto" else "") + \
+        (f"_fuse_{fuse_linears}" if fuse_linears != "auto" else "")
 
 
-def variant_flags(group_linears: str, rotary: str) -> str:
+def variant_flags(group_linears: str, rotary: str, fuse_linears: str = "auto") -> str:
     """The command-line flags of those options (empty for the defaults)."""
     return (f" --group-linears {group_linears}" if group_linears != "auto" else "") + \
-        (f" --rotary {rotary}" if rotary != "auto" else "")
+        (f" --rotary {rotary}" if rotary != "auto" else "") + \
+        (f" --fuse-linears {fuse_linears}" if fuse_linears != "auto" else "")
 
 
 def max_err_vs_hf(model, verifier, vocab: int, device, **state_kwargs) -> float:

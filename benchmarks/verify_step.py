@@ -6,6 +6,7 @@ head 128, FFN 8192, vocab 32000); context 1024, page 16, block 8; bs 1, 8, 64, 2
 Verify lengths: all 8, and a fixed-seed mix with mean exactly 3 (same token count as uniform 3).
 
     python benchmarks/verify_step.py [--out DIR] [--quick] [--group-linears MODE] [--rotary MODE]
+        [--fuse-linears MODE]
 
 Writes ``verify_step.json`` (GPU, versions, every setting, all timings) and
 ``verify_step.png`` to DIR (default: $OUT if set, else benchmarks/results).
@@ -23,7 +24,7 @@ import time
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from dspark_compile.config import GROUP_LINEARS, ROTARY
+from dspark_compile.config import FUSE_LINEARS, GROUP_LINEARS, ROTARY
 from timing import capture_graph, max_err_vs_hf, plot_step_ms, time_ms  # noqa: F401
 from timing import variant_flags, variant_suffix
 from timing import mix_lens as _mix_lens
@@ -89,7 +90,7 @@ def run(args, save) -> dict:
     t0 = time.perf_counter()
     verifier = dspark_compile(model, lowering="triton", inductor=True, page_size=PAGE,
                               block=BLOCK, group_linears=args.group_linears,
-                              rotary=args.rotary)
+                              rotary=args.rotary, fuse_linears=args.fuse_linears)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     max_err = max_err_vs_hf(model, verifier, 32000, "cuda")
@@ -186,14 +187,17 @@ def main() -> None:
                         help="DSparkConfig(group_linears=...); not auto: files get a suffix")
     parser.add_argument("--rotary", choices=ROTARY, default="auto",
                         help="DSparkConfig(rotary=...); not auto: files get a suffix")
+    parser.add_argument("--fuse-linears", choices=FUSE_LINEARS, default="auto",
+                        help="DSparkConfig(fuse_linears=...); not auto: files get a suffix")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         sys.exit("verify_step.py needs a GPU")
     os.makedirs(args.out, exist_ok=True)
     env = environment()
-    suffix = variant_suffix(args.group_linears, args.rotary)
+    suffix = variant_suffix(args.group_linears, args.rotary, args.fuse_linears)
     env["group_linears"], env["rotary"] = args.group_linears, args.rotary
-    env["command"] += variant_flags(args.group_linears, args.rotary)
+    env["fuse_linears"] = args.fuse_linears
+    env["command"] += variant_flags(args.group_linears, args.rotary, args.fuse_linears)
 
     def save(part: dict) -> None:
         with open(os.path.join(args.out, f"verify_step{suffix}.json"), "w") as f:

@@ -10,6 +10,8 @@ GROUP_LINEARS = ("auto", "concat", "triton", "off")
 """The values of ``DSparkConfig.group_linears``."""
 ROTARY = ("auto", "inductor", "triton")
 """The values of ``DSparkConfig.rotary``."""
+FUSE_LINEARS = ("auto", "on", "off")
+"""The values of ``DSparkConfig.fuse_linears``."""
 
 
 @dataclass(frozen=True)
@@ -51,6 +53,13 @@ class DSparkConfig:
     step on an H200 (1.1B model, mean-3 mix, graphs, stacked q/k/v): 1.20 / 1.39 / 2.45 / 7.19 ms
     at bs 1 / 8 / 64 / 256 with ``"triton"`` against 1.20 / 1.48 / 2.56 / 7.34 with
     ``"inductor"`` (``benchmarks/step_variants.py``)."""
+    fuse_linears: str = "auto"
+    """Each weight's matmul with the RMSNorm or SiLU-and-mul before it and the residual add
+    after it: ``"on"`` makes them one ``dspark::skinny_linear`` (``lowering/fuse_linear.py``;
+    on a GPU one launch of a Triton kernel built for a verify step's few rows, up to
+    ``TargetConfig.skinny_max_m`` rows, and the input's launch plus the vendor GEMM above),
+    ``"off"`` leaves them to the packed graph, ``"auto"`` (default) is ``"on"`` with the Triton
+    lowering and ``"off"`` with the reference one. 16-bit activations only."""
     max_step_tokens: int = 4096
     """Most packed rows (all requests' tokens) one forward may run on a model with
     linear-attention layers: it sizes their replay rings (one saved row per token, per layer),
@@ -67,6 +76,9 @@ class DSparkConfig:
         if self.group_linears not in GROUP_LINEARS:
             raise ValueError(f"DSparkConfig.group_linears={self.group_linears!r}; it must be one "
                              f"of {', '.join(map(repr, GROUP_LINEARS))}")
+        if self.fuse_linears not in FUSE_LINEARS:
+            raise ValueError(f"DSparkConfig.fuse_linears={self.fuse_linears!r}; it must be one "
+                             f"of {', '.join(map(repr, FUSE_LINEARS))}")
         if self.rotary not in ROTARY:
             raise ValueError(f"DSparkConfig.rotary={self.rotary!r}; it must be one of "
                              f"{', '.join(map(repr, ROTARY))}")

@@ -8,6 +8,8 @@ whole cache, which is why KV writes are ops of their own.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 
 from . import linear_dense, linear_ops, reference
@@ -136,8 +138,61 @@ def _(x, y, cos, sin):
             torch.empty(y.shape, dtype=y.dtype, device=y.device)]
 
 
+@torch.library.custom_op("dspark::skinny_linear", mutates_args=())
+def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                  gamma: Optional[torch.Tensor], eps: float, glu: bool,
+                  residual: Optional[torch.Tensor],
+                  glu_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(y, h)``: ``y = a @ w.T + bias`` (``glu_out``: ``silu(y[:, :N]) * y[:, N:]`` of
+    ``w [2N, K]``) with ``a`` = ``x``, or ``silu(x[:, :K]) * x[:, K:]`` (``glu``), or HF's
+    RMSNorm by ``gamma`` and ``eps`` of ``h = x + residual`` (or of ``x``); ``h`` is returned
+    when a residual is given, else an empty tensor (``lowering/fuse_linear.py``). The reference
+    is the ops the model's graph ran, in order."""
+    k = w.shape[1]
+    h = x.new_empty((0,))
+    if glu:
+        a = torch.nn.functional.silu(x[:, :k]) * x[:, k:]
+    elif gamma is not None:
+        if residual is not None:
+            x = h = x + residual
+        h32 = x.to(torch.float32)
+        a = gamma * (h32 * torch.rsqrt(h32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    else:
+        a = x
+    y = torch.mm(a, w.t()) if bias is None else torch.addmm(bias, a, w.t())
+    if glu_out:
+        n = w.shape[0] // 2
+        y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
+    return y, h
+
+
+def _skinny_fake(x, w, bias, gamma, eps, glu, residual, glu_out):
+    n = w.shape[0] // 2 if glu_out else w.shape[0]
+    return (x.new_empty((x.shape[0], n)),
+            x.new_empty(tuple(x.shape) if residual is not None else (0,)))
+
+
+skinny_linear.register_fake(_skinny_fake)
+
+
+@torch.library.custom_op("dspark::skinny_linear_triton", mutates_args=(),
+                         device_types=("cuda",))
+def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                         gamma: Optional[torch.Tensor], eps: float, glu: bool,
+                         residual: Optional[torch.Tensor],
+                         glu_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dspark::skinny_linear`` lowered to Triton (one launch at a verify step's few rows)."""
+    from .triton_skinny import skinny_linear_triton as kernel  # needs a GPU driver
+
+    return kernel(x, w, bias, gamma, eps, glu, residual, glu_out)
+
+
+skinny_linear_triton.register_fake(_skinny_fake)
+
+
 LOWERED = {"triton": {torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton,
                       torch.ops.dspark.linear_group: torch.ops.dspark.linear_group_triton,
                       torch.ops.dspark.rotary_apply: torch.ops.dspark.rotary_apply_triton,
+                      torch.ops.dspark.skinny_linear: torch.ops.dspark.skinny_linear_triton,
                       **linear_ops.LINEAR_LOWERED["triton"]}}
 """Per lowering: reference op packet -> the op that implements it there."""

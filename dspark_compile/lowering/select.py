@@ -21,6 +21,7 @@ import torch.fx as fx
 
 from ..passes.base import EnsureError, PassResult
 from .concat_linear import concat_linears
+from .fuse_linear import fuse_linears
 from .fuse_rotary import fuse_rotary
 from .group_linear import group_linears
 from .ops import LOWERED
@@ -43,12 +44,16 @@ def resolve_lowering(requested: str, device: torch.device) -> str:
 
 
 def lower(gm: fx.GraphModule, lowering: str, block: int, group: str = "off",
-          rotary: str = "auto", inputs: list | None = None) -> list[PassResult]:
+          rotary: str = "auto", inputs: list | None = None,
+          fuse: str = "off") -> list[PassResult]:
     """Group the matmuls that share their rows per ``group`` (``DSparkConfig.group_linears``:
     ``"concat"`` stacks their weights, ``"triton"`` makes ``dspark::linear_group`` ops,
     ``"auto"`` is ``"concat"`` for ``lowering="triton"``); with ``rotary="triton"`` (``"auto"``
     with ``lowering="triton"``), fuse each layer's q/k rotation (``fuse_rotary``); then swap
-    each reference ``dspark::`` op for its ``lowering`` implementation, in place. ``inputs``
+    with ``fuse="on"`` (``"auto"`` with ``lowering="triton"``), make each weight's matmul with
+    its norm or SiLU-and-mul and its residual add one ``dspark::skinny_linear``
+    (``fuse_linears``); then swap each reference ``dspark::`` op for its ``lowering``
+    implementation, in place. ``inputs``
     (the ``InputSpec`` per placeholder) is kept in step when ``concat`` replaces weight inputs
     by stacked ones.
 
@@ -64,6 +69,10 @@ def lower(gm: fx.GraphModule, lowering: str, block: int, group: str = "off",
         [concat_linears(gm, inputs)] if group == "concat" else []
     if rotary == "triton":
         grouped.append(fuse_rotary(gm))
+    if fuse == "auto":
+        fuse = "on" if lowering == "triton" else "off"
+    if fuse == "on":
+        grouped.append(fuse_linears(gm))
     result = PassResult(f"lower[{lowering}]", changed=0)
     table = LOWERED.get(lowering, {})
     for node in gm.graph.nodes:

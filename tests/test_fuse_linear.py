@@ -1,0 +1,96 @@
+"""``fuse_linears``: each matmul with its RMSNorm (and residual add) or SiLU-and-mul becomes one
+``dspark::skinny_linear``. The reference op runs the graph's own ops in order, so on the CPU the
+fused verifier equals the unfused one bit for bit; the GPU kernel is in test_triton_skinny.py."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from dspark_compile import DSparkConfig, VerifyLayout, dspark_compile
+from helpers import tiny_llama, tiny_qwen3, tiny_vl
+
+SKINNY = torch.ops.dspark.skinny_linear.default
+
+
+def _rounds(verifier, vocab: int) -> list[torch.Tensor]:
+    """Prefill two requests, commit, then two verify/commit rounds; the logits and KV."""
+    state = verifier.new_state(max_requests=3, max_context=48)
+    gen = torch.Generator().manual_seed(0)
+    outs, ctx = [], [0, 0]
+    for lens in ([5, 9], [3, 1], [2, 4]):
+        layout = VerifyLayout.pack(lens, ctx, [2, 0])
+        outs.append(verifier(torch.randint(0, vocab, (sum(lens),), generator=gen), layout,
+                             state).clone())
+        verifier.commit(layout, lens, state)
+        ctx = [c + n for c, n in zip(ctx, lens)]
+    return outs + [state.kv_caches[-1][0].clone()]
+
+
+def _details(verifier) -> dict:
+    return next(r.details for r in verifier.results if r.name == "fuse_linears")
+
+
+@pytest.mark.parametrize("make, group", [
+    (lambda: tiny_llama(layers=2), "concat"),
+    (lambda: tiny_llama(layers=2), "off"),
+    (lambda: tiny_qwen3(layers=2), "concat"),    # q/k norms between the matmul and attention
+    (lambda: tiny_vl("qwen2_vl"), "concat"),     # q/k/v biases (addmm)
+], ids=["llama_concat", "llama_off", "qwen3", "qwen2_vl_bias"])
+def test_fused_verifier_equals_the_unfused_one_bit_for_bit(make, group) -> None:
+    model = make().half()
+    vocab = model.config.get_text_config().vocab_size
+    off = _rounds(dspark_compile(model, group_linears=group, fuse_linears="off"), vocab)
+    fused = dspark_compile(model, group_linears=group, fuse_linears="on")
+    assert sum(n.target is SKINNY for n in fused.graph_module.graph.nodes) > 0
+    for a, b in zip(off, _rounds(fused, vocab)):
+        assert torch.equal(a, b)
+
+
+def test_llama_layer_is_six_launches() -> None:
+    """Stacked q/k/v and gate/up: per layer the residual add, both norms and the SiLU-and-mul
+    are inside the four matmuls; nothing of them is left for Inductor."""
+    layers = 3
+    verifier = dspark_compile(tiny_llama(layers=layers).half(), group_linears="concat",
+                              fuse_linears="on")
+    assert _details(verifier) == {"plain": layers, "glu epilogue": layers,
+                                  "rmsnorm": 2 * layers + 1, "residual add": 2 * layers}
+    nodes = list(verifier.graph_module.graph.nodes)
+    ops = [n for n in nodes if n.target is SKINNY]
+    assert len(ops) == 4 * layers + 1  # q/k/v, o, gate/up, down per layer; the LM head
+    aten = torch.ops.aten
+    left = {n.target for n in nodes} & {aten.rsqrt.default, aten.silu.default, aten.mm.default,
+                                         aten.pow.Tensor_Scalar}
+    assert not left, f"unfused ops left: {left}"
+    glu = [n for n in ops if n.args[7]]
+    assert len(glu) == layers and all(n.meta["val"][0].shape[1] == 96 for n in glu)
+
+
+def test_float32_graphs_are_left_alone() -> None:
+    verifier = dspark_compile(tiny_llama(layers=1), fuse_linears="on")
+    assert _details(verifier) == {}
+    assert not any(n.target is SKINNY for n in verifier.graph_module.graph.nodes)
+
+
+def test_auto_is_on_with_triton_and_off_with_the_reference() -> None:
+    from dspark_compile.frontend.adapters import adapter_for
+    from dspark_compile.frontend.capture import capture_dense
+    from dspark_compile.lowering.select import lower
+    from dspark_compile.passes import PassContext, run_passes
+
+    verifier = dspark_compile(tiny_llama(layers=1).half())
+    assert not any(r.name == "fuse_linears" for r in verifier.results)
+    for lowering, want in (("triton", 5), ("reference", 0)):
+        captured = capture_dense(adapter_for(tiny_llama(layers=1).half()), torch.float16,
+                                 torch.device("cpu"))
+        ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
+        gm, _ = run_passes(captured.gm, ctx)
+        lower(gm, lowering, 8, "auto", "inductor", ctx.inputs, "auto")
+        made = [n for n in gm.graph.nodes if "skinny_linear" in str(n.target)]
+        assert len(made) == want
+
+
+@pytest.mark.parametrize("bad", [True, "triton", None])
+def test_fuse_linears_value_is_checked(bad) -> None:
+    with pytest.raises(ValueError, match=r"fuse_linears=.*must be one of 'auto', 'on', 'off'"):
+        DSparkConfig(fuse_linears=bad)
