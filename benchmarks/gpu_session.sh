@@ -6,6 +6,7 @@
 #
 # Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
 # verify_step_off, verify_step_rotary, verify_step_nofuse, profile_small, skinny_rows,
+# skinny_fused, tests_skinny,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # compile_cold, compile_warm,
 # hybrid_kernels, hybrid_step, rotary,
@@ -34,6 +35,8 @@ job() {
     verify_step_nofuse) python3 benchmarks/verify_step.py --fuse-linears off ;;
     profile_small) python3 benchmarks/profile_step.py --bs 1 8 64 ;;
     skinny_rows) python3 benchmarks/skinny_kernel.py ;;
+    skinny_fused) python3 benchmarks/skinny_kernel.py --fused-only ;;
+    tests_skinny) python3 -m pytest -q -m gpu tests/test_triton_skinny.py -p no:cacheprovider ;;
     step_variants) python3 benchmarks/step_variants.py --profile ;;
     verify_step_rotary) python3 benchmarks/verify_step.py --rotary inductor ;;
     profile_step) python3 benchmarks/profile_step.py ;;

@@ -129,6 +129,8 @@ class Case:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time tile choices")
+    ap.add_argument("--fused-only", action="store_true",
+                    help="only the fused modes, each with the dot's operands both ways")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="stop the sweep after this many seconds (the rows so far are kept)")
     opts = ap.parse_args()
@@ -149,6 +151,23 @@ def main() -> None:
     def save():
         (out / "skinny_kernel.json").write_text(json.dumps(report, indent=1))
 
+    if opts.fused_only:
+        report["environment"]["command"] += " --fused-only"
+        report["fused"] = []
+        for name, mode in (("qkv", "rms_res"), ("gate_up", "rms_res_glu"),
+                           ("lm_head", "rms_res"), ("down", "plain"), ("o", "plain")):
+            for m in (3, 24, 64):
+                for c in ({}, dict(swap=True), dict(swap=True, block_n=128),
+                          dict(block_n=128)):
+                    us = (cases[name].ours(m, **c)[0] if mode == "plain"
+                          else cases[name].fused_us(m, mode, **c))
+                    row = dict(name=name, mode=mode, m=m, **c, us=us)
+                    report["fused"].append(row)
+                    print(json.dumps(row), flush=True)
+            save()
+        report["seconds"] = time.perf_counter() - t0
+        save()
+        return
     out_f = torch.empty(1, device="cuda")
     report["empty_kernel_us"] = graph_us([lambda: _empty_kernel[(128,)](out_f)], 64)
     report["read_us"] = {name: {p: case.read_us(p) for p in (128, 256, 512)}

@@ -101,13 +101,17 @@ def test_skinny_matches_oracle(m, n, k, over, mode, dtype) -> None:
 
 @needs_kernel_device
 @pytest.mark.parametrize("mode", ["plain", "rms_res"])
-def test_weight_tiles_through_a_descriptor(mode) -> None:
-    """``tma=True`` (a tensor descriptor of ``w``; TMA on sm_90) gives the pointer path's result."""
-    args = _case(5, 48, 200, mode, True, torch.float16, seed=3)
+@pytest.mark.parametrize("variant", [dict(tma=True), dict(swap=True),
+                                     dict(swap=True, tma=True)])
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_descriptor_and_swapped_dot_variants(mode, variant, dtype) -> None:
+    """``tma=True`` (a tensor descriptor of ``w``; TMA on sm_90) and ``swap=True`` (``a @ w.T``
+    tiles) give the default path's result."""
+    args = _case(5, 48, 200, mode, True, dtype, seed=3)
     over = dict(block_k=64, block_n=16, split_k=2)
-    got, _ = _check(args, tma=True, **over)
-    ref, _ = _check(args, tma=False, **over)
-    torch.testing.assert_close(got, ref, atol=2e-3, rtol=2e-3)
+    got, _ = _check(args, **variant, **over)
+    ref, _ = _check(args, tma=False, swap=False, **over)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
 
 
 @needs_kernel_device
@@ -180,12 +184,14 @@ def test_plan_tiles_and_split() -> None:
 # --------------------------------------------------------------------------- ahead of time
 AOT_CASES = {  # case -> constexprs
     "plain_m16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, PRO=0, HAS_BIAS=False,
-                      HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False),
+                      HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False,
+                      SWAP=False),
     "rms_res_glu_split": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, PRO=2,
                               HAS_BIAS=True, HAS_RES=True, EVEN_N=False, EVEN_K=False,
-                              W_DESC=False, EPI_GLU=True),
-    "glu_m64": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, PRO=1, HAS_BIAS=False,
-                    HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False),
+                              W_DESC=False, EPI_GLU=True, SWAP=False),
+    "glu_m64_swap": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, PRO=1, HAS_BIAS=False,
+                         HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False,
+                         SWAP=True),
 }
 
 

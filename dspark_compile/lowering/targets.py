@@ -87,6 +87,9 @@ class TargetConfig:
     """Fewest K one split of the skinny kernel may get."""
     skinny_max_smem: int = 210 * 1024
     """Shared memory the skinny kernel's pipeline may take (its stages are cut to fit)."""
+    skinny_swap: bool = False
+    """The skinny kernel's dot takes the activation tile as its first operand (``a @ w.T``
+    tiles; the first operand may stay in registers) instead of the weight tile."""
     skinny_tma: bool = False
     """Load weight tiles through a tensor descriptor (TMA on sm_90) instead of pointers."""
 

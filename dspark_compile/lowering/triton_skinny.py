@@ -100,7 +100,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, PRO: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                   W_DESC: tl.constexpr, EPI_GLU: tl.constexpr):
+                   W_DESC: tl.constexpr, EPI_GLU: tl.constexpr, SWAP: tl.constexpr):
     """One (column tile, K split): ``w[cols, ks] @ a[:, ks].T``, then the epilogue or the
     split merge. ``a`` is ``x`` (``PRO`` 0), ``silu(x[:, k]) * x[:, glu_offset + k]`` (1), or
     ``gamma * h`` with ``h = x (+ residual)`` (2; the rows' sums of squares of ``h`` are kept
@@ -108,7 +108,9 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     of column tile 0 store ``h``). ``W_DESC``: ``w_ptr`` is a tensor descriptor of ``w`` with
     block ``[BLOCK_N, BLOCK_K]`` (TMA on sm_90; it reads zeros past ``w``'s edges).
     ``EPI_GLU``: ``w`` is ``[2N, K]`` (gate rows, then up rows) and the output is
-    ``silu(a @ gate.T) * (a @ up.T)``: each program also streams the up rows of its columns."""
+    ``silu(a @ gate.T) * (a @ up.T)``: each program also streams the up rows of its columns.
+    ``SWAP``: the products are ``a @ w.T`` tiles (the activation tile as the dot's first operand,
+    which may stay in registers) and are transposed once after the loop."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -126,8 +128,12 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     x_ptrs = x_ptr + rows * stride_xm + (k_lo + offs_k)[:, None]
     res_ptrs = res_ptr + rows * stride_rm + (k_lo + offs_k)[:, None]
     h_ptrs = h_ptr + rows * stride_hm + (k_lo + offs_k)[:, None]
-    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    if SWAP:
+        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    else:
+        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     ssq = tl.zeros([BLOCK_M], tl.float32)
     k_ok = offs_k < BLOCK_K  # replaced per iteration unless EVEN_K
     if PRO != 0:  # the prologue's inputs are loaded one iteration ahead (see below)
@@ -163,7 +169,10 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
         if not EVEN_K:
             k_ok = k0 + offs_k < k_hi
         wt = _w_tile(w_ptr, w_ptrs, tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N, EVEN_K, W_DESC)
-        acc = tl.dot(wt, xt, acc)
+        if SWAP:
+            acc = tl.dot(tl.trans(xt), tl.trans(wt), acc)
+        else:
+            acc = tl.dot(wt, xt, acc)
         if EPI_GLU:
             if W_DESC:
                 wu = _w_tile(w_ptr, w_ptrs, n + tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N, EVEN_K,
@@ -171,10 +180,16 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
             else:
                 wu = _w_tile(w_ptr, w_ptrs + n * k, n + tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N,
                              EVEN_K, W_DESC)
-            acc_u = tl.dot(wu, xt, acc_u)
+            if SWAP:
+                acc_u = tl.dot(tl.trans(xt), tl.trans(wu), acc_u)
+            else:
+                acc_u = tl.dot(wu, xt, acc_u)
         if not W_DESC:
             w_ptrs += BLOCK_K
         x_ptrs += BLOCK_K
+    if SWAP:
+        acc = tl.trans(acc)
+        acc_u = tl.trans(acc_u)
     if SPLIT_K == 1:
         _skinny_epilogue(acc, acc_u, ssq, k, eps, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok,
                          stride_om, n, PRO, HAS_BIAS, EPI_GLU)
@@ -225,6 +240,8 @@ class SkinnyPlan:
     tma: bool
     """Weight tiles through a tensor descriptor (``TargetConfig.skinny_tma``; its row stride
     must be a multiple of 16 bytes, so only when ``K % 8 == 0``)."""
+    swap: bool
+    """Activation tile as the dot's first operand (``TargetConfig.skinny_swap``)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -232,7 +249,7 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
                 block_n: int | None = None, block_k: int | None = None,
                 split_k: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, tma: bool | None = None,
-                glu_out: bool = False) -> SkinnyPlan:
+                glu_out: bool = False, swap: bool | None = None) -> SkinnyPlan:
     """``BLOCK_M``: the smallest of 16 / 32 / 64 holding ``m``; ``BLOCK_N``, ``BLOCK_K``, warps
     and stages from ``cfg`` (stages cut while the pipeline would take more than
     ``cfg.skinny_max_smem``; ``glu_out`` streams two weight tiles an iteration). Split-K (a
@@ -256,7 +273,8 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
     split_k = -(-k // k_per_split)  # no empty split
     return SkinnyPlan(block_m, block_n, block_k, split_k, k_per_split, (tiles, split_k),
                       num_warps or cfg.skinny_num_warps, num_stages,
-                      (cfg.skinny_tma if tma is None else tma) and k % 8 == 0)
+                      (cfg.skinny_tma if tma is None else tma) and k % 8 == 0,
+                      cfg.skinny_swap if swap is None else swap)
 
 
 @triton.jit
@@ -395,7 +413,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         PRO=pro, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         EVEN_N=n_out % plan.block_n == 0,
         EVEN_K=k % plan.k_per_split == 0 and plan.k_per_split % plan.block_k == 0,
-        W_DESC=plan.tma, EPI_GLU=glu_out, num_warps=plan.num_warps,
+        W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, num_warps=plan.num_warps,
         num_stages=plan.num_stages)
     return out, h
 
