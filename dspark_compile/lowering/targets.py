@@ -72,9 +72,23 @@ class TargetConfig:
     linear_waves: int = 2
     """Programs per multiprocessor the skinny matmul's column tiles must reach before K is
     left whole (fewer: split K)."""
-    skinny_max_m: int = 64
+    # skinny_*: H200, bf16, the 1.1B model's weights, CUDA-graph replay over weight copies that
+    # miss L2 (`benchmarks/skinny_kernel.py`, skinny_kernel.json; the tile sweep in
+    # skinny_kernel_sweep.json), us at M = 3 / 24 / 64, torch.mm -> this kernel:
+    #   o 2048x2048      6.0 / 6.2 / 6.2  ->  5.4 / 5.8 / 6.8
+    #   q+k+v 4096x2048  7.0 / 7.1 / 7.1  ->  7.0 / 7.2 / 9.2
+    #   gate+up 16384x2048  18.2 / 18.7 / 19.4  ->  17.9 / 19.4 / 21.3
+    #   down 2048x8192  13.9 / 13.8 / 14.3  ->  11.1 / 11.6 / 13.0
+    #   LM head 32000x2048  34.7 / 35.5 / 37.2  ->  32.7 / 35.7 / 39.5
+    # With the prologues (same file, "fused"): q+k+v with residual add + RMSNorm 9.2 / 9.9 /
+    # 15.1; gate+up with both and the SiLU-and-mul epilogue 20.7 / 22.4 / 39.7; down with the
+    # SiLU-and-mul prologue 23.8 / 22.2 / 33.9 (so fuse_linears puts that one in gate+up's
+    # epilogue instead). At 64 rows the unfused launches win: the whole step at bs 8 with full
+    # blocks (64 rows) took 1.73 ms fused against 1.39 unfused (verify_step_fuse_ab.json,
+    # all8), while 24 rows gained (1.29 against 1.33). Hence 32.
+    skinny_max_m: int = 32
     """Most rows (packed tokens) ``dspark::skinny_linear`` gives its skinny Triton kernel; more
-    go to ``torch.mm`` (``lowering/triton_skinny.py``)."""
+    take the input launch and ``torch.mm`` (``lowering/triton_skinny.py``)."""
     skinny_block_n: int = 64
     """Weight rows (output columns) per program of the skinny kernel."""
     skinny_block_k: int = 128
