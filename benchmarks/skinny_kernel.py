@@ -22,6 +22,8 @@ import torch
 import triton
 import triton.language as tl
 
+from timing import graph_of
+
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192), "lm_head": (32000, 2048)}
 ROWS = (1, 3, 8, 16, 24, 32, 48, 64, 96, 128)
@@ -55,17 +57,7 @@ def graph_us(fns: list, reps: int) -> float:
     """us per call of ``fns`` cycled ``reps`` times in one CUDA graph, mean of REPLAYS."""
     for f in fns:
         f()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(reps):
-            for f in fns:
-                f()
+    graph = graph_of(fns, reps * len(fns))
     graph.replay()
     torch.cuda.synchronize()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

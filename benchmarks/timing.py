@@ -9,7 +9,7 @@ import time
 
 import torch
 
-__all__ = ["time_calls", "time_ms", "capture_graph", "mix_lens", "plot_step_ms",
+__all__ = ["time_calls", "graph_of", "time_ms", "capture_graph", "mix_lens", "plot_step_ms",
            "max_err_vs_hf", "variant_suffix", "variant_flags"]
 
 
@@ -134,6 +134,22 @@ def mix_lens(bs: int, block: int, mean: int = 3, seed: int = 0) -> list[int]:
     return lens
 
 
+def graph_of(fns: list, calls: int):
+    """A CUDA graph of ``calls`` calls cycling ``fns``, captured after one warm-up call of each
+    on a side stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in fns:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % len(fns)]()
+    return graph
+
+
 def time_calls(fns: list, s: dict, device: str) -> dict:
     """us per call: back-to-back eager launches and CUDA-graph replays, cycling ``fns``."""
     if device == "cpu":  # smoke mode: wall clock, nothing to report
@@ -149,16 +165,7 @@ def time_calls(fns: list, s: dict, device: str) -> dict:
     for i in range(s["eager_iters"]):
         fns[i % len(fns)]()
     ev[1].record()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(s["graph_calls"]):
-            fns[i % len(fns)]()
+    graph = graph_of(fns, s["graph_calls"])
     graph.replay()
     ev[2].record()
     for _ in range(s["graph_replays"]):

@@ -28,6 +28,22 @@ def load_benchmark(name: str):
     return module
 
 
+def prefill_verify_rounds(verifier, vocab: int) -> list[torch.Tensor]:
+    """Prefill two requests, commit, then two verify/commit rounds; the logits and KV."""
+    from dspark_compile import VerifyLayout
+
+    state = verifier.new_state(max_requests=3, max_context=48)
+    gen = torch.Generator().manual_seed(0)
+    outs, ctx = [], [0, 0]
+    for lens in ([5, 9], [3, 1], [2, 4]):
+        layout = VerifyLayout.pack(lens, ctx, [2, 0])
+        outs.append(verifier(torch.randint(0, vocab, (sum(lens),), generator=gen), layout,
+                             state).clone())
+        verifier.commit(layout, lens, state)
+        ctx = [c + n for c, n in zip(ctx, lens)]
+    return outs + [state.kv_caches[-1][0].clone()]
+
+
 def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 97):
     from transformers import LlamaConfig, LlamaForCausalLM
 

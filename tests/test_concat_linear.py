@@ -11,7 +11,7 @@ from dspark_compile.frontend.capture import capture_dense
 from dspark_compile.lowering.select import lower
 from dspark_compile.passes import PassContext, run_passes
 from dspark_compile.passes.printing import graph_text
-from helpers import tiny_llama, tiny_qwen35, tiny_vl
+from helpers import prefill_verify_rounds, tiny_llama, tiny_qwen35, tiny_vl
 
 
 def _stacked(verifier) -> list:
@@ -60,20 +60,6 @@ def test_concat_stacks_qkv_and_gate_up_into_views_of_one_buffer() -> None:
         "a second verifier reuses the stacked buffer"
 
 
-def _rounds(verifier, vocab: int) -> list[torch.Tensor]:
-    """Prefill two requests, commit, then two verify/commit rounds; the logits and KV."""
-    state = verifier.new_state(max_requests=3, max_context=48)
-    gen = torch.Generator().manual_seed(0)
-    outs, ctx = [], [0, 0]
-    for lens in ([5, 9], [3, 1], [2, 4]):
-        layout = VerifyLayout.pack(lens, ctx, [2, 0])
-        outs.append(verifier(torch.randint(0, vocab, (sum(lens),), generator=gen), layout,
-                             state).clone())
-        verifier.commit(layout, lens, state)
-        ctx = [c + n for c, n in zip(ctx, lens)]
-    return outs + [state.kv_caches[-1][0].clone()]
-
-
 @pytest.mark.parametrize("make", [lambda: tiny_llama(layers=2), lambda: tiny_vl("qwen2_vl"),
                                   tiny_qwen35],
                          ids=["llama", "qwen2_vl_bias", "qwen35_hybrid"])
@@ -82,12 +68,12 @@ def test_concat_verifier_equals_one_matmul_per_weight(make) -> None:
     matmuls' to float32 rounding (bias groups stack their biases too)."""
     model = make()
     vocab = model.config.get_text_config().vocab_size
-    off = _rounds(dspark_compile(model, group_linears="off"), vocab)
+    off = prefill_verify_rounds(dspark_compile(model, group_linears="off"), vocab)
     concat = dspark_compile(model, group_linears="concat")
     assert _stacked(concat)
     if make is tiny_qwen35:  # its GDN views merge the token axis into the q/k/v columns
         assert "contiguous=2" in concat.explain(), "those slices must be made contiguous"
-    for a, b in zip(off, _rounds(concat, vocab)):
+    for a, b in zip(off, prefill_verify_rounds(concat, vocab)):
         torch.testing.assert_close(b, a, atol=1e-5, rtol=1e-5)
 
 

@@ -7,24 +7,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dspark_compile import DSparkConfig, VerifyLayout, dspark_compile
-from helpers import tiny_llama, tiny_qwen3, tiny_vl
+from dspark_compile import DSparkConfig, dspark_compile
+from helpers import prefill_verify_rounds, tiny_llama, tiny_qwen3, tiny_vl
 
 SKINNY = torch.ops.dspark.skinny_linear.default
-
-
-def _rounds(verifier, vocab: int) -> list[torch.Tensor]:
-    """Prefill two requests, commit, then two verify/commit rounds; the logits and KV."""
-    state = verifier.new_state(max_requests=3, max_context=48)
-    gen = torch.Generator().manual_seed(0)
-    outs, ctx = [], [0, 0]
-    for lens in ([5, 9], [3, 1], [2, 4]):
-        layout = VerifyLayout.pack(lens, ctx, [2, 0])
-        outs.append(verifier(torch.randint(0, vocab, (sum(lens),), generator=gen), layout,
-                             state).clone())
-        verifier.commit(layout, lens, state)
-        ctx = [c + n for c, n in zip(ctx, lens)]
-    return outs + [state.kv_caches[-1][0].clone()]
 
 
 def _details(verifier) -> dict:
@@ -40,10 +26,10 @@ def _details(verifier) -> dict:
 def test_fused_verifier_equals_the_unfused_one_bit_for_bit(make, group) -> None:
     model = make().half()
     vocab = model.config.get_text_config().vocab_size
-    off = _rounds(dspark_compile(model, group_linears=group, fuse_linears="off"), vocab)
+    off = prefill_verify_rounds(dspark_compile(model, group_linears=group, fuse_linears="off"), vocab)
     fused = dspark_compile(model, group_linears=group, fuse_linears="on")
     assert sum(n.target is SKINNY for n in fused.graph_module.graph.nodes) > 0
-    for a, b in zip(off, _rounds(fused, vocab)):
+    for a, b in zip(off, prefill_verify_rounds(fused, vocab)):
         assert torch.equal(a, b)
 
 
