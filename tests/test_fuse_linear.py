@@ -52,6 +52,16 @@ def test_llama_layer_is_six_launches() -> None:
     assert len(glu) == layers and all(n.meta["val"][0].shape[1] == 96 for n in glu)
 
 
+def test_explain_names_each_fusion_and_its_model_line() -> None:
+    verifier = dspark_compile(tiny_llama(layers=1).half(), group_linears="concat",
+                              fuse_linears="on")
+    text = verifier.explain()
+    for want in ("gate_proj_weight_stacked + rmsnorm + residual add -> skinny_linear",
+                 "silu*mul -> the epilogue of model_layers_0_mlp_gate_proj_weight_stacked's",
+                 "o_proj_weight -> skinny_linear  <- ", "self.o_proj(attn_output)"):
+        assert want in text, f"{want!r} not in explain():\n{text}"
+
+
 def test_float32_graphs_are_left_alone() -> None:
     verifier = dspark_compile(tiny_llama(layers=1), fuse_linears="on")
     assert _details(verifier) == {}

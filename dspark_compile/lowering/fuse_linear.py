@@ -35,7 +35,7 @@ import operator
 import torch
 import torch.fx as fx
 
-from ..passes.base import PassResult
+from ..passes.base import PassResult, source_line
 
 __all__ = ["fuse_linears"]
 
@@ -200,6 +200,8 @@ def fuse_linears(gm: fx.GraphModule, dtypes=_HALF, glu_prologue: bool = False) -
             x = found[0]
             touched |= found[1]
             counts["glu epilogue"] += 1
+            result.rewrites.append((f"silu*mul -> the epilogue of {producer.args[1].name}'s "
+                                    "skinny_linear", source_line(_strip(a))))
         elif found is not None and glu_prologue:
             x, glu = found[0], True
             counts["glu prologue"] += 1
@@ -213,6 +215,9 @@ def fuse_linears(gm: fx.GraphModule, dtypes=_HALF, glu_prologue: bool = False) -
                 counts["residual add"] += 1
         else:
             counts["plain"] += 1
+        parts = [w.name] + (["rmsnorm"] if gamma is not None else []) + \
+            (["residual add"] if add is not None else []) + (["silu*mul in"] if glu else [])
+        result.rewrites.append((f"{' + '.join(parts)} -> skinny_linear", source_line(node)))
         with gm.graph.inserting_before(node):
             op = gm.graph.call_function(torch.ops.dspark.skinny_linear.default,
                                         (x, w, bias, gamma, eps, glu, residual, False))
