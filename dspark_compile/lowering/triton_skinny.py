@@ -1,24 +1,27 @@
-"""Triton lowering of ``dspark::skinny_mm``: ``x @ w.T`` for the few rows of a verify step.
+"""Triton lowering of ``dspark::skinny_linear``: ``a @ w.T`` for the few rows of a verify step,
+with the RMSNorm (and residual add) or SiLU-and-mul around it that ``fuse_linears`` folds in.
 
 At a verify step's few rows (``M`` = packed tokens: 3 at one request of mean length 3, 24 at
 eight) a matmul is a weight read: its time is how fast ``w`` streams from HBM. The kernel is
 written for that case:
 
-- **Weight rows as the tile's long side** ("swap AB"): a program computes ``w[cols] @ x.T``,
+- **Weight rows as the tile's long side** ("swap AB"): a program computes ``w[cols] @ a.T``,
   ``[BLOCK_N, BLOCK_M]``, so ``tl.dot`` gets the weight tile as its first operand and the
   tokens (padded to 16, 32 or 64) as its narrow second one. No weight tile is transposed.
-- **One long K loop per program** with a deep software pipeline, and a grid of about one
-  program per multiprocessor: ``BLOCK_N`` is picked so the column tiles cover the GPU, and K is
-  split only when they cannot.
+- **One long K loop per program** with a deep software pipeline; K is split only while the
+  column tiles alone are fewer than ``skinny_min_programs`` (about one per multiprocessor).
 - **Split-K folded into the launch**: each split writes fp32 partials, and the last program of
   a column tile to finish (an int32 counter per tile, reset by that program) sums them in split
   order, so the result does not depend on which program finished last and replays are bitwise
   equal. No second launch.
+- **Prologue / epilogue**: the matmul input may be ``silu(gate) * up`` or HF's RMSNorm of
+  ``x (+ residual)`` (the sum is written out as ``h``), computed on the activation tile in the
+  K loop; the output may be ``silu(gate rows' product) * up rows' product``.
 
-``skinny_linear_triton`` takes 16-bit ``x [M, K]`` (dense last dim), a contiguous ``w [N, K]`` of
-the same dtype and an optional bias ``[N]``; ``M <= skinny_max_m``. Anything else is a
-``ValueError`` naming the value, before any launch; the op (``lowering/ops.py``) sends larger
-``M`` to ``torch.mm`` itself. The oracle is ``x @ w.T (+ bias)`` in fp32, rounded once.
+``skinny_linear_triton`` takes 16-bit activations and a contiguous weight of the same dtype;
+bad input is a ``ValueError`` naming the value, before any launch. Past
+``TargetConfig.skinny_max_m`` rows it makes the launches Inductor would (the input in one
+Triton launch, then ``torch.mm``). The oracle is the op's math in fp32, rounded once.
 """
 
 from __future__ import annotations
@@ -34,6 +37,13 @@ from .targets import TargetConfig
 from .triton_attention import _counters, _device_target
 
 __all__ = ["SkinnyPlan", "plan_skinny", "skinny_linear_triton"]
+
+
+@triton.jit
+def _silu_mul(g, u):
+    """``silu(g) * u`` in fp32."""
+    g = g.to(tl.float32)
+    return g / (1.0 + tl.exp(-g)) * u.to(tl.float32)
 
 
 @triton.jit
@@ -53,7 +63,7 @@ def _skinny_epilogue(acc, acc_u, ssq, k, eps, bias_ptr, out_ptr, offs_n, offs_m,
         if EPI_GLU:
             acc_u += tl.load(bias_ptr + n + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if EPI_GLU:
-        acc = acc / (1.0 + tl.exp(-acc)) * acc_u
+        acc = _silu_mul(acc, acc_u)
     ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
@@ -148,26 +158,23 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
         if PRO == 0:
             xt = tl.load(x_ptrs, mask=x_mask, other=0.0)  # [BLOCK_K, BLOCK_M]
         else:
-            # A loaded tile that is computed on before the dot is not software-pipelined, so
-            # each iteration would wait a full L2 round trip for it: this iteration uses the
-            # tiles loaded in the previous one and issues the next ones' loads first.
+            # This iteration uses the tiles loaded in the previous one and issues the next
+            # ones' loads first, so their L2 latency overlaps this iteration's work.
             cur_a, cur_b = nxt_a, nxt_b
             kk = k0 + BLOCK_K + offs_k
             nxt_a, nxt_b = _prologue_tiles(x_ptrs + BLOCK_K, res_ptrs + BLOCK_K, gamma_ptr, kk,
                                            kk < k_hi, m_ok, glu_offset, PRO, HAS_RES)
-            a = cur_a.to(tl.float32)
             if PRO == 1:
-                xt = (a / (1.0 + tl.exp(-a)) * cur_b.to(tl.float32)).to(x_ptr.dtype.element_ty)
+                xt = _silu_mul(cur_a, cur_b).to(x_ptr.dtype.element_ty)
             else:
                 if HAS_RES:
                     if tile == 0:
                         tl.store(h_ptrs, cur_a, mask=x_mask)
                     h_ptrs += BLOCK_K
+                a = cur_a.to(tl.float32)
                 ssq += tl.sum(a * a, 0)
                 xt = (a * cur_b.to(tl.float32)[:, None]).to(x_ptr.dtype.element_ty)
             res_ptrs += BLOCK_K
-        if not EVEN_K:
-            k_ok = k0 + offs_k < k_hi
         wt = _w_tile(w_ptr, w_ptrs, tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N, EVEN_K, W_DESC)
         if SWAP:
             acc = tl.dot(tl.trans(xt), tl.trans(wt), acc)
@@ -290,9 +297,7 @@ def _prologue_kernel(x_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, k, stride_xm, st
     ty = out_ptr.dtype.element_ty
     a = tl.load(x_ptr + row * stride_xm + offs, mask=ok, other=0.0)
     if PRO == 1:
-        u = tl.load(x_ptr + row * stride_xm + glu_offset + offs, mask=ok, other=0.0)
-        g = a.to(tl.float32)
-        a = g / (1.0 + tl.exp(-g)) * u.to(tl.float32)
+        a = _silu_mul(a, tl.load(x_ptr + row * stride_xm + glu_offset + offs, mask=ok, other=0.0))
     else:
         if HAS_RES:
             r = tl.load(res_ptr + row * stride_rm + offs, mask=ok, other=0.0)
