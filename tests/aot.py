@@ -76,3 +76,22 @@ def missing_artifacts(kinds: list[str], target: str) -> list[str]:
     from dspark_compile.lowering.targets import TARGETS
 
     return [a for a in ARTIFACTS[TARGETS[target].backend] if a not in kinds]
+
+
+def aot_tests(path: str, cases) -> tuple:
+    """``(compiled, test)`` for an AOT test file to bind at module level: the module fixture
+    that runs ``path`` as a script once, and the test that every case (a key of the script's
+    JSON) compiled for every target in :data:`TARGET_NAMES` with its artifacts."""
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def compiled() -> dict:
+        return run_script(path)
+
+    @pytest.mark.parametrize("target", TARGET_NAMES)
+    @pytest.mark.parametrize("case", sorted(cases))
+    def test(compiled: dict, case: str, target: str) -> None:
+        kinds = compiled[case][target]
+        assert not missing_artifacts(kinds, target), f"{case} for {target}: only {kinds}"
+
+    return compiled, test

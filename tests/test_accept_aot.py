@@ -11,9 +11,7 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
-from aot import TARGET_NAMES, compile_kernel, missing_artifacts, run_script
+from aot import TARGET_NAMES, aot_tests, compile_kernel
 
 _ROW_PTRS = {"logits_ptr": "bf16", "input_ids_ptr": "i64", "qsl_ptr": "i32",
              "temperature_ptr": "fp32", "top_k_ptr": "i32", "top_p_ptr": "fp32",
@@ -52,16 +50,7 @@ def _compile_all() -> dict:
     return result
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    return run_script(__file__)
-
-
-@pytest.mark.parametrize("target", TARGET_NAMES)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_accept_kernel_compiles_ahead_of_time(compiled: dict, case: str, target: str) -> None:
-    kinds = compiled[case][target]
-    assert not missing_artifacts(kinds, target), f"{case} for {target}: only {kinds}"
+compiled, test_accept_kernel_compiles_ahead_of_time = aot_tests(__file__, CASES)
 
 
 def test_tiles_follow_the_target_table() -> None:

@@ -13,7 +13,7 @@ import os
 
 import pytest
 
-from aot import TARGET_NAMES, compile_kernel, missing_artifacts, run_script
+from aot import TARGET_NAMES, aot_tests, compile_kernel
 
 # case -> (kernel, dtype of q/k/v/pools/out, shape (N, R, H, Hkv, D, page, max_query_len),
 # split count); constexprs and launch options come from plan_attention, as at run time.
@@ -77,16 +77,7 @@ def _compile_all() -> dict:
     return result
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    return run_script(__file__)
-
-
-@pytest.mark.parametrize("target", TARGET_NAMES)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_kernel_compiles_ahead_of_time(compiled: dict, case: str, target: str) -> None:
-    kinds = compiled[case][target]
-    assert not missing_artifacts(kinds, target), f"{case} for {target}: only {kinds}"
+compiled, test_kernel_compiles_ahead_of_time = aot_tests(__file__, CASES)
 
 
 def test_gpu_targets_match_the_table() -> None:

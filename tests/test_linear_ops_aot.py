@@ -12,9 +12,7 @@ from __future__ import annotations
 import json
 import os
 
-import pytest
-
-from aot import TARGET_NAMES, compile_kernel, missing_artifacts, run_script
+from aot import TARGET_NAMES, aot_tests, compile_kernel
 _LAYOUT = {"query_start_loc_ptr": "i32", "slots_ptr": "i32"}
 _GDN_SHAPE = {"HK": 16, "HV": 32, "KD": 128, "VD": 128, "K_PAD": 128, "BLOCK_V": 32,
               "NUM_VB": 4}
@@ -66,16 +64,7 @@ def _compile_all() -> dict:
     return result
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    return run_script(__file__)
-
-
-@pytest.mark.parametrize("target", TARGET_NAMES)
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_linear_kernel_compiles_ahead_of_time(compiled: dict, case: str, target: str) -> None:
-    kinds = compiled[case][target]
-    assert not missing_artifacts(kinds, target), f"{case} for {target}: only {kinds}"
+compiled, test_linear_kernel_compiles_ahead_of_time = aot_tests(__file__, CASES)
 
 
 if __name__ == "__main__":

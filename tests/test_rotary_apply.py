@@ -16,7 +16,7 @@ import random
 import pytest
 import torch
 
-from aot import TARGET_NAMES, compile_kernel, missing_artifacts, run_script
+from aot import TARGET_NAMES, aot_tests, compile_kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"
@@ -128,16 +128,7 @@ def _compile_all() -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    return run_script(__file__)
-
-
-@pytest.mark.parametrize("target", TARGET_NAMES)
-@pytest.mark.parametrize("dtype", ["bf16", "fp16"])
-def test_kernel_compiles_ahead_of_time(compiled: dict, dtype: str, target: str) -> None:
-    kinds = compiled[dtype][target]
-    assert not missing_artifacts(kinds, target), f"{dtype} for {target}: only {kinds}"
+compiled, test_kernel_compiles_ahead_of_time = aot_tests(__file__, ["bf16", "fp16"])
 
 
 if __name__ == "__main__":

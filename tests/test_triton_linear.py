@@ -13,7 +13,7 @@ import os
 import pytest
 import torch
 
-from aot import TARGET_NAMES, compile_kernel, missing_artifacts, run_script
+from aot import TARGET_NAMES, aot_tests, compile_kernel
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 needs_kernel_device = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
@@ -174,16 +174,7 @@ def _compile_all() -> dict:
     return out
 
 
-@pytest.fixture(scope="module")
-def compiled() -> dict:
-    return run_script(__file__)
-
-
-@pytest.mark.parametrize("target", TARGET_NAMES)
-@pytest.mark.parametrize("case", sorted(AOT_CASES))
-def test_kernel_compiles_ahead_of_time(compiled: dict, case: str, target: str) -> None:
-    kinds = compiled[case][target]
-    assert not missing_artifacts(kinds, target), f"{case} for {target}: only {kinds}"
+compiled, test_kernel_compiles_ahead_of_time = aot_tests(__file__, AOT_CASES)
 
 
 if __name__ == "__main__":
