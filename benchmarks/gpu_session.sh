@@ -6,7 +6,7 @@
 #
 # Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
 # verify_step_off, verify_step_rotary, verify_step_nofuse, profile_small, skinny_rows,
-# skinny_fused, tests_skinny,
+# skinny_fused, skinny_pdl, verify_step_nopdl, verify_quick, verify_quick_nopdl, profile_nopdl, tests_skinny, tests_pdl,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # compile_cold, compile_warm,
 # hybrid_kernels, hybrid_step, rotary,
@@ -36,7 +36,14 @@ job() {
     profile_small) python3 benchmarks/profile_step.py --bs 1 8 64 ;;
     skinny_rows) python3 benchmarks/skinny_kernel.py ;;
     skinny_fused) python3 benchmarks/skinny_kernel.py --fused-only ;;
+    skinny_pdl) python3 benchmarks/skinny_kernel.py --pdl ;;
+    verify_step_nopdl) python3 benchmarks/verify_step.py --target pdl=false ;;
+    verify_quick) python3 benchmarks/verify_step.py --quick ;;
+    verify_quick_nopdl) python3 benchmarks/verify_step.py --quick --target pdl=false ;;
+    profile_nopdl) python3 benchmarks/profile_step.py --bs 1 8 64 --target pdl=false ;;
     tests_skinny) python3 -m pytest -q -m gpu tests/test_triton_skinny.py -p no:cacheprovider ;;
+    tests_pdl) python3 -m pytest -q -m gpu tests/test_pdl.py tests/test_triton_skinny.py \
+        -p no:cacheprovider ;;
     step_variants) python3 benchmarks/step_variants.py --profile ;;
     verify_step_rotary) python3 benchmarks/verify_step.py --rotary inductor ;;
     profile_step) python3 benchmarks/profile_step.py ;;

@@ -4,7 +4,8 @@ Every shape is a weight of the 1.1B benchmark model (q+k+v and gate+up stacked, 
 verifier runs them). Each figure is us per call in a CUDA-graph replay of back-to-back calls
 that cycle through copies of the weight totalling >= 256 MB, so no call finds its weight in
 L2 (a verify step reads every weight once). ``--sweep`` also times tile choices at M = 3 and
-24 (the mean-3 mix at bs 1 and 8).
+24 (the mean-3 mix at bs 1 and 8). ``--pdl`` times a fused layer's four matmuls back to back
+with programmatic dependent launch off and on, and with L2 prefetch lengths (skinny_pdl.json).
 
     python benchmarks/skinny_kernel.py [--sweep]   # writes skinny_kernel.json to $OUT or results/
 """
@@ -83,10 +84,10 @@ class Case:
     def x(self, m: int) -> torch.Tensor:
         return torch.randn(m, self.k, device="cuda", dtype=torch.bfloat16)
 
-    def fused_us(self, m: int, mode: str, **cfg) -> float:
-        """us per call with the fusion ``mode``: ``glu`` (SiLU-and-mul prologue), ``rms``
-        (RMSNorm prologue), ``rms_res`` (residual add + RMSNorm), ``rms_res_glu`` (that, and a
-        SiLU-and-mul epilogue over the gate and up halves)."""
+    def calls(self, m: int, mode: str, **cfg) -> list:
+        """One call per weight copy with the fusion ``mode``: ``plain``, ``glu`` (SiLU-and-mul
+        prologue), ``rms`` (RMSNorm prologue), ``rms_res`` (residual add + RMSNorm),
+        ``rms_res_glu`` (that, and a SiLU-and-mul epilogue over the gate and up halves)."""
         from dspark_compile.lowering.triton_skinny import skinny_linear_triton
 
         x = torch.randn(m, 2 * self.k if mode == "glu" else self.k, device="cuda",
@@ -96,8 +97,11 @@ class Case:
             kw["gamma"] = torch.rand(self.k, device="cuda", dtype=torch.bfloat16) + 0.5
         if mode.startswith("rms_res"):
             kw["residual"] = torch.randn_like(x)
-        return graph_us([lambda w=w: skinny_linear_triton(x, w, **kw) for w in self.ws],
-                        self.reps)
+        return [lambda w=w: skinny_linear_triton(x, w, **kw) for w in self.ws]
+
+    def fused_us(self, m: int, mode: str, **cfg) -> float:
+        """us per call with the fusion ``mode`` (:meth:`calls`)."""
+        return graph_us(self.calls(m, mode, **cfg), self.reps)
 
     def read_us(self, programs: int) -> float:
         out = torch.empty(programs, device="cuda")
@@ -120,11 +124,27 @@ class Case:
         return us, err
 
 
+LAYER = (("qkv", "rms_res"), ("o", "plain"), ("gate_up", "rms_res_glu"), ("down", "plain"))
+"""A fused layer's four matmuls, in order."""
+
+
+def layer_us(cases: dict, m: int, **cfg) -> float:
+    """us per layer of :data:`LAYER`'s four calls back to back, each on its own next weight
+    copy, in one CUDA graph (the boundaries between different kernels, as in a step)."""
+    calls = [cases[name].calls(m, mode, **cfg) for name, mode in LAYER]
+    rounds = max(len(c) for c in calls) * 2
+    fns = [calls[j][i % len(calls[j])] for i in range(rounds) for j in range(len(LAYER))]
+    return graph_us(fns, 4) * len(LAYER)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--sweep", action="store_true", help="also time tile choices")
     ap.add_argument("--fused-only", action="store_true",
                     help="only the fused modes, each with the dot's operands both ways")
+    ap.add_argument("--pdl", action="store_true",
+                    help="only the layer chain with programmatic dependent launch on and off, "
+                         "and L2 prefetch lengths")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="stop the sweep after this many seconds (the rows so far are kept)")
     opts = ap.parse_args()
@@ -143,7 +163,8 @@ def main() -> None:
     cases = {name: Case(name) for name in SHAPES}
 
     def save():
-        (out / "skinny_kernel.json").write_text(json.dumps(report, indent=1))
+        (out / ("skinny_pdl.json" if opts.pdl else "skinny_kernel.json")).write_text(
+            json.dumps(report, indent=1))
 
     kcfg = dataclasses.replace(cfg, skinny_max_m=max(ROWS))  # the kernel, not the fallback
 
@@ -160,6 +181,21 @@ def main() -> None:
             save()
 
     report["fused"] = []
+    if opts.pdl:
+        report["environment"]["command"] += " --pdl"
+        report["layer"] = []
+        for m in (3, 24):
+            for pdl, prefetch in ((False, 0), (True, 0), (False, 512), (True, 256), (True, 512),
+                                  (True, 1024), (True, 2048), (False, 0), (True, 0)):
+                us = layer_us(cases, m, config=dataclasses.replace(kcfg, pdl=pdl),
+                              prefetch_k=prefetch)
+                row = dict(m=m, pdl=pdl, prefetch_k=prefetch, layer_us=us)
+                report["layer"].append(row)
+                print(json.dumps(row), flush=True)
+                save()
+        report["seconds"] = time.perf_counter() - t0
+        save()
+        return
     if opts.fused_only:
         report["environment"]["command"] += " --fused-only"
         fused((("qkv", "rms_res"), ("gate_up", "rms_res_glu"), ("lm_head", "rms_res"),

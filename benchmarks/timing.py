@@ -10,7 +10,34 @@ import time
 import torch
 
 __all__ = ["time_calls", "graph_of", "time_ms", "capture_graph", "mix_lens", "plot_step_ms",
-           "max_err_vs_hf", "variant_suffix", "variant_flags"]
+           "max_err_vs_hf", "variant_suffix", "variant_flags", "target_overrides"]
+
+
+def target_overrides(items: list[str]) -> tuple[dict, str, str]:
+    """Apply ``KEY=VALUE`` overrides (``TargetConfig`` fields, e.g. ``pdl=false``) to every
+    target entry; call it before any kernel runs (the device's entry is cached at first use).
+    Returns ``(overrides, file-name suffix, command-line flags)``."""
+    import dataclasses
+
+    from dspark_compile.lowering import targets
+
+    applied: dict = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if key not in {f.name for f in dataclasses.fields(targets.TargetConfig)} or not value:
+            raise SystemExit(f"--target {item!r}: expected FIELD=VALUE with a TargetConfig field")
+        current = getattr(targets.TARGETS["sm_90"], key)
+        if isinstance(current, bool):
+            if value.lower() not in ("true", "false", "1", "0", "on", "off"):
+                raise SystemExit(f"--target {item!r}: {key} takes true or false")
+            applied[key] = value.lower() in ("true", "1", "on")
+        else:
+            applied[key] = type(current)(value) if current is not None else int(value)
+    for name, entry in targets.TARGETS.items():
+        targets.TARGETS[name] = dataclasses.replace(entry, **applied)
+    suffix = "".join(f"_{k}_{str(v).lower()}" for k, v in applied.items())
+    flags = "".join(f" --target {k}={str(v).lower()}" for k, v in applied.items())
+    return applied, suffix, flags
 
 
 def variant_suffix(group_linears: str, rotary: str, fuse_linears: str = "auto") -> str:
@@ -63,7 +90,7 @@ def capture_graph(step) -> tuple:
             step()
         torch.cuda.current_stream().wait_stream(side)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
+        with torch.cuda.graph(graph, stream=side):  # the warm-up's stream: see graph_of
             step()
         return graph, None
     except Exception as err:  # noqa: BLE001 - reported by the caller
@@ -136,7 +163,9 @@ def mix_lens(bs: int, block: int, mean: int = 3, seed: int = 0) -> list[int]:
 
 def graph_of(fns: list, calls: int):
     """A CUDA graph of ``calls`` calls cycling ``fns``, captured after one warm-up call of each
-    on a side stream."""
+    on a side stream, on that same stream: a split launch's counters are made per stream by
+    its first call outside a capture (``triton_attention._counters``), so a capture on another
+    stream would run every split kernel unsplit (and log it)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
@@ -144,7 +173,7 @@ def graph_of(fns: list, calls: int):
             f()
     torch.cuda.current_stream().wait_stream(side)
     graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+    with torch.cuda.graph(graph, stream=side):
         for i in range(calls):
             fns[i % len(fns)]()
     return graph

@@ -26,7 +26,7 @@ import torch
 from dspark_compile import VerifyLayout, dspark_compile
 from dspark_compile.config import FUSE_LINEARS, GROUP_LINEARS, ROTARY
 from timing import capture_graph, max_err_vs_hf, plot_step_ms, time_ms  # noqa: F401
-from timing import variant_flags, variant_suffix
+from timing import target_overrides, variant_flags, variant_suffix
 from timing import mix_lens as _mix_lens
 from dspark_compile.graphs.tiers import tier_set
 
@@ -189,15 +189,19 @@ def main() -> None:
                         help="DSparkConfig(rotary=...); not auto: files get a suffix")
     parser.add_argument("--fuse-linears", choices=FUSE_LINEARS, default="auto",
                         help="DSparkConfig(fuse_linears=...); not auto: files get a suffix")
+    parser.add_argument("--target", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a TargetConfig field (e.g. pdl=false); files get a suffix")
     args = parser.parse_args()
+    overrides, target_suffix, target_flags = target_overrides(args.target)
     if not torch.cuda.is_available():
         sys.exit("verify_step.py needs a GPU")
     os.makedirs(args.out, exist_ok=True)
     env = environment()
-    suffix = variant_suffix(args.group_linears, args.rotary, args.fuse_linears)
+    suffix = variant_suffix(args.group_linears, args.rotary, args.fuse_linears) + target_suffix
     env["group_linears"], env["rotary"] = args.group_linears, args.rotary
-    env["fuse_linears"] = args.fuse_linears
-    env["command"] += variant_flags(args.group_linears, args.rotary, args.fuse_linears)
+    env["fuse_linears"], env["target_overrides"] = args.fuse_linears, overrides
+    env["command"] += variant_flags(args.group_linears, args.rotary, args.fuse_linears) + \
+        target_flags
 
     def save(part: dict) -> None:
         with open(os.path.join(args.out, f"verify_step{suffix}.json"), "w") as f:

@@ -21,25 +21,33 @@ ARTIFACTS = {"cuda": ("ptx", "cubin"), "hip": ("amdgcn", "hsaco")}
 
 
 def compile_kernel(kernel, pointers: dict, constexprs: dict, target: str, options: dict,
-                   scalars: dict | None = None) -> list[str]:
+                   scalars: dict | None = None, asm: dict | None = None) -> list[str]:
     """Compile one ``@triton.jit`` kernel for ``target``; returns the artifact kinds made.
 
     ``pointers``: argument -> element type (``"bf16"``, ``"i32"``, ...); ``scalars``: argument ->
     type for non-i32 scalars (``"fp32"``); every other argument is an i32 scalar. Pointers and
-    strides are declared 16-aligned, as the JIT specialises them at real shapes.
+    strides are declared 16-aligned, as the JIT specialises them at real shapes. A kernel's
+    ``PDL`` constexpr, unless given, is the target's ``pdl``. ``asm``, if given, receives the
+    compiled text and binaries by kind (``ptx``, ``amdgcn``, ...).
     """
     import triton
     from triton.compiler import ASTSource
 
     from dspark_compile.lowering.targets import gpu_target
 
+    from dspark_compile.lowering.targets import TARGETS
+
     scalars = scalars or {}
+    if "PDL" in kernel.arg_names:  # launched with PDL where the target uses it, as at run time
+        constexprs = {"PDL": TARGETS[target].pdl, **constexprs}
     signature = {a: "constexpr" if a in constexprs else "*" + pointers[a] if a in pointers
                  else scalars.get(a, "i32") for a in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
              if a in pointers or a.startswith("stride_")}
     src = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
     compiled = triton.compile(src, target=gpu_target(target), options=options)
+    if asm is not None:
+        asm.update(compiled.asm)
     return sorted(kind for kind, blob in compiled.asm.items() if blob)
 
 

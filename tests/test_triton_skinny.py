@@ -188,13 +188,13 @@ def test_plan_tiles_and_split() -> None:
 AOT_CASES = {  # case -> constexprs
     "plain_m16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, PRO=0, HAS_BIAS=False,
                       HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False,
-                      SWAP=False),
+                      SWAP=False, PREFETCH_K=0),
     "rms_res_glu_split": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, PRO=2,
                               HAS_BIAS=True, HAS_RES=True, EVEN_N=False, EVEN_K=False,
-                              W_DESC=False, EPI_GLU=True, SWAP=False),
+                              W_DESC=False, EPI_GLU=True, SWAP=False, PREFETCH_K=0),
     "glu_m64_swap": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, PRO=1, HAS_BIAS=False,
                          HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False,
-                         SWAP=True),
+                         SWAP=True, PREFETCH_K=0),
 }
 
 
@@ -213,6 +213,13 @@ def _compile_all() -> dict:
             out.setdefault(case, {})[target] = compile_kernel(kernel, pointers, consts, target,
                                                               opts, scalars={"eps": "fp32"})
     out["pipelined_shared_bytes"] = _pipelined_shared(kernel, pointers)
+    asm: dict = {}
+    compile_kernel(kernel, pointers, {**AOT_CASES["rms_res_glu_split"], "PREFETCH_K": 512},
+                   "sm_90", {"num_warps": 4, "num_stages": 4}, scalars={"eps": "fp32"}, asm=asm)
+    ptx = asm["ptx"]
+    out["pdl_ptx"] = {op: ptx.find(op) for op in (
+        "cp.async.bulk.prefetch.L2", "griddepcontrol.wait", "griddepcontrol.launch_dependents",
+        "ld.global", "atom.global", "cp.async.c")}
     pro = triton_skinny._prologue_kernel
     pointers = {a: "bf16" for a in pro.arg_names if a.endswith("_ptr")}
     for target in TARGET_NAMES:
@@ -230,7 +237,7 @@ def _pipelined_shared(kernel, pointers: dict) -> int:
 
     from dspark_compile.lowering.targets import gpu_target
 
-    consts = dict(AOT_CASES["plain_m16"])
+    consts = dict(AOT_CASES["plain_m16"], PDL=True)
     signature = {a: "constexpr" if a in consts else "*" + pointers[a] if a in pointers
                  else "fp32" if a == "eps" else "i32" for a in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
@@ -238,6 +245,17 @@ def _pipelined_shared(kernel, pointers: dict) -> int:
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
     return triton.compile(src, target=gpu_target("sm_90"),
                           options={"num_warps": 4, "num_stages": 5}).metadata.shared
+
+
+def test_sm90_build_prefetches_then_waits_then_reads(compiled: dict) -> None:
+    """With PDL (sm_90) and a prefetch: the weight prefetches come before the wait for the
+    previous kernel, and every global load and atomic after it (lowering/pdl.py's contract)."""
+    at = compiled["pdl_ptx"]
+    assert all(at[op] >= 0 for op in at if op != "cp.async.c"), at
+    assert at["cp.async.bulk.prefetch.L2"] < at["griddepcontrol.wait"]
+    assert at["griddepcontrol.wait"] < at["griddepcontrol.launch_dependents"]
+    reads = [at["ld.global"], at["atom.global"]] + [at["cp.async.c"]] * (at["cp.async.c"] >= 0)
+    assert at["griddepcontrol.wait"] < min(reads)
 
 
 def test_k_loop_is_software_pipelined(compiled: dict) -> None:

@@ -106,6 +106,12 @@ class TargetConfig:
     tiles; the first operand may stay in registers) instead of the weight tile."""
     skinny_tma: bool = False
     """Load weight tiles through a tensor descriptor (TMA on sm_90) instead of pointers."""
+    skinny_prefetch_k: int = 0
+    """K (elements) of each of its weight rows a skinny program asks L2 for before it waits for
+    the kernel before it (with ``pdl``; 0: none)."""
+    pdl: bool = False
+    """Launch the lowering's kernels with programmatic dependent launch (``lowering/pdl.py``):
+    each may start while the one before it finishes. sm_90 and newer, CUDA only."""
 
 
 # H200 (sm_90), bf16, 16/8 heads, head 128, page 16, context 1024, verify width 8, CUDA-graph
@@ -142,7 +148,7 @@ TARGETS: dict[str, TargetConfig] = {
         attn_tile_n=32, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=3,
         attn_max_registers=128,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
-        default_sm_count=132,
+        default_sm_count=132, pdl=True,
     ),
     "gfx942": TargetConfig(
         name="gfx942", backend="hip", arch="gfx942", warp_size=64, fp32_dot_precision="ieee",

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_enter, pdl_options, use_pdl
 from .targets import TargetConfig, target_for_device
 
 __all__ = ["AttentionPlan", "plan_attention", "ragged_attention_triton"]
@@ -289,13 +290,16 @@ def _ragged_attention_kernel(
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, NEW_N: tl.constexpr, SEARCH: tl.constexpr,
         SEARCH_ONCE: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
-        MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+        MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+        PDL: tl.constexpr):
     """One (q-block, KV head, split): fused KV write, then attention over the paged context.
 
     ``FOLD`` (with ``SPLIT``): the last of a q-block's programs to finish merges the partials
     (:func:`_merge_splits`), so there is no reduce launch. It is found with a counter per
     (q-block, KV head) in ``counter_ptr``, which it sets back to 0 for the next launch.
+    ``PDL``: launched with programmatic dependent launch (``lowering/pdl.py``).
     """
+    pdl_enter(PDL)
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -359,9 +363,10 @@ def _split_reduce_kernel(out_ptr, part_acc_ptr, part_ml_ptr, query_start_loc_ptr
                          num_requests, num_splits, stride_out_tok, stride_out_head,
                          NUM_HEADS: tl.constexpr, HEADS_PAD: tl.constexpr,
                          HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
-                         MAX_SPLITS: tl.constexpr):
+                         MAX_SPLITS: tl.constexpr, PDL: tl.constexpr):
     """Merge the split partials of one token row ``[H, D]`` (:func:`_merge_splits`, as a
     folded launch does for its q-block); padding rows become zeros."""
+    pdl_enter(PDL)
     token = tl.program_id(0).to(tl.int64)
     offs_h = tl.arange(0, HEADS_PAD)
     offs_d = tl.arange(0, HEAD_DIM_PAD)
@@ -580,6 +585,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     hkv, page_size = k_cache.shape[2], k_cache.shape[1]
     cfg, sm_count = _device_target(q.device)
     cfg = config or cfg
+    pdl = use_pdl(q.device, cfg)
     plan = plan_attention(n, r, h, hkv, block_table.shape[1] * page_size,
                           max(1, max_query_len or n), cfg, sm_count, num_splits)
     if out is None:
@@ -609,11 +615,12 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
         SEARCH_ONCE=r + 1 <= plan.search, SPLIT=split, FOLD=counters is not None,
         MAX_SPLITS=max_splits, UPCAST=q.dtype != k_cache.dtype,
-        DOT_PRECISION=cfg.fp32_dot_precision,
-        num_warps=plan.num_warps, num_stages=cfg.attn_num_stages, **regs)
+        DOT_PRECISION=cfg.fp32_dot_precision, PDL=pdl,
+        num_warps=plan.num_warps, num_stages=cfg.attn_num_stages, **regs, **pdl_options(pdl))
     if split and counters is None:
         _split_reduce_kernel[(n,)](
             out, part_acc, part_ml, query_start_loc, n, r, plan.num_splits, out.stride(0),
             out.stride(1), NUM_HEADS=h, HEADS_PAD=triton.next_power_of_2(h), HEAD_DIM=d,
-            HEAD_DIM_PAD=d_pad, MAX_SPLITS=max_splits, num_warps=cfg.reduce_num_warps)
+            HEAD_DIM_PAD=d_pad, MAX_SPLITS=max_splits, PDL=pdl, num_warps=cfg.reduce_num_warps,
+            **pdl_options(pdl))
     return out

@@ -50,6 +50,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import pdl_enter, pdl_options, use_pdl
+from .targets import target_for_device
 from .triton_conv import device_sm_count
 
 __all__ = ["RotaryPlan", "plan_rotary", "rotary_triton", "rotary_apply_triton", "check_rotary"]
@@ -112,10 +114,12 @@ def _rotary_kernel(
         pos_stride_row, pos_stride_tok, cos_stride_tok, sin_stride_tok, scaling,
         HALF: tl.constexpr, HALF_PAD: tl.constexpr, BLOCK_N: tl.constexpr,
         BLOCK_H: tl.constexpr, MROPE: tl.constexpr, S0: tl.constexpr, S1: tl.constexpr,
-        S2: tl.constexpr, GIVEN: tl.constexpr):
+        S2: tl.constexpr, GIVEN: tl.constexpr, PDL: tl.constexpr):
     """``BLOCK_N`` tokens x ``BLOCK_H`` heads of q (head blocks first) or of k. ``GIVEN``: read
     ``cos``/``sin [N, D]`` as the model's rotary module made them (``dspark::rotary_apply``;
-    their two halves are read apart), else compute them from the positions."""
+    their two halves are read apart), else compute them from the positions. ``PDL``: launched
+    with programmatic dependent launch (``lowering/pdl.py``)."""
+    pdl_enter(PDL)
     dtype = out_q_ptr.dtype.element_ty
     tokens = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)).to(tl.int64)  # [BLOCK_N]
     tok_ok = tokens < num_tokens
@@ -301,12 +305,16 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         out_k.stride(0), out_k.stride(1), pos_row, positions.stride(-1), 0, 0,
         float(attention_scaling), HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2),
         BLOCK_N=plan.block_n, BLOCK_H=plan.block_h, MROPE=mode, S0=s0, S1=s1,
-        S2=(d // 2 - s0 - s1) if mode else 0, GIVEN=False, num_warps=plan.num_warps,
-        enable_fp_fusion=False)
+        S2=(d // 2 - s0 - s1) if mode else 0, GIVEN=False, PDL=_pdl(q.device),
+        num_warps=plan.num_warps, enable_fp_fusion=False, **pdl_options(_pdl(q.device)))
     return out_q, out_k
 
 
 _APPLY = "rotary_apply_triton"
+
+
+def _pdl(device: torch.device) -> bool:
+    return use_pdl(device, target_for_device(device))
 
 
 def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
@@ -341,6 +349,6 @@ def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
         x.stride(1), y.stride(0), y.stride(1), outs[0].stride(0), outs[0].stride(1),
         outs[1].stride(0), outs[1].stride(1), 0, 0, cos.stride(0), sin.stride(0), 1.0,
         HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), BLOCK_N=plan.block_n,
-        BLOCK_H=plan.block_h, MROPE=0, S0=0, S1=0, S2=0, GIVEN=True,
-        num_warps=plan.num_warps, enable_fp_fusion=False)
+        BLOCK_H=plan.block_h, MROPE=0, S0=0, S1=0, S2=0, GIVEN=True, PDL=_pdl(x.device),
+        num_warps=plan.num_warps, enable_fp_fusion=False, **pdl_options(_pdl(x.device)))
     return outs

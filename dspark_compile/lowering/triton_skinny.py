@@ -33,6 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .pdl import l2_prefetch, pdl_enter, pdl_options, use_pdl
 from .targets import TargetConfig
 from .triton_attention import _counters, _device_target
 
@@ -110,7 +111,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, PRO: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-                   W_DESC: tl.constexpr, EPI_GLU: tl.constexpr, SWAP: tl.constexpr):
+                   W_DESC: tl.constexpr, EPI_GLU: tl.constexpr, SWAP: tl.constexpr,
+                   PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
     """One (column tile, K split): ``w[cols, ks] @ a[:, ks].T``, then the epilogue or the
     split merge. ``a`` is ``x`` (``PRO`` 0), ``silu(x[:, k]) * x[:, glu_offset + k]`` (1), or
     ``gamma * h`` with ``h = x (+ residual)`` (2; the rows' sums of squares of ``h`` are kept
@@ -120,7 +122,10 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     ``EPI_GLU``: ``w`` is ``[2N, K]`` (gate rows, then up rows) and the output is
     ``silu(a @ gate.T) * (a @ up.T)``: each program also streams the up rows of its columns.
     ``SWAP``: the products are ``a @ w.T`` tiles (the activation tile as the dot's first operand,
-    which may stay in registers) and are transposed once after the loop."""
+    which may stay in registers) and are transposed once after the loop. ``PDL``: launched
+    with programmatic dependent launch (``lowering/pdl.py``); ``PREFETCH_K`` > 0: before
+    waiting for the kernel before it, the program asks L2 for the first ``PREFETCH_K`` of K of
+    each of its weight rows (16-bit ``w`` with 16-byte aligned rows, not ``W_DESC``)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -130,6 +135,13 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     m_ok = offs_m < m
     k_lo = split * k_per_split
     k_hi = tl.minimum(k, k_lo + k_per_split)
+    if PREFETCH_K > 0:  # the weight depends on no earlier kernel: ask for it before the wait
+        pf_rows = tl.minimum(offs_n, n - 1).to(tl.int64) * k + k_lo
+        pf_bytes = tl.minimum(PREFETCH_K, k_hi - k_lo) * 2
+        l2_prefetch(w_ptr + pf_rows, pf_bytes)
+        if EPI_GLU:
+            l2_prefetch(w_ptr + n * k + pf_rows, pf_bytes)
+    pdl_enter(PDL)
     if W_DESC:
         w_ptrs = w_ptr  # unused: the descriptor loads by coordinates
     else:
@@ -249,6 +261,9 @@ class SkinnyPlan:
     must be a multiple of 16 bytes, so only when ``K % 8 == 0``)."""
     swap: bool
     """Activation tile as the dot's first operand (``TargetConfig.skinny_swap``)."""
+    prefetch_k: int
+    """K of each weight row asked of L2 before the wait (``TargetConfig.skinny_prefetch_k``;
+    0 with ``tma`` or when ``K % 8``: the prefetch needs 16-byte aligned rows)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -256,7 +271,8 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
                 block_n: int | None = None, block_k: int | None = None,
                 split_k: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, tma: bool | None = None,
-                glu_out: bool = False, swap: bool | None = None) -> SkinnyPlan:
+                glu_out: bool = False, swap: bool | None = None,
+                prefetch_k: int | None = None) -> SkinnyPlan:
     """``BLOCK_M``: the smallest of 16 / 32 / 64 holding ``m``; ``BLOCK_N``, ``BLOCK_K``, warps
     and stages from ``cfg`` (stages cut while the pipeline would take more than
     ``cfg.skinny_max_smem``; ``glu_out`` streams two weight tiles an iteration). Split-K (a
@@ -278,19 +294,22 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
             split_k *= 2
     k_per_split = -(-(-(-k // split_k)) // block_k) * block_k  # a multiple of BLOCK_K
     split_k = -(-k // k_per_split)  # no empty split
+    tma = (cfg.skinny_tma if tma is None else tma) and k % 8 == 0
+    prefetch_k = cfg.skinny_prefetch_k if prefetch_k is None else prefetch_k
+    prefetch_k = 0 if tma or k % 8 or cfg.backend != "cuda" else min(prefetch_k, k_per_split)
     return SkinnyPlan(block_m, block_n, block_k, split_k, k_per_split, (tiles, split_k),
-                      num_warps or cfg.skinny_num_warps, num_stages,
-                      (cfg.skinny_tma if tma is None else tma) and k % 8 == 0,
-                      cfg.skinny_swap if swap is None else swap)
+                      num_warps or cfg.skinny_num_warps, num_stages, tma,
+                      cfg.skinny_swap if swap is None else swap, prefetch_k)
 
 
 @triton.jit
 def _prologue_kernel(x_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, k, stride_xm, stride_rm,
                      stride_hm, glu_offset, eps, PRO: tl.constexpr, HAS_RES: tl.constexpr,
-                     BLOCK_K: tl.constexpr):
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One row of the matmul input for rows past the skinny kernel's, the row held whole:
     ``silu(gate) * up`` (``PRO`` 1) or HF's RMSNorm ``gamma * dtype(h * rsqrt(mean(h^2) +
     eps))`` of ``h = x (+ residual, then stored)`` (2)."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
     ok = offs < k
@@ -369,12 +388,13 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     one launch of the skinny kernel (module docstring); more rows: the input in one Triton
     launch (``glu`` / ``gamma``), ``torch.mm`` (``addmm`` with a bias), and the output's SiLU in
     one more (``glu_out``): the launches Inductor would make. ``overrides`` (``block_n``,
-    ``block_k``, ``split_k``, ``num_warps``, ``num_stages``, ``tma``) are for the benchmark's
-    sweep. No host sync; CUDA-graph safe (a split launch takes its counters from the buffer of
+    ``block_k``, ``split_k``, ``num_warps``, ``num_stages``, ``tma``, ``swap``, ``prefetch_k``)
+    are for the benchmark's sweep. No host sync; CUDA-graph safe (a split launch takes its counters from the buffer of
     the current stream, made outside any capture by the first call)."""
     _check(x, w, bias, gamma, residual, glu, glu_out)
     cfg, sm_count = _device_target(x.device)
     cfg = config or cfg
+    pdl = use_pdl(x.device, cfg)
     m = x.shape[0]
     n, k = w.shape
     n_out = n // 2 if glu_out else n
@@ -386,12 +406,12 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         a = x
         if pro and m:
             a = x.new_empty((m, k))
-            _prologue(x, gamma, res_args, a, k, eps, pro, residual is not None)
+            _prologue(x, gamma, res_args, a, k, eps, pro, residual is not None, pdl)
         y = torch.mm(a, w.t()) if bias is None else torch.addmm(bias, a, w.t())
         if glu_out:
             out = x.new_empty((m, n_out))
             if m:
-                _prologue(y, None, (x, x, 0, 0), out, n_out, 0.0, 1)
+                _prologue(y, None, (x, x, 0, 0), out, n_out, 0.0, 1, pdl=pdl)
             y = out
         return y, h
     out = x.new_empty((m, n_out))
@@ -410,6 +430,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     part = (x.new_empty((split * (n_acc * n_out + plan.grid[0]) * plan.block_m,),
                         dtype=torch.float32) if split > 1 else out)
     w_arg = _descriptor(w, plan.block_n, plan.block_k) if plan.tma else w
+    prefetch_k = plan.prefetch_k if x.device.type == "cuda" and w.data_ptr() % 16 == 0 else 0
     _skinny_kernel[plan.grid](
         x, w_arg, bias if bias is not None else x, gamma if gamma is not None else x,
         res_args[0], res_args[1], out, part, counters if counters is not None else out,
@@ -418,15 +439,16 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         PRO=pro, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         EVEN_N=n_out % plan.block_n == 0,
         EVEN_K=k % plan.k_per_split == 0 and plan.k_per_split % plan.block_k == 0,
-        W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, num_warps=plan.num_warps,
-        num_stages=plan.num_stages)
+        W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, PREFETCH_K=prefetch_k,
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_options(pdl))
     return out, h
 
 
 def _prologue(x, gamma, res_args, out, k: int, eps: float, pro: int,
-              has_res: bool = False) -> None:
+              has_res: bool = False, pdl: bool = False) -> None:
     """``out [M, k]`` <- the matmul input of ``x``'s rows (``_prologue_kernel``)."""
     _prologue_kernel[(x.shape[0],)](
         x, gamma if gamma is not None else x, res_args[0], res_args[1], out, k, x.stride(0),
         res_args[2], res_args[3], k, eps, PRO=pro, HAS_RES=has_res,
-        BLOCK_K=max(16, triton.next_power_of_2(k)), num_warps=4 if k <= 4096 else 8)
+        BLOCK_K=max(16, triton.next_power_of_2(k)), PDL=pdl,
+        num_warps=4 if k <= 4096 else 8, **pdl_options(pdl))
