@@ -24,7 +24,6 @@ import torch
 import triton
 import triton.language as tl
 
-from dspark_compile.lowering.pdl import l2_prefetch_share
 from timing import graph_of
 
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
@@ -85,11 +84,10 @@ class Case:
     def x(self, m: int) -> torch.Tensor:
         return torch.randn(m, self.k, device="cuda", dtype=torch.bfloat16)
 
-    def calls(self, m: int, mode: str, nexts: list | None = None, **cfg) -> list:
+    def calls(self, m: int, mode: str, **cfg) -> list:
         """One call per weight copy with the fusion ``mode``: ``plain``, ``glu`` (SiLU-and-mul
         prologue), ``rms`` (RMSNorm prologue), ``rms_res`` (residual add + RMSNorm),
-        ``rms_res_glu`` (that, and a SiLU-and-mul epilogue over the gate and up halves).
-        ``nexts``: per weight copy, the ``prefetch_next`` of its call."""
+        ``rms_res_glu`` (that, and a SiLU-and-mul epilogue over the gate and up halves)."""
         from dspark_compile.lowering.triton_skinny import skinny_linear_triton
 
         x = torch.randn(m, 2 * self.k if mode == "glu" else self.k, device="cuda",
@@ -99,9 +97,7 @@ class Case:
             kw["gamma"] = torch.rand(self.k, device="cuda", dtype=torch.bfloat16) + 0.5
         if mode.startswith("rms_res"):
             kw["residual"] = torch.randn_like(x)
-        nexts = nexts or [None] * len(self.ws)
-        return [lambda w=w, nx=nx: skinny_linear_triton(x, w, prefetch_next=nx, **kw)
-                for w, nx in zip(self.ws, nexts)]
+        return [lambda w=w: skinny_linear_triton(x, w, **kw) for w in self.ws]
 
     def fused_us(self, m: int, mode: str, **cfg) -> float:
         """us per call with the fusion ``mode`` (:meth:`calls`)."""
@@ -132,52 +128,13 @@ LAYER = (("qkv", "rms_res"), ("o", "plain"), ("gate_up", "rms_res_glu"), ("down"
 """A fused layer's four matmuls, in order."""
 
 
-@triton.jit
-def _gap_kernel(next_ptr, next_bytes, NS: tl.constexpr, NEXT: tl.constexpr):
-    """A latency-bound stand-in for attention at a few tokens: ``NS`` ns of sleep per program,
-    after asking L2 for its share of ``next_bytes`` at ``next_ptr`` (``NEXT`` > 0)."""
-    if NEXT > 0:
-        l2_prefetch_share(next_ptr, next_bytes, tl.program_id(0), tl.num_programs(0), NEXT)
-    for _ in range(NS // 1000):
-        tl.inline_asm_elementwise("nanosleep.u32 1000; // $0 unused", "=r", [], dtype=tl.int32,
-                                  is_pure=False, pack=1)
-
-
-def layer_us(cases: dict, m: int, cross: int = 0, gap_ns: int = 0, gap_bytes: int = 0,
-             **cfg) -> float:
+def layer_us(cases: dict, m: int, **cfg) -> float:
     """us per layer of :data:`LAYER`'s four calls back to back, each on its own next weight
-    copy, in one CUDA graph (the boundaries between different kernels, as in a step).
-    ``cross``: each call asks L2 for the first ``cross`` bytes of the next call's weight.
-    ``gap_ns``: a :func:`_gap_kernel` of 128 programs after q+k+v (where attention runs),
-    asking L2 for the first ``gap_bytes`` of the o weight then gate+up (when > 0)."""
-    copies = max(len(cases[name].ws) for name, _ in LAYER) * 2
-    weights = [[cases[name].ws[i % len(cases[name].ws)] for name, _ in LAYER]
-               for i in range(copies)]
-    order = [w for layer in weights for w in layer]
-    nexts = {}  # id of a weight in the cycle -> the next one (a weight copy recurs: same next)
-    for i, w in enumerate(order):
-        nexts[(i % len(LAYER), w.data_ptr())] = order[(i + 1) % len(order)]
-    calls = []
-    for j, (name, mode) in enumerate(LAYER):
-        nx = [(nexts[(j, w.data_ptr())], cross) if cross else None for w in cases[name].ws]
-        calls.append(cases[name].calls(m, mode, nexts=nx, **cfg))
-    fns = []
-    for i in range(copies):
-        for j in range(len(LAYER)):
-            fns.append(calls[j][i % len(calls[j])])
-            if j == 0 and gap_ns:
-                o_w = weights[i][1]
-                gu = weights[i][2]
-                # o's weight, then gate+up's (which follows o in the step)
-                fns.append(lambda o_w=o_w: _gap_kernel[(128,)](
-                    o_w, min(gap_bytes, o_w.numel() * 2), NS=gap_ns, NEXT=128 if gap_bytes else 0,
-                    num_warps=4))
-                if gap_bytes > o_w.numel() * 2:
-                    rest = gap_bytes - o_w.numel() * 2
-                    fns.append(lambda gu=gu, rest=rest: _gap_kernel[(128,)](
-                        gu, min(rest, gu.numel() * 2), NS=1000, NEXT=128, num_warps=4))
-    per_layer = len(fns) / copies
-    return graph_us(fns, 4) * per_layer
+    copy, in one CUDA graph (the boundaries between different kernels, as in a step)."""
+    calls = [cases[name].calls(m, mode, **cfg) for name, mode in LAYER]
+    rounds = max(len(c) for c in calls) * 2
+    fns = [calls[j][i % len(calls[j])] for i in range(rounds) for j in range(len(LAYER))]
+    return graph_us(fns, 4) * len(LAYER)
 
 
 def main() -> None:
@@ -227,23 +184,15 @@ def main() -> None:
     if opts.pdl:
         report["environment"]["command"] += " --pdl"
         report["layer"] = []
-        mb = 2**20
         for m in (3, 24):
-            for pdl, prefetch, cross, gap_ns, gap_mb in (
-                    (True, 0, 0, 0, 0), (True, 0, 8 * mb, 0, 0), (True, 0, 16 * mb, 0, 0),
-                    (True, 0, 32 * mb, 0, 0), (True, 0, 0, 8000, 0), (True, 0, 0, 8000, 8),
-                    (True, 0, 0, 8000, 24), (True, 0, 0, 8000, 40),
-                    (True, 0, 16 * mb, 8000, 24), (False, 0, 0, 0, 0), (True, 0, 0, 0, 0)):
-                us = layer_us(cases, m, cross=cross, gap_ns=gap_ns, gap_bytes=gap_mb * mb,
-                              config=dataclasses.replace(kcfg, pdl=pdl), prefetch_k=prefetch)
-                row = dict(m=m, pdl=pdl, prefetch_k=prefetch, cross_mb=cross / mb,
-                           gap_ns=gap_ns, gap_prefetch_mb=gap_mb, layer_us=us)
+            for pdl, prefetch in ((False, 0), (True, 0), (False, 512), (True, 256), (True, 512),
+                                  (True, 1024), (True, 2048), (False, 0), (True, 0)):
+                us = layer_us(cases, m, config=dataclasses.replace(kcfg, pdl=pdl),
+                              prefetch_k=prefetch)
+                row = dict(m=m, pdl=pdl, prefetch_k=prefetch, layer_us=us)
                 report["layer"].append(row)
                 print(json.dumps(row), flush=True)
                 save()
-        gap = torch.empty(1, device="cuda")
-        report["gap_kernel_us"] = graph_us([lambda: _gap_kernel[(128,)](
-            gap, 0, NS=8000, NEXT=0, num_warps=4)], 64)
         report["seconds"] = time.perf_counter() - t0
         save()
         return

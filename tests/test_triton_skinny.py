@@ -188,13 +188,13 @@ def test_plan_tiles_and_split() -> None:
 AOT_CASES = {  # case -> constexprs
     "plain_m16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, PRO=0, HAS_BIAS=False,
                       HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False,
-                      SWAP=False, PREFETCH_K=0, NEXT=0),
+                      SWAP=False, PREFETCH_K=0),
     "rms_res_glu_split": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, PRO=2,
                               HAS_BIAS=True, HAS_RES=True, EVEN_N=False, EVEN_K=False,
-                              W_DESC=False, EPI_GLU=True, SWAP=False, PREFETCH_K=0, NEXT=0),
+                              W_DESC=False, EPI_GLU=True, SWAP=False, PREFETCH_K=0),
     "glu_m64_swap": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, PRO=1, HAS_BIAS=False,
                          HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False,
-                         SWAP=True, PREFETCH_K=0, NEXT=0),
+                         SWAP=True, PREFETCH_K=0),
 }
 
 
@@ -214,8 +214,7 @@ def _compile_all() -> dict:
                                                               opts, scalars={"eps": "fp32"})
     out["pipelined_shared_bytes"] = _pipelined_shared(kernel, pointers)
     asm: dict = {}
-    compile_kernel(kernel, pointers, {**AOT_CASES["rms_res_glu_split"], "PREFETCH_K": 512,
-                                         "NEXT": 128},
+    compile_kernel(kernel, pointers, {**AOT_CASES["rms_res_glu_split"], "PREFETCH_K": 512},
                    "sm_90", {"num_warps": 4, "num_stages": 4}, scalars={"eps": "fp32"}, asm=asm)
     ptx = asm["ptx"]
     out["pdl_ptx"] = {op: ptx.find(op) for op in (

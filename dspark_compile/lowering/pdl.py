@@ -30,7 +30,7 @@ import triton.language as tl
 
 from .targets import TargetConfig
 
-__all__ = ["pdl_enter", "l2_prefetch", "l2_prefetch_share", "use_pdl", "pdl_options"]
+__all__ = ["pdl_enter", "l2_prefetch", "use_pdl", "pdl_options"]
 
 
 @triton.jit
@@ -49,21 +49,6 @@ def l2_prefetch(ptrs, nbytes):
     size = tl.zeros(ptrs.shape, tl.int32) + nbytes
     tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0 unused",
                               "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
-
-
-@triton.jit
-def l2_prefetch_share(ptr, nbytes, program, programs, PIECES: tl.constexpr):
-    """This program's share of asking L2 for ``nbytes`` (a multiple of 16, at least 16) from
-    ``ptr`` (16-byte aligned), split over ``programs`` programs of ``PIECES`` threads, one bulk
-    prefetch per thread."""
-    piece = tl.cdiv(tl.cdiv(nbytes, programs * PIECES), 16) * 16
-    start = (program * PIECES + tl.arange(0, PIECES)).to(tl.int64) * piece
-    start = tl.minimum(start, nbytes - 16)  # past the end: the last 16 bytes again
-    size = tl.maximum(tl.minimum(nbytes - start, piece), 16).to(tl.int32)
-    base = ptr.to(tl.pointer_type(tl.int8))
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0 unused",
-                              "=r,l,r", [base + start, size], dtype=tl.int32, is_pure=False,
-                              pack=1)
 
 
 def use_pdl(device: torch.device, cfg: TargetConfig) -> bool:

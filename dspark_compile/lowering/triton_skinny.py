@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import l2_prefetch, l2_prefetch_share, pdl_enter, pdl_options, use_pdl
+from .pdl import l2_prefetch, pdl_enter, pdl_options, use_pdl
 from .targets import TargetConfig
 from .triton_attention import _counters, _device_target
 
@@ -106,13 +106,13 @@ def _prologue_tiles(x_ptrs, res_ptrs, gamma_ptr, kk, k_ok, m_ok, glu_offset, PRO
 
 @triton.jit(do_not_specialize=["m"])
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, part_ptr,
-                   counter_ptr, next_ptr, next_bytes, m, n, k, stride_xm, stride_rm,
-                   stride_hm, stride_om, k_per_split, glu_offset, eps,
+                   counter_ptr, m, n, k, stride_xm, stride_rm, stride_hm, stride_om,
+                   k_per_split, glu_offset, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, PRO: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    W_DESC: tl.constexpr, EPI_GLU: tl.constexpr, SWAP: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH_K: tl.constexpr, NEXT: tl.constexpr):
+                   PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
     """One (column tile, K split): ``w[cols, ks] @ a[:, ks].T``, then the epilogue or the
     split merge. ``a`` is ``x`` (``PRO`` 0), ``silu(x[:, k]) * x[:, glu_offset + k]`` (1), or
     ``gamma * h`` with ``h = x (+ residual)`` (2; the rows' sums of squares of ``h`` are kept
@@ -125,9 +125,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     which may stay in registers) and are transposed once after the loop. ``PDL``: launched
     with programmatic dependent launch (``lowering/pdl.py``); ``PREFETCH_K`` > 0: before
     waiting for the kernel before it, the program asks L2 for the first ``PREFETCH_K`` of K of
-    each of its weight rows (16-bit ``w`` with 16-byte aligned rows, not ``W_DESC``).
-    ``NEXT`` (threads per program): the programs share asking L2 for ``next_bytes`` from
-    ``next_ptr`` (a later kernel's weight) first."""
+    each of its weight rows (16-bit ``w`` with 16-byte aligned rows, not ``W_DESC``)."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -137,9 +135,6 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     m_ok = offs_m < m
     k_lo = split * k_per_split
     k_hi = tl.minimum(k, k_lo + k_per_split)
-    if NEXT > 0:
-        l2_prefetch_share(next_ptr, next_bytes, split * tl.num_programs(0) + tile,
-                          tl.num_programs(0) * SPLIT_K, NEXT)
     if PREFETCH_K > 0:  # the weight depends on no earlier kernel: ask for it before the wait
         pf_rows = tl.minimum(offs_n, n - 1).to(tl.int64) * k + k_lo
         pf_bytes = tl.minimum(PREFETCH_K, k_hi - k_lo) * 2
@@ -385,7 +380,6 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
                          gamma: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
                          residual: torch.Tensor | None = None, glu_out: bool = False,
                          config: TargetConfig | None = None,
-                         prefetch_next: tuple[torch.Tensor, int] | None = None,
                          **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, h)`` with ``y = a @ w.T + bias`` (``glu_out``: ``silu(y[:, :N]) * y[:, N:]`` of
     ``w [2N, K]``), where ``a`` is ``x``, or ``silu(x[:, :K]) * x[:, K:]`` (``glu``), or HF's
@@ -437,20 +431,15 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
                         dtype=torch.float32) if split > 1 else out)
     w_arg = _descriptor(w, plan.block_n, plan.block_k) if plan.tma else w
     prefetch_k = plan.prefetch_k if x.device.type == "cuda" and w.data_ptr() % 16 == 0 else 0
-    nxt, nxt_bytes = prefetch_next if prefetch_next is not None else (x, 0)
-    nxt_bytes = min(nxt_bytes, nxt.numel() * nxt.element_size()) // 16 * 16
-    use_next = (nxt_bytes >= 16 and nxt.data_ptr() % 16 == 0 and x.device.type == "cuda"
-                and cfg.backend == "cuda")
     _skinny_kernel[plan.grid](
         x, w_arg, bias if bias is not None else x, gamma if gamma is not None else x,
         res_args[0], res_args[1], out, part, counters if counters is not None else out,
-        nxt, nxt_bytes if use_next else 0, m, n_out, k, x.stride(0), res_args[2], res_args[3], out.stride(0), plan.k_per_split, k,
+        m, n_out, k, x.stride(0), res_args[2], res_args[3], out.stride(0), plan.k_per_split, k,
         eps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT_K=split,
         PRO=pro, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         EVEN_N=n_out % plan.block_n == 0,
         EVEN_K=k % plan.k_per_split == 0 and plan.k_per_split % plan.block_k == 0,
         W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, PREFETCH_K=prefetch_k,
-        NEXT=32 * plan.num_warps if use_next else 0,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_options(pdl))
     return out, h
 
