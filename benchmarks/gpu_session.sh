@@ -6,7 +6,7 @@
 #
 # Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
 # verify_step_off, verify_step_rotary, verify_step_nofuse, profile_small, skinny_rows,
-# skinny_fused, skinny_pdl, verify_step_nopdl, verify_quick, verify_quick_nopdl, profile_nopdl, tests_skinny, tests_pdl,
+# skinny_fused, skinny_pdl, skinny_split, verify_step_nopdl, verify_quick, verify_quick_nopdl, profile_nopdl, tests_skinny, tests_pdl,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # compile_cold, compile_warm,
 # hybrid_kernels, hybrid_step, rotary,
@@ -37,6 +37,7 @@ job() {
     skinny_rows) python3 benchmarks/skinny_kernel.py ;;
     skinny_fused) python3 benchmarks/skinny_kernel.py --fused-only ;;
     skinny_pdl) python3 benchmarks/skinny_kernel.py --pdl ;;
+    skinny_split) python3 benchmarks/skinny_kernel.py --split-sweep --budget-s 280 ;;
     verify_step_nopdl) python3 benchmarks/verify_step.py --target pdl=false ;;
     verify_quick) python3 benchmarks/verify_step.py --quick ;;
     verify_quick_nopdl) python3 benchmarks/verify_step.py --quick --target pdl=false ;;

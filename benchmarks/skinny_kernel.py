@@ -145,6 +145,9 @@ def main() -> None:
     ap.add_argument("--pdl", action="store_true",
                     help="only the layer chain with programmatic dependent launch on and off, "
                          "and L2 prefetch lengths")
+    ap.add_argument("--split-sweep", action="store_true",
+                    help="only a fused layer's four launches over column tile and split count "
+                         "(skinny_split_sweep.json)")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="stop the sweep after this many seconds (the rows so far are kept)")
     opts = ap.parse_args()
@@ -163,8 +166,9 @@ def main() -> None:
     cases = {name: Case(name) for name in SHAPES}
 
     def save():
-        (out / ("skinny_pdl.json" if opts.pdl else "skinny_kernel.json")).write_text(
-            json.dumps(report, indent=1))
+        name = ("skinny_pdl.json" if opts.pdl else "skinny_split_sweep.json"
+                if opts.split_sweep else "skinny_kernel.json")
+        (out / name).write_text(json.dumps(report, indent=1))
 
     kcfg = dataclasses.replace(cfg, skinny_max_m=max(ROWS))  # the kernel, not the fallback
 
@@ -192,6 +196,31 @@ def main() -> None:
                 row = dict(m=m, pdl=pdl, prefetch_k=prefetch, layer_us=us)
                 report["layer"].append(row)
                 print(json.dumps(row), flush=True)
+                save()
+        report["seconds"] = time.perf_counter() - t0
+        save()
+        return
+    if opts.split_sweep:
+        report["environment"]["command"] += " --split-sweep"
+        report["split_sweep"] = []
+        for m in (3, 24):
+            for name, mode in LAYER:
+                for block_n, split_k in itertools.product((32, 64, 128), (1, 2, 4, 8)):
+                    if time.perf_counter() - t0 > opts.budget_s:
+                        report["sweep_stopped"] = "budget"
+                        save()
+                        return
+                    c = dict(block_n=block_n, split_k=split_k)
+                    glu_out = mode.endswith("_glu")
+                    n_out = cases[name].n // (2 if glu_out else 1)
+                    plan = plan_skinny(m, n_out, cases[name].k, kcfg, sms, glu_out=glu_out, **c)
+                    us = (cases[name].ours(m, config=kcfg, **c)[0] if mode == "plain"
+                          else cases[name].fused_us(m, mode, config=kcfg, **c))
+                    default = plan_skinny(m, n_out, cases[name].k, kcfg, sms, glu_out=glu_out)
+                    row = dict(name=name, mode=mode, m=m, **c, stages=plan.num_stages,
+                               default=plan == default, us=us)
+                    report["split_sweep"].append(row)
+                    print(json.dumps(row), flush=True)
                 save()
         report["seconds"] = time.perf_counter() - t0
         save()

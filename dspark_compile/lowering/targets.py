@@ -132,6 +132,11 @@ class TargetConfig:
 #   tile 32, 3 stages   11.5 ->  9.2 / 19.4 -> 17.6  <- chosen (sm_90), with the fold
 # (16 splits: 9.3 / 21.6 folded). At bs 64 / 256 tile 32 with 3 stages ran 70.1 / 267 us
 # against 71.7 / 271 for tile 64 with 2 stages (above).
+# Those graph figures were captured on a stream other than the warm-up's, where a split launch
+# has no counters and merges in a reduce launch; captured on the warm-up's stream (as the tier
+# graphs are), with PDL, tile 32, 3 stages, folded (attention_small_sweep.json): bs 1 8.99 us
+# at 8 splits, 8.78 at 16; bs 8 17.49 at 5, 16.41 at 8. Hence the split count is rounded up to
+# a power of two (plan_attention): 8 at bs 1 and 8.
 # The sm_80 and AMD entries are untuned starting points (no A100 or MI300 was available):
 # 2 stages is what the AMD stream pipeliner is built around, and 4 wavefronts of 64 lanes
 # give 256 threads a program.
