@@ -6,7 +6,7 @@
 #
 # Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
 # verify_step_off, verify_step_rotary, verify_step_nofuse, profile_small, skinny_rows,
-# skinny_fused, skinny_pdl, skinny_split, verify_step_nopdl, verify_quick, verify_quick_nopdl, profile_nopdl, tests_skinny, tests_pdl,
+# skinny_fused, skinny_pdl, skinny_split, verify_step_nopdl, verify_quick, verify_quick_nopdl, profile_nopdl, tests_skinny, tests_pdl, tests_meta,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # compile_cold, compile_warm,
 # hybrid_kernels, hybrid_step, rotary,
@@ -43,6 +43,7 @@ job() {
     verify_quick_nopdl) python3 benchmarks/verify_step.py --quick --target pdl=false ;;
     profile_nopdl) python3 benchmarks/profile_step.py --bs 1 8 64 --target pdl=false ;;
     tests_skinny) python3 -m pytest -q -m gpu tests/test_triton_skinny.py -p no:cacheprovider ;;
+    tests_meta) python3 -m pytest -q tests/test_triton_metadata.py -p no:cacheprovider ;;
     tests_pdl) python3 -m pytest -q -m gpu tests/test_pdl.py tests/test_triton_skinny.py \
         -p no:cacheprovider ;;
     step_variants) python3 benchmarks/step_variants.py --profile ;;

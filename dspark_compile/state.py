@@ -103,7 +103,8 @@ class VerifierState:
 
     def device_metadata(self, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
                         slots: torch.Tensor, num_tokens: int,
-                        mrope_deltas: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                        mrope_deltas: torch.Tensor | None = None,
+                        triton: bool = False) -> dict[str, torch.Tensor]:
         """Per-row and per-request metadata of a packed batch, computed on the pool's device.
 
         Torch ops only, no host sync, so it runs inside a CUDA graph. Inputs may be padded:
@@ -111,8 +112,16 @@ class VerifierState:
         -1), and requests of length 0 read nothing. Returns ``positions [N]``, ``seq_lens [R]``,
         ``block_table [R, pages]`` and ``slot_mapping [N]``; with ``mrope_deltas [R]`` also
         ``mrope_positions [3, N]``: ``positions + mrope_deltas[request]`` in all three rows
-        (padding rows take delta 0).
+        (padding rows take delta 0). ``triton``: the same in one Triton launch
+        (``lowering/triton_metadata.py``; int32 inputs, as the layout and the tier buffers
+        hold them).
         """
+        if triton:
+            from .lowering.triton_metadata import device_metadata_triton
+
+            return device_metadata_triton(query_start_loc, context_lens, slots,
+                                          self.block_table, self.page_size, num_tokens,
+                                          mrope_deltas)
         qsl = query_start_loc.long()
         rows = torch.arange(num_tokens, device=qsl.device)
         # request of each row: the last request whose start is <= row.

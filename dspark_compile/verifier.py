@@ -99,6 +99,7 @@ class Verifier:
         self.config = config
         self.dtype = dtype
         self.device = device
+        self.lowering = lowering
         self.dense_graph_module = dense.gm
         self._dense_inputs = dense.inputs
         model = adapter.model
@@ -254,7 +255,8 @@ class Verifier:
         """The packed forward on device tensors (padded or not); no host sync unless a
         prefill passes explicit mRoPE positions or vision rows."""
         n = input_ids.shape[0]
-        values = state.device_metadata(query_start_loc, context_lens, slots, n, mrope_deltas)
+        values = state.device_metadata(query_start_loc, context_lens, slots, n, mrope_deltas,
+                                       triton=self.lowering == "triton")
         values["input_ids"] = input_ids
         if self.adapter.mrope is not None:
             if mrope_positions is not None:
