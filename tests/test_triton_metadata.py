@@ -9,6 +9,7 @@ import random
 
 import pytest
 import torch
+from aot import TARGET_NAMES, aot_tests, compile_kernel
 
 from dspark_compile.lowering import triton_metadata
 from dspark_compile.lowering.triton_metadata import device_metadata_triton
@@ -73,3 +74,25 @@ def test_inputs_are_checked_before_launch() -> None:
         device_metadata_triton(qsl[:2], ctx, ctx, state.block_table, 16, 3)
     with pytest.raises(ValueError, match="0 requests"):
         device_metadata_triton(qsl[:1], ctx[:0], ctx[:0], state.block_table, 16, 0)
+
+
+# --------------------------------------------------------------------------- ahead of time
+def _compile_all() -> dict:
+    pointers = {a: "i32" for a in triton_metadata._metadata_kernel.arg_names if a.endswith("_ptr")}
+    pointers.update(pos_ptr="i64", slot_map_ptr="i64", mpos_ptr="i64")
+    return {f"mrope_{mrope}": {target: compile_kernel(
+        triton_metadata._metadata_kernel, pointers,
+        dict(BLOCK_ROWS=triton_metadata.BLOCK_ROWS, BLOCK_REQS=triton_metadata.BLOCK_REQS,
+             CHUNK=triton_metadata.CHUNK, PAGES_PAD=128, MROPE=mrope), target,
+        {"num_warps": 4}) for target in TARGET_NAMES} for mrope in (False, True)}
+
+
+compiled, test_kernel_compiles_ahead_of_time = aot_tests(__file__, ["mrope_False", "mrope_True"])
+
+
+if __name__ == "__main__":
+    import json
+    import os
+
+    assert os.environ.get("TRITON_INTERPRET") != "1", "AOT compile needs TRITON_INTERPRET unset"
+    print(json.dumps(_compile_all()))

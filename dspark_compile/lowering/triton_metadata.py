@@ -34,6 +34,52 @@ CHUNK = 128
 
 
 @triton.jit
+def _row_metadata(qsl_ptr, ctx_ptr, slots_ptr, pool_table_ptr, delta_ptr, pos_ptr,
+                  slot_map_ptr, mpos_ptr, num_tokens, num_reqs, stride_pool, page_size, block,
+                  BLOCK_ROWS: tl.constexpr, CHUNK: tl.constexpr, MROPE: tl.constexpr):
+    """Positions, slot mapping (and mRoPE positions) of rows ``block * BLOCK_ROWS + ...``."""
+    rows = block * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
+    row_ok = rows < num_tokens
+    req = tl.zeros([BLOCK_ROWS], tl.int32)
+    for c in range(0, num_reqs, CHUNK):
+        i = c + tl.arange(0, CHUNK)
+        ends = tl.load(qsl_ptr + 1 + i, mask=i < num_reqs, other=2147483647)
+        req += tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), 1)
+    req = tl.minimum(req, num_reqs - 1)
+    valid = rows < tl.load(qsl_ptr + num_reqs)
+    start = tl.load(qsl_ptr + req, mask=row_ok, other=0)
+    ctx = tl.load(ctx_ptr + req, mask=row_ok, other=0)
+    pos = tl.where(valid, ctx.to(tl.int64) + rows - start, 0)
+    slot = tl.load(slots_ptr + req, mask=row_ok, other=0).to(tl.int64)
+    page = tl.load(pool_table_ptr + slot * stride_pool + pos // page_size,
+                   mask=row_ok & valid, other=0).to(tl.int64)
+    tl.store(pos_ptr + rows, pos, mask=row_ok)
+    tl.store(slot_map_ptr + rows, tl.where(valid, page * page_size + pos % page_size, -1),
+             mask=row_ok)
+    if MROPE:
+        delta = tl.load(delta_ptr + req, mask=row_ok & valid, other=0).to(tl.int64)
+        tl.store(mpos_ptr + rows, pos + delta, mask=row_ok)
+
+
+@triton.jit
+def _request_metadata(qsl_ptr, ctx_ptr, slots_ptr, pool_table_ptr, seq_lens_ptr, table_ptr,
+                      num_reqs, pages, stride_pool, block, BLOCK_REQS: tl.constexpr,
+                      PAGES_PAD: tl.constexpr):
+    """Seq lens and block-table rows of requests ``block * BLOCK_REQS + ...``."""
+    reqs = block * BLOCK_REQS + tl.arange(0, BLOCK_REQS)
+    req_ok = reqs < num_reqs
+    length = tl.load(qsl_ptr + reqs + 1, mask=req_ok, other=0) - \
+        tl.load(qsl_ptr + reqs, mask=req_ok, other=0)
+    tl.store(seq_lens_ptr + reqs, tl.load(ctx_ptr + reqs, mask=req_ok, other=0) + length,
+             mask=req_ok)
+    slot = tl.load(slots_ptr + reqs, mask=req_ok, other=0).to(tl.int64)
+    cols = tl.arange(0, PAGES_PAD)
+    ok = req_ok[:, None] & (cols < pages)[None, :]
+    row = tl.load(pool_table_ptr + slot[:, None] * stride_pool + cols[None, :], mask=ok)
+    tl.store(table_ptr + reqs[:, None].to(tl.int64) * pages + cols[None, :], row, mask=ok)
+
+
+@triton.jit
 def _metadata_kernel(qsl_ptr, ctx_ptr, slots_ptr, pool_table_ptr, delta_ptr, pos_ptr,
                      slot_map_ptr, mpos_ptr, seq_lens_ptr, table_ptr, num_tokens, num_reqs,
                      pages, stride_pool, page_size, row_programs,
@@ -42,40 +88,13 @@ def _metadata_kernel(qsl_ptr, ctx_ptr, slots_ptr, pool_table_ptr, delta_ptr, pos
     pdl_enter(PDL)
     pid = tl.program_id(0)
     if pid < row_programs:
-        rows = pid * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
-        row_ok = rows < num_tokens
-        req = tl.zeros([BLOCK_ROWS], tl.int32)
-        for c in range(0, num_reqs, CHUNK):
-            i = c + tl.arange(0, CHUNK)
-            ends = tl.load(qsl_ptr + 1 + i, mask=i < num_reqs, other=2147483647)
-            req += tl.sum((ends[None, :] <= rows[:, None]).to(tl.int32), 1)
-        req = tl.minimum(req, num_reqs - 1)
-        total = tl.load(qsl_ptr + num_reqs)
-        valid = rows < total
-        start = tl.load(qsl_ptr + req, mask=row_ok, other=0)
-        ctx = tl.load(ctx_ptr + req, mask=row_ok, other=0)
-        pos = tl.where(valid, ctx.to(tl.int64) + rows - start, 0)
-        slot = tl.load(slots_ptr + req, mask=row_ok, other=0).to(tl.int64)
-        page = tl.load(pool_table_ptr + slot * stride_pool + pos // page_size,
-                       mask=row_ok & valid, other=0).to(tl.int64)
-        tl.store(pos_ptr + rows, pos, mask=row_ok)
-        tl.store(slot_map_ptr + rows, tl.where(valid, page * page_size + pos % page_size, -1),
-                 mask=row_ok)
-        if MROPE:
-            delta = tl.load(delta_ptr + req, mask=row_ok & valid, other=0).to(tl.int64)
-            tl.store(mpos_ptr + rows, pos + delta, mask=row_ok)
+        _row_metadata(qsl_ptr, ctx_ptr, slots_ptr, pool_table_ptr, delta_ptr, pos_ptr,
+                      slot_map_ptr, mpos_ptr, num_tokens, num_reqs, stride_pool, page_size, pid,
+                      BLOCK_ROWS, CHUNK, MROPE)
     else:
-        reqs = (pid - row_programs) * BLOCK_REQS + tl.arange(0, BLOCK_REQS)
-        req_ok = reqs < num_reqs
-        starts = tl.load(qsl_ptr + reqs, mask=req_ok, other=0)
-        ends = tl.load(qsl_ptr + reqs + 1, mask=req_ok, other=0)
-        ctx = tl.load(ctx_ptr + reqs, mask=req_ok, other=0)
-        tl.store(seq_lens_ptr + reqs, ctx + ends - starts, mask=req_ok)
-        slot = tl.load(slots_ptr + reqs, mask=req_ok, other=0).to(tl.int64)
-        cols = tl.arange(0, PAGES_PAD)
-        ok = req_ok[:, None] & (cols < pages)[None, :]
-        row = tl.load(pool_table_ptr + slot[:, None] * stride_pool + cols[None, :], mask=ok)
-        tl.store(table_ptr + reqs[:, None].to(tl.int64) * pages + cols[None, :], row, mask=ok)
+        _request_metadata(qsl_ptr, ctx_ptr, slots_ptr, pool_table_ptr, seq_lens_ptr, table_ptr,
+                          num_reqs, pages, stride_pool, pid - row_programs, BLOCK_REQS,
+                          PAGES_PAD)
 
 
 def device_metadata_triton(query_start_loc: torch.Tensor, context_lens: torch.Tensor,
