@@ -87,6 +87,7 @@ def _check(args: dict, **over) -> tuple[torch.Tensor, torch.Tensor]:
     (1, 40, 200, {"block_k": 64, "block_n": 16}),             # N and K not tile multiples
     (20, 64, 512, {"split_k": 4, "block_n": 16}),             # 32-row tile, four splits
     (40, 48, 384, {"split_k": 3, "block_k": 64, "block_n": 32}),  # 64 rows, uneven last split
+    (5, 32, 640, {"block_k": 256, "num_stages": 3, "block_n": 16}),  # the LM head's K step
 ])
 @pytest.mark.parametrize("mode", MODES)
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -182,6 +183,13 @@ def test_plan_tiles_and_split() -> None:
     assert plan_skinny(64, 64, 256, cfg, 132).split_k == 1  # K too short to split
     assert plan_skinny(3, 64, 300, cfg, 132).tma is False or not cfg.skinny_tma
     assert plan_skinny(3, 64, 300, cfg, 132, tma=True).tma is False  # 600-byte rows: no TMA
+    head = plan_skinny(3, 32000, 2048, cfg, 132, rms=True)  # LM head with the final norm
+    assert (head.block_k, head.num_stages, head.split_k) == (
+        cfg.skinny_rms_block_k, cfg.skinny_rms_num_stages, 1)
+    assert plan_skinny(3, 32000, 2048, cfg, 132).block_k == cfg.skinny_block_k  # no prologue
+    assert plan_skinny(3, 4096, 2048, cfg, 132, rms=True).block_k == cfg.skinny_block_k  # split
+    assert plan_skinny(3, 8192, 2048, cfg, 132, rms=True, glu_out=True).block_k == \
+        cfg.skinny_block_k
 
 
 # --------------------------------------------------------------------------- ahead of time

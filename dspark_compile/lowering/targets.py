@@ -99,6 +99,14 @@ class TargetConfig:
     """Column tiles x K splits the skinny kernel aims for: about one per multiprocessor."""
     skinny_min_split_k: int = 512
     """Fewest K one split of the skinny kernel may get."""
+    skinny_rms_block_k: int = 256
+    """K per iteration of an unsplit skinny launch with the RMSNorm prologue (the LM head): the
+    prologue's work per iteration is paid over twice the bytes. H200, 32000x2048 with residual
+    add + norm: 34.4 us against 37.2 at M=3, 41.1 against 42.0 at M=24 (skinny_kernel.json,
+    fused); gate+up without the SiLU epilogue 18.6 against 19.8. Plain and split launches
+    measured slower with it (skinny_kernel_sweep.json)."""
+    skinny_rms_num_stages: int = 3
+    """Pipeline depth with ``skinny_rms_block_k`` (the measured configuration)."""
     skinny_max_smem: int = 210 * 1024
     """Shared memory the skinny kernel's pipeline may take (its stages are cut to fit)."""
     skinny_swap: bool = False

@@ -272,15 +272,20 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
                 split_k: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, tma: bool | None = None,
                 glu_out: bool = False, swap: bool | None = None,
-                prefetch_k: int | None = None) -> SkinnyPlan:
+                prefetch_k: int | None = None, rms: bool = False) -> SkinnyPlan:
     """``BLOCK_M``: the smallest of 16 / 32 / 64 holding ``m``; ``BLOCK_N``, ``BLOCK_K``, warps
     and stages from ``cfg`` (stages cut while the pipeline would take more than
     ``cfg.skinny_max_smem``; ``glu_out`` streams two weight tiles an iteration). Split-K (a
     power of two) while the column tiles x splits are fewer than ``cfg.skinny_min_programs``,
-    keeping at least ``cfg.skinny_min_split_k`` of K per split. The keyword arguments override
-    a choice (the benchmark's sweep)."""
+    keeping at least ``cfg.skinny_min_split_k`` of K per split. An RMSNorm prologue (``rms``)
+    without ``glu_out`` whose column tiles alone reach ``skinny_min_programs`` (no split: the
+    LM head) takes ``cfg.skinny_rms_block_k`` and ``skinny_rms_num_stages``. The keyword
+    arguments override a choice (the benchmark's sweep)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = block_n or cfg.skinny_block_n
+    if (rms and not glu_out and block_k is None and num_stages is None and split_k is None
+            and -(-n // block_n) >= cfg.skinny_min_programs):
+        block_k, num_stages = cfg.skinny_rms_block_k, cfg.skinny_rms_num_stages
     block_k = block_k or cfg.skinny_block_k
     num_stages = num_stages or cfg.skinny_num_stages
     w_rows = 2 * block_n if glu_out else block_n
@@ -419,11 +424,11 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         if residual is not None:
             torch.add(x, residual, out=h)
         return out, h
-    plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, **overrides)
+    plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, rms=pro == 2, **overrides)
     split = plan.split_k
     counters = _counters(x.device, plan.grid[0], _NO_COUNTERS) if split > 1 else None
     if split > 1 and counters is None:  # logged once by _counters
-        plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out,
+        plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, rms=pro == 2,
                            **{**overrides, "split_k": 1})
         split = 1
     n_acc = 2 if glu_out else 1
