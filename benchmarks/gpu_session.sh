@@ -6,7 +6,7 @@
 #
 # Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
 # verify_step_off, verify_step_rotary, verify_step_nofuse, profile_small, skinny_rows,
-# skinny_fused, skinny_pdl, skinny_split, verify_step_nopdl, verify_quick, verify_quick_nopdl, verify_quick_keys64, profile_nopdl, tests_skinny, tests_pdl, tests_meta,
+# skinny_fused, skinny_pdl, skinny_split, verify_step_nopdl, verify_quick, verify_quick_nopdl, verify_quick_keys64, profile_nopdl, tests_skinny, tests_pdl, tests_meta, tests_step,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # compile_cold, compile_warm,
 # hybrid_kernels, hybrid_step, rotary,
@@ -44,6 +44,8 @@ job() {
     verify_quick_keys64) python3 benchmarks/verify_step.py --quick --target split_min_keys=64 ;;
     profile_nopdl) python3 benchmarks/profile_step.py --bs 1 8 --target pdl=false ;;
     tests_skinny) python3 -m pytest -q -m gpu tests/test_triton_skinny.py -p no:cacheprovider ;;
+    tests_step) python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_pdl.py -p no:cacheprovider &&
+      python3 -m pytest -q tests/test_triton_metadata.py -k 'not ahead_of_time' -p no:cacheprovider ;;
     tests_meta) python3 -m pytest -q tests/test_triton_metadata.py -k 'not ahead_of_time' \
         -p no:cacheprovider ;;
     tests_pdl) python3 -m pytest -q -m gpu tests/test_pdl.py tests/test_triton_skinny.py \
