@@ -172,6 +172,12 @@ def main() -> None:
 
     kcfg = dataclasses.replace(cfg, skinny_max_m=max(ROWS))  # the kernel, not the fallback
 
+    def record(key: str, row: dict) -> None:
+        """A measured row into ``report[key]``, on stdout and (the rows so far) into the file."""
+        report.setdefault(key, []).append(row)
+        print(json.dumps(row), flush=True)
+        save()
+
     def fused(pairs, ms, variants) -> None:
         """Each (weight, mode) at each M and tile variant; past 64 rows the fallback path."""
         for name, mode in pairs:
@@ -179,30 +185,22 @@ def main() -> None:
                 for c in variants if m <= kcfg.skinny_max_m else ({},):
                     us = (cases[name].ours(m, config=kcfg, **c)[0] if mode == "plain"
                           else cases[name].fused_us(m, mode, config=kcfg, **c))
-                    row = dict(name=name, mode=mode, m=m, **c, us=us)
-                    report["fused"].append(row)
-                    print(json.dumps(row), flush=True)
-            save()
+                    record("fused", dict(name=name, mode=mode, m=m, **c, us=us))
 
     report["fused"] = []
     if opts.pdl:
         report["environment"]["command"] += " --pdl"
-        report["layer"] = []
         for m in (3, 24):
             for pdl, prefetch in ((False, 0), (True, 0), (False, 512), (True, 256), (True, 512),
                                   (True, 1024), (True, 2048), (False, 0), (True, 0)):
                 us = layer_us(cases, m, config=dataclasses.replace(kcfg, pdl=pdl),
                               prefetch_k=prefetch)
-                row = dict(m=m, pdl=pdl, prefetch_k=prefetch, layer_us=us)
-                report["layer"].append(row)
-                print(json.dumps(row), flush=True)
-                save()
+                record("layer", dict(m=m, pdl=pdl, prefetch_k=prefetch, layer_us=us))
         report["seconds"] = time.perf_counter() - t0
         save()
         return
     if opts.split_sweep:
         report["environment"]["command"] += " --split-sweep"
-        report["split_sweep"] = []
         for m in (3, 24):
             for name, mode in LAYER:
                 for block_n, split_k in itertools.product((32, 64, 128), (1, 2, 4, 8)):
@@ -213,15 +211,14 @@ def main() -> None:
                     c = dict(block_n=block_n, split_k=split_k)
                     glu_out = mode.endswith("_glu")
                     n_out = cases[name].n // (2 if glu_out else 1)
-                    plan = plan_skinny(m, n_out, cases[name].k, kcfg, sms, glu_out=glu_out, **c)
+                    kw = dict(glu_out=glu_out, rms=mode.startswith("rms"))
+                    plan = plan_skinny(m, n_out, cases[name].k, kcfg, sms, **kw, **c)
                     us = (cases[name].ours(m, config=kcfg, **c)[0] if mode == "plain"
                           else cases[name].fused_us(m, mode, config=kcfg, **c))
-                    default = plan_skinny(m, n_out, cases[name].k, kcfg, sms, glu_out=glu_out)
-                    row = dict(name=name, mode=mode, m=m, **c, stages=plan.num_stages,
-                               default=plan == default, us=us)
-                    report["split_sweep"].append(row)
-                    print(json.dumps(row), flush=True)
-                save()
+                    default = plan_skinny(m, n_out, cases[name].k, kcfg, sms, **kw)
+                    record("split_sweep", dict(name=name, mode=mode, m=m, **c,
+                                               stages=plan.num_stages,
+                                               default=plan == default, us=us))
         report["seconds"] = time.perf_counter() - t0
         save()
         return
