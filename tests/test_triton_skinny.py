@@ -130,6 +130,72 @@ def test_rows_past_the_kernel_take_the_input_launch_and_mm(mode) -> None:
         _check(_case(0, 32, 96, mode, glu_out, torch.float16), config=cfg)  # no rows
 
 
+def _rotary_inputs(m: int, d: int, dtype, seed: int = 1):
+    g = torch.Generator().manual_seed(seed)
+    ang = torch.rand(m, d // 2, generator=g) * 6
+    cos, sin = (torch.cat([f(ang)] * 2, 1).to(dtype).to(_device()) for f in (torch.cos, torch.sin))
+    return cos, sin
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("m, n, k, d, rot_cols, mode, over", [
+    (3, 128, 256, 16, 96, "rms_res", {}),                   # q 4 heads + k 2 heads, v after
+    (5, 96, 128, 16, 80, "plain", {"block_n": 32}),          # a tile half rotated, N uneven
+    (20, 256, 512, 32, 192, "rms", {"split_k": 4}),          # the split merge's epilogue
+    (2, 256, 128, 128, 128, "plain", {}),                    # a head of 128: 128-column tiles
+])
+def test_rotary_epilogue_equals_rotating_the_plain_output(m, n, k, d, rot_cols, mode,
+                                                           over) -> None:
+    """The epilogue rotates the rounded output with the reference op's roundings: bit for bit
+    what ``dspark::rotary_apply``'s math gives on the same kernel's plain output."""
+    from dspark_compile.lowering.ops import _rotate
+    from dspark_compile.lowering.triton_skinny import skinny_linear_triton
+
+    dtype = torch.float16
+    args = _case(m, n, k, mode, False, dtype)
+    cos, sin = _rotary_inputs(m, d, dtype)
+    plain, h = skinny_linear_triton(**args, **over)
+    got, got_h = skinny_linear_triton(**args, cos=cos, sin=sin, rot_cols=rot_cols, **over)
+    heads = plain[:, :rot_cols].unflatten(1, (-1, d))
+    want = torch.cat([_rotate(heads, cos, sin).flatten(1), plain[:, rot_cols:]], 1)
+    assert torch.equal(got, want) and torch.equal(got_h, h)
+
+
+@needs_kernel_device
+def test_rotary_past_the_kernel_rows_rotates_in_place() -> None:
+    from dspark_compile.lowering.ops import _rotate
+    from dspark_compile.lowering.targets import TARGETS
+    from dspark_compile.lowering.triton_skinny import skinny_linear_triton
+
+    cfg = dataclasses.replace(TARGETS["sm_90"], skinny_max_m=2)
+    args = _case(6, 64, 64, "rms_res", False, torch.float16)
+    cos, sin = _rotary_inputs(6, 16, torch.float16)
+    plain, _ = skinny_linear_triton(**args, config=cfg)
+    got, _ = skinny_linear_triton(**args, cos=cos, sin=sin, rot_cols=48, config=cfg)
+    want = torch.cat([_rotate(plain[:, :48].unflatten(1, (3, 16)), cos, sin).flatten(1),
+                      plain[:, 48:]], 1)
+    assert torch.equal(got, want)
+
+
+def test_rotary_epilogue_inputs_are_checked() -> None:
+    from dspark_compile.lowering.triton_skinny import plan_skinny, skinny_linear_triton
+    from dspark_compile.lowering.targets import TARGETS
+
+    args = _case(3, 64, 64, "plain", False, torch.float16)
+    cos, sin = _rotary_inputs(3, 16, torch.float16)
+    with pytest.raises(ValueError, match="rot_cols=40; it must be a multiple of the head dim 16"):
+        skinny_linear_triton(**args, cos=cos, sin=sin, rot_cols=40)
+    with pytest.raises(ValueError, match="cos is NoneType"):
+        skinny_linear_triton(**args, sin=sin, rot_cols=32)
+    with pytest.raises(ValueError, match="one power of two"):
+        skinny_linear_triton(**args, cos=cos[:, :12], sin=sin[:, :12], rot_cols=24)
+    glu = _case(3, 32, 64, "plain", True, torch.float16)
+    with pytest.raises(ValueError, match="with glu_out=True"):
+        skinny_linear_triton(**glu, cos=cos, sin=sin, rot_cols=32)
+    assert plan_skinny(3, 4096, 2048, TARGETS["sm_90"], 132, rot_d=128).block_n == 128
+    assert plan_skinny(3, 96, 64, TARGETS["sm_90"], 132, rot_d=16).block_n == 64
+
+
 @needs_kernel_device
 def test_split_counters_are_left_at_zero() -> None:
     from dspark_compile.lowering import triton_attention
@@ -196,13 +262,19 @@ def test_plan_tiles_and_split() -> None:
 AOT_CASES = {  # case -> constexprs
     "plain_m16": dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, PRO=0, HAS_BIAS=False,
                       HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False,
-                      SWAP=False, PREFETCH_K=0),
+                      SWAP=False, PREFETCH_K=0, ROT_D=0),
     "rms_res_glu_split": dict(BLOCK_M=32, BLOCK_N=64, BLOCK_K=128, SPLIT_K=4, PRO=2,
                               HAS_BIAS=True, HAS_RES=True, EVEN_N=False, EVEN_K=False,
-                              W_DESC=False, EPI_GLU=True, SWAP=False, PREFETCH_K=0),
+                              W_DESC=False, EPI_GLU=True, SWAP=False, PREFETCH_K=0,
+                              ROT_D=0),
     "glu_m64_swap": dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT_K=2, PRO=1, HAS_BIAS=False,
                          HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False,
-                         SWAP=True, PREFETCH_K=0),
+                         SWAP=True, PREFETCH_K=0, ROT_D=0),
+    # q/k/v with the residual add + norm and the q/k rotation in the epilogue (heads of 128)
+    "rms_res_rope_split": dict(BLOCK_M=16, BLOCK_N=128, BLOCK_K=128, SPLIT_K=2, PRO=2,
+                               HAS_BIAS=False, HAS_RES=True, EVEN_N=True, EVEN_K=True,
+                               W_DESC=False, EPI_GLU=False, SWAP=False, PREFETCH_K=0,
+                               ROT_D=128),
 }
 
 

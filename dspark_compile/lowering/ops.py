@@ -142,12 +142,16 @@ def _(x, y, cos, sin):
 def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                   gamma: Optional[torch.Tensor], eps: float, glu: bool,
                   residual: Optional[torch.Tensor],
-                  glu_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                  glu_out: bool, cos: Optional[torch.Tensor] = None,
+                  sin: Optional[torch.Tensor] = None,
+                  rot_cols: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, h)``: ``y = a @ w.T + bias`` (``glu_out``: ``silu(y[:, :N]) * y[:, N:]`` of
     ``w [2N, K]``) with ``a`` = ``x``, or ``silu(x[:, :K]) * x[:, K:]`` (``glu``), or HF's
     RMSNorm by ``gamma`` and ``eps`` of ``h = x + residual`` (or of ``x``); ``h`` is returned
-    when a residual is given, else an empty tensor (``lowering/fuse_linear.py``). The reference
-    is the ops the model's graph ran, in order."""
+    when a residual is given, else an empty tensor (``lowering/fuse_linear.py``). With
+    ``rot_cols`` > 0, the first ``rot_cols`` columns of ``y`` are heads of ``D =
+    cos.shape[1]`` rotated as ``dspark::rotary_apply`` does with ``cos``/``sin [M, D]``
+    (``fuse_rotary_epilogue``). The reference is the ops the model's graph ran, in order."""
     k = w.shape[1]
     h = x.new_empty((0,))
     if glu:
@@ -163,10 +167,14 @@ def skinny_linear(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor]
     if glu_out:
         n = w.shape[0] // 2
         y = torch.nn.functional.silu(y[:, :n]) * y[:, n:]
+    if rot_cols:
+        heads = y[:, :rot_cols].unflatten(1, (-1, cos.shape[1]))
+        y = torch.cat([_rotate(heads, cos, sin).flatten(1), y[:, rot_cols:]], 1)
     return y, h
 
 
-def _skinny_fake(x, w, bias, gamma, eps, glu, residual, glu_out):
+def _skinny_fake(x, w, bias, gamma, eps, glu, residual, glu_out, cos=None, sin=None,
+                 rot_cols=0):
     n = w.shape[0] // 2 if glu_out else w.shape[0]
     return (x.new_empty((x.shape[0], n)),
             x.new_empty(tuple(x.shape) if residual is not None else (0,)))
@@ -180,11 +188,14 @@ skinny_linear.register_fake(_skinny_fake)
 def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
                          gamma: Optional[torch.Tensor], eps: float, glu: bool,
                          residual: Optional[torch.Tensor],
-                         glu_out: bool) -> tuple[torch.Tensor, torch.Tensor]:
+                         glu_out: bool, cos: Optional[torch.Tensor] = None,
+                         sin: Optional[torch.Tensor] = None,
+                         rot_cols: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """``dspark::skinny_linear`` lowered to Triton (one launch at a verify step's few rows)."""
     from .triton_skinny import skinny_linear_triton as kernel  # needs a GPU driver
 
-    return kernel(x, w, bias, gamma, eps, glu, residual, glu_out)
+    return kernel(x, w, bias, gamma, eps, glu, residual, glu_out, cos=cos, sin=sin,
+                  rot_cols=rot_cols)
 
 
 skinny_linear_triton.register_fake(_skinny_fake)

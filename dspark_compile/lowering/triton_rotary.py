@@ -318,12 +318,13 @@ def _pdl(device: torch.device) -> bool:
 
 
 def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
-                        sin: torch.Tensor) -> list[torch.Tensor]:
+                        sin: torch.Tensor, out: list | None = None) -> list[torch.Tensor]:
     """Triton ``dspark::rotary_apply``: ``[x * cos + rotate_half(x) * sin, the same for y]``
     for a layer's q ``x [N, Hx, D]`` and k ``y [N, Hy, D]`` (any strides with a dense last dim)
     with ``cos``/``sin [N, D]`` as the model's rotary module made them; contiguous outputs in
     the inputs' dtype, with HF eager's roundings (the reference op's). One launch, no host
-    sync."""
+    sync. ``out``: ``[x_out, y_out]`` to write instead (each may be its input itself: every
+    program reads its tile before writing it; the skinny matmul's rotary past its rows)."""
     for name, t, dims in (("x", x, 3), ("y", y, 3), ("cos", cos, 2), ("sin", sin, 2)):
         if not isinstance(t, torch.Tensor) or t.dim() != dims or t.stride(-1) != 1:
             raise _fail(name, _desc(t), f"it must be a {dims}-D tensor with a dense last dim",
@@ -337,7 +338,11 @@ def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
     if cos.shape != (n, d) or sin.shape != (n, d):
         raise _fail("cos/sin", f"{tuple(cos.shape)} / {tuple(sin.shape)}",
                     f"both must be [N, D] = {(n, d)}", _APPLY)
-    outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (x, y)]
+    outs = [torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (x, y)] \
+        if out is None else list(out)
+    for t, o in zip((x, y), outs):
+        if o.shape != t.shape or o.dtype != t.dtype or o.stride(-1) != 1:
+            raise _fail("out", _desc(o), f"each must be like its input {_desc(t)}", _APPLY)
     if n == 0:
         return outs
     hy = y.shape[1]

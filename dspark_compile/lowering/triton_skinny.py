@@ -36,6 +36,7 @@ import triton.language as tl
 from .pdl import l2_prefetch, pdl_enter, pdl_options, use_pdl
 from .targets import TargetConfig
 from .triton_attention import _counters, _device_target
+from .triton_rotary import _round
 
 __all__ = ["SkinnyPlan", "plan_skinny", "skinny_linear_triton"]
 
@@ -48,12 +49,41 @@ def _silu_mul(g, u):
 
 
 @triton.jit
+def _rotate_heads(acc, cos_ptr, sin_ptr, stride_cos, stride_sin, offs_m, m_ok, col0, rot_cols,
+                  dtype: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+                  ROT_D: tl.constexpr):
+    """``acc [BLOCK_N, BLOCK_M]`` (columns ``col0 ..``, whole heads of ``ROT_D``) rounded to
+    ``dtype``, each head before ``rot_cols`` rotated as HF does in ``dtype`` (``x * cos +
+    rotate_half(x) * sin``, each product rounded, then the sum); kept in fp32."""
+    HEADS: tl.constexpr = BLOCK_N // ROT_D
+    HALF: tl.constexpr = ROT_D // 2
+    y = _round(acc, dtype)
+    x1, x2 = tl.split(tl.permute(tl.reshape(y, [HEADS, 2, HALF, BLOCK_M]), [0, 2, 3, 1]))
+    j = tl.arange(0, HALF)
+    rows = offs_m[None, None, :].to(tl.int64)
+    ok = m_ok[None, None, :]
+    c_ptrs = cos_ptr + rows * stride_cos + j[None, :, None]  # [1, HALF, BLOCK_M]
+    s_ptrs = sin_ptr + rows * stride_sin + j[None, :, None]
+    c1 = tl.load(c_ptrs, mask=ok, other=0.0).to(tl.float32)
+    c2 = tl.load(c_ptrs + HALF, mask=ok, other=0.0).to(tl.float32)
+    s1 = tl.load(s_ptrs, mask=ok, other=0.0).to(tl.float32)
+    s2 = tl.load(s_ptrs + HALF, mask=ok, other=0.0).to(tl.float32)
+    o1 = _round(_round(x1 * c1, dtype) - _round(x2 * s1, dtype), dtype)
+    o2 = _round(_round(x2 * c2, dtype) + _round(x1 * s2, dtype), dtype)
+    rot = (col0 + tl.arange(0, HEADS) * ROT_D < rot_cols)[:, None, None]
+    o = tl.join(tl.where(rot, o1, x1), tl.where(rot, o2, x2))  # [HEADS, HALF, BLOCK_M, 2]
+    return tl.reshape(tl.permute(o, [0, 3, 1, 2]), [BLOCK_N, BLOCK_M])
+
+
+@triton.jit
 def _skinny_epilogue(acc, acc_u, ssq, k, eps, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok,
-                     stride_om, n, PRO: tl.constexpr, HAS_BIAS: tl.constexpr,
-                     EPI_GLU: tl.constexpr):
+                     stride_om, n, cos_ptr, sin_ptr, stride_cos, stride_sin, col0, rot_cols,
+                     PRO: tl.constexpr, HAS_BIAS: tl.constexpr, EPI_GLU: tl.constexpr,
+                     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, ROT_D: tl.constexpr):
     """``acc [BLOCK_N, BLOCK_M]`` (RMS: times each row's ``rsqrt(ssq / K + eps)``; + bias;
-    ``EPI_GLU``: ``silu(acc) * acc_u``, ``acc_u`` the up rows' product treated the same) stored
-    transposed into ``out [M, N]``, rounded once."""
+    ``EPI_GLU``: ``silu(acc) * acc_u``, ``acc_u`` the up rows' product treated the same;
+    ``ROT_D``: heads before ``rot_cols`` rotated, :func:`_rotate_heads`) stored transposed into
+    ``out [M, N]``, rounded once."""
     if PRO == 2:
         rstd = tl.rsqrt(ssq / k + eps)[None, :]
         acc = acc * rstd
@@ -65,6 +95,11 @@ def _skinny_epilogue(acc, acc_u, ssq, k, eps, bias_ptr, out_ptr, offs_n, offs_m,
             acc_u += tl.load(bias_ptr + n + offs_n, mask=n_ok, other=0.0).to(tl.float32)[:, None]
     if EPI_GLU:
         acc = _silu_mul(acc, acc_u)
+    if ROT_D > 0:
+        if col0 < rot_cols:
+            acc = _rotate_heads(acc, cos_ptr, sin_ptr, stride_cos, stride_sin, offs_m, m_ok,
+                                col0, rot_cols, out_ptr.dtype.element_ty, BLOCK_N, BLOCK_M,
+                                ROT_D)
     ptrs = out_ptr + offs_m[None, :].to(tl.int64) * stride_om + offs_n[:, None]
     tl.store(ptrs, acc.to(out_ptr.dtype.element_ty), mask=n_ok[:, None] & m_ok[None, :])
 
@@ -106,13 +141,13 @@ def _prologue_tiles(x_ptrs, res_ptrs, gamma_ptr, kk, k_ok, m_ok, glu_offset, PRO
 
 @triton.jit(do_not_specialize=["m"])
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, part_ptr,
-                   counter_ptr, m, n, k, stride_xm, stride_rm, stride_hm, stride_om,
-                   k_per_split, glu_offset, eps,
+                   counter_ptr, cos_ptr, sin_ptr, m, n, k, stride_xm, stride_rm, stride_hm,
+                   stride_om, stride_cos, stride_sin, rot_cols, k_per_split, glu_offset, eps,
                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                    SPLIT_K: tl.constexpr, PRO: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    W_DESC: tl.constexpr, EPI_GLU: tl.constexpr, SWAP: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH_K: tl.constexpr):
+                   PDL: tl.constexpr, PREFETCH_K: tl.constexpr, ROT_D: tl.constexpr):
     """One (column tile, K split): ``w[cols, ks] @ a[:, ks].T``, then the epilogue or the
     split merge. ``a`` is ``x`` (``PRO`` 0), ``silu(x[:, k]) * x[:, glu_offset + k]`` (1), or
     ``gamma * h`` with ``h = x (+ residual)`` (2; the rows' sums of squares of ``h`` are kept
@@ -125,7 +160,9 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     which may stay in registers) and are transposed once after the loop. ``PDL``: launched
     with programmatic dependent launch (``lowering/pdl.py``); ``PREFETCH_K`` > 0: before
     waiting for the kernel before it, the program asks L2 for the first ``PREFETCH_K`` of K of
-    each of its weight rows (16-bit ``w`` with 16-byte aligned rows, not ``W_DESC``)."""
+    each of its weight rows (16-bit ``w`` with 16-byte aligned rows, not ``W_DESC``).
+    ``ROT_D`` > 0: the output's first ``rot_cols`` columns are heads of ``ROT_D`` (``BLOCK_N``
+    a multiple of it), rotated in the epilogue with ``cos``/``sin [M, ROT_D]``."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -211,7 +248,9 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
         acc_u = tl.trans(acc_u)
     if SPLIT_K == 1:
         _skinny_epilogue(acc, acc_u, ssq, k, eps, bias_ptr, out_ptr, offs_n, offs_m, n_ok, m_ok,
-                         stride_om, n, PRO, HAS_BIAS, EPI_GLU)
+                         stride_om, n, cos_ptr, sin_ptr, stride_cos, stride_sin,
+                         tile * BLOCK_N, rot_cols, PRO, HAS_BIAS, EPI_GLU, BLOCK_N, BLOCK_M,
+                         ROT_D)
     else:
         # fp32 partials [SPLIT_K, N_ACC, N, BLOCK_M] (N_ACC = 2 with EPI_GLU), then for RMS
         # the sums of squares [tiles, SPLIT_K, BLOCK_M]; the tile's last program sums them in
@@ -241,7 +280,9 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
                 if PRO == 2:
                     ssq_total += tl.load(ssq_ptr + s * BLOCK_M + offs_m, cache_modifier=".cg")
             _skinny_epilogue(total, total_u, ssq_total, k, eps, bias_ptr, out_ptr, offs_n,
-                             offs_m, n_ok, m_ok, stride_om, n, PRO, HAS_BIAS, EPI_GLU)
+                             offs_m, n_ok, m_ok, stride_om, n, cos_ptr, sin_ptr, stride_cos,
+                             stride_sin, tile * BLOCK_N, rot_cols, PRO, HAS_BIAS, EPI_GLU,
+                             BLOCK_N, BLOCK_M, ROT_D)
 
 
 @dataclass(frozen=True)
@@ -272,17 +313,21 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
                 split_k: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, tma: bool | None = None,
                 glu_out: bool = False, swap: bool | None = None,
-                prefetch_k: int | None = None, rms: bool = False) -> SkinnyPlan:
+                prefetch_k: int | None = None, rms: bool = False,
+                rot_d: int = 0) -> SkinnyPlan:
     """``BLOCK_M``: the smallest of 16 / 32 / 64 holding ``m``; ``BLOCK_N``, ``BLOCK_K``, warps
     and stages from ``cfg`` (stages cut while the pipeline would take more than
     ``cfg.skinny_max_smem``; ``glu_out`` streams two weight tiles an iteration). Split-K (a
     power of two) while the column tiles x splits are fewer than ``cfg.skinny_min_programs``,
     keeping at least ``cfg.skinny_min_split_k`` of K per split. An RMSNorm prologue (``rms``)
     without ``glu_out`` whose column tiles alone reach ``skinny_min_programs`` (no split: the
-    LM head) takes ``cfg.skinny_rms_block_k`` and ``skinny_rms_num_stages``. The keyword
-    arguments override a choice (the benchmark's sweep)."""
+    LM head) takes ``cfg.skinny_rms_block_k`` and ``skinny_rms_num_stages``. A rotary epilogue
+    over heads of ``rot_d`` makes ``BLOCK_N`` a multiple of ``rot_d`` (whole heads a tile). The
+    keyword arguments override a choice (the benchmark's sweep)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = block_n or cfg.skinny_block_n
+    if rot_d:
+        block_n = -(-block_n // rot_d) * rot_d
     if (rms and not glu_out and block_k is None and num_stages is None and split_k is None
             and -(-n // block_n) >= cfg.skinny_min_programs):
         block_k, num_stages = cfg.skinny_rms_block_k, cfg.skinny_rms_num_stages
@@ -381,10 +426,32 @@ def _check(x, w, bias, gamma, residual, glu: bool, glu_out: bool) -> None:
         _fail("residual given without gamma; the residual add is fused only before a norm")
 
 
+def _check_rot(x, w, cos, sin, rot_cols: int, glu_out: bool) -> int:
+    """Head dim of a rotary epilogue (0: none), after checking its inputs."""
+    if not rot_cols:
+        return 0
+    if glu_out:
+        _fail(f"rot_cols={rot_cols} with glu_out=True; the rotary epilogue is for q/k columns")
+    for name, t in (("cos", cos), ("sin", sin)):
+        if (not isinstance(t, torch.Tensor) or t.dim() != 2 or t.shape[0] != x.shape[0]
+                or t.dtype != x.dtype or t.device != x.device or t.stride(-1) != 1):
+            _fail(f"{name} is {_desc(t)}; with rot_cols={rot_cols} it must be [M={x.shape[0]}, "
+                  f"D] of x's dtype {x.dtype} on {x.device} with a dense last dim")
+    d = cos.shape[1]
+    if sin.shape[1] != d or d < 2 or d & (d - 1):
+        _fail(f"cos/sin are {tuple(cos.shape)} / {tuple(sin.shape)}; the head dim must be one "
+              "power of two (>= 2) for both")
+    if rot_cols < 0 or rot_cols % d or rot_cols > w.shape[0]:
+        _fail(f"rot_cols={rot_cols}; it must be a multiple of the head dim {d} and at most the "
+              f"{w.shape[0]} output columns")
+    return d
+
+
 def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
                          gamma: torch.Tensor | None = None, eps: float = 0.0, glu: bool = False,
                          residual: torch.Tensor | None = None, glu_out: bool = False,
-                         config: TargetConfig | None = None,
+                         config: TargetConfig | None = None, cos: torch.Tensor | None = None,
+                         sin: torch.Tensor | None = None, rot_cols: int = 0,
                          **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, h)`` with ``y = a @ w.T + bias`` (``glu_out``: ``silu(y[:, :N]) * y[:, N:]`` of
     ``w [2N, K]``), where ``a`` is ``x``, or ``silu(x[:, :K]) * x[:, K:]`` (``glu``), or HF's
@@ -392,11 +459,15 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     returned when a residual is given (else an empty tensor). Up to ``cfg.skinny_max_m`` rows:
     one launch of the skinny kernel (module docstring); more rows: the input in one Triton
     launch (``glu`` / ``gamma``), ``torch.mm`` (``addmm`` with a bias), and the output's SiLU in
-    one more (``glu_out``): the launches Inductor would make. ``overrides`` (``block_n``,
+    one more (``glu_out``): the launches Inductor would make. ``rot_cols`` > 0: the first
+    ``rot_cols`` output columns are heads rotated with ``cos``/``sin [M, D]`` as
+    ``dspark::rotary_apply`` does (in the epilogue; past ``skinny_max_m`` rows, in place by the
+    rotary kernel). ``overrides`` (``block_n``,
     ``block_k``, ``split_k``, ``num_warps``, ``num_stages``, ``tma``, ``swap``, ``prefetch_k``)
     are for the benchmark's sweep. No host sync; CUDA-graph safe (a split launch takes its counters from the buffer of
     the current stream, made outside any capture by the first call)."""
     _check(x, w, bias, gamma, residual, glu, glu_out)
+    rot_d = _check_rot(x, w, cos, sin, rot_cols, glu_out)
     cfg, sm_count = _device_target(x.device)
     cfg = config or cfg
     pdl = use_pdl(x.device, cfg)
@@ -418,18 +489,24 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
             if m:
                 _prologue(y, None, (x, x, 0, 0), out, n_out, 0.0, 1, pdl=pdl)
             y = out
+        if rot_d and m:
+            from .triton_rotary import rotary_apply_triton
+
+            heads = y[:, :rot_cols].unflatten(1, (-1, rot_d))
+            rotary_apply_triton(heads, heads[:, :0], cos, sin, out=[heads, heads[:, :0]])
         return y, h
     out = x.new_empty((m, n_out))
     if m == 0 or n == 0:
         if residual is not None:
             torch.add(x, residual, out=h)
         return out, h
-    plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, rms=pro == 2, **overrides)
+    plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, rms=pro == 2, rot_d=rot_d,
+                       **overrides)
     split = plan.split_k
     counters = _counters(x.device, plan.grid[0], _NO_COUNTERS) if split > 1 else None
     if split > 1 and counters is None:  # logged once by _counters
         plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, rms=pro == 2,
-                           **{**overrides, "split_k": 1})
+                           rot_d=rot_d, **{**overrides, "split_k": 1})
         split = 1
     n_acc = 2 if glu_out else 1
     part = (x.new_empty((split * (n_acc * n_out + plan.grid[0]) * plan.block_m,),
@@ -439,12 +516,13 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     _skinny_kernel[plan.grid](
         x, w_arg, bias if bias is not None else x, gamma if gamma is not None else x,
         res_args[0], res_args[1], out, part, counters if counters is not None else out,
-        m, n_out, k, x.stride(0), res_args[2], res_args[3], out.stride(0), plan.k_per_split, k,
-        eps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT_K=split,
+        cos if rot_d else x, sin if rot_d else x, m, n_out, k, x.stride(0), res_args[2],
+        res_args[3], out.stride(0), cos.stride(0) if rot_d else 0,
+        sin.stride(0) if rot_d else 0, rot_cols, plan.k_per_split, k, eps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT_K=split,
         PRO=pro, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         EVEN_N=n_out % plan.block_n == 0,
         EVEN_K=k % plan.k_per_split == 0 and plan.k_per_split % plan.block_k == 0,
-        W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, PREFETCH_K=prefetch_k,
+        W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, PREFETCH_K=prefetch_k, ROT_D=rot_d,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_options(pdl))
     return out, h
 
