@@ -6,7 +6,7 @@
 #
 # Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
 # verify_step_off, verify_step_rotary, verify_step_nofuse, profile_small, skinny_rows,
-# skinny_fused, skinny_pdl, skinny_split, verify_step_nopdl, verify_quick, verify_quick_nopdl, verify_quick_keys64, profile_nopdl, tests_skinny, tests_pdl, tests_meta, tests_step,
+# skinny_fused, skinny_pdl, skinny_split, verify_step_rope, profile_rope, tests_rope, verify_step_nopdl, verify_quick, verify_quick_nopdl, verify_quick_keys64, profile_nopdl, tests_skinny, tests_pdl, tests_meta, tests_step,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # compile_cold, compile_warm,
 # hybrid_kernels, hybrid_step, rotary,
@@ -39,6 +39,12 @@ job() {
     skinny_pdl) python3 benchmarks/skinny_kernel.py --pdl ;;
     skinny_split) python3 benchmarks/skinny_kernel.py --split-sweep --budget-s 280 ;;
     verify_step_nopdl) python3 benchmarks/verify_step.py --target pdl=false ;;
+    verify_step_rope) python3 benchmarks/verify_step.py --rotary-epilogue on ;;
+    profile_rope) python3 benchmarks/profile_step.py --bs 1 8 --target pdl=false \
+        --rotary-epilogue on ;;
+    tests_rope) python3 -m pytest -q -m gpu tests/test_triton_skinny.py -k rotary \
+        -p no:cacheprovider && python3 -m pytest -q tests/test_fuse_linear.py -k rotary_epilogue \
+        -p no:cacheprovider ;;
     verify_quick) python3 benchmarks/verify_step.py --quick ;;
     verify_quick_nopdl) python3 benchmarks/verify_step.py --quick --target pdl=false ;;
     verify_quick_keys64) python3 benchmarks/verify_step.py --quick --target split_min_keys=64 ;;

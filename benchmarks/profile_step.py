@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dspark_compile import VerifyLayout, dspark_compile
-from dspark_compile.config import FUSE_LINEARS, GROUP_LINEARS
+from dspark_compile.config import FUSE_LINEARS, GROUP_LINEARS, ROTARY_EPILOGUE
 from dspark_compile.graphs.tiers import select_tier, tier_set
 from timing import target_overrides, variant_flags, variant_suffix
 from verify_step import BLOCK, CONTEXT, PAGE, build_model, environment, mix_lens, time_ms
@@ -102,16 +102,20 @@ def main() -> None:
                         help="DSparkConfig(group_linears=...); not auto: files get a suffix")
     parser.add_argument("--fuse-linears", choices=FUSE_LINEARS, default="auto",
                         help="DSparkConfig(fuse_linears=...); not auto: files get a suffix")
+    parser.add_argument("--rotary-epilogue", choices=ROTARY_EPILOGUE, default="off",
+                        help="DSparkConfig(rotary_epilogue=...); on: files get a suffix")
     parser.add_argument("--target", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a TargetConfig field (e.g. pdl=false); files get a suffix")
     args = parser.parse_args()
     overrides, target_suffix, target_flags = target_overrides(args.target)
     os.makedirs(args.out, exist_ok=True)
-    suffix = variant_suffix(args.group_linears, "auto", args.fuse_linears) + target_suffix
+    suffix = variant_suffix(args.group_linears, "auto", args.fuse_linears,
+                            args.rotary_epilogue) + target_suffix
     model = build_model()
     verifier = dspark_compile(model, lowering="triton", inductor=True, page_size=PAGE,
                               block=BLOCK, group_linears=args.group_linears,
-                              fuse_linears=args.fuse_linears)
+                              fuse_linears=args.fuse_linears,
+                              rotary_epilogue=args.rotary_epilogue)
     max_bs = max(args.bs)
     state = verifier.new_state(max_requests=max_bs, max_context=CONTEXT + BLOCK)
     for k, v in state.kv_caches:
@@ -127,8 +131,10 @@ def main() -> None:
         print(bs, json.dumps({k: v for k, v in rows[str(bs)].items()
                               if k != "top_kernels_us_per_step"}), flush=True)
     env = dict(environment(), group_linears=args.group_linears, fuse_linears=args.fuse_linears,
+               rotary_epilogue=args.rotary_epilogue,
                command="python benchmarks/profile_step.py --bs " + " ".join(map(str, args.bs))
-               + variant_flags(args.group_linears, "auto", args.fuse_linears) + target_flags,
+               + variant_flags(args.group_linears, "auto", args.fuse_linears,
+                               args.rotary_epilogue) + target_flags,
                target_overrides=overrides)
     with open(os.path.join(args.out, f"profile_step{suffix}.json"), "w") as f:
         json.dump({"environment": env, "results": rows}, f, indent=1)

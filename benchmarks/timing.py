@@ -40,19 +40,23 @@ def target_overrides(items: list[str]) -> tuple[dict, str, str]:
     return applied, suffix, flags
 
 
-def variant_suffix(group_linears: str, rotary: str, fuse_linears: str = "auto") -> str:
+def variant_suffix(group_linears: str, rotary: str, fuse_linears: str = "auto",
+                   rotary_epilogue: str = "off") -> str:
     """File-name suffix of a run with non-default ``group_linears`` / ``rotary`` /
-    ``fuse_linears`` options."""
+    ``fuse_linears`` / ``rotary_epilogue`` options."""
     return (f"_group_{group_linears}" if group_linears != "auto" else "") + \
         (f"_rotary_{rotary}" if rotary != "auto" else "") + \
-        (f"_fuse_{fuse_linears}" if fuse_linears != "auto" else "")
+        (f"_fuse_{fuse_linears}" if fuse_linears != "auto" else "") + \
+        (f"_rotary_epilogue_{rotary_epilogue}" if rotary_epilogue != "off" else "")
 
 
-def variant_flags(group_linears: str, rotary: str, fuse_linears: str = "auto") -> str:
+def variant_flags(group_linears: str, rotary: str, fuse_linears: str = "auto",
+                  rotary_epilogue: str = "off") -> str:
     """The command-line flags of those options (empty for the defaults)."""
     return (f" --group-linears {group_linears}" if group_linears != "auto" else "") + \
         (f" --rotary {rotary}" if rotary != "auto" else "") + \
-        (f" --fuse-linears {fuse_linears}" if fuse_linears != "auto" else "")
+        (f" --fuse-linears {fuse_linears}" if fuse_linears != "auto" else "") + \
+        (f" --rotary-epilogue {rotary_epilogue}" if rotary_epilogue != "off" else "")
 
 
 def max_err_vs_hf(model, verifier, vocab: int, device, **state_kwargs) -> float:

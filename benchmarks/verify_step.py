@@ -24,7 +24,7 @@ import time
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from dspark_compile.config import FUSE_LINEARS, GROUP_LINEARS, ROTARY
+from dspark_compile.config import FUSE_LINEARS, GROUP_LINEARS, ROTARY, ROTARY_EPILOGUE
 from timing import capture_graph, max_err_vs_hf, plot_step_ms, time_ms  # noqa: F401
 from timing import target_overrides, variant_flags, variant_suffix
 from timing import mix_lens as _mix_lens
@@ -90,7 +90,8 @@ def run(args, save) -> dict:
     t0 = time.perf_counter()
     verifier = dspark_compile(model, lowering="triton", inductor=True, page_size=PAGE,
                               block=BLOCK, group_linears=args.group_linears,
-                              rotary=args.rotary, fuse_linears=args.fuse_linears)
+                              rotary=args.rotary, fuse_linears=args.fuse_linears,
+                              rotary_epilogue=args.rotary_epilogue)
     compile_s = time.perf_counter() - t0
     t0 = time.perf_counter()
     max_err = max_err_vs_hf(model, verifier, 32000, "cuda")
@@ -189,6 +190,8 @@ def main() -> None:
                         help="DSparkConfig(rotary=...); not auto: files get a suffix")
     parser.add_argument("--fuse-linears", choices=FUSE_LINEARS, default="auto",
                         help="DSparkConfig(fuse_linears=...); not auto: files get a suffix")
+    parser.add_argument("--rotary-epilogue", choices=ROTARY_EPILOGUE, default="off",
+                        help="DSparkConfig(rotary_epilogue=...); on: files get a suffix")
     parser.add_argument("--target", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a TargetConfig field (e.g. pdl=false); files get a suffix")
     args = parser.parse_args()
@@ -197,11 +200,13 @@ def main() -> None:
         sys.exit("verify_step.py needs a GPU")
     os.makedirs(args.out, exist_ok=True)
     env = environment()
-    suffix = variant_suffix(args.group_linears, args.rotary, args.fuse_linears) + target_suffix
+    suffix = variant_suffix(args.group_linears, args.rotary, args.fuse_linears,
+                            args.rotary_epilogue) + target_suffix
     env["group_linears"], env["rotary"] = args.group_linears, args.rotary
     env["fuse_linears"], env["target_overrides"] = args.fuse_linears, overrides
-    env["command"] += variant_flags(args.group_linears, args.rotary, args.fuse_linears) + \
-        target_flags
+    env["rotary_epilogue"] = args.rotary_epilogue
+    env["command"] += variant_flags(args.group_linears, args.rotary, args.fuse_linears,
+                                    args.rotary_epilogue) + target_flags
 
     def save(part: dict) -> None:
         with open(os.path.join(args.out, f"verify_step{suffix}.json"), "w") as f:

@@ -12,6 +12,8 @@ ROTARY = ("auto", "inductor", "triton")
 """The values of ``DSparkConfig.rotary``."""
 FUSE_LINEARS = ("auto", "on", "off")
 """The values of ``DSparkConfig.fuse_linears``."""
+ROTARY_EPILOGUE = ("off", "on")
+"""The values of ``DSparkConfig.rotary_epilogue``."""
 
 
 @dataclass(frozen=True)
@@ -67,6 +69,12 @@ class DSparkConfig:
     compile time: each matmul kind and row tile is one more Triton kernel to build (the
     benchmark's first two calls took 29.4 s against 20.0 s, its tier capture 4.6-6.0 s against
     2.8-3.3 s)."""
+    rotary_epilogue: str = "off"
+    """``"on"``: each layer's q/k rotation (``rotary="triton"``'s ``dspark::rotary_apply``)
+    moves into the epilogue of the q/k/v ``dspark::skinny_linear`` (``fuse_linears`` on), one
+    launch fewer a layer (``lowering/fuse_linear.py``'s ``fuse_rotary_epilogue``). ``"off"``
+    (default): not yet timed on a GPU; on the CPU the verifier equals the one without it bit
+    for bit."""
     max_step_tokens: int = 4096
     """Most packed rows (all requests' tokens) one forward may run on a model with
     linear-attention layers: it sizes their replay rings (one saved row per token, per layer),
@@ -86,6 +94,9 @@ class DSparkConfig:
         if self.fuse_linears not in FUSE_LINEARS:
             raise ValueError(f"DSparkConfig.fuse_linears={self.fuse_linears!r}; it must be one "
                              f"of {', '.join(map(repr, FUSE_LINEARS))}")
+        if self.rotary_epilogue not in ROTARY_EPILOGUE:
+            raise ValueError(f"DSparkConfig.rotary_epilogue={self.rotary_epilogue!r}; it must be "
+                             f"one of {', '.join(map(repr, ROTARY_EPILOGUE))}")
         if self.rotary not in ROTARY:
             raise ValueError(f"DSparkConfig.rotary={self.rotary!r}; it must be one of "
                              f"{', '.join(map(repr, ROTARY))}")

@@ -47,7 +47,7 @@ def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
     ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
     gm, results = run_passes(captured.gm, ctx)
     results.extend(lower(gm, lowering, config.block, config.group_linears, config.rotary,
-                         ctx.inputs, config.fuse_linears))
+                         ctx.inputs, config.fuse_linears, config.rotary_epilogue))
     return Verifier(adapter, gm, ctx.inputs, results, captured, config, param.dtype,
                     param.device, lowering)
 

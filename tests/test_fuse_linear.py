@@ -90,3 +90,42 @@ def test_auto_is_on_with_triton_and_off_with_the_reference() -> None:
 def test_fuse_linears_value_is_checked(bad) -> None:
     with pytest.raises(ValueError, match=r"fuse_linears=.*must be one of 'auto', 'on', 'off'"):
         DSparkConfig(fuse_linears=bad)
+
+
+ROTARY_APPLY = torch.ops.dspark.rotary_apply.default
+
+
+@pytest.mark.parametrize("make, inductor, moved", [
+    (lambda: tiny_llama(layers=2), False, 2),
+    (lambda: tiny_llama(layers=2), True, 2),     # the rotated views through Inductor
+    (lambda: tiny_vl("qwen2_vl"), False, 2),     # q/k/v biases, mRoPE cos/sin
+    (lambda: tiny_qwen3(layers=2), False, 0),    # q/k norms between the matmul and the rotary
+], ids=["llama", "llama_inductor", "qwen2_vl_bias", "qwen3_unmoved"])
+def test_rotary_epilogue_verifier_equals_the_rotary_launch_bit_for_bit(make, inductor,
+                                                                      moved) -> None:
+    model = make().half()
+    vocab = model.config.get_text_config().vocab_size
+    kw = dict(group_linears="concat", rotary="triton", fuse_linears="on", inductor=inductor)
+    base = dspark_compile(model, **kw)
+    moved_v = dspark_compile(model, rotary_epilogue="on", **kw)
+    result = next(r for r in moved_v.results if r.name == "fuse_rotary_epilogue")
+    assert result.changed == moved
+    nodes = list(moved_v.graph_module.graph.nodes)
+    assert sum(n.target is ROTARY_APPLY for n in nodes) == 2 - moved
+    rotating = [n for n in nodes if n.target is SKINNY and len(n.args) > 10 and n.args[10]]
+    assert len(rotating) == moved
+    for a, b in zip(prefill_verify_rounds(base, vocab), prefill_verify_rounds(moved_v, vocab)):
+        assert torch.equal(a, b)
+
+
+def test_rotary_epilogue_makes_a_llama_layer_five_launches() -> None:
+    layers = 2
+    verifier = dspark_compile(tiny_llama(layers=layers).half(), group_linears="concat",
+                              rotary="triton", fuse_linears="on", rotary_epilogue="on")
+    nodes = list(verifier.graph_module.graph.nodes)
+    assert not [n for n in nodes if n.target is ROTARY_APPLY]
+    qkv = [n for n in nodes if n.target is SKINNY and len(n.args) > 10 and n.args[10]]
+    assert [n.args[10] for n in qkv] == [96] * layers  # 4 q heads + 2 k heads of 16
+    assert "rotary_apply of 6 heads -> the epilogue of" in verifier.explain()
+    with pytest.raises(ValueError, match="rotary_epilogue='yes'"):
+        DSparkConfig(rotary_epilogue="yes")

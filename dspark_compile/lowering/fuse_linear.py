@@ -37,7 +37,7 @@ import torch.fx as fx
 
 from ..passes.base import PassResult, source_line
 
-__all__ = ["fuse_linears"]
+__all__ = ["fuse_linears", "fuse_rotary_epilogue"]
 
 aten = torch.ops.aten
 _VIEWS = (aten.view.default, aten._unsafe_view.default, aten.reshape.default)
@@ -262,3 +262,84 @@ def _erase_dead(gm: fx.GraphModule, start: set) -> None:
         todo.extend(node.all_input_nodes)
         gm.graph.erase_node(node)
         erased.add(node)
+
+
+_ROTARY = torch.ops.dspark.rotary_apply.default
+_SKINNY = torch.ops.dspark.skinny_linear.default
+
+
+def _head_view(v):
+    """``(skinny node, first column, end column, head dim)`` when ``v [N, H, D]`` is a plain
+    head split of columns of a ``dspark::skinny_linear`` output (a column slice, then views
+    that only split the last dim; each read by the next alone), else None."""
+    val = _val(v)
+    if val is None or val.dim() != 3:
+        return None
+    node, rows = v, str(val.shape[0])
+    while any(_is(node, t) for t in _VIEWS):  # each keeps the rows and splits the columns
+        if len(node.users) != 1 or str(_val(node).shape[0]) != rows:
+            return None
+        node = node.args[0]
+    if not (_is(node, aten.slice.Tensor) and len(node.users) == 1 and len(node.args) >= 4
+            and _last_dim(node.args[1], 2) and isinstance(node.args[2], int)
+            and isinstance(node.args[3], int)):
+        return None
+    src = node.args[0]
+    if not (_is(src, operator.getitem) and src.args[1] == 0 and _is(src.args[0], _SKINNY)):
+        return None
+    width = _val(src).shape[1]
+    start, stop = node.args[2], min(node.args[3], width)
+    d = val.shape[2]  # (the views' recorded strides predate concat_linears: not used)
+    if not isinstance(d, int) or val.shape[1] * d != stop - start \
+            or str(_val(node).shape[0]) != rows:
+        return None
+    return src.args[0], start, stop, d
+
+
+def fuse_rotary_epilogue(gm: fx.GraphModule) -> PassResult:
+    """Each ``dspark::rotary_apply(q, k, cos, sin)`` whose q and k are head views of the first
+    columns of one ``dspark::skinny_linear`` output (q from column 0, k right after it: the
+    stacked q/k/v matmul) becomes that op's rotary epilogue (``cos``, ``sin``, ``rot_cols``):
+    the readers of the rotated q and k read the views, which now hold rotated values. The
+    matmul must have no SiLU epilogue, every other reader of its output must slice columns
+    past k, cos and sin must come before it, and the head dim must be a power of two (the
+    kernel's half-head tiles); other rotations stay ``rotary_apply``."""
+    result = PassResult("fuse_rotary_epilogue", changed=0)
+    order = {n: i for i, n in enumerate(gm.graph.nodes)}
+    for node in list(gm.graph.nodes):
+        if not _is(node, _ROTARY):
+            continue
+        x, y, cos, sin = node.args
+        hx, hy = _head_view(x), _head_view(y)
+        if hx is None or hy is None or hx[0] is not hy[0]:
+            continue
+        mm, d = hx[0], hx[3]
+        if (hx[1] != 0 or hy[1] != hx[2] or hy[3] != d or d < 2 or d & (d - 1)
+                or mm.args[7] or (len(mm.args) > 10 and mm.args[10])
+                or order[cos] > order[mm] or order[sin] > order[mm]):
+            continue
+        out = next(u for u in mm.users if u.args[1] == 0)
+        views = {_chain_slice(x), _chain_slice(y)}
+        if any(u not in views and not (_is(u, aten.slice.Tensor) and u.args[2] >= hy[2])
+               for u in out.users):
+            continue
+        outs = [u for u in node.users if _is(u, operator.getitem)]
+        if len(outs) != len(node.users):
+            continue
+        mm.args = (*mm.args[:8], cos, sin, hy[2])
+        for u in outs:
+            u.replace_all_uses_with(x if u.args[1] == 0 else y)
+            gm.graph.erase_node(u)
+        gm.graph.erase_node(node)
+        result.changed += 1
+        result.rewrites.append((f"rotary_apply of {hy[2] // d} heads -> the epilogue of "
+                                f"{mm.args[1].name}'s skinny_linear", source_line(node)))
+    gm.recompile()
+    return result
+
+
+def _chain_slice(v):
+    """The column slice under ``v``'s views (:func:`_head_view` has checked the chain)."""
+    while any(_is(v, t) for t in _VIEWS):
+        v = v.args[0]
+    return v

@@ -21,7 +21,7 @@ import torch.fx as fx
 
 from ..passes.base import EnsureError, PassResult
 from .concat_linear import concat_linears
-from .fuse_linear import fuse_linears
+from .fuse_linear import fuse_linears, fuse_rotary_epilogue
 from .fuse_rotary import fuse_rotary
 from .group_linear import group_linears
 from .ops import LOWERED
@@ -45,14 +45,16 @@ def resolve_lowering(requested: str, device: torch.device) -> str:
 
 def lower(gm: fx.GraphModule, lowering: str, block: int, group: str = "off",
           rotary: str = "auto", inputs: list | None = None,
-          fuse: str = "off") -> list[PassResult]:
+          fuse: str = "off", rotary_epilogue: str = "off") -> list[PassResult]:
     """Group the matmuls that share their rows per ``group`` (``DSparkConfig.group_linears``:
     ``"concat"`` stacks their weights, ``"triton"`` makes ``dspark::linear_group`` ops,
     ``"auto"`` is ``"concat"`` for ``lowering="triton"``); with ``rotary="triton"`` (``"auto"``
     with ``lowering="triton"``), fuse each layer's q/k rotation (``fuse_rotary``); then swap
     with ``fuse="on"`` (``"auto"`` with ``lowering="triton"``), make each weight's matmul with
     its norm or SiLU-and-mul and its residual add one ``dspark::skinny_linear``
-    (``fuse_linears``); then swap each reference ``dspark::`` op for its ``lowering``
+    (``fuse_linears``) and, with ``rotary_epilogue="on"``, move each q/k rotation into the
+    q/k/v op's epilogue (``fuse_rotary_epilogue``); then swap each reference ``dspark::`` op
+    for its ``lowering``
     implementation, in place. ``inputs``
     (the ``InputSpec`` per placeholder) is kept in step when ``concat`` replaces weight inputs
     by stacked ones.
@@ -73,6 +75,8 @@ def lower(gm: fx.GraphModule, lowering: str, block: int, group: str = "off",
         fuse = "on" if lowering == "triton" else "off"
     if fuse == "on":
         grouped.append(fuse_linears(gm))
+        if rotary_epilogue == "on":
+            grouped.append(fuse_rotary_epilogue(gm))
     result = PassResult(f"lower[{lowering}]", changed=0)
     table = LOWERED.get(lowering, {})
     for node in gm.graph.nodes:
