@@ -260,7 +260,7 @@ def main() -> None:
                 for name in SWEEP_SHAPES:
                     case = cases[name]
                     plan = plan_skinny(m, case.n, case.k, cfg, sms, **c)
-                    if (name, plan) in seen:  # stages cut to fit: the same launch as one already timed
+                    if (name, plan) in seen:  # stages cut to fit: a launch already timed
                         continue
                     seen.add((name, plan))
                     if time.perf_counter() - t0 > opts.budget_s:

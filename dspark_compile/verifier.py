@@ -386,6 +386,6 @@ class Verifier:
         for op in sorted(set(before) | set(after)):
             if before[op] != after[op]:
                 lines.append(f"      {op}: {before[op]} -> {after[op]}")
-        lines.append(f"  packed inputs: " + ", ".join(
+        lines.append("  packed inputs: " + ", ".join(
             s.name for s in self.inputs if s.kind not in WEIGHT_KINDS))
         return "\n".join(lines)

@@ -26,7 +26,8 @@ def _details(verifier) -> dict:
 def test_fused_verifier_equals_the_unfused_one_bit_for_bit(make, group) -> None:
     model = make().half()
     vocab = model.config.get_text_config().vocab_size
-    off = prefill_verify_rounds(dspark_compile(model, group_linears=group, fuse_linears="off"), vocab)
+    off = prefill_verify_rounds(dspark_compile(model, group_linears=group, fuse_linears="off"),
+                                vocab)
     fused = dspark_compile(model, group_linears=group, fuse_linears="on")
     assert sum(n.target is SKINNY for n in fused.graph_module.graph.nodes) > 0
     for a, b in zip(off, prefill_verify_rounds(fused, vocab)):

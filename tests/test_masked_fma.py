@@ -1,6 +1,5 @@
 """masked_fma: multiply-by-mask causality becomes selects; torch.compile(backend="dspark")."""
 
-import pytest
 import torch
 from expecttest import TestCase
 from torch.fx.experimental.proxy_tensor import make_fx

@@ -1,6 +1,5 @@
 """Snapshots of the graph before and after each pass (regenerate: EXPECTTEST_ACCEPT=1)."""
 
-import sys
 
 import pytest
 import torch

@@ -104,8 +104,8 @@ def device_metadata_triton(query_start_loc: torch.Tensor, context_lens: torch.Te
     """``VerifierState.device_metadata`` in one launch: ``positions`` (int64 [N]),
     ``seq_lens`` (int32 [R]), ``block_table`` ([R, pages], the pool table's rows of
     ``slots``), ``slot_mapping`` (int64 [N]) and, with ``mrope_deltas``, ``mrope_positions``
-    (int64 [3, N], one row expanded). Inputs are int32 device tensors (``query_start_loc`` [R+1], the others
-    [R]); the caller has checked the layout."""
+    (int64 [3, N], one row expanded). Inputs are int32 device tensors (``query_start_loc``
+    [R+1], the others [R]); the caller has checked the layout."""
     r = context_lens.shape[0]
     dev = query_start_loc.device
     for name, t, size in (("query_start_loc", query_start_loc, r + 1),

@@ -464,8 +464,9 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     ``dspark::rotary_apply`` does (in the epilogue; past ``skinny_max_m`` rows, in place by the
     rotary kernel). ``overrides`` (``block_n``,
     ``block_k``, ``split_k``, ``num_warps``, ``num_stages``, ``tma``, ``swap``, ``prefetch_k``)
-    are for the benchmark's sweep. No host sync; CUDA-graph safe (a split launch takes its counters from the buffer of
-    the current stream, made outside any capture by the first call)."""
+    are for the benchmark's sweep. No host sync; CUDA-graph safe (a split launch takes its
+    counters from the buffer of the current stream, made outside any capture by the first
+    call)."""
     _check(x, w, bias, gamma, residual, glu, glu_out)
     rot_d = _check_rot(x, w, cos, sin, rot_cols, glu_out)
     cfg, sm_count = _device_target(x.device)
@@ -518,11 +519,13 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         res_args[0], res_args[1], out, part, counters if counters is not None else out,
         cos if rot_d else x, sin if rot_d else x, m, n_out, k, x.stride(0), res_args[2],
         res_args[3], out.stride(0), cos.stride(0) if rot_d else 0,
-        sin.stride(0) if rot_d else 0, rot_cols, plan.k_per_split, k, eps, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT_K=split,
+        sin.stride(0) if rot_d else 0, rot_cols, plan.k_per_split, k, eps,
+        BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k, SPLIT_K=split,
         PRO=pro, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         EVEN_N=n_out % plan.block_n == 0,
         EVEN_K=k % plan.k_per_split == 0 and plan.k_per_split % plan.block_k == 0,
-        W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, PREFETCH_K=prefetch_k, ROT_D=rot_d,
+        W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, PREFETCH_K=prefetch_k,
+        ROT_D=rot_d,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_options(pdl))
     return out, h
 

@@ -41,7 +41,7 @@ import torch
 import torch.fx as fx
 
 from ..lowering.ops import DENSE_OPS, RAGGED_OPS
-from .base import PassContext, PassResult, RefusedOp, source_line
+from .base import PassContext, PassResult, RefusedOp
 
 __all__ = ["AxisLabel", "label_of", "run", "TokenAxisError"]
 
