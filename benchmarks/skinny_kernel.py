@@ -5,7 +5,7 @@ verifier runs them). Each figure is us per call in a CUDA-graph replay of back-t
 that cycle through copies of the weight totalling >= 256 MB, so no call finds its weight in
 L2 (a verify step reads every weight once). ``--sweep`` also times tile choices at M = 3 and
 24 (the mean-3 mix at bs 1 and 8). ``--pdl`` times a fused layer's four matmuls back to back
-with programmatic dependent launch off and on, and with L2 prefetch lengths (skinny_pdl.json).
+with programmatic dependent launch off and on (skinny_pdl.json).
 
     python benchmarks/skinny_kernel.py [--sweep]   # writes skinny_kernel.json to $OUT or results/
 """
@@ -143,8 +143,7 @@ def main() -> None:
     ap.add_argument("--fused-only", action="store_true",
                     help="only the fused modes, each with the dot's operands both ways")
     ap.add_argument("--pdl", action="store_true",
-                    help="only the layer chain with programmatic dependent launch on and off, "
-                         "and L2 prefetch lengths")
+                    help="only the layer chain with programmatic dependent launch on and off")
     ap.add_argument("--split-sweep", action="store_true",
                     help="only a fused layer's four launches over column tile and split count "
                          "(skinny_split_sweep.json)")
@@ -191,11 +190,9 @@ def main() -> None:
     if opts.pdl:
         report["environment"]["command"] += " --pdl"
         for m in (3, 24):
-            for pdl, prefetch in ((False, 0), (True, 0), (False, 512), (True, 256), (True, 512),
-                                  (True, 1024), (True, 2048), (False, 0), (True, 0)):
-                us = layer_us(cases, m, config=dataclasses.replace(kcfg, pdl=pdl),
-                              prefetch_k=prefetch)
-                record("layer", dict(m=m, pdl=pdl, prefetch_k=prefetch, layer_us=us))
+            for pdl in (False, True, False, True):
+                us = layer_us(cases, m, config=dataclasses.replace(kcfg, pdl=pdl))
+                record("layer", dict(m=m, pdl=pdl, layer_us=us))
         report["seconds"] = time.perf_counter() - t0
         save()
         return

@@ -1,9 +1,9 @@
-"""Programmatic dependent launch (``lowering/pdl.py``) and the skinny kernel's L2 prefetch.
+"""Programmatic dependent launch (``lowering/pdl.py``).
 
-CPU: where PDL is used (never under the interpreter or on ROCm) and the prefetch plan. The
-sm_90 build's order (prefetch, wait, then every read) is checked ahead of time in
+CPU: where PDL is used (never under the interpreter or on ROCm). The sm_90 build's order
+(wait, then every read) is checked ahead of time in
 ``test_triton_skinny.py``. GPU: a chain of dependent skinny launches and a whole verifier,
-eager and in CUDA graphs, give the same bits with PDL and prefetch as without.
+eager and in CUDA graphs, give the same bits with PDL as without.
 """
 
 from __future__ import annotations
@@ -26,25 +26,12 @@ def test_pdl_is_used_only_on_a_cuda_device_of_a_target_that_allows_it() -> None:
     assert pdl_options(True) == {"launch_pdl": True} and pdl_options(False) == {}
 
 
-def test_prefetch_plan_needs_aligned_rows_pointer_loads_and_cuda() -> None:
-    cfg = dataclasses.replace(TARGETS["sm_90"], skinny_prefetch_k=512)
-    assert plan_skinny(3, 2048, 2048, cfg, 132).prefetch_k == 512
-    assert plan_skinny(3, 2048, 2048, cfg, 132, prefetch_k=4096).prefetch_k == 512  # k/split
-    assert plan_skinny(3, 64, 4096, cfg, 132, split_k=1).prefetch_k == 512
-    assert plan_skinny(3, 2048, 2048, cfg, 132, tma=True).prefetch_k == 0
-    assert plan_skinny(3, 2048, 2044, cfg, 132).prefetch_k == 0  # rows not 16-byte aligned
-    hip = dataclasses.replace(TARGETS["gfx942"], skinny_prefetch_k=512)
-    assert plan_skinny(3, 2048, 2048, hip, 304).prefetch_k == 0
-    assert plan_skinny(3, 2048, 2048, TARGETS["sm_90"], 132).prefetch_k == \
-        TARGETS["sm_90"].skinny_prefetch_k
-
-
 # --------------------------------------------------------------------------- GPU
-def _chain(ws, x, residual, gamma, cfg, prefetch_k):
+def _chain(ws, x, residual, gamma, cfg):
     """qkv-like (residual add + norm), o-like (split), gate/up (norm + SiLU epilogue), down."""
     from dspark_compile.lowering.triton_skinny import skinny_linear_triton as lin
 
-    kw = dict(config=cfg, prefetch_k=prefetch_k)
+    kw = dict(config=cfg)
     y1, h1 = lin(x, ws[0], gamma=gamma, eps=1e-6, residual=residual, **kw)
     y2, _ = lin(y1, ws[1], **kw)
     y3, h3 = lin(y2, ws[2], gamma=gamma, eps=1e-6, residual=h1, glu_out=True, **kw)
@@ -54,7 +41,7 @@ def _chain(ws, x, residual, gamma, cfg, prefetch_k):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("m", [3, 24])
-def test_skinny_chain_with_pdl_and_prefetch_equals_without_bitwise(m: int) -> None:
+def test_skinny_chain_with_pdl_equals_without_bitwise(m: int) -> None:
     from dspark_compile.lowering.triton_attention import _device_target
 
     base, _ = _device_target(torch.device("cuda"))
@@ -68,26 +55,24 @@ def test_skinny_chain_with_pdl_and_prefetch_equals_without_bitwise(m: int) -> No
     x, res = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16) for _ in range(2))
     assert plan_skinny(m, k, k, base, 132).split_k > 1  # the o-like launch merges splits
     on, off = base, dataclasses.replace(base, pdl=False)
-    want = _chain(ws, x, res, gamma, off, 0)
-    for cfg, prefetch in ((on, 0), (on, 512), (off, 512)):
-        got = _chain(ws, x, res, gamma, cfg, prefetch)
-        assert all(torch.equal(a, b) for a, b in zip(got, want)), (cfg.pdl, prefetch)
+    want = _chain(ws, x, res, gamma, off)
+    assert all(torch.equal(a, b) for a, b in zip(_chain(ws, x, res, gamma, on), want))
     # in a CUDA graph, with new inputs copied in before each replay: every launch must wait for
     # the one before it, or it reads the last replay's values
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
-        _chain(ws, x, res, gamma, on, 512)
+        _chain(ws, x, res, gamma, on)
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, stream=side):
-            outs = _chain(ws, x, res, gamma, on, 512)
+            outs = _chain(ws, x, res, gamma, on)
     torch.cuda.current_stream().wait_stream(side)
     for seed in range(5):
         torch.manual_seed(100 + seed)
         x.copy_(torch.randn_like(x))
         res.copy_(torch.randn_like(res))
         graph.replay()
-        want = _chain(ws, x, res, gamma, off, 0)
+        want = _chain(ws, x, res, gamma, off)
         assert all(torch.equal(a, b) for a, b in zip(outs, want)), seed
 
 

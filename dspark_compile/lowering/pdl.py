@@ -10,10 +10,11 @@ while the one before it in the stream still runs:
   ``griddepcontrol.launch_dependents`` (the next PDL kernel may be scheduled once every program
   of this one has got here). Nothing a kernel reads or writes that another kernel touches comes
   before the wait, so the stream's order is kept;
-- the work that depends on no earlier kernel may come before :func:`pdl_enter`: the skinny
-  matmul asks L2 for the first part of its weight rows (:func:`l2_prefetch`; weights are never
-  written in a step, and an L2 prefetch is only a hint to the cache every SM shares, so it cannot
-  read a stale value);
+- nothing comes before :func:`pdl_enter`. Asking L2 for a program's own weight rows there
+  (weights are never written in a step) measured slower at every length on the H200: a fused
+  layer's four matmuls took 47.4 us at 3 rows without it, 48.3-61.3 with 256-2048 of K a row
+  (skinny_pdl.json, the option as it was at c416b87); so did asking for the next kernel's
+  weight (88d3777);
 - a kernel launched without PDL (Inductor's, cuBLAS) after one launched with it waits for it
   as usual, and a PDL kernel after an ordinary one starts when that one ends; so the chain is
   correct whatever runs between our kernels.
@@ -30,7 +31,7 @@ import triton.language as tl
 
 from .targets import TargetConfig
 
-__all__ = ["pdl_enter", "l2_prefetch", "use_pdl", "pdl_options"]
+__all__ = ["pdl_enter", "use_pdl", "pdl_options"]
 
 
 @triton.jit
@@ -40,15 +41,6 @@ def pdl_enter(PDL: tl.constexpr):
     if PDL:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
-
-
-@triton.jit
-def l2_prefetch(ptrs, nbytes):
-    """Ask L2 for ``nbytes`` (a multiple of 16) from each address in ``ptrs`` (16-byte aligned):
-    one ``cp.async.bulk.prefetch.L2`` per element (sm_90). Nothing is returned or waited for."""
-    size = tl.zeros(ptrs.shape, tl.int32) + nbytes
-    tl.inline_asm_elementwise("cp.async.bulk.prefetch.L2.global [$1], $2; // $0 unused",
-                              "=r,l,r", [ptrs, size], dtype=tl.int32, is_pure=False, pack=1)
 
 
 def use_pdl(device: torch.device, cfg: TargetConfig) -> bool:

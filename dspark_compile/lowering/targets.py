@@ -114,10 +114,6 @@ class TargetConfig:
     tiles; the first operand may stay in registers) instead of the weight tile."""
     skinny_tma: bool = False
     """Load weight tiles through a tensor descriptor (TMA on sm_90) instead of pointers."""
-    skinny_prefetch_k: int = 0
-    """K (elements) of each of its weight rows a skinny program asks L2 for before it waits for
-    the kernel before it (with ``pdl``; 0: none). Off: a fused layer's four matmuls back to back
-    on the H200 took 47.4 us at M=3 without it, 48.3-61.3 with 256-2048 (skinny_pdl.json)."""
     pdl: bool = False
     """Launch the lowering's kernels with programmatic dependent launch (``lowering/pdl.py``):
     each may start while the one before it finishes. sm_90 and newer, CUDA only."""

@@ -33,7 +33,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .pdl import l2_prefetch, pdl_enter, pdl_options, use_pdl
+from .pdl import pdl_enter, pdl_options, use_pdl
 from .targets import TargetConfig
 from .triton_attention import _counters, _device_target
 from .triton_rotary import _round
@@ -147,7 +147,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
                    SPLIT_K: tl.constexpr, PRO: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    W_DESC: tl.constexpr, EPI_GLU: tl.constexpr, SWAP: tl.constexpr,
-                   PDL: tl.constexpr, PREFETCH_K: tl.constexpr, ROT_D: tl.constexpr):
+                   PDL: tl.constexpr, ROT_D: tl.constexpr):
     """One (column tile, K split): ``w[cols, ks] @ a[:, ks].T``, then the epilogue or the
     split merge. ``a`` is ``x`` (``PRO`` 0), ``silu(x[:, k]) * x[:, glu_offset + k]`` (1), or
     ``gamma * h`` with ``h = x (+ residual)`` (2; the rows' sums of squares of ``h`` are kept
@@ -158,11 +158,9 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     ``silu(a @ gate.T) * (a @ up.T)``: each program also streams the up rows of its columns.
     ``SWAP``: the products are ``a @ w.T`` tiles (the activation tile as the dot's first operand,
     which may stay in registers) and are transposed once after the loop. ``PDL``: launched
-    with programmatic dependent launch (``lowering/pdl.py``); ``PREFETCH_K`` > 0: before
-    waiting for the kernel before it, the program asks L2 for the first ``PREFETCH_K`` of K of
-    each of its weight rows (16-bit ``w`` with 16-byte aligned rows, not ``W_DESC``).
-    ``ROT_D`` > 0: the output's first ``rot_cols`` columns are heads of ``ROT_D`` (``BLOCK_N``
-    a multiple of it), rotated in the epilogue with ``cos``/``sin [M, ROT_D]``."""
+    with programmatic dependent launch (``lowering/pdl.py``). ``ROT_D`` > 0: the output's
+    first ``rot_cols`` columns are heads of ``ROT_D`` (``BLOCK_N`` a multiple of it), rotated
+    in the epilogue with ``cos``/``sin [M, ROT_D]``."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -172,12 +170,6 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     m_ok = offs_m < m
     k_lo = split * k_per_split
     k_hi = tl.minimum(k, k_lo + k_per_split)
-    if PREFETCH_K > 0:  # the weight depends on no earlier kernel: ask for it before the wait
-        pf_rows = tl.minimum(offs_n, n - 1).to(tl.int64) * k + k_lo
-        pf_bytes = tl.minimum(PREFETCH_K, k_hi - k_lo) * 2
-        l2_prefetch(w_ptr + pf_rows, pf_bytes)
-        if EPI_GLU:
-            l2_prefetch(w_ptr + n * k + pf_rows, pf_bytes)
     pdl_enter(PDL)
     if W_DESC:
         w_ptrs = w_ptr  # unused: the descriptor loads by coordinates
@@ -302,9 +294,6 @@ class SkinnyPlan:
     must be a multiple of 16 bytes, so only when ``K % 8 == 0``)."""
     swap: bool
     """Activation tile as the dot's first operand (``TargetConfig.skinny_swap``)."""
-    prefetch_k: int
-    """K of each weight row asked of L2 before the wait (``TargetConfig.skinny_prefetch_k``;
-    0 with ``tma`` or when ``K % 8``: the prefetch needs 16-byte aligned rows)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -313,8 +302,7 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
                 split_k: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, tma: bool | None = None,
                 glu_out: bool = False, swap: bool | None = None,
-                prefetch_k: int | None = None, rms: bool = False,
-                rot_d: int = 0) -> SkinnyPlan:
+                rms: bool = False, rot_d: int = 0) -> SkinnyPlan:
     """``BLOCK_M``: the smallest of 16 / 32 / 64 holding ``m``; ``BLOCK_N``, ``BLOCK_K``, warps
     and stages from ``cfg`` (stages cut while the pipeline would take more than
     ``cfg.skinny_max_smem``; ``glu_out`` streams two weight tiles an iteration). Split-K (a
@@ -344,12 +332,10 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
             split_k *= 2
     k_per_split = -(-(-(-k // split_k)) // block_k) * block_k  # a multiple of BLOCK_K
     split_k = -(-k // k_per_split)  # no empty split
-    tma = (cfg.skinny_tma if tma is None else tma) and k % 8 == 0
-    prefetch_k = cfg.skinny_prefetch_k if prefetch_k is None else prefetch_k
-    prefetch_k = 0 if tma or k % 8 or cfg.backend != "cuda" else min(prefetch_k, k_per_split)
     return SkinnyPlan(block_m, block_n, block_k, split_k, k_per_split, (tiles, split_k),
-                      num_warps or cfg.skinny_num_warps, num_stages, tma,
-                      cfg.skinny_swap if swap is None else swap, prefetch_k)
+                      num_warps or cfg.skinny_num_warps, num_stages,
+                      (cfg.skinny_tma if tma is None else tma) and k % 8 == 0,
+                      cfg.skinny_swap if swap is None else swap)
 
 
 @triton.jit
@@ -463,7 +449,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     ``rot_cols`` output columns are heads rotated with ``cos``/``sin [M, D]`` as
     ``dspark::rotary_apply`` does (in the epilogue; past ``skinny_max_m`` rows, in place by the
     rotary kernel). ``overrides`` (``block_n``,
-    ``block_k``, ``split_k``, ``num_warps``, ``num_stages``, ``tma``, ``swap``, ``prefetch_k``)
+    ``block_k``, ``split_k``, ``num_warps``, ``num_stages``, ``tma``, ``swap``)
     are for the benchmark's sweep. No host sync; CUDA-graph safe (a split launch takes its
     counters from the buffer of the current stream, made outside any capture by the first
     call)."""
@@ -513,7 +499,6 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     part = (x.new_empty((split * (n_acc * n_out + plan.grid[0]) * plan.block_m,),
                         dtype=torch.float32) if split > 1 else out)
     w_arg = _descriptor(w, plan.block_n, plan.block_k) if plan.tma else w
-    prefetch_k = plan.prefetch_k if x.device.type == "cuda" and w.data_ptr() % 16 == 0 else 0
     _skinny_kernel[plan.grid](
         x, w_arg, bias if bias is not None else x, gamma if gamma is not None else x,
         res_args[0], res_args[1], out, part, counters if counters is not None else out,
@@ -524,8 +509,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         PRO=pro, HAS_BIAS=bias is not None, HAS_RES=residual is not None,
         EVEN_N=n_out % plan.block_n == 0,
         EVEN_K=k % plan.k_per_split == 0 and plan.k_per_split % plan.block_k == 0,
-        W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, PREFETCH_K=prefetch_k,
-        ROT_D=rot_d,
+        W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, ROT_D=rot_d,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_options(pdl))
     return out, h
 
