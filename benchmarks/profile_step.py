@@ -26,9 +26,8 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dspark_compile import VerifyLayout, dspark_compile
-from dspark_compile.config import FUSE_LINEARS, GROUP_LINEARS, ROTARY_EPILOGUE
 from dspark_compile.graphs.tiers import select_tier, tier_set
-from timing import target_overrides, variant_flags, variant_suffix
+from timing import add_variant_args, apply_variant
 from verify_step import BLOCK, CONTEXT, PAGE, build_model, environment, mix_lens, time_ms
 
 KINDS = (("attention", ("_ragged_attention_kernel",)),
@@ -97,20 +96,10 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--bs", type=int, nargs="+", default=[1, 8, 64, 256])
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
-    parser.add_argument("--group-linears", choices=GROUP_LINEARS,
-                        default="auto",
-                        help="DSparkConfig(group_linears=...); not auto: files get a suffix")
-    parser.add_argument("--fuse-linears", choices=FUSE_LINEARS, default="auto",
-                        help="DSparkConfig(fuse_linears=...); not auto: files get a suffix")
-    parser.add_argument("--rotary-epilogue", choices=ROTARY_EPILOGUE, default="off",
-                        help="DSparkConfig(rotary_epilogue=...); on: files get a suffix")
-    parser.add_argument("--target", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a TargetConfig field (e.g. pdl=false); files get a suffix")
+    add_variant_args(parser, rotary=False)
     args = parser.parse_args()
-    overrides, target_suffix, target_flags = target_overrides(args.target)
+    suffix, flags, options = apply_variant(args)
     os.makedirs(args.out, exist_ok=True)
-    suffix = variant_suffix(args.group_linears, "auto", args.fuse_linears,
-                            args.rotary_epilogue) + target_suffix
     model = build_model()
     verifier = dspark_compile(model, lowering="triton", inductor=True, page_size=PAGE,
                               block=BLOCK, group_linears=args.group_linears,
@@ -130,12 +119,9 @@ def main() -> None:
         rows[str(bs)] = profile_bs(verifier, state, bs, args.out, suffix)
         print(bs, json.dumps({k: v for k, v in rows[str(bs)].items()
                               if k != "top_kernels_us_per_step"}), flush=True)
-    env = dict(environment(), group_linears=args.group_linears, fuse_linears=args.fuse_linears,
-               rotary_epilogue=args.rotary_epilogue,
+    env = dict(environment(), **options,
                command="python benchmarks/profile_step.py --bs " + " ".join(map(str, args.bs))
-               + variant_flags(args.group_linears, "auto", args.fuse_linears,
-                               args.rotary_epilogue) + target_flags,
-               target_overrides=overrides)
+               + flags)
     with open(os.path.join(args.out, f"profile_step{suffix}.json"), "w") as f:
         json.dump({"environment": env, "results": rows}, f, indent=1)
 

@@ -10,7 +10,37 @@ import time
 import torch
 
 __all__ = ["time_calls", "graph_of", "time_ms", "capture_graph", "mix_lens", "plot_step_ms",
-           "max_err_vs_hf", "variant_suffix", "variant_flags", "target_overrides"]
+           "max_err_vs_hf", "variant_suffix", "variant_flags", "target_overrides",
+           "add_variant_args", "apply_variant"]
+
+
+def add_variant_args(parser, rotary: bool = True) -> None:
+    """The verifier options a step benchmark takes (``--group-linears``, ``--rotary`` unless
+    ``rotary`` is False, ``--fuse-linears``, ``--rotary-epilogue``) and ``--target``."""
+    from dspark_compile.config import FUSE_LINEARS, GROUP_LINEARS, ROTARY, ROTARY_EPILOGUE
+
+    parser.add_argument("--group-linears", choices=GROUP_LINEARS, default="auto",
+                        help="DSparkConfig(group_linears=...); not auto: files get a suffix")
+    if rotary:
+        parser.add_argument("--rotary", choices=ROTARY, default="auto",
+                            help="DSparkConfig(rotary=...); not auto: files get a suffix")
+    parser.add_argument("--fuse-linears", choices=FUSE_LINEARS, default="auto",
+                        help="DSparkConfig(fuse_linears=...); not auto: files get a suffix")
+    parser.add_argument("--rotary-epilogue", choices=ROTARY_EPILOGUE, default="off",
+                        help="DSparkConfig(rotary_epilogue=...); on: files get a suffix")
+    parser.add_argument("--target", action="append", default=[], metavar="FIELD=VALUE",
+                        help="override a TargetConfig field (e.g. pdl=false); files get a suffix")
+
+
+def apply_variant(args) -> tuple[str, str, dict]:
+    """Apply ``args.target`` (:func:`target_overrides`); ``(file-name suffix, command-line
+    flags, environment fields)`` of the options :func:`add_variant_args` added."""
+    overrides, target_suffix, target_flags = target_overrides(args.target)
+    rotary = getattr(args, "rotary", "auto")
+    options = (args.group_linears, rotary, args.fuse_linears, args.rotary_epilogue)
+    env = dict(group_linears=args.group_linears, rotary=rotary, fuse_linears=args.fuse_linears,
+               rotary_epilogue=args.rotary_epilogue, target_overrides=overrides)
+    return variant_suffix(*options) + target_suffix, variant_flags(*options) + target_flags, env
 
 
 def target_overrides(items: list[str]) -> tuple[dict, str, str]:

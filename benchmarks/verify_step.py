@@ -24,9 +24,8 @@ import time
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from dspark_compile.config import FUSE_LINEARS, GROUP_LINEARS, ROTARY, ROTARY_EPILOGUE
 from timing import capture_graph, max_err_vs_hf, plot_step_ms, time_ms  # noqa: F401
-from timing import target_overrides, variant_flags, variant_suffix
+from timing import add_variant_args, apply_variant
 from timing import mix_lens as _mix_lens
 from dspark_compile.graphs.tiers import tier_set
 
@@ -183,30 +182,14 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="bs 1 and 8 only, fewer iters")
-    parser.add_argument("--group-linears", choices=GROUP_LINEARS,
-                        default="auto",
-                        help="DSparkConfig(group_linears=...); not auto: files get a suffix")
-    parser.add_argument("--rotary", choices=ROTARY, default="auto",
-                        help="DSparkConfig(rotary=...); not auto: files get a suffix")
-    parser.add_argument("--fuse-linears", choices=FUSE_LINEARS, default="auto",
-                        help="DSparkConfig(fuse_linears=...); not auto: files get a suffix")
-    parser.add_argument("--rotary-epilogue", choices=ROTARY_EPILOGUE, default="off",
-                        help="DSparkConfig(rotary_epilogue=...); on: files get a suffix")
-    parser.add_argument("--target", action="append", default=[], metavar="FIELD=VALUE",
-                        help="override a TargetConfig field (e.g. pdl=false); files get a suffix")
+    add_variant_args(parser)
     args = parser.parse_args()
-    overrides, target_suffix, target_flags = target_overrides(args.target)
+    suffix, flags, options = apply_variant(args)
     if not torch.cuda.is_available():
         sys.exit("verify_step.py needs a GPU")
     os.makedirs(args.out, exist_ok=True)
-    env = environment()
-    suffix = variant_suffix(args.group_linears, args.rotary, args.fuse_linears,
-                            args.rotary_epilogue) + target_suffix
-    env["group_linears"], env["rotary"] = args.group_linears, args.rotary
-    env["fuse_linears"], env["target_overrides"] = args.fuse_linears, overrides
-    env["rotary_epilogue"] = args.rotary_epilogue
-    env["command"] += variant_flags(args.group_linears, args.rotary, args.fuse_linears,
-                                    args.rotary_epilogue) + target_flags
+    env = {**environment(), **options}
+    env["command"] += flags
 
     def save(part: dict) -> None:
         with open(os.path.join(args.out, f"verify_step{suffix}.json"), "w") as f:
