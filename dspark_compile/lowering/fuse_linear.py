@@ -269,9 +269,9 @@ _SKINNY = torch.ops.dspark.skinny_linear.default
 
 
 def _head_view(v):
-    """``(skinny node, first column, end column, head dim)`` when ``v [N, H, D]`` is a plain
-    head split of columns of a ``dspark::skinny_linear`` output (a column slice, then views
-    that only split the last dim; each read by the next alone), else None."""
+    """``(output, slice, first column, end column, head dim)`` when ``v [N, H, D]`` is a plain
+    head split of columns of a ``dspark::skinny_linear`` ``output`` (its getitem 0): a column
+    slice, then views that only split the last dim, each read by the next alone. Else None."""
     val = _val(v)
     if val is None or val.dim() != 3:
         return None
@@ -293,7 +293,13 @@ def _head_view(v):
     if not isinstance(d, int) or val.shape[1] * d != stop - start \
             or str(_val(node).shape[0]) != rows:
         return None
-    return src.args[0], start, stop, d
+    return src, node, start, stop, d
+
+
+def _columns_from(node, start: int) -> bool:
+    """``node`` slices columns at or past ``start`` of a 2-D tensor."""
+    return (_is(node, aten.slice.Tensor) and len(node.args) >= 3 and _last_dim(node.args[1], 2)
+            and isinstance(node.args[2], int) and node.args[2] >= start)
 
 
 def fuse_rotary_epilogue(gm: fx.GraphModule) -> PassResult:
@@ -313,33 +319,23 @@ def fuse_rotary_epilogue(gm: fx.GraphModule) -> PassResult:
         hx, hy = _head_view(x), _head_view(y)
         if hx is None or hy is None or hx[0] is not hy[0]:
             continue
-        mm, d = hx[0], hx[3]
-        if (hx[1] != 0 or hy[1] != hx[2] or hy[3] != d or d < 2 or d & (d - 1)
+        out, mm, d, rot_cols = hx[0], hx[0].args[0], hx[4], hy[3]
+        if (hx[2] != 0 or hy[2] != hx[3] or hy[4] != d or d < 2 or d & (d - 1)
                 or mm.args[7] or (len(mm.args) > 10 and mm.args[10])
                 or order[cos] > order[mm] or order[sin] > order[mm]):
             continue
-        out = next(u for u in mm.users if u.args[1] == 0)
-        views = {_chain_slice(x), _chain_slice(y)}
-        if any(u not in views and not (_is(u, aten.slice.Tensor) and u.args[2] >= hy[2])
-               for u in out.users):
+        if any(u not in (hx[1], hy[1]) and not _columns_from(u, rot_cols) for u in out.users):
             continue
         outs = [u for u in node.users if _is(u, operator.getitem)]
         if len(outs) != len(node.users):
             continue
-        mm.args = (*mm.args[:8], cos, sin, hy[2])
+        mm.args = (*mm.args[:8], cos, sin, rot_cols)
         for u in outs:
             u.replace_all_uses_with(x if u.args[1] == 0 else y)
             gm.graph.erase_node(u)
         gm.graph.erase_node(node)
         result.changed += 1
-        result.rewrites.append((f"rotary_apply of {hy[2] // d} heads -> the epilogue of "
+        result.rewrites.append((f"rotary_apply of {rot_cols // d} heads -> the epilogue of "
                                 f"{mm.args[1].name}'s skinny_linear", source_line(node)))
     gm.recompile()
     return result
-
-
-def _chain_slice(v):
-    """The column slice under ``v``'s views (:func:`_head_view` has checked the chain)."""
-    while any(_is(v, t) for t in _VIEWS):
-        v = v.args[0]
-    return v
