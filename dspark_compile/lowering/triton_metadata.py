@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_enter, pdl_options, use_pdl
-from .targets import target_for_device
+from .triton_attention import _device_target
 
 __all__ = ["device_metadata_triton"]
 
@@ -126,7 +126,7 @@ def device_metadata_triton(query_start_loc: torch.Tensor, context_lens: torch.Te
     mrope = mrope_deltas is not None
     mpos = torch.empty(num_tokens, dtype=torch.int64, device=dev) if mrope else positions
     row_programs = triton.cdiv(num_tokens, BLOCK_ROWS)
-    pdl = use_pdl(dev, target_for_device(dev))
+    pdl = use_pdl(dev, _device_target(dev)[0])
     _metadata_kernel[(row_programs + triton.cdiv(r, BLOCK_REQS),)](
         query_start_loc, context_lens, slots, pool_table,
         mrope_deltas if mrope else context_lens, positions, slot_mapping, mpos, seq_lens, table,

@@ -51,7 +51,7 @@ import triton
 import triton.language as tl
 
 from .pdl import pdl_enter, pdl_options, use_pdl
-from .targets import target_for_device
+from .triton_attention import _device_target
 from .triton_conv import device_sm_count
 
 __all__ = ["RotaryPlan", "plan_rotary", "rotary_triton", "rotary_apply_triton", "check_rotary"]
@@ -296,6 +296,7 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     if n == 0:
         return out_q, out_k
     plan = plan or plan_rotary(n, h, hkv, d, device_sm_count(q.device))
+    pdl = _pdl(q.device)
     q_blocks = triton.cdiv(h, plan.block_h)
     grid = (triton.cdiv(n, plan.block_n), q_blocks + triton.cdiv(hkv, plan.block_h))
     pos_row = positions.stride(0) if mode else 0
@@ -305,8 +306,8 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
         out_k.stride(0), out_k.stride(1), pos_row, positions.stride(-1), 0, 0,
         float(attention_scaling), HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2),
         BLOCK_N=plan.block_n, BLOCK_H=plan.block_h, MROPE=mode, S0=s0, S1=s1,
-        S2=(d // 2 - s0 - s1) if mode else 0, GIVEN=False, PDL=_pdl(q.device),
-        num_warps=plan.num_warps, enable_fp_fusion=False, **pdl_options(_pdl(q.device)))
+        S2=(d // 2 - s0 - s1) if mode else 0, GIVEN=False, PDL=pdl,
+        num_warps=plan.num_warps, enable_fp_fusion=False, **pdl_options(pdl))
     return out_q, out_k
 
 
@@ -314,7 +315,7 @@ _APPLY = "rotary_apply_triton"
 
 
 def _pdl(device: torch.device) -> bool:
-    return use_pdl(device, target_for_device(device))
+    return use_pdl(device, _device_target(device)[0])
 
 
 def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
@@ -347,6 +348,7 @@ def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
         return outs
     hy = y.shape[1]
     plan = plan_rotary(n, hx, hy, d, device_sm_count(x.device))
+    pdl = _pdl(x.device)
     x_blocks = triton.cdiv(hx, plan.block_h)
     grid = (triton.cdiv(n, plan.block_n), x_blocks + triton.cdiv(hy, plan.block_h))
     _rotary_kernel[grid](
@@ -354,6 +356,6 @@ def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
         x.stride(1), y.stride(0), y.stride(1), outs[0].stride(0), outs[0].stride(1),
         outs[1].stride(0), outs[1].stride(1), 0, 0, cos.stride(0), sin.stride(0), 1.0,
         HALF=d // 2, HALF_PAD=triton.next_power_of_2(d // 2), BLOCK_N=plan.block_n,
-        BLOCK_H=plan.block_h, MROPE=0, S0=0, S1=0, S2=0, GIVEN=True, PDL=_pdl(x.device),
-        num_warps=plan.num_warps, enable_fp_fusion=False, **pdl_options(_pdl(x.device)))
+        BLOCK_H=plan.block_h, MROPE=0, S0=0, S1=0, S2=0, GIVEN=True, PDL=pdl,
+        num_warps=plan.num_warps, enable_fp_fusion=False, **pdl_options(pdl))
     return outs
