@@ -167,7 +167,8 @@ def fuse_linears(gm: fx.GraphModule, dtypes=_HALF, glu_prologue: bool = False) -
     pass made moves into that matmul's epilogue (``glu_out``: it streams the gate and up rows of
     its columns together); of anything else it is fused into the reader's K loop only with
     ``glu_prologue`` (off: on an H200 that loop ran the 1.1B down projection at 24 us against
-    15 for the unfused launches, ``benchmarks/skinny_kernel.py``)."""
+    15 for the unfused launches, ``benchmarks/skinny_kernel.py``, but with the launch left
+    unsplit by that benchmark's capture stream; not re-timed, see targets.py)."""
     result = PassResult("fuse_linears", changed=0)
     params = {n for n in gm.graph.nodes if n.op == "placeholder"}
     order = {n: i for i, n in enumerate(gm.graph.nodes)}

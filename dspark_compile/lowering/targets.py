@@ -86,6 +86,11 @@ class TargetConfig:
     # epilogue instead). At 64 rows the unfused launches win: the whole step at bs 8 with full
     # blocks (64 rows) took 1.73 ms fused against 1.39 unfused (verify_step_fuse_ab.json,
     # all8), while 24 rows gained (1.29 against 1.33). Hence 32.
+    # Those kernel figures were captured on a stream other than the warm-up's, so launches the
+    # plan splits (o, down, q+k+v, down with the prologue) ran unsplit; with the split, at 3 / 24
+    # rows (skinny_split_sweep.json): o 4.7 / 5.1, down 10.3 / 10.9, q+k+v with the residual
+    # add + norm 8.5 / 9.5, gate+up with the SiLU epilogue 20.1 / 21.9. The down prologue was
+    # not re-timed.
     skinny_max_m: int = 32
     """Most rows (packed tokens) ``dspark::skinny_linear`` gives its skinny Triton kernel; more
     take the input launch and ``torch.mm`` (``lowering/triton_skinny.py``)."""
