@@ -4,6 +4,8 @@ fused verifier equals the unfused one bit for bit; the GPU kernel is in test_tri
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -112,6 +114,27 @@ def test_rotary_epilogue_verifier_equals_the_rotary_launch_bit_for_bit(make, ind
     assert len([n for n in nodes if n.target is SKINNY and len(n.args) > 10 and n.args[10]]) == 2
     for a, b in zip(prefill_verify_rounds(base, vocab), prefill_verify_rounds(moved, vocab)):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("epilogue", ["on", "off"])
+def test_inductor_writes_the_rotary_tables_once_for_every_layer(epilogue) -> None:
+    """cos and sin are read by one op per layer; Inductor's code passes every layer the same
+    two buffers (it copied them out per layer before: 2 x layers buffers)."""
+    from torch._inductor.utils import run_and_get_code
+
+    layers = 3
+    verifier = dspark_compile(tiny_llama(layers=layers).half(), group_linears="concat",
+                              rotary="triton", fuse_linears="on", inductor=True,
+                              rotary_epilogue=epilogue)
+    with torch._inductor.config.patch(fx_graph_cache=False):  # compile here, not a cache hit
+        _, codes = run_and_get_code(prefill_verify_rounds, verifier, 97)
+    # skinny_linear(..., cos, sin, rot_cols) with rot_cols > 0, or rotary_apply(q, k, cos, sin)
+    tables = re.compile(r"dspark\.(?:skinny_linear|rotary_apply)\.default\(.*, (\w+), (\w+)"
+                        r"(?:, [1-9]\d*)?\)$")
+    for code in codes:
+        read = [m.groups() for line in code.splitlines() if (m := tables.search(line.strip()))]
+        assert len(read) == layers, code
+        assert len(set(read)) == 1, read
 
 
 def test_rotary_epilogue_leaves_a_rotation_behind_q_k_norms() -> None:
