@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
+import re
 
 import pytest
 import torch
@@ -144,18 +145,24 @@ def _rotary_inputs(m: int, d: int, dtype, seed: int = 1):
     (20, 256, 512, 32, 192, "rms", {"split_k": 4}),          # the split merge's epilogue
     (2, 256, 128, 128, 128, "plain", {}),                    # a head of 128: 128-column tiles
 ])
-def test_rotary_epilogue_equals_rotating_the_plain_output(m, n, k, d, rot_cols, mode,
-                                                           over) -> None:
-    """The epilogue rotates the rounded output with the reference op's roundings: bit for bit
-    what ``dspark::rotary_apply``'s math gives on the same kernel's plain output."""
+@pytest.mark.parametrize("where", ["epilogue", "after"])
+def test_rotary_epilogue_equals_rotating_the_plain_output(m, n, k, d, rot_cols, mode, over,
+                                                           where) -> None:
+    """The epilogue (or, below ``skinny_rope_min_m`` rows, the rotary kernel after the plain
+    launch) rotates the rounded output with the reference op's roundings: bit for bit what
+    ``dspark::rotary_apply``'s math gives on the same kernel's plain output."""
     from dspark_compile.lowering.ops import _rotate
+    from dspark_compile.lowering.targets import TARGETS
     from dspark_compile.lowering.triton_skinny import skinny_linear_triton
 
     dtype = torch.float16
+    cfg = dataclasses.replace(TARGETS["sm_90"], skinny_rope_min_m=1 if where == "epilogue"
+                              else m + 1)
     args = _case(m, n, k, mode, False, dtype)
     cos, sin = _rotary_inputs(m, d, dtype)
-    plain, h = skinny_linear_triton(**args, **over)
-    got, got_h = skinny_linear_triton(**args, cos=cos, sin=sin, rot_cols=rot_cols, **over)
+    plain, h = skinny_linear_triton(**args, config=cfg, **over)
+    got, got_h = skinny_linear_triton(**args, cos=cos, sin=sin, rot_cols=rot_cols, config=cfg,
+                                      **over)
     heads = plain[:, :rot_cols].unflatten(1, (-1, d))
     want = torch.cat([_rotate(heads, cos, sin).flatten(1), plain[:, rot_cols:]], 1)
     assert torch.equal(got, want) and torch.equal(got_h, h)
@@ -288,6 +295,13 @@ def _compile_all() -> dict:
             out.setdefault(case, {})[target] = compile_kernel(kernel, pointers, consts, target,
                                                               opts, scalars={"eps": "fp32"})
     out["pipelined_shared_bytes"] = _pipelined_shared(kernel, pointers)
+    asm = {}
+    compile_kernel(kernel, {**pointers, **{a: "fp16" for a in pointers if pointers[a] == "bf16"}},
+                   AOT_CASES["rms_res_rope_split"], "sm_90",
+                   {"num_warps": 4, "num_stages": 4, **triton_skinny.LAUNCH_OPTIONS},
+                   scalars={"eps": "fp32"}, asm=asm)
+    out["rope_fp16_ptx"] = {op: len(re.findall(op, asm["ptx"]))
+                            for op in (r"\bfma\.\S*f16", r"\bmul\.rn\.f16", r"\bsub\.rn\.f16")}
     asm: dict = {}
     compile_kernel(kernel, pointers, AOT_CASES["rms_res_glu_split"], "sm_90",
                    {"num_warps": 4, "num_stages": 4}, scalars={"eps": "fp32"}, asm=asm)
@@ -330,6 +344,14 @@ def test_sm90_build_waits_then_reads(compiled: dict) -> None:
     assert at["griddepcontrol.wait"] < at["griddepcontrol.launch_dependents"]
     reads = [at["ld.global"], at["atom.global"]] + [at["cp.async.c"]] * (at["cp.async.c"] >= 0)
     assert at["griddepcontrol.wait"] < min(reads)
+
+
+def test_fp16_rotation_rounds_each_product(compiled: dict) -> None:
+    """With the launch's options the fp16 rotation is half-precision multiplies and subtracts,
+    each rounded; with fp fusion on, the compiler contracts them into ``fma.f16`` (one rounding
+    fewer than the reference's, one ulp off on the H200)."""
+    ops = compiled["rope_fp16_ptx"]
+    assert ops[r"\bfma\.\S*f16"] == 0 and ops[r"\bmul\.rn\.f16"] > 0, ops
 
 
 def test_k_loop_is_software_pipelined(compiled: dict) -> None:

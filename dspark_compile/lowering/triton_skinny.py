@@ -16,7 +16,13 @@ written for that case:
   equal. No second launch.
 - **Prologue / epilogue**: the matmul input may be ``silu(gate) * up`` or HF's RMSNorm of
   ``x (+ residual)`` (the sum is written out as ``h``), computed on the activation tile in the
-  K loop; the output may be ``silu(gate rows' product) * up rows' product``.
+  K loop; the output may be ``silu(gate rows' product) * up rows' product``, or q/k heads
+  rotated as ``dspark::rotary_apply`` does (``rot_cols``).
+- **No fused multiply-add** outside the dot (``enable_fp_fusion=False``): the rotation rounds
+  each product to the activation dtype, and with fp16 the compiler would otherwise narrow those
+  products and their sum to half-precision ops and contract them into one ``fma.f16``, one
+  ulp off the reference's two roundings (seen on the H200; bf16 rounds on the integer bits and
+  was not affected). The norm's squares round on their own too.
 
 ``skinny_linear_triton`` takes 16-bit activations and a contiguous weight of the same dtype;
 bad input is a ``ValueError`` naming the value, before any launch. Past
@@ -46,6 +52,10 @@ def _silu_mul(g, u):
     """``silu(g) * u`` in fp32."""
     g = g.to(tl.float32)
     return g / (1.0 + tl.exp(-g)) * u.to(tl.float32)
+
+
+LAUNCH_OPTIONS = {"enable_fp_fusion": False}
+"""Compile options of every skinny launch (module docstring: no fused multiply-add)."""
 
 
 @triton.jit
@@ -447,10 +457,10 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     launch (``glu`` / ``gamma``), ``torch.mm`` (``addmm`` with a bias), and the output's SiLU in
     one more (``glu_out``): the launches Inductor would make. ``rot_cols`` > 0: the first
     ``rot_cols`` output columns are heads rotated with ``cos``/``sin [M, D]`` as
-    ``dspark::rotary_apply`` does (in the epilogue; past ``skinny_max_m`` rows, in place by the
-    rotary kernel). ``overrides`` (``block_n``,
-    ``block_k``, ``split_k``, ``num_warps``, ``num_stages``, ``tma``, ``swap``)
-    are for the benchmark's sweep. No host sync; CUDA-graph safe (a split launch takes its
+    ``dspark::rotary_apply`` does (in the epilogue from ``skinny_rope_min_m`` rows; with fewer
+    rows or past ``skinny_max_m``, in place by the rotary kernel after the matmul).
+    ``overrides`` (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``,
+    ``tma``, ``swap``) are for the benchmark's sweep. No host sync; CUDA-graph safe (a split launch takes its
     counters from the buffer of the current stream, made outside any capture by the first
     call)."""
     _check(x, w, bias, gamma, residual, glu, glu_out)
@@ -477,16 +487,15 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
                 _prologue(y, None, (x, x, 0, 0), out, n_out, 0.0, 1, pdl=pdl)
             y = out
         if rot_d and m:
-            from .triton_rotary import rotary_apply_triton
-
-            heads = y[:, :rot_cols].unflatten(1, (-1, rot_d))
-            rotary_apply_triton(heads, heads[:, :0], cos, sin, out=[heads, heads[:, :0]])
+            _rotate_in_place(y, cos, sin, rot_cols, rot_d)
         return y, h
     out = x.new_empty((m, n_out))
     if m == 0 or n == 0:
         if residual is not None:
             torch.add(x, residual, out=h)
         return out, h
+    after = rot_d if m < cfg.skinny_rope_min_m else 0  # rotated by the rotary kernel after
+    rot_d -= after
     plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, rms=pro == 2, rot_d=rot_d,
                        **overrides)
     split = plan.split_k
@@ -510,8 +519,20 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         EVEN_N=n_out % plan.block_n == 0,
         EVEN_K=k % plan.k_per_split == 0 and plan.k_per_split % plan.block_k == 0,
         W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, ROT_D=rot_d,
-        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_options(pdl))
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_options(pdl),
+        **LAUNCH_OPTIONS)
+    if after:
+        _rotate_in_place(out, cos, sin, rot_cols, after)
     return out, h
+
+
+def _rotate_in_place(y: torch.Tensor, cos, sin, rot_cols: int, rot_d: int) -> None:
+    """The first ``rot_cols`` columns of ``y`` rotated as heads of ``rot_d`` by the rotary
+    kernel, in place (the same roundings as the epilogue)."""
+    from .triton_rotary import rotary_apply_triton
+
+    heads = y[:, :rot_cols].unflatten(1, (-1, rot_d))
+    rotary_apply_triton(heads, heads[:, :0], cos, sin, out=[heads, heads[:, :0]])
 
 
 def _prologue(x, gamma, res_args, out, k: int, eps: float, pro: int,
