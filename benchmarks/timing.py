@@ -26,8 +26,8 @@ def add_variant_args(parser, rotary: bool = True) -> None:
                             help="DSparkConfig(rotary=...); not auto: files get a suffix")
     parser.add_argument("--fuse-linears", choices=FUSE_LINEARS, default="auto",
                         help="DSparkConfig(fuse_linears=...); not auto: files get a suffix")
-    parser.add_argument("--rotary-epilogue", choices=ROTARY_EPILOGUE, default="off",
-                        help="DSparkConfig(rotary_epilogue=...); on: files get a suffix")
+    parser.add_argument("--rotary-epilogue", choices=ROTARY_EPILOGUE, default="auto",
+                        help="DSparkConfig(rotary_epilogue=...); not auto: files get a suffix")
     parser.add_argument("--target", action="append", default=[], metavar="FIELD=VALUE",
                         help="override a TargetConfig field (e.g. pdl=false); files get a suffix")
 
@@ -71,22 +71,22 @@ def target_overrides(items: list[str]) -> tuple[dict, str, str]:
 
 
 def variant_suffix(group_linears: str, rotary: str, fuse_linears: str = "auto",
-                   rotary_epilogue: str = "off") -> str:
+                   rotary_epilogue: str = "auto") -> str:
     """File-name suffix of a run with non-default ``group_linears`` / ``rotary`` /
     ``fuse_linears`` / ``rotary_epilogue`` options."""
     return (f"_group_{group_linears}" if group_linears != "auto" else "") + \
         (f"_rotary_{rotary}" if rotary != "auto" else "") + \
         (f"_fuse_{fuse_linears}" if fuse_linears != "auto" else "") + \
-        (f"_rotary_epilogue_{rotary_epilogue}" if rotary_epilogue != "off" else "")
+        (f"_rotary_epilogue_{rotary_epilogue}" if rotary_epilogue != "auto" else "")
 
 
 def variant_flags(group_linears: str, rotary: str, fuse_linears: str = "auto",
-                  rotary_epilogue: str = "off") -> str:
+                  rotary_epilogue: str = "auto") -> str:
     """The command-line flags of those options (empty for the defaults)."""
     return (f" --group-linears {group_linears}" if group_linears != "auto" else "") + \
         (f" --rotary {rotary}" if rotary != "auto" else "") + \
         (f" --fuse-linears {fuse_linears}" if fuse_linears != "auto" else "") + \
-        (f" --rotary-epilogue {rotary_epilogue}" if rotary_epilogue != "off" else "")
+        (f" --rotary-epilogue {rotary_epilogue}" if rotary_epilogue != "auto" else "")
 
 
 def max_err_vs_hf(model, verifier, vocab: int, device, **state_kwargs) -> float:

@@ -5,6 +5,7 @@ fused verifier equals the unfused one bit for bit; the GPU kernel is in test_tri
 from __future__ import annotations
 
 import re
+import types
 
 import pytest
 import torch
@@ -106,7 +107,7 @@ def test_rotary_epilogue_verifier_equals_the_rotary_launch_bit_for_bit(make, ind
     model = make().half()
     vocab = model.config.get_text_config().vocab_size
     kw = dict(group_linears="concat", rotary="triton", fuse_linears="on", inductor=inductor)
-    base = dspark_compile(model, **kw)
+    base = dspark_compile(model, rotary_epilogue="off", **kw)
     moved = dspark_compile(model, rotary_epilogue="on", **kw)
     assert next(r for r in moved.results if r.name == "fuse_rotary_epilogue").changed == 2
     nodes = list(moved.graph_module.graph.nodes)
@@ -116,16 +117,34 @@ def test_rotary_epilogue_verifier_equals_the_rotary_launch_bit_for_bit(make, ind
         assert torch.equal(a, b)
 
 
+def _matmul_angles(self, x, position_ids):
+    """HF 5.17's rotary angles: ``inv_freq @ positions``, a matmul over one (5.24 multiplies)."""
+    inv = self.inv_freq[None, :, None].float().expand(position_ids.shape[0], -1, 1)
+    freqs = (inv @ position_ids[:, None, :].float()).transpose(1, 2)
+    emb = torch.cat((freqs, freqs), dim=-1)
+    return ((emb.cos() * self.attention_scaling).to(x.dtype),
+            (emb.sin() * self.attention_scaling).to(x.dtype))
+
+
 @pytest.mark.parametrize("epilogue", ["on", "off"])
-def test_inductor_writes_the_rotary_tables_once_for_every_layer(epilogue) -> None:
+@pytest.mark.parametrize("angles", ["mul", "matmul"])
+def test_inductor_writes_the_rotary_tables_once_for_every_layer(epilogue, angles) -> None:
     """cos and sin are read by one op per layer; Inductor's code passes every layer the same
-    two buffers (it copied them out per layer before: 2 x layers buffers)."""
+    two buffers (it copied them out per layer before: 2 x layers buffers), whether the model
+    multiplies its angles out or takes them from a matmul over one (``outer_products``)."""
     from torch._inductor.utils import run_and_get_code
 
     layers = 3
-    verifier = dspark_compile(tiny_llama(layers=layers).half(), group_linears="concat",
-                              rotary="triton", fuse_linears="on", inductor=True,
-                              rotary_epilogue=epilogue)
+    model = tiny_llama(layers=layers).half()
+    if angles == "matmul":
+        rotary = model.model.rotary_emb
+        rotary.forward = types.MethodType(_matmul_angles, rotary)
+    verifier = dspark_compile(model, group_linears="concat", rotary="triton",
+                              fuse_linears="on", inductor=True, rotary_epilogue=epilogue)
+    if angles == "matmul":
+        assert next(r for r in verifier.results if r.name == "outer_products").changed == 1
+    assert not [n for n in verifier.graph_module.graph.nodes
+                if n.target in (torch.ops.aten.mm.default, torch.ops.aten.bmm.default)]
     with torch._inductor.config.patch(fx_graph_cache=False):  # compile here, not a cache hit
         _, codes = run_and_get_code(prefill_verify_rounds, verifier, 97)
     # skinny_linear(..., cos, sin, rot_cols) with rot_cols > 0, or rotary_apply(q, k, cos, sin)

@@ -24,6 +24,7 @@ from .concat_linear import concat_linears
 from .fuse_linear import fuse_linears, fuse_rotary_epilogue
 from .fuse_rotary import fuse_rotary
 from .group_linear import group_linears
+from .outer_product import outer_products
 from .ops import LOWERED
 
 __all__ = ["resolve_lowering", "lower", "compile_rest"]
@@ -45,19 +46,19 @@ def resolve_lowering(requested: str, device: torch.device) -> str:
 
 def lower(gm: fx.GraphModule, lowering: str, block: int, group: str = "off",
           rotary: str = "auto", inputs: list | None = None,
-          fuse: str = "off", rotary_epilogue: str = "off") -> list[PassResult]:
-    """Group the matmuls that share their rows per ``group`` (``DSparkConfig.group_linears``:
+          fuse: str = "off", rotary_epilogue: str = "auto") -> list[PassResult]:
+    """Make each matmul over a contraction of one a multiply (``outer_products``); group the
+    matmuls that share their rows per ``group`` (``DSparkConfig.group_linears``:
     ``"concat"`` stacks their weights, ``"triton"`` makes ``dspark::linear_group`` ops,
     ``"auto"`` is ``"concat"`` for ``lowering="triton"``); with ``rotary="triton"`` (``"auto"``
     with ``lowering="triton"``), fuse each layer's q/k rotation (``fuse_rotary``); then swap
     with ``fuse="on"`` (``"auto"`` with ``lowering="triton"``), make each weight's matmul with
     its norm or SiLU-and-mul and its residual add one ``dspark::skinny_linear``
-    (``fuse_linears``) and, with ``rotary_epilogue="on"``, move each q/k rotation into the
-    q/k/v op's epilogue (``fuse_rotary_epilogue``); then swap each reference ``dspark::`` op
-    for its ``lowering``
-    implementation, in place. ``inputs``
-    (the ``InputSpec`` per placeholder) is kept in step when ``concat`` replaces weight inputs
-    by stacked ones.
+    (``fuse_linears``) and, with ``rotary_epilogue`` ``"on"`` or ``"auto"``, move each q/k
+    rotation into the q/k/v op (``fuse_rotary_epilogue``); then swap each reference
+    ``dspark::`` op for its ``lowering`` implementation, in place. ``inputs`` (the
+    ``InputSpec`` per placeholder) is kept in step when ``concat`` replaces weight inputs by
+    stacked ones.
 
     The Triton attention also gets ``block`` as its query-tile bound (a speed choice only).
     """
@@ -67,7 +68,8 @@ def lower(gm: fx.GraphModule, lowering: str, block: int, group: str = "off",
         rotary = "triton" if lowering == "triton" else "inductor"
     if group == "concat" and inputs is None:
         raise ValueError("lower(group='concat') needs the graph's inputs list to keep in step")
-    grouped = [group_linears(gm)] if group == "triton" else \
+    grouped = [outer_products(gm)]
+    grouped += [group_linears(gm)] if group == "triton" else \
         [concat_linears(gm, inputs)] if group == "concat" else []
     if rotary == "triton":
         grouped.append(fuse_rotary(gm))
@@ -75,7 +77,7 @@ def lower(gm: fx.GraphModule, lowering: str, block: int, group: str = "off",
         fuse = "on" if lowering == "triton" else "off"
     if fuse == "on":
         grouped.append(fuse_linears(gm))
-        if rotary_epilogue == "on":
+        if rotary_epilogue in ("on", "auto"):
             grouped.append(fuse_rotary_epilogue(gm))
     result = PassResult(f"lower[{lowering}]", changed=0)
     table = LOWERED.get(lowering, {})
