@@ -6,7 +6,10 @@
 #
 # Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
 # verify_step_off, verify_step_rotary, verify_step_nofuse, profile_small, skinny_rows,
-# skinny_fused, skinny_pdl, skinny_split, verify_step_rope, profile_rope, tests_rope, verify_step_nopdl, verify_quick, verify_quick_nopdl, verify_quick_keys64, profile_nopdl, tests_skinny, tests_pdl, tests_meta, tests_step,
+# skinny_fused, skinny_pdl, skinny_split, skinny_rope, verify_step_norope, profile_norope,
+# tests_rope, verify_step_nopdl, verify_quick, verify_quick_norope, verify_quick_nopdl,
+# verify_quick_keys64, profile_nopdl, inductor_code, tests_skinny, tests_pdl, tests_meta,
+# tests_step,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # compile_cold, compile_warm,
 # hybrid_kernels, hybrid_step, rotary,
@@ -37,15 +40,19 @@ job() {
     skinny_rows) python3 benchmarks/skinny_kernel.py ;;
     skinny_fused) python3 benchmarks/skinny_kernel.py --fused-only ;;
     skinny_pdl) python3 benchmarks/skinny_kernel.py --pdl ;;
+    skinny_rope) python3 benchmarks/skinny_kernel.py --rope-sweep --budget-s 140 ;;
     skinny_split) python3 benchmarks/skinny_kernel.py --split-sweep --budget-s 280 ;;
     verify_step_nopdl) python3 benchmarks/verify_step.py --target pdl=false ;;
-    verify_step_rope) python3 benchmarks/verify_step.py --rotary-epilogue on ;;
-    profile_rope) python3 benchmarks/profile_step.py --bs 1 8 --target pdl=false \
-        --rotary-epilogue on ;;
-    tests_rope) python3 -m pytest -q -m gpu tests/test_triton_skinny.py -k rotary \
-        -p no:cacheprovider && python3 -m pytest -q tests/test_fuse_linear.py -k rotary_epilogue \
-        -p no:cacheprovider ;;
+    verify_step_norope) python3 benchmarks/verify_step.py --rotary-epilogue off ;;
+    profile_norope) python3 benchmarks/profile_step.py --bs 1 8 --target pdl=false \
+        --rotary-epilogue off ;;
+    tests_rope) python3 -m pytest -q tests/test_triton_skinny.py -k rotary -p no:cacheprovider ;;
     verify_quick) python3 benchmarks/verify_step.py --quick ;;
+    verify_quick_norope) python3 benchmarks/verify_step.py --quick --rotary-epilogue off ;;
+    inductor_code)  # the packed graph's Inductor code for the bs 1 and 8 tiers
+      TORCHINDUCTOR_CACHE_DIR=/tmp/ic_code python3 benchmarks/profile_step.py --bs 1 8 &&
+        mkdir -p "$OUT/inductor_code" && grep -rl "def call" /tmp/ic_code --include=*.py |
+        xargs -I{} cp {} "$OUT/inductor_code/" ;;
     verify_quick_nopdl) python3 benchmarks/verify_step.py --quick --target pdl=false ;;
     verify_quick_keys64) python3 benchmarks/verify_step.py --quick --target split_min_keys=64 ;;
     profile_nopdl) python3 benchmarks/profile_step.py --bs 1 8 --target pdl=false ;;

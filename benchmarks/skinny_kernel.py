@@ -87,7 +87,9 @@ class Case:
     def calls(self, m: int, mode: str, **cfg) -> list:
         """One call per weight copy with the fusion ``mode``: ``plain``, ``glu`` (SiLU-and-mul
         prologue), ``rms`` (RMSNorm prologue), ``rms_res`` (residual add + RMSNorm),
-        ``rms_res_glu`` (that, and a SiLU-and-mul epilogue over the gate and up halves)."""
+        ``rms_res_glu`` (that, and a SiLU-and-mul epilogue over the gate and up halves),
+        ``rms_res_rope`` (``rms_res`` and the q/k rotation, heads of 128, in the epilogue: the
+        first 3072 of q/k/v's 4096 columns)."""
         from dspark_compile.lowering.triton_skinny import skinny_linear_triton
 
         x = torch.randn(m, 2 * self.k if mode == "glu" else self.k, device="cuda",
@@ -97,6 +99,10 @@ class Case:
             kw["gamma"] = torch.rand(self.k, device="cuda", dtype=torch.bfloat16) + 0.5
         if mode.startswith("rms_res"):
             kw["residual"] = torch.randn_like(x)
+        if mode.endswith("_rope"):
+            angle = torch.rand(m, 64, device="cuda") * 6.0
+            kw.update(cos=torch.cat([angle.cos()] * 2, 1).to(torch.bfloat16),
+                      sin=torch.cat([angle.sin()] * 2, 1).to(torch.bfloat16), rot_cols=3072)
         return [lambda w=w: skinny_linear_triton(x, w, **kw) for w in self.ws]
 
     def fused_us(self, m: int, mode: str, **cfg) -> float:
@@ -147,6 +153,9 @@ def main() -> None:
     ap.add_argument("--split-sweep", action="store_true",
                     help="only a fused layer's four launches over column tile and split count "
                          "(skinny_split_sweep.json)")
+    ap.add_argument("--rope-sweep", action="store_true",
+                    help="only q/k/v with and without the rotary epilogue over column tile, "
+                         "split count and warps (skinny_rope_sweep.json)")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="stop the sweep after this many seconds (the rows so far are kept)")
     opts = ap.parse_args()
@@ -166,7 +175,8 @@ def main() -> None:
 
     def save():
         name = ("skinny_pdl.json" if opts.pdl else "skinny_split_sweep.json"
-                if opts.split_sweep else "skinny_kernel.json")
+                if opts.split_sweep else "skinny_rope_sweep.json" if opts.rope_sweep
+                else "skinny_kernel.json")
         (out / name).write_text(json.dumps(report, indent=1))
 
     kcfg = dataclasses.replace(cfg, skinny_max_m=max(ROWS))  # the kernel, not the fallback
@@ -193,6 +203,27 @@ def main() -> None:
             for pdl in (False, True, False, True):
                 us = layer_us(cases, m, config=dataclasses.replace(kcfg, pdl=pdl))
                 record("layer", dict(m=m, pdl=pdl, layer_us=us))
+        report["seconds"] = time.perf_counter() - t0
+        save()
+        return
+    if opts.rope_sweep:
+        report["environment"]["command"] += " --rope-sweep"
+        qkv = cases["qkv"]
+        for m in (3, 24):
+            for mode in ("rms_res", "rms_res_rope"):
+                default = plan_skinny(m, qkv.n, qkv.k, kcfg, sms, rms=True,
+                                      rot_d=128 if mode.endswith("_rope") else 0)
+                record("rope_sweep", dict(mode=mode, m=m, default=True,
+                                          block_n=default.block_n, split_k=default.split_k,
+                                          us=qkv.fused_us(m, mode, config=kcfg)))
+            for block_n, split_k, warps in itertools.product((128, 256), (2, 4, 8), (4, 8)):
+                if time.perf_counter() - t0 > opts.budget_s:
+                    report["sweep_stopped"] = "budget"
+                    save()
+                    return
+                c = dict(block_n=block_n, split_k=split_k, num_warps=warps)
+                record("rope_sweep", dict(mode="rms_res_rope", m=m, default=False, **c,
+                                          us=qkv.fused_us(m, "rms_res_rope", config=kcfg, **c)))
         report["seconds"] = time.perf_counter() - t0
         save()
         return
