@@ -56,7 +56,7 @@ job() {
     verify_quick_nopdl) python3 benchmarks/verify_step.py --quick --target pdl=false ;;
     verify_quick_keys64) python3 benchmarks/verify_step.py --quick --target split_min_keys=64 ;;
     profile_nopdl) python3 benchmarks/profile_step.py --bs 1 8 --target pdl=false ;;
-    tests_skinny) python3 -m pytest -q -m gpu tests/test_triton_skinny.py -p no:cacheprovider ;;
+    tests_skinny) python3 -m pytest -q tests/test_triton_skinny.py -p no:cacheprovider ;;  # fp16 and bf16
     tests_step) python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_pdl.py -p no:cacheprovider &&
       python3 -m pytest -q tests/test_triton_metadata.py -k 'not ahead_of_time' -p no:cacheprovider ;;
     tests_meta) python3 -m pytest -q tests/test_triton_metadata.py -k 'not ahead_of_time' \
