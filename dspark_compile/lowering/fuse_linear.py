@@ -338,5 +338,6 @@ def fuse_rotary_epilogue(gm: fx.GraphModule) -> PassResult:
         result.changed += 1
         result.rewrites.append((f"rotary_apply of {rot_cols // d} heads -> the epilogue of "
                                 f"{mm.args[1].name}'s skinny_linear", source_line(node)))
-    gm.recompile()
+    if result.changed:
+        gm.recompile()
     return result

@@ -89,6 +89,15 @@ def _round(x, dtype: tl.constexpr):
 
 
 @triton.jit
+def _rotate_halves(x1, x2, c1, c2, s1, s2, dtype: tl.constexpr):
+    """``(x1 * c1 - x2 * s1, x2 * c2 + x1 * s2)`` of a head's halves, each product rounded to
+    ``dtype``, then the sum (HF eager's ``x * cos + rotate_half(x) * sin``); kept in fp32."""
+    o1 = _round(_round(x1 * c1, dtype) - _round(x2 * s1, dtype), dtype)
+    o2 = _round(_round(x2 * c2, dtype) + _round(x1 * s2, dtype), dtype)
+    return o1, o2
+
+
+@triton.jit
 def _cos_sin(pos_ptr, inv_freq_ptr, tokens, tok_ok, pos_stride_row, pos_stride_tok, scaling,
              HALF: tl.constexpr, HALF_PAD: tl.constexpr, MROPE: tl.constexpr, S0: tl.constexpr,
              S1: tl.constexpr, S2: tl.constexpr):
@@ -153,9 +162,7 @@ def _rotary_kernel(
     x_offs = tokens[:, None, None] * s_tok + heads[None, :, None] * s_head + f[None, None, :]
     x1 = tl.load(x_ptr + x_offs, mask=ok, other=0.0).to(tl.float32)  # [BLOCK_N, BLOCK_H, HALF_PAD]
     x2 = tl.load(x_ptr + x_offs + HALF, mask=ok, other=0.0).to(tl.float32)
-    # each product rounded to the activation dtype, then the sum (HF eager's roundings)
-    o1 = _round(_round(x1 * c1, dtype) - _round(x2 * s1, dtype), dtype)
-    o2 = _round(_round(x2 * c2, dtype) + _round(x1 * s2, dtype), dtype)
+    o1, o2 = _rotate_halves(x1, x2, c1, c2, s1, s2, dtype)
     o_offs = tokens[:, None, None] * so_tok + heads[None, :, None] * so_head + f[None, None, :]
     tl.store(o_ptr + o_offs, o1.to(dtype), mask=ok)
     tl.store(o_ptr + o_offs + HALF, o2.to(dtype), mask=ok)

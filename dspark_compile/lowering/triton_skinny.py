@@ -42,7 +42,7 @@ import triton.language as tl
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .targets import TargetConfig
 from .triton_attention import _counters, _device_target
-from .triton_rotary import _round
+from .triton_rotary import _rotate_halves, _round, rotary_apply_triton
 
 __all__ = ["SkinnyPlan", "plan_skinny", "skinny_linear_triton"]
 
@@ -55,7 +55,8 @@ def _silu_mul(g, u):
 
 
 LAUNCH_OPTIONS = {"enable_fp_fusion": False}
-"""Compile options of every skinny launch (module docstring: no fused multiply-add)."""
+"""Compile options of every ``_skinny_kernel`` launch (module docstring: no fused
+multiply-add). The prologue launch past ``skinny_max_m`` rows feeds cuBLAS and keeps them."""
 
 
 @triton.jit
@@ -78,8 +79,7 @@ def _rotate_heads(acc, cos_ptr, sin_ptr, stride_cos, stride_sin, offs_m, m_ok, c
     c2 = tl.load(c_ptrs + HALF, mask=ok, other=0.0).to(tl.float32)
     s1 = tl.load(s_ptrs, mask=ok, other=0.0).to(tl.float32)
     s2 = tl.load(s_ptrs + HALF, mask=ok, other=0.0).to(tl.float32)
-    o1 = _round(_round(x1 * c1, dtype) - _round(x2 * s1, dtype), dtype)
-    o2 = _round(_round(x2 * c2, dtype) + _round(x1 * s2, dtype), dtype)
+    o1, o2 = _rotate_halves(x1, x2, c1, c2, s1, s2, dtype)
     rot = (col0 + tl.arange(0, HEADS) * ROT_D < rot_cols)[:, None, None]
     o = tl.join(tl.where(rot, o1, x1), tl.where(rot, o2, x2))  # [HEADS, HALF, BLOCK_M, 2]
     return tl.reshape(tl.permute(o, [0, 3, 1, 2]), [BLOCK_N, BLOCK_M])
@@ -460,9 +460,9 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     ``dspark::rotary_apply`` does (in the epilogue from ``skinny_rope_min_m`` rows; with fewer
     rows or past ``skinny_max_m``, in place by the rotary kernel after the matmul).
     ``overrides`` (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``,
-    ``tma``, ``swap``) are for the benchmark's sweep. No host sync; CUDA-graph safe (a split launch takes its
-    counters from the buffer of the current stream, made outside any capture by the first
-    call)."""
+    ``tma``, ``swap``) are for the benchmark's sweep. No host sync; CUDA-graph safe (a split
+    launch takes its counters from the buffer of the current stream, made outside any capture
+    by the first call)."""
     _check(x, w, bias, gamma, residual, glu, glu_out)
     rot_d = _check_rot(x, w, cos, sin, rot_cols, glu_out)
     cfg, sm_count = _device_target(x.device)
@@ -494,8 +494,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         if residual is not None:
             torch.add(x, residual, out=h)
         return out, h
-    after = rot_d if m < cfg.skinny_rope_min_m else 0  # rotated by the rotary kernel after
-    rot_d -= after
+    head_d, rot_d = rot_d, rot_d if m >= cfg.skinny_rope_min_m else 0  # rot_d: the epilogue's
     plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, rms=pro == 2, rot_d=rot_d,
                        **overrides)
     split = plan.split_k
@@ -521,16 +520,14 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, ROT_D=rot_d,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_options(pdl),
         **LAUNCH_OPTIONS)
-    if after:
-        _rotate_in_place(out, cos, sin, rot_cols, after)
+    if head_d and not rot_d:  # fewer rows than skinny_rope_min_m: the rotary kernel after
+        _rotate_in_place(out, cos, sin, rot_cols, head_d)
     return out, h
 
 
 def _rotate_in_place(y: torch.Tensor, cos, sin, rot_cols: int, rot_d: int) -> None:
     """The first ``rot_cols`` columns of ``y`` rotated as heads of ``rot_d`` by the rotary
     kernel, in place (the same roundings as the epilogue)."""
-    from .triton_rotary import rotary_apply_triton
-
     heads = y[:, :rot_cols].unflatten(1, (-1, rot_d))
     rotary_apply_triton(heads, heads[:, :0], cos, sin, out=[heads, heads[:, :0]])
 
