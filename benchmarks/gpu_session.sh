@@ -8,7 +8,8 @@
 # verify_step_off, verify_step_rotary, verify_step_nofuse, profile_small, skinny_rows,
 # skinny_fused, skinny_pdl, skinny_split, skinny_rope, verify_step_norope, profile_norope,
 # tests_rope, verify_step_nopdl, verify_quick, verify_quick_norope, verify_quick_nopdl,
-# verify_quick_keys64, profile_nopdl, inductor_code, tests_skinny, tests_pdl, tests_meta,
+# verify_quick_keys64, verify_quick_noearly, tests_early, profile_nopdl, inductor_code,
+# tests_skinny, tests_pdl, tests_meta,
 # tests_step,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # compile_cold, compile_warm,
@@ -55,6 +56,9 @@ job() {
         xargs -I{} cp {} "$OUT/inductor_code/" ;;
     verify_quick_nopdl) python3 benchmarks/verify_step.py --quick --target pdl=false ;;
     verify_quick_keys64) python3 benchmarks/verify_step.py --quick --target split_min_keys=64 ;;
+    verify_quick_noearly) python3 benchmarks/verify_step.py --quick --target attn_early_reads=false ;;
+    tests_early) python3 -m pytest -q -m gpu tests/test_triton_attention.py tests/test_pdl.py \
+        tests/test_gpu.py -p no:cacheprovider ;;
     profile_nopdl) python3 benchmarks/profile_step.py --bs 1 8 --target pdl=false ;;
     tests_skinny) python3 -m pytest -q tests/test_triton_skinny.py -p no:cacheprovider ;;  # fp16 and bf16
     tests_step) python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_pdl.py -p no:cacheprovider &&

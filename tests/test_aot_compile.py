@@ -54,7 +54,7 @@ def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg) -
                   SEARCH_ONCE=r + 1 <= plan.search, SPLIT=plan.num_splits > 1,
                   FOLD=plan.num_splits > 1, MAX_SPLITS=_max_splits(plan.num_splits),
                   UPCAST=False,
-                  DOT_PRECISION=cfg.fp32_dot_precision)
+                  DOT_PRECISION=cfg.fp32_dot_precision, EARLY=False)
     options = {"num_warps": plan.num_warps, "num_stages": cfg.attn_num_stages}
     if plan.max_registers is not None and cfg.backend == "cuda":
         options["maxnreg"] = plan.max_registers
@@ -74,10 +74,33 @@ def _compile_all() -> dict:
                                                      TARGETS[name])
             result.setdefault(case, {})[name] = compile_kernel(
                 kernel, pointers, consts, name, options, scalars={"scale_log2": "fp32"})
+    for early in (False, True):  # the bs-1 launch's order around the PDL wait (sm_90)
+        pointers, consts, options = _launch_spec(*CASES["attention_bf16_split_fold"],
+                                                 TARGETS["sm_90"])
+        asm: dict = {}
+        compile_kernel(triton_attention._ragged_attention_kernel, pointers,
+                       {**consts, "EARLY": early}, "sm_90", options,
+                       scalars={"scale_log2": "fp32"}, asm=asm)
+        result[f"pdl_order_early_{early}"] = {op: asm["ptx"].find(op) for op in (
+            "griddepcontrol.wait", "griddepcontrol.launch_dependents", "ld.global",
+            "st.global", "atom.global")}
     return result
 
 
 compiled, test_kernel_compiles_ahead_of_time = aot_tests(__file__, CASES)
+
+
+def test_sm90_attention_reads_early_only_when_told(compiled: dict) -> None:
+    """With PDL the attention kernel waits for the launch before it before any load, unless
+    ``EARLY``: then the request lookup and first K/V tile loads come before the wait, and
+    still no store or atomic (``lowering/pdl.py``)."""
+    late, early = compiled["pdl_order_early_False"], compiled["pdl_order_early_True"]
+    for at in (late, early):
+        assert min(at.values()) >= 0, at
+        assert at["griddepcontrol.wait"] < at["griddepcontrol.launch_dependents"], at
+        assert at["griddepcontrol.wait"] < min(at["st.global"], at["atom.global"]), at
+    assert late["griddepcontrol.wait"] < late["ld.global"], late
+    assert early["ld.global"] < early["griddepcontrol.wait"], early
 
 
 def test_gpu_targets_match_the_table() -> None:

@@ -43,3 +43,60 @@ def test_inductor_rest_matches_own_forward():
     for _ in range(3):
         session.step([rng.randint(1, 8) for _ in range(3)])
     assert session.max_err < 1e-5
+
+
+def _attention_graph(qsl_from_lens: bool = False, q_from_input: bool = False,
+                     written: bool = False):
+    """A packed graph of one ragged attention: q/k/v from a matmul of the input rows (or q a
+    view of an input), metadata as inputs (or query_start_loc a cumsum of lengths), and
+    optionally an in-place copy into the block table before the attention."""
+    import torch.fx as fx
+
+    aten = torch.ops.aten
+    g = fx.Graph()
+    x, w = g.placeholder("x"), g.placeholder("w")
+    pools = [g.placeholder(n) for n in ("k_cache", "v_cache")]
+    lens, qsl, seq_lens, table, slots = (g.placeholder(n) for n in (
+        "lens", "query_start_loc", "seq_lens", "block_table", "slot_mapping"))
+    rows = g.call_function(aten.mm.default, (x, w))
+    q = g.call_function(aten.view.default, (x if q_from_input else rows, [-1, 2, 8]))
+    k = v = g.call_function(aten.view.default, (rows, [-1, 2, 8]))
+    if qsl_from_lens:
+        qsl = g.call_function(aten.cumsum.default, (lens, 0))
+    if written:
+        g.call_function(aten.copy_.default, (table, lens))
+    node = g.call_function(torch.ops.dspark.ragged_attention.default,
+                           (q, k, v, *pools, qsl, seq_lens, table, slots, 0.5))
+    g.output(node)
+    return node
+
+
+@pytest.mark.parametrize("case, want", [
+    ({}, True),
+    ({"qsl_from_lens": True}, False),   # the metadata is made in the graph
+    ({"q_from_input": True}, False),    # no kernel of the graph runs before the attention
+    ({"written": True}, False),         # a call of the graph writes the block table
+])
+def test_attention_reads_early_only_when_the_graph_shows_it_safe(case, want):
+    from dspark_compile.lowering.select import early_attention_reads
+
+    assert early_attention_reads(_attention_graph(**case)) is want
+
+
+def test_the_verifier_graph_lets_every_attention_read_early():
+    """The packed graph of a Llama, lowered to Triton (CPU: lowering only, nothing runs):
+    every attention launch is told it may read its metadata before the PDL wait."""
+    from dspark_compile.frontend.adapters import adapter_for
+    from dspark_compile.frontend.capture import capture_dense
+    from dspark_compile.lowering.select import lower
+    from dspark_compile.passes import PassContext, run_passes
+    from helpers import tiny_llama
+
+    captured = capture_dense(adapter_for(tiny_llama(layers=2).half()), torch.float16,
+                             torch.device("cpu"))
+    ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
+    gm, _ = run_passes(captured.gm, ctx)
+    lower(gm, "triton", 8, "auto", "inductor", ctx.inputs, "auto")
+    calls = [n for n in gm.graph.nodes
+             if n.target is torch.ops.dspark.ragged_attention_triton.default]
+    assert len(calls) == 2 and all(n.args[-2:] == (8, True) for n in calls)

@@ -60,21 +60,24 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             block_table: torch.Tensor, slot_mapping: torch.Tensor,
-                            scale: float, max_query_len: int) -> torch.Tensor:
+                            scale: float, max_query_len: int,
+                            early_reads: bool = False) -> torch.Tensor:
     """``dspark::ragged_attention`` lowered to Triton (CUDA and ROCm devices).
 
     ``max_query_len`` sizes the query tile (the verify block); results are exact for any
-    value, a longer request (a prefill) just spans more tiles.
+    value, a longer request (a prefill) just spans more tiles. ``early_reads``: the launch
+    before this one writes none of the metadata nor the pools' committed rows, so they may be
+    read before the PDL wait (``select.early_attention_reads`` decides it from the graph).
     """
     from .triton_attention import ragged_attention_triton as kernel  # needs a GPU driver
 
     return kernel(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                  slot_mapping, scale, max_query_len=max_query_len)
+                  slot_mapping, scale, max_query_len=max_query_len, early_reads=early_reads)
 
 
 @ragged_attention_triton.register_fake
 def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
-      max_query_len):
+      max_query_len, early_reads=False):
     return torch.empty_like(q)
 
 

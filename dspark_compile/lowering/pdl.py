@@ -9,12 +9,17 @@ while the one before it in the stream still runs:
   kernel before it has finished and its writes are visible), then
   ``griddepcontrol.launch_dependents`` (the next PDL kernel may be scheduled once every program
   of this one has got here). Nothing a kernel reads or writes that another kernel touches comes
-  before the wait, so the stream's order is kept;
-- nothing comes before :func:`pdl_enter`. Asking L2 for a program's own weight rows there
-  (weights are never written in a step) measured slower at every length on the H200: a fused
-  layer's four matmuls took 47.4 us at 3 rows without it, 48.3-61.3 with 256-2048 of K a row
-  (skinny_pdl.json, the option as it was at c416b87); so did asking for the next kernel's
-  weight (88d3777);
+  before the wait, so the stream's order is kept (one exception, next);
+- so when a PDL kernel starts, every launch before the one just before it has finished. The
+  attention kernel uses that (``EARLY``, ``TargetConfig.attn_early_reads``): where the graph
+  shows that the launch just before it cannot write them (``select.early_attention_reads``),
+  it reads its request bounds, block-table row and first K/V tile before the wait, so that
+  chain of dependent loads overlaps the q/k/v launch. It still writes nothing before the wait;
+- in the other kernels nothing comes before :func:`pdl_enter`. Asking L2 for a program's own
+  weight rows there (weights are never written in a step) measured slower at every length on
+  the H200: a fused layer's four matmuls took 47.4 us at 3 rows without it, 48.3-61.3 with
+  256-2048 of K a row (skinny_pdl.json, the option as it was at c416b87); so did asking for
+  the next kernel's weight (88d3777);
 - a kernel launched without PDL (Inductor's, cuBLAS) after one launched with it waits for it
   as usual, and a PDL kernel after an ordinary one starts when that one ends; so the chain is
   correct whatever runs between our kernels.

@@ -5,7 +5,8 @@ Matches (packed graph) and writes, for ``lowering="triton"``::
 
     %o = dspark.ragged_attention.default(%q, %k, %v, ...)
       ->
-    %o = dspark.ragged_attention_triton.default(%q, %k, %v, ..., 8)    # 8: the block
+    %o = dspark.ragged_attention_triton.default(%q, %k, %v, ..., 8, True)
+                                           # 8: the block; True: early_attention_reads
 
 ``lowering="auto"`` takes Triton on CUDA and ROCm devices (one source; per-target choices live
 in ``lowering/targets.py``) and the reference on the CPU, and says which once in the log.
@@ -27,7 +28,7 @@ from .group_linear import group_linears
 from .outer_product import outer_products
 from .ops import LOWERED
 
-__all__ = ["resolve_lowering", "lower", "compile_rest"]
+__all__ = ["resolve_lowering", "lower", "compile_rest", "early_attention_reads"]
 
 log = logging.getLogger("dspark_compile")
 
@@ -86,7 +87,7 @@ def lower(gm: fx.GraphModule, lowering: str, block: int, group: str = "off",
         if packet in table:
             node.target = table[packet].default
             if packet is torch.ops.dspark.ragged_attention:
-                node.args = (*node.args, block)
+                node.args = (*node.args, block, early_attention_reads(node))
             result.changed += 1
     left = [n.name for n in gm.graph.nodes
             if getattr(n.target, "overloadpacket", None) in table]
@@ -94,6 +95,56 @@ def lower(gm: fx.GraphModule, lowering: str, block: int, group: str = "off",
         raise EnsureError(f"lower: reference ops left after lowering to {lowering}: {left}")
     gm.recompile()
     return [*grouped, result]
+
+
+_VIEWS = {torch.ops.aten.view, torch.ops.aten._unsafe_view, torch.ops.aten.reshape,
+          torch.ops.aten.transpose, torch.ops.aten.permute, torch.ops.aten.select,
+          torch.ops.aten.slice, torch.ops.aten.unsqueeze, torch.ops.aten.squeeze,
+          torch.ops.aten.expand, torch.ops.aten.t, torch.ops.aten.alias,
+          torch.ops.aten.as_strided, torch.ops.aten.unflatten, torch.ops.aten.flatten}
+"""Ops that launch no kernel of their own (a value behind them is still its source's)."""
+
+
+def _writes(node: fx.Node, value: fx.Node) -> bool:
+    """Whether ``node`` may write ``value`` in place (an argument its schema marks written;
+    a call without a schema counts as writing every argument it takes)."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return value in node.all_input_nodes
+    for i, arg in enumerate(schema.arguments):
+        given = node.args[i] if i < len(node.args) else node.kwargs.get(arg.name)
+        written = arg.alias_info is not None and arg.alias_info.is_write
+        if written and (given is value or (isinstance(given, (list, tuple))
+                                           and value in given)):
+            return True
+    return False
+
+
+def early_attention_reads(node: fx.Node) -> bool:
+    """Whether a ``dspark::ragged_attention`` call may read its metadata and committed KV
+    before its PDL wait (``ragged_attention_triton(early_reads=True)``).
+
+    With PDL a launch may start while the launch before it runs, and every launch before that
+    one has finished (each of our kernels lets the next one start only after its own wait).
+    So reading early is safe when the launch just before cannot write what is read early:
+    ``query_start_loc``, ``seq_lens``, ``block_table`` and the pools are graph inputs that no
+    call in the graph writes (the pools' committed rows are not written by any launch of a
+    step: a ragged attention writes only rows at or past a request's context), and q, k and v
+    are computed in the graph (not views of inputs), so some kernel of this graph runs
+    between whatever wrote the inputs and this launch."""
+    q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table = node.args[:8]
+    meta = (query_start_loc, seq_lens, block_table)
+    if not all(isinstance(a, fx.Node) and a.op == "placeholder"
+               for a in (*meta, k_cache, v_cache)):
+        return False
+    for value in (q, k, v):
+        while (value.op == "call_function"
+               and getattr(value.target, "overloadpacket", None) in _VIEWS):
+            value = value.args[0]
+        if value.op != "call_function":
+            return False
+    return not any(_writes(user, m) for m in meta for user in m.users
+                   if user.op == "call_function")
 
 
 def _realize_op_inputs(gm: fx.GraphModule) -> None:

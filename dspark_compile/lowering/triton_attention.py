@@ -196,20 +196,49 @@ def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_
 
 
 @triton.jit
-def _attend(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_ptr, context, req_start, q0,
-            n_q, q_idx, kv_head, split, offs_d, d_mask, m_i, l_i, acc, scale_log2,
-            stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
-            PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
-            num_splits, NEW_N: tl.constexpr, UPCAST: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
-    """This split's share of a q-block's keys. Work units: context tiles of TILE_N keys, then
-    new-key tiles of NEW_N keys (the block's last query sees ``q0 + n_q`` new keys); splits
-    take equal runs of units."""
+def _split_units(context, q0, n_q, split, num_splits, TILE_N: tl.constexpr,
+                 NEW_N: tl.constexpr):
+    """This split's share of a q-block's keys: work units ``u_lo .. u_hi`` (context tiles of
+    TILE_N keys ``0 .. n_ctx``, then new-key tiles of NEW_N keys; the block's last query sees
+    ``q0 + n_q`` new keys), equal runs of units per split."""
     n_ctx = tl.cdiv(context, TILE_N)
     units = n_ctx + tl.cdiv(q0 + n_q, NEW_N)
-    u_lo = split * units // num_splits
-    u_hi = (split + 1) * units // num_splits
-    m_i, l_i, acc = _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, u_lo,
+    return n_ctx, split * units // num_splits, (split + 1) * units // num_splits
+
+
+@triton.jit
+def _first_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, context, u_lo, u_hi, n_ctx, kv_head,
+                offs_d, d_mask, stride_cache_row, PAGE_SIZE: tl.constexpr,
+                HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr):
+    """K, V ``[TILE_N, HEAD_DIM_PAD]`` and key mask of the split's first context tile (all
+    masked when its run holds none). It reads only what the launch before this one does not
+    write (the request's block-table row and committed pool rows), so with ``EARLY`` it is
+    loaded before the PDL wait (:func:`_ragged_attention_kernel`)."""
+    pos = u_lo * TILE_N + tl.arange(0, TILE_N)
+    key_ok = (pos < context) & (pos < tl.minimum(u_hi, n_ctx) * TILE_N)  # in the run
+    rows = _pool_rows(bt_row_ptr, pos, key_ok, kv_head, stride_cache_row, PAGE_SIZE, HEAD_DIM)
+    mask = key_ok[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    return k, v, key_ok
+
+
+@triton.jit
+def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_ptr, context,
+            req_start, q0, n_q, q_idx, kv_head, n_ctx, u_lo, u_hi, offs_d, d_mask, m_i, l_i,
+            acc, scale_log2, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+            stride_cache_row, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+            TILE_N: tl.constexpr, NEW_N: tl.constexpr, UPCAST: tl.constexpr,
+            DOT_PRECISION: tl.constexpr):
+    """This split's units ``u_lo .. u_hi`` (:func:`_split_units`): the first context tile,
+    already loaded (``k0``, ``v0``, ``key_ok0``: :func:`_first_tile`; an all-masked tile
+    leaves the state as it was), the rest of the context, then the new keys."""
+    if UPCAST:
+        k0 = k0.to(tl.float32)
+        v0 = v0.to(tl.float32)
+    m_i, l_i, acc = _softmax_step(q, k0, v0, key_ok0[None, :], m_i, l_i, acc, scale_log2,
+                                  DOT_PRECISION, True)
+    m_i, l_i, acc = _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, u_lo + 1,
                                   tl.minimum(u_hi, n_ctx), context, kv_head,
                                   tl.arange(0, TILE_N), offs_d, d_mask, m_i, l_i, acc,
                                   scale_log2, stride_cache_row, PAGE_SIZE, HEAD_DIM, TILE_N,
@@ -291,15 +320,19 @@ def _ragged_attention_kernel(
         TILE_N: tl.constexpr, NEW_N: tl.constexpr, SEARCH: tl.constexpr,
         SEARCH_ONCE: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
         MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        PDL: tl.constexpr):
+        EARLY: tl.constexpr, PDL: tl.constexpr):
     """One (q-block, KV head, split): fused KV write, then attention over the paged context.
 
     ``FOLD`` (with ``SPLIT``): the last of a q-block's programs to finish merges the partials
     (:func:`_merge_splits`), so there is no reduce launch. It is found with a counter per
     (q-block, KV head) in ``counter_ptr``, which it sets back to 0 for the next launch.
-    ``PDL``: launched with programmatic dependent launch (``lowering/pdl.py``).
+    ``PDL``: launched with programmatic dependent launch (``lowering/pdl.py``). ``EARLY``: the
+    request lookup, the block-table row and the first context tile's K/V are read before the
+    PDL wait, so that chain of dependent loads runs while the launch before this one finishes;
+    the caller vouches that that launch writes none of them (``ragged_attention_triton``).
     """
-    pdl_enter(PDL)
+    if not EARLY:
+        pdl_enter(PDL)
     block_id = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -310,8 +343,18 @@ def _ragged_attention_kernel(
     req_len = tl.where(is_pad, num_tokens - req_start, req_end - req_start)
     q0 = (block_id - (req_start // BLOCK_Q + req)) * BLOCK_Q  # first own query of the block
     if q0 >= req_len:
-        return
+        return  # nothing written, so it may leave before the wait
     n_q = tl.minimum(req_len - q0, BLOCK_Q)
+    context = tl.where(is_pad, 0, seq_len - req_len)
+    bt_row_ptr = block_table_ptr + tl.where(is_pad, 0, req).to(tl.int64) * stride_bt_req
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    n_ctx, u_lo, u_hi = _split_units(context, q0, n_q, split, num_splits, TILE_N, NEW_N)
+    k0, v0, key_ok0 = _first_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, context, u_lo, u_hi,
+                                  n_ctx, kv_head, offs_d, d_mask, stride_cache_row, PAGE_SIZE,
+                                  HEAD_DIM, TILE_N)
+    if EARLY:
+        pdl_enter(PDL)
     # split 0 writes the block's rows into the pool (the others touch nothing: 0 rows). Done
     # last instead measured the same at bs 1 and 8 (9.2-9.5 against 9.2 us, folded splits).
     _write_new_rows(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, req_start + q0,
@@ -319,8 +362,6 @@ def _ragged_attention_kernel(
                     stride_v_tok, stride_v_head, stride_cache_row, BLOCK_Q, HEAD_DIM,
                     HEAD_DIM_PAD)
     offs_m = tl.arange(0, BLOCK_M)  # row r: query r // GROUP_PAD, head r % GROUP_PAD
-    offs_d = tl.arange(0, HEAD_DIM_PAD)
-    d_mask = offs_d < HEAD_DIM
     q_idx = offs_m // GROUP_PAD
     row_ok = (q_idx < n_q) & (offs_m % GROUP_PAD < GROUP)  # [BLOCK_M]
     tokens = (req_start + q0 + q_idx).to(tl.int64)
@@ -338,13 +379,12 @@ def _ragged_attention_kernel(
                 + offs_d[None, :], mask=row_ok[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
-    m_i, l_i, acc = _attend(q, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
-                            block_table_ptr + req.to(tl.int64) * stride_bt_req,
-                            seq_len - req_len, req_start, q0, n_q, q_idx,
-                            kv_head, split, offs_d, d_mask, m_i, l_i, acc, scale_log2,
+    m_i, l_i, acc = _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
+                            bt_row_ptr, context, req_start, q0, n_q, q_idx, kv_head, n_ctx,
+                            u_lo, u_hi, offs_d, d_mask, m_i, l_i, acc, scale_log2,
                             stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                            stride_cache_row, PAGE_SIZE, HEAD_DIM, TILE_N, num_splits, NEW_N,
-                            UPCAST, DOT_PRECISION)
+                            stride_cache_row, PAGE_SIZE, HEAD_DIM, TILE_N, NEW_N, UPCAST,
+                            DOT_PRECISION)
     _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads, row_ok,
                 offs_d, d_mask, split, num_tokens, stride_out_tok, stride_out_head, NUM_HEADS,
                 HEAD_DIM, SPLIT)
@@ -571,7 +611,8 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             max_query_len: int | None = None, num_splits: int | None = None,
                             config: TargetConfig | None = None,
                             out: torch.Tensor | None = None,
-                            fold_reduce: bool | None = None) -> torch.Tensor:
+                            fold_reduce: bool | None = None,
+                            early_reads: bool = False) -> torch.Tensor:
     """Triton ``dspark::ragged_attention``: same arguments and result as the reference.
 
     ``max_query_len``: a host bound on any request's length (default ``N``, always safe); a
@@ -579,7 +620,11 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     override the split rule and the target entry (benchmarks, tests); ``out`` is an optional
     ``[N, H, D]`` buffer of q's dtype to write (every element is written). ``fold_reduce``
     (default: the target's ``attn_fold_reduce``) merges split partials in the attention launch
-    instead of a second one (:func:`_counters`). Mutates the pools;
+    instead of a second one (:func:`_counters`). ``early_reads`` (with PDL): the caller vouches
+    that the kernel launched just before this one writes neither ``query_start_loc``,
+    ``seq_lens``, ``block_table`` nor the pools' committed rows (those below each request's
+    context), so they are read before the PDL wait; ``lower`` sets it where the graph shows it
+    (:func:`dspark_compile.lowering.select.early_attention_reads`). Mutates the pools;
     no host sync, so it can be captured in a CUDA graph. Returns ``[N, H, D]`` in q's dtype.
     """
     _check_inputs((q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
@@ -619,7 +664,8 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
         SEARCH_ONCE=r + 1 <= plan.search, SPLIT=split, FOLD=counters is not None,
         MAX_SPLITS=max_splits, UPCAST=q.dtype != k_cache.dtype,
-        DOT_PRECISION=cfg.fp32_dot_precision, PDL=pdl,
+        DOT_PRECISION=cfg.fp32_dot_precision, EARLY=pdl and early_reads and cfg.attn_early_reads,
+        PDL=pdl,
         num_warps=plan.num_warps, num_stages=cfg.attn_num_stages, **regs, **pdl_options(pdl))
     if split and counters is None:
         _split_reduce_kernel[(n,)](
