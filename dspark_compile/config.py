@@ -73,13 +73,14 @@ class DSparkConfig:
     """``"on"``: each layer's q/k rotation (``rotary="triton"``'s ``dspark::rotary_apply``)
     moves into the q/k/v ``dspark::skinny_linear`` (``fuse_linears`` on), one launch fewer a
     layer (``lowering/fuse_linear.py``'s ``fuse_rotary_epilogue``); the op rotates in its
-    epilogue from ``TargetConfig.skinny_rope_min_m`` rows, and with fewer launches the rotary
-    kernel after the matmul. ``"off"`` keeps the rotary launch; ``"auto"`` (default) is
-    ``"on"``. On the CPU the verifier equals the one without it bit for bit.
+    epilogue from ``TargetConfig.skinny_rope_min_m`` rows (1 on every target), and with fewer
+    rows the rotary kernel after the matmul. ``"off"`` keeps the rotary launch; ``"auto"``
+    (default) is ``"on"``. On the CPU the verifier equals the one without it bit for bit.
 
-    Whole verify step on an H200 (1.1B model, mean-3 mix, graphs), ``"on"`` (then rotating in
-    every epilogue) against ``"off"`` in one session, bs 1 / 8 (``verify_step.py --quick``):
-    1.0045 / 1.1259 ms against 0.9928 / 1.1772."""
+    Whole verify step on an H200 (1.1B model, mean-3 mix, graphs), bs 1 / 8
+    (``verify_step.py --quick``): in one session, before the attention's early reads,
+    ``"on"`` rotating in every epilogue 1.0045 / 1.1259 ms against ``"off"`` 0.9928 / 1.1772;
+    with them, every epilogue against the rotary launch at bs 1: 0.9674 against 0.9996."""
     max_step_tokens: int = 4096
     """Most packed rows (all requests' tokens) one forward may run on a model with
     linear-attention layers: it sizes their replay rings (one saved row per token, per layer),

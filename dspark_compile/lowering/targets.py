@@ -112,12 +112,13 @@ class TargetConfig:
     measured slower with it (skinny_kernel_sweep.json)."""
     skinny_rms_num_stages: int = 3
     """Pipeline depth with ``skinny_rms_block_k`` (the measured configuration)."""
-    skinny_rope_min_m: int = 16
+    skinny_rope_min_m: int = 1
     """Fewest rows at which the q/k/v launch rotates q and k in its epilogue (``rot_cols``);
-    fewer rows take the plain kernel and the rotary kernel in place after it. The step with the
-    epilogue against without it, bs 1 / 8 (3 / 24 rows), three sessions on the H200
-    (``verify_step.py --quick`` against ``--rotary-epilogue on``): +3 to +12 us (once -7) at 3
-    rows, -38 to -61 us at 24. Rows between 3 and 24 were not timed."""
+    fewer rows take the plain kernel and the rotary kernel in place after it. H200, whole step
+    at bs 1 (3 rows): with the attention's early reads (``attn_early_reads``) the epilogue won,
+    0.9674 ms against 0.9996 with the rotary launch (one session, ``verify_step.py --quick``
+    with ``--target skinny_rope_min_m=1`` against 16); before them it lost by 3 to 12 us over
+    three sessions (once won by 7), while at 24 rows it always won by 38 to 61 us."""
     skinny_max_smem: int = 210 * 1024
     """Shared memory the skinny kernel's pipeline may take (its stages are cut to fit)."""
     skinny_swap: bool = False
