@@ -8,7 +8,7 @@
 # verify_step_off, verify_step_rotary, verify_step_nofuse, profile_small, skinny_rows,
 # skinny_fused, skinny_pdl, skinny_split, skinny_rope, verify_step_norope, profile_norope,
 # tests_rope, verify_step_nopdl, verify_quick, verify_quick_norope, verify_quick_nopdl,
-# verify_quick_keys64, verify_quick_noearly, verify_quick_rope16, tests_early, profile_nopdl, inductor_code,
+# verify_quick_keys64, verify_quick_noearly, verify_quick_rope16, verify_quick_noearlyw, tests_early, profile_nopdl, inductor_code,
 # tests_skinny, tests_pdl, tests_meta,
 # tests_step,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
@@ -57,6 +57,7 @@ job() {
     verify_quick_nopdl) python3 benchmarks/verify_step.py --quick --target pdl=false ;;
     verify_quick_keys64) python3 benchmarks/verify_step.py --quick --target split_min_keys=64 ;;
     verify_quick_rope16) python3 benchmarks/verify_step.py --quick --target skinny_rope_min_m=16 ;;
+    verify_quick_noearlyw) python3 benchmarks/verify_step.py --quick --target skinny_early_w_max_m=0 ;;
     verify_quick_noearly) python3 benchmarks/verify_step.py --quick --target attn_early_reads=false ;;
     tests_early) python3 -m pytest -q -m gpu tests/test_triton_attention.py tests/test_pdl.py \
         tests/test_gpu.py -p no:cacheprovider ;;

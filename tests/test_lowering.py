@@ -100,3 +100,38 @@ def test_the_verifier_graph_lets_every_attention_read_early():
     calls = [n for n in gm.graph.nodes
              if n.target is torch.ops.dspark.ragged_attention_triton.default]
     assert len(calls) == 2 and all(n.args[-2:] == (8, True) for n in calls)
+
+
+def test_skinny_weights_are_settled_only_when_no_call_writes_them():
+    """The Llama's fused matmuls (lowered to Triton) take parameters or stacked weights: each
+    launch may read its first weight tile before the PDL wait; a weight the graph computes,
+    or writes in place, may not be."""
+    import torch.fx as fx
+
+    from dspark_compile.frontend.adapters import adapter_for
+    from dspark_compile.frontend.capture import capture_dense
+    from dspark_compile.lowering.select import lower, settled_weight
+    from dspark_compile.passes import PassContext, run_passes
+    from helpers import tiny_llama
+
+    captured = capture_dense(adapter_for(tiny_llama(layers=1).half()), torch.float16,
+                             torch.device("cpu"))
+    ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
+    gm, _ = run_passes(captured.gm, ctx)
+    lower(gm, "triton", 8, "auto", "inductor", ctx.inputs, "auto")
+    calls = [n for n in gm.graph.nodes
+             if n.target is torch.ops.dspark.skinny_linear_triton.default]
+    assert len(calls) == 5 and all(n.kwargs["weight_settled"] is True for n in calls)
+
+    aten = torch.ops.aten
+    for how in ("computed", "written"):
+        g = fx.Graph()
+        x, w = g.placeholder("x"), g.placeholder("w")
+        if how == "computed":
+            w = g.call_function(aten.mul.Tensor, (w, 2.0))
+        else:
+            g.call_function(aten.mul_.Tensor, (w, 2.0))
+        node = g.call_function(torch.ops.dspark.skinny_linear.default,
+                               (x, w, None, None, 0.0, False, None, False))
+        g.output(node)
+        assert settled_weight(node) is False, how

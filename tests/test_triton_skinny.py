@@ -121,6 +121,25 @@ def test_descriptor_and_swapped_dot_variants(mode, variant, dtype) -> None:
 
 @needs_kernel_device
 @pytest.mark.parametrize("mode", MODES)
+@pytest.mark.parametrize("over", [dict(block_k=64, block_n=16, split_k=3),  # uneven splits
+                                  dict(block_k=64, block_n=16, swap=True),
+                                  dict(block_k=64, block_n=16, tma=True)])
+def test_first_weight_tile_loaded_early_gives_the_same_bits(mode, over) -> None:
+    """``weight_settled`` (the first weight tiles loaded before the PDL wait, their K step
+    peeled off the loop) gives the loop's result bit for bit."""
+    from dspark_compile.lowering.targets import TARGETS
+    from dspark_compile.lowering.triton_skinny import skinny_linear_triton
+
+    cfg = dataclasses.replace(TARGETS["sm_90"], skinny_early_w_max_m=16)
+    for glu_out in (False, True):
+        args = _case(5, 48, 328, mode, glu_out, torch.float16, seed=4)
+        got = skinny_linear_triton(**args, config=cfg, weight_settled=True, **over)
+        want = skinny_linear_triton(**args, config=cfg, **over)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("mode", MODES)
 def test_rows_past_the_kernel_take_the_input_launch_and_mm(mode) -> None:
     """Past ``skinny_max_m``: the prologue in its own launch, then ``torch.mm``; same results."""
     from dspark_compile.lowering.targets import TARGETS
@@ -268,7 +287,7 @@ def test_plan_tiles_and_split() -> None:
 # --------------------------------------------------------------------------- ahead of time
 _AOT_BASE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, PRO=0, HAS_BIAS=False,
                  HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False, SWAP=False,
-                 ROT_D=0)
+                 ROT_D=0, EARLY_W=False)
 AOT_CASES = {  # case -> constexprs (the base's, changed where named)
     "plain_m16": _AOT_BASE,
     "rms_res_glu_split": {**_AOT_BASE, "BLOCK_M": 32, "SPLIT_K": 4, "PRO": 2, "HAS_BIAS": True,
@@ -277,6 +296,10 @@ AOT_CASES = {  # case -> constexprs (the base's, changed where named)
     # q/k/v with the residual add + norm and the q/k rotation in the epilogue (heads of 128)
     "rms_res_rope_split": {**_AOT_BASE, "BLOCK_N": 128, "SPLIT_K": 2, "PRO": 2, "HAS_RES": True,
                            "ROT_D": 128},
+    # the first weight tiles (gate and up) loaded before the PDL wait
+    "rms_res_glu_split_early": {**_AOT_BASE, "BLOCK_M": 32, "SPLIT_K": 4, "PRO": 2,
+                                "HAS_RES": True, "EVEN_N": False, "EVEN_K": False,
+                                "EPI_GLU": True, "EARLY_W": True},
 }
 
 
@@ -309,6 +332,11 @@ def _compile_all() -> dict:
     out["pdl_ptx"] = {op: ptx.find(op) for op in (
         "griddepcontrol.wait", "griddepcontrol.launch_dependents", "ld.global", "atom.global",
         "cp.async.c")}
+    asm = {}
+    compile_kernel(kernel, pointers, AOT_CASES["rms_res_glu_split_early"], "sm_90",
+                   {"num_warps": 4, "num_stages": 4}, scalars={"eps": "fp32"}, asm=asm)
+    out["pdl_ptx_early"] = {op: asm["ptx"].find(op) for op in (
+        "griddepcontrol.wait", "ld.global", "st.global", "atom.global")}
     pro = triton_skinny._prologue_kernel
     pointers = {a: "bf16" for a in pro.arg_names if a.endswith("_ptr")}
     for target in TARGET_NAMES:
@@ -344,6 +372,14 @@ def test_sm90_build_waits_then_reads(compiled: dict) -> None:
     assert at["griddepcontrol.wait"] < at["griddepcontrol.launch_dependents"]
     reads = [at["ld.global"], at["atom.global"]] + [at["cp.async.c"]] * (at["cp.async.c"] >= 0)
     assert at["griddepcontrol.wait"] < min(reads)
+
+
+def test_sm90_build_with_a_settled_weight_loads_it_before_the_wait(compiled: dict) -> None:
+    """``EARLY_W``: the first weight tile's loads come before the PDL wait; no store or
+    atomic does."""
+    at = compiled["pdl_ptx_early"]
+    assert min(at.values()) >= 0, at
+    assert at["ld.global"] < at["griddepcontrol.wait"] < min(at["st.global"], at["atom.global"])
 
 
 def test_fp16_rotation_rounds_each_product(compiled: dict) -> None:

@@ -14,12 +14,15 @@ while the one before it in the stream still runs:
   attention kernel uses that (``EARLY``, ``TargetConfig.attn_early_reads``): where the graph
   shows that the launch just before it cannot write them (``select.early_attention_reads``),
   it reads its request bounds, block-table row and first K/V tile before the wait, so that
-  chain of dependent loads overlaps the q/k/v launch. It still writes nothing before the wait;
+  chain of dependent loads overlaps the q/k/v launch. The skinny kernel, likewise, loads its
+  first weight tile(s) into registers before the wait where the weight is settled
+  (``select.settled_weight``) and the rows few (``TargetConfig.skinny_early_w_max_m``).
+  Neither writes anything before the wait;
 - in the other kernels nothing comes before :func:`pdl_enter`. Asking L2 for a program's own
   weight rows there (weights are never written in a step) measured slower at every length on
   the H200: a fused layer's four matmuls took 47.4 us at 3 rows without it, 48.3-61.3 with
   256-2048 of K a row (skinny_pdl.json, the option as it was at c416b87); so did asking for
-  the next kernel's weight (88d3777);
+  the next kernel's weight (88d3777). One tile in registers is what won;
 - a kernel launched without PDL (Inductor's, cuBLAS) after one launched with it waits for it
   as usual, and a PDL kernel after an ordinary one starts when that one ends; so the chain is
   correct whatever runs between our kernels.

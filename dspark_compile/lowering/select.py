@@ -28,7 +28,8 @@ from .group_linear import group_linears
 from .outer_product import outer_products
 from .ops import LOWERED
 
-__all__ = ["resolve_lowering", "lower", "compile_rest", "early_attention_reads"]
+__all__ = ["resolve_lowering", "lower", "compile_rest", "early_attention_reads",
+           "settled_weight"]
 
 log = logging.getLogger("dspark_compile")
 
@@ -88,6 +89,8 @@ def lower(gm: fx.GraphModule, lowering: str, block: int, group: str = "off",
             node.target = table[packet].default
             if packet is torch.ops.dspark.ragged_attention:
                 node.args = (*node.args, block, early_attention_reads(node))
+            elif packet is torch.ops.dspark.skinny_linear:
+                node.kwargs = {**node.kwargs, "weight_settled": settled_weight(node)}
             result.changed += 1
     left = [n.name for n in gm.graph.nodes
             if getattr(n.target, "overloadpacket", None) in table]
@@ -145,6 +148,17 @@ def early_attention_reads(node: fx.Node) -> bool:
             return False
     return not any(_writes(user, m) for m in meta for user in m.users
                    if user.op == "call_function")
+
+
+def settled_weight(node: fx.Node) -> bool:
+    """Whether a ``dspark::skinny_linear`` call's weight is a graph input (a parameter, or the
+    stacked weights ``concat_linears`` makes) that no call in the graph writes: then no
+    launch of a step writes it, and the skinny kernel may read its first tile before the PDL
+    wait (``skinny_linear_triton(weight_settled=True)``; the reasoning of
+    :func:`early_attention_reads`)."""
+    w = node.args[1]
+    return (isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr")
+            and not any(_writes(user, w) for user in w.users if user.op == "call_function"))
 
 
 def _realize_op_inputs(gm: fx.GraphModule) -> None:

@@ -149,6 +149,50 @@ def _prologue_tiles(x_ptrs, res_ptrs, gamma_ptr, kk, k_ok, m_ok, glu_offset, PRO
     return a, b
 
 
+@triton.jit
+def _k_step(wt, wu, acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs, gamma_ptr, k0,
+            k_hi, offs_k, m_ok, glu_offset, tile, x_ty: tl.constexpr, BLOCK_K: tl.constexpr,
+            PRO: tl.constexpr, HAS_RES: tl.constexpr, EVEN_K: tl.constexpr,
+            EPI_GLU: tl.constexpr, SWAP: tl.constexpr):
+    """One K step of :func:`_skinny_kernel` at offset ``k0`` with its weight tile ``wt`` (and
+    ``wu``, the up rows' with ``EPI_GLU``): the activation tile (through the prologue), the
+    dot(s), the pointers moved one step."""
+    if EVEN_K:
+        x_mask = m_ok[None, :]
+    else:
+        x_mask = m_ok[None, :] & (k0 + offs_k < k_hi)[:, None]
+    if PRO == 0:
+        xt = tl.load(x_ptrs, mask=x_mask, other=0.0)  # [BLOCK_K, BLOCK_M]
+    else:
+        # This step uses the tiles loaded in the previous one and issues the next ones'
+        # loads first, so their L2 latency overlaps this step's work.
+        cur_a, cur_b = nxt_a, nxt_b
+        kk = k0 + BLOCK_K + offs_k
+        nxt_a, nxt_b = _prologue_tiles(x_ptrs + BLOCK_K, res_ptrs + BLOCK_K, gamma_ptr, kk,
+                                       kk < k_hi, m_ok, glu_offset, PRO, HAS_RES)
+        if PRO == 1:
+            xt = _silu_mul(cur_a, cur_b).to(x_ty)
+        else:
+            if HAS_RES:
+                if tile == 0:
+                    tl.store(h_ptrs, cur_a, mask=x_mask)
+                h_ptrs += BLOCK_K
+            a = cur_a.to(tl.float32)
+            ssq += tl.sum(a * a, 0)
+            xt = (a * cur_b.to(tl.float32)[:, None]).to(x_ty)
+        res_ptrs += BLOCK_K
+    if SWAP:
+        acc = tl.dot(tl.trans(xt), tl.trans(wt), acc)
+    else:
+        acc = tl.dot(wt, xt, acc)
+    if EPI_GLU:
+        if SWAP:
+            acc_u = tl.dot(tl.trans(xt), tl.trans(wu), acc_u)
+        else:
+            acc_u = tl.dot(wu, xt, acc_u)
+    return acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs + BLOCK_K, res_ptrs, h_ptrs
+
+
 @triton.jit(do_not_specialize=["m"])
 def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, part_ptr,
                    counter_ptr, cos_ptr, sin_ptr, m, n, k, stride_xm, stride_rm, stride_hm,
@@ -157,7 +201,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
                    SPLIT_K: tl.constexpr, PRO: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    W_DESC: tl.constexpr, EPI_GLU: tl.constexpr, SWAP: tl.constexpr,
-                   PDL: tl.constexpr, ROT_D: tl.constexpr):
+                   PDL: tl.constexpr, ROT_D: tl.constexpr, EARLY_W: tl.constexpr):
     """One (column tile, K split): ``w[cols, ks] @ a[:, ks].T``, then the epilogue or the
     split merge. ``a`` is ``x`` (``PRO`` 0), ``silu(x[:, k]) * x[:, glu_offset + k]`` (1), or
     ``gamma * h`` with ``h = x (+ residual)`` (2; the rows' sums of squares of ``h`` are kept
@@ -180,11 +224,22 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     m_ok = offs_m < m
     k_lo = split * k_per_split
     k_hi = tl.minimum(k, k_lo + k_per_split)
-    pdl_enter(PDL)
     if W_DESC:
         w_ptrs = w_ptr  # unused: the descriptor loads by coordinates
     else:
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * k + (k_lo + offs_k)[None, :]
+    if EARLY_W:  # weights: written by no launch of a step, so read before the wait
+        k_ok = k_lo + offs_k < k_hi
+        wt0 = _w_tile(w_ptr, w_ptrs, tile * BLOCK_N, k_lo, n_ok, k_ok, EVEN_N, EVEN_K, W_DESC)
+        wu0 = wt0
+        if EPI_GLU:
+            if W_DESC:
+                wu0 = _w_tile(w_ptr, w_ptrs, n + tile * BLOCK_N, k_lo, n_ok, k_ok, EVEN_N,
+                              EVEN_K, W_DESC)
+            else:
+                wu0 = _w_tile(w_ptr, w_ptrs + n * k, n + tile * BLOCK_N, k_lo, n_ok, k_ok,
+                              EVEN_N, EVEN_K, W_DESC)
+    pdl_enter(PDL)
     rows = offs_m[None, :].to(tl.int64)
     x_ptrs = x_ptr + rows * stride_xm + (k_lo + offs_k)[:, None]
     res_ptrs = res_ptr + rows * stride_rm + (k_lo + offs_k)[:, None]
@@ -196,41 +251,25 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
         acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     ssq = tl.zeros([BLOCK_M], tl.float32)
-    k_ok = offs_k < BLOCK_K  # replaced per iteration unless EVEN_K
-    if PRO != 0:  # the prologue's inputs are loaded one iteration ahead (see below)
+    if PRO != 0:  # the prologue's inputs are loaded one iteration ahead (_k_step)
         nxt_a, nxt_b = _prologue_tiles(x_ptrs, res_ptrs, gamma_ptr, k_lo + offs_k,
                                        k_lo + offs_k < k_hi, m_ok, glu_offset, PRO, HAS_RES)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
-        if EVEN_K:
-            x_mask = m_ok[None, :]
-        else:
-            k_ok = k0 + offs_k < k_hi
-            x_mask = m_ok[None, :] & k_ok[:, None]
-        if PRO == 0:
-            xt = tl.load(x_ptrs, mask=x_mask, other=0.0)  # [BLOCK_K, BLOCK_M]
-        else:
-            # This iteration uses the tiles loaded in the previous one and issues the next
-            # ones' loads first, so their L2 latency overlaps this iteration's work.
-            cur_a, cur_b = nxt_a, nxt_b
-            kk = k0 + BLOCK_K + offs_k
-            nxt_a, nxt_b = _prologue_tiles(x_ptrs + BLOCK_K, res_ptrs + BLOCK_K, gamma_ptr, kk,
-                                           kk < k_hi, m_ok, glu_offset, PRO, HAS_RES)
-            if PRO == 1:
-                xt = _silu_mul(cur_a, cur_b).to(x_ptr.dtype.element_ty)
-            else:
-                if HAS_RES:
-                    if tile == 0:
-                        tl.store(h_ptrs, cur_a, mask=x_mask)
-                    h_ptrs += BLOCK_K
-                a = cur_a.to(tl.float32)
-                ssq += tl.sum(a * a, 0)
-                xt = (a * cur_b.to(tl.float32)[:, None]).to(x_ptr.dtype.element_ty)
-            res_ptrs += BLOCK_K
+    else:  # unused
+        nxt_a = tl.zeros([BLOCK_K, BLOCK_M], x_ptr.dtype.element_ty)
+        nxt_b = nxt_a
+    k_start = k_lo
+    if EARLY_W:  # the first weight tile was loaded before the wait: its step comes first
+        acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs = _k_step(
+            wt0, wu0, acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs, gamma_ptr,
+            k_lo, k_hi, offs_k, m_ok, glu_offset, tile, x_ptr.dtype.element_ty, BLOCK_K, PRO,
+            HAS_RES, EVEN_K, EPI_GLU, SWAP)
+        if not W_DESC:
+            w_ptrs += BLOCK_K
+        k_start = k_lo + BLOCK_K
+    for k0 in range(k_start, k_hi, BLOCK_K):
+        k_ok = k0 + offs_k < k_hi
         wt = _w_tile(w_ptr, w_ptrs, tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N, EVEN_K, W_DESC)
-        if SWAP:
-            acc = tl.dot(tl.trans(xt), tl.trans(wt), acc)
-        else:
-            acc = tl.dot(wt, xt, acc)
+        wu = wt
         if EPI_GLU:
             if W_DESC:
                 wu = _w_tile(w_ptr, w_ptrs, n + tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N, EVEN_K,
@@ -238,13 +277,12 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
             else:
                 wu = _w_tile(w_ptr, w_ptrs + n * k, n + tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N,
                              EVEN_K, W_DESC)
-            if SWAP:
-                acc_u = tl.dot(tl.trans(xt), tl.trans(wu), acc_u)
-            else:
-                acc_u = tl.dot(wu, xt, acc_u)
+        acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs = _k_step(
+            wt, wu, acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs, gamma_ptr, k0,
+            k_hi, offs_k, m_ok, glu_offset, tile, x_ptr.dtype.element_ty, BLOCK_K, PRO, HAS_RES,
+            EVEN_K, EPI_GLU, SWAP)
         if not W_DESC:
             w_ptrs += BLOCK_K
-        x_ptrs += BLOCK_K
     if SWAP:
         acc = tl.trans(acc)
         acc_u = tl.trans(acc_u)
@@ -448,6 +486,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
                          residual: torch.Tensor | None = None, glu_out: bool = False,
                          config: TargetConfig | None = None, cos: torch.Tensor | None = None,
                          sin: torch.Tensor | None = None, rot_cols: int = 0,
+                         weight_settled: bool = False,
                          **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, h)`` with ``y = a @ w.T + bias`` (``glu_out``: ``silu(y[:, :N]) * y[:, N:]`` of
     ``w [2N, K]``), where ``a`` is ``x``, or ``silu(x[:, :K]) * x[:, K:]`` (``glu``), or HF's
@@ -459,6 +498,9 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     ``rot_cols`` output columns are heads rotated with ``cos``/``sin [M, D]`` as
     ``dspark::rotary_apply`` does (in the epilogue from ``skinny_rope_min_m`` rows; with fewer
     rows or past ``skinny_max_m``, in place by the rotary kernel after the matmul).
+    ``weight_settled``: the caller vouches that the launch just before this one does not
+    write ``w`` (``lower`` sets it from the graph, ``select.settled_weight``); up to
+    ``cfg.skinny_early_w_max_m`` rows the first weight tile is then loaded before the PDL wait.
     ``overrides`` (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``,
     ``tma``, ``swap``) are for the benchmark's sweep. No host sync; CUDA-graph safe (a split
     launch takes its counters from the buffer of the current stream, made outside any capture
@@ -518,6 +560,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         EVEN_N=n_out % plan.block_n == 0,
         EVEN_K=k % plan.k_per_split == 0 and plan.k_per_split % plan.block_k == 0,
         W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, ROT_D=rot_d,
+        EARLY_W=weight_settled and m <= cfg.skinny_early_w_max_m,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_options(pdl),
         **LAUNCH_OPTIONS)
     if head_d and not rot_d:  # fewer rows than skinny_rope_min_m: the rotary kernel after
