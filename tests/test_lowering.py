@@ -105,7 +105,8 @@ def test_the_verifier_graph_lets_every_attention_read_early():
 def test_skinny_weights_are_settled_only_when_no_call_writes_them():
     """The Llama's fused matmuls (lowered to Triton) take parameters or stacked weights: each
     launch may read its first weight tile before the PDL wait; a weight the graph computes,
-    or writes in place, may not be."""
+    or writes in place, may not be, nor one whose rows are a graph input (then no kernel of
+    the graph need run before the launch)."""
     import torch.fx as fx
 
     from dspark_compile.frontend.adapters import adapter_for
@@ -124,12 +125,14 @@ def test_skinny_weights_are_settled_only_when_no_call_writes_them():
     assert len(calls) == 5 and all(n.kwargs["weight_settled"] is True for n in calls)
 
     aten = torch.ops.aten
-    for how in ("computed", "written"):
+    for how in ("computed", "written", "input rows"):
         g = fx.Graph()
         x, w = g.placeholder("x"), g.placeholder("w")
+        if how != "input rows":  # the rows come from a kernel of the graph
+            x = g.call_function(aten.relu.default, (x,))
         if how == "computed":
             w = g.call_function(aten.mul.Tensor, (w, 2.0))
-        else:
+        elif how == "written":
             g.call_function(aten.mul_.Tensor, (w, 2.0))
         node = g.call_function(torch.ops.dspark.skinny_linear.default,
                                (x, w, None, None, 0.0, False, None, False))

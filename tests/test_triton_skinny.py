@@ -243,17 +243,19 @@ def test_bad_inputs_are_refused_before_launch() -> None:
         return args
 
     x = base()["x"]
+    f16 = dict(dtype=torch.float16, device=x.device)  # x's device: only the named rule breaks
     cases = [
         (dict(x=x.float()), "float32"),
         (dict(x=x.t()), "dense last dim"),
-        (dict(w=torch.zeros(16, 24, dtype=torch.float16)), "K=32"),
-        (dict(bias=torch.zeros(15, dtype=torch.float16)), "bias is"),
+        (dict(w=torch.zeros(16, 24, **f16)), "K=32"),
+        (dict(bias=torch.zeros(15, **f16)), "bias is"),
         (dict(glu=True), "K=16"),
         (dict(residual=torch.zeros_like(x), gamma=None), "without gamma"),
-        (dict(gamma=torch.ones(32, dtype=torch.float16), glu=True,
-              x=torch.zeros(3, 64, dtype=torch.float16)), "one or the other"),
-        (dict(glu_out=True, w=torch.zeros(15, 32, dtype=torch.float16),
-              bias=None), "glu_out=True"),
+        (dict(gamma=torch.ones(32, **f16), glu=True, x=torch.zeros(3, 64, **f16)),
+         "one or the other"),
+        (dict(glu_out=True, w=torch.zeros(15, 32, **f16), bias=None), "glu_out=True"),
+        (dict(w=torch.zeros(16, 32, dtype=torch.float16, device="meta")),
+         f"w is .* on meta; .* on {x.device}"),
     ]
     for over, message in cases:
         with pytest.raises(ValueError, match=message):

@@ -140,25 +140,33 @@ def early_attention_reads(node: fx.Node) -> bool:
     if not all(isinstance(a, fx.Node) and a.op == "placeholder"
                for a in (*meta, k_cache, v_cache)):
         return False
-    for value in (q, k, v):
-        while (value.op == "call_function"
-               and getattr(value.target, "overloadpacket", None) in _VIEWS):
-            value = value.args[0]
-        if value.op != "call_function":
-            return False
-    return not any(_writes(user, m) for m in meta for user in m.users
-                   if user.op == "call_function")
+    return all(_computed(t) for t in (q, k, v)) and not any(_written(m) for m in meta)
+
+
+def _computed(value) -> bool:
+    """Whether ``value`` is made by a call of the graph (not an input or a view of one), so
+    some kernel of the graph runs before a launch that reads it."""
+    while (isinstance(value, fx.Node) and value.op == "call_function"
+           and getattr(value.target, "overloadpacket", None) in _VIEWS):
+        value = value.args[0]
+    return isinstance(value, fx.Node) and value.op == "call_function"
+
+
+def _written(value: fx.Node) -> bool:
+    """Whether some call of the graph may write ``value`` in place."""
+    return any(_writes(user, value) for user in value.users if user.op == "call_function")
 
 
 def settled_weight(node: fx.Node) -> bool:
     """Whether a ``dspark::skinny_linear`` call's weight is a graph input (a parameter, or the
-    stacked weights ``concat_linears`` makes) that no call in the graph writes: then no
-    launch of a step writes it, and the skinny kernel may read its first tile before the PDL
-    wait (``skinny_linear_triton(weight_settled=True)``; the reasoning of
+    stacked weights ``concat_linears`` makes) that no call in the graph writes, and its rows
+    ``x`` are computed in the graph: then the launch just before this one is a kernel of the
+    graph, which does not write the weight, and the skinny kernel may read its first tile
+    before the PDL wait (``skinny_linear_triton(weight_settled=True)``; the reasoning of
     :func:`early_attention_reads`)."""
-    w = node.args[1]
-    return (isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr")
-            and not any(_writes(user, w) for user in w.users if user.op == "call_function"))
+    x, w = node.args[:2]
+    return (isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr") and not _written(w)
+            and _computed(x))
 
 
 def _realize_op_inputs(gm: fx.GraphModule) -> None:

@@ -342,8 +342,8 @@ def _ragged_attention_kernel(
     is_pad = req >= num_requests
     req_len = tl.where(is_pad, num_tokens - req_start, req_end - req_start)
     q0 = (block_id - (req_start // BLOCK_Q + req)) * BLOCK_Q  # first own query of the block
-    if q0 >= req_len:
-        return  # nothing written, so it may leave before the wait
+    if q0 >= req_len:  # nothing to write, so it may leave before the wait: a launch (N > 0)
+        return  # always has a program with rows, which waits before letting the next start
     n_q = tl.minimum(req_len - q0, BLOCK_Q)
     context = tl.where(is_pad, 0, seq_len - req_len)
     bt_row_ptr = block_table_ptr + tl.where(is_pad, 0, req).to(tl.int64) * stride_bt_req
