@@ -83,9 +83,9 @@ def test_attention_reads_early_only_when_the_graph_shows_it_safe(case, want):
     assert early_attention_reads(_attention_graph(**case)) is want
 
 
-def test_the_verifier_graph_lets_every_attention_read_early():
-    """The packed graph of a Llama, lowered to Triton (CPU: lowering only, nothing runs):
-    every attention launch is told it may read its metadata before the PDL wait."""
+def _lowered_llama_calls(target) -> list:
+    """The calls of ``target`` in a 2-layer fp16 Llama's packed graph lowered to Triton (CPU:
+    lowering only, nothing runs)."""
     from dspark_compile.frontend.adapters import adapter_for
     from dspark_compile.frontend.capture import capture_dense
     from dspark_compile.lowering.select import lower
@@ -97,8 +97,13 @@ def test_the_verifier_graph_lets_every_attention_read_early():
     ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
     gm, _ = run_passes(captured.gm, ctx)
     lower(gm, "triton", 8, "auto", "inductor", ctx.inputs, "auto")
-    calls = [n for n in gm.graph.nodes
-             if n.target is torch.ops.dspark.ragged_attention_triton.default]
+    return [n for n in gm.graph.nodes if n.target is target]
+
+
+def test_the_verifier_graph_lets_every_attention_read_early():
+    """The packed graph of a Llama, lowered to Triton (CPU: lowering only, nothing runs):
+    every attention launch is told it may read its metadata before the PDL wait."""
+    calls = _lowered_llama_calls(torch.ops.dspark.ragged_attention_triton.default)
     assert len(calls) == 2 and all(n.args[-2:] == (8, True) for n in calls)
 
 
@@ -109,20 +114,10 @@ def test_skinny_weights_are_settled_only_when_no_call_writes_them():
     the graph need run before the launch)."""
     import torch.fx as fx
 
-    from dspark_compile.frontend.adapters import adapter_for
-    from dspark_compile.frontend.capture import capture_dense
-    from dspark_compile.lowering.select import lower, settled_weight
-    from dspark_compile.passes import PassContext, run_passes
-    from helpers import tiny_llama
+    from dspark_compile.lowering.select import settled_weight
 
-    captured = capture_dense(adapter_for(tiny_llama(layers=1).half()), torch.float16,
-                             torch.device("cpu"))
-    ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
-    gm, _ = run_passes(captured.gm, ctx)
-    lower(gm, "triton", 8, "auto", "inductor", ctx.inputs, "auto")
-    calls = [n for n in gm.graph.nodes
-             if n.target is torch.ops.dspark.skinny_linear_triton.default]
-    assert len(calls) == 5 and all(n.kwargs["weight_settled"] is True for n in calls)
+    calls = _lowered_llama_calls(torch.ops.dspark.skinny_linear_triton.default)
+    assert len(calls) == 9 and all(n.kwargs["weight_settled"] is True for n in calls)
 
     aten = torch.ops.aten
     for how in ("computed", "written", "input rows"):
