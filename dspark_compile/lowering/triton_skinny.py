@@ -18,6 +18,8 @@ written for that case:
   ``x (+ residual)`` (the sum is written out as ``h``), computed on the activation tile in the
   K loop; the output may be ``silu(gate rows' product) * up rows' product``, or q/k heads
   rotated as ``dspark::rotary_apply`` does (``rot_cols``).
+- **The first weight tile before the PDL wait** (``EARLY_W``, a settled weight at few rows):
+  its load overlaps the launch before; ``lowering/pdl.py`` says when that is safe.
 - **No fused multiply-add** outside the dot (``enable_fp_fusion=False``): the rotation rounds
   each product to the activation dtype, and with fp16 the compiler would otherwise narrow those
   products and their sum to half-precision ops and contract them into one ``fma.f16``, one
@@ -214,7 +216,9 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     which may stay in registers) and are transposed once after the loop. ``PDL``: launched
     with programmatic dependent launch (``lowering/pdl.py``). ``ROT_D`` > 0: the output's
     first ``rot_cols`` columns are heads of ``ROT_D`` (``BLOCK_N`` a multiple of it), rotated
-    in the epilogue with ``cos``/``sin [M, ROT_D]``."""
+    in the epilogue with ``cos``/``sin [M, ROT_D]``. ``EARLY_W``: the first weight tile(s) are
+    loaded before the PDL wait (the caller vouches the launch before does not write ``w``)
+    and their K step runs before the loop over the rest."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
