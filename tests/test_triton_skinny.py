@@ -313,12 +313,14 @@ def _compile_all() -> dict:
     pointers = {a: "bf16" for a in kernel.arg_names if a.endswith("_ptr")}
     pointers.update(part_ptr="fp32", counter_ptr="i32")
     out: dict = {}
+    early_asm: dict = {}
     for case, consts in AOT_CASES.items():
         for target in TARGET_NAMES:
             cfg = TARGETS[target]
             opts = {"num_warps": cfg.skinny_num_warps, "num_stages": 4}
-            out.setdefault(case, {})[target] = compile_kernel(kernel, pointers, consts, target,
-                                                              opts, scalars={"eps": "fp32"})
+            asm = early_asm if (case, target) == ("rms_res_glu_split_early", "sm_90") else None
+            out.setdefault(case, {})[target] = compile_kernel(
+                kernel, pointers, consts, target, opts, scalars={"eps": "fp32"}, asm=asm)
     out["pipelined_shared_bytes"] = _pipelined_shared(kernel, pointers)
     asm = {}
     compile_kernel(kernel, {**pointers, **{a: "fp16" for a in pointers if pointers[a] == "bf16"}},
@@ -334,10 +336,7 @@ def _compile_all() -> dict:
     out["pdl_ptx"] = {op: ptx.find(op) for op in (
         "griddepcontrol.wait", "griddepcontrol.launch_dependents", "ld.global", "atom.global",
         "cp.async.c")}
-    asm = {}
-    compile_kernel(kernel, pointers, AOT_CASES["rms_res_glu_split_early"], "sm_90",
-                   {"num_warps": 4, "num_stages": 4}, scalars={"eps": "fp32"}, asm=asm)
-    out["pdl_ptx_early"] = {op: asm["ptx"].find(op) for op in (
+    out["pdl_ptx_early"] = {op: early_asm["ptx"].find(op) for op in (
         "griddepcontrol.wait", "ld.global", "st.global", "atom.global")}
     pro = triton_skinny._prologue_kernel
     pointers = {a: "bf16" for a in pro.arg_names if a.endswith("_ptr")}
