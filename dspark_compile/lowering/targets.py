@@ -132,9 +132,10 @@ class TargetConfig:
     skinny_early_w_max_m: int = 16
     """Most rows at which a skinny launch whose weight the graph shows settled
     (``select.settled_weight``) loads its first weight tile(s) before its PDL wait (0: never).
-    H200, whole step (``verify_step.py --quick`` with ``--target skinny_early_w=true``, the
-    option as it was before this threshold, against without, one session): bs 1 (3 rows)
-    0.9247 against 0.9673 ms, bs 8 (24 rows) 1.1523 against 1.1408."""
+    H200, whole step, one session, with the option as it was then (every settled launch, no
+    row threshold: ``verify_step.py --quick --target skinny_early_w=true`` against
+    without): bs 1 (3 rows) 0.9247 against 0.9673 ms, bs 8 (24 rows) 1.1523 against 1.1408.
+    Today's A/B: ``--target skinny_early_w_max_m=0`` against the default."""
     attn_early_reads: bool = True
     """With ``pdl``: an attention launch the graph shows safe (``select.early_attention_reads``)
     reads its request bounds, block-table row and first K/V tile before its PDL wait. H200,

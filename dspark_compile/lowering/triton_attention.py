@@ -118,6 +118,16 @@ def _pool_rows(block_table_row_ptr, pos, mask, kv_head, stride_cache_row,
 
 
 @triton.jit
+def _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask):
+    """K and V ``[TILE_N, HEAD_DIM_PAD]`` of pool rows ``rows`` (element offsets from
+    :func:`_pool_rows`); keys not ``key_ok`` are zeros and not read."""
+    mask = key_ok[:, None] & d_mask[None, :]
+    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    return k, v
+
+
+@triton.jit
 def _softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr,
                   MASKED: tl.constexpr):
     """One online-softmax step over a key tile (scores in the log2 domain, fp32 state)."""
@@ -150,9 +160,7 @@ def _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context,
                       HEAD_DIM)
     for t in range(t_lo, t_end):
         key_ok = pos < context
-        mask = key_ok[:, None] & d_mask[None, :]
-        k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
-        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask)
         pos = (t + 1) * TILE_N + offs_n
         rows = _pool_rows(bt_row_ptr, pos, pos < context, kv_head, stride_cache_row,
                           PAGE_SIZE, HEAD_DIM)
@@ -217,9 +225,7 @@ def _first_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, context, u_lo, u_hi, n_ctx
     pos = u_lo * TILE_N + tl.arange(0, TILE_N)
     key_ok = (pos < context) & (pos < tl.minimum(u_hi, n_ctx) * TILE_N)  # in the run
     rows = _pool_rows(bt_row_ptr, pos, key_ok, kv_head, stride_cache_row, PAGE_SIZE, HEAD_DIM)
-    mask = key_ok[:, None] & d_mask[None, :]
-    k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask)
     return k, v, key_ok
 
 

@@ -135,6 +135,19 @@ def _w_tile(w_ptr, w_ptrs, row0, k0, n_ok, k_ok, EVEN_N: tl.constexpr, EVEN_K: t
 
 
 @triton.jit
+def _w_tiles(w_ptr, w_ptrs, row0, k0, n, k, n_ok, k_ok, EVEN_N: tl.constexpr,
+             EVEN_K: tl.constexpr, W_DESC: tl.constexpr, EPI_GLU: tl.constexpr):
+    """``(wt, wu)``: the weight tile of a K step and, with ``EPI_GLU``, the up rows' tile ``n``
+    rows below it (else ``wt`` again, unused)."""
+    wt = _w_tile(w_ptr, w_ptrs, row0, k0, n_ok, k_ok, EVEN_N, EVEN_K, W_DESC)
+    wu = wt
+    if EPI_GLU:
+        up_ptrs = w_ptrs if W_DESC else w_ptrs + n * k  # a descriptor loads by coordinates
+        wu = _w_tile(w_ptr, up_ptrs, n + row0, k0, n_ok, k_ok, EVEN_N, EVEN_K, W_DESC)
+    return wt, wu
+
+
+@triton.jit
 def _prologue_tiles(x_ptrs, res_ptrs, gamma_ptr, kk, k_ok, m_ok, glu_offset, PRO: tl.constexpr,
                     HAS_RES: tl.constexpr):
     """The prologue's loads for K offsets ``kk``: ``(a, b)`` = (gate, up) for GLU, (x or
@@ -233,16 +246,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     else:
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * k + (k_lo + offs_k)[None, :]
     if EARLY_W:  # weights: written by no launch of a step, so read before the wait
-        k_ok = k_lo + offs_k < k_hi
-        wt0 = _w_tile(w_ptr, w_ptrs, tile * BLOCK_N, k_lo, n_ok, k_ok, EVEN_N, EVEN_K, W_DESC)
-        wu0 = wt0
-        if EPI_GLU:
-            if W_DESC:
-                wu0 = _w_tile(w_ptr, w_ptrs, n + tile * BLOCK_N, k_lo, n_ok, k_ok, EVEN_N,
-                              EVEN_K, W_DESC)
-            else:
-                wu0 = _w_tile(w_ptr, w_ptrs + n * k, n + tile * BLOCK_N, k_lo, n_ok, k_ok,
-                              EVEN_N, EVEN_K, W_DESC)
+        wt0, wu0 = _w_tiles(w_ptr, w_ptrs, tile * BLOCK_N, k_lo, n, k, n_ok,
+                            k_lo + offs_k < k_hi, EVEN_N, EVEN_K, W_DESC, EPI_GLU)
     pdl_enter(PDL)
     rows = offs_m[None, :].to(tl.int64)
     x_ptrs = x_ptr + rows * stride_xm + (k_lo + offs_k)[:, None]
@@ -271,16 +276,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
             w_ptrs += BLOCK_K
         k_start = k_lo + BLOCK_K
     for k0 in range(k_start, k_hi, BLOCK_K):
-        k_ok = k0 + offs_k < k_hi
-        wt = _w_tile(w_ptr, w_ptrs, tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N, EVEN_K, W_DESC)
-        wu = wt
-        if EPI_GLU:
-            if W_DESC:
-                wu = _w_tile(w_ptr, w_ptrs, n + tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N, EVEN_K,
-                             W_DESC)
-            else:
-                wu = _w_tile(w_ptr, w_ptrs + n * k, n + tile * BLOCK_N, k0, n_ok, k_ok, EVEN_N,
-                             EVEN_K, W_DESC)
+        wt, wu = _w_tiles(w_ptr, w_ptrs, tile * BLOCK_N, k0, n, k, n_ok, k0 + offs_k < k_hi,
+                          EVEN_N, EVEN_K, W_DESC, EPI_GLU)
         acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs = _k_step(
             wt, wu, acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs, gamma_ptr, k0,
             k_hi, offs_k, m_ok, glu_offset, tile, x_ptr.dtype.element_ty, BLOCK_K, PRO, HAS_RES,
