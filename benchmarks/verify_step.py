@@ -97,7 +97,7 @@ def run(args, save) -> dict:
     first_calls_s = time.perf_counter() - t0
     print(f"compiled in {compile_s:.1f} s; max |ours - HF| (bf16) = {max_err:.3g}", flush=True)
 
-    batches = (1, 8) if args.quick else BATCHES
+    batches = tuple(args.bs) if args.bs else (1, 8) if args.quick else BATCHES
     max_bs = max(batches)
     state = verifier.new_state(max_requests=max_bs, max_context=CONTEXT + BLOCK)
     for k, v in state.kv_caches:
@@ -182,6 +182,8 @@ def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     parser.add_argument("--quick", action="store_true", help="bs 1 and 8 only, fewer iters")
+    parser.add_argument("--bs", type=int, nargs="+",
+                        help="these batch sizes instead (files get a suffix)")
     add_variant_args(parser)
     args = parser.parse_args()
     suffix, flags, options = apply_variant(args)
@@ -189,7 +191,10 @@ def main() -> None:
         sys.exit("verify_step.py needs a GPU")
     os.makedirs(args.out, exist_ok=True)
     env = {**environment(), **options}
-    env["command"] += flags
+    if args.bs:
+        suffix += "_bs" + "_".join(map(str, args.bs))
+        flags += " --bs " + " ".join(map(str, args.bs))
+    env["command"] += (" --quick" if args.quick else "") + flags
 
     def save(part: dict) -> None:
         with open(os.path.join(args.out, f"verify_step{suffix}.json"), "w") as f:
