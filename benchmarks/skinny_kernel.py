@@ -156,9 +156,6 @@ def main() -> None:
     ap.add_argument("--rope-sweep", action="store_true",
                     help="only q/k/v with and without the rotary epilogue over column tile, "
                          "split count and warps (skinny_rope_sweep.json)")
-    ap.add_argument("--mid-sweep", action="store_true",
-                    help="only a fused layer's launches at 64 and 192 rows over K step and warps, "
-                         "and the torch.mm path (skinny_mid_sweep.json)")
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="stop the sweep after this many seconds (the rows so far are kept)")
     opts = ap.parse_args()
@@ -179,7 +176,6 @@ def main() -> None:
     def save():
         name = ("skinny_pdl.json" if opts.pdl else "skinny_split_sweep.json"
                 if opts.split_sweep else "skinny_rope_sweep.json" if opts.rope_sweep
-                else "skinny_mid_sweep.json" if opts.mid_sweep
                 else "skinny_kernel.json")
         (out / name).write_text(json.dumps(report, indent=1))
 
@@ -251,28 +247,6 @@ def main() -> None:
                     record("split_sweep", dict(name=name, mode=mode, m=m, **c,
                                                stages=plan.num_stages,
                                                default=plan == default, us=us))
-        report["seconds"] = time.perf_counter() - t0
-        save()
-        return
-    if opts.mid_sweep:
-        # 64 and 192 rows (row tiles of 64): a fused layer's launches over K step and warps,
-        # and the path past skinny_max_m (input launch + torch.mm) they would replace
-        report["environment"]["command"] += " --mid-sweep"
-        mcfg = dataclasses.replace(cfg, skinny_max_m=256)
-        for m in (64, 192):
-            for name, mode in LAYER:
-                for c in ({}, dict(block_k=64), dict(num_warps=8), dict(block_k=64, num_warps=8),
-                          dict(block_k=32, num_warps=8)):
-                    if time.perf_counter() - t0 > opts.budget_s:
-                        report["sweep_stopped"] = "budget"
-                        save()
-                        return
-                    us = (cases[name].ours(m, config=mcfg, **c)[0] if mode == "plain"
-                          else cases[name].fused_us(m, mode, config=mcfg, **c))
-                    record("mid_sweep", dict(name=name, mode=mode, m=m, **c, us=us))
-                us = (cases[name].ours(m, config=cfg)[0] if mode == "plain"
-                      else cases[name].fused_us(m, mode, config=cfg))
-                record("mid_sweep", dict(name=name, mode=mode, m=m, path="mm", us=us))
         report["seconds"] = time.perf_counter() - t0
         save()
         return

@@ -93,7 +93,8 @@ class TargetConfig:
     # not re-timed.
     skinny_max_m: int = 32
     """Most rows (packed tokens) ``dspark::skinny_linear`` gives its skinny Triton kernel; more
-    take the input launch and ``torch.mm`` (``lowering/triton_skinny.py``)."""
+    take the input launch and ``torch.mm`` (``lowering/triton_skinny.py``). At most 64, the
+    kernel's largest row tile (``triton_skinny.MAX_ROWS``)."""
     skinny_block_n: int = 64
     """Weight rows (output columns) per program of the skinny kernel."""
     skinny_block_k: int = 128

@@ -217,10 +217,8 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
                    HAS_RES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    W_DESC: tl.constexpr, EPI_GLU: tl.constexpr, SWAP: tl.constexpr,
                    PDL: tl.constexpr, ROT_D: tl.constexpr, EARLY_W: tl.constexpr):
-    """One (column tile, row tile, K split): ``w[cols, ks] @ a[rows, ks].T``, then the epilogue
-    or the split merge. Axis 0 of the grid is column tile x row tiles, the row tiles of a
-    column tile adjacent (they run side by side and share its weight reads). ``a`` is ``x``
-    (``PRO`` 0), ``silu(x[:, k]) * x[:, glu_offset + k]`` (1), or
+    """One (column tile, K split): ``w[cols, ks] @ a[:, ks].T``, then the epilogue or the
+    split merge. ``a`` is ``x`` (``PRO`` 0), ``silu(x[:, k]) * x[:, glu_offset + k]`` (1), or
     ``gamma * h`` with ``h = x (+ residual)`` (2; the rows' sums of squares of ``h`` are kept
     alongside and the epilogue scales by ``rsqrt(mean + eps)``; with a residual, the programs
     of column tile 0 store ``h``). ``W_DESC``: ``w_ptr`` is a tensor descriptor of ``w`` with
@@ -234,12 +232,10 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     in the epilogue with ``cos``/``sin [M, ROT_D]``. ``EARLY_W``: the first weight tile(s) are
     loaded before the PDL wait (the caller vouches the launch before does not write ``w``)
     and their K step runs before the loop over the rest."""
-    m_tiles = tl.cdiv(m, BLOCK_M)  # row tiles side by side: one HBM read of a weight tile
-    tile = tl.program_id(0) // m_tiles
-    row0 = (tl.program_id(0) % m_tiles) * BLOCK_M
+    tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
-    offs_m = row0 + tl.arange(0, BLOCK_M)
+    offs_m = tl.arange(0, BLOCK_M)
     offs_k = tl.arange(0, BLOCK_K)
     n_ok = offs_n < n
     m_ok = offs_m < m
@@ -297,34 +293,33 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
                          tile * BLOCK_N, rot_cols, PRO, HAS_BIAS, EPI_GLU, BLOCK_N, BLOCK_M,
                          ROT_D)
     else:
-        # fp32 partials [SPLIT_K, N_ACC, N, M_PAD] (N_ACC = 2 with EPI_GLU, M_PAD the row
-        # tiles' rows), then for RMS the sums of squares [tiles, SPLIT_K, M_PAD]; the last
-        # program of a (column tile, row tile) sums them in split order
+        # fp32 partials [SPLIT_K, N_ACC, N, BLOCK_M] (N_ACC = 2 with EPI_GLU), then for RMS
+        # the sums of squares [tiles, SPLIT_K, BLOCK_M]; the tile's last program sums them in
+        # split order
         N_ACC: tl.constexpr = 2 if EPI_GLU else 1
-        m_pad = m_tiles * BLOCK_M
-        tile_part = offs_n[:, None].to(tl.int64) * m_pad + offs_m[None, :]
-        part = part_ptr + split * N_ACC * n * m_pad + tile_part
+        tile_part = offs_n[:, None].to(tl.int64) * BLOCK_M + offs_m[None, :]
+        part = part_ptr + split * N_ACC * n * BLOCK_M + tile_part
         tl.store(part, acc, mask=n_ok[:, None])
         if EPI_GLU:
-            tl.store(part + n * m_pad, acc_u, mask=n_ok[:, None])
-        ssq_ptr = part_ptr + SPLIT_K * N_ACC * n * m_pad + tile * SPLIT_K * m_pad
+            tl.store(part + n * BLOCK_M, acc_u, mask=n_ok[:, None])
+        ssq_ptr = part_ptr + SPLIT_K * N_ACC * n * BLOCK_M + tile * SPLIT_K * BLOCK_M
         if PRO == 2:
-            tl.store(ssq_ptr + split * m_pad + offs_m, ssq)
+            tl.store(ssq_ptr + split * BLOCK_M + offs_m, ssq)
         tl.debug_barrier()  # every thread's partial stores are issued before the release
-        counter = counter_ptr + tl.program_id(0)
+        counter = counter_ptr + tile
         if tl.atomic_add(counter, 1, sem="acq_rel") == SPLIT_K - 1:
             tl.store(counter, 0)  # reset for the next launch
             total = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             total_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             ssq_total = tl.zeros([BLOCK_M], tl.float32)
             for s in tl.static_range(SPLIT_K):
-                part = part_ptr + s * N_ACC * n * m_pad + tile_part
+                part = part_ptr + s * N_ACC * n * BLOCK_M + tile_part
                 total += tl.load(part, mask=n_ok[:, None], other=0.0, cache_modifier=".cg")
                 if EPI_GLU:
-                    total_u += tl.load(part + n * m_pad, mask=n_ok[:, None], other=0.0,
+                    total_u += tl.load(part + n * BLOCK_M, mask=n_ok[:, None], other=0.0,
                                        cache_modifier=".cg")
                 if PRO == 2:
-                    ssq_total += tl.load(ssq_ptr + s * m_pad + offs_m, cache_modifier=".cg")
+                    ssq_total += tl.load(ssq_ptr + s * BLOCK_M + offs_m, cache_modifier=".cg")
             _skinny_epilogue(total, total_u, ssq_total, k, eps, bias_ptr, out_ptr, offs_n,
                              offs_m, n_ok, m_ok, stride_om, n, cos_ptr, sin_ptr, stride_cos,
                              stride_sin, tile * BLOCK_N, rot_cols, PRO, HAS_BIAS, EPI_GLU,
@@ -336,8 +331,6 @@ class SkinnyPlan:
     """Tiles, split and grid of one launch (from shapes and the target only)."""
 
     block_m: int
-    m_tiles: int
-    """Row tiles of ``block_m`` (past 64 rows, more than one)."""
     block_n: int
     block_k: int
     split_k: int
@@ -359,18 +352,16 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
                 num_stages: int | None = None, tma: bool | None = None,
                 glu_out: bool = False, swap: bool | None = None,
                 rms: bool = False, rot_d: int = 0) -> SkinnyPlan:
-    """``BLOCK_M``: the smallest of 16 / 32 / 64 holding ``m`` (past 64 rows, row tiles of 64);
-    ``BLOCK_N``, ``BLOCK_K``, warps and stages from ``cfg`` (stages cut while the pipeline
-    would take more than ``cfg.skinny_max_smem``; ``glu_out`` streams two weight tiles an
-    iteration). Split-K (a power of two) while the column tiles x row tiles x splits are fewer
-    than ``cfg.skinny_min_programs``, keeping at least ``cfg.skinny_min_split_k`` of K per
-    split. An RMSNorm prologue (``rms``) without ``glu_out`` whose column tiles alone reach
-    ``skinny_min_programs`` (no split: the LM head) takes ``cfg.skinny_rms_block_k`` and
-    ``skinny_rms_num_stages``. A rotary epilogue over heads of ``rot_d`` makes ``BLOCK_N`` a
-    multiple of ``rot_d`` (whole heads a tile). The keyword arguments override a choice (the
-    benchmark's sweep)."""
+    """``BLOCK_M``: the smallest of 16 / 32 / 64 holding ``m``; ``BLOCK_N``, ``BLOCK_K``, warps
+    and stages from ``cfg`` (stages cut while the pipeline would take more than
+    ``cfg.skinny_max_smem``; ``glu_out`` streams two weight tiles an iteration). Split-K (a
+    power of two) while the column tiles x splits are fewer than ``cfg.skinny_min_programs``,
+    keeping at least ``cfg.skinny_min_split_k`` of K per split. An RMSNorm prologue (``rms``)
+    without ``glu_out`` whose column tiles alone reach ``skinny_min_programs`` (no split: the
+    LM head) takes ``cfg.skinny_rms_block_k`` and ``skinny_rms_num_stages``. A rotary epilogue
+    over heads of ``rot_d`` makes ``BLOCK_N`` a multiple of ``rot_d`` (whole heads a tile). The
+    keyword arguments override a choice (the benchmark's sweep)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    m_tiles = -(-m // block_m)
     block_n = block_n or cfg.skinny_block_n
     if rot_d:
         block_n = -(-block_n // rot_d) * rot_d
@@ -385,13 +376,12 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
     tiles = -(-n // block_n)
     if split_k is None:
         split_k = 1
-        while (tiles * m_tiles * split_k < cfg.skinny_min_programs
+        while (tiles * split_k < cfg.skinny_min_programs
                and k // (2 * split_k) >= cfg.skinny_min_split_k):
             split_k *= 2
     k_per_split = -(-(-(-k // split_k)) // block_k) * block_k  # a multiple of BLOCK_K
     split_k = -(-k // k_per_split)  # no empty split
-    return SkinnyPlan(block_m, m_tiles, block_n, block_k, split_k, k_per_split,
-                      (tiles * m_tiles, split_k),
+    return SkinnyPlan(block_m, block_n, block_k, split_k, k_per_split, (tiles, split_k),
                       num_warps or cfg.skinny_num_warps, num_stages,
                       (cfg.skinny_tma if tma is None else tma) and k % 8 == 0,
                       cfg.skinny_swap if swap is None else swap)
@@ -429,6 +419,11 @@ def _descriptor(w: torch.Tensor, block_n: int, block_k: int):
 
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [block_n, block_k])
 
+
+MAX_ROWS = 64
+"""Rows of the kernel's largest row tile: ``TargetConfig.skinny_max_m`` may not pass it. Row
+tiles past it were built and measured (commit 132b9d1, ``skinny_mid_sweep.json``): at 192 rows
+every fused launch lost to the input launch + ``torch.mm``."""
 
 _NO_COUNTERS = "skinny_linear_triton: {why}; this launch leaves K whole (no split)"
 
@@ -520,6 +515,9 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     rot_d = _check_rot(x, w, cos, sin, rot_cols, glu_out)
     cfg, sm_count = _device_target(x.device)
     cfg = config or cfg
+    if cfg.skinny_max_m > MAX_ROWS:
+        _fail(f"TargetConfig.skinny_max_m={cfg.skinny_max_m}; the kernel's largest row tile "
+              f"holds {MAX_ROWS} rows, so it must be at most {MAX_ROWS}")
     pdl = use_pdl(x.device, cfg)
     m = x.shape[0]
     n, k = w.shape
@@ -557,9 +555,8 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
                            rot_d=rot_d, **{**overrides, "split_k": 1})
         split = 1
     n_acc = 2 if glu_out else 1
-    tiles, m_pad = plan.grid[0] // plan.m_tiles, plan.m_tiles * plan.block_m
-    part = (x.new_empty((split * (n_acc * n_out + tiles) * m_pad,), dtype=torch.float32)
-            if split > 1 else out)
+    part = (x.new_empty((split * (n_acc * n_out + plan.grid[0]) * plan.block_m,),
+                        dtype=torch.float32) if split > 1 else out)
     w_arg = _descriptor(w, plan.block_n, plan.block_k) if plan.tma else w
     _skinny_kernel[plan.grid](
         x, w_arg, bias if bias is not None else x, gamma if gamma is not None else x,
