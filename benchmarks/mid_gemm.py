@@ -8,6 +8,7 @@ its weight in L2 (a verify step reads every weight once). The floor is the large
 weight read at 4.8 TB/s and the multiply at 790 TFLOPS.
 
     python benchmarks/mid_gemm.py [--rows 192 768] [--budget-s 300]   # mid_gemm.json
+    python benchmarks/mid_gemm.py --tunable   # torch.mm after TunableOp: mid_gemm_tunable.json
 """
 
 from __future__ import annotations
@@ -145,11 +146,36 @@ def configs(m: int, n: int, k: int, sms: int):
                        m_fast=m_fast, split_k=split)
 
 
+def tunable_mm(x, ws, reps: int, want, out_dir: Path) -> dict:
+    """us per ``torch.mm`` once TunableOp has tuned this shape (then tuning off, TunableOp on
+    while timing) and its max error."""
+    from torch.cuda import tunable
+
+    tunable.set_filename(str(out_dir / "tunableop_results.csv"))
+    tunable.set_rotating_buffer_size(256)
+    tunable.enable(True)
+    tunable.tuning_enable(True)
+    try:
+        y = torch.mm(x, ws[0].t())  # tunes this shape
+        torch.cuda.synchronize()
+        tunable.tuning_enable(False)
+        err = (y.float() - want).abs().max().item()
+        us = graph_us([lambda w=w: torch.mm(x, w.t()) for w in ws], reps)
+    finally:
+        tunable.tuning_enable(False)
+        tunable.enable(False)
+    return dict(mm_tuned_us=us, mm_tuned_err=err)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[192, 768])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--tunable", action="store_true",
+                    help="instead of the Triton sweep, torch.mm again after PyTorch's TunableOp "
+                         "picked its GEMM (cuBLAS / cuBLASLt algorithms, timed over a 256 MB "
+                         "rotating buffer): mid_gemm_tunable.json")
     opts = ap.parse_args()
     t0 = time.perf_counter()
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -162,8 +188,12 @@ def main() -> None:
                               + " ".join(map(str, opts.rows))},
               "rows": []}
 
+    if opts.tunable:
+        report["environment"]["command"] += " --tunable"
+
     def save():
-        (out_dir / "mid_gemm.json").write_text(json.dumps(report, indent=1))
+        name = "mid_gemm_tunable.json" if opts.tunable else "mid_gemm.json"
+        (out_dir / name).write_text(json.dumps(report, indent=1))
 
     for m in opts.rows:
         for name in opts.shapes:
@@ -179,6 +209,12 @@ def main() -> None:
             row = dict(name=name, m=m, n=n, k=k, floor_us=floor, mm_us=mm, best=None)
             print(json.dumps(row), flush=True)
             best = None
+            if opts.tunable:
+                row.update(tunable_mm(x, ws, reps, want, out_dir))
+                report["rows"].append(row)
+                print(json.dumps(row), flush=True)
+                save()
+                continue
             for cfg in configs(m, n, k, sms):
                 if time.perf_counter() - t0 > opts.budget_s:
                     report["stopped"] = "budget"
@@ -199,6 +235,10 @@ def main() -> None:
             print(json.dumps(row), flush=True)
             save()
             del ws
+    if opts.tunable:  # (op, shapes, chosen solution, its time in ms) of every tuned GEMM
+        from torch.cuda import tunable
+
+        report["tunable_results"] = [list(r) for r in tunable.get_results()]
     report["seconds"] = time.perf_counter() - t0
     save()
 
