@@ -137,6 +137,9 @@ class TargetConfig:
     row threshold: ``verify_step.py --quick --target skinny_early_w=true`` against
     without): bs 1 (3 rows) 0.9247 against 0.9673 ms, bs 8 (24 rows) 1.1523 against 1.1408.
     Today's A/B: ``--target skinny_early_w_max_m=0`` against the default."""
+    attn_heads_inner: bool = False
+    """Attention grid with the KV head on axis 0 and the q-block on axis 1 (the KV heads of
+    one q-block run as adjacent programs) instead of the q-block on axis 0."""
     attn_early_reads: bool = True
     """With ``pdl``: an attention launch the graph shows safe (``select.early_attention_reads``)
     reads its request bounds, block-table row and first K/V tile before its PDL wait. H200,
