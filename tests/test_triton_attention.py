@@ -116,27 +116,6 @@ def test_matches_reference(name: str, num_splits: int, fold: bool) -> None:
         assert torch.equal(g, r), "KV pool after the write differs from the reference's"
 
 
-@pytest.mark.parametrize("num_splits", [1, 3])
-def test_heads_inner_grid_gives_the_same_bits(num_splits: int) -> None:
-    """``attn_heads_inner`` (KV head on grid axis 0) only reorders programs: the output and
-    the pools are bit for bit those of the default grid, folded splits included."""
-    import dataclasses
-
-    from dspark_compile.lowering.targets import TARGETS
-
-    lens, contexts, *shape, num_pad = CASES["gqa1_d64_p16"]
-    case = make_case(lens, contexts, *shape, num_pad=num_pad, seed=5)
-    runs = []
-    for inner in (False, True):
-        cfg = dataclasses.replace(TARGETS["sm_90"], attn_heads_inner=inner)
-        got, pools, ref, _ = run_both(case, num_splits=num_splits, max_query_len=max(lens),
-                                      config=cfg)
-        torch.testing.assert_close(got, ref, atol=TOL[0], rtol=TOL[1])
-        runs.append((got, pools))
-    assert torch.equal(runs[0][0], runs[1][0])
-    assert all(torch.equal(a, b) for a, b in zip(runs[0][1], runs[1][1]))
-
-
 def test_folded_merge_resets_its_counters_and_repeats_exactly() -> None:
     """A folded split launch leaves every counter at 0 (the next launch, or a graph replay,
     starts clean), and calling again gives the same output bit for bit, with 1 to 16 splits

@@ -137,9 +137,6 @@ class TargetConfig:
     row threshold: ``verify_step.py --quick --target skinny_early_w=true`` against
     without): bs 1 (3 rows) 0.9247 against 0.9673 ms, bs 8 (24 rows) 1.1523 against 1.1408.
     Today's A/B: ``--target skinny_early_w_max_m=0`` against the default."""
-    attn_heads_inner: bool = False
-    """Attention grid with the KV head on axis 0 and the q-block on axis 1 (the KV heads of
-    one q-block run as adjacent programs) instead of the q-block on axis 0."""
     attn_early_reads: bool = True
     """With ``pdl``: an attention launch the graph shows safe (``select.early_attention_reads``)
     reads its request bounds, block-table row and first K/V tile before its PDL wait. H200,
@@ -170,6 +167,9 @@ class TargetConfig:
 # graphs are), with PDL, tile 32, 3 stages, folded (attention_small_sweep.json): bs 1 8.99 us
 # at 8 splits, 8.78 at 16; bs 8 17.49 at 5, 16.41 at 8. Hence the split count is rounded up to
 # a power of two (plan_attention): 8 at bs 1 and 8.
+# Programs in KV-head-major order (the KV heads of a q-block adjacent; commit 008b358, since
+# removed): whole step bs 64 / 256 2.3500 / 7.2216 ms against 2.3507 / 7.2922 in one session
+# (verify_step_quick_*bs64_256.json), within noise.
 # The sm_80 and AMD entries are untuned starting points (no A100 or MI300 was available):
 # 2 stages is what the AMD stream pipeliner is built around, and 4 wavefronts of 64 lanes
 # give 256 threads a program.

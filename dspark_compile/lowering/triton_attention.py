@@ -326,7 +326,7 @@ def _ragged_attention_kernel(
         TILE_N: tl.constexpr, NEW_N: tl.constexpr, SEARCH: tl.constexpr,
         SEARCH_ONCE: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
         MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        EARLY: tl.constexpr, PDL: tl.constexpr, HEADS_INNER: tl.constexpr):
+        EARLY: tl.constexpr, PDL: tl.constexpr):
     """One (q-block, KV head, split): fused KV write, then attention over the paged context.
 
     ``FOLD`` (with ``SPLIT``): the last of a q-block's programs to finish merges the partials
@@ -336,17 +336,11 @@ def _ragged_attention_kernel(
     request lookup, the block-table row and the first context tile's K/V are read before the
     PDL wait, so that chain of dependent loads runs while the launch before this one finishes;
     the caller vouches that that launch writes none of them (``ragged_attention_triton``).
-    ``HEADS_INNER``: grid axis 0 is the KV head and axis 1 the q-block (the KV heads of one
-    q-block are adjacent programs, reading the same pool rows side by side), not the reverse.
     """
     if not EARLY:
         pdl_enter(PDL)
-    if HEADS_INNER:
-        block_id = tl.program_id(1)
-        kv_head = tl.program_id(0)
-    else:
-        block_id = tl.program_id(0)
-        kv_head = tl.program_id(1)
+    block_id = tl.program_id(0)
+    kv_head = tl.program_id(1)
     split = tl.program_id(2)
     req, req_start, req_end, seq_len = _find_request(query_start_loc_ptr, seq_lens_ptr,
                                                      block_id, num_requests, BLOCK_Q, SEARCH,
@@ -402,7 +396,7 @@ def _ragged_attention_kernel(
                 HEAD_DIM, SPLIT)
     if SPLIT and FOLD:
         tl.debug_barrier()  # every thread's partial stores are issued before the release
-        counter = counter_ptr + block_id * (NUM_HEADS // GROUP) + kv_head
+        counter = counter_ptr + block_id * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
             tl.store(counter, 0)  # the last one: reset for the next launch, then merge
             _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, tokens, heads, row_ok, offs_d,
@@ -665,9 +659,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # maxnreg: NVIDIA only (the HIP backend rejects the option)
     regs = ({"maxnreg": plan.max_registers} if plan.max_registers is not None
             and cfg.backend == "cuda" and q.device.type == "cuda" else {})
-    heads_inner = cfg.attn_heads_inner
-    grid = (plan.grid[1], plan.grid[0], plan.grid[2]) if heads_inner else plan.grid
-    _ragged_attention_kernel[grid](
+    _ragged_attention_kernel[plan.grid](
         out, part_acc, part_ml, out if counters is None else counters, q, k, v, k_cache,
         v_cache, query_start_loc, seq_lens,
         block_table, slot_mapping, scale * _LOG2E, n, r, plan.num_splits, q.stride(0),
@@ -679,7 +671,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         SEARCH_ONCE=r + 1 <= plan.search, SPLIT=split, FOLD=counters is not None,
         MAX_SPLITS=max_splits, UPCAST=q.dtype != k_cache.dtype,
         DOT_PRECISION=cfg.fp32_dot_precision, EARLY=pdl and early_reads and cfg.attn_early_reads,
-        PDL=pdl, HEADS_INNER=heads_inner,
+        PDL=pdl,
         num_warps=plan.num_warps, num_stages=cfg.attn_num_stages, **regs, **pdl_options(pdl))
     if split and counters is None:
         _split_reduce_kernel[(n,)](
