@@ -10,7 +10,7 @@
 # tests_rope, verify_step_nopdl, verify_quick, verify_quick_norope, verify_quick_nopdl,
 # verify_quick_keys64, verify_quick_noearly, verify_quick_rope16, verify_quick_noearlyw, tests_early, profile_nopdl, inductor_code,
 # tests_skinny, tests_pdl, tests_meta,
-# tests_step, profile_mid, mid_gemm, mid_tunable, v864, v64_256,
+# tests_step, profile_mid, mid_gemm, mid_tunable, v864, v64_256, v8, v8_split16,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # compile_cold, compile_warm,
 # hybrid_kernels, hybrid_step, rotary,
@@ -76,6 +76,9 @@ job() {
     mid_gemm) python3 benchmarks/mid_gemm.py --budget-s 240 ;;
     mid_tunable) python3 benchmarks/mid_gemm.py --tunable ;;
     v64_256) python3 benchmarks/verify_step.py --quick --bs 64 256 ;;
+    v8) python3 benchmarks/verify_step.py --quick --bs 8 ;;
+    v8_split16) python3 benchmarks/verify_step.py --quick --bs 8 --target split_waves=4 \
+        --target split_min_keys=64 ;;
     v864) python3 benchmarks/verify_step.py --quick --bs 8 64 ;;
     profile_step_grouped) python3 benchmarks/profile_step.py --group-linears triton ;;
     attention) python3 benchmarks/attention_kernel.py ;;

@@ -167,6 +167,9 @@ class TargetConfig:
 # graphs are), with PDL, tile 32, 3 stages, folded (attention_small_sweep.json): bs 1 8.99 us
 # at 8 splits, 8.78 at 16; bs 8 17.49 at 5, 16.41 at 8. Hence the split count is rounded up to
 # a power of two (plan_attention): 8 at bs 1 and 8.
+# 16 splits at bs 8 (64-key splits: --target split_waves=4 --target split_min_keys=64) lost
+# to the rule's 8: whole step 1.2130 / 1.2137 ms against 1.1296 / 1.1363 in two A/B pairs of
+# one session (verify_step.py --quick --bs 8; verify_step_quick_*bs8.json holds the first).
 # Programs in KV-head-major order (the KV heads of a q-block adjacent; commit 008b358, since
 # removed): whole step bs 64 / 256 2.3500 / 7.2216 ms against 2.3507 / 7.2922 in one session
 # (verify_step_quick_*bs64_256.json), within noise.
