@@ -25,10 +25,60 @@ from dspark_compile.graphs.tiers import tier_set
 from verify_step import build_model
 
 
+def cpu_only() -> None:
+    """Seconds of ``dspark_compile`` on the CPU, whole and per phase (the dense capture, each
+    pass, the lowering), best of two runs in this process."""
+    import platform
+
+    from transformers import LlamaForCausalLM
+
+    import dspark_compile.passes as passes
+    import dspark_compile.verifier as verifier_mod
+    from verify_step import llama_config
+
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(llama_config()).to(torch.bfloat16).eval()
+    phases: dict = {}
+
+    def timed(name, fn):
+        def call(*args, **kwargs):
+            t0 = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
+        return call
+
+    passes.PASS_ORDER = tuple((n, timed(n, f)) for n, f in passes.PASS_ORDER)
+    verifier_mod.capture_dense = timed("capture_dense", verifier_mod.capture_dense)
+    verifier_mod.lower = timed("lower", verifier_mod.lower)
+    runs = []
+    for _ in range(2):
+        phases.clear()
+        t0 = time.perf_counter()
+        verifier_mod.dspark_compile(model, page_size=16, block=8, lowering="reference")
+        runs.append((time.perf_counter() - t0, dict(phases)))
+    total, best = min(runs, key=lambda r: r[0])
+    row = {"cpu": platform.processor() or platform.machine(), "cpus": os.cpu_count(),
+           "torch": torch.__version__, "command": "python benchmarks/compile_time.py --cpu",
+           "model": "verify_step.py's Llama-like 1.1B (16 layers), bf16, on the CPU",
+           "dspark_compile_s": total, "phase_s": best,
+           "runs_s": [r[0] for r in runs]}
+    print(json.dumps(row, indent=1))
+    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "compile_time_cpu.json").write_text(json.dumps(row, indent=1))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--label", default="", help="suffix of the JSON file name")
+    ap.add_argument("--cpu", action="store_true",
+                    help="only dspark_compile, of the model on the CPU (reference lowering): "
+                         "the passes' own cost, no GPU needed (compile_time_cpu.json)")
     opts = ap.parse_args()
+    if opts.cpu:
+        return cpu_only()
     import torch._dynamo.utils as dyn_utils
     import torch._inductor.config as ind_config
     import triton

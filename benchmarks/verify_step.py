@@ -35,15 +35,20 @@ CONTEXT, PAGE, BLOCK = 1024, 16, 8
 BATCHES = (1, 8, 64, 256)
 
 
-def build_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
+def llama_config():
+    from transformers import LlamaConfig
 
-    cfg = LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                      num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                      vocab_size=32000, max_position_embeddings=4096)
+    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
+                       vocab_size=32000, max_position_embeddings=4096)
+
+
+def build_model():
+    from transformers import LlamaForCausalLM
+
     torch.manual_seed(0)
     with torch.device("cuda"):
-        model = LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
+        model = LlamaForCausalLM(llama_config()).to(torch.bfloat16).eval()
     return model
 
 

@@ -90,3 +90,15 @@ def test_per_head_rows_match_own_forward():
 def test_merge_out_of_token_major_order_is_refused():
     with pytest.raises(RefusedOp, match="token-major order"):
         dspark_compile(_decoder(head_major=True))
+
+
+def test_dim_labels_of_static_and_symbolic_sizes():
+    """Each size's label (cached per symbolic expression): static sizes hold no axis, whatever
+    their value, and a size mixing the request and token symbols is refused as mixed."""
+    from dspark_compile.passes.token_axis import _dim_label
+
+    val, bs, t = _symbolic(lambda bs, t: (bs, bs + 1, t, 3 * bs, 2 * bs * t, bs + t, 15, 3))
+    labels = [_dim_label(s, bs, t) for s in val.shape]
+    assert labels == [("bs", 1), ("bs", 1), ("t", 1), ("bs", 3), ("flat", 2), ("mixed", 1),
+                      None, None]
+    assert [_dim_label(s, bs, t) for s in val.shape] == labels  # from the cache: the same

@@ -33,6 +33,7 @@ A refusal names the op, the model source line (``node.meta["stack_trace"]``) and
 
 from __future__ import annotations
 
+import functools
 import operator
 from dataclasses import dataclass
 
@@ -114,7 +115,18 @@ class AxisLabel:
 
 def _dim_label(size, bs: sympy.Symbol, tokens: sympy.Symbol) -> tuple[str, int] | None:
     """``(kind, flat factor)`` of one size: bs, t, flat (``bs*T*c``), mixed; None if neither."""
-    expr = size.node.expr if isinstance(size, torch.SymInt) else sympy.Integer(size)
+    if not isinstance(size, torch.SymInt):
+        return None  # a static size holds neither symbol
+    return _expr_label(size.node.expr, bs, tokens)
+
+
+@functools.lru_cache(maxsize=4096)
+def _expr_label(expr: sympy.Expr, bs: sympy.Symbol,
+                tokens: sympy.Symbol) -> tuple[str, int] | None:
+    """:func:`_dim_label` of a symbolic size (a graph repeats a few sizes thousands of times,
+    and each ``sympy.cancel`` costs about a millisecond)."""
+    if not expr.free_symbols & {bs, tokens}:
+        return None
     if expr == bs or expr == bs + 1:  # bs + 1: query_start_loc, one entry per request + 1
         return "bs", 1
     if expr == tokens:
@@ -125,9 +137,7 @@ def _dim_label(size, bs: sympy.Symbol, tokens: sympy.Symbol) -> tuple[str, int] 
     factor = sympy.cancel(expr / (bs * tokens))
     if factor.is_Integer and factor > 0:
         return "flat", int(factor)
-    if expr.free_symbols & {bs, tokens}:
-        return "mixed", 1
-    return None
+    return "mixed", 1
 
 
 def label_of(val: torch.Tensor, bs: sympy.Symbol, tokens: sympy.Symbol,
