@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from timing import graph_of
+from timing import graph_us
 
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192), "lm_head": (32000, 2048)}
@@ -82,21 +82,6 @@ def _mm_tma_kernel(x_desc, w_desc, out_desc, M, N, K, BM: tl.constexpr, BN: tl.c
         b = w_desc.load([pid_n * BN, k])
         acc = tl.dot(a, b.T, acc)
     out_desc.store([pid_m * BM, pid_n * BN], acc.to(out_desc.dtype))
-
-
-def graph_us(fns: list, reps: int) -> float:
-    for f in fns:
-        f()
-    graph = graph_of(fns, reps * len(fns))
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (REPLAYS * reps * len(fns))
 
 
 def triton_calls(x, ws, cfg):

@@ -24,7 +24,7 @@ import torch
 import triton
 import triton.language as tl
 
-from timing import graph_of
+from timing import graph_us
 
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192), "lm_head": (32000, 2048)}
@@ -54,22 +54,6 @@ def _read_kernel(w_ptr, out_ptr, rows_per_program, k, BLOCK_K: tl.constexpr):
 def _empty_kernel(out_ptr):
     if tl.program_id(0) < 0:
         tl.store(out_ptr, 0.0)
-
-
-def graph_us(fns: list, reps: int) -> float:
-    """us per call of ``fns`` cycled ``reps`` times in one CUDA graph, mean of REPLAYS."""
-    for f in fns:
-        f()
-    graph = graph_of(fns, reps * len(fns))
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(REPLAYS):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (REPLAYS * reps * len(fns))
 
 
 class Case:

@@ -9,8 +9,8 @@ import time
 
 import torch
 
-__all__ = ["time_calls", "graph_of", "time_ms", "capture_graph", "mix_lens", "plot_step_ms",
-           "max_err_vs_hf", "variant_suffix", "variant_flags", "target_overrides",
+__all__ = ["time_calls", "graph_of", "graph_us", "time_ms", "capture_graph", "mix_lens",
+           "plot_step_ms", "max_err_vs_hf", "variant_suffix", "variant_flags", "target_overrides",
            "add_variant_args", "apply_variant"]
 
 
@@ -211,6 +211,23 @@ def graph_of(fns: list, calls: int):
         for i in range(calls):
             fns[i % len(fns)]()
     return graph
+
+
+def graph_us(fns: list, reps: int, replays: int = 10) -> float:
+    """us per call of ``fns`` cycled ``reps`` times in one CUDA graph (:func:`graph_of`, after
+    one eager call of each), mean over ``replays`` replays."""
+    for f in fns:
+        f()
+    graph = graph_of(fns, reps * len(fns))
+    graph.replay()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / (replays * reps * len(fns))
 
 
 def time_calls(fns: list, s: dict, device: str) -> dict:
