@@ -40,7 +40,6 @@ class Qwen35LinearLayerSnapshots(TestCase):
         self.assertExpectedInline(self.texts["ragged_attention"], """\
 inputs: input_ids[s0, s1], positions[s0, s1], block_table[s2, 2], k_cache_0[6, 4, 2, 16], v_cache_0[6, 4, 2, 16], slots[s3], conv_state_0[3, 128, 3], recurrent_state_0[3, 4, 16, 16], query_start_loc[s0 + 1], seq_lens[s0], slot_mapping[s0*s1]
 t = aten.t(model_layers_0_linear_attn_in_proj_qkv_weight)  # [64, 128]
-sym_size_int_1 = aten.sym_size(input_ids, 0)  # s0
 sym_size_int_2 = aten.sym_size(input_ids, 1)  # s1
 mul_5 = mul(sym_size_int_1, sym_size_int_2)  # s0*s1
 view = aten.view(mul_4, [mul_5, 64])  # [s0*s1, 64]

@@ -6,7 +6,7 @@ Matches (dense verify graph, every request ``T`` tokens)::
                                                %block_table, %context_lens, 0.25)
         # q [bs, H, T, D], k/v [bs, Hkv, T, D] -> o [bs, T, H, D]
 
-Writes::
+Writes (aten nodes with their fake values, so the graph is not re-traced)::
 
     %q_rows = reshape(transpose(%q, 1, 2), [bs*T, H, D])         # same for k, v
     %o_rows = dspark.ragged_attention.default(%q_rows, %k_rows, %v_rows, %k_cache_0,
@@ -22,14 +22,16 @@ dense op is caught, and the pass ensures that none is left.
 
 from __future__ import annotations
 
+import operator
+
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch.fx.proxy import GraphAppendingTracer
+from torch.utils._pytree import tree_map_only
 
 from ..frontend.capture import InputSpec
 from .base import PassContext, PassResult, check_rewritten, is_op, source_line
-from .retrace import copy_module, interpret, placeholder_values, retrace
+from .retrace import copy_module
 
 __all__ = ["run"]
 
@@ -54,13 +56,25 @@ def _add_inputs(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.Node]:
         for name in reversed(vals):  # inserting_after: reverse keeps the declared order
             node = gm.graph.placeholder(name)
             node.meta["val"] = vals[name]
+            node.meta["dspark_input"] = InputSpec(name, name)
             new[name] = node
-    ctx.inputs.extend(InputSpec(name, name) for name in vals)
+    ctx.inputs.extend(new[name].meta["dspark_input"] for name in vals)
     return new
 
 
-def _rows(x: fx.Proxy, rows, heads: int, dim: int) -> fx.Proxy:
-    return x.transpose(1, 2).reshape(rows, heads, dim)
+_SOURCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
+"""Node meta that says which model line made a node (kept on the nodes that replace it)."""
+
+
+def _add(graph: fx.Graph, mode, like: fx.Node, target, *args) -> fx.Node:
+    """A ``target(*args)`` node with its fake value (run on the args' fake values) and
+    ``like``'s source meta: what a re-trace would record, without re-tracing the graph."""
+    packet = getattr(target, "overloadpacket", target)
+    node = graph.create_node("call_function", target, args, name=packet.__name__)
+    with mode:
+        node.meta["val"] = target(*tree_map_only(fx.Node, lambda a: a.meta["val"], args))
+    node.meta.update({k: like.meta[k] for k in _SOURCE_META if k in like.meta})
+    return node
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResult]:
@@ -72,33 +86,36 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     meta = _add_inputs(gm, ctx)
     ids = next(n for n in gm.graph.nodes
                if n.op == "placeholder" and n.meta["dspark_input"].kind == "input_ids")
-    tracer = GraphAppendingTracer(gm.graph)
+    mode = detect_fake_mode([ids.meta["val"]])
+    graph, aten = gm.graph, torch.ops.aten
+    with graph.inserting_before(matches[0]):  # the token counts, once for every layer
+        bs = _add(graph, mode, matches[0], aten.sym_size.int, ids, 0)
+        t = _add(graph, mode, matches[0], aten.sym_size.int, ids, 1)
+        rows = _add(graph, mode, matches[0], operator.mul, bs, t)
     for node in matches:
         q, k, v, k_cache, v_cache, block_table, _context_lens, scale = node.args
         _, heads, _, dim = q.meta["val"].shape
         kv_heads = k.meta["val"].shape[1]
-        with gm.graph.inserting_before(node):
-            ids_p = fx.Proxy(ids, tracer)
-            bs, t = ids_p.size(0), ids_p.size(1)
-            rows = bs * t
-            q_r = _rows(fx.Proxy(q, tracer), rows, heads, dim)
-            k_r = _rows(fx.Proxy(k, tracer), rows, kv_heads, dim)
-            v_r = _rows(fx.Proxy(v, tracer), rows, kv_heads, dim)
-            out = gm.graph.call_function(RAGGED.default, (
-                q_r.node, k_r.node, v_r.node, k_cache, v_cache, meta["query_start_loc"],
-                meta["seq_lens"], block_table, meta["slot_mapping"], scale))
-            dense_out = fx.Proxy(out, tracer).view(bs, t, heads, dim)
-        node.replace_all_uses_with(dense_out.node)
-        gm.graph.erase_node(node)
+        with graph.inserting_before(node):
+            def to_rows(x: fx.Node, n_heads: int) -> fx.Node:  # [bs, h, T, D] -> [bs*T, h, D]
+                x_t = _add(graph, mode, node, aten.transpose.int, x, 1, 2)
+                return _add(graph, mode, node, aten.reshape.default, x_t, [rows, n_heads, dim])
+
+            out = _add(graph, mode, node, RAGGED.default, to_rows(q, heads),
+                       to_rows(k, kv_heads), to_rows(v, kv_heads), k_cache, v_cache,
+                       meta["query_start_loc"], meta["seq_lens"], block_table,
+                       meta["slot_mapping"], scale)
+            dense_out = _add(graph, mode, node, aten.view.default, out, [bs, t, heads, dim])
+        node.replace_all_uses_with(dense_out)
+        graph.erase_node(node)
         result.changed += 1
         result.rewrites.append((f"{node.name} -> ragged_attention", source_line(node)))
     ctx_idx = next(i for i, s in enumerate(ctx.inputs) if s.kind == "context_lens")
-    specs = list(ctx.inputs)
+    graph.eliminate_dead_code()  # the dense attention's own inputs (its mask) go with it
     gm.recompile()
-    new_gm = retrace(interpret(gm), placeholder_values(gm), specs)
-    _drop_unused_input(new_gm, ctx, ctx_idx)
-    check_rewritten(new_gm, DENSE, RAGGED, result)
-    return new_gm, result
+    _drop_unused_input(gm, ctx, ctx_idx)
+    check_rewritten(gm, DENSE, RAGGED, result)
+    return gm, result
 
 
 def _drop_unused_input(gm: fx.GraphModule, ctx: PassContext, index: int) -> None:
