@@ -2,10 +2,10 @@
 
 ``token_axis`` proves the dense graph token-wise first; ``flat_mrope`` then checks that mRoPE
 positions only become rotary angles and takes them as flat rows. ``ragged_attention``,
-``ragged_conv`` and ``ragged_linear_attention`` run before ``flatten_tokens``: the ragged ops take flat rows,
-so once they are rewritten the dense graph is still runnable on a uniform layout, and
-``flatten_tokens`` finds only ops that treat rows independently plus ops that are already
-flat-native.
+``ragged_conv`` and ``ragged_linear_attention`` run before ``flatten_tokens``: the ragged ops
+take flat rows, so once they are rewritten the dense graph is still runnable on a uniform
+layout, and ``flatten_tokens`` finds only ops that treat rows independently plus ops that are
+already flat-native.
 """
 
 from __future__ import annotations

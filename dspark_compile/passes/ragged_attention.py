@@ -22,16 +22,13 @@ dense op is caught, and the pass ensures that none is left.
 
 from __future__ import annotations
 
-import operator
-
 import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
-from torch.utils._pytree import tree_map_only
 
 from ..frontend.capture import InputSpec
 from .base import PassContext, PassResult, check_rewritten, is_op, source_line
-from .retrace import copy_module
+from .retrace import add_node, copy_module, finish, reshape_node, same_layout, token_counts
 
 __all__ = ["run"]
 
@@ -62,21 +59,6 @@ def _add_inputs(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.Node]:
     return new
 
 
-_SOURCE_META = ("stack_trace", "nn_module_stack", "source_fn_stack")
-"""Node meta that says which model line made a node (kept on the nodes that replace it)."""
-
-
-def _add(graph: fx.Graph, mode, like: fx.Node, target, *args) -> fx.Node:
-    """A ``target(*args)`` node with its fake value (run on the args' fake values) and
-    ``like``'s source meta: what a re-trace would record, without re-tracing the graph."""
-    packet = getattr(target, "overloadpacket", target)
-    node = graph.create_node("call_function", target, args, name=packet.__name__)
-    with mode:
-        node.meta["val"] = target(*tree_map_only(fx.Node, lambda a: a.meta["val"], args))
-    node.meta.update({k: like.meta[k] for k in _SOURCE_META if k in like.meta})
-    return node
-
-
 def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResult]:
     result = PassResult("ragged_attention", changed=0)
     if not any(is_op(n, DENSE) for n in gm.graph.nodes):
@@ -86,33 +68,31 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     meta = _add_inputs(gm, ctx)
     ids = next(n for n in gm.graph.nodes
                if n.op == "placeholder" and n.meta["dspark_input"].kind == "input_ids")
-    mode = detect_fake_mode([ids.meta["val"]])
     graph, aten = gm.graph, torch.ops.aten
     with graph.inserting_before(matches[0]):  # the token counts, once for every layer
-        bs = _add(graph, mode, matches[0], aten.sym_size.int, ids, 0)
-        t = _add(graph, mode, matches[0], aten.sym_size.int, ids, 1)
-        rows = _add(graph, mode, matches[0], operator.mul, bs, t)
+        bs, t, rows = token_counts(graph, ids, matches[0])
+    exact = True  # every fake value after the replacements so far is current (retrace.py)
     for node in matches:
         q, k, v, k_cache, v_cache, block_table, _context_lens, scale = node.args
         _, heads, _, dim = q.meta["val"].shape
         kv_heads = k.meta["val"].shape[1]
         with graph.inserting_before(node):
             def to_rows(x: fx.Node, n_heads: int) -> fx.Node:  # [bs, h, T, D] -> [bs*T, h, D]
-                x_t = _add(graph, mode, node, aten.transpose.int, x, 1, 2)
-                return _add(graph, mode, node, aten.reshape.default, x_t, [rows, n_heads, dim])
+                x_t = add_node(graph, node, aten.transpose.int, x, 1, 2)
+                return reshape_node(graph, node, x_t, [rows, n_heads, dim], decide=exact)
 
-            out = _add(graph, mode, node, RAGGED.default, to_rows(q, heads),
-                       to_rows(k, kv_heads), to_rows(v, kv_heads), k_cache, v_cache,
-                       meta["query_start_loc"], meta["seq_lens"], block_table,
-                       meta["slot_mapping"], scale)
-            dense_out = _add(graph, mode, node, aten.view.default, out, [bs, t, heads, dim])
+            out = add_node(graph, node, RAGGED.default, to_rows(q, heads),
+                           to_rows(k, kv_heads), to_rows(v, kv_heads), k_cache, v_cache,
+                           meta["query_start_loc"], meta["seq_lens"], block_table,
+                           meta["slot_mapping"], scale)
+            dense_out = add_node(graph, node, aten.view.default, out, [bs, t, heads, dim])
+        exact = exact and same_layout(node.meta["val"], dense_out.meta["val"])
         node.replace_all_uses_with(dense_out)
         graph.erase_node(node)
         result.changed += 1
         result.rewrites.append((f"{node.name} -> ragged_attention", source_line(node)))
     ctx_idx = next(i for i, s in enumerate(ctx.inputs) if s.kind == "context_lens")
-    graph.eliminate_dead_code()  # the dense attention's own inputs (its mask) go with it
-    gm.recompile()
+    gm = finish(gm, exact, ctx.inputs)  # DCE: the dense attention's inputs (its mask) go
     _drop_unused_input(gm, ctx, ctx_idx)
     check_rewritten(gm, DENSE, RAGGED, result)
     return gm, result

@@ -5,7 +5,7 @@ Matches (dense verify graph, every request ``T`` tokens; HF's GDN conv over ``[b
     %o = dspark.dense_causal_conv1d.default(%x, %w, None, %conv_state_0, %slots, 'silu')
         # x [bs, dim, T] -> o [bs, dim, T]
 
-Writes::
+Writes (aten nodes with their fake values, so the graph is not re-traced)::
 
     %x_rows = reshape(transpose(%x, 1, 2), [bs*T, dim])
     %o_rows = dspark.causal_conv1d.default(%x_rows, %w, None, %conv_state_0,
@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import GraphAppendingTracer
 
 from .base import PassContext, PassResult, check_rewritten, is_op, source_line
 from .graph_inputs import RING_SAMPLE_ROWS, add_input, find_input, query_start_loc
-from .retrace import copy_module, interpret, placeholder_values, retrace
+from .retrace import add_node, copy_module, finish, reshape_node, same_layout, token_counts
 
 __all__ = ["run", "layer_index"]
 
@@ -46,24 +45,26 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     gm = copy_module(gm)
     qsl = query_start_loc(gm, ctx)
     ids = find_input(gm, "input_ids")
-    tracer = GraphAppendingTracer(gm.graph)
-    for node in [n for n in gm.graph.nodes if is_op(n, DENSE)]:
+    graph, aten = gm.graph, torch.ops.aten
+    exact = True  # every fake value after the replacements so far is current (retrace.py)
+    for node in [n for n in graph.nodes if is_op(n, DENSE)]:
         x, weight, bias, pool, slots, activation = node.args
         dim = x.meta["val"].shape[1]
         ring = add_input(gm, ctx, "conv_ring", f"conv_ring_{layer_index(pool)}",
                          (RING_SAMPLE_ROWS, dim), x.meta["val"].dtype)
-        with gm.graph.inserting_before(node):
-            ids_p = fx.Proxy(ids, tracer)
-            bs, t = ids_p.size(0), ids_p.size(1)
-            rows = fx.Proxy(x, tracer).transpose(1, 2).reshape(bs * t, dim)
-            out = gm.graph.call_function(RAGGED.default, (
-                rows.node, weight, bias, pool, qsl, slots, ring, activation))
-            dense_out = fx.Proxy(out, tracer).view(bs, t, dim).transpose(1, 2)
-        node.replace_all_uses_with(dense_out.node)
-        gm.graph.erase_node(node)
+        with graph.inserting_before(node):
+            bs, t, n = token_counts(graph, ids, node)
+            x_t = add_node(graph, node, aten.transpose.int, x, 1, 2)
+            rows = reshape_node(graph, node, x_t, [n, dim], decide=exact)
+            out = add_node(graph, node, RAGGED.default, rows, weight, bias, pool, qsl, slots,
+                           ring, activation)
+            out_v = add_node(graph, node, aten.view.default, out, [bs, t, dim])
+            dense_out = add_node(graph, node, aten.transpose.int, out_v, 1, 2)
+        exact = exact and same_layout(node.meta["val"], dense_out.meta["val"])
+        node.replace_all_uses_with(dense_out)
+        graph.erase_node(node)
         result.changed += 1
         result.rewrites.append((f"{node.name} -> causal_conv1d", source_line(node)))
-    gm.recompile()
-    new_gm = retrace(interpret(gm), placeholder_values(gm), list(ctx.inputs))
-    check_rewritten(new_gm, DENSE, RAGGED, result)
-    return new_gm, result
+    gm = finish(gm, exact, ctx.inputs)
+    check_rewritten(gm, DENSE, RAGGED, result)
+    return gm, result

@@ -6,7 +6,7 @@ Matches (dense verify graph, every request ``T`` tokens; HF's GDN recurrence)::
                                                %slots, 0.25, True)
         # q, k [bs, T, Hk, K], v [bs, T, Hv, V], g, beta [bs, T, Hv] -> o [bs, T, Hv, V]
 
-Writes::
+Writes (aten nodes with their fake values, so the graph is not re-traced)::
 
     %q_rows = reshape(%q, [bs*T, Hk, K])          # same for k, v [bs*T, Hv, V], g, beta
     %o_rows = dspark.gated_delta_rule.default(%q_rows, %k_rows, %v_rows, %g_rows, %beta_rows,
@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import torch
 import torch.fx as fx
-from torch.fx.proxy import GraphAppendingTracer
 
 from .base import PassContext, PassResult, check_rewritten, is_op, source_line
 from .graph_inputs import RING_SAMPLE_ROWS, add_input, find_input, query_start_loc
 from .ragged_conv import layer_index
-from .retrace import copy_module, interpret, placeholder_values, retrace
+from .retrace import add_node, copy_module, finish, reshape_node, same_layout, token_counts
 
 __all__ = ["run"]
 
@@ -57,24 +56,24 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     gm = copy_module(gm)
     qsl = query_start_loc(gm, ctx)
     ids = find_input(gm, "input_ids")
-    tracer = GraphAppendingTracer(gm.graph)
-    for node in [n for n in gm.graph.nodes if is_op(n, DENSE)]:
+    graph, aten = gm.graph, torch.ops.aten
+    exact = True  # every fake value after the replacements so far is current (retrace.py)
+    for node in [n for n in graph.nodes if is_op(n, DENSE)]:
         q, k, v, g, beta, pool, slots, scale, use_l2 = node.args
         rings = _rings(gm, ctx, k, v, pool)
-        with gm.graph.inserting_before(node):
-            ids_p = fx.Proxy(ids, tracer)
-            n = ids_p.size(0) * ids_p.size(1)
-            rows = [fx.Proxy(a, tracer).reshape(n, *a.meta["val"].shape[2:]).node
+        with graph.inserting_before(node):
+            bs, t, n = token_counts(graph, ids, node)
+            rows = [reshape_node(graph, node, a, [n, *a.meta["val"].shape[2:]], decide=exact)
                     for a in (q, k, v, g, beta)]
-            out = gm.graph.call_function(RAGGED.default, (
-                *rows, pool, qsl, slots, *rings, scale, use_l2))
-            dense_out = fx.Proxy(out, tracer).view(ids_p.size(0), ids_p.size(1),
-                                                   *v.meta["val"].shape[2:])
-        node.replace_all_uses_with(dense_out.node)
-        gm.graph.erase_node(node)
+            out = add_node(graph, node, RAGGED.default, *rows, pool, qsl, slots, *rings, scale,
+                           use_l2)
+            dense_out = add_node(graph, node, aten.view.default, out,
+                                 [bs, t, *v.meta["val"].shape[2:]])
+        exact = exact and same_layout(node.meta["val"], dense_out.meta["val"])
+        node.replace_all_uses_with(dense_out)
+        graph.erase_node(node)
         result.changed += 1
         result.rewrites.append((f"{node.name} -> gated_delta_rule", source_line(node)))
-    gm.recompile()
-    new_gm = retrace(interpret(gm), placeholder_values(gm), list(ctx.inputs))
-    check_rewritten(new_gm, DENSE, RAGGED, result)
-    return new_gm, result
+    gm = finish(gm, exact, ctx.inputs)
+    check_rewritten(gm, DENSE, RAGGED, result)
+    return gm, result
