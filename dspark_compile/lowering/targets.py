@@ -14,7 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["TargetConfig", "TARGETS", "INTERPRETER_TARGET", "target_for_device", "gpu_target"]
+__all__ = ["TargetConfig", "TARGETS", "SKINNY_MAX_ROWS", "INTERPRETER_TARGET",
+           "target_for_device", "gpu_target"]
+
+
+SKINNY_MAX_ROWS = 64
+"""Rows of the skinny kernel's largest row tile: ``TargetConfig.skinny_max_m`` may not pass it.
+Row tiles past it were built and measured (commit 132b9d1, ``skinny_mid_sweep.json``): at 192
+rows every fused launch lost to the input launch + ``torch.mm``."""
 
 
 @dataclass(frozen=True)
@@ -93,8 +100,8 @@ class TargetConfig:
     # not re-timed.
     skinny_max_m: int = 32
     """Most rows (packed tokens) ``dspark::skinny_linear`` gives its skinny Triton kernel; more
-    take the input launch and ``torch.mm`` (``lowering/triton_skinny.py``). At most 64, the
-    kernel's largest row tile (``triton_skinny.MAX_ROWS``)."""
+    take the input launch and ``torch.mm`` (``lowering/triton_skinny.py``). At most
+    :data:`SKINNY_MAX_ROWS` (refused at construction)."""
     skinny_block_n: int = 64
     """Weight rows (output columns) per program of the skinny kernel."""
     skinny_block_k: int = 128
@@ -142,6 +149,12 @@ class TargetConfig:
     reads its request bounds, block-table row and first K/V tile before its PDL wait. H200,
     whole step (``verify_step.py --quick`` against ``--target attn_early_reads=false``, one
     session): bs 1 0.9973 against 1.0267 ms, bs 8 1.1342 against 1.1511."""
+
+    def __post_init__(self) -> None:
+        if self.skinny_max_m > SKINNY_MAX_ROWS:
+            raise ValueError(f"TargetConfig.skinny_max_m={self.skinny_max_m}; the skinny "
+                             f"kernel's largest row tile holds {SKINNY_MAX_ROWS} rows, so it "
+                             f"must be at most {SKINNY_MAX_ROWS}")
 
 
 # H200 (sm_90), bf16, 16/8 heads, head 128, page 16, context 1024, verify width 8, CUDA-graph

@@ -420,11 +420,6 @@ def _descriptor(w: torch.Tensor, block_n: int, block_k: int):
     return TensorDescriptor(w, list(w.shape), list(w.stride()), [block_n, block_k])
 
 
-MAX_ROWS = 64
-"""Rows of the kernel's largest row tile: ``TargetConfig.skinny_max_m`` may not pass it. Row
-tiles past it were built and measured (commit 132b9d1, ``skinny_mid_sweep.json``): at 192 rows
-every fused launch lost to the input launch + ``torch.mm``."""
-
 _NO_COUNTERS = "skinny_linear_triton: {why}; this launch leaves K whole (no split)"
 
 
@@ -515,9 +510,6 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     rot_d = _check_rot(x, w, cos, sin, rot_cols, glu_out)
     cfg, sm_count = _device_target(x.device)
     cfg = config or cfg
-    if cfg.skinny_max_m > MAX_ROWS:
-        _fail(f"TargetConfig.skinny_max_m={cfg.skinny_max_m}; the kernel's largest row tile "
-              f"holds {MAX_ROWS} rows, so it must be at most {MAX_ROWS}")
     pdl = use_pdl(x.device, cfg)
     m = x.shape[0]
     n, k = w.shape
