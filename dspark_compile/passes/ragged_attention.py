@@ -28,7 +28,7 @@ from torch._guards import detect_fake_mode
 
 from ..frontend.capture import InputSpec
 from .base import PassContext, PassResult, check_rewritten, is_op, source_line
-from .retrace import add_node, copy_module, finish, reshape_node, same_layout, token_counts
+from .retrace import add_node, copy_module, finish, replace, reshape_node, token_counts
 
 __all__ = ["run"]
 
@@ -86,9 +86,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
                            meta["query_start_loc"], meta["seq_lens"], block_table,
                            meta["slot_mapping"], scale)
             dense_out = add_node(graph, node, aten.view.default, out, [bs, t, heads, dim])
-        exact = exact and same_layout(node.meta["val"], dense_out.meta["val"])
-        node.replace_all_uses_with(dense_out)
-        graph.erase_node(node)
+        exact = replace(node, dense_out, exact)
         result.changed += 1
         result.rewrites.append((f"{node.name} -> ragged_attention", source_line(node)))
     ctx_idx = next(i for i, s in enumerate(ctx.inputs) if s.kind == "context_lens")

@@ -25,7 +25,7 @@ import torch.fx as fx
 
 from .base import PassContext, PassResult, check_rewritten, is_op, source_line
 from .graph_inputs import RING_SAMPLE_ROWS, add_input, find_input, query_start_loc
-from .retrace import add_node, copy_module, finish, reshape_node, same_layout, token_counts
+from .retrace import add_node, copy_module, finish, replace, reshape_node, token_counts
 
 __all__ = ["run", "layer_index"]
 
@@ -46,23 +46,23 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     qsl = query_start_loc(gm, ctx)
     ids = find_input(gm, "input_ids")
     graph, aten = gm.graph, torch.ops.aten
+    matches = [n for n in graph.nodes if is_op(n, DENSE)]
+    with graph.inserting_before(matches[0]):  # the token counts, once for every layer
+        bs, t, n = token_counts(graph, ids, matches[0])
     exact = True  # every fake value after the replacements so far is current (retrace.py)
-    for node in [n for n in graph.nodes if is_op(n, DENSE)]:
+    for node in matches:
         x, weight, bias, pool, slots, activation = node.args
         dim = x.meta["val"].shape[1]
         ring = add_input(gm, ctx, "conv_ring", f"conv_ring_{layer_index(pool)}",
                          (RING_SAMPLE_ROWS, dim), x.meta["val"].dtype)
         with graph.inserting_before(node):
-            bs, t, n = token_counts(graph, ids, node)
             x_t = add_node(graph, node, aten.transpose.int, x, 1, 2)
             rows = reshape_node(graph, node, x_t, [n, dim], decide=exact)
             out = add_node(graph, node, RAGGED.default, rows, weight, bias, pool, qsl, slots,
                            ring, activation)
             out_v = add_node(graph, node, aten.view.default, out, [bs, t, dim])
             dense_out = add_node(graph, node, aten.transpose.int, out_v, 1, 2)
-        exact = exact and same_layout(node.meta["val"], dense_out.meta["val"])
-        node.replace_all_uses_with(dense_out)
-        graph.erase_node(node)
+        exact = replace(node, dense_out, exact)
         result.changed += 1
         result.rewrites.append((f"{node.name} -> causal_conv1d", source_line(node)))
     gm = finish(gm, exact, ctx.inputs)

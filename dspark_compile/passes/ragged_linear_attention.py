@@ -28,7 +28,7 @@ import torch.fx as fx
 from .base import PassContext, PassResult, check_rewritten, is_op, source_line
 from .graph_inputs import RING_SAMPLE_ROWS, add_input, find_input, query_start_loc
 from .ragged_conv import layer_index
-from .retrace import add_node, copy_module, finish, reshape_node, same_layout, token_counts
+from .retrace import add_node, copy_module, finish, replace, reshape_node, token_counts
 
 __all__ = ["run"]
 
@@ -57,21 +57,21 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     qsl = query_start_loc(gm, ctx)
     ids = find_input(gm, "input_ids")
     graph, aten = gm.graph, torch.ops.aten
+    matches = [n for n in graph.nodes if is_op(n, DENSE)]
+    with graph.inserting_before(matches[0]):  # the token counts, once for every layer
+        bs, t, n = token_counts(graph, ids, matches[0])
     exact = True  # every fake value after the replacements so far is current (retrace.py)
-    for node in [n for n in graph.nodes if is_op(n, DENSE)]:
+    for node in matches:
         q, k, v, g, beta, pool, slots, scale, use_l2 = node.args
         rings = _rings(gm, ctx, k, v, pool)
         with graph.inserting_before(node):
-            bs, t, n = token_counts(graph, ids, node)
             rows = [reshape_node(graph, node, a, [n, *a.meta["val"].shape[2:]], decide=exact)
                     for a in (q, k, v, g, beta)]
             out = add_node(graph, node, RAGGED.default, *rows, pool, qsl, slots, *rings, scale,
                            use_l2)
             dense_out = add_node(graph, node, aten.view.default, out,
                                  [bs, t, *v.meta["val"].shape[2:]])
-        exact = exact and same_layout(node.meta["val"], dense_out.meta["val"])
-        node.replace_all_uses_with(dense_out)
-        graph.erase_node(node)
+        exact = replace(node, dense_out, exact)
         result.changed += 1
         result.rewrites.append((f"{node.name} -> gated_delta_rule", source_line(node)))
     gm = finish(gm, exact, ctx.inputs)

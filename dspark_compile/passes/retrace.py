@@ -27,7 +27,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_map_only
 
 __all__ = ["retrace", "interpret", "placeholder_values", "name_placeholders", "copy_module",
-           "add_node", "reshape_node", "same_layout", "token_counts", "finish"]
+           "add_node", "reshape_node", "same_layout", "token_counts", "replace", "finish"]
 
 
 def placeholder_values(gm: fx.GraphModule) -> list:
@@ -126,6 +126,15 @@ def token_counts(graph: fx.Graph, ids: fx.Node, like: fx.Node) -> tuple[fx.Node,
     bs = add_node(graph, like, aten.sym_size.int, ids, 0)
     t = add_node(graph, like, aten.sym_size.int, ids, 1)
     return bs, t, add_node(graph, like, operator.mul, bs, t)
+
+
+def replace(node: fx.Node, new: fx.Node, exact: bool) -> bool:
+    """``node``'s uses moved to ``new`` and ``node`` erased; returns whether every fake value
+    is still current (``exact`` so far, and ``new`` has ``node``'s layout: ``same_layout``)."""
+    exact = exact and same_layout(node.meta["val"], new.meta["val"])
+    node.replace_all_uses_with(new)
+    node.graph.erase_node(node)
+    return exact
 
 
 def finish(gm: fx.GraphModule, exact: bool, specs: Sequence) -> fx.GraphModule:
