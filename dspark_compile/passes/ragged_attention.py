@@ -28,7 +28,7 @@ from torch._guards import detect_fake_mode
 
 from ..frontend.capture import InputSpec
 from .base import PassContext, PassResult, check_rewritten, is_op, source_line
-from .retrace import add_node, copy_module, finish, replace, reshape_node, token_counts
+from .retrace import add_node, finish, replace, reshape_node, start_rewrite
 
 __all__ = ["run"]
 
@@ -63,14 +63,10 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     result = PassResult("ragged_attention", changed=0)
     if not any(is_op(n, DENSE) for n in gm.graph.nodes):
         return gm, result
-    gm = copy_module(gm)  # the dense graph stays intact for Verifier.run_dense
-    matches = [n for n in gm.graph.nodes if is_op(n, DENSE)]
+    # a copy: the dense graph stays intact for Verifier.run_dense
+    gm, matches, (bs, t, rows) = start_rewrite(gm, DENSE)
     meta = _add_inputs(gm, ctx)
-    ids = next(n for n in gm.graph.nodes
-               if n.op == "placeholder" and n.meta["dspark_input"].kind == "input_ids")
     graph, aten = gm.graph, torch.ops.aten
-    with graph.inserting_before(matches[0]):  # the token counts, once for every layer
-        bs, t, rows = token_counts(graph, ids, matches[0])
     exact = True  # every fake value after the replacements so far is current (retrace.py)
     for node in matches:
         q, k, v, k_cache, v_cache, block_table, _context_lens, scale = node.args

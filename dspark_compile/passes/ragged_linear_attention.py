@@ -26,9 +26,9 @@ import torch
 import torch.fx as fx
 
 from .base import PassContext, PassResult, check_rewritten, is_op, source_line
-from .graph_inputs import RING_SAMPLE_ROWS, add_input, find_input, query_start_loc
+from .graph_inputs import RING_SAMPLE_ROWS, add_input, query_start_loc
 from .ragged_conv import layer_index
-from .retrace import add_node, copy_module, finish, replace, reshape_node, token_counts
+from .retrace import add_node, finish, replace, reshape_node, start_rewrite
 
 __all__ = ["run"]
 
@@ -53,13 +53,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     result = PassResult("ragged_linear_attention", changed=0)
     if not any(is_op(n, DENSE) for n in gm.graph.nodes):
         return gm, result
-    gm = copy_module(gm)
+    gm, matches, (bs, t, n) = start_rewrite(gm, DENSE)
     qsl = query_start_loc(gm, ctx)
-    ids = find_input(gm, "input_ids")
     graph, aten = gm.graph, torch.ops.aten
-    matches = [n for n in graph.nodes if is_op(n, DENSE)]
-    with graph.inserting_before(matches[0]):  # the token counts, once for every layer
-        bs, t, n = token_counts(graph, ids, matches[0])
     exact = True  # every fake value after the replacements so far is current (retrace.py)
     for node in matches:
         q, k, v, g, beta, pool, slots, scale, use_l2 = node.args

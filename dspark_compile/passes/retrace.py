@@ -26,8 +26,10 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_map_only
 
+from .base import is_op
+
 __all__ = ["retrace", "interpret", "placeholder_values", "name_placeholders", "copy_module",
-           "add_node", "reshape_node", "same_layout", "token_counts", "replace", "finish"]
+           "add_node", "reshape_node", "same_layout", "start_rewrite", "replace", "finish"]
 
 
 def placeholder_values(gm: fx.GraphModule) -> list:
@@ -119,13 +121,21 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                       (*b.shape, *b.stride())))
 
 
-def token_counts(graph: fx.Graph, ids: fx.Node, like: fx.Node) -> tuple[fx.Node, fx.Node,
-                                                                        fx.Node]:
-    """``(bs, T, bs*T)`` nodes read off ``input_ids [bs, T]``, at the graph's insert point."""
-    aten = torch.ops.aten
-    bs = add_node(graph, like, aten.sym_size.int, ids, 0)
-    t = add_node(graph, like, aten.sym_size.int, ids, 1)
-    return bs, t, add_node(graph, like, operator.mul, bs, t)
+def start_rewrite(gm: fx.GraphModule, dense) -> tuple[fx.GraphModule, list[fx.Node],
+                                                     tuple[fx.Node, fx.Node, fx.Node]]:
+    """``(copy of gm, its calls of the op packet dense, (bs, T, bs*T) nodes)``: a rewriting
+    pass edits the copy (the graph it was given stays intact); the token counts, read off
+    ``input_ids [bs, T]``, sit once before the first call, for every replacement to use."""
+    gm = copy_module(gm)
+    matches = [n for n in gm.graph.nodes if is_op(n, dense)]
+    ids = next(n for n in gm.graph.nodes
+               if n.op == "placeholder" and n.meta["dspark_input"].kind == "input_ids")
+    like, aten = matches[0], torch.ops.aten
+    with gm.graph.inserting_before(like):
+        bs = add_node(gm.graph, like, aten.sym_size.int, ids, 0)
+        t = add_node(gm.graph, like, aten.sym_size.int, ids, 1)
+        rows = add_node(gm.graph, like, operator.mul, bs, t)
+    return gm, matches, (bs, t, rows)
 
 
 def replace(node: fx.Node, new: fx.Node, exact: bool) -> bool:
