@@ -12,7 +12,7 @@
 # tests_skinny, tests_pdl, tests_meta,
 # tests_step, profile_mid, mid_gemm, mid_tunable, v864, v64_256, v8, v8_split16,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
-# compile_cold, compile_warm,
+# compile_cold, compile_cold_noahead, compile_warm, tests_ahead, jit_parallel,
 # hybrid_kernels, hybrid_step, rotary,
 # runtime_device, profile_sps, linear, e2e_quick, e2e, e2e_grouped, e2e_off, e2e_replay,
 # e2e_rotary. Each
@@ -97,11 +97,19 @@ job() {
       rm -rf /tmp/dspark_cold_cache
       TORCHINDUCTOR_CACHE_DIR=/tmp/dspark_cold_cache/inductor \
         TRITON_CACHE_DIR=/tmp/dspark_cold_cache/triton \
-        python3 benchmarks/compile_time.py --label cold ;;
+        python3 benchmarks/compile_time.py --label cold --trace-jit ;;
+    compile_cold_noahead)  # the same, each kernel compiled when a capture first launches it
+      rm -rf /tmp/dspark_cold_cache2
+      TORCHINDUCTOR_CACHE_DIR=/tmp/dspark_cold_cache2/inductor \
+        TRITON_CACHE_DIR=/tmp/dspark_cold_cache2/triton \
+        python3 benchmarks/compile_time.py --label cold_noahead --no-ahead --trace-jit ;;
+    tests_ahead) python3 -m pytest -q -m gpu tests/test_gpu.py tests/test_launch.py \
+        -k "compile_ahead or bitwise or hybrid_commit" -p no:cacheprovider ;;
     compile_warm)  # the caches compile_cold filled: a second process on the same machine
       TORCHINDUCTOR_CACHE_DIR=/tmp/dspark_cold_cache/inductor \
         TRITON_CACHE_DIR=/tmp/dspark_cold_cache/triton \
         python3 benchmarks/compile_time.py --label warm ;;
+    jit_parallel) python3 benchmarks/jit_parallel.py ;;
     attention_small) python3 benchmarks/attention_kernel.py --small-sweep ;;
     tests_attention) python3 -m pytest -q tests/test_triton_attention.py -p no:cacheprovider ;;
     e2e_quick) python3 benchmarks/e2e.py --quick ;;
