@@ -277,15 +277,18 @@ class Verifier:
 
     def capture(self, state: VerifierState, tiers: tuple[Tier, ...] | None = None,
                 block: int | None = None, progress: bool = True, use_graphs: bool | None = None,
-                debug: bool = False, commit_graphs: bool = True) -> list[TierReport]:
+                debug: bool = False, commit_graphs: bool = True,
+                compile_ahead: bool = True) -> list[TierReport]:
         """Capture the packed forward per token tier for ``state``; later calls on ``state``
         replay the smallest tier that holds the batch.
 
         ``tiers`` defaults to ``tier_set(state.max_requests, block)``. Without a GPU (or with
         ``use_graphs=False``) nothing is captured but calls still go through the static,
         padded buffers. Models with linear-attention layers also capture their commit, one graph
-        per request-slot count (``commit_graphs=False``: commits run eagerly). Returns the time
-        and pool memory each tier took (empty if not captured).
+        per request-slot count (``commit_graphs=False``: commits run eagerly). The Triton
+        kernels of every tier compile side by side before the first capture
+        (``compile_ahead=False``: each compiles when a capture first launches it). Returns the
+        time and pool memory each tier took (empty if not captured).
         """
         self._check_weights_bound()
         block = block or self.config.block
@@ -299,7 +302,7 @@ class Verifier:
                 ids, qsl, ctx, slots, state, deltas if mrope else None),
             tiers, int(vocab), self.dtype, state.block_table.device, use_graphs, debug, commit)
         state.graphs = graphs
-        return graphs.capture(progress) if graphs.use_graphs else []
+        return graphs.capture(progress, compile_ahead) if graphs.use_graphs else []
 
     def _arguments(self, specs, values: dict, state: VerifierState) -> list:
         """Graph arguments in placeholder order: weights, pools, then ``values`` by kind."""

@@ -123,6 +123,56 @@ def test_capture_whole_tier_set_ten_times(plain_gpu):
     torch.cuda.synchronize()
 
 
+def _our_jit_functions():
+    """Every Triton JITFunction defined in the lowering's modules."""
+    import sys
+
+    from triton.runtime.jit import JITFunction
+
+    return [v for name, mod in list(sys.modules.items())
+            if name.startswith("dspark_compile.lowering.") for v in vars(mod).values()
+            if isinstance(v, JITFunction)]
+
+
+def test_compile_ahead_compiles_every_tier_kernel_and_touches_no_state(monkeypatch):
+    """Qwen3.5-like hybrid (attention, conv, gated delta rule, commits): after the
+    compile-ahead pass, the captures compile nothing; the pass wrote no KV or linear state."""
+    from triton.runtime.jit import JITFunction
+
+    from dspark_compile.lowering import launch
+    from helpers import tiny_qwen35
+
+    model = tiny_qwen35(vocab=101).cuda()
+    verifier = dspark_compile(model, lowering="triton")
+    state = verifier.new_state(max_requests=8, max_context=96)
+    layout = VerifyLayout.pack([3, 5], [0, 0], [1, 4])
+    verifier(torch.randint(0, 100, (8,), device="cuda"), layout, state)  # imports, Inductor
+    for fn in _our_jit_functions():
+        fn.device_caches.clear()  # as in a new process (the disk cache still answers)
+    compiles = []
+    inner = JITFunction._do_compile
+
+    def counted(self, *args, **kwargs):
+        compiles.append((self.fn.__name__, launch.warming()))
+        return inner(self, *args, **kwargs)
+
+    monkeypatch.setattr(JITFunction, "_do_compile", counted)
+    torch.manual_seed(0)
+    pools = [t for kv in state.kv_caches for t in kv] + list(state.linear.conv_states) + \
+        list(state.linear.recurrent_states)
+    for t in pools:
+        t.normal_()
+    before = [t.clone() for t in pools]
+    verifier.capture(state, block=8, progress=False)
+    assert state.graphs.ahead_seconds > 0
+    ahead = {name for name, warm in compiles if warm}
+    assert {"_metadata_kernel", "_ragged_attention_kernel", "_causal_conv1d_kernel",
+            "_gdn_forward_kernel", "_gdn_commit_kernel", "_conv_commit_kernel"} <= ahead
+    assert [name for name, warm in compiles if not warm] == []
+    for a, b in zip(before, pools):
+        assert torch.equal(a, b)
+
+
 def test_hybrid_commit_graphs_match_eager_commit():
     """Qwen3.5-like hybrid on the GPU: tier graphs for the forward and one commit graph per
     request-slot count, against the same steps without graphs (slot 0 is both a real request

@@ -87,6 +87,8 @@ class TierGraphs:
         self._addresses = self._buffer_addresses()
         self._warned_eager = False
         self._tier_of: dict[tuple[int, int], Tier | None] = {}
+        self.ahead_seconds = 0.0
+        """Seconds the last capture spent compiling kernels ahead (``capture``)."""
 
     def _buffer_addresses(self) -> tuple[int, ...]:
         return (self.ids.data_ptr(), self.meta.data_ptr(), self.logits.data_ptr())
@@ -145,8 +147,14 @@ class TierGraphs:
         self.ids.zero_()
 
     # ------------------------------------------------------------------ capture
-    def capture(self, progress: bool = True) -> list[TierReport]:
+    def capture(self, progress: bool = True, compile_ahead: bool = True) -> list[TierReport]:
         """Capture every tier (largest first) into one pool; returns the cost of each.
+
+        ``compile_ahead``: first run every tier's forward (and commit) once with the Triton
+        launches turned into compiles on a thread pool (``lowering/launch.py``), so that the
+        kernels a tier set needs compile side by side instead of one after another during the
+        captures; ``ahead_seconds`` keeps what that took. Without Triton's AsyncCompileMode it
+        is skipped, with a log line.
 
         The allocator cache is emptied once, before the first tier, not per tier as
         ``torch.cuda.graph`` does: per-tier emptying makes later tiers re-reserve memory and
@@ -155,8 +163,10 @@ class TierGraphs:
         """
         if not self.use_graphs:
             raise RuntimeError("TierGraphs.capture: CUDA graphs need a CUDA or ROCm device")
-        pool, reports = torch.cuda.graph_pool_handle(), []
         order = sorted(self.tiers, reverse=True)
+        if compile_ahead:
+            self._compile_ahead(order)
+        pool, reports = torch.cuda.graph_pool_handle(), []
         stream = torch.cuda.Stream(self.device)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
@@ -180,6 +190,27 @@ class TierGraphs:
         if progress:
             _progress(len(order), len(order), None)
         return reports
+
+    def _compile_ahead(self, order: list[Tier]) -> None:
+        """Run every tier's forward and every commit once inside ``launch.compile_ahead``:
+        the Triton kernels they launch compile on a thread pool and nothing of ours runs
+        (no KV or state is written; all rows are padding anyway)."""
+        from ..lowering import launch
+
+        if not launch.can_compile_ahead():
+            log.warning("dspark_compile: this Triton has no AsyncCompileMode; the tier "
+                        "captures compile their kernels one after another")
+            return
+        start = time.perf_counter()
+        with launch.compile_ahead():
+            self._fill_empty()
+            for tier in order:
+                self.forward(*self.views(tier))
+            if self.commit_fn is not None:
+                for slots in self.commit_slots:
+                    self.commit_fn(*self.commit_views(slots))
+        torch.cuda.synchronize(self.device)
+        self.ahead_seconds = time.perf_counter() - start
 
     def _capture_one(self, stream: torch.cuda.Stream, pool, fn: Callable) -> torch.cuda.CUDAGraph:
         """``fn`` run once on ``stream`` (compiles, allocator warm-up), then captured into

@@ -62,6 +62,7 @@ from typing import Optional
 import torch
 
 from . import linear_reference as ref
+from .launch import zeros_when_warming
 
 __all__ = ["causal_conv1d", "causal_conv1d_commit", "gated_delta_rule",
            "gated_delta_rule_commit", "conv_ring", "gdn_ring", "LINEAR_RAGGED_OPS",
@@ -158,7 +159,8 @@ def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[t
     """``dspark::causal_conv1d`` lowered to Triton."""
     from .triton_conv import causal_conv1d_triton as kernel
 
-    return kernel(x, weight, bias, conv_state, query_start_loc, slots, ring, activation)
+    return zeros_when_warming(kernel(x, weight, bias, conv_state, query_start_loc, slots, ring,
+                                     activation))
 
 
 @causal_conv1d_triton.register_fake
@@ -194,8 +196,8 @@ def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """``dspark::gated_delta_rule`` lowered to Triton."""
     from .triton_gdn import gated_delta_rule_triton as kernel
 
-    return kernel(q, k, v, g, beta, recurrent_state, query_start_loc, slots, ring_k, ring_v,
-                  ring_g, ring_beta, scale, use_qk_l2norm)
+    return zeros_when_warming(kernel(q, k, v, g, beta, recurrent_state, query_start_loc, slots,
+                                     ring_k, ring_v, ring_g, ring_beta, scale, use_qk_l2norm))
 
 
 @gated_delta_rule_triton.register_fake

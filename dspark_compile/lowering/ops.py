@@ -13,6 +13,7 @@ from typing import Optional
 import torch
 
 from . import linear_dense, linear_ops, reference
+from .launch import zeros_when_warming
 
 __all__ = ["ragged_attention", "dense_cached_attention", "RAGGED_OPS", "DENSE_OPS"]
 
@@ -71,8 +72,9 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     from .triton_attention import ragged_attention_triton as kernel  # needs a GPU driver
 
-    return kernel(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                  slot_mapping, scale, max_query_len=max_query_len, early_reads=early_reads)
+    return zeros_when_warming(kernel(
+        q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
+        max_query_len=max_query_len, early_reads=early_reads))
 
 
 @ragged_attention_triton.register_fake
@@ -98,7 +100,7 @@ def linear_group_triton(x: torch.Tensor, weights: list[torch.Tensor]) -> list[to
     """``dspark::linear_group`` lowered to Triton (one launch per group at small M)."""
     from .triton_linear import linear_group_triton as kernel  # needs a GPU driver
 
-    return kernel(x, weights)
+    return zeros_when_warming(kernel(x, weights))
 
 
 @linear_group_triton.register_fake
@@ -132,7 +134,7 @@ def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
     """``dspark::rotary_apply`` lowered to Triton (q and k in one launch)."""
     from .triton_rotary import rotary_apply_triton as kernel  # needs a GPU driver
 
-    return kernel(x, y, cos, sin)
+    return zeros_when_warming(kernel(x, y, cos, sin))
 
 
 @rotary_apply_triton.register_fake
@@ -200,8 +202,8 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.
     first tile may be read before the PDL wait."""
     from .triton_skinny import skinny_linear_triton as kernel  # needs a GPU driver
 
-    return kernel(x, w, bias, gamma, eps, glu, residual, glu_out, cos=cos, sin=sin,
-                  rot_cols=rot_cols, weight_settled=weight_settled)
+    return zeros_when_warming(kernel(x, w, bias, gamma, eps, glu, residual, glu_out, cos=cos,
+                                     sin=sin, rot_cols=rot_cols, weight_settled=weight_settled))
 
 
 def _skinny_triton_fake(x, w, bias, gamma, eps, glu, residual, glu_out, cos=None, sin=None,

@@ -32,6 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .targets import TargetConfig, target_for_device
 
@@ -659,7 +660,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     # maxnreg: NVIDIA only (the HIP backend rejects the option)
     regs = ({"maxnreg": plan.max_registers} if plan.max_registers is not None
             and cfg.backend == "cuda" and q.device.type == "cuda" else {})
-    _ragged_attention_kernel[plan.grid](
+    launch(_ragged_attention_kernel, plan.grid,
         out, part_acc, part_ml, out if counters is None else counters, q, k, v, k_cache,
         v_cache, query_start_loc, seq_lens,
         block_table, slot_mapping, scale * _LOG2E, n, r, plan.num_splits, q.stride(0),
@@ -674,7 +675,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         PDL=pdl,
         num_warps=plan.num_warps, num_stages=cfg.attn_num_stages, **regs, **pdl_options(pdl))
     if split and counters is None:
-        _split_reduce_kernel[(n,)](
+        launch(_split_reduce_kernel, (n,),
             out, part_acc, part_ml, query_start_loc, n, r, plan.num_splits, out.stride(0),
             out.stride(1), NUM_HEADS=h, HEADS_PAD=triton.next_power_of_2(h), HEAD_DIM=d,
             HEAD_DIM_PAD=d_pad, MAX_SPLITS=max_splits, PDL=pdl, num_warps=cfg.reduce_num_warps,

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .linear_reference import check_conv, check_conv_commit
 from .targets import target_for_device
 
@@ -235,7 +236,7 @@ def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         return out
     plan = plan or plan_conv(n, dim, r, width, device_sm_count(x.device))
     grid = (n // plan.block_t + r + 1, triton.cdiv(dim, plan.block_d))
-    _causal_conv1d_kernel[grid](
+    launch(_causal_conv1d_kernel, grid,
         out, x, weight, bias if bias is not None else weight, conv_state, query_start_loc,
         slots, ring, n, r, conv_state.shape[0], dim, x.stride(0), out.stride(0),
         ring.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
@@ -258,7 +259,7 @@ def causal_conv1d_commit_triton(conv_state: torch.Tensor, ring: torch.Tensor,
         return
     plan = plan or plan_conv(ring.shape[0], dim, r, keep + 1, device_sm_count(ring.device))
     grid = (r, triton.cdiv(dim, plan.commit_block_d))
-    _conv_commit_kernel[grid](
+    launch(_conv_commit_kernel, grid,
         conv_state, ring, query_start_loc, slots, accept_lens, num_slots, dim, ring.stride(0),
         conv_state.stride(0), conv_state.stride(1), conv_state.stride(2), KEEP=keep,
         KEEP_PAD=triton.next_power_of_2(keep), BLOCK_D=plan.commit_block_d,

@@ -39,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .linear_reference import check_gdn, check_gdn_commit
 from .triton_conv import device_sm_count
 
@@ -236,7 +237,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
         return out
     plan = plan or plan_gdn(r, hv, kd, vd, device_sm_count(q.device))
     st = recurrent_state
-    _gdn_forward_kernel[(r + 1, hv * plan.num_vb)](
+    launch(_gdn_forward_kernel, (r + 1, hv * plan.num_vb),
         out, q, k, v, g, beta, st, query_start_loc, slots, ring_k, ring_v, ring_g, ring_beta,
         float(scale), n, r, st.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
@@ -259,7 +260,7 @@ def gated_delta_rule_commit_triton(recurrent_state, ring_k, ring_v, ring_g, ring
     if r == 0 or vd == 0:
         return
     plan = plan or plan_gdn(r, hv, kd, vd, device_sm_count(st.device))
-    _gdn_commit_kernel[(r, hv * plan.num_vb)](
+    launch(_gdn_commit_kernel, (r, hv * plan.num_vb),
         st, ring_k, ring_v, ring_g, ring_beta, query_start_loc, slots, accept_lens,
         st.shape[0], st.stride(0), st.stride(1), st.stride(2), HK=ring_k.shape[1], HV=hv,
         KD=kd, VD=vd, K_PAD=plan.k_pad, BLOCK_V=plan.block_v, NUM_VB=plan.num_vb,

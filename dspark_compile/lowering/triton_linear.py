@@ -29,6 +29,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .targets import TargetConfig
 from .triton_attention import _device_target
 
@@ -204,13 +205,13 @@ def linear_group_triton(x: torch.Tensor, weights: list[torch.Tensor],
     n_total = sum(ns)
     split = plan.split_k > 1
     part = x.new_empty((plan.split_k, m, n_total), dtype=torch.float32) if split else outs[0]
-    _linear_group_kernel[plan.grid](
+    launch(_linear_group_kernel, plan.grid,
         x, *ws, *os_, part, m, k, *ns3, t0, t1, col1, col2, n_total, x.stride(0), plan.split_k,
         plan.k_per_split, BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
         SPLIT=split, EVEN_K=k % plan.k_per_split == 0,
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     if split:
-        _linear_reduce_kernel[(m, sum(plan.tiles))](
+        launch(_linear_reduce_kernel, (m, sum(plan.tiles)),
             part, *os_, m, *ns3, t0, t1, col1, col2, n_total, plan.split_k,
             BLOCK_N=plan.block_n, num_warps=4)
     return outs

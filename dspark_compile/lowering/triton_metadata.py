@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch, zeros_when_warming
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .triton_attention import _device_target
 
@@ -127,13 +128,14 @@ def device_metadata_triton(query_start_loc: torch.Tensor, context_lens: torch.Te
     mpos = torch.empty(num_tokens, dtype=torch.int64, device=dev) if mrope else positions
     row_programs = triton.cdiv(num_tokens, BLOCK_ROWS)
     pdl = use_pdl(dev, _device_target(dev)[0])
-    _metadata_kernel[(row_programs + triton.cdiv(r, BLOCK_REQS),)](
+    launch(_metadata_kernel, (row_programs + triton.cdiv(r, BLOCK_REQS),),
         query_start_loc, context_lens, slots, pool_table,
         mrope_deltas if mrope else context_lens, positions, slot_mapping, mpos, seq_lens, table,
         num_tokens, r, pages, pool_table.stride(0), page_size, row_programs,
         BLOCK_ROWS=BLOCK_ROWS, BLOCK_REQS=BLOCK_REQS, CHUNK=CHUNK,
         PAGES_PAD=triton.next_power_of_2(max(pages, 1)), MROPE=mrope, PDL=pdl, num_warps=4,
         **pdl_options(pdl))
+    zeros_when_warming((positions, slot_mapping, seq_lens, table, mpos))  # not the inputs
     out = {"positions": positions, "seq_lens": seq_lens, "block_table": table,
            "slot_mapping": slot_mapping, "query_start_loc": query_start_loc, "slots": slots}
     if mrope:

@@ -50,6 +50,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .triton_attention import _device_target
 from .triton_conv import device_sm_count
@@ -307,7 +308,7 @@ def rotary_triton(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor,
     q_blocks = triton.cdiv(h, plan.block_h)
     grid = (triton.cdiv(n, plan.block_n), q_blocks + triton.cdiv(hkv, plan.block_h))
     pos_row = positions.stride(0) if mode else 0
-    _rotary_kernel[grid](
+    launch(_rotary_kernel, grid,
         q, k, out_q, out_k, positions, inv_freq, q, q, n, h, hkv, q_blocks, q.stride(0),
         q.stride(1), k.stride(0), k.stride(1), out_q.stride(0), out_q.stride(1),
         out_k.stride(0), out_k.stride(1), pos_row, positions.stride(-1), 0, 0,
@@ -358,7 +359,7 @@ def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
     pdl = _pdl(x.device)
     x_blocks = triton.cdiv(hx, plan.block_h)
     grid = (triton.cdiv(n, plan.block_n), x_blocks + triton.cdiv(hy, plan.block_h))
-    _rotary_kernel[grid](
+    launch(_rotary_kernel, grid,
         x, y, outs[0], outs[1], cos, cos, cos, sin, n, hx, hy, x_blocks, x.stride(0),
         x.stride(1), y.stride(0), y.stride(1), outs[0].stride(0), outs[0].stride(1),
         outs[1].stride(0), outs[1].stride(1), 0, 0, cos.stride(0), sin.stride(0), 1.0,

@@ -41,6 +41,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .launch import launch
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .targets import TargetConfig
 from .triton_attention import _counters, _device_target
@@ -550,7 +551,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     part = (x.new_empty((split * (n_acc * n_out + plan.grid[0]) * plan.block_m,),
                         dtype=torch.float32) if split > 1 else out)
     w_arg = _descriptor(w, plan.block_n, plan.block_k) if plan.tma else w
-    _skinny_kernel[plan.grid](
+    launch(_skinny_kernel, plan.grid,
         x, w_arg, bias if bias is not None else x, gamma if gamma is not None else x,
         res_args[0], res_args[1], out, part, counters if counters is not None else out,
         cos if rot_d else x, sin if rot_d else x, m, n_out, k, x.stride(0), res_args[2],
@@ -579,7 +580,7 @@ def _rotate_in_place(y: torch.Tensor, cos, sin, rot_cols: int, rot_d: int) -> No
 def _prologue(x, gamma, res_args, out, k: int, eps: float, pro: int,
               has_res: bool = False, pdl: bool = False) -> None:
     """``out [M, k]`` <- the matmul input of ``x``'s rows (``_prologue_kernel``)."""
-    _prologue_kernel[(x.shape[0],)](
+    launch(_prologue_kernel, (x.shape[0],),
         x, gamma if gamma is not None else x, res_args[0], res_args[1], out, k, x.stride(0),
         res_args[2], res_args[3], k, eps, PRO=pro, HAS_RES=has_res,
         BLOCK_K=max(16, triton.next_power_of_2(k)), PDL=pdl,

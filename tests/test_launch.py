@@ -1,0 +1,92 @@
+"""``lowering/launch.py``: launches, and the compile-only pass that builds kernels ahead (its
+GPU side, every tier's kernels compiled before the captures, is in test_gpu.py)."""
+
+import pytest
+import torch
+
+from dspark_compile.lowering import launch as L
+
+
+class FakeKernel:
+    """Records how it was launched or warmed up."""
+
+    def __init__(self):
+        self.calls = []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.calls.append(("run", grid, args, kwargs))
+
+    def warmup(self, *args, grid, **kwargs):
+        self.calls.append(("warmup", grid, args, kwargs))
+
+
+def test_launch_runs_the_kernel_outside_compile_ahead():
+    k = FakeKernel()
+    L.launch(k, (3, 2), 1, "x", BLOCK=16, num_warps=4)
+    assert k.calls == [("run", (3, 2), (1, "x"), {"BLOCK": 16, "num_warps": 4})]
+    assert not L.warming()
+
+
+@pytest.mark.skipif(not L.can_compile_ahead(), reason="this Triton has no AsyncCompileMode")
+def test_compile_ahead_turns_launches_into_warmups_with_the_same_arguments():
+    k = FakeKernel()
+    with L.compile_ahead(workers=2):
+        assert L.warming()
+        L.launch(k, (5,), 7, BLOCK=32, launch_pdl=True)
+    assert not L.warming()
+    assert k.calls == [("warmup", (5,), (7,), {"BLOCK": 32, "launch_pdl": True})]
+    L.launch(k, (5,), 7)
+    assert k.calls[-1][0] == "run"
+
+
+@pytest.mark.skipif(not L.can_compile_ahead(), reason="this Triton has no AsyncCompileMode")
+def test_compile_ahead_ends_warming_when_the_body_raises_and_refuses_nesting():
+    with pytest.raises(KeyError):
+        with L.compile_ahead(workers=1):
+            raise KeyError("x")
+    assert not L.warming()
+    with L.compile_ahead(workers=1):
+        with pytest.raises(RuntimeError, match="already inside"):
+            with L.compile_ahead(workers=1):
+                pass
+        assert L.warming()
+    with pytest.raises(ValueError, match="workers is -2"):
+        with L.compile_ahead(workers=-2):
+            pass
+    assert not L.warming()
+
+
+@pytest.mark.skipif(not L.can_compile_ahead(), reason="this Triton has no AsyncCompileMode")
+def test_zeros_when_warming_zeroes_outputs_only_inside_compile_ahead():
+    a, b, c = torch.ones(3), torch.full((2, 2), 5.0), torch.ones(4)
+    assert L.zeros_when_warming(a) is a and a.sum() == 3  # outside: untouched
+    with L.compile_ahead(workers=1):
+        assert L.zeros_when_warming(a) is a
+        out = L.zeros_when_warming([b, None])
+        d = L.zeros_when_warming({"x": c, "n": 3})
+    assert a.abs().sum() == 0 and b.abs().sum() == 0 and c.abs().sum() == 0
+    assert out[1] is None and d["n"] == 3
+
+
+def test_compile_ahead_without_async_mode_is_refused(monkeypatch):
+    monkeypatch.setattr(L, "_async_mode", lambda: None)
+    assert not L.can_compile_ahead()
+    with pytest.raises(RuntimeError, match="AsyncCompileMode"):
+        with L.compile_ahead():
+            pass
+
+
+def test_every_lowering_kernel_launch_goes_through_launch():
+    """A launch written as ``kernel[grid](...)`` would run (not just compile) inside
+    compile_ahead, on outputs nobody zeroes."""
+    import re
+    from pathlib import Path
+
+    import dspark_compile.lowering as pkg
+
+    raw = []
+    for path in sorted(Path(pkg.__file__).parent.glob("*.py")):
+        for i, line in enumerate(path.read_text().splitlines(), 1):
+            if re.search(r"\b_\w*kernel\s*\[", line):
+                raw.append(f"{path.name}:{i}: {line.strip()}")
+    assert raw == []
