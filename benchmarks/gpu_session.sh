@@ -12,7 +12,7 @@
 # tests_skinny, tests_pdl, tests_meta,
 # tests_step, profile_mid, mid_gemm, mid_tunable, v864, v64_256, v8, v8_split16,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
-# compile_cold, compile_cold_noahead, compile_warm, tests_ahead, jit_parallel,
+# splitk_mid, compile_cold, compile_cold_noahead, compile_warm, tests_ahead, jit_parallel,
 # hybrid_kernels, hybrid_step, rotary,
 # runtime_device, profile_sps, linear, e2e_quick, e2e, e2e_grouped, e2e_off, e2e_replay,
 # e2e_rotary. Each
@@ -92,6 +92,7 @@ job() {
         --max-requests 256 --block 8 --context 1024 --out "$res/sps_h200.json" ;;
     linear) python3 benchmarks/linear_kernel.py --sweep ;;
     splitk) python3 benchmarks/splitk_bmm.py ;;
+    splitk_mid) python3 benchmarks/splitk_bmm.py --rows 192 768 ;;
     skinny) python3 benchmarks/skinny_kernel.py --sweep ;;
     compile_cold)  # empty Inductor and Triton caches, as on a new machine
       rm -rf /tmp/dspark_cold_cache

@@ -113,17 +113,26 @@ def bench_compiled(name: str, m: int) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled blocks")
+    ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS),
+                    help="row counts M (default %(default)s); the compiled o and down blocks "
+                         "then run at these rows too")
     opts = ap.parse_args()
+    rows = tuple(opts.rows)
+    compiled = COMPILED if rows == ROWS else tuple((n, m) for n in ("o", "down") for m in rows)
     import triton
     report = {"environment": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
                               "triton": triton.__version__, "timing": TIMING,
-                              "command": "python benchmarks/splitk_bmm.py"},
-              "raw": [bench(name, m) for name in SHAPES for m in ROWS]}
+                              "command": "python benchmarks/splitk_bmm.py"
+                                         + ("" if rows == ROWS else
+                                            " --rows " + " ".join(map(str, rows)))},
+              "raw": [bench(name, m) for name in SHAPES for m in rows]}
     if not opts.no_compile:
-        report["compiled"] = [bench_compiled(name, m) for name, m in COMPILED]
+        report["compiled"] = [bench_compiled(name, m) for name, m in compiled]
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
-    (out / "splitk_bmm.json").write_text(json.dumps(report, indent=1))
+    name = "splitk_bmm.json" if rows == ROWS else \
+        f"splitk_bmm_rows_{'_'.join(map(str, rows))}.json"
+    (out / name).write_text(json.dumps(report, indent=1))
 
 
 if __name__ == "__main__":
