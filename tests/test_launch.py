@@ -40,6 +40,32 @@ def test_compile_ahead_turns_launches_into_warmups_with_the_same_arguments():
 
 
 @pytest.mark.skipif(not L.can_compile_ahead(), reason="this Triton has no AsyncCompileMode")
+def test_compile_ahead_warms_each_specialisation_once():
+    """A launch repeated (every layer makes it) is warmed up once; one that differs in
+    anything Triton specialises on (an int's value, a tensor's dtype or 16-byte alignment, an
+    option) again; an argument of an unknown kind every time."""
+    k = FakeKernel()
+    buf = torch.zeros(64)
+    a, b = buf[0:16], buf[1:17]  # 16-byte aligned, and not
+    with L.compile_ahead(workers=1):
+        for _ in range(3):
+            L.launch(k, (1,), a, 8, 0.5, BLOCK=16)
+        L.launch(k, (9,), buf[16:32], 8, 0.5, BLOCK=16)  # other data, same key; other grid
+        L.launch(k, (1,), b, 8, 0.5, BLOCK=16)  # misaligned
+        L.launch(k, (1,), a.half(), 8, 0.5, BLOCK=16)  # dtype
+        L.launch(k, (1,), a, 9, 0.5, BLOCK=16)  # int value
+        L.launch(k, (1,), a, 8, 0.5, BLOCK=32)  # constexpr
+        L.launch(k, (1,), a, 8, 0.5, BLOCK=16, num_warps=8)  # option
+        L.launch(k, (1,), a, 8, 0.5, BLOCK=16, F=object())
+        L.launch(k, (1,), a, 8, 0.5, BLOCK=16, F=object())  # unknown kind: always
+    assert [c[0] for c in k.calls] == ["warmup"] * 8
+    assert k.calls[1][2][0].data_ptr() == b.data_ptr()
+    with L.compile_ahead(workers=1):  # a new pass starts with nothing warmed
+        L.launch(k, (1,), a, 8, 0.5, BLOCK=16)
+    assert len(k.calls) == 9
+
+
+@pytest.mark.skipif(not L.can_compile_ahead(), reason="this Triton has no AsyncCompileMode")
 def test_compile_ahead_ends_warming_when_the_body_raises_and_refuses_nesting():
     with pytest.raises(KeyError):
         with L.compile_ahead(workers=1):

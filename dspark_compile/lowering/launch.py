@@ -33,6 +33,8 @@ __all__ = ["launch", "warming", "zeros_when_warming", "compile_ahead"]
 log = logging.getLogger("dspark_compile")
 
 _warming = False
+_warmed: set = set()
+"""Inside :func:`compile_ahead`: the :func:`_launch_key` of every launch warmed up so far."""
 
 
 def warming() -> bool:
@@ -41,11 +43,45 @@ def warming() -> bool:
 
 
 def launch(kernel, grid, *args, **kwargs) -> None:
-    """``kernel[grid](*args, **kwargs)``; inside :func:`compile_ahead` only its compile."""
-    if _warming:
-        kernel.warmup(*args, grid=grid, **kwargs)
-    else:
+    """``kernel[grid](*args, **kwargs)``; inside :func:`compile_ahead` only its compile, once
+    per :func:`_launch_key` (a forward makes the same launch once per layer)."""
+    if not _warming:
         kernel[grid](*args, **kwargs)
+        return
+    key = _launch_key(kernel, args, kwargs)
+    if key is not None and key in _warmed:
+        return
+    kernel.warmup(*args, grid=grid, **kwargs)
+    if key is not None:
+        _warmed.add(key)
+
+
+def _arg_key(v):
+    """What of ``v`` a Triton specialisation can depend on, or at least as much: a tensor's
+    dtype and 16-byte alignment (its address is an argument, not part of the kernel), every
+    other value itself; ``...`` for a value of a kind not known here."""
+    if isinstance(v, torch.Tensor):
+        return ("tensor", v.dtype, v.device, v.data_ptr() % 16 == 0)
+    if v is None or isinstance(v, (bool, int, float, str, torch.dtype)):
+        return (type(v), v)
+    if isinstance(v, (list, tuple)):
+        return (type(v), tuple(_arg_key(x) for x in v))
+    fields = getattr(v, "__dict__", None)
+    if type(v).__name__ == "TensorDescriptor" and fields and "base" in fields:
+        return (type(v), tuple((k, _arg_key(x)) for k, x in sorted(fields.items())))
+    return ...
+
+
+def _launch_key(kernel, args, kwargs):
+    """A key at least as fine as Triton's own specialisation key of this launch (so two
+    launches with one key compile one kernel), or None when an argument is of a kind not
+    known here (that launch is always warmed up)."""
+    key = (id(kernel), _arg_key(args), _arg_key(tuple(sorted(kwargs.items()))))
+    return None if _unknown(key) else key
+
+
+def _unknown(key) -> bool:
+    return key is ... or isinstance(key, tuple) and any(_unknown(k) for k in key)
 
 
 def zeros_when_warming(out):
@@ -96,3 +132,4 @@ def compile_ahead(workers: int | None = None) -> Iterator[None]:
                 yield
             finally:
                 _warming = False
+                _warmed.clear()
