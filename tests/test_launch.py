@@ -116,3 +116,22 @@ def test_every_lowering_kernel_launch_goes_through_launch():
             if re.search(r"\b_\w*kernel\s*\[", line):
                 raw.append(f"{path.name}:{i}: {line.strip()}")
     assert raw == []
+
+
+def test_capture_without_async_mode_says_so_once_and_runs_nothing(monkeypatch, caplog):
+    import logging
+
+    from dspark_compile.graphs import runner
+    from dspark_compile.graphs.tiers import Tier
+
+    calls = []
+    graphs = runner.TierGraphs(lambda *a: calls.append(a), (Tier(4, 2),), vocab=5,
+                               dtype=torch.float32, device=torch.device("cpu"))
+    monkeypatch.setattr(L, "_async_mode", lambda: None)
+    monkeypatch.setattr(runner, "_warned_no_ahead", False)
+    with caplog.at_level(logging.WARNING, logger="dspark_compile"):
+        graphs._compile_ahead(list(graphs.tiers))
+        graphs._compile_ahead(list(graphs.tiers))
+    assert [r.message for r in caplog.records].count(caplog.records[0].message) == 1
+    assert "AsyncCompileMode" in caplog.records[0].message and len(caplog.records) == 1
+    assert calls == [] and graphs.ahead_seconds == 0.0

@@ -38,6 +38,7 @@ from .tiers import Tier, format_tiers, select_tier
 __all__ = ["TierGraphs", "TierReport"]
 
 log = logging.getLogger("dspark_compile")
+_warned_no_ahead = False
 
 
 @dataclass(frozen=True)
@@ -198,8 +199,12 @@ class TierGraphs:
         from ..lowering import launch
 
         if not launch.can_compile_ahead():
-            log.warning("dspark_compile: this Triton has no AsyncCompileMode; the tier "
-                        "captures compile their kernels one after another")
+            global _warned_no_ahead
+            if not _warned_no_ahead:
+                log.warning("dspark_compile: this Triton has no AsyncCompileMode "
+                            "(triton.runtime._async_compile); tier captures compile their "
+                            "kernels one after another")
+                _warned_no_ahead = True
             return
         start = time.perf_counter()
         with launch.compile_ahead():
