@@ -10,7 +10,8 @@
 # tests_rope, verify_step_nopdl, verify_quick, verify_quick_norope, verify_quick_nopdl,
 # verify_quick_keys64, verify_quick_noearly, verify_quick_rope16, verify_quick_noearlyw, tests_early, profile_nopdl, inductor_code,
 # tests_skinny, tests_pdl, tests_meta,
-# tests_step, profile_mid, mid_gemm, mid_tunable, v864, v64_256, v8, v8_split16,
+# tests_step, profile_mid, mid_gemm, mid_tunable, v864, v64_256, v8, v8_split16, v64,
+# v64_stages4, v1_8,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # splitk_mid, compile_cold, compile_cold_noahead, compile_warm, tests_ahead, jit_parallel,
 # hybrid_kernels, hybrid_step, rotary,
@@ -77,6 +78,9 @@ job() {
     mid_tunable) python3 benchmarks/mid_gemm.py --tunable ;;
     v64_256) python3 benchmarks/verify_step.py --quick --bs 64 256 ;;
     v8) python3 benchmarks/verify_step.py --quick --bs 8 ;;
+    v64) python3 benchmarks/verify_step.py --quick --bs 64 ;;
+    v64_stages4) python3 benchmarks/verify_step.py --quick --bs 64 --target attn_num_stages=4 ;;
+    v1_8) python3 benchmarks/verify_step.py --quick --bs 1 8 ;;
     v8_split16) python3 benchmarks/verify_step.py --quick --bs 8 --target split_waves=4 \
         --target split_min_keys=64 ;;
     v864) python3 benchmarks/verify_step.py --quick --bs 8 64 ;;
