@@ -186,6 +186,9 @@ class TargetConfig:
 # Programs in KV-head-major order (the KV heads of a q-block adjacent; commit 008b358, since
 # removed): whole step bs 64 / 256 2.3500 / 7.2216 ms against 2.3507 / 7.2922 in one session
 # (verify_step_quick_*bs64_256.json), within noise.
+# 4 stages instead of 3 (tile 32): whole step bs 64 2.3819 ms against 2.3419 in one session
+# at 5bc0c5d (verify_step.py --quick --bs 64 --target attn_num_stages=4,
+# verify_step_quick_attn_num_stages_4_bs64.json against verify_step_quick_bs64.json).
 # The sm_80 and AMD entries are untuned starting points (no A100 or MI300 was available):
 # 2 stages is what the AMD stream pipeliner is built around, and 4 wavefronts of 64 lanes
 # give 256 threads a program.
