@@ -65,7 +65,8 @@ def _conv(x, weight, bias=None, activation=None, **kwargs):
 
 
 def _conv_update(*args, **kwargs):
-    """``causal_conv1d_update`` runs only with a cache; the capture runs with ``use_cache=False``."""
+    """``causal_conv1d_update`` runs only with a cache; the capture runs with
+    ``use_cache=False``."""
     raise RuntimeError(
         "causal_conv1d_update was called during a dspark_compile capture; the capture runs the "
         "model with use_cache=False, so a layer that still calls it keeps its own cache. Make "

@@ -37,7 +37,8 @@ def _gather_keys(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> t
 
 def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context: int,
                 scale: float) -> torch.Tensor:
-    """Causal attention of ``q [L, H, D]`` at positions ``context + j`` over ``keys [S, Hkv, D]``."""
+    """Causal attention of ``q [L, H, D]`` at positions ``context + j`` over
+    ``keys [S, Hkv, D]``."""
     num_q, num_heads, _ = q.shape
     group = num_heads // keys.shape[1]
     kh = keys.float().repeat_interleave(group, dim=1)  # [S, H, D]
