@@ -96,3 +96,19 @@ if __name__ == "__main__":
 
     assert os.environ.get("TRITON_INTERPRET") != "1", "AOT compile needs TRITON_INTERPRET unset"
     print(json.dumps(_compile_all()))
+
+
+def test_inside_compile_ahead_the_metadata_is_the_all_padding_batchs(monkeypatch) -> None:
+    """Inside ``launch.compile_ahead`` the launch does not run; the outputs must still be what
+    the torch ops give the all-padding batch the pass runs on (slot mapping -1: no KV write)."""
+    state = _state(4, 64, 16)
+    r, n = 3, 10
+    qsl = torch.zeros(r + 1, dtype=torch.int32, device=DEVICE)
+    zeros = torch.zeros(r, dtype=torch.int32, device=DEVICE)
+    want = state.device_metadata(qsl, zeros, zeros, n, zeros)
+    monkeypatch.setattr(triton_metadata, "launch", lambda *a, **k: None)
+    monkeypatch.setattr(triton_metadata, "warming", lambda: True)
+    got = device_metadata_triton(qsl, zeros, zeros, state.block_table, 16, n, zeros)
+    for key in ("positions", "slot_mapping", "seq_lens", "mrope_positions"):
+        assert torch.equal(got[key], want[key]), key
+    assert (got["slot_mapping"] == -1).all()

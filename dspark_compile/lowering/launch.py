@@ -15,7 +15,10 @@ before it returns. Triton's code generation and ``ptxas`` release the GIL for mo
 
 While the pass runs no kernel of ours is launched, so nothing is written to the KV pool or the
 linear-attention state; each op's outputs come back as zeros (:func:`zeros_when_warming`), so
-the compiled graph's own kernels, which run, only ever see in-range values (index 0).
+the compiled graph's own kernels, which run, only ever see in-range values (index 0). The
+step's metadata comes back as that of the all-padding batch the pass runs on (position 0, slot
+mapping -1, no context: ``triton_metadata.device_metadata_triton``), so even a KV write that
+did run would write nothing.
 """
 
 from __future__ import annotations

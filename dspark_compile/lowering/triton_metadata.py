@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch, zeros_when_warming
+from .launch import launch, warming
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .triton_attention import _device_target
 
@@ -135,7 +135,10 @@ def device_metadata_triton(query_start_loc: torch.Tensor, context_lens: torch.Te
         BLOCK_ROWS=BLOCK_ROWS, BLOCK_REQS=BLOCK_REQS, CHUNK=CHUNK,
         PAGES_PAD=triton.next_power_of_2(max(pages, 1)), MROPE=mrope, PDL=pdl, num_warps=4,
         **pdl_options(pdl))
-    zeros_when_warming((positions, slot_mapping, seq_lens, table, mpos))  # not the inputs
+    if warming():  # the launch did not run; the batch is all padding (TierGraphs): position 0,
+        for t in (positions, seq_lens, table, mpos):  # no KV slot, no context
+            t.zero_()
+        slot_mapping.fill_(-1)
     out = {"positions": positions, "seq_lens": seq_lens, "block_table": table,
            "slot_mapping": slot_mapping, "query_start_loc": query_start_loc, "slots": slots}
     if mrope:
