@@ -12,6 +12,10 @@ Padding contract: padded requests have length 0 (their query_start_loc entries r
 token count) and read nothing; padded rows belong to no request, write no KV (slot mapping -1)
 and come out of attention as zeros; their logits are never returned.
 
+Before the first capture, every tier's forward (and commit) runs once with the Triton launches
+turned into compiles on a thread pool (``lowering/launch.py``), so the kernels the tier set needs
+compile side by side rather than one after another inside the captures.
+
 Models with linear-attention layers also get one commit graph per request-slot count: a commit
 stages ``query_start_loc``, slots and accept lengths into the same row (padded requests accept
 nothing, so the commit kernels leave every state alone for them) and replays the commit of every
