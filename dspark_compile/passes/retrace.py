@@ -128,8 +128,9 @@ def start_rewrite(gm: fx.GraphModule, dense) -> tuple[fx.GraphModule, list[fx.No
     ``input_ids [bs, T]``, sit once before the first call, for every replacement to use."""
     gm = copy_module(gm)
     matches = [n for n in gm.graph.nodes if is_op(n, dense)]
-    ids = next(n for n in gm.graph.nodes
-               if n.op == "placeholder" and n.meta["dspark_input"].kind == "input_ids")
+    from .graph_inputs import find_input  # graph_inputs -> frontend.capture -> this module
+
+    ids = find_input(gm, "input_ids")
     like, aten = matches[0], torch.ops.aten
     with gm.graph.inserting_before(like):
         bs = add_node(gm.graph, like, aten.sym_size.int, ids, 0)
