@@ -13,6 +13,7 @@ Measured per weight and M, as CUDA-graph replays over weight copies that do not 
 compiled block ``rmsnorm(residual + x @ W.T)`` written both ways (``torch.compile``).
 
     python benchmarks/splitk_bmm.py [--no-compile]   # writes splitk_bmm.json to $OUT or results/
+    python benchmarks/splitk_bmm.py --op    # the op with mid_split_k: splitk_bmm_op.json
 """
 
 from __future__ import annotations
@@ -110,14 +111,61 @@ def bench_compiled(name: str, m: int) -> dict:
     return row
 
 
+OP_ROWS = (64, 96, 192, 384, 768)
+OP_CHUNKS = (1, 2, 4, 8)
+
+
+def bench_op(m: int) -> dict:
+    """``dspark::skinny_linear``'s path past the skinny kernel for the down projection (the
+    SiLU-and-mul input launch, then the matmul), ``mid_split_k`` = 1 (``torch.mm``) against
+    the K-chunk partials and their sum launch."""
+    import dataclasses
+
+    from dspark_compile.lowering.targets import target_for_device
+    from dspark_compile.lowering.triton_skinny import skinny_linear_triton
+
+    n, k = SHAPES["down"]
+    copies = max(2, -(-256 * 2**20 // (n * k * 2)))
+    x = torch.randn(m, 2 * k, device="cuda", dtype=torch.bfloat16)
+    ws = [torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+          for _ in range(copies)]
+    a = torch.nn.functional.silu(x[:, :k].float()) * x[:, k:].float()
+    want = a @ ws[0].float().t()
+    base = target_for_device(x.device)
+    row = {"name": "down", "n": n, "k": k, "m": m, "weight_bytes": n * k * 2}
+    for s in OP_CHUNKS:
+        cfg = dataclasses.replace(base, mid_split_k=s, mid_split_max_m=max(m, 1))
+        got = skinny_linear_triton(x, ws[0], glu=True, config=cfg)[0]
+        row[f"max_err_chunks{s}"] = (got.float() - want).abs().max().item()
+        row[f"op_chunks{s}_us"] = time_calls(
+            [lambda w=w: skinny_linear_triton(x, w, glu=True, config=cfg) for w in ws],
+            TIMING, "cuda")["graph_us"]
+    print(row, flush=True)
+    return row
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--no-compile", action="store_true", help="skip the compiled blocks")
     ap.add_argument("--rows", type=int, nargs="+", default=list(ROWS),
                     help="row counts M (default %(default)s); the compiled o and down blocks "
                          "then run at these rows too")
+    ap.add_argument("--op", action="store_true",
+                    help=f"time the op's down-projection path at {OP_ROWS} rows for "
+                         f"mid_split_k in {OP_CHUNKS} instead (splitk_bmm_op.json)")
     opts = ap.parse_args()
     rows = tuple(opts.rows)
+    if opts.op:
+        import triton
+        report = {"environment": {"gpu": torch.cuda.get_device_name(),
+                                  "torch": torch.__version__, "triton": triton.__version__,
+                                  "timing": TIMING,
+                                  "command": "python benchmarks/splitk_bmm.py --op"},
+                  "rows": [bench_op(m) for m in OP_ROWS]}
+        out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "splitk_bmm_op.json").write_text(json.dumps(report, indent=1))
+        return
     compiled = COMPILED if rows == ROWS else tuple((n, m) for n in ("o", "down") for m in rows)
     import triton
     report = {"environment": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -150,6 +150,57 @@ def test_rows_past_the_kernel_take_the_input_launch_and_mm(mode) -> None:
         _check(_case(0, 32, 96, mode, glu_out, torch.float16), config=cfg)  # no rows
 
 
+@needs_kernel_device
+@pytest.mark.parametrize("mode", ("plain", "glu", "rms_res"))
+def test_long_k_past_the_kernel_sums_k_chunk_partials_in_order(mode, monkeypatch) -> None:
+    """Past ``skinny_max_m`` with K >= ``mid_split_min_ratio`` x N (the down projection):
+    partials of ``mid_split_k`` K chunks, summed in chunk order with the bias in fp32 and
+    rounded once; other shapes keep the one matmul."""
+    from dspark_compile.lowering import triton_skinny
+    from dspark_compile.lowering.targets import TARGETS
+
+    cfg = dataclasses.replace(TARGETS["sm_90"], skinny_max_m=4, mid_split_k=4,
+                              mid_split_max_m=12, mid_split_min_ratio=4)
+    seen = []
+    partials = triton_skinny._split_partials
+
+    def spy(a, w, chunks):
+        seen.append(partials(a, w, chunks))
+        return seen[-1]
+
+    monkeypatch.setattr(triton_skinny, "_split_partials", spy)
+    args = _case(9, 24, 128, mode, False, torch.float16, seed=3)  # K = 5.3 N, 9 rows
+    got, _ = _check(args, config=cfg)
+    assert len(seen) == 1 and seen[0].shape == (4, 9, 24) and seen[0].dtype == torch.float32
+    want = seen[0][0] + seen[0][1]
+    want = want + seen[0][2]
+    want = want + seen[0][3] + args["bias"].float()
+    assert torch.equal(got, want.to(got.dtype))  # the sum's order and its one rounding
+    for m, n in ((13, 24), (9, 40)):  # more rows than mid_split_max_m; K < 4 N
+        _check(_case(m, n, 128, mode, False, torch.float16, seed=4), config=cfg)
+    _check(_case(9, 24, 128, mode, True, torch.float16, seed=5), config=cfg)  # glu_out
+    assert len(seen) == 1
+    odd = dataclasses.replace(cfg, mid_split_k=3)  # a chunk of 128 / 3 columns: no split
+    _check(_case(9, 24, 128, mode, False, torch.float16, seed=6), config=odd)
+    assert len(seen) == 1
+
+
+def test_mid_split_rule() -> None:
+    from dspark_compile.lowering.targets import TARGETS
+    from dspark_compile.lowering.triton_skinny import _mid_split
+
+    h200 = TARGETS["sm_90"]
+    assert _mid_split(192, 2048, 8192, False, h200) == 4  # down at bs 64
+    assert _mid_split(384, 2048, 8192, False, h200) == 4
+    assert _mid_split(768, 2048, 8192, False, h200) == 1  # bs 256: cuBLAS as it is
+    assert _mid_split(192, 4096, 2048, False, h200) == 1  # q+k+v
+    assert _mid_split(192, 2048, 2048, False, h200) == 1  # o
+    assert _mid_split(192, 8192, 8192, True, h200) == 1  # a SiLU epilogue
+    assert _mid_split(0, 2048, 8192, False, h200) == 1
+    for name in ("sm_80", "gfx942", "gfx950"):  # not measured there: off
+        assert _mid_split(192, 2048, 8192, False, TARGETS[name]) == 1
+
+
 def _rotary_inputs(m: int, d: int, dtype, seed: int = 1):
     g = torch.Generator().manual_seed(seed)
     ang = torch.rand(m, d // 2, generator=g) * 6

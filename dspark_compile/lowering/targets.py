@@ -144,6 +144,13 @@ class TargetConfig:
     row threshold: ``verify_step.py --quick --target skinny_early_w=true`` against
     without): bs 1 (3 rows) 0.9247 against 0.9673 ms, bs 8 (24 rows) 1.1523 against 1.1408.
     Today's A/B: ``--target skinny_early_w_max_m=0`` against the default."""
+    mid_split_k: int = 1
+    """K chunks of a matmul past ``skinny_max_m`` rows (up to ``mid_split_max_m``) whose K is at
+    least ``mid_split_min_ratio`` times its N (the MLP's down projection): one batched cuBLAS
+    GEMM over ``mid_split_k`` strided K chunks writes fp32 partials, and one Triton launch sums
+    them in chunk order (``triton_skinny._split_mm``). 1: off, a plain ``torch.mm``."""
+    mid_split_max_m: int = 384
+    mid_split_min_ratio: int = 4
     attn_early_reads: bool = True
     """With ``pdl``: an attention launch the graph shows safe (``select.early_attention_reads``)
     reads its request bounds, block-table row and first K/V tile before its PDL wait. H200,
@@ -205,7 +212,7 @@ TARGETS: dict[str, TargetConfig] = {
         attn_tile_n=32, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=3,
         attn_max_registers=128,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
-        default_sm_count=132, pdl=True,
+        default_sm_count=132, pdl=True, mid_split_k=4,
     ),
     "gfx942": TargetConfig(
         name="gfx942", backend="hip", arch="gfx942", warp_size=64, fp32_dot_precision="ieee",

@@ -524,7 +524,11 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         if pro and m:
             a = x.new_empty((m, k))
             _prologue(x, gamma, res_args, a, k, eps, pro, residual is not None, pdl)
-        y = torch.mm(a, w.t()) if bias is None else torch.addmm(bias, a, w.t())
+        chunks = _mid_split(m, n, k, glu_out, cfg)
+        if chunks > 1:
+            y = _split_mm(a, w, bias, chunks, pdl)
+        else:
+            y = torch.mm(a, w.t()) if bias is None else torch.addmm(bias, a, w.t())
         if glu_out:
             out = x.new_empty((m, n_out))
             if m:
@@ -568,6 +572,63 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     if head_d and not rot_d:  # fewer rows than skinny_rope_min_m: the rotary kernel after
         _rotate_in_place(out, cos, sin, rot_cols, head_d)
     return out, h
+
+
+def _mid_split(m: int, n: int, k: int, glu_out: bool, cfg: TargetConfig) -> int:
+    """K chunks of the matmul past the skinny kernel's rows (``TargetConfig.mid_split_k``; 1:
+    one ``torch.mm``). Each chunk must start 16-byte aligned for cuBLAS."""
+    s = cfg.mid_split_k
+    if (s <= 1 or glu_out or not m * n * k or m > cfg.mid_split_max_m
+            or k < cfg.mid_split_min_ratio * n or k % (8 * s)):
+        return 1
+    return s
+
+
+@triton.jit
+def _split_sum_kernel(part_ptr, bias_ptr, out_ptr, m, n, stride_om, CHUNKS: tl.constexpr,
+                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
+    """``out[row, cols] = dtype(sum_c part[c, row, cols] (+ bias))``: the chunks in order, in
+    fp32, rounded once (replays are bitwise equal)."""
+    pdl_enter(PDL)
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    ok = cols < n
+    acc = tl.zeros([BLOCK_N], tl.float32)
+    for c in tl.static_range(CHUNKS):
+        acc += tl.load(part_ptr + (c * m + row) * n + cols, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def _split_partials(a: torch.Tensor, w: torch.Tensor, chunks: int) -> torch.Tensor:
+    """fp32 ``[chunks, M, N]``: ``a @ w.T`` over each of ``chunks`` equal K ranges, as one
+    batched GEMM over strided views (nothing copied). On a CPU (the interpreter's tests) the
+    operands are widened first: a 16-bit product is exact in fp32, so the partials are the
+    same sums either way, up to the order of the adds."""
+    m, k = a.shape
+    n = w.shape[0]
+    a3 = a.view(m, chunks, k // chunks).transpose(0, 1)  # [chunks, M, K/chunks]
+    w3 = w.view(n, chunks, k // chunks).permute(1, 2, 0)  # [chunks, K/chunks, N]
+    if a.device.type == "cuda":
+        return torch.bmm(a3, w3, out_dtype=torch.float32)
+    return torch.bmm(a3.float(), w3.float())
+
+
+def _split_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, chunks: int,
+              pdl: bool) -> torch.Tensor:
+    """``a @ w.T (+ bias)`` in ``a``'s dtype as ``chunks`` K-chunk partials and one sum launch
+    (``TargetConfig.mid_split_k``): at 192 rows the 1.1B model's down projection (2048 x 8192)
+    has too few output tiles for the H200's 132 multiprocessors, and cuBLAS's own split-K
+    measured slower (``benchmarks/splitk_bmm.py``)."""
+    m, n = a.shape[0], w.shape[0]
+    part = _split_partials(a, w, chunks)
+    out = a.new_empty((m, n))
+    block_n = min(1024, triton.next_power_of_2(n))
+    launch(_split_sum_kernel, (m, triton.cdiv(n, block_n)),
+        part, bias if bias is not None else part, out, m, n, out.stride(0), CHUNKS=chunks,
+        HAS_BIAS=bias is not None, BLOCK_N=block_n, PDL=pdl, num_warps=4, **pdl_options(pdl))
+    return out
 
 
 def _rotate_in_place(y: torch.Tensor, cos, sin, rot_cols: int, rot_d: int) -> None:
