@@ -134,7 +134,7 @@ def bench_op(m: int) -> dict:
     base = target_for_device(x.device)
     row = {"name": "down", "n": n, "k": k, "m": m, "weight_bytes": n * k * 2}
     for s in OP_CHUNKS:
-        cfg = dataclasses.replace(base, mid_split_k=s, mid_split_max_m=max(m, 1))
+        cfg = dataclasses.replace(base, mid_split_k=s, mid_split_full_m=m, mid_split_max_m=m)
         got = skinny_linear_triton(x, ws[0], glu=True, config=cfg)[0]
         row[f"max_err_chunks{s}"] = (got.float() - want).abs().max().item()
         row[f"op_chunks{s}_us"] = time_calls(

@@ -160,7 +160,7 @@ def test_long_k_past_the_kernel_sums_k_chunk_partials_in_order(mode, monkeypatch
     from dspark_compile.lowering.targets import TARGETS
 
     cfg = dataclasses.replace(TARGETS["sm_90"], skinny_max_m=4, mid_split_k=4,
-                              mid_split_max_m=12, mid_split_min_ratio=4)
+                              mid_split_full_m=12, mid_split_max_m=12, mid_split_min_ratio=4)
     seen = []
     partials = triton_skinny._split_partials
 
@@ -191,7 +191,10 @@ def test_mid_split_rule() -> None:
 
     h200 = TARGETS["sm_90"]
     assert _mid_split(192, 2048, 8192, False, h200) == 4  # down at bs 64
-    assert _mid_split(384, 2048, 8192, False, h200) == 4
+    assert _mid_split(256, 2048, 8192, False, h200) == 2  # past 192 rows: halved
+    assert _mid_split(384, 2048, 8192, False, h200) == 2
+    assert _mid_split(64, 2048, 8192, False, h200) == 4
+    assert _mid_split(192, 2048, 8200, False, h200) == 1  # a chunk of 2050: misaligned
     assert _mid_split(768, 2048, 8192, False, h200) == 1  # bs 256: cuBLAS as it is
     assert _mid_split(192, 4096, 2048, False, h200) == 1  # q+k+v
     assert _mid_split(192, 2048, 2048, False, h200) == 1  # o

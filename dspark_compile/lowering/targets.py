@@ -148,7 +148,14 @@ class TargetConfig:
     """K chunks of a matmul past ``skinny_max_m`` rows (up to ``mid_split_max_m``) whose K is at
     least ``mid_split_min_ratio`` times its N (the MLP's down projection): one batched cuBLAS
     GEMM over ``mid_split_k`` strided K chunks writes fp32 partials, and one Triton launch sums
-    them in chunk order (``triton_skinny._split_mm``). 1: off, a plain ``torch.mm``."""
+    them in chunk order (``triton_skinny._split_mm``). 1: off, a plain ``torch.mm``.
+    H200, down (2048 x 8192) with its SiLU-and-mul input launch, us at 64 / 96 / 192 / 384 /
+    768 rows for 1 / 2 / 4 / 8 chunks (``benchmarks/splitk_bmm.py --op``, splitk_bmm_op.json):
+    17.9 / 17.7 / 18.0 / 19.3; 19.0 / 19.5 / 18.6 / 20.6; 27.3 / 23.5 / 21.5 / 25.3;
+    36.2 / 29.9 / 31.2 / 37.5; 49.0 / 50.3 / 55.7 / 71.7. Whole step at bs 64 (192 rows),
+    one session: 2.2554 ms against 2.3545 with ``--target mid_split_k=1``."""
+    mid_split_full_m: int = 192
+    """Rows up to which ``mid_split_k`` chunks are taken whole (halved per doubling past it)."""
     mid_split_max_m: int = 384
     mid_split_min_ratio: int = 4
     attn_early_reads: bool = True

@@ -29,7 +29,10 @@ written for that case:
 ``skinny_linear_triton`` takes 16-bit activations and a contiguous weight of the same dtype;
 bad input is a ``ValueError`` naming the value, before any launch. Past
 ``TargetConfig.skinny_max_m`` rows it makes the launches Inductor would (the input in one
-Triton launch, then ``torch.mm``). The oracle is the op's math in fp32, rounded once.
+Triton launch, then ``torch.mm``), except that a matmul with K >= ``mid_split_min_ratio`` x N
+(the down projection) up to ``mid_split_max_m`` rows runs as one batched GEMM over K chunks
+into fp32 partials and one launch that sums them in order (``mid_split_k``; sm_90). The
+oracle is the op's math in fp32, rounded once.
 """
 
 from __future__ import annotations
@@ -496,10 +499,12 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     returned when a residual is given (else an empty tensor). Up to ``cfg.skinny_max_m`` rows:
     one launch of the skinny kernel (module docstring); more rows: the input in one Triton
     launch (``glu`` / ``gamma``), ``torch.mm`` (``addmm`` with a bias), and the output's SiLU in
-    one more (``glu_out``): the launches Inductor would make. ``rot_cols`` > 0: the first
-    ``rot_cols`` output columns are heads rotated with ``cos``/``sin [M, D]`` as
-    ``dspark::rotary_apply`` does (in the epilogue from ``skinny_rope_min_m`` rows; with fewer
-    rows or past ``skinny_max_m``, in place by the rotary kernel after the matmul).
+    one more (``glu_out``): the launches Inductor would make; a long-K matmul there may run as
+    K-chunk partials and a sum launch instead (``TargetConfig.mid_split_k``).
+    ``rot_cols`` > 0: the first ``rot_cols`` output columns are heads rotated with
+    ``cos``/``sin [M, D]`` as ``dspark::rotary_apply`` does (in the epilogue from
+    ``skinny_rope_min_m`` rows; with fewer rows or past ``skinny_max_m``, in place by the
+    rotary kernel after the matmul).
     ``weight_settled``: the caller vouches that the launch just before this one does not
     write ``w`` (``lower`` sets it from the graph, ``select.settled_weight``); up to
     ``cfg.skinny_early_w_max_m`` rows the first weight tile is then loaded before the PDL wait.
@@ -575,13 +580,16 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
 
 
 def _mid_split(m: int, n: int, k: int, glu_out: bool, cfg: TargetConfig) -> int:
-    """K chunks of the matmul past the skinny kernel's rows (``TargetConfig.mid_split_k``; 1:
-    one ``torch.mm``). Each chunk must start 16-byte aligned for cuBLAS."""
-    s = cfg.mid_split_k
+    """K chunks of the matmul past the skinny kernel's rows (1: one ``torch.mm``):
+    ``TargetConfig.mid_split_k``, halved each time the rows double past
+    ``mid_split_full_m``, down to 2. Each chunk must start 16-byte aligned for cuBLAS."""
+    s, rows = cfg.mid_split_k, cfg.mid_split_full_m
     if (s <= 1 or glu_out or not m * n * k or m > cfg.mid_split_max_m
-            or k < cfg.mid_split_min_ratio * n or k % (8 * s)):
+            or k < cfg.mid_split_min_ratio * n):
         return 1
-    return s
+    while m > rows and s > 2:
+        s, rows = s // 2, rows * 2
+    return 1 if k % (8 * s) else s
 
 
 @triton.jit
