@@ -44,11 +44,11 @@ def prefill_verify_rounds(verifier, vocab: int) -> list[torch.Tensor]:
     return outs + [state.kv_caches[-1][0].clone()]
 
 
-def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 97):
+def tiny_llama(seed: int = 0, layers: int = 2, vocab: int = 97, intermediate: int = 96):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(seed)
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=96,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=intermediate,
                       num_hidden_layers=layers, num_attention_heads=4, num_key_value_heads=2,
                       head_dim=16, max_position_embeddings=512)
     return LlamaForCausalLM(cfg).eval()

@@ -49,6 +49,40 @@ def test_triton_verifier_equals_reference_in_bf16():
     torch.testing.assert_close(outs[0].float(), outs[1].float(), atol=5e-2, rtol=5e-2)
 
 
+def test_down_projection_in_k_chunks_past_the_skinny_rows(monkeypatch):
+    """An MLP of 256 over 64 (K = 4 N): at 33 to 384 rows the down projection runs as K-chunk
+    partials (``TargetConfig.mid_split_k``). Graph replays equal eager bit for bit on those
+    tiers, and the logits match the reference lowering."""
+    from dspark_compile.lowering import triton_skinny
+
+    calls = []
+    partials = triton_skinny._split_partials
+    monkeypatch.setattr(triton_skinny, "_split_partials",
+                        lambda a, w, s: calls.append(a.shape[0]) or partials(a, w, s))
+    model = tiny_llama(layers=2, intermediate=256).cuda().to(torch.bfloat16)
+    tri = dspark_compile(model, lowering="triton")
+    ref = dspark_compile(model, lowering="reference")
+    block, max_requests = 8, 16
+    tiers = [t for t in tier_set(max_requests, block) if t.tokens > 32]
+    states = [tri.new_state(max_requests=max_requests, max_context=64) for _ in range(2)]
+    ref_state = ref.new_state(max_requests=max_requests, max_context=64)
+    tri.capture(states[0], tiers=tiers, progress=False)
+    tri.capture(states[1], tiers=tiers, use_graphs=False)
+    rng = random.Random(2)
+    for _ in range(20):
+        lens = [rng.randint(1, block) for _ in range(max_requests)]
+        while sum(lens) <= 32:
+            lens[rng.randrange(max_requests)] = block
+        layout = VerifyLayout.pack(lens, [0] * max_requests, list(range(max_requests)))
+        ids = torch.randint(0, 97, (layout.num_tokens,), device="cuda")
+        a = tri(ids, layout, states[0]).clone()
+        b = tri(ids, layout, states[1]).clone()
+        assert torch.equal(a, b)
+        want = ref(ids, layout, ref_state)
+        torch.testing.assert_close(a.float(), want.float(), atol=5e-2, rtol=5e-2)
+    assert calls and all(32 < m <= 384 for m in calls)
+
+
 @pytest.fixture(scope="module")
 def plain_gpu():
     model = PlainDecoder(seed=3).cuda()

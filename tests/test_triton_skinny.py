@@ -185,6 +185,32 @@ def test_long_k_past_the_kernel_sums_k_chunk_partials_in_order(mode, monkeypatch
     assert len(seen) == 1
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a GPU")
+def test_down_projection_at_192_rows_in_chunks_matches_one_matmul() -> None:
+    """The 1.1B model's down projection at bs 64 (192 rows, bf16, SiLU-and-mul input): the
+    H200 entry's 4 K chunks against one ``torch.mm`` and the fp32 oracle; replays of one CUDA
+    graph give the same bits."""
+    from dspark_compile.lowering.targets import TARGETS
+    from dspark_compile.lowering.triton_skinny import _mid_split, skinny_linear_triton
+
+    cfg = TARGETS["sm_90"]
+    assert _mid_split(192, 2048, 8192, False, cfg) == 4
+    args = _case(192, 2048, 8192, "glu", False, torch.bfloat16, seed=11)
+    got, _ = _check(args, config=cfg)
+    one, _ = skinny_linear_triton(**args, config=dataclasses.replace(cfg, mid_split_k=1))
+    torch.testing.assert_close(got, one, atol=2e-2, rtol=2e-2)
+    skinny_linear_triton(**args, config=cfg)  # the sum kernel compiled outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out, _ = skinny_linear_triton(**args, config=cfg)
+    for _ in range(3):
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, got)
+
+
 def test_mid_split_rule() -> None:
     from dspark_compile.lowering.targets import TARGETS
     from dspark_compile.lowering.triton_skinny import _mid_split
