@@ -4,7 +4,7 @@
 #
 #   bash benchmarks/gpu_session.sh OUTDIR JOB:SECONDS [JOB:SECONDS ...]
 #
-# Jobs: tests, tests_graphs, sanitizer, step_variants, verify_step, verify_step_grouped,
+# Jobs: tests, tests_graphs, sanitizer, sanitizer_split, step_variants, verify_step, verify_step_grouped,
 # verify_step_off, verify_step_rotary, verify_step_nofuse, profile_small, skinny_rows,
 # skinny_fused, skinny_pdl, skinny_split, skinny_rope, verify_step_norope, profile_norope,
 # tests_rope, verify_step_nopdl, verify_quick, verify_quick_norope, verify_quick_nopdl,
@@ -34,6 +34,9 @@ job() {
         -p no:cacheprovider ;;
     sanitizer) compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
         tests/test_gpu.py -k bitwise -p no:cacheprovider ;;
+    sanitizer_split) compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q \
+        -m gpu tests/test_gpu.py tests/test_triton_skinny.py -k down_projection \
+        -p no:cacheprovider ;;
     verify_step) python3 benchmarks/verify_step.py ;;
     verify_step_grouped) python3 benchmarks/verify_step.py --group-linears triton ;;
     verify_step_off) python3 benchmarks/verify_step.py --group-linears off ;;
