@@ -8,6 +8,7 @@ heads x 128 x K and V, bf16: 268 MB), so the time per call is that layer's KV-re
 rate this machine reaches, against the 4.8 TB/s of the step's floor.
 
     python benchmarks/hbm_read.py    # writes hbm_read.json to $OUT or benchmarks/results/
+    python benchmarks/hbm_read.py --paged   # the attention's paged pattern: hbm_read_paged.json
 """
 
 from __future__ import annotations
@@ -43,8 +44,86 @@ def _read_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + pid, tl.sum(acc, 0))
 
 
+@triton.jit
+def _paged_read_kernel(k_ptr, v_ptr, bt_ptr, out_ptr, pages_per_req, stride_page, stride_row,
+                       stride_head, HKV: tl.constexpr, TILE: tl.constexpr, PAGE: tl.constexpr,
+                       D: tl.constexpr):
+    """One (request, KV head) program reads its K and V rows page by page through the block
+    table, TILE keys a step, as the attention's context loop does; writes a checksum."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_n = tl.arange(0, TILE)
+    offs_d = tl.arange(0, D)
+    acc = tl.zeros([TILE, D], tl.float32)
+    pos = offs_n
+    page = tl.load(bt_ptr + req * pages_per_req + pos // PAGE).to(tl.int64)
+    for t in range(0, pages_per_req * PAGE // TILE):
+        rows = page * stride_page + (pos % PAGE) * stride_row + head * stride_head
+        pos = (t + 1) * TILE + offs_n  # the next tile's pages, one step ahead
+        page = tl.load(bt_ptr + req * pages_per_req + pos // PAGE,
+                       mask=pos < pages_per_req * PAGE, other=0).to(tl.int64)
+        k = tl.load(k_ptr + rows[:, None] + offs_d[None, :])
+        v = tl.load(v_ptr + rows[:, None] + offs_d[None, :])
+        acc += k.to(tl.float32) + v.to(tl.float32)
+    tl.store(out_ptr + (req * HKV + head) * D + offs_d, tl.sum(acc, 0))
+
+
+PAGED = dict(requests=64, context=1024, page=16, kv_heads=8, head_dim=128)
+PAGED_TILES = ((32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 8, 3))
+
+
+def paged(dev, sms: int) -> dict:
+    """The attention's access pattern at bs 64: pools ``[pages, page, Hkv, D]`` (this
+    project's layout: a (page, head) is 16 rows of 256 B, 2 KB apart) against ``[pages, Hkv,
+    page, D]`` (each (page, head) 4 KB in one piece), pages in a random order."""
+    r, ctx, pg, hkv, d = (PAGED[k] for k in ("requests", "context", "page", "kv_heads",
+                                             "head_dim"))
+    per_req = ctx // pg
+    pages = r * per_req
+    gen = torch.Generator().manual_seed(0)
+    bt = torch.randperm(pages, generator=gen).to(torch.int32).view(r, per_req).to(dev)
+    pools = [(torch.randn(pages, pg, hkv, d, device=dev, dtype=torch.bfloat16),
+              torch.randn(pages, pg, hkv, d, device=dev, dtype=torch.bfloat16))
+             for _ in range(BUFFERS)]
+    out = torch.empty(r * hkv * d, device=dev, dtype=torch.float32)
+    layouts = {"page_row_head": (pg * hkv * d, hkv * d, d),  # [pages, page, Hkv, D]
+               "page_head_row": (hkv * pg * d, d, pg * d)}  # [pages, Hkv, page, D]
+    rows = []
+    for name, strides in layouts.items():
+        for tile, warps, stages in PAGED_TILES:
+            def read(k, v, tile=tile, warps=warps, stages=stages, strides=strides):
+                _paged_read_kernel[(r, hkv)](k, v, bt, out, per_req, *strides, HKV=hkv,
+                                             TILE=tile, PAGE=pg, D=d, num_warps=warps,
+                                             num_stages=stages)
+
+            us = time_calls([lambda k=k, v=v, f=read: f(k, v) for k, v in pools], TIMING,
+                            "cuda")["graph_us"]
+            rows.append({"layout": name, "tile": tile, "warps": warps, "stages": stages,
+                         "us": us, "bytes_per_s": LAYER_KV_BYTES / (us * 1e-6)})
+            print(rows[-1], flush=True)
+    return {"settings": PAGED, "programs": r * hkv, "sm_count": sms, "rows": rows}
+
+
 def main() -> None:
+    import argparse
+
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--paged", action="store_true",
+                    help="the attention's paged access pattern in two pool layouts instead "
+                         "(hbm_read_paged.json)")
+    opts = ap.parse_args()
     dev = torch.device("cuda")
+    if opts.paged:
+        report = {"environment": {"gpu": torch.cuda.get_device_name(),
+                                  "torch": torch.__version__, "triton": triton.__version__,
+                                  "timing": TIMING,
+                                  "command": "python benchmarks/hbm_read.py --paged"},
+                  "layer_kv_bytes": LAYER_KV_BYTES,
+                  **paged(dev, torch.cuda.get_device_properties(dev).multi_processor_count)}
+        out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "hbm_read_paged.json").write_text(json.dumps(report, indent=1))
+        return
     sms = torch.cuda.get_device_properties(dev).multi_processor_count
     n = LAYER_KV_BYTES // 2
     bufs = [torch.randn(n, device=dev, dtype=torch.bfloat16) for _ in range(BUFFERS)]
