@@ -212,8 +212,30 @@ def small_sweep(s: dict, device: str) -> list[dict]:
     return rows
 
 
+def tile_sweep(tiles: list[str], batch_sizes: list[int], s: dict, device: str) -> list[dict]:
+    """Tile configs ``TILE_N,WARPS,STAGES,REGS`` (REGS ``none``: no register cap) at the given
+    batch sizes, mean-3 mix, the split rule's count; each checked against the reference."""
+    base = target_for_device(device)
+    rows = []
+    for spec in tiles:
+        tile_n, warps, stages, regs = spec.split(",")
+        cfg = dataclasses.replace(base, attn_tile_n=int(tile_n), attn_num_warps=int(warps),
+                                  attn_num_stages=int(stages),
+                                  attn_max_registers=None if regs == "none" else int(regs))
+        for bs in batch_sizes:
+            r = run_case(bs, True, s, device, with_sdpa=False, config=cfg)
+            rows.append(dict(bs=bs, **_tiles(cfg), graph_us=r["graph_us"],
+                             hbm_pct_graph=r["hbm_pct_graph"], max_abs_err=r["max_abs_err"],
+                             num_splits=r["plan"]["num_splits"]))
+            print(rows[-1], flush=True)
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--tiles", nargs="+", metavar="TILE_N,WARPS,STAGES,REGS",
+                    help="only time these tile configs at --tile-bs (attention_tiles.json)")
+    ap.add_argument("--tile-bs", type=int, nargs="+", default=[64, 256])
     ap.add_argument("--sweep", action="store_true", help="also sweep tiles and split counts")
     ap.add_argument("--small-sweep", action="store_true",
                     help="also sweep fold/tiles/splits at the small batch sizes")
@@ -221,6 +243,16 @@ def main() -> None:
     opts = ap.parse_args()
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
     import triton
+    if opts.tiles:
+        report = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else
+                      platform.processor(), torch=torch.__version__, triton=triton.__version__,
+                      settings=s, command=" ".join(["benchmarks/attention_kernel.py"]
+                                                   + sys.argv[1:]),
+                      tiles=tile_sweep(opts.tiles, opts.tile_bs, s, device))
+        out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        (out_dir / "attention_tiles.json").write_text(json.dumps(report, indent=1))
+        return
     report = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
                   torch=torch.__version__, triton=triton.__version__, settings=s,
                   target=dataclasses.asdict(target_for_device(device)),

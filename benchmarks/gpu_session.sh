@@ -11,7 +11,7 @@
 # verify_quick_keys64, verify_quick_noearly, verify_quick_rope16, verify_quick_noearlyw, tests_early, profile_nopdl, inductor_code,
 # tests_skinny, tests_pdl, tests_meta,
 # tests_step, profile_mid, mid_gemm, mid_tunable, v864, v64_256, v8, v8_split16, v64,
-# v64_stages4, v1_8, v64_nosplit, splitk_op, hbm_read, step_bound, hbm_paged,
+# v64_stages4, v1_8, v64_nosplit, splitk_op, hbm_read, step_bound, hbm_paged, attn_tiles,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # splitk_mid, compile_cold, compile_cold_noahead, compile_warm, tests_ahead, jit_parallel,
 # hybrid_kernels, hybrid_step, rotary,
@@ -104,6 +104,8 @@ job() {
     hbm_read) python3 benchmarks/hbm_read.py ;;
     step_bound) python3 benchmarks/step_bound.py ;;
     hbm_paged) python3 benchmarks/hbm_read.py --paged ;;
+    attn_tiles) python3 benchmarks/attention_kernel.py --tiles 32,4,3,128 64,8,3,none \
+        64,8,2,none 64,8,4,none 32,8,3,none 64,4,3,128 128,8,2,none 32,4,3,128 ;;
     v64_nosplit) python3 benchmarks/verify_step.py --quick --bs 64 --target mid_split_k=1 ;;
     skinny) python3 benchmarks/skinny_kernel.py --sweep ;;
     compile_cold)  # empty Inductor and Triton caches, as on a new machine
