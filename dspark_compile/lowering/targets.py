@@ -203,6 +203,15 @@ class TargetConfig:
 # 4 stages instead of 3 (tile 32): whole step bs 64 2.3819 ms against 2.3419 in one session
 # at 5bc0c5d (verify_step.py --quick --bs 64 --target attn_num_stages=4,
 # verify_step_quick_attn_num_stages_4_bs64.json against verify_step_quick_bs64.json).
+# At b287f27 the table's choice (tile 32, 4 warps, 3 stages, cap 128) was still the fastest at
+# bs 64 / 256, mean-3 mix: 70.5 / 268.6 us, against 79.1 / 298.5 for tile 64 with 8 warps and
+# 3 stages, 80.1 / 304.5 for tile 128 with 8 warps and 2 stages, 86.6 / 280.9 for tile 64 with
+# 4 warps, 3 stages and the cap, 107.0 / 331.9 for tile 32 with 8 warps (attention_tiles.json,
+# `attention_kernel.py --tiles ...`). A plain kernel that only reads the same pages in the same
+# order with tile 32 / 4 warps / 3 stages takes 72.5 us at bs 64 (`hbm_read.py --paged`,
+# hbm_read_paged.json), so the attention's arithmetic is hidden behind its reads; that read
+# pattern with tile 64 and 8 warps takes 66.3 us, a contiguous read of the same bytes 61.6, and
+# a head-major pool ([pages, Hkv, page, D]) reads no faster than this one (72.3 / 66.1 us).
 # The sm_80 and AMD entries are untuned starting points (no A100 or MI300 was available):
 # 2 stages is what the AMD stream pipeliner is built around, and 4 wavefronts of 64 lanes
 # give 256 threads a program.
