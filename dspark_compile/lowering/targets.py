@@ -153,7 +153,8 @@ class TargetConfig:
     768 rows for 1 / 2 / 4 / 8 chunks (``benchmarks/splitk_bmm.py --op``, splitk_bmm_op.json):
     17.9 / 17.7 / 18.0 / 19.3; 19.0 / 19.5 / 18.6 / 20.6; 27.3 / 23.5 / 21.5 / 25.3;
     36.2 / 29.9 / 31.2 / 37.5; 49.0 / 50.3 / 55.7 / 71.7. Whole step at bs 64 (192 rows),
-    one session: 2.2554 ms against 2.3545 with ``--target mid_split_k=1``."""
+    one session at aea1538: 2.2554 ms against 2.3545 with ``--target mid_split_k=1``
+    (verify_step_quick_bs64_aea1538.json, verify_step_quick_mid_split_k_1_bs64_aea1538.json)."""
     mid_split_full_m: int = 192
     """Rows up to which ``mid_split_k`` chunks are taken whole (halved per doubling past it)."""
     mid_split_max_m: int = 384
