@@ -11,7 +11,7 @@
 # verify_quick_keys64, verify_quick_noearly, verify_quick_rope16, verify_quick_noearlyw, tests_early, profile_nopdl, inductor_code,
 # tests_skinny, tests_pdl, tests_meta,
 # tests_step, profile_mid, mid_gemm, mid_tunable, v864, v64_256, v8, v8_split16, v64,
-# v64_stages4, v1_8, v64_nosplit, splitk_op, hbm_read, step_bound, hbm_paged, attn_tiles,
+# v64_stages4, v1_8, v64_nosplit, splitk_op, hbm_read, step_bound, hbm_paged, attn_tiles, mid_rows,
 # profile_step, profile_step_grouped, attention, attention_small, tests_attention, splitk, skinny,
 # splitk_mid, compile_cold, compile_cold_noahead, compile_warm, tests_ahead, jit_parallel,
 # hybrid_kernels, hybrid_step, rotary,
@@ -79,6 +79,8 @@ job() {
     profile_mid) python3 benchmarks/profile_step.py --bs 64 256 ;;
     mid_gemm) python3 benchmarks/mid_gemm.py --budget-s 240 ;;
     mid_tunable) python3 benchmarks/mid_gemm.py --tunable ;;
+    mid_rows) python3 benchmarks/mid_gemm.py --rows 192 --rows-resident \
+        --shapes gate_up qkv lm_head o --budget-s 260 ;;
     v64_256) python3 benchmarks/verify_step.py --quick --bs 64 256 ;;
     v8) python3 benchmarks/verify_step.py --quick --bs 8 ;;
     v64) python3 benchmarks/verify_step.py --quick --bs 64 ;;

@@ -9,6 +9,7 @@ weight read at 4.8 TB/s and the multiply at 790 TFLOPS.
 
     python benchmarks/mid_gemm.py [--rows 192 768] [--budget-s 300]   # mid_gemm.json
     python benchmarks/mid_gemm.py --tunable   # torch.mm after TunableOp: mid_gemm_tunable.json
+    python benchmarks/mid_gemm.py --rows 192 --rows-resident   # every row in one program
 """
 
 from __future__ import annotations
@@ -84,11 +85,49 @@ def _mm_tma_kernel(x_desc, w_desc, out_desc, M, N, K, BM: tl.constexpr, BN: tl.c
     out_desc.store([pid_m * BM, pid_n * BN], acc.to(out_desc.dtype))
 
 
+@triton.jit
+def _mm_rows_kernel(x_desc, w_desc, out_desc, K, MT: tl.constexpr, BN: tl.constexpr,
+                    BK: tl.constexpr):
+    """Every row in one program (``MT`` tiles of 64, up to 256 rows), a column slice of ``BN``
+    per program: each weight tile is loaded once, by one program, and serves all the rows
+    (tensor descriptors; rows past M read as zeros and are not stored)."""
+    col = tl.program_id(0) * BN
+    acc0 = tl.zeros([64, BN], tl.float32)
+    acc1 = tl.zeros([64, BN], tl.float32)
+    acc2 = tl.zeros([64, BN], tl.float32)
+    acc3 = tl.zeros([64, BN], tl.float32)
+    for k in range(0, K, BK):
+        b = w_desc.load([col, k]).T
+        acc0 = tl.dot(x_desc.load([0, k]), b, acc0)
+        if MT > 1:
+            acc1 = tl.dot(x_desc.load([64, k]), b, acc1)
+        if MT > 2:
+            acc2 = tl.dot(x_desc.load([128, k]), b, acc2)
+        if MT > 3:
+            acc3 = tl.dot(x_desc.load([192, k]), b, acc3)
+    out_desc.store([0, col], acc0.to(out_desc.dtype))
+    if MT > 1:
+        out_desc.store([64, col], acc1.to(out_desc.dtype))
+    if MT > 2:
+        out_desc.store([128, col], acc2.to(out_desc.dtype))
+    if MT > 3:
+        out_desc.store([192, col], acc3.to(out_desc.dtype))
+
+
 def triton_calls(x, ws, cfg):
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     m, k = x.shape
     n = ws[0].shape[0]
+    if cfg.get("rows_resident"):
+        bn, bk = cfg["bn"], cfg["bk"]
+        out = torch.empty(m, n, device=x.device, dtype=x.dtype)
+        xd = TensorDescriptor.from_tensor(x, [64, bk])
+        od = TensorDescriptor.from_tensor(out, [64, bn])
+        wds = [TensorDescriptor.from_tensor(w, [bn, bk]) for w in ws]
+        opts = dict(num_warps=cfg["warps"], num_stages=cfg["stages"])
+        return out, [lambda wd=wd: _mm_rows_kernel[(triton.cdiv(n, bn),)](
+            xd, wd, od, k, MT=triton.cdiv(m, 64), BN=bn, BK=bk, **opts) for wd in wds]
     bm, bn, bk, split = cfg["bm"], cfg["bn"], cfg["bk"], cfg["split_k"]
     grid = (triton.cdiv(m, bm) * triton.cdiv(n, bn), split)
     opts = dict(num_warps=cfg["warps"], num_stages=cfg["stages"])
@@ -131,6 +170,17 @@ def configs(m: int, n: int, k: int, sms: int):
                        m_fast=m_fast, split_k=split)
 
 
+def rows_configs(m: int):
+    """Tiles of the row-resident kernel (``m`` <= 256): column slice, K step, warps, stages,
+    within 220 KB of shared memory."""
+    mt = triton.cdiv(m, 64)
+    for bn, bk, warps, stages in itertools.product((64, 128, 256), (64, 128), (4, 8),
+                                                   (2, 3, 4)):
+        if stages * (mt * 64 + bn) * bk * 2 > 220 * 1024 or (bn == 256 and warps == 4):
+            continue
+        yield dict(rows_resident=True, bn=bn, bk=bk, warps=warps, stages=stages, split_k=1)
+
+
 def tunable_mm(x, ws, reps: int, want, out_dir: Path) -> dict:
     """us per ``torch.mm`` once TunableOp has tuned this shape (then tuning off, TunableOp on
     while timing) and its max error."""
@@ -157,6 +207,9 @@ def main() -> None:
     ap.add_argument("--rows", type=int, nargs="+", default=[192, 768])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--budget-s", type=float, default=300.0)
+    ap.add_argument("--rows-resident", action="store_true",
+                    help="sweep the row-resident kernel (every row in one program) instead, "
+                         "rows <= 256: mid_gemm_rows_resident.json")
     ap.add_argument("--tunable", action="store_true",
                     help="instead of the Triton sweep, torch.mm again after PyTorch's TunableOp "
                          "picked its GEMM (cuBLAS / cuBLASLt algorithms, timed over a 256 MB "
@@ -175,9 +228,14 @@ def main() -> None:
 
     if opts.tunable:
         report["environment"]["command"] += " --tunable"
+    if opts.rows_resident:
+        report["environment"]["command"] += " --rows-resident"
+        if max(opts.rows) > 256:
+            raise SystemExit(f"--rows-resident takes rows <= 256, not {max(opts.rows)}")
 
     def save():
-        name = "mid_gemm_tunable.json" if opts.tunable else "mid_gemm.json"
+        name = ("mid_gemm_tunable.json" if opts.tunable else
+                "mid_gemm_rows_resident.json" if opts.rows_resident else "mid_gemm.json")
         (out_dir / name).write_text(json.dumps(report, indent=1))
 
     for m in opts.rows:
@@ -200,7 +258,7 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 save()
                 continue
-            for cfg in configs(m, n, k, sms):
+            for cfg in (rows_configs(m) if opts.rows_resident else configs(m, n, k, sms)):
                 if time.perf_counter() - t0 > opts.budget_s:
                     report["stopped"] = "budget"
                     break
