@@ -68,7 +68,46 @@ def _paged_read_kernel(k_ptr, v_ptr, bt_ptr, out_ptr, pages_per_req, stride_page
     tl.store(out_ptr + (req * HKV + head) * D + offs_d, tl.sum(acc, 0))
 
 
+@triton.jit
+def _paged_dots_kernel(q_ptr, k_ptr, v_ptr, k_desc, v_desc, bt_ptr, out_ptr, pages_per_req,
+                       stride_page, stride_row, stride_head, HKV: tl.constexpr,
+                       TILE: tl.constexpr, PAGE: tl.constexpr, D: tl.constexpr,
+                       TMA: tl.constexpr):
+    """The attention's loop without its softmax: per (request, KV head), ``acc += (q @ K.T)
+    @ V`` over the request's pages, K/V tiles loaded by pointers (``TILE`` keys a step) or,
+    with ``TMA``, one page a step through tensor descriptors over ``[pages * page, Hkv * D]``."""
+    req = tl.program_id(0)
+    head = tl.program_id(1)
+    offs_d = tl.arange(0, D)
+    q = tl.load(q_ptr + tl.arange(0, 16)[:, None] * D + offs_d[None, :])
+    acc = tl.zeros([16, D], tl.float32)
+    if TMA:
+        for p in range(0, pages_per_req):
+            page = tl.load(bt_ptr + req * pages_per_req + p)
+            k = k_desc.load([page * PAGE, head * D])
+            v = v_desc.load([page * PAGE, head * D])
+            s = tl.dot(q, tl.trans(k))
+            acc = tl.dot(s.to(v.dtype), v, acc)
+    else:
+        offs_n = tl.arange(0, TILE)
+        pos = offs_n
+        page = tl.load(bt_ptr + req * pages_per_req + pos // PAGE).to(tl.int64)
+        for t in range(0, pages_per_req * PAGE // TILE):
+            rows = page * stride_page + (pos % PAGE) * stride_row + head * stride_head
+            pos = (t + 1) * TILE + offs_n
+            page = tl.load(bt_ptr + req * pages_per_req + pos // PAGE,
+                           mask=pos < pages_per_req * PAGE, other=0).to(tl.int64)
+            k = tl.load(k_ptr + rows[:, None] + offs_d[None, :])
+            v = tl.load(v_ptr + rows[:, None] + offs_d[None, :])
+            s = tl.dot(q, tl.trans(k))
+            acc = tl.dot(s.to(v.dtype), v, acc)
+    tl.store(out_ptr + ((req * HKV + head) * 16 + tl.arange(0, 16))[:, None] * D
+             + offs_d[None, :], acc)
+
+
 PAGED = dict(requests=64, context=1024, page=16, kv_heads=8, head_dim=128)
+DOTS_CONFIGS = ((False, 32, 4, 3), (True, 16, 4, 3), (True, 16, 4, 4), (True, 16, 4, 6),
+                (True, 16, 8, 4))
 PAGED_TILES = ((32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 8, 3))
 
 
@@ -101,7 +140,32 @@ def paged(dev, sms: int) -> dict:
             rows.append({"layout": name, "tile": tile, "warps": warps, "stages": stages,
                          "us": us, "bytes_per_s": LAYER_KV_BYTES / (us * 1e-6)})
             print(rows[-1], flush=True)
-    return {"settings": PAGED, "programs": r * hkv, "sm_count": sms, "rows": rows}
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    q = torch.randn(16, d, device=dev, dtype=torch.bfloat16) * 0.05
+    acc_out = torch.empty(r * hkv * 16, d, device=dev, dtype=torch.float32)
+    strides = layouts["page_row_head"]
+    descs = [(TensorDescriptor.from_tensor(k.view(pages * pg, hkv * d), [pg, d]),
+              TensorDescriptor.from_tensor(v.view(pages * pg, hkv * d), [pg, d]))
+             for k, v in pools]
+    dots = []
+    for tma, tile, warps, stages in DOTS_CONFIGS:
+        def run(i, tma=tma, tile=tile, warps=warps, stages=stages):
+            _paged_dots_kernel[(r, hkv)](q, *pools[i], *descs[i], bt, acc_out, per_req,
+                                         *strides, HKV=hkv, TILE=tile, PAGE=pg, D=d, TMA=tma,
+                                         num_warps=warps, num_stages=stages)
+
+        run(0)
+        ref = acc_out.clone()
+        run(0)
+        us = time_calls([lambda i=i, f=run: f(i) for i in range(len(pools))], TIMING,
+                        "cuda")["graph_us"]
+        dots.append({"tma": tma, "tile": tile, "warps": warps, "stages": stages, "us": us,
+                     "bytes_per_s": LAYER_KV_BYTES / (us * 1e-6),
+                     "repeatable": bool(torch.equal(ref, acc_out))})
+        print(dots[-1], flush=True)
+    return {"settings": PAGED, "programs": r * hkv, "sm_count": sms, "rows": rows,
+            "dots": dots}
 
 
 def main() -> None:
