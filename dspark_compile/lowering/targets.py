@@ -213,6 +213,9 @@ class TargetConfig:
 # hbm_read_paged.json), so the attention's arithmetic is hidden behind its reads; that read
 # pattern with tile 64 and 8 warps takes 66.3 us, a contiguous read of the same bytes 61.6, and
 # a head-major pool ([pages, Hkv, page, D]) reads no faster than this one (72.3 / 66.1 us).
+# The context loop alone (both dots, no softmax, tile 32) takes 66.3 us; with one page a step
+# through tensor descriptors (TMA) 83.3 us at 3 or 4 stages, 66.8 at 6, 110.4 on 8 warps
+# (same file, "dots"), so TMA page loads are no lead here.
 # The sm_80 and AMD entries are untuned starting points (no A100 or MI300 was available):
 # 2 stages is what the AMD stream pipeliner is built around, and 4 wavefronts of 64 lanes
 # give 256 threads a program.
