@@ -151,7 +151,9 @@ AOT_CASES = {  # case -> (kernel, dtype, constexprs)
                              dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT=True, EVEN_K=True)),
     "group_fp16_m64": ("_linear_group_kernel", "fp16",
                        dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=128, SPLIT=False, EVEN_K=False)),
-    "reduce_bf16": ("_linear_reduce_kernel", "bf16", dict(BLOCK_N=64)),
+    "reduce_bf16": ("_linear_reduce_kernel", "bf16", dict(BLOCK_N=64, HAS_BIAS=False,
+                                                          PDL=False)),
+    "reduce_bf16_bias": ("_linear_reduce_kernel", "bf16", dict(BLOCK_N=1024, HAS_BIAS=True)),
 }
 
 

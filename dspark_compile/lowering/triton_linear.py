@@ -30,6 +30,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch
+from .pdl import pdl_enter
 from .targets import TargetConfig
 from .triton_attention import _device_target
 
@@ -104,9 +105,13 @@ def _linear_group_kernel(
 
 
 @triton.jit(do_not_specialize=["m", "split_k"])
-def _linear_reduce_kernel(part_ptr, o0_ptr, o1_ptr, o2_ptr, m, n0, n1, n2, t0, t1, col1, col2,
-                          n_total, split_k, BLOCK_N: tl.constexpr):
-    """One (row, column tile): the sum of the split partials, in split order, cast."""
+def _linear_reduce_kernel(part_ptr, o0_ptr, o1_ptr, o2_ptr, bias_ptr, m, n0, n1, n2, t0, t1,
+                          col1, col2, n_total, split_k, BLOCK_N: tl.constexpr,
+                          HAS_BIAS: tl.constexpr, PDL: tl.constexpr):
+    """One (row, column tile): the sum of the split partials ``[split_k, m, n_total]``, in
+    split order, plus (``HAS_BIAS``) ``bias [n_total]`` (the group's biases side by side), in
+    fp32, cast once. Also the sum launch of ``triton_skinny._split_mm`` (a group of one)."""
+    pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     tile = tl.program_id(1)
     o_ptr = _pick(tile, t0, t1, o0_ptr, o1_ptr, o2_ptr)
@@ -116,6 +121,8 @@ def _linear_reduce_kernel(part_ptr, o0_ptr, o1_ptr, o2_ptr, m, n0, n1, n2, t0, t
     acc = tl.zeros([BLOCK_N], tl.float32)
     for s in range(split_k):
         acc += tl.load(part_ptr + (s * m + row) * n_total + col + offs_n, mask=n_ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + col + offs_n, mask=n_ok, other=0.0).to(tl.float32)
     tl.store(o_ptr + row * n + offs_n, acc.to(o_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -212,6 +219,6 @@ def linear_group_triton(x: torch.Tensor, weights: list[torch.Tensor],
         num_warps=plan.num_warps, num_stages=plan.num_stages)
     if split:
         launch(_linear_reduce_kernel, (m, sum(plan.tiles)),
-            part, *os_, m, *ns3, t0, t1, col1, col2, n_total, plan.split_k,
-            BLOCK_N=plan.block_n, num_warps=4)
+            part, *os_, part, m, *ns3, t0, t1, col1, col2, n_total, plan.split_k,
+            BLOCK_N=plan.block_n, HAS_BIAS=False, PDL=False, num_warps=4)
     return outs

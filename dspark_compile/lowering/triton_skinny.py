@@ -48,6 +48,7 @@ from .launch import launch
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .targets import TargetConfig
 from .triton_attention import _counters, _device_target
+from .triton_linear import _linear_reduce_kernel
 from .triton_rotary import _rotate_halves, _round, rotary_apply_triton
 
 __all__ = ["SkinnyPlan", "plan_skinny", "skinny_linear_triton"]
@@ -592,23 +593,6 @@ def _mid_split(m: int, n: int, k: int, glu_out: bool, cfg: TargetConfig) -> int:
     return 1 if k % (8 * s) else s
 
 
-@triton.jit
-def _split_sum_kernel(part_ptr, bias_ptr, out_ptr, m, n, stride_om, CHUNKS: tl.constexpr,
-                      HAS_BIAS: tl.constexpr, BLOCK_N: tl.constexpr, PDL: tl.constexpr):
-    """``out[row, cols] = dtype(sum_c part[c, row, cols] (+ bias))``: the chunks in order, in
-    fp32, rounded once (replays are bitwise equal)."""
-    pdl_enter(PDL)
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
-    ok = cols < n
-    acc = tl.zeros([BLOCK_N], tl.float32)
-    for c in tl.static_range(CHUNKS):
-        acc += tl.load(part_ptr + (c * m + row) * n + cols, mask=ok, other=0.0)
-    if HAS_BIAS:
-        acc += tl.load(bias_ptr + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(out_ptr + row * stride_om + cols, acc.to(out_ptr.dtype.element_ty), mask=ok)
-
-
 def _split_partials(a: torch.Tensor, w: torch.Tensor, chunks: int) -> torch.Tensor:
     """fp32 ``[chunks, M, N]``: ``a @ w.T`` over each of ``chunks`` equal K ranges, as one
     batched GEMM over strided views (nothing copied). On a CPU (the interpreter's tests) the
@@ -626,16 +610,19 @@ def _split_partials(a: torch.Tensor, w: torch.Tensor, chunks: int) -> torch.Tens
 def _split_mm(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, chunks: int,
               pdl: bool) -> torch.Tensor:
     """``a @ w.T (+ bias)`` in ``a``'s dtype as ``chunks`` K-chunk partials and one sum launch
-    (``TargetConfig.mid_split_k``): at 192 rows the 1.1B model's down projection (2048 x 8192)
-    has too few output tiles for the H200's 132 multiprocessors, and cuBLAS's own split-K
-    measured slower (``benchmarks/splitk_bmm.py``)."""
+    (``triton_linear._linear_reduce_kernel``; ``TargetConfig.mid_split_k``): at 192 rows the
+    1.1B model's down projection (2048 x 8192) has too few output tiles for the H200's 132
+    multiprocessors, and cuBLAS's own split-K measured slower (``benchmarks/splitk_bmm.py``)."""
     m, n = a.shape[0], w.shape[0]
     part = _split_partials(a, w, chunks)
     out = a.new_empty((m, n))
     block_n = min(1024, triton.next_power_of_2(n))
-    launch(_split_sum_kernel, (m, triton.cdiv(n, block_n)),
-        part, bias if bias is not None else part, out, m, n, out.stride(0), CHUNKS=chunks,
-        HAS_BIAS=bias is not None, BLOCK_N=block_n, PDL=pdl, num_warps=4, **pdl_options(pdl))
+    tiles = triton.cdiv(n, block_n)
+    # the grouped matmul's sum launch, for a group of one (no second or third output)
+    launch(_linear_reduce_kernel, (m, tiles),
+        part, out, out, out, bias if bias is not None else part, m, n, 0, 0, tiles, 0, n, n, n,
+        chunks, BLOCK_N=block_n, HAS_BIAS=bias is not None, PDL=pdl, num_warps=4,
+        **pdl_options(pdl))
     return out
 
 
