@@ -28,6 +28,7 @@ demo: $(STAMP)
 # at fe7310d against 12 in one process). TEST_WORKERS=0 runs them in this process.
 TEST_WORKERS ?= 2
 test: $(STAMP)
+	$(PYTHON) -c "import sys; from importlinter.cli import lint_imports_command as l; sys.exit(l())"
 	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) tests
 
 test-gpu:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass, fields, replace
 
-__all__ = ["DSparkConfig"]
+__all__ = ["DSparkConfig", "ResolvedConfig"]
+
+log = logging.getLogger("dspark_compile")
 
 GROUP_LINEARS = ("auto", "concat", "triton", "off")
 """The values of ``DSparkConfig.group_linears``."""
@@ -34,9 +37,9 @@ class DSparkConfig:
     """Matmuls by weights that share their rows (q, k, v; gate, up):
 
     - ``"concat"``: one matmul by the weights stacked into one buffer (the parameters become
-      row views of it; ``lowering/concat_linear.py``), then column slices of the product;
+      row views of it; ``passes/concat_linear.py``), then column slices of the product;
     - ``"triton"``: one ``dspark::linear_group`` each, a Triton kernel streaming the group in
-      one launch with split-K (``lowering/triton_linear.py``);
+      one launch with split-K (``kernels/linear.py``);
     - ``"off"``: one matmul per weight, as the model wrote it;
     - ``"auto"`` (default): ``"concat"`` with the Triton lowering, ``"off"`` with the reference
       one (so the CPU reference stays bitwise equal to the dense graph; the stacked GEMM may
@@ -57,7 +60,7 @@ class DSparkConfig:
     ``"inductor"`` (``benchmarks/step_variants.py``)."""
     fuse_linears: str = "auto"
     """Each weight's matmul with the RMSNorm or SiLU-and-mul before it and the residual add
-    after it: ``"on"`` makes them one ``dspark::skinny_linear`` (``lowering/fuse_linear.py``;
+    after it: ``"on"`` makes them one ``dspark::skinny_linear`` (``passes/fuse_linear.py``;
     on a GPU one launch of a Triton kernel built for a verify step's few rows, up to
     ``TargetConfig.skinny_max_m`` rows, and the input's launch plus the vendor GEMM above),
     ``"off"`` leaves them to the packed graph, ``"auto"`` (default) is ``"on"`` with the Triton
@@ -72,7 +75,7 @@ class DSparkConfig:
     rotary_epilogue: str = "auto"
     """``"on"``: each layer's q/k rotation (``rotary="triton"``'s ``dspark::rotary_apply``)
     moves into the q/k/v ``dspark::skinny_linear`` (``fuse_linears`` on), one launch fewer a
-    layer (``lowering/fuse_linear.py``'s ``fuse_rotary_epilogue``); the op rotates in its
+    layer (``passes/fuse_linear.py``'s ``fuse_rotary_epilogue``); the op rotates in its
     epilogue from ``TargetConfig.skinny_rope_min_m`` rows (1 on every target), and with fewer
     rows the rotary kernel after the matmul. ``"off"`` keeps the rotary launch; ``"auto"``
     (default) is ``"on"``. On the CPU the verifier equals the one without it bit for bit.
@@ -117,3 +120,45 @@ class DSparkConfig:
         if unknown:
             raise TypeError(f"DSparkConfig has no field(s) {unknown}; known: {sorted(known)}")
         return replace(self, **overrides)
+
+    def resolve(self, device_type: str) -> "ResolvedConfig":
+        """Every ``"auto"`` decided for a device of ``device_type`` (``"cuda"`` for CUDA and
+        ROCm, ``"cpu"``): done once, before the pass pipeline runs.
+
+        ``lowering="auto"`` takes Triton on CUDA and ROCm devices and the reference on the CPU,
+        and says which once in the log; ``lowering="triton"`` off a GPU is refused."""
+        lowering = self.lowering
+        if lowering == "auto":
+            lowering = "triton" if device_type == "cuda" else "reference"
+            log.info("dspark_compile: lowering=%s on %s", lowering, device_type)
+        elif lowering == "triton" and device_type != "cuda":
+            raise ValueError(f"lowering='triton' needs a CUDA or ROCm device; the model is on "
+                             f"{device_type}. Use lowering='reference' (or 'auto') on the CPU")
+        triton = lowering == "triton"
+        fuse = self.fuse_linears == "on" or (self.fuse_linears == "auto" and triton)
+        return ResolvedConfig(
+            lowering=lowering, block=self.block,
+            group_linears=("concat" if triton else "off") if self.group_linears == "auto"
+            else self.group_linears,
+            rotary=("triton" if triton else "inductor") if self.rotary == "auto" else self.rotary,
+            fuse_linears=fuse, rotary_epilogue=fuse and self.rotary_epilogue != "off")
+
+
+@dataclass(frozen=True)
+class ResolvedConfig:
+    """The pass pipeline's settings: a :class:`DSparkConfig` with every ``"auto"`` decided for
+    one device (``DSparkConfig.resolve``). Passes read these; none resolves a setting itself."""
+
+    lowering: str = "reference"
+    """``"triton"`` or ``"reference"``."""
+    block: int = 8
+    """The verify block (the Triton attention's query-tile bound)."""
+    group_linears: str = "off"
+    """``"concat"``, ``"triton"`` or ``"off"``."""
+    rotary: str = "inductor"
+    """``"triton"`` or ``"inductor"``."""
+    fuse_linears: bool = False
+    """Make matmuls with their norm / SiLU-and-mul and residual add ``dspark::skinny_linear``."""
+    rotary_epilogue: bool = False
+    """Move each q/k rotation into the q/k/v ``dspark::skinny_linear`` (needs fuse_linears)."""
+

@@ -9,6 +9,7 @@
 
 from __future__ import annotations
 
+import weakref
 from collections import Counter
 
 import torch
@@ -16,16 +17,16 @@ from torch import nn
 
 from .config import DSparkConfig
 from .frontend.adapters import ModelAdapter, adapter_for
-from .graphs.runner import TierGraphs, TierReport
-from .graphs.tiers import Tier, tier_set
 from .frontend.capture import CapturedGraph, capture_dense
 from .layout import VerifyLayout
-from .linear_state import LinearPools, RingSpec
-from .lowering.concat_linear import stack_weights
-from .lowering.ops import LOWERED
-from .lowering.select import compile_rest, lower, resolve_lowering
-from .passes import PassContext, PassResult, run_passes
-from .state import VerifierState
+from .graph_inputs import KV_KINDS, LINEAR_KINDS, RING_KINDS, WEIGHT_KINDS, InputKind
+from .kernels.ops import LOWERED
+from .passes import PassContext, PassResult, run_pipeline
+from .passes.concat_linear import stack_weights
+from .passes.inductor import compile_rest
+from .session import Tier, TierGraphs, VerifySession, tier_set
+from .specs import RingSpec
+from .state import LinearPools, VerifierState
 
 __all__ = ["Verifier", "dspark_compile"]
 
@@ -42,21 +43,15 @@ def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     if param is None:
         raise TypeError(f"dspark_compile: {type(model).__name__} has no floating-point weights")
-    lowering = resolve_lowering(config.lowering, param.device)  # refuse before any work
+    settings = config.resolve(param.device.type)  # every "auto" decided, before any work
     captured = capture_dense(adapter, param.dtype, param.device)
-    ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs))
-    gm, results = run_passes(captured.gm, ctx)
-    results.extend(lower(gm, lowering, config.block, config.group_linears, config.rotary,
-                         ctx.inputs, config.fuse_linears, config.rotary_epilogue))
+    ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs), settings)
+    gm, results = run_pipeline(captured.gm, ctx)
     return Verifier(adapter, gm, ctx.inputs, results, captured, config, param.dtype,
-                    param.device, lowering)
+                    param.device, settings.lowering)
 
 
 OPS = torch.ops.dspark
-WEIGHT_KINDS = ("param", "buffer", "param_concat")
-"""Input kinds the model's weights fill (``param_concat``: stacked by ``concat_linears``)."""
-RING_KINDS = ("conv_ring", "gdn_ring_k", "gdn_ring_v", "gdn_ring_g", "gdn_ring_beta")
-"""Input kinds of the replay rings the ragged linear passes add."""
 
 
 def _op_summary(gm) -> Counter:
@@ -64,7 +59,7 @@ def _op_summary(gm) -> Counter:
                    for n in gm.graph.nodes if n.op == "call_function")
 
 
-_AXIS = {"mrope_positions": 1, "deepstack_embeds": 1}
+_AXIS = {InputKind.MROPE_POSITIONS.value: 1, InputKind.DEEPSTACK_EMBEDS.value: 1}
 """Inputs whose token axis is not the first."""
 
 
@@ -115,6 +110,11 @@ class Verifier:
         self._commit_ops = {  # the linear-state commits, in the forward's lowering
             "conv": table.get(OPS.causal_conv1d_commit, OPS.causal_conv1d_commit),
             "gdn": table.get(OPS.gated_delta_rule_commit, OPS.gated_delta_rule_commit)}
+        self._states: weakref.WeakSet[VerifierState] = weakref.WeakSet()
+        """The states this verifier's ``new_state`` made (their pools fit this model only)."""
+        self._sessions: weakref.WeakKeyDictionary[VerifierState, VerifySession] = \
+            weakref.WeakKeyDictionary()
+        """The session ``capture`` installed per state."""
 
     # ------------------------------------------------------------------ state
     def new_state(self, max_requests: int, max_context: int, page_size: int | None = None,
@@ -131,7 +131,7 @@ class Verifier:
             state.linear = LinearPools.allocate(
                 self.adapter.linear_specs, self._ring_specs(), max_requests,
                 max_step_tokens or self.config.max_step_tokens, self.dtype, self.device)
-        state.owner = self
+        self._states.add(state)
         return state
 
     def _ring_specs(self) -> list[RingSpec]:
@@ -176,15 +176,16 @@ class Verifier:
         self._check_weights_bound()
         if not isinstance(layout, VerifyLayout):
             raise ValueError(f"layout is a {type(layout).__name__}; it must be a VerifyLayout")
-        if state.owner is not self:
+        if not isinstance(state, VerifierState) or state not in self._states:
             raise ValueError("state was not made by this verifier's new_state; its KV pools "
                              "do not fit this model")
         state.check_layout(layout, input_ids.numel())
         self._check_mrope(layout, vision_embeds, input_ids.numel(), deepstack_embeds)
         explicit = vision_embeds is not None or deepstack_embeds is not None or \
             layout.mrope_positions is not None
-        if state.graphs is not None and not explicit:
-            return state.graphs(input_ids, layout)
+        session = self._sessions.get(state)
+        if session is not None and not explicit:
+            return session.graphs(input_ids, layout)
         dev = state.block_table.device
         deltas = None if self.adapter.mrope is None else _deltas(layout).to(dev)
         return self._packed(input_ids, layout.query_start_loc.to(dev),
@@ -278,31 +279,46 @@ class Verifier:
     def capture(self, state: VerifierState, tiers: tuple[Tier, ...] | None = None,
                 block: int | None = None, progress: bool = True, use_graphs: bool | None = None,
                 debug: bool = False, commit_graphs: bool = True,
-                compile_ahead: bool = True) -> list[TierReport]:
-        """Capture the packed forward per token tier for ``state``; later calls on ``state``
-        replay the smallest tier that holds the batch.
+                compile_ahead: bool = True) -> VerifySession:
+        """Capture the packed forward per token tier for ``state`` and install the session
+        that owns the graphs: later calls on ``state`` (through the verifier or the returned
+        session) replay the smallest tier that holds the batch. A second capture of the same
+        state replaces the first session.
 
         ``tiers`` defaults to ``tier_set(state.max_requests, block)``. Without a GPU (or with
         ``use_graphs=False``) nothing is captured but calls still go through the static,
         padded buffers. Models with linear-attention layers also capture their commit, one graph
         per request-slot count (``commit_graphs=False``: commits run eagerly). The Triton
         kernels of every tier compile side by side before the first capture
-        (``compile_ahead=False``: each compiles when a capture first launches it). Returns the
-        time and pool memory each tier took (empty if not captured).
+        (``compile_ahead=False``: each compiles when a capture first launches it). The session's
+        ``reports`` hold the time and pool memory each tier took (empty if not captured).
         """
         self._check_weights_bound()
+        if state not in self._states:
+            raise ValueError("capture: state was not made by this verifier's new_state")
         block = block or self.config.block
         tiers = tiers or tier_set(state.max_requests, block)
         vocab = self.graph_module.graph.find_nodes(op="output")[0].args[0].meta["val"].shape[1]
         mrope = self.adapter.mrope is not None
         commit = None if state.linear is None or not commit_graphs else (
-            lambda qsl, slots, acc: state.linear.commit(self._commit_ops, qsl, slots, acc))
+            lambda qsl, slots, acc: state.linear.replay_accepted(self._commit_ops, qsl, slots,
+                                                                 acc))
         graphs = TierGraphs(
             lambda ids, qsl, ctx, slots, deltas: self._packed(
                 ids, qsl, ctx, slots, state, deltas if mrope else None),
             tiers, int(vocab), self.dtype, state.block_table.device, use_graphs, debug, commit)
-        state.graphs = graphs
-        return graphs.capture(progress, compile_ahead) if graphs.use_graphs else []
+        reports = graphs.capture(progress, compile_ahead) if graphs.use_graphs else []
+        session = self._sessions[state] = VerifySession(self, state, graphs, reports)
+        return session
+
+    def session(self, state: VerifierState) -> VerifySession | None:
+        """The session ``capture`` installed for ``state``, or None."""
+        return self._sessions.get(state)
+
+    def drop_session(self, state: VerifierState) -> None:
+        """Forget ``state``'s tier graphs (their memory goes when nothing else holds them);
+        later calls on ``state`` run the packed forward eagerly."""
+        self._sessions.pop(state, None)
 
     def _arguments(self, specs, values: dict, state: VerifierState) -> list:
         """Graph arguments in placeholder order: weights, pools, then ``values`` by kind."""
@@ -310,18 +326,18 @@ class Verifier:
         for spec in specs:
             if spec.kind in WEIGHT_KINDS:
                 args.append(self._weights[spec.name])
-            elif spec.kind in ("k_cache", "v_cache"):
+            elif spec.kind in KV_KINDS:
                 index = int(spec.name.rsplit("_", 1)[1])
-                args.append(state.kv_caches[index][0 if spec.kind == "k_cache" else 1])
-            elif spec.kind in ("conv_state", "recurrent_state"):
+                args.append(state.kv_caches[index][0 if spec.kind == InputKind.K_CACHE else 1])
+            elif spec.kind in LINEAR_KINDS:
                 index = int(spec.name.rsplit("_", 1)[1])
-                pools = state.linear.conv_states if spec.kind == "conv_state" else \
+                pools = state.linear.conv_states if spec.kind == InputKind.CONV_STATE else \
                     state.linear.recurrent_states
                 args.append(pools[index])
             elif spec.kind in RING_KINDS:
                 args.append(state.linear.rings[spec.name])
             else:
-                args.append(values[spec.kind])
+                args.append(values[spec.kind.value])
         return args
 
     def run_dense(self, input_ids: torch.Tensor, context_lens, slots,
@@ -366,11 +382,12 @@ class Verifier:
         ``capture(state)`` that replay is one CUDA graph per request-slot count (the static,
         padded path on the CPU).
         """
-        acc = state.commit(layout, accept_lens)
+        acc = state.advance(layout, accept_lens)
+        session = self._sessions.get(state)
         if state.linear is not None and not (
-                state.graphs is not None and state.graphs.commit(layout, acc)):
+                session is not None and session.graphs.replay_commit(layout, acc)):
             dev = state.block_table.device
-            state.linear.commit(self._commit_ops, layout.query_start_loc.to(dev),
+            state.linear.replay_accepted(self._commit_ops, layout.query_start_loc.to(dev),
                                 layout.slots.to(dev), acc.to(dev))
 
     # ------------------------------------------------------------------ report

@@ -33,9 +33,9 @@ def compile_kernel(kernel, pointers: dict, constexprs: dict, target: str, option
     import triton
     from triton.compiler import ASTSource
 
-    from dspark_compile.lowering.targets import gpu_target
+    from dspark_compile.kernels.targets import gpu_target
 
-    from dspark_compile.lowering.targets import TARGETS
+    from dspark_compile.kernels.targets import TARGETS
 
     scalars = scalars or {}
     if "PDL" in kernel.arg_names:  # launched with PDL where the target uses it, as at run time
@@ -81,7 +81,7 @@ def run_scripts(path: str, arg_sets: list[tuple[str, ...]]) -> list[dict]:
 
 def missing_artifacts(kinds: list[str], target: str) -> list[str]:
     """Artifacts ``target``'s backend should have made that ``kinds`` lacks."""
-    from dspark_compile.lowering.targets import TARGETS
+    from dspark_compile.kernels.targets import TARGETS
 
     return [a for a in ARTIFACTS[TARGETS[target].backend] if a not in kinds]
 

@@ -228,3 +228,20 @@ def tiny_vl(family: str, seed: int = 0, vocab: int = 64):
                      video_token_id=vocab - 2, vision_start_token_id=vocab - 5,
                      vision_end_token_id=vocab - 4)
     return model_cls(cfg).eval()
+
+
+def packed_graph(model, dtype=torch.float32, device_type: str = "cpu", stages=("ragged",),
+                 **config):
+    """``model``'s dense capture (on the CPU) run through the pass pipeline's ``stages`` with
+    ``DSparkConfig(**config)`` resolved for ``device_type`` (``"cuda"``: the Triton lowering's
+    passes, nothing runs). Returns the graph and the pass context."""
+    from dspark_compile import DSparkConfig
+    from dspark_compile.frontend.adapters import adapter_for
+    from dspark_compile.frontend.capture import capture_dense
+    from dspark_compile.passes import PassContext, run_pipeline
+
+    captured = capture_dense(adapter_for(model), dtype, torch.device("cpu"))
+    ctx = PassContext(captured.bs, captured.tokens, list(captured.inputs),
+                      DSparkConfig(**config).resolve(device_type))
+    gm, _ = run_pipeline(captured.gm, ctx, stages=stages)
+    return gm, ctx

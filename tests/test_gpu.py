@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from dspark_compile.graphs.tiers import select_tier, tier_set
+from dspark_compile.session.tiers import select_tier, tier_set
 from helpers import PlainDecoder, Session, tiny_llama
 
 pytestmark = pytest.mark.gpu
@@ -53,7 +53,7 @@ def test_down_projection_in_k_chunks_past_the_skinny_rows(monkeypatch):
     """An MLP of 256 over 64 (K = 4 N): at 33 to 384 rows the down projection runs as K-chunk
     partials (``TargetConfig.mid_split_k``). Graph replays equal eager bit for bit on those
     tiers, and the logits match the reference lowering."""
-    from dspark_compile.lowering import triton_skinny
+    from dspark_compile.kernels import skinny as triton_skinny
 
     calls = []
     partials = triton_skinny._split_partials
@@ -144,8 +144,7 @@ def test_capture_whole_tier_set_ten_times(plain_gpu):
     tiers = tier_set(256, 8)
     for _ in range(10):
         state = verifier.new_state(max_requests=256, max_context=64)
-        verifier.capture(state, tiers=tiers, progress=False)
-        graphs = state.graphs
+        graphs = verifier.capture(state, tiers=tiers, progress=False).graphs
         for tier in tiers:
             w = tier.tokens // tier.request_slots
             layout = VerifyLayout.pack([w] * tier.request_slots, [0] * tier.request_slots,
@@ -158,13 +157,13 @@ def test_capture_whole_tier_set_ten_times(plain_gpu):
 
 
 def _our_jit_functions():
-    """Every Triton JITFunction defined in the lowering's modules."""
+    """Every Triton JITFunction defined in the kernel modules."""
     import sys
 
     from triton.runtime.jit import JITFunction
 
     return [v for name, mod in list(sys.modules.items())
-            if name.startswith("dspark_compile.lowering.") for v in vars(mod).values()
+            if name.startswith("dspark_compile.kernels.") for v in vars(mod).values()
             if isinstance(v, JITFunction)]
 
 
@@ -173,7 +172,7 @@ def test_compile_ahead_compiles_every_tier_kernel_and_touches_no_state(monkeypat
     compile-ahead pass, the captures compile nothing; the pass wrote no KV or linear state."""
     from triton.runtime.jit import JITFunction
 
-    from dspark_compile.lowering import launch
+    from dspark_compile.kernels import launch
     from helpers import tiny_qwen35
 
     model = tiny_qwen35(vocab=101).cuda()
@@ -197,8 +196,7 @@ def test_compile_ahead_compiles_every_tier_kernel_and_touches_no_state(monkeypat
     for t in pools:
         t.normal_()
     before = [t.clone() for t in pools]
-    verifier.capture(state, block=8, progress=False)
-    assert state.graphs.ahead_seconds > 0
+    assert verifier.capture(state, block=8, progress=False).ahead_seconds > 0
     ahead = {name for name, warm in compiles if warm}
     assert {"_metadata_kernel", "_ragged_attention_kernel", "_causal_conv1d_kernel",
             "_gdn_forward_kernel", "_gdn_commit_kernel", "_conv_commit_kernel"} <= ahead
@@ -216,8 +214,8 @@ def test_hybrid_commit_graphs_match_eager_commit():
     model = tiny_qwen35(vocab=101).cuda()
     verifier = dspark_compile(model, lowering="triton")
     states = [verifier.new_state(max_requests=8, max_context=96) for _ in range(2)]
-    verifier.capture(states[1], block=8, progress=False)
-    assert states[1].graphs.commit_graphs, "hybrid states capture their commit"
+    session = verifier.capture(states[1], block=8, progress=False)
+    assert session.graphs.commit_graphs, "hybrid states capture their commit"
     gen, rng = torch.Generator().manual_seed(5), random.Random(5)
     slots, ctx = [0, 3, 5], [0, 0, 0]
     prompt = [torch.randint(0, 100, (n,), generator=gen).cuda() for n in (6, 2, 9)]

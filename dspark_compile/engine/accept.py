@@ -51,7 +51,7 @@ from typing import NamedTuple, Sequence
 
 import torch
 
-from ..lowering.targets import TargetConfig, target_for_device
+from ..kernels.targets import TargetConfig, target_for_device
 
 __all__ = ["SamplingParams", "PreDrawnNoise", "PhiloxNoise", "AcceptResult", "accept",
            "accept_reference", "draw_philox_noise", "philox4x32", "emitted_tokens"]

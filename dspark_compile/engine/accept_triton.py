@@ -42,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..lowering.targets import TargetConfig
+from ..kernels.targets import TargetConfig
 
 __all__ = ["FANOUT", "accept_tiles", "launch_accept"]
 

@@ -53,8 +53,8 @@ class DSparkHook:
 
     def capture(self) -> list:
         """Capture tier graphs for up to ``gamma + 1`` tokens per request (GPU); on the CPU the
-        static, padded path is set up and nothing is captured."""
-        return self.verifier.capture(self.state, block=self.gamma + 1)
+        static, padded path is set up and nothing is captured. Returns each tier's cost."""
+        return self.verifier.capture(self.state, block=self.gamma + 1).reports
 
     def plan(self, confidence: torch.Tensor) -> torch.Tensor:
         """int32 [R] verify lengths in ``1..gamma + 1`` from draft confidence ``[R, gamma]``."""

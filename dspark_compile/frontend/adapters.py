@@ -19,9 +19,8 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from ..nn import CachedAttention
-from ..linear_state import LinearSpec
-from ..state import AttentionSpec
+from .plain import CachedAttention
+from ..specs import AttentionSpec, LinearSpec
 from .hybrid import hybrid_hooks, linear_layers, linear_spec
 from .multimodal import MRopeSpec, mrope_spec, vision_hook
 from .scope import active_scope

@@ -24,38 +24,20 @@ import sympy
 import torch
 from torch._dispatch.python import enable_python_dispatcher
 import torch.fx as fx
-from torch._dynamo.source import ConstantSource
 from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.proxy_tensor import make_fx
-from torch.fx.experimental.symbolic_shapes import DimDynamic, ShapeEnv
+from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
-from ..passes.retrace import name_placeholders
+from ..graph_inputs import InputKind, InputSpec, fake_input, name_placeholders
 from .adapters import ModelAdapter
 from .scope import CaptureScope, open_scope
 
-__all__ = ["InputSpec", "CapturedGraph", "capture_dense", "fake_input", "SAMPLE_BS", "SAMPLE_T"]
+__all__ = ["CapturedGraph", "capture_dense", "SAMPLE_BS", "SAMPLE_T"]
 
 SAMPLE_BS = 3
 SAMPLE_T = 5
 _SAMPLE_PAGES = 2
 _SAMPLE_PAGE_SIZE = 4
-
-
-@dataclass(frozen=True)
-class InputSpec:
-    """One placeholder of the captured graph."""
-
-    kind: str
-    """param | buffer | input_ids | positions | block_table | context_lens | k_cache | v_cache,
-    for hybrid models slots | conv_state | recurrent_state, for mRoPE models vision_embeds
-    (the ragged passes add the layout inputs and the replay rings conv_ring | gdn_ring_k |
-    gdn_ring_v | gdn_ring_g | gdn_ring_beta; flat_mrope turns positions into
-    mrope_positions; concat_linears stacks parameters into param_concat)."""
-    name: str
-    """Parameter/buffer name, or the kind (with the pool index for caches)."""
-    parts: tuple[str, ...] = ()
-    """For kind ``param_concat`` (``lowering/concat_linear.py``): the parameters stacked along
-    dim 0 into this input, in order."""
 
 
 @dataclass
@@ -68,28 +50,6 @@ class CapturedGraph:
     """The symbol of the request axis."""
     tokens: sympy.Symbol
     """The symbol of the per-request token axis ``T``."""
-
-
-def fake_input(mode: FakeTensorMode, t: torch.Tensor, name: str,
-               dynamic_dims: tuple[int, ...] = ()) -> torch.Tensor:
-    """A fake tensor like ``t`` whose ``dynamic_dims`` are size symbols (the others static).
-
-    Symbols are made explicitly in the shape environment (``from_tensor`` with a symbolic
-    context makes none on torch 2.11); equal sample sizes share a symbol (duck sizing), which
-    is how ``bs`` is one symbol across input_ids, positions and the block table.
-    """
-    if not dynamic_dims:
-        return mode.from_tensor(t, static_shapes=True)
-    env, sizes = mode.shape_env, []
-    for d, n in enumerate(t.shape):
-        if d not in dynamic_dims:
-            sizes.append(int(n))
-            continue
-        source = ConstantSource(f"dspark_{name}_{d}")
-        symbol = env.create_symbol(int(n), source, dynamic_dim=DimDynamic.DYNAMIC)
-        sizes.append(env.create_symintnode(symbol, hint=int(n), source=source))
-    with mode:
-        return torch.empty(sizes, dtype=t.dtype, device=t.device)
 
 
 def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.device):
@@ -215,7 +175,7 @@ def _check_linear_calls(scope: CaptureScope, num_layers: int) -> None:
 
 def _token_symbols(gm: fx.GraphModule, shape_env: ShapeEnv) -> tuple[sympy.Symbol, sympy.Symbol]:
     ids = next(n for n in gm.graph.nodes if n.meta.get("dspark_input", None) is not None
-               and n.meta["dspark_input"].kind == "input_ids")
+               and n.meta["dspark_input"].kind == InputKind.INPUT_IDS)
     sizes = ids.meta["val"].shape
     if not all(isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)
                for s in sizes):

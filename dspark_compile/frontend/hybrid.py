@@ -27,7 +27,7 @@ from typing import Iterator
 
 from torch import nn
 
-from ..linear_state import LinearSpec
+from ..specs import LinearSpec
 from .scope import active_scope
 
 __all__ = ["linear_layers", "linear_spec", "hybrid_hooks"]

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..lowering import ops  # noqa: F401  (registers the dspark:: ops)
+from .. import ops  # noqa: F401  (registers the dspark:: ops)
 
 __all__ = ["CaptureScope", "active_scope", "open_scope"]
 

@@ -9,6 +9,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..config import ResolvedConfig
+
 __all__ = ["PassContext", "PassResult", "RefusedOp", "source_line", "EnsureError"]
 
 
@@ -22,6 +24,9 @@ class PassContext:
     """Symbol of the per-request token axis ``T`` in the dense graph."""
     inputs: list
     """``InputSpec`` per placeholder, in order; passes that add inputs append here."""
+    settings: ResolvedConfig = field(default_factory=ResolvedConfig)
+    """The resolved configuration (which optional passes run, the lowering); the default is the
+    CPU reference's."""
 
 
 @dataclass

@@ -37,9 +37,8 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 from torch.fx.proxy import GraphAppendingTracer
 
-from ..frontend.capture import InputSpec
 from .base import EnsureError, PassContext, PassResult, RefusedOp, source_line
-from .graph_inputs import find_input
+from ..graph_inputs import InputSpec, find_input
 from .retrace import copy_module, interpret, placeholder_values, retrace
 
 __all__ = ["run", "MRopeRefused"]

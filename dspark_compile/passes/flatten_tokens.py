@@ -29,8 +29,8 @@ import torch.fx as fx
 import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
 
-from ..frontend.capture import fake_input
-from ..lowering.linear_ops import LINEAR_RAGGED_OPS
+from ..graph_inputs import InputKind, fake_input
+from ..ops.linear_attention import LINEAR_RAGGED_OPS
 from .base import EnsureError, PassContext, PassResult
 from .retrace import retrace
 from .token_axis import DIM_OPS, NORM_OPS, AxisLabel, label_graph
@@ -279,7 +279,7 @@ def _flat_inputs(placeholders: list[fx.Node], mode) -> list:
 def _ensure(gm: fx.GraphModule, ctx: PassContext) -> None:
     """The flat graph returns ``[N, V]`` and no value keeps a dense ``bs`` or ``T`` axis."""
     ids = next(n for n in gm.graph.nodes if n.op == "placeholder"
-               and n.meta["dspark_input"].kind == "input_ids")
+               and n.meta["dspark_input"].kind == InputKind.INPUT_IDS)
     n_expr = ids.meta["val"].shape[0].node.expr
     out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
     shape = out.meta["val"].shape

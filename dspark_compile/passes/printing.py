@@ -14,6 +14,8 @@ import sympy
 import torch
 import torch.fx as fx
 
+from ..graph_inputs import WEIGHT_KINDS
+
 __all__ = ["graph_text"]
 
 
@@ -79,7 +81,7 @@ def graph_text(gm: fx.GraphModule, weights: bool = False) -> str:
     for node in gm.graph.nodes:
         if node.op == "placeholder":
             spec = node.meta.get("dspark_input")
-            if weights or spec is None or spec.kind not in ("param", "buffer", "param_concat"):
+            if weights or spec is None or spec.kind not in WEIGHT_KINDS:
                 inputs.append(f"{node.name}{_shape(node, names)}")
         elif node.op == "call_function":
             args = ", ".join([_fmt(a, node_names) for a in node.args] +

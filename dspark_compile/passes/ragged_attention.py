@@ -26,7 +26,7 @@ import torch
 import torch.fx as fx
 from torch._guards import detect_fake_mode
 
-from ..frontend.capture import InputSpec
+from ..graph_inputs import InputKind, InputSpec
 from .base import PassContext, PassResult, check_rewritten, is_op, source_line
 from .retrace import add_node, finish, replace, reshape_node, start_rewrite
 
@@ -39,7 +39,7 @@ RAGGED = torch.ops.dspark.ragged_attention
 def _add_inputs(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.Node]:
     """Append the ragged metadata placeholders (with symbolic fake values)."""
     placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    ids = next(n for n in placeholders if n.meta["dspark_input"].kind == "input_ids")
+    ids = next(n for n in placeholders if n.meta["dspark_input"].kind == InputKind.INPUT_IDS)
     bs, t = ids.meta["val"].shape
     mode = detect_fake_mode([ids.meta["val"]])
     with mode:
@@ -85,7 +85,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
         exact = replace(node, dense_out, exact)
         result.changed += 1
         result.rewrites.append((f"{node.name} -> ragged_attention", source_line(node)))
-    ctx_idx = next(i for i, s in enumerate(ctx.inputs) if s.kind == "context_lens")
+    ctx_idx = next(i for i, s in enumerate(ctx.inputs) if s.kind == InputKind.CONTEXT_LENS)
     gm = finish(gm, exact, ctx.inputs)  # DCE: the dense attention's inputs (its mask) go
     _drop_unused_input(gm, ctx, ctx_idx)
     check_rewritten(gm, DENSE, RAGGED, result)

@@ -24,7 +24,7 @@ import torch
 import torch.fx as fx
 
 from .base import PassContext, PassResult, check_rewritten, is_op, source_line
-from .graph_inputs import RING_SAMPLE_ROWS, add_input, query_start_loc
+from ..graph_inputs import RING_SAMPLE_ROWS, add_input, query_start_loc
 from .retrace import add_node, finish, replace, reshape_node, start_rewrite
 
 __all__ = ["run", "layer_index"]

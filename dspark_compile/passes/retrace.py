@@ -26,6 +26,7 @@ from torch._guards import detect_fake_mode
 from torch.fx.experimental.proxy_tensor import make_fx
 from torch.utils._pytree import tree_map_only
 
+from ..graph_inputs import InputKind, find_input, name_placeholders
 from .base import is_op
 
 __all__ = ["retrace", "interpret", "placeholder_values", "name_placeholders", "copy_module",
@@ -35,16 +36,6 @@ __all__ = ["retrace", "interpret", "placeholder_values", "name_placeholders", "c
 def placeholder_values(gm: fx.GraphModule) -> list:
     """The fake value of each placeholder, in order."""
     return [n.meta["val"] for n in gm.graph.nodes if n.op == "placeholder"]
-
-
-def name_placeholders(gm: fx.GraphModule, specs: Sequence) -> None:
-    """Name placeholders after their input specs and remember the spec on each."""
-    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-    assert len(placeholders) == len(specs), (
-        f"{len(placeholders)} placeholders but {len(specs)} input specs")
-    for node, spec in zip(placeholders, specs):
-        node.name = node.target = spec.name.replace(".", "_")
-        node.meta["dspark_input"] = spec
 
 
 def retrace(fn: Callable, inputs: Sequence, specs: Sequence) -> fx.GraphModule:
@@ -128,9 +119,8 @@ def start_rewrite(gm: fx.GraphModule, dense) -> tuple[fx.GraphModule, list[fx.No
     ``input_ids [bs, T]``, sit once before the first call, for every replacement to use."""
     gm = copy_module(gm)
     matches = [n for n in gm.graph.nodes if is_op(n, dense)]
-    from .graph_inputs import find_input  # graph_inputs -> frontend.capture -> this module
 
-    ids = find_input(gm, "input_ids")
+    ids = find_input(gm, InputKind.INPUT_IDS)
     like, aten = matches[0], torch.ops.aten
     with gm.graph.inserting_before(like):
         bs = add_node(gm.graph, like, aten.sym_size.int, ids, 0)

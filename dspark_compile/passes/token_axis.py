@@ -41,7 +41,8 @@ import sympy
 import torch
 import torch.fx as fx
 
-from ..lowering.ops import DENSE_OPS, RAGGED_OPS
+from ..graph_inputs import REQUEST_KINDS
+from ..ops import DENSE_OPS, RAGGED_OPS
 from .base import PassContext, PassResult, RefusedOp
 
 __all__ = ["AxisLabel", "label_of", "run", "TokenAxisError"]
@@ -179,14 +180,10 @@ def label_graph(gm: fx.GraphModule, bs: sympy.Symbol, tokens: sympy.Symbol) -> N
         if not isinstance(val, torch.Tensor):
             continue
         spec = node.meta.get("dspark_input")
-        from_request = (spec is not None and spec.kind in REQUEST_INPUTS) or any(
+        from_request = (spec is not None and spec.kind in REQUEST_KINDS) or any(
             isinstance(a.meta.get("dspark_axis"), AxisLabel) and a.meta["dspark_axis"].from_request
             for a in node.all_input_nodes)
         node.meta["dspark_axis"] = label_of(val, bs, tokens, from_request)
-
-
-REQUEST_INPUTS = {"block_table", "context_lens", "query_start_loc", "seq_lens", "slots"}
-"""Placeholder kinds that hold one row per request."""
 
 
 def axis(node: fx.Node) -> AxisLabel:

@@ -32,7 +32,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..lowering.targets import TargetConfig, target_for_device
+from ..kernels.targets import TargetConfig, target_for_device
 from ._checks import check_outcomes
 from .estimator import AcceptanceEstimator
 

@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..lowering.targets import TargetConfig, target_for_device
+from ..kernels.targets import TargetConfig, target_for_device
 from .planner import PlannerConfig
 from .sps import StepRateModel
 

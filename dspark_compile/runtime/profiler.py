@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from ..graphs.tiers import Tier, tier_set
+from ..session.tiers import Tier, tier_set
 from ..layout import VerifyLayout
 from .sps import SpsMetadata, SpsSample, SpsTable, table_from_samples
 
@@ -67,7 +67,7 @@ def profile_sps(verifier, state, context: int, tiers: tuple[Tier, ...] | None = 
         raise ValueError(f"profile_sps: context={context} plus the block must fit the state's "
                          f"max_context={state.max_context}")
     tiers = tiers or tier_set(state.max_requests, block or verifier.config.block)
-    if state.graphs is None:
+    if verifier.session(state) is None:
         verifier.capture(state, tiers=tiers, progress=progress)
     timed, samples = _timer(verifier.device), []
     saved = state.committed_lens.clone()

@@ -55,7 +55,7 @@ def _compile_all(targets: tuple[str, ...]) -> dict:
     """Compile every case for ``targets``; return ``{case: {target: [artifact kinds]}}``."""
     import importlib
 
-    from dspark_compile.lowering.targets import TARGETS
+    from dspark_compile.kernels.targets import TARGETS
 
     result: dict = {}
     for case, (mod_name, attr, pointers, consts) in CASES.items():

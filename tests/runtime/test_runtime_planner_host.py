@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from dspark_compile.graphs.tiers import select_tier, tier_set
+from dspark_compile.session.tiers import select_tier, tier_set
 from dspark_compile.runtime import (Planner, PlannerConfig, SpsEntry, SpsMetadata, SpsTable,
                                     TierRate, plan_lengths, plan_verify)
 

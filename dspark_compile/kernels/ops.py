@@ -1,0 +1,187 @@
+"""The ``*_triton`` twins of the ``dspark::`` ops (CUDA and ROCm; same schema as the
+reference op plus launch choices) and ``LOWERED``, the table the lowering pass swaps by.
+
+Kernel modules are imported inside the op bodies: importing them needs a GPU driver (or
+TRITON_INTERPRET=1 set before the import), and registering the ops must not.
+"""
+
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from ..ops.linear import skinny_linear_fake as _skinny_fake  # also registers the reference ops
+from .launch import zeros_when_warming
+
+__all__ = ["LOWERED"]
+
+
+@torch.library.custom_op("dspark::ragged_attention_triton",
+                         mutates_args=("k_cache", "v_cache"), device_types=("cuda",))
+def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                            scale: float, max_query_len: int,
+                            early_reads: bool = False) -> torch.Tensor:
+    """``dspark::ragged_attention`` lowered to Triton (CUDA and ROCm devices).
+
+    ``max_query_len`` sizes the query tile (the verify block); results are exact for any
+    value, a longer request (a prefill) just spans more tiles. ``early_reads``: the launch
+    before this one writes none of the metadata nor the pools' committed rows, so they may be
+    read before the PDL wait (``select.early_attention_reads`` decides it from the graph).
+    """
+    from .attention import ragged_attention_triton as kernel  # needs a GPU driver
+
+    return zeros_when_warming(kernel(
+        q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
+        max_query_len=max_query_len, early_reads=early_reads))
+
+
+@ragged_attention_triton.register_fake
+def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
+      max_query_len, early_reads=False):
+    return torch.empty_like(q)
+
+
+@torch.library.custom_op("dspark::linear_group_triton", mutates_args=(), device_types=("cuda",))
+def linear_group_triton(x: torch.Tensor, weights: list[torch.Tensor]) -> list[torch.Tensor]:
+    """``dspark::linear_group`` lowered to Triton (one launch per group at small M)."""
+    from .linear import linear_group_triton as kernel  # needs a GPU driver
+
+    return zeros_when_warming(kernel(x, weights))
+
+
+@linear_group_triton.register_fake
+def _(x, weights):
+    return [x.new_empty((x.shape[0], w.shape[0])) for w in weights]
+
+
+@torch.library.custom_op("dspark::rotary_apply_triton", mutates_args=(), device_types=("cuda",))
+def rotary_apply_triton(x: torch.Tensor, y: torch.Tensor, cos: torch.Tensor,
+                        sin: torch.Tensor) -> list[torch.Tensor]:
+    """``dspark::rotary_apply`` lowered to Triton (q and k in one launch)."""
+    from .rotary import rotary_apply_triton as kernel  # needs a GPU driver
+
+    return zeros_when_warming(kernel(x, y, cos, sin))
+
+
+@rotary_apply_triton.register_fake
+def _(x, y, cos, sin):
+    return [torch.empty(x.shape, dtype=x.dtype, device=x.device),
+            torch.empty(y.shape, dtype=y.dtype, device=y.device)]
+
+
+@torch.library.custom_op("dspark::skinny_linear_triton", mutates_args=(),
+                         device_types=("cuda",))
+def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                         gamma: Optional[torch.Tensor], eps: float, glu: bool,
+                         residual: Optional[torch.Tensor],
+                         glu_out: bool, cos: Optional[torch.Tensor] = None,
+                         sin: Optional[torch.Tensor] = None,
+                         rot_cols: int = 0,
+                         weight_settled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dspark::skinny_linear`` lowered to Triton (one launch at a verify step's few rows).
+    ``weight_settled``: no launch of the graph writes ``w`` (``select.settled_weight``), so its
+    first tile may be read before the PDL wait."""
+    from .skinny import skinny_linear_triton as kernel  # needs a GPU driver
+
+    return zeros_when_warming(kernel(x, w, bias, gamma, eps, glu, residual, glu_out, cos=cos,
+                                     sin=sin, rot_cols=rot_cols, weight_settled=weight_settled))
+
+
+def _skinny_triton_fake(x, w, bias, gamma, eps, glu, residual, glu_out, cos=None, sin=None,
+                        rot_cols=0, weight_settled=False):
+    return _skinny_fake(x, w, bias, gamma, eps, glu, residual, glu_out, cos, sin, rot_cols)
+
+
+skinny_linear_triton.register_fake(_skinny_triton_fake)
+
+
+@torch.library.custom_op("dspark::causal_conv1d_triton", mutates_args=("ring",),
+                         device_types=("cuda",))
+def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],
+                         conv_state: torch.Tensor, query_start_loc: torch.Tensor,
+                         slots: torch.Tensor, ring: torch.Tensor,
+                         activation: str) -> torch.Tensor:
+    """``dspark::causal_conv1d`` lowered to Triton."""
+    from .conv import causal_conv1d_triton as kernel
+
+    return zeros_when_warming(kernel(x, weight, bias, conv_state, query_start_loc, slots, ring,
+                                     activation))
+
+
+@causal_conv1d_triton.register_fake
+def _(x, weight, bias, conv_state, query_start_loc, slots, ring, activation):
+    return torch.empty_like(x, memory_format=torch.contiguous_format)
+
+
+@torch.library.custom_op("dspark::causal_conv1d_commit_triton", mutates_args=("conv_state",),
+                         device_types=("cuda",))
+def causal_conv1d_commit_triton(conv_state: torch.Tensor, ring: torch.Tensor,
+                                query_start_loc: torch.Tensor, slots: torch.Tensor,
+                                accept_lens: torch.Tensor) -> None:
+    """``dspark::causal_conv1d_commit`` lowered to Triton."""
+    from .conv import causal_conv1d_commit_triton as kernel
+
+    kernel(conv_state, ring, query_start_loc, slots, accept_lens)
+
+
+@causal_conv1d_commit_triton.register_fake
+def _(conv_state, ring, query_start_loc, slots, accept_lens):
+    return None
+
+
+@torch.library.custom_op("dspark::gated_delta_rule_triton",
+                         mutates_args=("ring_k", "ring_v", "ring_g", "ring_beta"),
+                         device_types=("cuda",))
+def gated_delta_rule_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            g: torch.Tensor, beta: torch.Tensor, recurrent_state: torch.Tensor,
+                            query_start_loc: torch.Tensor, slots: torch.Tensor,
+                            ring_k: torch.Tensor, ring_v: torch.Tensor, ring_g: torch.Tensor,
+                            ring_beta: torch.Tensor, scale: float,
+                            use_qk_l2norm: bool) -> torch.Tensor:
+    """``dspark::gated_delta_rule`` lowered to Triton."""
+    from .gdn import gated_delta_rule_triton as kernel
+
+    return zeros_when_warming(kernel(q, k, v, g, beta, recurrent_state, query_start_loc, slots,
+                                     ring_k, ring_v, ring_g, ring_beta, scale, use_qk_l2norm))
+
+
+@gated_delta_rule_triton.register_fake
+def _(q, k, v, g, beta, recurrent_state, query_start_loc, slots, ring_k, ring_v, ring_g,
+      ring_beta, scale, use_qk_l2norm):
+    return q.new_empty(v.shape[0], v.shape[1], v.shape[2])
+
+
+@torch.library.custom_op("dspark::gated_delta_rule_commit_triton",
+                         mutates_args=("recurrent_state",), device_types=("cuda",))
+def gated_delta_rule_commit_triton(recurrent_state: torch.Tensor, ring_k: torch.Tensor,
+                                   ring_v: torch.Tensor, ring_g: torch.Tensor,
+                                   ring_beta: torch.Tensor, query_start_loc: torch.Tensor,
+                                   slots: torch.Tensor, accept_lens: torch.Tensor) -> None:
+    """``dspark::gated_delta_rule_commit`` lowered to Triton."""
+    from .gdn import gated_delta_rule_commit_triton as kernel
+
+    kernel(recurrent_state, ring_k, ring_v, ring_g, ring_beta, query_start_loc, slots,
+           accept_lens)
+
+
+@gated_delta_rule_commit_triton.register_fake
+def _(recurrent_state, ring_k, ring_v, ring_g, ring_beta, query_start_loc, slots, accept_lens):
+    return None
+
+
+LOWERED = {"triton": {
+    torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton,
+    torch.ops.dspark.linear_group: torch.ops.dspark.linear_group_triton,
+    torch.ops.dspark.rotary_apply: torch.ops.dspark.rotary_apply_triton,
+    torch.ops.dspark.skinny_linear: torch.ops.dspark.skinny_linear_triton,
+    torch.ops.dspark.causal_conv1d: torch.ops.dspark.causal_conv1d_triton,
+    torch.ops.dspark.causal_conv1d_commit: torch.ops.dspark.causal_conv1d_commit_triton,
+    torch.ops.dspark.gated_delta_rule: torch.ops.dspark.gated_delta_rule_triton,
+    torch.ops.dspark.gated_delta_rule_commit:
+        torch.ops.dspark.gated_delta_rule_commit_triton,
+}}
+"""Per lowering: reference op packet -> the op that implements it there."""

@@ -1,0 +1,21 @@
+"""The ``dspark::`` custom ops: schema, fake (meta) implementation and pure-torch reference.
+
+Importing this package registers every reference op. Their Triton twins live in
+``dspark_compile.kernels.ops``; the rewrites that introduce them live in ``passes/``.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from . import attention, dense_linear_attention, linear, linear_attention
+from .linear_attention import LINEAR_RAGGED_OPS
+
+__all__ = ["RAGGED_OPS", "DENSE_OPS", "LINEAR_RAGGED_OPS", "attention", "linear",
+           "linear_attention", "dense_linear_attention"]
+
+RAGGED_OPS = (torch.ops.dspark.ragged_attention, *LINEAR_RAGGED_OPS)
+"""Op packets of the ragged families (what the packed graph may contain)."""
+DENSE_OPS = (torch.ops.dspark.dense_cached_attention,
+             *dense_linear_attention.DENSE_LINEAR_OPS)
+"""Op packets of the dense families (what a capture emits and the passes must rewrite)."""

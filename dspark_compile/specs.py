@@ -1,0 +1,48 @@
+"""Shapes of a model's stateful layers: what the frontend reads off a model and the state
+allocates pools for."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["AttentionSpec", "LinearSpec", "RingSpec"]
+
+
+@dataclass(frozen=True)
+class AttentionSpec:
+    """Shape of one cached-attention layer's KV."""
+
+    num_kv_heads: int
+    """KV heads of the layer."""
+    head_dim: int
+    """Channels per head."""
+
+
+@dataclass(frozen=True)
+class LinearSpec:
+    """Shape of one linear-attention (Gated DeltaNet) layer's state."""
+
+    conv_dim: int
+    """Channels of the causal conv1d (q, k and v projections together)."""
+    conv_width: int
+    """Conv kernel width W; the conv state keeps the last W-1 inputs."""
+    num_v_heads: int
+    """Value heads Hv of the recurrent state."""
+    head_k_dim: int
+    """Key channels K per head."""
+    head_v_dim: int
+    """Value channels V per head."""
+
+
+@dataclass(frozen=True)
+class RingSpec:
+    """Row shape and dtype of one replay ring (the verifier reads them off the packed graph)."""
+
+    name: str
+    """Graph input name, e.g. ``conv_ring_0`` or ``gdn_ring_k_1``."""
+    row_shape: tuple[int, ...]
+    """Shape of one ring row (the ring is ``[max_step_tokens, *row_shape]``)."""
+    dtype: torch.dtype
+    """Element type."""

@@ -1,0 +1,186 @@
+"""Engine-owned verify state: the paged KV pool, its block tables and committed lengths.
+
+Each state-pool row (a *slot*) owns ``pages_per_request`` pages of ``page_size`` tokens. The
+pages of a slot are spread over the pool by a fixed permutation, so the block table is always
+exercised (no kernel may assume a slot's pages are contiguous).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from ..layout import VerifyLayout
+from ..specs import AttentionSpec
+from .linear import LinearPools
+
+__all__ = ["VerifierState"]
+
+
+@dataclass(eq=False)  # compared and hashed by identity: a verifier keys its sessions by state
+class VerifierState:
+    """KV pool and bookkeeping for up to ``max_requests`` requests of ``max_context`` tokens."""
+
+    max_requests: int
+    """State-pool rows (slots)."""
+    max_context: int
+    """Tokens a slot can hold (committed plus provisional)."""
+    page_size: int
+    """Tokens per KV page."""
+    kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+    """Per attention layer: K and V pools, each ``[num_pages, page_size, kv_heads, head_dim]``."""
+    block_table: torch.Tensor
+    """int32 ``[max_requests, pages_per_request]`` on the pool's device: page ids per slot."""
+    committed_lens: torch.Tensor = field(default=None)  # type: ignore[assignment]
+    """int32 ``[max_requests]`` on the CPU: tokens committed per slot."""
+    linear: LinearPools | None = field(default=None, repr=False)
+    """Conv/recurrent pools and replay rings of the linear-attention layers (hybrid models)."""
+
+    def __post_init__(self) -> None:
+        if self.committed_lens is None:
+            self.committed_lens = torch.zeros(self.max_requests, dtype=torch.int32)
+
+    @classmethod
+    def allocate(
+        cls,
+        specs: list[AttentionSpec],
+        max_requests: int,
+        max_context: int,
+        page_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> "VerifierState":
+        for name, value in (("max_requests", max_requests), ("max_context", max_context),
+                            ("page_size", page_size)):
+            if not isinstance(value, int) or value < 1:
+                raise ValueError(f"new_state: {name}={value!r}; it must be an int >= 1")
+        pages_per_request = -(-max_context // page_size)
+        num_pages = max_requests * pages_per_request
+        # A fixed permutation (not random per run): the same state layout on every rank.
+        perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
+        block_table = perm.view(max_requests, pages_per_request).to(torch.int32)
+        kv = [
+            tuple(
+                torch.zeros(num_pages, page_size, s.num_kv_heads, s.head_dim, dtype=dtype,
+                            device=device)
+                for _ in range(2)
+            )
+            for s in specs
+        ]
+        return cls(max_requests, max_context, page_size, kv, block_table.to(device))
+
+    # ------------------------------------------------------------------ per-step metadata
+    def check_layout(self, layout: VerifyLayout, num_tokens: int) -> None:
+        """Validate a layout against this pool (host-side, before any launch)."""
+        layout.validate(num_tokens, self.max_requests, self.max_context)
+        if self.linear is not None:
+            self.linear.check_rows(num_tokens)
+        _, ctx, slots = layout.host
+        committed = self.committed_lens.numpy()[slots]
+        ahead = ctx > committed
+        if ahead.any():
+            i = int(np.flatnonzero(ahead)[0])
+            raise ValueError(
+                f"request {i}: context_lens={int(ctx[i])} but slot "
+                f"{int(slots[i])} has only {int(committed[i])} committed tokens; a verify "
+                "step may only read committed context"
+            )
+
+    def device_metadata(self, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
+                        slots: torch.Tensor, num_tokens: int,
+                        mrope_deltas: torch.Tensor | None = None,
+                        triton: bool = False) -> dict[str, torch.Tensor]:
+        """Per-row and per-request metadata of a packed batch, computed on the pool's device.
+
+        Torch ops only, no host sync, so it runs inside a CUDA graph. Inputs may be padded:
+        rows at or past ``query_start_loc[-1]`` belong to no request (position 0, slot mapping
+        -1), and requests of length 0 read nothing. Returns ``positions [N]``, ``seq_lens [R]``,
+        ``block_table [R, pages]`` and ``slot_mapping [N]``; with ``mrope_deltas [R]`` also
+        ``mrope_positions [3, N]``: ``positions + mrope_deltas[request]`` in all three rows
+        (padding rows take delta 0). ``triton``: the same in one Triton launch
+        (``kernels/metadata.py``; int32 inputs, as the layout and the tier buffers
+        hold them).
+        """
+        if triton:
+            from ..kernels.metadata import device_metadata_triton
+
+            return device_metadata_triton(query_start_loc, context_lens, slots,
+                                          self.block_table, self.page_size, num_tokens,
+                                          mrope_deltas)
+        qsl = query_start_loc.long()
+        rows = torch.arange(num_tokens, device=qsl.device)
+        # request of each row: the last request whose start is <= row.
+        req = torch.searchsorted(qsl[1:], rows, right=True).clamp(max=qsl.numel() - 2)
+        valid = rows < qsl[-1]
+        positions = torch.where(valid, context_lens.long()[req] + rows - qsl[req], 0)
+        table = self.block_table[slots.long()]  # [R, pages]
+        page = table[req, positions // self.page_size].long()
+        slot_mapping = torch.where(valid, page * self.page_size + positions % self.page_size, -1)
+        lens = (qsl[1:] - qsl[:-1]).to(torch.int32)
+        out = {"positions": positions, "seq_lens": context_lens + lens, "block_table": table,
+               "slot_mapping": slot_mapping, "query_start_loc": query_start_loc, "slots": slots}
+        if mrope_deltas is not None:
+            delta = torch.where(valid, mrope_deltas.long()[req], 0)
+            out["mrope_positions"] = (positions + delta).expand(3, num_tokens)
+        return out
+
+    def slot_mapping(self, layout: VerifyLayout) -> torch.Tensor:
+        """int64 [N]: pool row (page * page_size + offset) that each packed token writes."""
+        pos = layout.positions
+        req = layout.request_of_token
+        table = self.block_table.cpu()[layout.slots.long()][req]  # [N, pages_per_request]
+        page = table.gather(1, (pos // self.page_size).unsqueeze(1)).squeeze(1).long()
+        return page * self.page_size + pos % self.page_size
+
+    def advance(self, layout: VerifyLayout, accept_lens) -> torch.Tensor:
+        """Make the first ``accept_lens[i]`` tokens of request ``i`` permanent.
+
+        Checks ``accept_lens`` and advances the committed lengths (host bookkeeping); returns
+        the checked int64 ``accept_lens`` (CPU). Linear-attention state is advanced by
+        ``Verifier.commit``, which knows the lowering of the commit ops.
+        """
+        if isinstance(accept_lens, np.ndarray) and accept_lens.dtype == np.int64:
+            acc = torch.from_numpy(accept_lens)  # a host loop's array: no conversions
+            a = accept_lens
+        else:
+            acc = torch.as_tensor(accept_lens)
+            a = None
+        if acc.dim() != 1 or acc.numel() != layout.num_requests:
+            raise ValueError(
+                f"commit: accept_lens has shape {tuple(acc.shape)}; it needs one entry per "
+                f"request ({layout.num_requests})"
+            )
+        if a is None:
+            if acc.dtype.is_floating_point or acc.dtype == torch.bool:
+                raise ValueError(f"commit: accept_lens has dtype {acc.dtype}; it must be "
+                                 "integers")
+            acc = acc.cpu().to(torch.int64)
+            a = acc.numpy()
+        qsl, ctx, slots = layout.host
+        lens = qsl[1:] - qsl[:-1]
+        if a.min() < 1 or (a > lens).any():
+            i = int(np.flatnonzero((a < 1) | (a > lens))[0])
+            raise ValueError(
+                f"commit: accept_lens[{i}]={int(a[i])}; it must be in 1..{int(lens[i])} "
+                "(the verify length of that request)"
+            )
+        committed = self.committed_lens.numpy()
+        stale = committed[slots] != ctx
+        if stale.any():
+            i = int(np.flatnonzero(stale)[0])
+            raise ValueError(
+                f"commit: request {i} was verified over context_lens={int(ctx[i])} but slot "
+                f"{int(slots[i])} now has {int(committed[slots[i]])} committed tokens; commit "
+                "each step once"
+            )
+        committed[slots] = ctx + a  # writes through to committed_lens (a NumPy view)
+        return acc
+
+    def release(self, slots) -> None:
+        """Forget the requests in ``slots`` (their rows may be reused by new requests)."""
+        index = torch.as_tensor(slots, dtype=torch.long)
+        self.committed_lens[index] = 0
+        if self.linear is not None:
+            self.linear.release(index)

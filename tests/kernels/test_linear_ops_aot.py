@@ -1,0 +1,72 @@
+"""The conv1d and gated-delta-rule kernels compile ahead of time for cuda:90, hip:gfx942, gfx950.
+
+Same harness as ``test_aot_compile.py``: ``triton.compile(ASTSource(...), target=GPUTarget)``
+needs no device but cannot run under ``TRITON_INTERPRET=1`` (the interpreter replaces the
+``@triton.jit`` functions at import), so the compile runs in a subprocess without it: this
+file run as a script, printing one JSON line. Shapes are Qwen3-Next's (conv dim 8192, width 4;
+16 key heads, 32 value heads, K = V = 128) in bf16 with the fp32 state pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from aot import TARGET_NAMES, aot_tests, compile_kernel
+_LAYOUT = {"query_start_loc_ptr": "i32", "slots_ptr": "i32"}
+_GDN_SHAPE = {"HK": 16, "HV": 32, "KD": 128, "VD": 128, "K_PAD": 128, "BLOCK_V": 32,
+              "NUM_VB": 4}
+
+# case -> (module, kernel attribute, pointer dtypes by argument, constexprs); the other
+# arguments are i32, except ``scale`` (fp32).
+CASES = {
+    "conv_bf16_silu": ("conv", "_causal_conv1d_kernel",
+                       {"out_ptr": "bf16", "x_ptr": "bf16", "weight_ptr": "bf16",
+                        "bias_ptr": "bf16", "state_ptr": "bf16", "ring_ptr": "bf16", **_LAYOUT},
+                       {"WIDTH": 4, "HAS_BIAS": True, "SILU": True, "BLOCK_T": 8,
+                        "BLOCK_D": 256, "SEARCH": 256}),
+    "conv_fp32_nobias_w3": ("conv", "_causal_conv1d_kernel",
+                            {"out_ptr": "fp32", "x_ptr": "fp32", "weight_ptr": "fp32",
+                             "bias_ptr": "fp32", "state_ptr": "fp32", "ring_ptr": "fp32",
+                             **_LAYOUT},
+                            {"WIDTH": 3, "HAS_BIAS": False, "SILU": False, "BLOCK_T": 16,
+                             "BLOCK_D": 128, "SEARCH": 2}),
+    "conv_commit_bf16": ("conv", "_conv_commit_kernel",
+                         {"state_ptr": "bf16", "ring_ptr": "bf16", "accept_lens_ptr": "i32",
+                          **_LAYOUT},
+                         {"KEEP": 3, "KEEP_PAD": 4, "BLOCK_D": 256}),
+    "gdn_forward_bf16": ("gdn", "_gdn_forward_kernel",
+                         {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
+                          "g_ptr": "fp32", "beta_ptr": "bf16", "state_ptr": "fp32",
+                          "ring_k_ptr": "fp32", "ring_v_ptr": "fp32", "ring_g_ptr": "fp32",
+                          "ring_beta_ptr": "fp32", **_LAYOUT},
+                         {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16}),
+    "gdn_commit": ("gdn", "_gdn_commit_kernel",
+                   {"state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
+                    "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", "accept_lens_ptr": "i32",
+                    **_LAYOUT},
+                   _GDN_SHAPE),
+}
+
+
+def _compile_all() -> dict:
+    """Compile every case for every target; return ``{case: {target: [artifact kinds]}}``."""
+    import importlib
+
+    result: dict = {}
+    for case, (module, attr, pointers, constexprs) in CASES.items():
+        kernel = getattr(importlib.import_module(f"dspark_compile.kernels.{module}"), attr)
+        missing = (set(pointers) | set(constexprs)) - set(kernel.arg_names)
+        assert not missing, f"{case}: {attr} has no arguments {sorted(missing)}"
+        for name in TARGET_NAMES:
+            result.setdefault(case, {})[name] = compile_kernel(
+                kernel, pointers, constexprs, name, {"num_warps": 4}, scalars={"scale": "fp32"})
+    return result
+
+
+compiled, test_linear_kernel_compiles_ahead_of_time = aot_tests(__file__, CASES)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") != "1", "AOT compile needs TRITON_INTERPRET unset"
+    print(json.dumps(_compile_all()))
