@@ -13,6 +13,7 @@ slots (67 tiers). Writes ``compile_time[_NAME].json`` to ``$OUT`` (or benchmarks
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import time
@@ -21,7 +22,7 @@ from pathlib import Path
 import torch
 
 from dspark_compile import dspark_compile
-from dspark_compile.graphs.tiers import tier_set
+from dspark_compile.session.tiers import tier_set
 from verify_step import build_model
 
 
@@ -49,9 +50,9 @@ def cpu_only() -> None:
                 phases[name] = phases.get(name, 0.0) + time.perf_counter() - t0
         return call
 
-    passes.PASS_ORDER = tuple((n, timed(n, f)) for n, f in passes.PASS_ORDER)
+    passes.PIPELINE = tuple(dataclasses.replace(p, run=timed(p.name, p.run))
+                            for p in passes.PIPELINE)
     verifier_mod.capture_dense = timed("capture_dense", verifier_mod.capture_dense)
-    verifier_mod.lower = timed("lower", verifier_mod.lower)
     runs = []
     for _ in range(2):
         phases.clear()
@@ -149,17 +150,18 @@ def main() -> None:
     state = verifier.new_state(max_requests=256, max_context=1024 + 64)
     tiers = tier_set(256, 8)
     t0 = time.perf_counter()
-    reports = verifier.capture(state, tiers=tiers, progress=False,
+    session = verifier.capture(state, tiers=tiers, progress=False,
                                compile_ahead=not opts.no_ahead)
+    reports = session.reports
     row["capture_s"] = time.perf_counter() - t0
     row["compile_ahead"] = not opts.no_ahead
-    row["compile_ahead_s"] = state.graphs.ahead_seconds
+    row["compile_ahead_s"] = session.ahead_seconds
     row["tiers"] = len(tiers)
     row["slowest_tiers"] = sorted(([r.tier.tokens, r.tier.request_slots, round(r.seconds, 3)]
                                    for r in reports), key=lambda t: -t[2])[:8]
     row["tier_seconds_sum"] = sum(r.seconds for r in reports)
     if opts.trace_jit:
-        row["jit"] = _jit_summary(jit_events, t0, state.graphs.ahead_seconds, reports)
+        row["jit"] = _jit_summary(jit_events, t0, session.ahead_seconds, reports)
     row["dynamo_compile_times"] = dyn_utils.compile_times(repr="str", aggregate=True)
     print(json.dumps({k: v for k, v in row.items() if k != "dynamo_compile_times"}, indent=1))
     print(row["dynamo_compile_times"])

@@ -65,7 +65,7 @@ from dspark_compile.config import GROUP_LINEARS, ROTARY  # noqa: E402
 from dspark_compile.engine.accept import (PreDrawnNoise, SamplingParams, accept,  # noqa: E402
                                           accept_reference)
 from dspark_compile.engine.drafter import SyntheticDrafter  # noqa: E402
-from dspark_compile.graphs.tiers import select_tier, tier_set  # noqa: E402
+from dspark_compile.session.tiers import select_tier, tier_set  # noqa: E402
 from dspark_compile.runtime import (PlannerConfig, TierRate, WidthPolicy,  # noqa: E402
                                     WidthPolicyConfig, plan_lengths)
 from dspark_compile.runtime.profiler import profile_sps  # noqa: E402
@@ -244,23 +244,19 @@ class Decoder:
     def prefill(self, prompts: torch.Tensor) -> np.ndarray:
         """Prefill ``prompts [c, context]`` into slots ``0..c-1``; their first greedy tokens.
 
-        Runs the packed forward without tier graphs (they are sized for verify blocks), in
-        chunks of ``prefill_tokens``."""
+        Runs in chunks of ``prefill_tokens``; a chunk past the largest tier (they are sized
+        for verify blocks) runs without a graph."""
         c, ctx = prompts.shape
         self.state.release(list(range(c)))
-        per, first, graphs = max(1, self.s.prefill_tokens // ctx), [], self.state.graphs
-        self.state.graphs = None
-        try:
-            for lo in range(0, c, per):
-                slots = list(range(lo, min(c, lo + per)))
-                layout = VerifyLayout.pack([ctx] * len(slots), [0] * len(slots), slots)
-                logits = self.verifier(prompts[slots].reshape(-1).to(self.dev), layout,
-                                       self.state)
-                last = torch.arange(1, len(slots) + 1, device=self.dev) * ctx - 1
-                first.append(logits[last].float().argmax(-1).cpu())
-                self.verifier.commit(layout, [ctx] * len(slots), self.state)
-        finally:
-            self.state.graphs = graphs
+        per, first = max(1, self.s.prefill_tokens // ctx), []
+        for lo in range(0, c, per):
+            slots = list(range(lo, min(c, lo + per)))
+            layout = VerifyLayout.pack([ctx] * len(slots), [0] * len(slots), slots)
+            logits = self.verifier(prompts[slots].reshape(-1).to(self.dev), layout,
+                                   self.state)
+            last = torch.arange(1, len(slots) + 1, device=self.dev) * ctx - 1
+            first.append(logits[last].float().argmax(-1).cpu())
+            self.verifier.commit(layout, [ctx] * len(slots), self.state)
         return torch.cat(first).numpy()
 
     def warm_accept(self, c: int) -> None:

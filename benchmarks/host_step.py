@@ -23,8 +23,8 @@ import time
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from dspark_compile.graphs.runner import TierGraphs
-from dspark_compile.graphs.tiers import select_tier, tier_set
+from dspark_compile.session.graphs import TierGraphs
+from dspark_compile.session.tiers import select_tier, tier_set
 
 REQUESTS = (1, 8, 64, 256)
 
@@ -76,7 +76,7 @@ def main() -> None:
         acc = torch.ones(r, dtype=torch.int64)
 
         def commit():
-            state.commit(layout, acc)
+            state.advance(layout, acc)
             state.committed_lens[:r] = 1024
 
         rows[str(r)] = {

@@ -38,8 +38,10 @@ from timing import time_calls  # noqa: E402  (benchmarks/timing.py)
 import torch.nn.functional as F  # noqa: E402
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dspark_compile.lowering import linear_ops, linear_reference as ref  # noqa: E402
-from dspark_compile.lowering import triton_conv, triton_gdn  # noqa: E402
+from dspark_compile.ops import linear_attention as linear_ops  # noqa: E402
+from dspark_compile.ops import linear_attention_reference as ref  # noqa: E402
+from dspark_compile.kernels import conv as triton_conv  # noqa: E402
+from dspark_compile.kernels import gdn as triton_gdn  # noqa: E402
 
 SETTINGS = dict(conv_dim=10240, width=4, conv_batch_sizes=[1, 64, 128], gdn_batch_sizes=[1, 8,
                 128], num_k_heads=16, num_v_heads=32, k_dim=128, v_dim=128, verify_len=8,

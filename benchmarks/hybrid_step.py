@@ -57,7 +57,7 @@ if __name__ == "__main__":  # run as a script: import this checkout's package, n
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared helpers
 
 from dspark_compile import VerifyLayout, dspark_compile  # noqa: E402
-from dspark_compile.graphs.tiers import Tier  # noqa: E402
+from dspark_compile.session.tiers import Tier  # noqa: E402
 from timing import (capture_graph, max_err_vs_hf, mix_lens, plot_step_ms,  # noqa: E402
                     time_ms as _time_ms)
 
@@ -270,7 +270,7 @@ def compile_and_check(model, s: Settings) -> tuple:
 def capture(verifier, state, s: Settings) -> dict:
     tiers = tiers_for(s)
     t0 = time.perf_counter()
-    reports = verifier.capture(state, tiers=tiers, progress=s.gpu, use_graphs=s.gpu)
+    reports = verifier.capture(state, tiers=tiers, progress=s.gpu, use_graphs=s.gpu).reports
     out = {"graphs": s.gpu, "tiers": [(t.tokens, t.request_slots) for t in tiers],
            "seconds": time.perf_counter() - t0,
            "pool_bytes": sum(r.pool_bytes for r in reports),  # the graph pool's own segments

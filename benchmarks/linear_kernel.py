@@ -37,10 +37,10 @@ def copies_for(nbytes: int) -> int:
 
 
 def bench_case(name: str, ns, k: int, m: int, sweep: bool) -> dict:
-    from dspark_compile.lowering.triton_linear import linear_group_triton, plan_linear
-    from dspark_compile.lowering.triton_attention import _device_target
+    from dspark_compile.kernels.linear import linear_group_triton, plan_linear
+    from dspark_compile.kernels.device import device_target
 
-    cfg, sms = _device_target(torch.device("cuda"))
+    cfg, sms = device_target(torch.device("cuda"))
     wbytes = sum(ns) * k * 2
     reps = min(copies_for(wbytes), 16)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)

@@ -52,8 +52,8 @@ if __name__ == "__main__":  # run as a script: import this checkout's package, n
 import e2e  # noqa: E402  (this folder: sys.path[0] as a script)
 from dspark_compile import dspark_compile  # noqa: E402
 from dspark_compile.engine.drafter import SyntheticDrafter  # noqa: E402
-from dspark_compile.graphs.runner import TierGraphs  # noqa: E402
-from dspark_compile.graphs.tiers import tier_set  # noqa: E402
+from dspark_compile.session import TierGraphs, VerifySession  # noqa: E402
+from dspark_compile.session.tiers import tier_set  # noqa: E402
 from dspark_compile.runtime import SpsEntry, SpsMetadata, SpsTable, TierRate  # noqa: E402
 
 GAMMA = 7
@@ -96,7 +96,7 @@ def build(max_requests: int):
     graphs = TierGraphs(lambda *a: None, tiers, tiny["vocab_size"], torch.float32,
                         torch.device("cpu"), use_graphs=False)
     graphs.graphs = {t: _NoReplay() for t in tiers}
-    state.graphs = graphs
+    verifier._sessions[state] = VerifySession(verifier, state, graphs, [])  # no capture
     table = synthetic_table(tiers)
     s = replace(e2e.SMOKE, model=tiny, context=CONTEXT, gamma=GAMMA,
                 concurrency=(max_requests,))
@@ -131,8 +131,8 @@ class Case:
         layout, ids = _timed(times, "pack", d._pack, rids, e, lens, drafts, run.tokens)
         _timed(times, "verify", d.verifier, ids, layout, d.state)
         _timed(times, "check_layout", d.state.check_layout, layout, ids.numel())
-        tier = d.state.graphs._tier_of[(layout.num_tokens, r)]
-        _timed(times, "fill", d.state.graphs.fill, tier, ids, layout)
+        tier = d.verifier.session(d.state).graphs._tier_of[(layout.num_tokens, r)]
+        _timed(times, "fill", d.verifier.session(d.state).graphs.fill, tier, ids, layout)
         acc, nxt = self.accept(drafts, e, lens)
         _timed(times, "commit", d.verifier.commit, layout, acc + 1, d.state)
         _timed(times, "emit", d._emit, rids, e, layout, drafts, acc, nxt, counts, run)

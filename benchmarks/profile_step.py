@@ -26,7 +26,7 @@ import torch
 from torch.profiler import ProfilerActivity, profile
 
 from dspark_compile import VerifyLayout, dspark_compile
-from dspark_compile.graphs.tiers import select_tier, tier_set
+from dspark_compile.session.tiers import select_tier, tier_set
 from timing import add_variant_args, apply_variant
 from verify_step import BLOCK, CONTEXT, PAGE, build_model, environment, mix_lens, time_ms
 
@@ -54,7 +54,7 @@ def host_ms(fn, iters: int = 200) -> float:
 
 
 def profile_bs(verifier, state, bs: int, out: str, suffix: str = "") -> dict:
-    graphs = state.graphs
+    graphs = verifier.session(state).graphs
     layout = VerifyLayout.pack(mix_lens(bs), [CONTEXT] * bs, list(range(bs)))
     tier = select_tier(graphs.tiers, layout.num_tokens, layout.num_requests)
     ids = torch.randint(0, 32000, (layout.num_tokens,), device="cuda")

@@ -44,8 +44,8 @@ import torch  # noqa: E402
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/timing.py
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package
 from timing import time_calls  # noqa: E402
-from dspark_compile.lowering import triton_rotary  # noqa: E402
-from dspark_compile.lowering.triton_conv import device_sm_count  # noqa: E402
+from dspark_compile.kernels import rotary as triton_rotary  # noqa: E402
+from dspark_compile.kernels.device import device_sm_count  # noqa: E402
 
 CASES = {
     "text": dict(num_heads=16, num_kv_heads=8, head_dim=128, rope_theta=10000.0,

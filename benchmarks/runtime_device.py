@@ -46,7 +46,7 @@ from timing import time_calls  # noqa: E402  (benchmarks/timing.py)
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from planner_host import GAMMA, H200_STEP_MS, _confidence, _table  # noqa: E402
-from dspark_compile.graphs.tiers import tier_set  # noqa: E402
+from dspark_compile.session.tiers import tier_set  # noqa: E402
 from dspark_compile.runtime import (AcceptanceEstimator, EstimatorConfig,  # noqa: E402
                                     PlannerConfig, draft_logit_qmax, plan_verify)
 from dspark_compile.runtime.estimator_triton import (feature_predict_triton,  # noqa: E402

@@ -1,4 +1,4 @@
-"""The skinny matmul kernel (``lowering/triton_skinny.py``) against ``torch.mm`` (cuBLAS).
+"""The skinny matmul kernel (``kernels/skinny.py``) against ``torch.mm`` (cuBLAS).
 
 Every shape is a weight of the 1.1B benchmark model (q+k+v and gate+up stacked, as the
 verifier runs them). Each figure is us per call in a CUDA-graph replay of back-to-back calls
@@ -74,7 +74,7 @@ class Case:
         ``rms_res_glu`` (that, and a SiLU-and-mul epilogue over the gate and up halves),
         ``rms_res_rope`` (``rms_res`` and the q/k rotation, heads of 128, in the epilogue: the
         first 3072 of q/k/v's 4096 columns)."""
-        from dspark_compile.lowering.triton_skinny import skinny_linear_triton
+        from dspark_compile.kernels.skinny import skinny_linear_triton
 
         x = torch.randn(m, 2 * self.k if mode == "glu" else self.k, device="cuda",
                         dtype=torch.bfloat16)
@@ -105,7 +105,7 @@ class Case:
         return graph_us([lambda w=w: torch.mm(x, w.t()) for w in self.ws], self.reps)
 
     def ours(self, m: int, **cfg) -> tuple[float, float]:
-        from dspark_compile.lowering.triton_skinny import skinny_linear_triton
+        from dspark_compile.kernels.skinny import skinny_linear_triton
 
         x = self.x(m)
         want = x.float() @ self.ws[0].float().t()
@@ -143,11 +143,11 @@ def main() -> None:
     ap.add_argument("--budget-s", type=float, default=400.0,
                     help="stop the sweep after this many seconds (the rows so far are kept)")
     opts = ap.parse_args()
-    from dspark_compile.lowering.triton_attention import _device_target
-    from dspark_compile.lowering.triton_skinny import plan_skinny
+    from dspark_compile.kernels.device import device_target
+    from dspark_compile.kernels.skinny import plan_skinny
 
     t0 = time.perf_counter()
-    cfg, sms = _device_target(torch.device("cuda"))
+    cfg, sms = device_target(torch.device("cuda"))
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
     report = {"environment": {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,

@@ -121,8 +121,8 @@ def bench_op(m: int) -> dict:
     the K-chunk partials and their sum launch."""
     import dataclasses
 
-    from dspark_compile.lowering.targets import target_for_device
-    from dspark_compile.lowering.triton_skinny import skinny_linear_triton
+    from dspark_compile.kernels.targets import target_for_device
+    from dspark_compile.kernels.skinny import skinny_linear_triton
 
     n, k = SHAPES["down"]
     copies = max(2, -(-256 * 2**20 // (n * k * 2)))

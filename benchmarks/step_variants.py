@@ -24,7 +24,7 @@ import time
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from dspark_compile.graphs.tiers import select_tier, tier_set
+from dspark_compile.session.tiers import select_tier, tier_set
 from profile_step import profile_bs
 from timing import max_err_vs_hf, time_ms, variant_suffix
 from verify_step import (BLOCK, CONTEXT, PAGE, build_model, environment, floor_ms, mix_lens)

@@ -49,7 +49,7 @@ def target_overrides(items: list[str]) -> tuple[dict, str, str]:
     Returns ``(overrides, file-name suffix, command-line flags)``."""
     import dataclasses
 
-    from dspark_compile.lowering import targets
+    from dspark_compile.kernels import targets
 
     applied: dict = {}
     for item in items:
@@ -198,7 +198,7 @@ def mix_lens(bs: int, block: int, mean: int = 3, seed: int = 0) -> list[int]:
 def graph_of(fns: list, calls: int):
     """A CUDA graph of ``calls`` calls cycling ``fns``, captured after one warm-up call of each
     on a side stream, on that same stream: a split launch's counters are made per stream by
-    its first call outside a capture (``triton_attention._counters``), so a capture on another
+    its first call outside a capture (``triton_attention.split_counters``), so a capture on another
     stream would run every split kernel unsplit (and log it)."""
     side = torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())

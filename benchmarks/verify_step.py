@@ -27,7 +27,7 @@ from dspark_compile import VerifyLayout, dspark_compile
 from timing import capture_graph, max_err_vs_hf, plot_step_ms, time_ms  # noqa: F401
 from timing import add_variant_args, apply_variant
 from timing import mix_lens as _mix_lens
-from dspark_compile.graphs.tiers import tier_set
+from dspark_compile.session.tiers import tier_set
 
 HBM_BYTES_PER_S = 4.8e12
 BF16_FLOPS = 790e12
@@ -128,7 +128,7 @@ def run(args, save) -> dict:
     tiers = tier_set(max_bs, BLOCK)
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    reports = verifier.capture(state, tiers=tiers, progress=True)
+    reports = verifier.capture(state, tiers=tiers, progress=True).reports
     capture = {"tiers": len(tiers), "seconds": time.perf_counter() - t0,
                "note": "after the first calls compiled the packed graph with torch.compile "
                        "(first_calls_seconds: the correctness check's two calls, compile "
