@@ -45,33 +45,26 @@ class DSparkConfig:
       one (so the CPU reference stays bitwise equal to the dense graph; the stacked GEMM may
       sum in another order).
 
-    Whole verify step on an H200 (1.1B model, mean-3 mix, graphs): ``"concat"`` 1.20 / 1.48 /
-    2.56 / 7.34 ms at bs 1 / 8 / 64 / 256 against 1.56 / 1.71 / 2.78 / 7.50 with ``"off"``
-    (``benchmarks/step_variants.py``); ``"triton"`` took 2.14 ms at bs 1 in an earlier run (its
-    kernel loses to the vendor GEMM on gate+up and the LM head).
+    Chosen by ``python benchmarks/step_variants.py``; figures in docs/tuning.md.
     """
     rotary: str = "auto"
     """Where a layer's rotary runs: ``"inductor"`` (the packed graph's own ops, fused by
     Inductor when ``inductor=True``), ``"triton"`` (``fuse_rotary`` makes each layer's q/k
     rotation one ``dspark::rotary_apply``: one Triton launch on a GPU) or ``"auto"`` (default:
-    ``"triton"`` with the Triton lowering, ``"inductor"`` with the reference one). Whole verify
-    step on an H200 (1.1B model, mean-3 mix, graphs, stacked q/k/v): 1.20 / 1.39 / 2.45 / 7.19 ms
-    at bs 1 / 8 / 64 / 256 with ``"triton"`` against 1.20 / 1.48 / 2.56 / 7.34 with
-    ``"inductor"`` (``benchmarks/step_variants.py``)."""
+    ``"triton"`` with the Triton lowering, ``"inductor"`` with the reference one).
+
+    Chosen by ``python benchmarks/step_variants.py``; figures in docs/tuning.md."""
     fuse_linears: str = "auto"
     """Each weight's matmul with the RMSNorm or SiLU-and-mul before it and the residual add
     after it: ``"on"`` makes them one ``dspark::skinny_linear`` (``passes/fuse_linear.py``;
     on a GPU one launch of a Triton kernel built for a verify step's few rows, up to
     ``TargetConfig.skinny_max_m`` rows, and the input's launch plus the vendor GEMM above),
     ``"off"`` leaves them to the packed graph, ``"auto"`` (default) is ``"on"`` with the Triton
-    lowering and ``"off"`` with the reference one. 16-bit activations only.
+    lowering and ``"off"`` with the reference one. 16-bit activations only. It costs compile
+    time: each matmul kind and row tile is one more Triton kernel to build.
 
-    Whole verify step on an H200 (1.1B model, mean-3 mix, graphs, one process each, same
-    machine; ``benchmarks/results/verify_step_fuse_ab.json``): ``"on"`` 1.08 / 1.29 / 2.55 /
-    7.29 ms at bs 1 / 8 / 64 / 256 against 1.16 / 1.33 / 2.52 / 7.38 with ``"off"``. It costs
-    compile time: each matmul kind and row tile is one more Triton kernel to build (the
-    benchmark's first two calls took 29.4 s against 20.0 s, its tier capture 4.6-6.0 s against
-    2.8-3.3 s)."""
+    Chosen by ``python benchmarks/verify_step.py --fuse-linears on|off``; figures in
+    docs/tuning.md."""
     rotary_epilogue: str = "auto"
     """``"on"``: each layer's q/k rotation (``rotary="triton"``'s ``dspark::rotary_apply``)
     moves into the q/k/v ``dspark::skinny_linear`` (``fuse_linears`` on), one launch fewer a
@@ -80,10 +73,8 @@ class DSparkConfig:
     rows the rotary kernel after the matmul. ``"off"`` keeps the rotary launch; ``"auto"``
     (default) is ``"on"``. On the CPU the verifier equals the one without it bit for bit.
 
-    Whole verify step on an H200 (1.1B model, mean-3 mix, graphs), bs 1 / 8
-    (``verify_step.py --quick``): in one session, before the attention's early reads,
-    ``"on"`` rotating in every epilogue 1.0045 / 1.1259 ms against ``"off"`` 0.9928 / 1.1772;
-    with them, every epilogue against the rotary launch at bs 1: 0.9674 against 0.9996."""
+    Chosen by ``python benchmarks/verify_step.py --quick --rotary-epilogue on|off``; figures in
+    docs/tuning.md."""
     max_step_tokens: int = 4096
     """Most packed rows (all requests' tokens) one forward may run on a model with
     linear-attention layers: it sizes their replay rings (one saved row per token, per layer),
