@@ -26,12 +26,11 @@ import sys
 from pathlib import Path
 
 import torch
-from timing import time_calls  # noqa: E402  (benchmarks/timing.py)
+from common import time_calls
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dspark_compile.ops import attention_reference as reference  # noqa: E402
-from dspark_compile.kernels.targets import target_for_device  # noqa: E402
-from dspark_compile.kernels.attention import (  # noqa: E402
+from dspark_compile.ops import attention_reference as reference
+from dspark_compile.kernels.targets import target_for_device
+from dspark_compile.kernels.attention import (
     plan_attention, ragged_attention_triton)
 
 SETTINGS = dict(num_heads=16, num_kv_heads=8, head_dim=128, page_size=16, context=1024,

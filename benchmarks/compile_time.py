@@ -23,7 +23,7 @@ import torch
 
 from dspark_compile import dspark_compile
 from dspark_compile.session.tiers import tier_set
-from verify_step import build_model
+from common import build_model
 
 
 def cpu_only() -> None:
@@ -31,14 +31,10 @@ def cpu_only() -> None:
     pass, the lowering), best of two runs in this process."""
     import platform
 
-    from transformers import LlamaForCausalLM
-
     import dspark_compile.passes as passes
     import dspark_compile.verifier as verifier_mod
-    from verify_step import llama_config
 
-    torch.manual_seed(0)
-    model = LlamaForCausalLM(llama_config()).to(torch.bfloat16).eval()
+    model = build_model(device="cpu")
     phases: dict = {}
 
     def timed(name, fn):

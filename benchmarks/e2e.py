@@ -52,24 +52,20 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
-from pathlib import Path
 
 import numpy as np
 import torch
 
-if __name__ == "__main__":  # run as a script: import this checkout's package, not an installed one
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-from dspark_compile import VerifyLayout, dspark_compile  # noqa: E402
-from dspark_compile.config import GROUP_LINEARS, ROTARY  # noqa: E402
-from dspark_compile.engine.accept import (PreDrawnNoise, SamplingParams, accept,  # noqa: E402
+from dspark_compile import VerifyLayout, dspark_compile
+from dspark_compile.config import GROUP_LINEARS, ROTARY
+from dspark_compile.engine.accept import (PreDrawnNoise, SamplingParams, accept,
                                           accept_reference)
-from dspark_compile.engine.drafter import SyntheticDrafter  # noqa: E402
-from dspark_compile.session.tiers import select_tier, tier_set  # noqa: E402
-from dspark_compile.runtime import (PlannerConfig, TierRate, WidthPolicy,  # noqa: E402
+from dspark_compile.engine.drafter import SyntheticDrafter
+from dspark_compile.session.tiers import select_tier, tier_set
+from dspark_compile.runtime import (PlannerConfig, TierRate, WidthPolicy,
                                     WidthPolicyConfig, plan_lengths)
-from dspark_compile.runtime.profiler import profile_sps  # noqa: E402
-from timing import variant_suffix  # noqa: E402  (this folder: sys.path[0] as a script)
+from dspark_compile.runtime.profiler import profile_sps
+from common import variant_suffix
 
 LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
                 num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=32000,

@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from timing import time_calls
+from common import time_calls
 
 LAYER_KV_BYTES = 64 * 1024 * 8 * 128 * 2 * 2
 BUFFERS = 16

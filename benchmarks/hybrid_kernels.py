@@ -34,10 +34,9 @@ if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel 
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
-from timing import time_calls  # noqa: E402  (benchmarks/timing.py)
+from common import time_calls  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from dspark_compile.ops import linear_attention as linear_ops  # noqa: E402
 from dspark_compile.ops import linear_attention_reference as ref  # noqa: E402
 from dspark_compile.kernels import conv as triton_conv  # noqa: E402

@@ -48,17 +48,12 @@ import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, replace
-from pathlib import Path
 
 import torch
 
-if __name__ == "__main__":  # run as a script: import this checkout's package, not an installed one
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the benchmarks' shared helpers
-
-from dspark_compile import VerifyLayout, dspark_compile  # noqa: E402
-from dspark_compile.session.tiers import Tier  # noqa: E402
-from timing import (capture_graph, max_err_vs_hf, mix_lens, plot_step_ms,  # noqa: E402
+from dspark_compile import VerifyLayout, dspark_compile
+from dspark_compile.session.tiers import Tier
+from common import (capture_graph, max_err_vs_hf, mix_lens, plot_step_ms,
                     time_ms as _time_ms)
 
 PATTERN = ["linear_attention"] * 3 + ["full_attention"]

@@ -20,7 +20,7 @@ import platform
 
 import torch
 
-from timing import time_calls
+from common import time_calls
 
 HBM = 4.8e12
 GROUPS = {"qkv": ((2048, 1024, 1024), 2048), "o": ((2048,), 2048),

@@ -34,27 +34,23 @@ of which planning 88 / 85 / 98 / 134 -> 37 / 42 / 52 / 82.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
 import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import numpy as np
 import torch
 
-if __name__ == "__main__":  # run as a script: import this checkout's package, not an installed one
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-
-import e2e  # noqa: E402  (this folder: sys.path[0] as a script)
-from dspark_compile import dspark_compile  # noqa: E402
-from dspark_compile.engine.drafter import SyntheticDrafter  # noqa: E402
-from dspark_compile.session import TierGraphs, VerifySession  # noqa: E402
-from dspark_compile.session.tiers import tier_set  # noqa: E402
-from dspark_compile.runtime import SpsEntry, SpsMetadata, SpsTable, TierRate  # noqa: E402
+import e2e
+from common import build_model, cpu_name, write_json
+from dspark_compile import dspark_compile
+from dspark_compile.engine.drafter import SyntheticDrafter
+from dspark_compile.session import TierGraphs, VerifySession
+from dspark_compile.session.tiers import tier_set
+from dspark_compile.runtime import SpsEntry, SpsMetadata, SpsTable, TierRate
 
 GAMMA = 7
 REQUESTS = (1, 8, 64, 256)
@@ -83,12 +79,9 @@ def synthetic_table(tiers) -> SpsTable:
 
 def build(max_requests: int):
     """A decoder of e2e.py over a tiny verifier whose tier graphs replay nothing."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    torch.manual_seed(0)
     tiny = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
                 num_key_value_heads=1, head_dim=16, vocab_size=64)
-    model = LlamaForCausalLM(LlamaConfig(**tiny)).eval()
+    model = build_model(tiny, device="cpu", dtype=torch.float32)
     verifier = dspark_compile(model, lowering="reference", block=GAMMA + 1)
     state = verifier.new_state(max_requests=max_requests,
                                max_context=CONTEXT + REFERENCE_LEN + 2 * (GAMMA + 1))
@@ -184,7 +177,7 @@ def main(argv=None) -> dict:
         for r, row in rows.items():
             print(f"{mode:>8} R={r:>3}: " + "  ".join(
                 f"{k.removesuffix('_us')} {v:6.1f}" for k, v in row.items()), flush=True)
-    env = {"cpu": _cpu(), "logical_cores": os.cpu_count(), "python": platform.python_version(),
+    env = {"cpu": cpu_name(), "logical_cores": os.cpu_count(), "python": platform.python_version(),
            "torch": torch.__version__, "numpy": np.__version__,
            "command": "python benchmarks/loop_host.py " + " ".join(argv or sys.argv[1:]),
            "load_average_1min": os.getloadavg()[0]}
@@ -196,18 +189,8 @@ def main(argv=None) -> dict:
         "pieces": "median us per call; step = median of the per-step sum of plan, pack, "
                   "verify, commit, emit (check_layout and fill are parts of verify)",
         "results": results}
-    os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "loop_host.json"), "w") as f:
-        json.dump(data, f, indent=1)
+    write_json(args.out, "loop_host.json", data)
     return data
-
-
-def _cpu() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
-    except (OSError, StopIteration):
-        return platform.processor() or platform.machine()
 
 
 if __name__ == "__main__":

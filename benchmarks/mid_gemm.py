@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-from timing import graph_us
+from common import graph_us
 
 SHAPES = {"qkv": (4096, 2048), "o": (2048, 2048), "gate_up": (16384, 2048),
           "down": (2048, 8192), "lm_head": (32000, 2048)}

@@ -27,8 +27,9 @@ from torch.profiler import ProfilerActivity, profile
 
 from dspark_compile import VerifyLayout, dspark_compile
 from dspark_compile.session.tiers import select_tier, tier_set
-from timing import add_variant_args, apply_variant
-from verify_step import BLOCK, CONTEXT, PAGE, build_model, environment, mix_lens, time_ms
+from common import (BLOCK, CONTEXT, PAGE, add_variant_args, apply_variant, build_model,
+                    fill_context, time_ms, write_json)
+from verify_step import environment, mix_lens
 
 KINDS = (("attention", ("_ragged_attention_kernel",)),
          ("split_reduce", ("_split_reduce_kernel",)),
@@ -107,10 +108,7 @@ def main() -> None:
                               rotary_epilogue=args.rotary_epilogue)
     max_bs = max(args.bs)
     state = verifier.new_state(max_requests=max_bs, max_context=CONTEXT + BLOCK)
-    for k, v in state.kv_caches:
-        k.normal_(0, 0.5)
-        v.normal_(0, 0.5)
-    state.committed_lens[:] = CONTEXT
+    fill_context(state, CONTEXT)
     all_tiers = tier_set(max_bs, BLOCK)
     tiers = tuple(sorted({select_tier(all_tiers, 3 * bs, bs) for bs in args.bs}))
     verifier.capture(state, tiers=tiers, progress=False)
@@ -122,8 +120,7 @@ def main() -> None:
     env = dict(environment(), **options,
                command="python benchmarks/profile_step.py --bs " + " ".join(map(str, args.bs))
                + flags)
-    with open(os.path.join(args.out, f"profile_step{suffix}.json"), "w") as f:
-        json.dump({"environment": env, "results": rows}, f, indent=1)
+    write_json(args.out, f"profile_step{suffix}.json", {"environment": env, "results": rows})
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ and sin times ``attention_scaling``, cast to bf16; Qwen2-VL's ``recomposition_fr
 mRoPE) then ``apply_rotary_pos_emb`` (``q * cos + rotate_half(q) * sin``). (b)
 ``rotary_triton``: the same in one launch for q and k. Each case is checked first: Triton vs
 Inductor within bf16 tolerance, and the share of elements bitwise equal to HF's eager math.
-Then both are timed with ``timing.time_calls`` (back-to-back launches between two events, and
+Then both are timed with ``common.time_calls`` (back-to-back launches between two events, and
 CUDA-graph replays), cycling over ``copies`` input sets so the reads come from HBM rather than
 L2 at the larger N. Bytes = q and k read and written, positions and inv_freq read; the floor
 is bytes / 4.8 TB/s.
@@ -41,9 +41,7 @@ if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel 
 
 import torch  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # benchmarks/timing.py
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # this checkout's package
-from timing import time_calls  # noqa: E402
+from common import time_calls  # noqa: E402
 from dspark_compile.kernels import rotary as triton_rotary  # noqa: E402
 from dspark_compile.kernels.device import device_sm_count  # noqa: E402
 

@@ -13,7 +13,7 @@ step, exactly as it makes them (device tensors in, device tensors out, no host s
 - ``step``: the three in a row (feature_predict -> planner on ``p`` -> observe): the whole
   device path of a drafter without a confidence head; ``planner`` alone is that of one with.
 
-Each is timed with ``benchmarks/timing.py``'s ``time_calls``: back-to-back eager launches (host
+Each is timed with ``benchmarks/common.py``'s ``time_calls``: back-to-back eager launches (host
 launch cost included: a host-bound loop measures the host) and CUDA-graph replays (the device
 time, how a captured engine pays it). Before timing, the device plan is checked bit for bit
 against the host ``plan_verify`` and the estimator's ``p`` against the torch path.
@@ -42,9 +42,8 @@ if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel 
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
-from timing import time_calls  # noqa: E402  (benchmarks/timing.py)
+from common import time_calls  # noqa: E402
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from planner_host import GAMMA, H200_STEP_MS, _confidence, _table  # noqa: E402
 from dspark_compile.session.tiers import tier_set  # noqa: E402
 from dspark_compile.runtime import (AcceptanceEstimator, EstimatorConfig,  # noqa: E402

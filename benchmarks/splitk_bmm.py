@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 
-from timing import time_calls
+from common import time_calls
 
 SHAPES = {"o": (2048, 2048), "qkv": (4096, 2048), "down": (2048, 8192),
           "gate_up": (16384, 2048)}

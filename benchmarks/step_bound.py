@@ -24,8 +24,8 @@ import triton
 
 from hbm_read import _read_kernel
 from splitk_bmm import split_mm
-from timing import time_calls
-from verify_step import CONTEXT, floor_ms, llama_config
+from common import CONTEXT, llama_config, time_calls
+from verify_step import floor_ms
 
 CFG = llama_config()
 HIDDEN, FFN, LAYERS, VOCAB = (CFG.hidden_size, CFG.intermediate_size, CFG.num_hidden_layers,

@@ -26,8 +26,9 @@ import torch
 from dspark_compile import VerifyLayout, dspark_compile
 from dspark_compile.session.tiers import select_tier, tier_set
 from profile_step import profile_bs
-from timing import max_err_vs_hf, time_ms, variant_suffix
-from verify_step import (BLOCK, CONTEXT, PAGE, build_model, environment, floor_ms, mix_lens)
+from common import (BLOCK, CONTEXT, PAGE, build_model, fill_context, max_err_vs_hf, time_ms,
+                    variant_suffix)
+from verify_step import environment, floor_ms, mix_lens
 
 DEFAULT_VARIANTS = ("off/inductor", "concat/inductor", "concat/triton")
 
@@ -42,10 +43,7 @@ def run_variant(model, group: str, rotary: str, batches, profile: bool, out: str
     row["max_abs_err_vs_hf_bf16"] = max_err_vs_hf(model, verifier, 32000, "cuda")
     row["first_calls_s"] = time.perf_counter() - t0
     state = verifier.new_state(max_requests=max(batches), max_context=CONTEXT + BLOCK)
-    for k, v in state.kv_caches:
-        k.normal_(0, 0.5)
-        v.normal_(0, 0.5)
-    state.committed_lens[:] = CONTEXT
+    fill_context(state, CONTEXT)
     every = tier_set(max(batches), BLOCK)
     tiers = tuple(sorted({select_tier(every, 3 * bs, bs) for bs in batches}))
     t0 = time.perf_counter()

@@ -17,39 +17,19 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
 import sys
 import time
 
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from timing import capture_graph, max_err_vs_hf, plot_step_ms, time_ms  # noqa: F401
-from timing import add_variant_args, apply_variant
-from timing import mix_lens as _mix_lens
+from common import (BF16_FLOPS, BLOCK, CONTEXT, HBM_BYTES_PER_S, PAGE, add_variant_args,
+                    apply_variant, build_model, capture_graph, fill_context, max_err_vs_hf,
+                    plot_step_ms, time_ms, versions, write_json)
+from common import mix_lens as _mix_lens
 from dspark_compile.session.tiers import tier_set
 
-HBM_BYTES_PER_S = 4.8e12
-BF16_FLOPS = 790e12
-CONTEXT, PAGE, BLOCK = 1024, 16, 8
 BATCHES = (1, 8, 64, 256)
-
-
-def llama_config():
-    from transformers import LlamaConfig
-
-    return LlamaConfig(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                       num_attention_heads=16, num_key_value_heads=8, head_dim=128,
-                       vocab_size=32000, max_position_embeddings=4096)
-
-
-def build_model():
-    from transformers import LlamaForCausalLM
-
-    torch.manual_seed(0)
-    with torch.device("cuda"):
-        model = LlamaForCausalLM(llama_config()).to(torch.bfloat16).eval()
-    return model
 
 
 def mix_lens(bs: int, mean: int = 3, seed: int = 0) -> list[int]:
@@ -105,10 +85,7 @@ def run(args, save) -> dict:
     batches = tuple(args.bs) if args.bs else (1, 8) if args.quick else BATCHES
     max_bs = max(batches)
     state = verifier.new_state(max_requests=max_bs, max_context=CONTEXT + BLOCK)
-    for k, v in state.kv_caches:
-        k.normal_(0, 0.5)
-        v.normal_(0, 0.5)
-    state.committed_lens[:] = CONTEXT
+    fill_context(state, CONTEXT)
     shapes = {bs: {"mix3": mix_lens(bs), "uniform3": [3] * bs, "all8": [BLOCK] * bs}
               for bs in batches}
     iters = 20 if args.quick else 50
@@ -161,12 +138,7 @@ def run(args, save) -> dict:
 
 
 def environment() -> dict:
-    import transformers
-    import triton
-
-    return {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "triton": triton.__version__, "transformers": transformers.__version__,
-            "python": platform.python_version(), "hbm_bytes_per_s": HBM_BYTES_PER_S,
+    return {**versions(), "hbm_bytes_per_s": HBM_BYTES_PER_S,
             "bf16_flops": BF16_FLOPS, "context": CONTEXT, "page_size": PAGE, "block": BLOCK,
             "model": "Llama-like 1.1B bf16 random weights: hidden 2048, 16 layers, 16 heads, "
                      "8 kv heads, head 128, ffn 8192, vocab 32000",
@@ -202,8 +174,7 @@ def main() -> None:
     env["command"] += (" --quick" if args.quick else "") + flags
 
     def save(part: dict) -> None:
-        with open(os.path.join(args.out, f"verify_step{suffix}.json"), "w") as f:
-            json.dump({"environment": env, **part}, f, indent=1)
+        write_json(args.out, f"verify_step{suffix}.json", {"environment": env, **part})
 
     data = {"environment": env, **run(args, save)}
     save(data)

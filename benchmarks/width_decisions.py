@@ -35,12 +35,11 @@ from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from dspark_compile.session.tiers import Tier, tier_set  # noqa: E402
-from dspark_compile.runtime import (SpsEntry, SpsMetadata, SpsTable, WidthPolicy,  # noqa: E402
+from dspark_compile.session.tiers import Tier, tier_set
+from dspark_compile.runtime import (SpsEntry, SpsMetadata, SpsTable, WidthPolicy,
                                     WidthPolicyConfig, expected_tokens)
-from dspark_compile.runtime.profiler import plot_sps  # noqa: E402
-from dspark_compile.runtime import TierRate  # noqa: E402
+from dspark_compile.runtime.profiler import plot_sps
+from dspark_compile.runtime import TierRate
 
 GAMMA = 7
 WIDTHS = tuple(range(1, GAMMA + 2))

@@ -3,7 +3,6 @@ table (the MI355X shape of test_runtime_width.py) and benchmarks/runtime_device.
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from helpers import load_benchmark
 from test_runtime_width import MI355X_HAZARDS
 
 BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
@@ -20,14 +20,7 @@ BENCHMARKS = Path(__file__).resolve().parents[2] / "benchmarks"
 @pytest.fixture(scope="module")
 def width_decisions(tmp_path_factory):
     pytest.importorskip("matplotlib")
-    sys.path.insert(0, str(BENCHMARKS))  # the script imports e2e.TierRate from its folder
-    try:
-        spec = importlib.util.spec_from_file_location("width_decisions_bench",
-                                                      BENCHMARKS / "width_decisions.py")
-        module = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(module)
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+    module = load_benchmark("width_decisions")
     out = tmp_path_factory.mktemp("width_decisions")
     module.main(["--synthetic-only", "--out", str(out)])
     return module, out

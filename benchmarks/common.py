@@ -1,9 +1,21 @@
-"""Shared by the benchmarks: kernel timing (eager back-to-back launches and CUDA-graph replays
-between CUDA events; a sync after each launch lets the clocks drop and doubles small figures,
-so none is taken inside a timed loop) and the fixed-seed verify-length mix."""
+"""What the benchmark scripts share: kernel timing, the verify-length mix, the 1.1B Llama-like
+target, the prefilled-context state fill, environment rows and result files.
+
+Timing: eager back-to-back launches and CUDA-graph replays between CUDA events; a sync after
+each launch lets the clocks drop and doubles small figures, so none is taken inside a timed
+loop.
+
+Scripts run as ``python benchmarks/<name>.py`` from the checkout (their folder is then first on
+``sys.path``) and ``import common``; the tests import them through pytest's ``pythonpath``
+(``pyproject.toml``). ``dspark_compile`` comes from the environment: ``pip install -e .`` or
+``PYTHONPATH=.`` (``gpu_session.sh`` sets the latter).
+"""
 
 from __future__ import annotations
 
+import json
+import os
+import platform
 import random
 import time
 
@@ -11,7 +23,89 @@ import torch
 
 __all__ = ["time_calls", "graph_of", "graph_us", "time_ms", "capture_graph", "mix_lens",
            "plot_step_ms", "max_err_vs_hf", "variant_suffix", "variant_flags", "target_overrides",
-           "add_variant_args", "apply_variant"]
+           "add_variant_args", "apply_variant", "LLAMA_1B", "CONTEXT", "PAGE", "BLOCK",
+           "HBM_BYTES_PER_S", "BF16_FLOPS", "llama_config", "build_model", "fill_context",
+           "versions", "cpu_name", "out_dir", "write_json"]
+
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=32000,
+                max_position_embeddings=4096)
+"""The Llama-like 1.1B target of the step benchmarks (random weights, seed 0)."""
+CONTEXT, PAGE, BLOCK = 1024, 16, 8
+"""Committed context per request, KV page size and verify block of the step benchmarks."""
+HBM_BYTES_PER_S = 4.8e12
+"""H200 datasheet HBM bandwidth."""
+BF16_FLOPS = 790e12
+"""H200 dense bf16 peak (no sparsity)."""
+
+
+def llama_config(**overrides):
+    """``LlamaConfig`` of :data:`LLAMA_1B` with ``overrides``."""
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**{**LLAMA_1B, **overrides})
+
+
+def build_model(config: dict | None = None, device: str = "cuda", dtype=torch.bfloat16,
+                seed: int = 0):
+    """``LlamaForCausalLM`` of ``config`` (LlamaConfig arguments, default :data:`LLAMA_1B`),
+    random weights at ``seed``, in ``dtype`` on ``device``, in eval mode."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    with torch.device(device):
+        model = LlamaForCausalLM(LlamaConfig(**(config or LLAMA_1B))).to(dtype).eval()
+    return model
+
+
+def fill_context(state, context: int) -> None:
+    """Random KV (N(0, 0.5)) in every slot and ``context`` tokens committed per slot: a state
+    that looks prefilled without running a prefill."""
+    for k, v in state.kv_caches:
+        k.normal_(0, 0.5)
+        v.normal_(0, 0.5)
+    state.committed_lens[:] = context
+
+
+def cpu_name() -> str:
+    """The CPU's model name (``/proc/cpuinfo``), or what ``platform`` knows."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next(line.split(":", 1)[1].strip() for line in f if "model name" in line)
+    except (OSError, StopIteration):
+        return platform.processor() or platform.machine()
+
+
+def versions(gpu: bool = True) -> dict:
+    """The device (GPU name, or ``cpu (<model>)``) and the versions every result file records
+    (Triton and transformers: None where not installed)."""
+    import importlib.util
+
+    def version(name: str):
+        if importlib.util.find_spec(name) is None:
+            return None
+        return __import__(name).__version__
+
+    device = torch.cuda.get_device_name() if gpu and torch.cuda.is_available() else \
+        f"cpu ({cpu_name()})"
+    return {"gpu": device, "torch": torch.__version__, "triton": version("triton"),
+            "transformers": version("transformers"), "python": platform.python_version()}
+
+
+def out_dir(arg: str | None = None) -> str:
+    """Where results go: ``arg``, else ``$OUT``, else ``benchmarks/results``; created."""
+    path = arg or os.environ.get("OUT") or "benchmarks/results"
+    os.makedirs(path, exist_ok=True)
+    return path
+
+
+def write_json(out: str, name: str, data: dict, **dump) -> str:
+    """``data`` as indented JSON in ``out/name`` (the folder is created); the path."""
+    os.makedirs(out, exist_ok=True)
+    path = os.path.join(out, name)
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, **dump)
+    return path
 
 
 def add_variant_args(parser, rotary: bool = True) -> None:
