@@ -20,7 +20,8 @@ The prefill (one per concurrency, shared by every mode: a mode starts from the c
 is not timed either. tokens/s = requests x decoded tokens / (run time - draft time).
 
 Drafter: synthetic and calibrated. Each request's greedy continuation is decoded first with no
-speculation (the reference); at emitted count ``e`` draft ``j`` is the reference token ``e + j``
+speculation (the reference) by the package's own loop, ``ReferenceEngine`` in mode ``none``
+(which also prefills the prompts); at emitted count ``e`` draft ``j`` is the reference token ``e + j``
 with probability ``c`` and a wrong one otherwise, where the confidence ``c ~ Beta`` (mean ``mu``,
 ``alpha + beta = concentration``) is what the drafter reports. ``mu`` solves
 ``sum_{j=1..gamma} mu^j = mean_accepted`` (3.0: about 3 of 7 accepted). The draws are seeded
@@ -36,6 +37,18 @@ on CPU over 1280 tokens); every matmul and attention read is unchanged, so a ste
 the 1.1B model's step costs. ``--target random`` keeps
 the plain random model (used by the CPU test, where the float32 numerics agree).
 
+Loops: the reference decode (prefill and plain greedy decoding) runs through
+``dspark_compile.engine.ReferenceEngine`` on the captured state. The timed runs keep the
+smallest piece of loop of their own, :class:`Decoder` (plan, pack, verify, accept, commit,
+emit per step), because three things they measure cannot be had through ``ReferenceEngine``:
+(1) tokens/s of a loop whose host work is vectorised over requests (NumPy token table, one
+device-to-host copy per step), where the reference engine keeps per-request Python lists and
+builds each step's rows with a Python loop over requests, host work that would be charged to
+every verify mode alike; (2) every mode restarting from the same prefilled prompts (the engine
+prefills on admission, so each timed run would include a prefill); (3) the split of a step's
+time into drafting (subtracted), planning and verify GPU time, for which ``ReferenceEngine.step``
+has no hooks. The accept step, commit and planners are the package's own in both loops.
+
 Writes ``e2e[_quick|_smoke].json`` (GPU, versions, every setting, the SPS table, per
 concurrency and mode: tokens/s, mean verify tokens per step, mean accepted, steps, mismatches
 against the reference) and a PNG to --out (default: $OUT if set, else benchmarks/results).
@@ -46,9 +59,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import hashlib
-import json
 import os
-import platform
 import sys
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -58,6 +69,7 @@ import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
 from dspark_compile.config import GROUP_LINEARS, ROTARY
+from dspark_compile.engine import EngineConfig, ReferenceEngine
 from dspark_compile.engine.accept import (PreDrawnNoise, SamplingParams, accept,
                                           accept_reference)
 from dspark_compile.engine.drafter import SyntheticDrafter
@@ -65,11 +77,8 @@ from dspark_compile.session.tiers import select_tier, tier_set
 from dspark_compile.runtime import (PlannerConfig, TierRate, WidthPolicy,
                                     WidthPolicyConfig, plan_lengths)
 from dspark_compile.runtime.profiler import profile_sps
-from common import variant_suffix
+from common import LLAMA_1B, build_model, variant_suffix, versions, write_json
 
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=32000,
-                max_position_embeddings=4096)
 TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
             num_key_value_heads=2, head_dim=16, vocab_size=128, max_position_embeddings=512)
 
@@ -105,7 +114,8 @@ class Settings:
     warmup_output: int = 16
     """Tokens per request of the untimed warm-up run before each timed run."""
     prefill_tokens: int = 16384
-    """Packed tokens per prefill chunk (the logits of a chunk are [tokens, vocab])."""
+    """Packed tokens per prefill forward of the reference engine (requests are submitted to it
+    in groups of ``prefill_tokens // context``; the logits of a group are [tokens, vocab])."""
     page_size: int = 16
     """KV page size in tokens."""
     sps_iters: int = 20
@@ -143,13 +153,10 @@ def mode_names(gamma: int) -> tuple[str, ...]:
 # ---------------------------------------------------------------------- target
 def build_target(s: Settings):
     """The target model and its successor permutation (None for ``target="random"``)."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     if s.target not in ("successor", "random"):
         raise ValueError(f"Settings.target={s.target!r}; it must be 'successor' or 'random'")
-    torch.manual_seed(s.seed)  # the weights of verify_step.py's model at seed 0
-    with torch.device(s.device):
-        model = LlamaForCausalLM(LlamaConfig(**s.model)).to(getattr(torch, s.dtype)).eval()
+    # the weights of verify_step.py's model at seed 0
+    model = build_model(s.model, s.device, getattr(torch, s.dtype), s.seed)
     if s.target == "random":
         return model, None
     emb = model.model.embed_tokens.weight
@@ -210,11 +217,61 @@ class Run:
     """(tokens, requests) of every step, to find the tier each replayed."""
 
 
+class _OnState:
+    """``verifier`` with ``new_state`` handing back ``state``: lets ``ReferenceEngine`` (which
+    allocates its state through the verifier) run on the state whose tier graphs were captured
+    and whose slots the timed runs reuse."""
+
+    def __init__(self, verifier, state) -> None:
+        self._verifier, self._state = verifier, state
+
+    def new_state(self, max_requests: int, max_context: int):
+        if max_requests > self._state.max_requests:
+            raise ValueError(f"_OnState: the engine wants {max_requests} slots; the state has "
+                             f"{self._state.max_requests}")
+        return self._state
+
+    def __call__(self, *args, **kwargs):
+        return self._verifier(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self._verifier, name)
+
+
+def reference_decode(verifier, state, prompts: torch.Tensor, tokens: int, s: Settings):
+    """Prefill ``prompts [c, context]`` into slots ``0..c-1`` of ``state`` and decode
+    ``tokens`` greedy tokens per request (the prefill's first one included) with the package's
+    reference engine in mode ``none``; int64 ``[c, tokens]``.
+
+    Requests are submitted in groups of ``prefill_tokens // context``, one group per engine
+    step, so no prefill forward packs more than ``prefill_tokens`` rows (a group past the
+    largest tier runs without a graph). Afterwards every slot is released (committed length 0)
+    with its prompt's KV still in its pages: :meth:`Decoder.run` restarts from there."""
+    c, ctx = prompts.shape
+    state.release(list(range(c)))  # what the timed runs of the last concurrency left there
+    max_context = ctx + s.output + 2 * (s.gamma + 1)
+    engine = ReferenceEngine(_OnState(verifier, state), None,  # mode none drafts nothing
+                             EngineConfig(mode="none", gamma=s.gamma, max_context=max_context),
+                             max_requests=c)
+    per = max(1, s.prefill_tokens // ctx)
+    for lo in range(0, c, per):
+        for prompt in prompts[lo:lo + per]:
+            engine.submit(prompt, tokens)
+        engine.step()  # admits (prefills) this group, then one step of every running request
+    if any(r.slot != r.rid for r in engine.running):
+        raise RuntimeError("reference_decode: a request is not in the slot of its index; the "
+                           "timed runs read prompt i's KV from slot i")
+    out = engine.run()
+    return np.array([out[i] for i in range(c)], dtype=np.int64)
+
+
 class Decoder:
-    """Greedy speculative decoding of a fixed batch in slots ``0..c-1`` of one state.
+    """Greedy speculative decoding of a fixed batch in slots ``0..c-1`` of one state: the timed
+    loop (the module docstring says why it is not ``ReferenceEngine``'s).
 
     Per-request state lives in NumPy arrays (no Python loop over requests), so the host work of
-    a step is what an engine would do, not the reference engine's per-request bookkeeping.
+    a step is what a serving engine would do, not the reference engine's per-request
+    bookkeeping.
     """
 
     def __init__(self, verifier, state, s: Settings, table, tiers) -> None:
@@ -236,24 +293,6 @@ class Decoder:
         self._events = [torch.cuda.Event(enable_timing=True) for _ in range(2)] \
             if self.dev.type == "cuda" else None
         self._positions = np.arange(s.gamma + 1)  # [g + 1]: a request's rows in a step
-
-    def prefill(self, prompts: torch.Tensor) -> np.ndarray:
-        """Prefill ``prompts [c, context]`` into slots ``0..c-1``; their first greedy tokens.
-
-        Runs in chunks of ``prefill_tokens``; a chunk past the largest tier (they are sized
-        for verify blocks) runs without a graph."""
-        c, ctx = prompts.shape
-        self.state.release(list(range(c)))
-        per, first = max(1, self.s.prefill_tokens // ctx), []
-        for lo in range(0, c, per):
-            slots = list(range(lo, min(c, lo + per)))
-            layout = VerifyLayout.pack([ctx] * len(slots), [0] * len(slots), slots)
-            logits = self.verifier(prompts[slots].reshape(-1).to(self.dev), layout,
-                                   self.state)
-            last = torch.arange(1, len(slots) + 1, device=self.dev) * ctx - 1
-            first.append(logits[last].float().argmax(-1).cpu())
-            self.verifier.commit(layout, [ctx] * len(slots), self.state)
-        return torch.cat(first).numpy()
 
     def warm_accept(self, c: int) -> None:
         """Run the accept step once at every request count ``1..c``: the Triton kernels
@@ -383,8 +422,8 @@ def summarize(run: Run, got: np.ndarray, want: np.ndarray, tiers) -> dict:
 def bench_concurrency(decoder: Decoder, prompts: torch.Tensor, s: Settings):
     """Prefill, decode the reference, then warm up and time every mode; (rows, outputs)."""
     out = s.output
-    first = decoder.prefill(prompts)
-    reference = decoder.run("none", first, None, out + s.gamma).tokens[:, :1 + out + s.gamma]
+    reference = reference_decode(decoder.verifier, decoder.state, prompts, 1 + out + s.gamma, s)
+    first = reference[:, 0]
     drafter = SyntheticDrafter(reference, s.gamma, s.mean_accepted, s.concentration,
                                decoder.vocab, s.seed + prompts.shape[0])
     decoder.warm_accept(prompts.shape[0])
@@ -534,14 +573,8 @@ POLICIES = ("width: WidthPolicy over widths 1..gamma+1 (default knobs); planner:
 
 
 def environment(s: Settings) -> dict:
-    import transformers
-    import triton
-
-    gpu = torch.cuda.get_device_name() if s.device == "cuda" else \
-        f"cpu ({platform.processor() or platform.machine()})"
-    return {"gpu": gpu, "torch": torch.__version__, "triton": triton.__version__,
-            "transformers": transformers.__version__, "numpy": np.__version__,
-            "python": platform.python_version(), "command": " ".join(sys.argv)}
+    return {**versions(gpu=s.device == "cuda"), "numpy": np.__version__,
+            "command": " ".join(sys.argv)}
 
 
 def plot(data: dict, path: str) -> None:
@@ -612,8 +645,7 @@ def main(argv=None) -> dict:
     stem = os.path.join(out, "e2e" if s.name == "full" else f"e2e_{s.name}")
 
     def save(part: dict) -> None:
-        with open(stem + ".json", "w") as f:
-            json.dump(part, f, indent=1, allow_nan=False)
+        write_json(out, os.path.basename(stem) + ".json", part, allow_nan=False)
 
     data, _ = run_benchmark(s, save)
     try:
