@@ -510,7 +510,6 @@ def _max_splits(num_splits: int) -> int:
     return max(8, triton.next_power_of_2(num_splits))
 
 
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=1024)  # a pure function of ints: ~10 us of Python per call saved
 def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_heads: int,
                    max_keys: int, max_query_len: int, cfg: TargetConfig, sm_count: int,

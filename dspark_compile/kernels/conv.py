@@ -181,7 +181,6 @@ class ConvPlan:
     """``query_start_loc`` entries compared per step of a chunk's request lookup."""
 
 
-@functools.lru_cache(maxsize=None)
 @functools.lru_cache(maxsize=1024)
 def plan_conv(num_tokens: int, dim: int, num_requests: int, width: int,
               sm_count: int) -> ConvPlan:
