@@ -25,12 +25,14 @@ import platform
 import sys
 from pathlib import Path
 
-import torch
-from common import time_calls
+if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel import
+    os.environ["TRITON_INTERPRET"] = "1"
 
-from dspark_compile.ops import attention_reference as reference
-from dspark_compile.kernels.targets import target_for_device
-from dspark_compile.kernels.attention import (
+import torch  # noqa: E402
+from common import time_calls  # noqa: E402
+from dspark_compile.ops import attention_reference as reference  # noqa: E402
+from dspark_compile.kernels.targets import target_for_device  # noqa: E402
+from dspark_compile.kernels.attention import (  # noqa: E402
     plan_attention, ragged_attention_triton)
 
 SETTINGS = dict(num_heads=16, num_kv_heads=8, head_dim=128, page_size=16, context=1024,

@@ -92,6 +92,7 @@ def test_random_target_decodes_hf_greedy_in_every_mode(e2e):
             for _ in range(1 + s.output):  # the prefill's token, then the decoded ones
                 seq = torch.cat([seq, model(seq[None]).logits[0, -1].argmax().view(1)])
             want.append(seq[s.context + 1:].tolist())
+    assert outputs[3]["reference"].tolist() == want  # ReferenceEngine's plain greedy decode
     for mode in e2e.mode_names(s.gamma):
         assert outputs[3][mode].tolist() == want, mode
 
