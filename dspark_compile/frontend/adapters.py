@@ -93,13 +93,8 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
             f"attention implementation {HF_ATTENTION_NAME!r} runs only inside a dspark_compile "
             "capture; set the model back to 'sdpa' or 'eager' to run it on its own"
         )
-    for name in ("sliding_window", "softcap"):
-        if kwargs.get(name) is not None:
-            raise NotImplementedError(
-                f"{type(module).__name__} (layer {module.layer_idx}) uses {name}="
-                f"{kwargs[name]!r}; dspark::ragged_attention implements full causal attention "
-                "only"
-            )
+    _check_attention_arguments(module, dropout, kwargs)
+    _check_mask(module, attention_mask)
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(
             f"{type(module).__name__} (layer {module.layer_idx}) is not causal; verify needs "
@@ -109,9 +104,116 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     return scope.attend(module.layer_idx, query, key, value, scale), None
 
 
-def _no_mask(*args, **kwargs):
-    """Mask builder for the dspark implementation: causality lives in the attention op."""
+_PASS_THROUGH = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions",
+                           "output_router_logits", "output_hidden_states", "return_dict"})
+"""Keywords HF hands every attention function that do not change what attention computes
+(positions reach the graph as the layout's own input)."""
+
+
+def _check_mask(module, attention_mask) -> None:
+    """The mask a layer receives must be the capture's proof of plain causality (None)."""
+    if attention_mask is None:
+        return
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    what = f"builds {attention_mask.description}" if isinstance(attention_mask, _UnprovenMask) \
+        else f"passes a mask of type {type(attention_mask).__name__} built outside the capture"
+    raise NotImplementedError(
+        f"{where}: the model {what}, not plain causal attention. dspark::ragged_attention "
+        "computes causal attention only (sliding windows, chunked, bidirectional or blockwise "
+        "masks are not implemented), so the model is refused rather than verified wrong")
+
+
+def _check_attention_arguments(module, dropout, kwargs: dict) -> None:
+    """Whitelist of what reaches the attention function: ``dspark::ragged_attention``
+    implements causal attention with a scale, nothing else. A keyword outside
+    ``_PASS_THROUGH`` is refused unless it is None (or ``is_causal=True``): sinks (``s_aux``),
+    windows, softcaps and anything a later transformers adds would otherwise be dropped and the
+    verify would be silently wrong."""
+    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+    if dropout:
+        raise NotImplementedError(f"{where} passes dropout={dropout!r} to attention; verify "
+                                  "needs dropout 0: call model.eval() before dspark_compile")
+    for name, value in kwargs.items():
+        if name in _PASS_THROUGH or value is None or (name == "is_causal" and value is True):
+            continue
+        what = f"a tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else \
+            repr(value)
+        raise NotImplementedError(
+            f"{where} passes {name}={what} to its attention function; "
+            "dspark::ragged_attention implements causal attention with a scale only, so "
+            f"{name!r} would be ignored and the verify would differ from the model. The model "
+            "is refused rather than verified wrong")
+
+
+_CAUSAL = "causal_mask_function"
+"""The one leaf mask the ragged op computes."""
+_SAME_AS_CHILD = {"and_masks.<locals>.and_mask": "mask_functions",
+                  "remap_positions_for_packed_sequence.<locals>.inner_mask": "mask_function",
+                  "add_offsets_to_mask_function.<locals>.inner_mask": "mask_function"}
+"""Combinators that keep plain causal when what they combine is (an intersection; positions
+remapped within one sequence; offsets), with the closure variable that holds the children."""
+_ALWAYS_TRUE_IN_VERIFY = {"packed_sequence_mask_function.<locals>.inner_mask"}
+"""Leaves that hold for every pair a verify computes: each request is one sequence."""
+
+
+def _causal_only(*args, mask_function=None, attention_mask=None, **kwargs):
+    """Mask builder for the dspark implementation. The ragged op computes causality itself, so
+    no mask tensor is built; instead the model's own mask function (transformers'
+    ``masking_utils`` closures) must be provably plain causal: every leaf it combines is
+    ``causal_mask_function`` (or a same-sequence test that holds in a verify), combined only by
+    intersection, position remapping or offsets. Anything else (sliding windows, chunks,
+    bidirectional or blockwise overlays, ``or_masks``, padding, a mask function of the model's
+    own) is refused by name: it would otherwise be dropped silently."""
+    if attention_mask is not None:
+        raise NotImplementedError("the model passed an attention_mask (padding) into the "
+                                  "capture; verify takes none: padding is the layout's job")
+    if mask_function is not None and not _is_causal(mask_function):
+        return _UnprovenMask(_describe(mask_function))
     return None
+
+
+@dataclass(frozen=True)
+class _UnprovenMask:
+    """What the mask builder returns for a mask that is not plain causal. A model may build
+    masks it never uses (one per layer type), so the refusal comes from the attention call
+    that receives it (``_check_mask``), naming the layer."""
+
+    description: str
+
+
+def _hf_mask_name(fn) -> str | None:
+    """The qualified name of a transformers ``masking_utils`` mask function, else None."""
+    if getattr(fn, "__module__", None) != "transformers.masking_utils":
+        return None
+    return getattr(fn, "__qualname__", None)
+
+
+def _children(fn, var: str) -> tuple:
+    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
+    value = cells[var].cell_contents if var in cells else ()
+    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
+
+
+def _is_causal(fn) -> bool:
+    """Whether ``fn`` equals plain causal on every (query, key) pair of a verify."""
+    name = _hf_mask_name(fn)
+    if name == _CAUSAL:
+        return True
+    if name in _SAME_AS_CHILD:
+        kids = _children(fn, _SAME_AS_CHILD[name])
+        causal = [k for k in kids if _is_causal(k)]
+        # an intersection is causal when one part is and the rest always hold in a verify
+        return bool(causal) and all(_is_causal(k) or _hf_mask_name(k) in _ALWAYS_TRUE_IN_VERIFY
+                                    for k in kids)
+    return False
+
+
+def _describe(fn) -> str:
+    name = _hf_mask_name(fn)
+    if name in _SAME_AS_CHILD:
+        parts = ", ".join(_describe(k) for k in _children(fn, _SAME_AS_CHILD[name]))
+        return f"{name.split('.')[0]}({parts})"
+    return name.split(".")[0] if name else getattr(fn, "__qualname__", repr(fn))
 
 
 @contextlib.contextmanager
@@ -164,7 +266,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
     @contextlib.contextmanager
     def hooks():
         AttentionInterface.register(HF_ATTENTION_NAME, _hf_attention)
-        AttentionMaskInterface.register(HF_ATTENTION_NAME, _no_mask)
+        AttentionMaskInterface.register(HF_ATTENTION_NAME, _causal_only)
         previous = config._attn_implementation
         model.set_attn_implementation(HF_ATTENTION_NAME)
         try:
