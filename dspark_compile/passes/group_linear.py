@@ -15,7 +15,7 @@ CPU tests cover the rewrite); the Triton lowering of the op streams a group's we
 launch at small ``N`` (``kernels/linear.py``). Only weights that are graph inputs of
 kind ``param`` (read through ``aten.t``) are grouped, at most ``MAX_GROUP`` per op, in graph
 order; a lone weight stays an ``aten.mm`` (the vendor GEMM was faster for every single weight
-of the 1.1B benchmark model at M = 3..64 on an H200: ``benchmarks/results/linear_kernel.json``).
+of the 1.1B benchmark model at M = 3..64 on an H200: ``python benchmarks/linear_kernel.py``; figures in docs/tuning.md).
 """
 
 from __future__ import annotations
