@@ -66,13 +66,13 @@ def verify_step_ms(arg: float | None) -> tuple[float | None, str]:
     """The bs-256 verify step in ms and where it came from."""
     if arg is not None:
         return arg, "--verify-ms"
-    path = RESULTS / "verify_step.json"
+    path = RESULTS / "verify_step_quick_bs64_256.json"
     if not path.exists():
         return None, f"none: {path} is missing and --verify-ms was not given"
     data = json.loads(path.read_text())
     env = data.get("environment", {})
     return (float(data["results"]["256"]["ours_graph_mix3_ms"]),
-            f"benchmarks/results/verify_step.json results['256']['ours_graph_mix3_ms'] "
+            f"benchmarks/results/verify_step_quick_bs64_256.json results['256']['ours_graph_mix3_ms'] "
             f"({env.get('gpu')}, torch {env.get('torch')}, triton {env.get('triton')})")
 
 
