@@ -17,7 +17,23 @@ class AttentionSpec:
     num_kv_heads: int
     """KV heads of the layer."""
     head_dim: int
-    """Channels per head."""
+    """Query/key channels per head."""
+    v_head_dim: int | None = None
+    """Value channels per head (None: ``head_dim``); DeepSeek's expanded MLA has 192 / 128."""
+    window: int = 0
+    """Left sliding window in Hugging Face's convention (a query at position p sees keys
+    ``p - window < k <= p``); 0: plain causal."""
+    softcap: float = 0.0
+    """Attention-logit softcap (``softcap * tanh(s / softcap)``); 0: none."""
+    sinks: bool = False
+    """Whether the layer adds a learned per-head sink logit to the softmax denominator."""
+    name: str = ""
+    """Where the layer is in the model (shown by ``explain``)."""
+
+    @property
+    def value_dim(self) -> int:
+        """Value channels per head."""
+        return self.head_dim if self.v_head_dim is None else self.v_head_dim
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,8 @@ class VerifierState:
     page_size: int
     """Tokens per KV page."""
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
-    """Per attention layer: K and V pools, each ``[num_pages, page_size, kv_heads, head_dim]``."""
+    """Per attention layer: K and V pools ``[num_pages, page_size, kv_heads, head_dim]`` (V:
+    the layer's value head dim)."""
     block_table: torch.Tensor
     """int32 ``[max_requests, pages_per_request]`` on the pool's device: page ids per slot."""
     committed_lens: torch.Tensor = field(default=None)  # type: ignore[assignment]
@@ -63,9 +64,9 @@ class VerifierState:
         block_table = perm.view(max_requests, pages_per_request).to(torch.int32)
         kv = [
             tuple(
-                torch.zeros(num_pages, page_size, s.num_kv_heads, s.head_dim, dtype=dtype,
+                torch.zeros(num_pages, page_size, s.num_kv_heads, dim, dtype=dtype,
                             device=device)
-                for _ in range(2)
+                for dim in (s.head_dim, s.value_dim)
             )
             for s in specs
         ]
