@@ -4,67 +4,121 @@ These are the CPU execution path and the oracle that every kernel is tested agai
 favour clarity over speed: a Python loop over requests is fine here.
 
 Containment: a query reads only the keys it is allowed to see (its request's committed context
-and its own block up to itself). Keys past that are never touched, so whatever a padding
-position or a rejected draft holds (NaN included) cannot reach an accepted row.
+and its own block up to itself; with a window, only the last ``window`` of those). Keys outside
+that are never touched, so whatever a padding position, a rejected draft or a page left behind
+by a sliding window holds (NaN included) cannot reach an accepted row.
+
+Attention semantics (Hugging Face's conventions, checked against transformers 5.24):
+
+- ``window > 0``: a query at position ``p`` sees keys at ``p - window < kpos <= p``
+  (``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``, plus causal);
+  ``window == 0``: plain causal.
+- ``softcap > 0``: ``s = softcap * tanh(scale * q.k / softcap)`` (Gemma 2's
+  ``eager_attention_forward``: after the scaling, before mask and softmax); 0: none.
+- ``sinks`` ``[H]``: one extra logit per query head joins the softmax denominator, unscaled and
+  not softcapped, and is dropped from the output (GPT-OSS's ``s_aux``).
+- V's head dim may differ from q/k's (DeepSeek MLA expanded: 192 / 128); out has V's.
 """
 
 from __future__ import annotations
 
+import math
+from typing import Optional
+
 import torch
 
-__all__ = ["kv_write", "ragged_attention", "dense_cached_attention"]
+__all__ = ["kv_write", "ragged_attention", "dense_cached_attention", "check_semantics"]
+
+_SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def check_semantics(op: str, window, softcap, sinks, num_heads: int, device=None) -> None:
+    """Raise ``ValueError`` naming the argument, its value and the rule, for the attention
+    switches: ``window`` a python int >= 0, ``softcap`` a finite number >= 0, ``sinks`` None or a
+    float tensor ``[num_heads]`` (on ``device``, when given)."""
+    if type(window) is not int or window < 0:
+        raise ValueError(f"{op}: window={window!r}; it must be an int >= 0 (0: no window; w: "
+                         f"a query at p sees keys p - w < kpos <= p)")
+    if (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
+            or not math.isfinite(softcap) or softcap < 0):
+        raise ValueError(f"{op}: softcap={softcap!r}; it must be a finite float >= 0 (0: none)")
+    if sinks is None:
+        return
+    if not isinstance(sinks, torch.Tensor) or sinks.dtype not in _SINK_DTYPES \
+            or tuple(sinks.shape) != (num_heads,):
+        raise ValueError(f"{op}: sinks is {getattr(sinks, 'dtype', type(sinks).__name__)} of "
+                         f"shape {tuple(getattr(sinks, 'shape', ()))}; it must be None or a "
+                         f"float tensor [H] = [{num_heads}] (one logit per query head)")
+    if device is not None and sinks.device != device:
+        raise ValueError(f"{op}: sinks is on {sinks.device} but q is on {device}; move it there")
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
-    """Write packed ``k, v [N, Hkv, D]`` into pool rows ``slot_mapping [N]`` (< 0: skip)."""
+    """Write packed ``k [N, Hkv, Dk]``, ``v [N, Hkv, Dv]`` into pool rows ``slot_mapping [N]``
+    (< 0: skip)."""
     page_size = k_cache.shape[1]
     keep = slot_mapping >= 0
     rows = slot_mapping[keep].long()
-    flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [pages * page_size, Hkv, D]
-    flat_v = v_cache.view(-1, *v_cache.shape[2:])
+    flat_k = k_cache.view(-1, *k_cache.shape[2:])  # [pages * page_size, Hkv, Dk]
+    flat_v = v_cache.view(-1, *v_cache.shape[2:])  # [pages * page_size, Hkv, Dv]
     assert flat_k.shape[0] == k_cache.shape[0] * page_size, "pool must be contiguous"
     flat_k.index_copy_(0, rows, k[keep].to(k_cache.dtype))
     flat_v.index_copy_(0, rows, v[keep].to(v_cache.dtype))
 
 
-def _gather_keys(cache: torch.Tensor, block_row: torch.Tensor, length: int) -> torch.Tensor:
-    """The first ``length`` tokens of one request's pages: ``[length, Hkv, D]``."""
+def _gather_keys(cache: torch.Tensor, block_row: torch.Tensor, start: int,
+                 end: int) -> torch.Tensor:
+    """Positions ``start .. end - 1`` of one request's pages: ``[end - start, Hkv, D]``. Only
+    the pages holding them are indexed (a window's earlier pages may be gone)."""
     page_size = cache.shape[1]
-    pages = -(-length // page_size)
-    return cache[block_row[:pages].long()].flatten(0, 1)[:length]
+    first, last = start // page_size, -(-end // page_size)
+    rows = cache[block_row[first:last].long()].flatten(0, 1)
+    return rows[start - first * page_size: end - first * page_size]
 
 
-def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, context: int,
-                scale: float) -> torch.Tensor:
-    """Causal attention of ``q [L, H, D]`` at positions ``context + j`` over
-    ``keys [S, Hkv, D]``."""
+def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_key: int,
+                context: int, scale: float, window: int, softcap: float,
+                sinks: Optional[torch.Tensor]) -> torch.Tensor:
+    """Attention of ``q [L, H, Dk]`` at positions ``context + j`` over ``keys [S, Hkv, Dk]``,
+    ``values [S, Hkv, Dv]`` holding positions ``first_key ..``; returns fp32 ``[L, H, Dv]``."""
     num_q, num_heads, _ = q.shape
     group = num_heads // keys.shape[1]
-    kh = keys.float().repeat_interleave(group, dim=1)  # [S, H, D]
-    vh = values.float().repeat_interleave(group, dim=1)
-    out = torch.empty(num_q, num_heads, q.shape[2], dtype=torch.float32, device=q.device)
+    kh = keys.float().repeat_interleave(group, dim=1)  # [S, H, Dk]
+    vh = values.float().repeat_interleave(group, dim=1)  # [S, H, Dv]
+    out = torch.empty(num_q, num_heads, values.shape[2], dtype=torch.float32, device=q.device)
     for j in range(num_q):
-        visible = context + j + 1  # only keys this query may see are read at all
-        scores = torch.einsum("hd,shd->hs", q[j].float(), kh[:visible]) * scale
-        probs = torch.softmax(scores, dim=-1)
-        out[j] = torch.einsum("hs,shd->hd", probs, vh[:visible])
+        pos = context + j
+        lo = max(0, pos - window + 1) if window else 0  # p - window < kpos <= p
+        seen = slice(lo - first_key, pos + 1 - first_key)  # only these keys are read at all
+        scores = torch.einsum("hd,shd->hs", q[j].float(), kh[seen]) * scale
+        if softcap:
+            scores = softcap * torch.tanh(scores / softcap)
+        if sinks is not None:  # one more logit per head in the denominator, then dropped
+            logits = torch.cat([scores, sinks.float()[:, None]], dim=1)
+            probs = torch.softmax(logits, dim=-1)[:, :-1]
+        else:
+            probs = torch.softmax(scores, dim=-1)
+        out[j] = torch.einsum("hs,shd->hd", probs, vh[seen])
     return out
 
 
 def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor,
                      v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, block_table: torch.Tensor,
-                     slot_mapping: torch.Tensor, scale: float) -> torch.Tensor:
+                     slot_mapping: torch.Tensor, scale: float, window: int = 0,
+                     softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Write the new K/V, then causal paged attention for packed queries.
 
-    q ``[N, H, D]``; k, v ``[N, Hkv, D]``; pools ``[pages, page_size, Hkv, D]``;
-    query_start_loc ``[R + 1]``; seq_lens ``[R]`` (context + own length); block_table
-    ``[R, pages_per_request]``; slot_mapping ``[N]`` (< 0 for padding rows). Returns
-    ``[N, H, D]`` in q's dtype; rows past ``query_start_loc[R]`` are zeros.
+    q ``[N, H, Dk]``; k ``[N, Hkv, Dk]``, v ``[N, Hkv, Dv]``; pools ``[pages, page_size, Hkv,
+    Dk or Dv]``; query_start_loc ``[R + 1]``; seq_lens ``[R]`` (context + own length);
+    block_table ``[R, pages_per_request]``; slot_mapping ``[N]`` (< 0 for padding rows);
+    ``window``, ``softcap``, ``sinks``: the module docstring. Returns ``[N, H, Dv]`` in q's
+    dtype; rows past ``query_start_loc[R]`` are zeros.
     """
+    check_semantics("ragged_attention", window, softcap, sinks, q.shape[1])
     kv_write(k, v, k_cache, v_cache, slot_mapping)
-    out = torch.zeros(q.shape, dtype=torch.float32, device=q.device)
+    out = torch.zeros(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
     qsl = query_start_loc.tolist()
     lens = seq_lens.tolist()
     for i in range(len(qsl) - 1):
@@ -72,22 +126,26 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         if end == start:
             continue
         context = lens[i] - (end - start)
-        keys = _gather_keys(k_cache, block_table[i], lens[i])
-        values = _gather_keys(v_cache, block_table[i], lens[i])
-        out[start:end] = _attend_one(q[start:end], keys, values, context, scale)
+        first = max(0, context - window + 1) if window else 0  # the first query's window
+        keys = _gather_keys(k_cache, block_table[i], first, lens[i])
+        values = _gather_keys(v_cache, block_table[i], first, lens[i])
+        out[start:end] = _attend_one(q[start:end], keys, values, first, context, scale,
+                                     window, softcap, sinks)
     return out.to(q.dtype)
 
 
 def dense_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, context_lens: torch.Tensor,
-                           scale: float) -> torch.Tensor:
+                           scale: float, window: int = 0, softcap: float = 0.0,
+                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dense verify attention: every one of ``bs`` requests runs ``T`` tokens.
 
-    q ``[bs, H, T, D]``, k, v ``[bs, Hkv, T, D]`` (the layout HF attention functions receive);
-    returns ``[bs, T, H, D]``. Token ``t`` of request ``b`` sits at ``context_lens[b] + t``,
-    writes its K/V there and attends keys ``0 .. context_lens[b] + t``. Defined as the ragged
-    op on ``bs`` requests of length ``T`` so the two can never disagree.
+    q ``[bs, H, T, Dk]``, k ``[bs, Hkv, T, Dk]``, v ``[bs, Hkv, T, Dv]`` (the layout HF attention
+    functions receive); returns ``[bs, T, H, Dv]``. Token ``t`` of request ``b`` sits at
+    ``context_lens[b] + t``, writes its K/V there and attends keys ``0 .. context_lens[b] + t``
+    (the last ``window`` of them with a window). Defined as the ragged op on ``bs`` requests
+    of length ``T`` so the two can never disagree.
     """
     bs, num_heads, t, d = q.shape
     page_size = k_cache.shape[1]
@@ -97,10 +155,12 @@ def dense_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     pos = context_lens.long().unsqueeze(1) + torch.arange(t, device=q.device)  # [bs, T]
     page = block_table.long().gather(1, pos // page_size)
     slot_mapping = (page * page_size + pos % page_size).flatten()
+    dv = v.shape[3]
     out = ragged_attention(
         q.transpose(1, 2).reshape(bs * t, num_heads, d),
         k.transpose(1, 2).reshape(bs * t, k.shape[1], d),
-        v.transpose(1, 2).reshape(bs * t, v.shape[1], d),
+        v.transpose(1, 2).reshape(bs * t, v.shape[1], dv),
         k_cache, v_cache, qsl, context_lens.long() + t, block_table, slot_mapping, scale,
+        window, softcap, sinks,
     )
-    return out.view(bs, t, num_heads, d)
+    return out.view(bs, t, num_heads, dv)
