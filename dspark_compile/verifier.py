@@ -409,3 +409,10 @@ class Verifier:
         lines.append("  packed inputs: " + ", ".join(
             s.name for s in self.inputs if s.kind not in WEIGHT_KINDS))
         return "\n".join(lines)
+        for spec in self.adapter.specs:
+            traits = [f"window {spec.window}" if spec.window else "causal"]
+            traits += [f"softcap {spec.softcap}"] * bool(spec.softcap) + ["sinks"] * spec.sinks
+            dims = str(spec.head_dim) if spec.v_head_dim is None else \
+                f"{spec.head_dim} (q/k) / {spec.v_head_dim} (v)"
+            lines.append(f"  attention {spec.name}: {', '.join(traits)}; "
+                         f"{spec.num_kv_heads} kv heads x {dims}")

@@ -145,7 +145,7 @@ def full_logits(model, seq: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         if isinstance(model, PlainDecoder):
             return model(seq[None], torch.arange(seq.numel(), device=seq.device)[None])[0]
-        return model(seq[None]).logits[0]
+        return model(seq[None], use_cache=False).logits[0]
 
 
 class Session:

@@ -4,8 +4,9 @@ Two kinds of model are understood:
 
 * Hugging Face causal LMs. Attention is owned through transformers' ``AttentionInterface``
   (registered under the name ``"dspark"`` and set on the model only for the duration of a
-  capture); the mask builder is told to build nothing, since causality over the paged cache is
-  the cached-attention op's job.
+  capture): every module that calls it is an attention layer, whatever its attribute names.
+  The mask builder builds no tensor: it proves the model's mask function equal to causal
+  attention with an optional left window, which the cached-attention op computes itself.
 * Plain PyTorch decoders whose attention is :class:`dspark_compile.nn.CachedAttention` and whose
   forward is ``model(input_ids [bs, T], positions [bs, T]) -> logits [bs, T, V]``.
 """
@@ -17,6 +18,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from .plain import CachedAttention
@@ -36,10 +38,11 @@ class ModelAdapter:
 
     model: nn.Module
     """The model whose dense verify forward is captured."""
-    keys: list[object]
-    """Cached-attention layer keys in pool order."""
-    specs: list[AttentionSpec]
-    """KV shape of each cached-attention layer, in pool order."""
+    keys: list[object] | None
+    """Cached-attention layer keys in pool order (None until the capture discovers them)."""
+    specs: list[AttentionSpec] | None
+    """KV shape and semantics of each cached-attention layer, in pool order (None until the
+    capture discovers them from the forward)."""
     forward: Callable[..., torch.Tensor]
     """``(call, input_ids [bs, T], positions [bs, T]) -> logits [bs, T, V]``, where ``call``
     invokes the model (the capture passes a functional call over fake parameters)."""
@@ -52,6 +55,8 @@ class ModelAdapter:
     mrope: MRopeSpec | None = None
     """Multimodal rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): positions are
     ``[3, bs, T]`` and ``vision_embeds [bs, T, hidden]`` is one more input; None otherwise."""
+    site_names: dict[int, str] = field(default_factory=dict)
+    """``id(module)`` -> qualified module name, for naming layers in messages."""
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter:
@@ -63,7 +68,8 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
         return ModelAdapter(
             model=model,
             keys=[id(m) for m in layers],
-            specs=[AttentionSpec(m.num_kv_heads, m.head_dim) for m in layers],
+            specs=[AttentionSpec(m.num_kv_heads, m.head_dim, name=name) for name, m in
+                   model.named_modules() if isinstance(m, CachedAttention)],
             forward=lambda call, ids, pos: call(ids, pos),
             hooks=contextlib.nullcontext,
             kind="plain",
@@ -86,22 +92,30 @@ def _is_hf_model(model: nn.Module) -> bool:
 
 def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                   **kwargs):
-    """transformers attention function: q ``[bs, H, T, D]`` -> (``[bs, T, H, D]``, None)."""
+    """transformers attention function: q ``[bs, H, T, Dk]`` -> (``[bs, T, H, Dv]``, None).
+
+    Every module that calls it is a cached-attention layer (found from the forward, not from
+    attribute names); what it computes is read off this call and checked against what
+    ``dspark::ragged_attention`` implements."""
     scope = active_scope()
     if scope is None:
         raise RuntimeError(
             f"attention implementation {HF_ATTENTION_NAME!r} runs only inside a dspark_compile "
             "capture; set the model back to 'sdpa' or 'eager' to run it on its own"
         )
-    _check_attention_arguments(module, dropout, kwargs)
-    _check_mask(module, attention_mask)
+    where = scope.attention_site(module)
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(
-            f"{type(module).__name__} (layer {module.layer_idx}) is not causal; verify needs "
-            "causal attention"
-        )
-    scale = module.scaling if scaling is None else scaling
-    return scope.attend(module.layer_idx, query, key, value, scale), None
+            f"{where} is not causal (is_causal=False); verify needs causal attention")
+    window = _check_mask(where, attention_mask)
+    softcap, sinks = _check_attention_arguments(where, dropout, kwargs, window, query)
+    if scaling is None:
+        scaling = getattr(module, "scaling", None)
+    if scaling is None:
+        raise NotImplementedError(f"{where} passes no scaling and has no .scaling attribute; "
+                                  "the softmax scale cannot be read off the model")
+    return scope.attend(None, query, key, value, float(scaling), window=window,
+                        softcap=softcap, sinks=sinks), None
 
 
 _PASS_THROUGH = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions",
@@ -110,75 +124,115 @@ _PASS_THROUGH = frozenset({"position_ids", "cache_position", "use_cache", "outpu
 (positions reach the graph as the layout's own input)."""
 
 
-def _check_mask(module, attention_mask) -> None:
-    """The mask a layer receives must be the capture's proof of plain causality (None)."""
+def _check_mask(where: str, attention_mask) -> int:
+    """The left window a layer's mask proves (0: plain causal); anything else is refused."""
     if attention_mask is None:
-        return
-    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+        return 0
+    if isinstance(attention_mask, _WindowMask):
+        return attention_mask.window
     what = f"builds {attention_mask.description}" if isinstance(attention_mask, _UnprovenMask) \
         else f"passes a mask of type {type(attention_mask).__name__} built outside the capture"
     raise NotImplementedError(
-        f"{where}: the model {what}, not plain causal attention. dspark::ragged_attention "
-        "computes causal attention only (sliding windows, chunked, bidirectional or blockwise "
-        "masks are not implemented), so the model is refused rather than verified wrong")
+        f"{where}: the model {what}, not causal attention with an optional left window. "
+        "dspark::ragged_attention computes causal and sliding-window attention only (chunked, "
+        "bidirectional, blockwise or padding masks are not implemented), so the model is "
+        "refused rather than verified wrong")
 
 
-def _check_attention_arguments(module, dropout, kwargs: dict) -> None:
-    """Whitelist of what reaches the attention function: ``dspark::ragged_attention``
-    implements causal attention with a scale, nothing else. A keyword outside
-    ``_PASS_THROUGH`` is refused unless it is None (or ``is_causal=True``): sinks (``s_aux``),
-    windows, softcaps and anything a later transformers adds would otherwise be dropped and the
-    verify would be silently wrong."""
-    where = f"{type(module).__name__} (layer {getattr(module, 'layer_idx', '?')})"
+def _check_attention_arguments(where: str, dropout, kwargs: dict, window: int = 0,
+                               query: torch.Tensor | None = None):
+    """Whitelist of what reaches the attention function; returns ``(softcap, sinks)``.
+
+    Implemented: ``sliding_window`` (must equal the window the layer's mask proves: the mask is
+    what eager/sdpa compute), ``softcap`` (Gemma 2 logit softcapping), ``s_aux`` (GPT-OSS
+    per-head sinks ``[H]``). A keyword outside those and ``_PASS_THROUGH`` is refused unless it
+    is None (or ``is_causal=True``): anything a later transformers adds would otherwise be
+    dropped and the verify would be silently wrong."""
     if dropout:
         raise NotImplementedError(f"{where} passes dropout={dropout!r} to attention; verify "
                                   "needs dropout 0: call model.eval() before dspark_compile")
+    softcap, sinks = 0.0, None
     for name, value in kwargs.items():
         if name in _PASS_THROUGH or value is None or (name == "is_causal" and value is True):
+            continue
+        if name == "sliding_window" and isinstance(value, int) and value == window:
+            continue
+        if name == "sliding_window" and isinstance(value, int):
+            raise NotImplementedError(
+                f"{where} passes sliding_window={value} but its mask proves "
+                f"{'plain causal attention' if not window else f'a window of {window}'}; the "
+                "model's eager and sdpa paths follow the mask, its flash path the keyword, so "
+                "the model is refused rather than verified one way or the other")
+        if name == "softcap" and isinstance(value, (int, float)) and not isinstance(value, bool) \
+                and value >= 0 and value == value and value != float("inf"):
+            softcap = float(value)
+            continue
+        if name == "s_aux" and isinstance(value, torch.Tensor) and query is not None and \
+                value.dim() == 1 and value.shape[0] == query.shape[1] and \
+                value.is_floating_point():
+            sinks = value
             continue
         what = f"a tensor {tuple(value.shape)}" if isinstance(value, torch.Tensor) else \
             repr(value)
         raise NotImplementedError(
             f"{where} passes {name}={what} to its attention function; "
-            "dspark::ragged_attention implements causal attention with a scale only, so "
-            f"{name!r} would be ignored and the verify would differ from the model. The model "
-            "is refused rather than verified wrong")
+            "dspark::ragged_attention implements causal attention with a scale, a left window "
+            "(sliding_window matching the mask), a logit softcap (softcap >= 0) and per-head "
+            "sinks (s_aux [heads]) only, so this would be ignored and the verify would differ "
+            "from the model. The model is refused rather than verified wrong")
+    return softcap, sinks
 
 
 _CAUSAL = "causal_mask_function"
-"""The one leaf mask the ragged op computes."""
-_SAME_AS_CHILD = {"and_masks.<locals>.and_mask": "mask_functions",
-                  "remap_positions_for_packed_sequence.<locals>.inner_mask": "mask_function",
-                  "add_offsets_to_mask_function.<locals>.inner_mask": "mask_function"}
-"""Combinators that keep plain causal when what they combine is (an intersection; positions
-remapped within one sequence; offsets), with the closure variable that holds the children."""
+"""The causal leaf."""
+_WINDOW = "sliding_window_overlay.<locals>.inner_mask"
+"""The left-window leaf (its closure holds ``sliding_window``)."""
+_AND = "and_masks.<locals>.and_mask"
+"""Intersection of ``mask_functions``."""
+_TRANSPARENT = {"remap_positions_for_packed_sequence.<locals>.inner_mask": "mask_function"}
+"""Combinators that keep what their child computes within one request's positions."""
+_OFFSETS = "add_offsets_to_mask_function.<locals>.inner_mask"
+"""Shifts q and kv positions; transparent when both shifts are the same integer."""
 _ALWAYS_TRUE_IN_VERIFY = {"packed_sequence_mask_function.<locals>.inner_mask"}
 """Leaves that hold for every pair a verify computes: each request is one sequence."""
 
 
 def _causal_only(*args, mask_function=None, attention_mask=None, **kwargs):
-    """Mask builder for the dspark implementation. The ragged op computes causality itself, so
+    """Mask builder for the dspark implementation. The ragged op computes the mask itself, so
     no mask tensor is built; instead the model's own mask function (transformers'
-    ``masking_utils`` closures) must be provably plain causal: every leaf it combines is
-    ``causal_mask_function`` (or a same-sequence test that holds in a verify), combined only by
-    intersection, position remapping or offsets. Anything else (sliding windows, chunks,
-    bidirectional or blockwise overlays, ``or_masks``, padding, a mask function of the model's
-    own) is refused by name: it would otherwise be dropped silently."""
+    ``masking_utils`` closures) must be proven equal to causal attention with an optional left
+    window: its leaves are read by structure (``causal_mask_function``, a sliding-window
+    overlay, a same-sequence test that holds in a verify), combined only by intersection,
+    position remapping or equal offsets, and each leaf is evaluated on probe positions against
+    the ragged op's own rule. Returns None (plain causal), a ``_WindowMask``, or an
+    ``_UnprovenMask`` naming what was found: sliding-window variants, chunks, bidirectional
+    or blockwise overlays, ``or_masks``, padding and mask functions of the model's own are
+    refused by the layer that receives them."""
     if attention_mask is not None:
         raise NotImplementedError("the model passed an attention_mask (padding) into the "
                                   "capture; verify takes none: padding is the layout's job")
-    if mask_function is not None and not _is_causal(mask_function):
+    if mask_function is None:
+        return None
+    proof = _prove(mask_function)
+    if proof is None or not proof[0]:
         return _UnprovenMask(_describe(mask_function))
-    return None
+    return _WindowMask(proof[1]) if proof[1] else None
 
 
 @dataclass(frozen=True)
 class _UnprovenMask:
-    """What the mask builder returns for a mask that is not plain causal. A model may build
-    masks it never uses (one per layer type), so the refusal comes from the attention call
-    that receives it (``_check_mask``), naming the layer."""
+    """What the mask builder returns for a mask it cannot prove. A model may build masks it
+    never uses (one per layer type), so the refusal comes from the attention call that
+    receives it (``_check_mask``), naming the layer."""
 
     description: str
+
+
+@dataclass(frozen=True)
+class _WindowMask:
+    """A mask proven equal to causal attention over the last ``window`` positions."""
+
+    window: int
 
 
 def _hf_mask_name(fn) -> str | None:
@@ -188,32 +242,142 @@ def _hf_mask_name(fn) -> str | None:
     return getattr(fn, "__qualname__", None)
 
 
-def _children(fn, var: str) -> tuple:
+def _closure(fn, var: str):
     cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
-    value = cells[var].cell_contents if var in cells else ()
+    return cells[var].cell_contents if var in cells else None
+
+
+def _children(fn, var: str) -> tuple:
+    value = _closure(fn, var)
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
-def _is_causal(fn) -> bool:
-    """Whether ``fn`` equals plain causal on every (query, key) pair of a verify."""
+def _prove(fn) -> tuple[bool, int] | None:
+    """``(causal, window)`` that ``fn`` equals on every (query, key) pair of a verify, where
+    ``causal`` says whether keys after the query are hidden and ``window`` is the left window
+    (0: none); None when ``fn`` is anything else."""
     name = _hf_mask_name(fn)
     if name == _CAUSAL:
-        return True
-    if name in _SAME_AS_CHILD:
-        kids = _children(fn, _SAME_AS_CHILD[name])
-        causal = [k for k in kids if _is_causal(k)]
-        # an intersection is causal when one part is and the rest always hold in a verify
-        return bool(causal) and all(_is_causal(k) or _hf_mask_name(k) in _ALWAYS_TRUE_IN_VERIFY
-                                    for k in kids)
-    return False
+        return (True, 0) if _probe(fn, True, 0) else None
+    if name == _WINDOW:
+        window = _closure(fn, "sliding_window")
+        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+            return None
+        return (False, window) if _probe(fn, False, window) else None
+    if name in _ALWAYS_TRUE_IN_VERIFY:
+        return (False, 0)
+    if name in _TRANSPARENT:
+        (child,) = _children(fn, _TRANSPARENT[name])
+        return _prove(child)
+    if name == _OFFSETS:
+        q_off, kv_off = _closure(fn, "q_offset"), _closure(fn, "kv_offset")
+        if not (isinstance(q_off, int) and isinstance(kv_off, int) and q_off == kv_off):
+            return None
+        return _prove(_closure(fn, "mask_function"))
+    if name == _AND:
+        parts = [_prove(k) for k in _children(fn, "mask_functions")]
+        if any(p is None for p in parts):
+            return None
+        windows = [w for _, w in parts if w]
+        return any(c for c, _ in parts), min(windows, default=0)
+    return None
+
+
+_PROBE_SPAN = 64
+"""Positions probed past each window edge."""
+
+
+def _probe(fn, causal: bool, window: int) -> bool:
+    """Evaluate the leaf ``fn`` itself on real index tensors (outside the trace) at query
+    positions around 0, the window edge and far out, and check it equals the rule the proof
+    claims for it: ``k <= q`` (causal) and ``k > q - window`` (window)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    edges = {0, 1, 2, _PROBE_SPAN, 10_007} | ({window - 1, window, window + 1, 2 * window + 3}
+                                             if window else set())
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        for q in sorted(e for e in edges if e >= 0):
+            kv = torch.arange(max(0, q - window - _PROBE_SPAN), q + _PROBE_SPAN)
+            qi = torch.full_like(kv, q)
+            zero = torch.zeros_like(kv)
+            got = torch.as_tensor(fn(zero, zero, qi, kv), dtype=torch.bool).expand_as(kv)
+            want = (kv <= qi) if causal else (kv > qi - window)
+            if not torch.equal(got, want):
+                return False
+    return True
 
 
 def _describe(fn) -> str:
     name = _hf_mask_name(fn)
-    if name in _SAME_AS_CHILD:
-        parts = ", ".join(_describe(k) for k in _children(fn, _SAME_AS_CHILD[name]))
+    if name == _AND or name in _TRANSPARENT or name == _OFFSETS or \
+            name == "or_masks.<locals>.or_mask":
+        var = {_AND: "mask_functions", "or_masks.<locals>.or_mask": "mask_functions",
+               _OFFSETS: "mask_function", **_TRANSPARENT}[name]
+        parts = ", ".join(_describe(k) for k in _children(fn, var))
         return f"{name.split('.')[0]}({parts})"
+    if name == _WINDOW:
+        return f"sliding_window_overlay({_closure(fn, 'sliding_window')!r})"
     return name.split(".")[0] if name else getattr(fn, "__qualname__", repr(fn))
+
+
+@contextlib.contextmanager
+def _sdpa_route(config) -> Iterator[None]:
+    """Models that call ``torch.nn.functional.scaled_dot_product_attention`` themselves
+    instead of transformers' attention interface (Falcon): for the capture the model runs its
+    "sdpa" path, the "sdpa" mask builder is the proving one (returning a proof object, never a
+    tensor), and ``F.scaled_dot_product_attention`` is the cached-attention call. Everything is
+    restored afterwards."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    if getattr(config, "alibi", False):
+        raise NotImplementedError(
+            f"{config.model_type}: alibi=True adds an ALiBi position bias to the attention "
+            "scores, which dspark::ragged_attention does not implement; the model is refused "
+            "rather than verified wrong")
+    masks = ALL_MASK_ATTENTION_FUNCTIONS._global_mapping
+    saved_mask, saved_sdpa = masks.get("sdpa"), F.scaled_dot_product_attention
+    saved_impl = config._attn_implementation
+    config._attn_implementation = "sdpa"
+    masks["sdpa"] = _proof_object
+    F.scaled_dot_product_attention = _sdpa_attention
+    try:
+        yield
+    finally:
+        F.scaled_dot_product_attention = saved_sdpa
+        masks["sdpa"] = saved_mask
+        config._attn_implementation = saved_impl
+
+
+def _proof_object(*args, **kwargs):
+    """``_causal_only`` for models that test ``mask is None`` on their own: plain causal comes
+    back as ``_WindowMask(0)`` so the model never branches on its (symbolic) length."""
+    proof = _causal_only(*args, **kwargs)
+    return _WindowMask(0) if proof is None else proof
+
+
+def _sdpa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
+                    scale=None, enable_gqa=False):
+    """``F.scaled_dot_product_attention`` while a model that calls it directly is captured:
+    q ``[bs, H, T, Dk]`` -> ``[bs, H, T, Dv]`` through the capture scope."""
+    scope = active_scope()
+    where = f"scaled_dot_product_attention (attention call " \
+        f"{scope.attention_calls if scope else '?'})"
+    if scope is None:
+        raise RuntimeError(f"{where} was routed by dspark_compile outside a capture")
+    if attn_mask is None and is_causal is True:
+        window = 0
+    else:
+        window = _check_mask(where, attn_mask)
+        if is_causal:
+            raise NotImplementedError(f"{where} passes both a mask and is_causal=True")
+    _check_attention_arguments(where, dropout_p, {})
+    if query.shape[1] != key.shape[1] and not enable_gqa and key.shape[1] != 1:
+        raise NotImplementedError(f"{where}: {query.shape[1]} query heads over "
+                                  f"{key.shape[1]} key heads without enable_gqa (only one key head broadcasts)")
+    scale = query.shape[-1] ** -0.5 if scale is None else scale
+    out = scope.attend(None, query, key, value, float(scale), window=window)
+    return out.transpose(1, 2)
 
 
 @contextlib.contextmanager
@@ -237,48 +401,38 @@ def _batched_experts(model: nn.Module) -> Iterator[None]:
         model.set_experts_implementation(previous)
 
 
-def _hf_attention_layers(model: nn.Module) -> Iterator[nn.Module]:
-    for module in model.modules():
-        if hasattr(module, "layer_idx") and hasattr(module, "k_proj") and \
-                hasattr(module, "head_dim"):
-            yield module
-
-
 def _hf_adapter(model: nn.Module) -> ModelAdapter:
+    """Attention layers are found by the capture (``discover``): every call of the attention
+    function in one forward is a layer, in call order, with the shapes of that call."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
     config = model.config
-    layers = list(_hf_attention_layers(model))
-    if not layers:
-        raise TypeError(
-            f"dspark_compile: found no attention layers (modules with layer_idx, k_proj, "
-            f"head_dim) in {type(model).__name__}"
-        )
-    text_config = config.get_text_config()
-    num_kv = getattr(text_config, "num_key_value_heads", None) or \
-        text_config.num_attention_heads
-    specs = [AttentionSpec(num_kv, m.head_dim) for m in layers]
-
     linear = linear_layers(model)
     mrope = mrope_spec(model)
+    names = {id(m): name for name, m in model.named_modules()}
 
     @contextlib.contextmanager
     def hooks():
         AttentionInterface.register(HF_ATTENTION_NAME, _hf_attention)
         AttentionMaskInterface.register(HF_ATTENTION_NAME, _causal_only)
         previous = config._attn_implementation
-        model.set_attn_implementation(HF_ATTENTION_NAME)
+        if model._can_set_attn_implementation():
+            model.set_attn_implementation(HF_ATTENTION_NAME)
+            route = contextlib.nullcontext()
+        else:
+            route = _sdpa_route(config)
         try:
-            with hybrid_hooks(linear) if linear else contextlib.nullcontext(), \
+            with route, hybrid_hooks(linear) if linear else contextlib.nullcontext(), \
                     vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
                     _batched_experts(model):
                 yield
         finally:
-            model.set_attn_implementation(previous)
+            if config._attn_implementation != previous:
+                model.set_attn_implementation(previous)
 
     def forward(call, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         return call(input_ids=ids, position_ids=pos, use_cache=False).logits
 
-    return ModelAdapter(model, [m.layer_idx for m in layers], specs, forward, hooks, "hf",
-                        [linear_spec(m) for m in linear], mrope)
+    return ModelAdapter(model, None, None, forward, hooks, "hf",
+                        [linear_spec(m) for m in linear], mrope, names)

@@ -29,7 +29,9 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..graph_inputs import InputKind, InputSpec, fake_input, name_placeholders
+from ..specs import AttentionSpec
 from .adapters import ModelAdapter
+from .guards import describe, locate, needs_locating, token_names
 from .scope import CaptureScope, open_scope
 
 __all__ = ["CapturedGraph", "capture_dense", "SAMPLE_BS", "SAMPLE_T"]
@@ -67,8 +69,9 @@ def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.devi
     ]
     pages = SAMPLE_BS * _SAMPLE_PAGES
     for kind in ("k_cache", "v_cache"):
-        for i, s in enumerate(adapter.specs):
-            pool = torch.zeros(pages, _SAMPLE_PAGE_SIZE, s.num_kv_heads, s.head_dim,
+        for i, s in enumerate(adapter.specs or ()):
+            dim = s.head_dim if kind == "k_cache" else s.value_dim
+            pool = torch.zeros(pages, _SAMPLE_PAGE_SIZE, s.num_kv_heads, dim,
                                dtype=dtype, device=device)
             meta.append((InputSpec(kind, f"{kind}_{i}"), pool, ()))
     if adapter.linear_specs:
@@ -100,7 +103,8 @@ def _linear_samples(adapter: ModelAdapter, dtype: torch.dtype, device: torch.dev
     return meta
 
 
-def _scope_of(adapter: ModelAdapter, specs: list[InputSpec], values) -> CaptureScope:
+def _scope_of(adapter: ModelAdapter, specs: list[InputSpec], values,
+              discovered: list[AttentionSpec] | None = None) -> CaptureScope:
     """The capture scope over the dense-input values, found by their input kinds."""
     by_kind: dict[str, list] = {}
     for spec, value in zip(specs, values):
@@ -108,18 +112,66 @@ def _scope_of(adapter: ModelAdapter, specs: list[InputSpec], values) -> CaptureS
     return CaptureScope(
         kv_caches=list(zip(by_kind.get("k_cache", []), by_kind.get("v_cache", []))),
         block_table=by_kind["block_table"][0], context_lens=by_kind["context_lens"][0],
-        pool_index={k: i for i, k in enumerate(adapter.keys)},
+        pool_index={k: i for i, k in enumerate(adapter.keys or ())},
         slots=by_kind.get("slots", [None])[0],
         conv_states=by_kind.get("conv_state", []),
         recurrent_states=by_kind.get("recurrent_state", []),
         vision_embeds=by_kind.get("vision_embeds", [None])[0],
         deepstack_embeds=by_kind.get("deepstack_embeds", [None])[0],
+        site_names=adapter.site_names, discovered=discovered,
     )
+
+
+def discover_attention(adapter: ModelAdapter, dtype: torch.dtype,
+                       device: torch.device) -> list[AttentionSpec]:
+    """Run the dense forward once over fake tensors (no trace) and return one spec per
+    attention call, in call order: heads, q/k and v head dims, window, softcap and sinks as
+    that call passed them. Every refusal of the attention whitelist fires here first."""
+    model = adapter.model
+    samples = _sample_inputs(adapter, dtype, device)
+    mode = FakeTensorMode(shape_env=ShapeEnv(), allow_non_fake_inputs=False)
+    params = {n: fake_input(mode, t, "") for n, t in model.named_parameters()}
+    buffers = {n: fake_input(mode, t, "") for n, t in model.named_buffers()}
+    values = [fake_input(mode, t, spec.name, dyn) for spec, t, dyn in samples]
+    found: list[AttentionSpec] = []
+    scope = _scope_of(adapter, [s for s, _, _ in samples], values, discovered=found)
+
+    def call(*args, **kwargs):
+        return torch.func.functional_call(model, (params, buffers), args, kwargs)
+
+    was_training = model.training
+    model.eval()
+    try:
+        with torch.no_grad(), mode, enable_python_dispatcher(), adapter.hooks(), \
+                open_scope(scope):
+            adapter.forward(call, values[0], values[1])
+    except (AttributeError, TypeError) as err:
+        if "Mask" not in str(err):
+            raise
+        raise NotImplementedError(
+            f"{type(adapter.model).__name__} uses the attention mask as a tensor outside its "
+            f"attention function ({err}); dspark_compile proves masks instead of building "
+            "them, so a model that edits its mask (adds a bias, slices it) is refused"
+        ) from err
+    finally:
+        model.train(was_training)
+    if not found and not adapter.linear_specs:
+        raise TypeError(
+            f"dspark_compile: no module of {type(adapter.model).__name__} called the attention "
+            "function during a forward, and it has no Gated DeltaNet layers: there is no "
+            "attention whose KV cache dspark_compile could own (a model computing attention "
+            "outside transformers' attention interface is not supported)")
+    return found
 
 
 def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
                   device: torch.device) -> CapturedGraph:
-    """Trace ``adapter``'s dense verify forward into an aten graph (see module docstring)."""
+    """Trace ``adapter``'s dense verify forward into an aten graph (see module docstring).
+    A model whose attention layers are not known yet (Hugging Face) is first run once to
+    discover them (:func:`discover_attention`)."""
+    if adapter.specs is None:
+        adapter.specs = discover_attention(adapter, dtype, device)
+        adapter.keys = list(range(len(adapter.specs)))
     model = adapter.model
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
@@ -143,6 +195,11 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
 
         with adapter.hooks(), open_scope(scope):
             logits = adapter.forward(call, ids, pos)
+        if adapter.kind == "hf" and scope.attention_calls != len(adapter.specs):
+            raise RuntimeError(
+                f"the forward made {scope.attention_calls} attention calls while captured but "
+                f"{len(adapter.specs)} when its layers were discovered; the forward must make "
+                "the same calls every time")
         _check_linear_calls(scope, len(adapter.linear_specs))
         return logits
 
@@ -160,7 +217,7 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     name_placeholders(gm, specs)
     gm.recompile()
     bs, tokens = _token_symbols(gm, mode.shape_env)
-    _check_guards(mode.shape_env, bs, tokens)
+    _check_guards(mode.shape_env, bs, tokens, gm)
     return CapturedGraph(gm, specs, bs, tokens)
 
 
@@ -177,24 +234,45 @@ def _token_symbols(gm: fx.GraphModule, shape_env: ShapeEnv) -> tuple[sympy.Symbo
     ids = next(n for n in gm.graph.nodes if n.meta.get("dspark_input", None) is not None
                and n.meta["dspark_input"].kind == InputKind.INPUT_IDS)
     sizes = ids.meta["val"].shape
-    if not all(isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)
-               for s in sizes):
+    if all(isinstance(s, torch.SymInt) and isinstance(s.node.expr, sympy.Symbol)
+           for s in sizes):
+        return sizes[0].node.expr, sizes[1].node.expr
+    # A size the trace fixed: its symbol (before replacement) names the guards that fixed it.
+    names, lost = {}, {}
+    for axis_name, s in zip(("bs", "T"), sizes):
+        symbol = getattr(s.node, "_expr", None) if isinstance(s, torch.SymInt) else None
+        if isinstance(symbol, sympy.Symbol):
+            names[symbol] = sympy.Symbol(axis_name, integer=True)
+            if not isinstance(s.node.expr, sympy.Symbol):
+                lost[symbol] = f"its {'batch' if axis_name == 'bs' else 'token'} count " \
+                               f"{axis_name} to {s.node.expr}"
+    culprits = [i for i, g in enumerate(shape_env.guards) if g.expr.free_symbols & set(lost)]
+    if not culprits:
         guards = [f"{g.expr} at {g.sloc}" for g in shape_env.guards][:8]
         raise RuntimeError(
             f"the dense verify forward specialised input_ids to {tuple(sizes)} while being "
             f"captured; replacements {shape_env.replacements}, guards {guards}")
-    return sizes[0].node.expr, sizes[1].node.expr
+    nodes = locate(gm, shape_env, [i for i in culprits if needs_locating(shape_env.guards[i])])
+    found = "; ".join(describe(shape_env.guards[i], nodes.get(i), names) for i in culprits[:4])
+    raise RuntimeError(
+        f"the dense verify forward specialised {' and '.join(lost.values())} while being "
+        f"captured: {found}. The graph would hold only for that size: write shape-dependent "
+        "code without Python branches on the size")
 
 
-def _check_guards(shape_env: ShapeEnv, bs: sympy.Symbol, tokens: sympy.Symbol) -> None:
-    """Refuse a capture that is valid only for the sampled bs or T."""
-    for guard in shape_env.guards:
+def _check_guards(shape_env: ShapeEnv, bs: sympy.Symbol, tokens: sympy.Symbol,
+                  gm: fx.GraphModule | None = None) -> None:
+    """Refuse a capture that is valid only for the sampled bs or T, naming the model line that
+    made the guard (a guard raised inside torch is traced back to its op in ``gm``)."""
+    for i, guard in enumerate(shape_env.guards):
         expr = shape_env.simplify(guard.expr)
         if expr in (sympy.true, True):
             continue
         if expr.free_symbols & {bs, tokens}:
+            node = locate(gm, shape_env, [i]).get(i) if gm is not None and \
+                needs_locating(guard) else None
             raise RuntimeError(
-                f"the dense verify forward specialises on its batch or token count (guard "
-                f"{expr}, at {guard.sloc}); write shape-dependent code without Python branches "
-                "on the size"
+                "the dense verify forward specialises on its batch or token count ("
+                f"{describe(guard, node, token_names(bs, tokens), expr)}); write "
+                "shape-dependent code without Python branches on the size"
             )

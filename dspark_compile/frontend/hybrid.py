@@ -36,10 +36,30 @@ _REPLACED = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delt
              "torch_recurrent_gated_delta_rule")
 
 
+_RECURRENT = ("conv1d", "A_log")
+"""What every state-space / linear-attention mixer of transformers has (a causal conv and a
+decay), Gated DeltaNet and Mamba alike."""
+_GATED_DELTA_NET = ("dt_bias", "layer_idx", "conv_dim", "conv_kernel_size", "num_v_heads",
+                    "head_k_dim", "head_v_dim")
+"""What tells a Gated DeltaNet layer apart, and what :func:`linear_spec` reads."""
+
+
 def linear_layers(model: nn.Module) -> list[nn.Module]:
-    """Gated DeltaNet layers of ``model`` in layer order (modules with conv1d, A_log, dt_bias)."""
-    found = [m for m in model.modules()
-             if all(hasattr(m, a) for a in ("conv1d", "A_log", "dt_bias", "layer_idx"))]
+    """Gated DeltaNet layers of ``model`` in layer order. Any other recurrent mixer (a module
+    with a causal conv and ``A_log``: Mamba, Mamba-2, their hybrids) is refused by name: its
+    state would not be owned."""
+    found = []
+    for name, m in model.named_modules():
+        if not all(hasattr(m, a) for a in _RECURRENT):
+            continue
+        missing = [a for a in _GATED_DELTA_NET if not hasattr(m, a)]
+        if missing:
+            raise NotImplementedError(
+                f"{type(m).__name__} {name!r} is a recurrent (state-space) mixer with conv1d "
+                f"and A_log but not a Gated DeltaNet layer (it lacks {', '.join(missing)}); "
+                "dspark_compile owns the state of Gated DeltaNet layers only, so the model is "
+                "refused (Mamba and Mamba-2 mixers are not supported)")
+        found.append(m)
     return sorted(found, key=lambda m: m.layer_idx)
 
 

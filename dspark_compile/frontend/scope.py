@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .. import ops  # noqa: F401  (registers the dspark:: ops)
+from ..specs import AttentionSpec
 
 __all__ = ["CaptureScope", "active_scope", "open_scope"]
 
@@ -48,18 +49,65 @@ class CaptureScope:
     """Hybrid-layer calls seen so far, by kind: call ``k`` of a kind belongs to linear layer
     ``k`` (the layers run in order and each makes one call of each kind)."""
 
+    site_names: dict[int, str] = field(default_factory=dict)
+    """``id(module)`` -> the module's qualified name in the model (for messages)."""
+    discovered: list[AttentionSpec] | None = None
+    """Set while the frontend discovers a model's attention layers: ``attend`` records each
+    call's spec here and returns zeros instead of emitting an op (there are no pools yet)."""
+    attention_calls: int = 0
+    """Attention calls seen so far in this forward; call ``k`` owns pool ``k`` when the layer
+    key is the call order (Hugging Face models)."""
+    _site: str = ""
+
+    def attention_site(self, module) -> str:
+        """Name the module making the next attention call (also kept for ``attend``)."""
+        name = self.site_names.get(id(module), "?")
+        self._site = name
+        return f"{type(module).__name__} {name!r} (attention call {self.attention_calls})"
+
     def attend(self, key: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-               scale: float) -> torch.Tensor:
-        """Dense cached attention of layer ``key``: q ``[bs, H, T, D]`` -> ``[bs, T, H, D]``."""
+               scale: float, window: int = 0, softcap: float = 0.0,
+               sinks: torch.Tensor | None = None) -> torch.Tensor:
+        """Dense cached attention of layer ``key`` (None: the next call in forward order):
+        q ``[bs, H, T, Dk]``, k ``[bs, Hkv, T, Dk]``, v ``[bs, Hkv, T, Dv]`` ->
+        ``[bs, T, H, Dv]``."""
+        if key is None:
+            key = self.attention_calls
+        self.attention_calls += 1
+        if self.discovered is not None:
+            if q.shape[1] % k.shape[1] or k.shape[-1] != q.shape[-1] or \
+                    v.shape[1] != k.shape[1] or v.shape[2] != k.shape[2]:
+                raise NotImplementedError(
+                    f"attention call {key} ({self._site}): q {tuple(q.shape)}, k "
+                    f"{tuple(k.shape)}, v {tuple(v.shape)}; dspark::ragged_attention needs "
+                    "q [bs, H, T, D], k [bs, Hkv, T, D], v [bs, Hkv, T, Dv] with H a multiple "
+                    "of Hkv")
+            self.discovered.append(AttentionSpec(
+                int(k.shape[1]), int(k.shape[-1]),
+                None if v.shape[-1] == k.shape[-1] else int(v.shape[-1]),
+                int(window), float(softcap), sinks is not None, self._site))
+            bs, heads, t, _ = q.shape
+            return q.new_zeros(bs, t, heads, v.shape[-1])
         if key not in self.pool_index:
             raise RuntimeError(
                 f"cached-attention layer {key!r} was called during capture but has no KV pool; "
                 f"known layers: {sorted(map(str, self.pool_index))}"
             )
         k_cache, v_cache = self.kv_caches[self.pool_index[key]]
+        if k_cache.shape[2:] != k.shape[1:2] + k.shape[3:] or \
+                v_cache.shape[2:] != v.shape[1:2] + v.shape[3:]:
+            raise RuntimeError(
+                f"attention call {key} ({self._site}) has k {tuple(k.shape)}, v "
+                f"{tuple(v.shape)} but its pools were sized {tuple(k_cache.shape)} / "
+                f"{tuple(v_cache.shape)} when the model's layers were discovered; the forward "
+                "must call the same layers with the same shapes every time")
+        # the semantics arguments only where a layer has them: a plain layer's node is the
+        # same as before they existed
+        extra = (int(window), float(softcap), sinks) if window or softcap or \
+            sinks is not None else ()
         return torch.ops.dspark.dense_cached_attention(
-            q, k, v, k_cache, v_cache, self.block_table, self.context_lens, float(scale)
-        )
+            q, k, v, k_cache, v_cache, self.block_table, self.context_lens, float(scale),
+            *extra)
 
     def _linear_layer(self, kind: str, pools: list) -> int:
         index = self.calls[kind]

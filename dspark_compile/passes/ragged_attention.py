@@ -62,6 +62,9 @@ def _add_inputs(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.Node]:
 def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResult]:
     result = PassResult("ragged_attention", changed=0)
     if not any(is_op(n, DENSE) for n in gm.graph.nodes):
+        # a model without attention layers (all linear attention) reads no context lengths
+        _drop_unused_input(gm, ctx, next(i for i, s in enumerate(ctx.inputs)
+                                         if s.kind == InputKind.CONTEXT_LENS))
         return gm, result
     # a copy: the dense graph stays intact for Verifier.run_dense
     gm, matches, (bs, t, rows) = start_rewrite(gm, DENSE)
@@ -69,19 +72,22 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     graph, aten = gm.graph, torch.ops.aten
     exact = True  # every fake value after the replacements so far is current (retrace.py)
     for node in matches:
-        q, k, v, k_cache, v_cache, block_table, _context_lens, scale = node.args
+        q, k, v, k_cache, v_cache, block_table, _context_lens, scale, *semantics = node.args
+        if node.kwargs:  # window / softcap / sinks, however the capture recorded them
+            names = ("window", "softcap", "sinks")[len(semantics):]
+            semantics += [node.kwargs[n] for n in names if n in node.kwargs]
         _, heads, _, dim = q.meta["val"].shape
-        kv_heads = k.meta["val"].shape[1]
+        kv_heads, v_dim = k.meta["val"].shape[1], v.meta["val"].shape[-1]
         with graph.inserting_before(node):
-            def to_rows(x: fx.Node, n_heads: int) -> fx.Node:  # [bs, h, T, D] -> [bs*T, h, D]
-                x_t = add_node(graph, node, aten.transpose.int, x, 1, 2)
-                return reshape_node(graph, node, x_t, [rows, n_heads, dim], decide=exact)
+            def to_rows(x: fx.Node, n_heads: int, d: int) -> fx.Node:
+                x_t = add_node(graph, node, aten.transpose.int, x, 1, 2)  # [bs, T, h, d]
+                return reshape_node(graph, node, x_t, [rows, n_heads, d], decide=exact)
 
-            out = add_node(graph, node, RAGGED.default, to_rows(q, heads),
-                           to_rows(k, kv_heads), to_rows(v, kv_heads), k_cache, v_cache,
-                           meta["query_start_loc"], meta["seq_lens"], block_table,
-                           meta["slot_mapping"], scale)
-            dense_out = add_node(graph, node, aten.view.default, out, [bs, t, heads, dim])
+            out = add_node(graph, node, RAGGED.default, to_rows(q, heads, dim),
+                           to_rows(k, kv_heads, dim), to_rows(v, kv_heads, v_dim), k_cache,
+                           v_cache, meta["query_start_loc"], meta["seq_lens"], block_table,
+                           meta["slot_mapping"], scale, *semantics)
+            dense_out = add_node(graph, node, aten.view.default, out, [bs, t, heads, v_dim])
         exact = replace(node, dense_out, exact)
         result.changed += 1
         result.rewrites.append((f"{node.name} -> ragged_attention", source_line(node)))

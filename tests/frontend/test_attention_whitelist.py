@@ -1,6 +1,7 @@
 """What reaches HF's attention function is implemented or refused by name: keywords (sinks,
-windows) and masks (a window that lives only in the mask). Each case here used to compile and
-verify wrong; a plain causal model of the same families still compiles."""
+softcaps, windows) and masks (proven causal, with an optional left window, from the model's own
+mask functions). Models that once compiled and verified wrong (GPT-OSS's sinks, a window that
+lives only in the mask) are exact now; what is still outside the op is refused."""
 
 from __future__ import annotations
 
@@ -9,12 +10,12 @@ import torch
 import transformers as T
 
 from dspark_compile import dspark_compile
-from dspark_compile.frontend.adapters import _causal_only, _UnprovenMask
+from dspark_compile.frontend.adapters import (_causal_only, _check_attention_arguments,
+                                              _UnprovenMask, _WindowMask)
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
-MOE = dict(moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
-           num_experts_per_tok=2)
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
 
 
 def _model(config_cls, model_cls, **kw):
@@ -22,58 +23,44 @@ def _model(config_cls, model_cls, **kw):
     return model_cls(config_cls(**{**SMALL, **kw})).eval()
 
 
-def test_qwen2_moe_window_in_the_mask_only_is_refused_at_its_layer():
-    model = _model(T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, use_sliding_window=True,
-                   sliding_window=16, max_window_layers=2, **MOE)
-    assert model.config.layer_types[0] == "sliding_attention"
-    with pytest.raises(NotImplementedError, match=r"Qwen2MoeAttention \(layer 0\).*"
-                       r"sliding_window"):
-        dspark_compile(model)
-
-
-def test_qwen2_moe_without_sliding_layers_still_compiles():
-    """Its forward builds a sliding-window mask for a layer type no layer has: unused, so no
-    refusal."""
-    dspark_compile(_model(T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, use_sliding_window=True,
-                          sliding_window=16, max_window_layers=0, **MOE))
-
-
-def test_gpt_oss_is_refused_naming_what_it_passes():
-    model = _model(T.GptOssConfig, T.GptOssForCausalLM, num_local_experts=4,
-                   num_experts_per_tok=2, head_dim=8, sliding_window=4096)
-    with pytest.raises(NotImplementedError, match=r"GptOssAttention \(layer 0\) passes "
-                       r"(sliding_window|s_aux)"):
-        dspark_compile(model)
-
-
 def test_an_unknown_attention_keyword_is_refused(monkeypatch):
-    """A keyword HF adds later (here: sinks on a Llama) is refused, not dropped."""
+    """A keyword HF adds later (here: an 'alibi' bias on a Llama) is refused, not dropped."""
     model = _model(T.LlamaConfig, T.LlamaForCausalLM)
     from transformers.models.llama import modeling_llama
 
     real = modeling_llama.LlamaAttention.forward
 
-    def with_sinks(self, *args, **kwargs):
-        return real(self, *args, s_aux=torch.zeros(4), **kwargs)
-    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", with_sinks)
-    with pytest.raises(NotImplementedError, match=r"passes s_aux=a tensor \(4,\)"):
+    def with_bias(self, *args, **kwargs):
+        return real(self, *args, alibi=torch.zeros(4), **kwargs)
+    monkeypatch.setattr(modeling_llama.LlamaAttention, "forward", with_bias)
+    with pytest.raises(NotImplementedError, match=r"LlamaAttention 'model.layers.0.self_attn' "
+                       r"\(attention call 0\) passes alibi=a tensor \(4,\)"):
         dspark_compile(model)
 
 
-def test_dropout_must_be_zero():
-    """The capture runs the model in eval mode; a model that still hands dropout to attention
-    is refused (a dropped dropout would verify a different function)."""
-    from dspark_compile.frontend.adapters import _check_attention_arguments
+def test_attention_keywords_are_implemented_or_refused():
+    where = "Attn 'layer' (attention call 3)"
+    q = torch.zeros(1, 4, 2, 8)
+    with pytest.raises(NotImplementedError, match=r"call 3\) passes dropout=0.1"):
+        _check_attention_arguments(where, 0.1, {})
+    assert _check_attention_arguments(where, 0.0, {
+        "position_ids": torch.zeros(2), "use_cache": True, "sliding_window": None,
+        "is_causal": True}, 0, q) == (0.0, None)
+    sinks = torch.zeros(4)
+    softcap, got = _check_attention_arguments(where, 0.0, {"softcap": 30.0, "s_aux": sinks,
+                                                           "sliding_window": 8}, 8, q)
+    assert softcap == 30.0 and got is sinks
+    # the keyword window must be the one the mask proves
+    with pytest.raises(NotImplementedError, match="sliding_window=8 but its mask proves plain"):
+        _check_attention_arguments(where, 0.0, {"sliding_window": 8}, 0, q)
+    for bad in ({"softcap": -1.0}, {"softcap": float("nan")}, {"s_aux": torch.zeros(3)},
+                {"s_aux": torch.zeros(4, dtype=torch.long)}, {"s_aux": torch.zeros(1, 4)},
+                {"softcap": True}):
+        with pytest.raises(NotImplementedError, match=f"passes {next(iter(bad))}="):
+            _check_attention_arguments(where, 0.0, bad, 0, q)
 
-    layer = torch.nn.Module()
-    layer.layer_idx = 3
-    with pytest.raises(NotImplementedError, match=r"Module \(layer 3\) passes dropout=0.1"):
-        _check_attention_arguments(layer, 0.1, {})
-    _check_attention_arguments(layer, 0.0, {"position_ids": torch.zeros(2), "use_cache": True,
-                                            "sliding_window": None, "is_causal": True})
 
-
-def test_mask_functions_are_proven_causal_by_structure():
+def test_mask_functions_are_proven_by_structure_and_probe():
     from transformers import masking_utils as M
 
     assert _causal_only(mask_function=M.causal_mask_function) is None
@@ -81,11 +68,83 @@ def test_mask_functions_are_proven_causal_by_structure():
         M.causal_mask_function, torch.zeros(1, 4, dtype=torch.long)),
         M.packed_sequence_mask_function(torch.zeros(1, 4, dtype=torch.long)))
     assert _causal_only(mask_function=packed) is None
-    for unproven in (M.sliding_window_causal_mask_function(8),
-                     M.chunked_causal_mask_function(8, None),
+    assert _causal_only(mask_function=M.sliding_window_causal_mask_function(8)) == \
+        _WindowMask(8)
+    nested = M.and_masks(M.sliding_window_causal_mask_function(4096), M.causal_mask_function)
+    assert _causal_only(mask_function=nested) == _WindowMask(4096)
+    assert _causal_only(mask_function=M.add_offsets_to_mask_function(
+        M.sliding_window_causal_mask_function(5), 3, 3)) == _WindowMask(5)
+    for unproven in (M.chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long)),
+                     M.sliding_window_overlay(8),  # a window without causality
                      M.bidirectional_mask_function,
+                     M.sliding_window_bidirectional_mask_function(8),
                      M.or_masks(M.causal_mask_function, M.bidirectional_mask_function),
+                     M.add_offsets_to_mask_function(M.causal_mask_function, 0, 2),
                      lambda b, h, q, kv: kv <= q):  # causal, but not provably so: refused
-        assert isinstance(_causal_only(mask_function=unproven), _UnprovenMask)
+        assert isinstance(_causal_only(mask_function=unproven), _UnprovenMask), unproven
     with pytest.raises(NotImplementedError, match="attention_mask"):
         _causal_only(mask_function=M.causal_mask_function, attention_mask=torch.ones(1, 4))
+
+
+def test_a_leaf_that_computes_something_else_under_a_known_name_fails_the_probe():
+    """The structure names the leaves; the probe evaluates each one: a window overlay that
+    admitted one key more than HF's rule (``>=``) is not taken for a window."""
+    from transformers import masking_utils as M
+
+    def overlay(sliding_window):
+        def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+            return kv_idx >= q_idx - sliding_window
+        return inner_mask
+
+    impostor = overlay(8)
+    impostor.__module__ = "transformers.masking_utils"
+    impostor.__qualname__ = "sliding_window_overlay.<locals>.inner_mask"
+    mask = _causal_only(mask_function=M.and_masks(impostor, M.causal_mask_function))
+    assert isinstance(mask, _UnprovenMask)
+    assert "sliding_window_overlay(8)" in mask.description
+
+
+def test_chunked_attention_is_refused_at_the_layer_that_uses_it():
+    """Llama 4's chunked layers: the chunk lives only in the mask and the op has no chunks."""
+    from transformers.models.llama import modeling_llama
+    from transformers import masking_utils as M
+
+    model = _model(T.LlamaConfig, T.LlamaForCausalLM)
+    real = modeling_llama.create_causal_mask
+
+    def chunked(*args, **kwargs):
+        kwargs["and_mask_function"] = M.chunked_overlay(4, torch.zeros(1, dtype=torch.long))
+        return real(*args, **kwargs)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(modeling_llama, "create_causal_mask", chunked)
+        with pytest.raises(NotImplementedError, match=r"'model.layers.0.self_attn'.*builds .*"
+                           r"and_masks\(causal_mask_function, chunked_overlay\)"):
+            dspark_compile(model)
+
+
+def test_qwen2_moe_builds_a_window_mask_no_layer_uses():
+    """Its forward builds a sliding-window mask for a layer type no layer has: every layer
+    is plain causal."""
+    verifier = dspark_compile(_model(
+        T.Qwen2MoeConfig, T.Qwen2MoeForCausalLM, use_sliding_window=True, sliding_window=16,
+        max_window_layers=0, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+        num_experts=4, num_experts_per_tok=2))
+    assert [s.window for s in verifier.adapter.specs] == [0, 0]
+
+
+def test_alibi_and_state_space_mixers_are_refused_by_name():
+    with pytest.raises(NotImplementedError, match="alibi=True adds an ALiBi position bias"):
+        dspark_compile(_model(T.FalconConfig, T.FalconForCausalLM, alibi=True))
+    with pytest.raises(NotImplementedError, match=r"BambaMixer 'model.layers.0.mamba' is a "
+                       r"recurrent \(state-space\) mixer"):
+        dspark_compile(_model(T.BambaConfig, T.BambaForCausalLM, mamba_n_heads=4, mamba_d_head=16,
+                              mamba_n_groups=1, mamba_d_state=16))
+
+
+def test_a_model_with_no_attention_calls_is_refused():
+    model = _model(T.LlamaConfig, T.LlamaForCausalLM)
+    for layer in model.model.layers:
+        layer.self_attn.forward = lambda hidden_states, **kw: (torch.zeros_like(hidden_states),
+                                                               None)
+    with pytest.raises(TypeError, match="no module of LlamaForCausalLM called the attention"):
+        dspark_compile(model)
