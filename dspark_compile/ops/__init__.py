@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import torch
 
-from . import attention, dense_linear_attention, linear, linear_attention
+from . import attention, dense_linear_attention, linear, linear_attention, ssd
 from .linear_attention import LINEAR_RAGGED_OPS
 
 __all__ = ["RAGGED_OPS", "DENSE_OPS", "LINEAR_RAGGED_OPS", "attention", "linear",
-           "linear_attention", "dense_linear_attention"]
+           "linear_attention", "dense_linear_attention", "ssd"]
 
 RAGGED_OPS = (torch.ops.dspark.ragged_attention, *LINEAR_RAGGED_OPS)
 """Op packets of the ragged families (what the packed graph may contain)."""

@@ -31,6 +31,7 @@ from typing import Optional
 import torch
 
 from . import linear_attention_reference as ref
+from .ssd import SSD_DENSE_OPS
 
 __all__ = ["dense_causal_conv1d", "dense_gated_delta_rule", "DENSE_LINEAR_OPS"]
 
@@ -82,5 +83,7 @@ def _(q, k, v, g, beta, recurrent_state, slots, scale, use_qk_l2norm):
     return q.new_empty(v.shape)
 
 
-DENSE_LINEAR_OPS = (torch.ops.dspark.dense_causal_conv1d, torch.ops.dspark.dense_gated_delta_rule)
-"""Op packets of the dense hybrid-layer families (to join ``ops.DENSE_OPS``)."""
+DENSE_LINEAR_OPS = (torch.ops.dspark.dense_causal_conv1d, torch.ops.dspark.dense_gated_delta_rule,
+                    *SSD_DENSE_OPS)
+"""Op packets of the dense hybrid-layer families, Mamba-2's included (to join
+``ops.DENSE_OPS``)."""

@@ -63,6 +63,7 @@ from typing import Optional
 import torch
 
 from . import linear_attention_reference as ref
+from .ssd import SSD_RAGGED_OPS
 
 __all__ = ["causal_conv1d", "causal_conv1d_commit", "gated_delta_rule",
            "gated_delta_rule_commit", "conv_ring", "gdn_ring", "LINEAR_RAGGED_OPS"]
@@ -147,5 +148,6 @@ def _(recurrent_state, ring_k, ring_v, ring_g, ring_beta, query_start_loc, slots
 
 LINEAR_RAGGED_OPS = (torch.ops.dspark.causal_conv1d, torch.ops.dspark.causal_conv1d_commit,
                      torch.ops.dspark.gated_delta_rule,
-                     torch.ops.dspark.gated_delta_rule_commit)
-"""Op packets of the hybrid-layer ragged families (to join ``ops.RAGGED_OPS``)."""
+                     torch.ops.dspark.gated_delta_rule_commit, *SSD_RAGGED_OPS)
+"""Op packets of the hybrid-layer ragged families, Mamba-2's (``ops/ssd.py``) included (to
+join ``ops.RAGGED_OPS``)."""
