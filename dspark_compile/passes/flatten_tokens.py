@@ -33,7 +33,8 @@ from ..graph_inputs import InputKind, fake_input
 from ..ops.linear_attention import LINEAR_RAGGED_OPS
 from .base import EnsureError, PassContext, PassResult
 from .retrace import retrace
-from .token_axis import DIM_OPS, NORM_OPS, AxisLabel, label_graph
+from .token_axis import (DIM_OPS, LIKE_FACTORIES, NORM_OPS, SIZED_FACTORIES, AxisLabel,
+                         is_pointwise, label_graph)
 
 __all__ = ["run"]
 
@@ -43,7 +44,8 @@ SIZE_OPS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand}
 AS_IS = {aten.embedding, aten.index, aten.mm, aten.addmm, aten.clone, aten._to_copy, aten.alias,
          aten.detach, aten.contiguous, aten.lift_fresh_copy,
          torch.ops.dspark.ragged_attention, *LINEAR_RAGGED_OPS,  # flat-native: rows in, rows out
-         *NORM_OPS}  # norms: trailing dims stay as they are
+         *NORM_OPS,  # norms: trailing dims stay as they are
+         *LIKE_FACTORIES, aten.view_as_complex, aten.view_as_real}  # shape follows the input
 FLAT_INPUTS = {"input_ids", "positions", "slot_mapping"}
 
 
@@ -132,8 +134,12 @@ class _Flattener:
         handler = getattr(self, f"op_{packet.__name__}", None)
         if handler is not None:
             return handler(node, *args)
-        if packet is aten.copy_ or (isinstance(node.target, torch._ops.OpOverload) and
-                                    torch.Tag.pointwise in node.target.tags):
+        if packet in SIZED_FACTORIES:
+            args = list(self.value(args[:SIZED_FACTORIES[packet]])) + [
+                self.sizes(node, args[SIZED_FACTORIES[packet]])] + list(
+                self.value(args[SIZED_FACTORIES[packet] + 1:]))
+            return node.target(*args, **self.value(node.kwargs))
+        if is_pointwise(node):
             new = [self.align(a, node) if isinstance(a, fx.Node) and
                    isinstance(a.meta.get("val"), torch.Tensor) else self.value(a) for a in args]
             return node.target(*new, **self.value(node.kwargs))
@@ -189,6 +195,10 @@ class _Flattener:
             return self.env[x]
         return aten.slice.Tensor(self.env[x], _fdim(lab, dim, rank), start, end, step)
 
+    def op_stack(self, node, tensors, dim=0):
+        """The new axis sits among the result's dims, so it moves with the result's label."""
+        return aten.stack(self.value(tensors), _fdim(_label(node), dim, node.meta["val"].dim()))
+
     def op_bmm(self, node, a, b):
         la, lb = _label(a), _label(b)
         xa, xb = self.env[a], self.env[b]
@@ -235,6 +245,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
             if node.op == "call_function":
                 with fx_traceback.set_current_meta(node):  # the new nodes keep its source line
                     fl.env[node] = fl.call(node)
+            elif node.op == "get_attr":  # a constant the model made (torch.tensor([...]))
+                fl.env[node] = getattr(gm, node.target)
             elif node.op == "output":
                 return fl.value(node.args[0])
         raise EnsureError("flatten_tokens: graph has no output")

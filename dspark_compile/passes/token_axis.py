@@ -26,6 +26,9 @@ Ops, by family (checked in that order)::
     %o = aten.bmm.default(%w_rows, %x)  [N*k, M, K] @ [N*k, K, 1]: batched over flat rows
     %o = aten.index.Tensor(%w, [%ids])   [E, M, K][N*k] -> [N*k, M, K]: %w global, like embedding
     %o = aten.mean.dim(%x, [-1], True)                   dim op: dims must not be token dims
+    %o = aten.stack.default([%a, %b], -1)      along a non-token dim, whatever the op's name:
+    %o = aten.scatter.value(%x, -1, %ids, -inf)  operands hold %x's token axes at its dims
+    %o = aten.ones_like.default(%x)                      constant fill: token-wise by shape
     %o = aten.cumsum.default(%x, 1)    on [bs, T, ...]   refused: mixes tokens
 
 A refusal names the op, the model source line (``node.meta["stack_trace"]``) and what to do.
@@ -50,31 +53,66 @@ __all__ = ["AxisLabel", "label_of", "run", "TokenAxisError"]
 aten = torch.ops.aten
 
 # Ops that only move, copy or cast data: the shape labels alone say whether they are safe.
+# view_as_complex / view_as_real fold and unfold a trailing pair of size 2 (never a token dim).
 LAYOUT_OPS = {
     aten.view, aten._unsafe_view, aten.reshape, aten.unsqueeze, aten.squeeze,
     aten.transpose, aten.permute, aten.t, aten.expand, aten.clone, aten._to_copy,
     aten.alias, aten.detach, aten.slice, aten.contiguous, aten.lift_fresh_copy,
+    aten.view_as_complex, aten.view_as_real,
 }
-# Ops whose semantics are "along these dims": arg index of the dim (or dim list).
+# Elementwise (broadcasting) ops that torch does not tag ``pointwise``.
+ELEMENTWISE_OPS = {aten.polar, aten.complex}
+# Ops whose semantics are "along these dims": arg index of the dim (or dim list). Each treats
+# every fibre along its dims on its own, so it is token-wise exactly when those dims avoid the
+# token axes and its tensor operands line up (checked by family below).
 DIM_OPS = {
     aten.mean: 1, aten.sum: 1, aten.amax: 1, aten.amin: 1, aten.var: 1, aten.std: 1,
     aten.var_mean: 1, aten.prod: 1, aten.argmax: 1, aten.argmin: 1, aten.max: 1,
     aten.min: 1, aten.logsumexp: 1, aten.norm: 2, aten.linalg_vector_norm: 2,
-    aten._softmax: 1, aten._log_softmax: 1, aten.softmax: 1, aten.log_softmax: 1,
-    aten.cumsum: 1, aten.cumprod: 1, aten.sort: 1, aten.topk: 2, aten.cat: 1,
-    aten.split: 2, aten.split_with_sizes: 2, aten.chunk: 2, aten.flip: 1, aten.roll: 2,
-    aten.index_select: 1, aten.gather: 1, aten.unbind: 1, aten.select: 1, aten.narrow: 1,
+    aten.nansum: 1, aten.any: 1, aten.all: 1, aten.count_nonzero: 1, aten.median: 1,
+    aten.nanmedian: 1, aten.mode: 1, aten.kthvalue: 2,
+    aten._softmax: 1, aten._log_softmax: 1, aten.softmax: 1, aten.log_softmax: 1, aten.glu: 1,
+    aten.cumsum: 1, aten.cumprod: 1, aten.cummax: 1, aten.cummin: 1, aten.logcumsumexp: 1,
+    aten.sort: 1, aten.argsort: 1, aten.topk: 2, aten.flip: 1, aten.roll: 2,
+    aten.cat: 1, aten.stack: 1,
+    aten.split: 2, aten.split_with_sizes: 2, aten.unsafe_split: 2, aten.chunk: 2,
+    aten.unsafe_chunk: 2, aten.tensor_split: 2, aten.unbind: 1, aten.select: 1,
+    aten.narrow: 1,
+    aten.index_select: 1, aten.gather: 1,
+    aten.scatter: 1, aten.scatter_: 1, aten.scatter_add: 1, aten.scatter_add_: 1,
+    aten.scatter_reduce: 1, aten.scatter_reduce_: 1, aten.index_add: 1, aten.index_add_: 1,
+    aten.index_copy: 1, aten.index_copy_: 1, aten.index_fill: 1, aten.index_fill_: 1,
 }
+# Dim ops over a list of tensors that must all hold the same token axes.
+_JOIN_OPS = {aten.cat, aten.stack}
+# Dim ops whose index (and src) give each row of ``self`` its own entries: they must hold the
+# same token axes as ``self``.
+_PER_ROW_INDEX_OPS = {aten.gather, aten.scatter, aten.scatter_, aten.scatter_add,
+                      aten.scatter_add_, aten.scatter_reduce, aten.scatter_reduce_}
+# Dim ops with one 1-D index along ``dim``, the same for every row: it must hold no token
+# axis (an id per token along another dim would write one token's values into other rows).
+_INDEX_VECTOR_OPS = {aten.index_select, aten.index_add, aten.index_add_, aten.index_copy,
+                     aten.index_copy_, aten.index_fill, aten.index_fill_}
 # Normalisations over the trailing dims ``normalized_shape`` (arg 1) names; torch 2.11 keeps
 # nn.RMSNorm as one _fused_rms_norm op where 2.13 decomposes it.
 NORM_OPS = {aten.native_layer_norm, aten.layer_norm, aten._fused_rms_norm, aten.rms_norm}
 # Dim ops that are undefined without a dim argument over the whole tensor (mixing it all).
 _WHOLE_TENSOR_DEFAULT = {aten.mean, aten.sum, aten.amax, aten.amin, aten.var, aten.std,
                          aten.prod, aten.argmax, aten.argmin, aten.max, aten.min, aten.norm,
-                         aten.linalg_vector_norm, aten.var_mean}
+                         aten.linalg_vector_norm, aten.var_mean, aten.nansum, aten.any,
+                         aten.all, aten.count_nonzero, aten.median, aten.nanmedian,
+                         aten.roll}
 
 # Dim ops whose dim argument defaults to the last dim (topk over the experts of each token).
-_LAST_DIM_DEFAULT = {aten.topk, aten.sort}
+_LAST_DIM_DEFAULT = {aten.topk, aten.sort, aten.argsort, aten.mode, aten.kthvalue, aten.glu}
+
+# Factories whose every element is the same constant (never the row's position, as arange's
+# are): token-wise whatever their shape, given the shape keeps the request axis before the
+# token axis. ``*_like`` take the shape of their input; the others an explicit size (arg
+# index of the size list).
+LIKE_FACTORIES = {aten.zeros_like, aten.ones_like, aten.full_like, aten.empty_like}
+SIZED_FACTORIES = {aten.full: 0, aten.zeros: 0, aten.ones: 0, aten.empty: 0, aten.new_full: 1,
+                   aten.new_zeros: 1, aten.new_ones: 1, aten.new_empty: 1}
 
 
 class TokenAxisError(RefusedOp):
@@ -204,6 +242,14 @@ def _norm_dims(dims, rank: int) -> list[int]:
     if isinstance(dims, int):
         dims = [dims]
     return [d % rank if rank else 0 for d in dims]
+
+
+def is_pointwise(node: fx.Node) -> bool:
+    """An elementwise op: tagged pointwise, one of :data:`ELEMENTWISE_OPS`, or ``copy_``."""
+    packet = _packet(node)
+    return packet is aten.copy_ or packet in ELEMENTWISE_OPS or (
+        isinstance(node.target, torch._ops.OpOverload) and torch.Tag.pointwise in
+        node.target.tags)
 
 
 def _check_pointwise(node: fx.Node, out: AxisLabel) -> str | None:
@@ -346,19 +392,93 @@ def _check_gather(node: fx.Node) -> str | None:
     return None
 
 
-def _check_dims(node: fx.Node, packet, out: AxisLabel) -> str | None:
-    x = node.args[0]
-    if packet is aten.cat:
-        x = node.args[0][0]
+def _arg(node: fx.Node, index: int):
+    """Argument ``index`` of ``node``'s schema, positional or by keyword (None if absent)."""
+    if len(node.args) > index:
+        return node.args[index]
+    schema = getattr(node.target, "_schema", None)
+    if schema is not None and index < len(schema.arguments):
+        return node.kwargs.get(schema.arguments[index].name)
+    return None
+
+
+def _axes(lab: AxisLabel) -> tuple:
+    """Where a label's token axes are and how rows sit in them (equal: the same rows)."""
+    return lab.bs_dim, lab.t_dim, lab.flat_dim, lab.flat_factor, lab.bs_factor
+
+
+def _kinds(lab: AxisLabel) -> tuple:
+    """Which token axes a label has, wherever they are."""
+    return (lab.bs_dim is not None, lab.t_dim is not None, lab.flat_dim is not None,
+            lab.flat_factor, lab.bs_factor)
+
+
+def _dim_operands(node: fx.Node, packet) -> tuple[fx.Node, list[fx.Node]]:
+    """``(self, other tensor operands)`` of a dim op (a join's first tensor is its self)."""
+    if packet in _JOIN_OPS:
+        tensors = [t for t in node.args[0] if isinstance(t, fx.Node)]
+        return tensors[0], tensors[1:]
+    first = node.args[0]
+    return first, [a for a in _tensor_args(node) if a is not first]
+
+
+def _check_operands(node: fx.Node, packet, x: fx.Node, others: list[fx.Node]) -> str | None:
+    """The operands of a dim op line up with ``self``: joins and per-row indices hold its
+    token axes at the same dims; a shared 1-D index holds none."""
     lab = axis(x)
+    for a in others:
+        la = axis(a)
+        if packet in _INDEX_VECTOR_OPS and a is _arg(node, 2):
+            if la.token_dims and lab.token_dims:
+                return (f"its index {a.name} {tuple(a.meta['val'].shape)} holds token rows "
+                        "but picks along a dim of every row (one token's ids would reach "
+                        "other tokens' rows)")
+            if la.token_dims and packet is not aten.index_select:
+                return (f"it writes along a shared value by the per-token index {a.name} "
+                        "(tokens would write into one another's entries)")
+            continue
+        if not la.token_dims and a.meta["val"].dim() == 0:
+            continue  # a scalar tensor: the same value for every row
+        if a.meta["val"].dim() != x.meta["val"].dim() or _axes(la) != _axes(lab):
+            return (f"operand {a.name} {tuple(a.meta['val'].shape)} does not hold the token "
+                    f"axes of {x.name} {tuple(x.meta['val'].shape)} at the same dims (each "
+                    "row must meet only its own token's values)")
+    return None
+
+
+def _check_dims(node: fx.Node, packet, out: AxisLabel) -> str | None:
+    """An op along ``dim``: token-wise when the dim avoids the token axes, the operands line
+    up with ``self`` and the result keeps ``self``'s token axes (ops along a non-token dim are
+    token-wise whatever their name: stack, unbind, scatter, gather, ...)."""
+    x, others = _dim_operands(node, packet)
+    lab = axis(x)
+    why = _check_operands(node, packet, x, others)
+    if why is not None:
+        return why
     if not lab.token_dims:
-        return None
-    index = DIM_OPS[packet]
-    dims = node.args[index] if len(node.args) > index else node.kwargs.get("dim")
-    if dims is None and packet not in _WHOLE_TENSOR_DEFAULT:
+        return None  # a global table read by per-token ids (index_select, like an embedding)
+    rank = x.meta["val"].dim() + (packet is aten.stack)  # stack's dim counts the new axis
+    dims = _arg(node, DIM_OPS[packet])
+    if packet in _WHOLE_TENSOR_DEFAULT and (dims is None or dims == [] or dims == ()):
+        dims = None  # no dim (or dim=[]): over the whole tensor
+    elif dims is None:
         dims = -1 if packet in _LAST_DIM_DEFAULT else 0
-    if set(_norm_dims(dims, x.meta["val"].dim())) & set(lab.token_dims):
+    token_dims = out.token_dims if packet is aten.stack else lab.token_dims
+    if set(_norm_dims(dims, rank)) & set(token_dims):
         return "it reduces, scans or reorders along the token axis"
+    if _kinds(out) != _kinds(lab):
+        return (f"its result {tuple(node.meta['val'].shape)} does not keep the token axes of "
+                f"{x.name} {tuple(x.meta['val'].shape)} (it drops or narrows some tokens' rows)")
+    return None
+
+
+def _check_factory(node: fx.Node, packet, out: AxisLabel) -> str | None:
+    """A constant fill: token-wise if ``*_like`` keeps its input's axes, or the explicit size
+    keeps the request axis before the token axis."""
+    if packet in LIKE_FACTORIES and _axes(out) != _axes(axis(node.args[0])):
+        return "its result does not have its input's token axes"
+    if out.kind == "token" and out.flat_dim is None and out.bs_dim > out.t_dim:
+        return "it puts the token axis before the request axis"
     return None
 
 
@@ -384,8 +504,7 @@ def check_node(node: fx.Node) -> str | None:
                 "positions explicitly so every row carries its own")
     if packet in LAYOUT_OPS:
         return _check_layout(node, out)
-    if packet is aten.copy_ or (isinstance(node.target, torch._ops.OpOverload) and
-                                torch.Tag.pointwise in node.target.tags):
+    if is_pointwise(node):
         return _check_pointwise(node, out)  # copy_: mRoPE sections recomposed by slice copy
     if packet in (aten.mm, aten.addmm, aten.bmm):
         return _check_linear(node)
@@ -393,6 +512,8 @@ def check_node(node: fx.Node) -> str | None:
         return None if not axis(node.args[0]).token_dims else "its table holds token rows"
     if packet is aten.index:
         return _check_gather(node)
+    if packet in LIKE_FACTORIES or packet in SIZED_FACTORIES:
+        return _check_factory(node, packet, out)
     if packet in DIM_OPS:
         return _check_dims(node, packet, out)
     if packet in NORM_OPS:

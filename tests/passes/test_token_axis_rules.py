@@ -1,0 +1,165 @@
+"""Ops along a non-token dim are token-wise whatever their name; the same ops along the token
+axis, or pairing rows of different tokens, are refused by name at the model's line.
+
+Each rule has a case that compiles and matches the model's own forward, and a case that must
+still be refused. The rules came from false refusals of real models (Cohere's, GLM-4's and
+Ernie 4.5's interleaved rotary ``stack``, Llama 4's ``ones_like``/``polar`` rotary, PhiMoE's
+router ``scatter``), which are checked here against HF's own forward.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+from torch import nn
+
+from dspark_compile import RefusedOp, VerifyLayout, dspark_compile
+from dspark_compile.nn import CachedAttention
+from helpers import Session
+
+H = 16
+
+
+class Mixer(nn.Module):
+    """One attention layer; ``mix(x [bs, T, 16], positions)`` runs between embedding and qkv."""
+
+    def __init__(self, mix):
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = nn.Embedding(11, H)
+        self.norm = nn.LayerNorm(H)
+        self.qkv = nn.Linear(H, 3 * H)
+        self.attn = CachedAttention(2, 2, 8)
+        self.head = nn.Linear(H, 11)
+        self.mix = mix
+
+    def forward(self, ids, positions):
+        x = self.mix(self.norm(self.embed(ids)), positions)
+        q, k, v = self.qkv(x).view(*ids.shape, 3, 2, 8).unbind(2)
+        return self.head(self.attn(q, k, v).flatten(2))
+
+
+# ---------------------------------------------------------------- token-wise: compile, match
+def interleaved_rotary(x, positions):  # Cohere / GLM-4 / Ernie 4.5's rotate_half
+    angle = positions.unsqueeze(-1).float() * torch.linspace(0.1, 1.0, H)
+    rotated = torch.stack((-x[..., 1::2], x[..., ::2]), dim=-1).flatten(-2)
+    return x * angle.cos() + rotated * angle.sin()
+
+
+def complex_rotary(x, positions):  # Llama 4: polar(ones_like(freqs), freqs), complex product
+    freqs = positions.unsqueeze(-1).float() * torch.linspace(0.1, 1.0, H // 2)
+    rot = torch.polar(torch.ones_like(freqs), freqs)
+    pairs = torch.view_as_complex(x.float().reshape(*x.shape[:-1], -1, 2))
+    return torch.view_as_real(pairs * rot).flatten(-2)
+
+
+def constant_fills(x, positions):
+    bs, t, _ = x.shape
+    zeros = torch.zeros(bs, t, H) + x.new_ones(bs, t, H)
+    return x * torch.full_like(x, 0.5) + zeros + torch.zeros_like(x)
+
+
+def router_scatter_gather(x, positions):  # PhiMoE / Llama 4's router: -inf but the top-k
+    top = x.topk(3, dim=-1)
+    masked = torch.full_like(x, float("-inf")).scatter(-1, top.indices, top.values)
+    picked = x.gather(-1, top.indices[..., :1])
+    return masked.softmax(-1) + picked + x.index_select(-1, torch.tensor([3, 1] * 8))
+
+
+@pytest.mark.parametrize("mix", [interleaved_rotary, complex_rotary, constant_fills,
+                                 router_scatter_gather])
+def test_ops_along_other_dims_compile_and_match(mix):
+    model = Mixer(mix).eval()
+    verifier = dspark_compile(model)
+    state = verifier.new_state(max_requests=2, max_context=16)
+    ids = torch.tensor([1, 2, 3, 4, 5, 6])
+    logits = verifier(ids, VerifyLayout.pack([2, 4], [0, 0], [1, 0]), state)
+    with torch.no_grad():
+        for rows, pos in ((slice(0, 2), torch.arange(2)), (slice(2, 6), torch.arange(4))):
+            want = model(ids[rows][None], pos[None])[0]
+            torch.testing.assert_close(logits[rows], want, atol=1e-5, rtol=0)
+
+
+# ---------------------------------------------------------------- still refused, by name
+def cat_along_tokens(x, positions):
+    rows = x.reshape(-1, H)
+    return torch.cat([rows, rows]).view(2, -1, H).mean(0).view_as(x)
+
+
+def random_fill(x, positions):
+    return x + torch.rand_like(x)
+
+
+def fill_tokens_before_requests(x, positions):
+    return x + torch.zeros(x.shape[1], x.shape[0], H).transpose(0, 1)
+
+
+def scatter_with_a_shared_index(x, positions):
+    return x.scatter(-1, torch.zeros(1, 1, 2, dtype=torch.long), 1.0)
+
+
+def scatter_along_tokens(x, positions):
+    ids = positions.unsqueeze(-1).expand(*x.shape).clamp(max=0)
+    return x.scatter_add(1, ids, x)
+
+
+def gather_along_tokens(x, positions):
+    return x.gather(1, positions.unsqueeze(-1).expand(*x.shape).clamp(max=0))
+
+
+def index_add_by_token_ids(x, positions):
+    table = torch.zeros(H, H).index_add(0, x.argmax(-1).reshape(-1), x.reshape(-1, H))
+    return x + table.sum(0)
+
+
+@pytest.mark.parametrize("mix, op, why", [
+    (cat_along_tokens, "cat", "along the token axis"),
+    (random_fill, "rand_like", "not known to be token-wise"),
+    (fill_tokens_before_requests, "zeros", "puts the token axis before the request axis"),
+    (scatter_with_a_shared_index, "scatter", "does not hold the token axes"),
+    (scatter_along_tokens, "scatter_add", "along the token axis"),
+    (gather_along_tokens, "gather", "along the token axis"),
+    (index_add_by_token_ids, "index_add", "by the per-token index"),
+], ids=lambda v: v.__name__ if callable(v) else None)
+def test_same_ops_across_tokens_are_refused_with_op_and_line(mix, op, why):
+    with pytest.raises(RefusedOp) as info:
+        dspark_compile(Mixer(mix))
+    message = str(info.value)
+    assert f"refuses {op}." in message and why in message, message
+    # The model's source line (the innermost forward() frame), not one of ours.
+    assert "test_token_axis_rules.py" in message and \
+        "x = self.mix(self.norm(self.embed(ids)), positions)" in message, message
+
+
+# ---------------------------------------------------------------- the models they came from
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
+
+
+def _hf(name):
+    import transformers as tf
+
+    configs = {
+        "cohere": (tf.CohereConfig, tf.CohereForCausalLM, {}),
+        "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM, dict(head_dim=16, pad_token_id=0)),
+        "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM, dict(head_dim=16)),
+        "phimoe": (tf.PhimoeConfig, tf.PhimoeForCausalLM,
+                   dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
+    }
+    config_cls, model_cls, extra = configs[name]
+    torch.manual_seed(0)
+    return model_cls(config_cls(**{**SMALL, **extra})).eval()
+
+
+@pytest.mark.parametrize("name", ["cohere", "glm4", "ernie4_5", "phimoe"])
+def test_models_refused_by_these_ops_now_equal_hf(name):
+    model = _hf(name)
+    session = Session(model, dspark_compile(model), [2, 0], seed=1)
+    session.vocab = SMALL["vocab_size"]
+    session.step([5, 7], accept=[5, 7])
+    rng = random.Random(1)
+    for _ in range(3):
+        session.step([rng.randint(1, 5) for _ in range(2)])
+    assert session.max_err <= 1e-5, f"max |ragged - HF| = {session.max_err}"
