@@ -19,6 +19,13 @@ Kernels, then launch plan and host wrapper (the Triton tutorials' order); the or
   reference gives NaN there, or Inf for an Inf).
 - Split-KV: a q-block's key tiles are spread evenly over ``splits`` programs writing fp32
   partials; a reduce kernel merges them. The count comes from shapes (:func:`plan_attention`).
+- Semantics switches, constexprs of the one kernel (all off: the plain causal build, whose
+  instructions are those of the kernel before the switches; only its three new parameters
+  differ): a sliding window (the work units start at the first tile the block's first query's
+  window reaches, so neither those pages nor their block-table entries are read; the few tiles
+  only some rows see take per-row masks and guarded V), a logit softcap (``tanh`` from
+  ``exp2``), per-head sinks (split 0 starts the online softmax from them) and a V head dim of
+  its own (acc, partials and out have V's; the pools each their own row width).
 """
 
 from __future__ import annotations
@@ -32,6 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ..ops.attention_reference import check_semantics
 from .launch import launch
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .device import device_target
@@ -85,10 +93,23 @@ def _find_request(query_start_loc_ptr, seq_lens_ptr, block_id, num_requests,
 
 
 @triton.jit
+def _v_rows(rows, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+    """Element offsets in the V pool of the pool rows whose K-pool offsets are ``rows``
+    (``(slot * Hkv + kv_head) * HEAD_DIM``, the pools contiguous): the same values when V's
+    head dim is K's, so that build's code is the one without a V head dim of its own."""
+    if HEAD_DIM_V == HEAD_DIM:
+        v_rows = rows
+    else:
+        v_rows = rows // HEAD_DIM * HEAD_DIM_V
+    return v_rows
+
+
+@triton.jit
 def _write_new_rows(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, row0, num_rows,
                     kv_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
                     stride_cache_row, BLOCK_Q: tl.constexpr, HEAD_DIM: tl.constexpr,
-                    HEAD_DIM_PAD: tl.constexpr):
+                    HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                    HEAD_DIM_V_PAD: tl.constexpr):
     """Pool rows ``slot_mapping[n]`` (skipped when < 0) <- ``k, v [n, kv_head, :]`` for rows
     ``row0 .. row0 + num_rows``. The k/v loads do not wait for the slots (one round trip).
 
@@ -102,12 +123,25 @@ def _write_new_rows(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, ro
     mask = (offs_r < num_rows)[:, None] & (offs_d < HEAD_DIM)[None, :]
     k = tl.load(k_ptr + rows[:, None] * stride_k_tok + kv_head * stride_k_head + offs_d[None, :],
                 mask=mask, other=0.0)
-    v = tl.load(v_ptr + rows[:, None] * stride_v_tok + kv_head * stride_v_head + offs_d[None, :],
-                mask=mask, other=0.0)
-    mask = mask & (slot >= 0)[:, None]  # [BLOCK_Q, HEAD_DIM_PAD]
-    dst = slot[:, None] * stride_cache_row + kv_head * HEAD_DIM + offs_d[None, :]
-    tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    if HEAD_DIM_V == HEAD_DIM:
+        v = tl.load(v_ptr + rows[:, None] * stride_v_tok + kv_head * stride_v_head
+                    + offs_d[None, :], mask=mask, other=0.0)
+        mask = mask & (slot >= 0)[:, None]  # [BLOCK_Q, HEAD_DIM_PAD]
+        dst = slot[:, None] * stride_cache_row + kv_head * HEAD_DIM + offs_d[None, :]
+        tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    else:
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+        mask_v = (offs_r < num_rows)[:, None] & (offs_dv < HEAD_DIM_V)[None, :]
+        v = tl.load(v_ptr + rows[:, None] * stride_v_tok + kv_head * stride_v_head
+                    + offs_dv[None, :], mask=mask_v, other=0.0)
+        mask = mask & (slot >= 0)[:, None]  # [BLOCK_Q, HEAD_DIM_PAD]
+        mask_v = mask_v & (slot >= 0)[:, None]  # [BLOCK_Q, HEAD_DIM_V_PAD]
+        dst = slot * stride_cache_row + kv_head * HEAD_DIM  # [BLOCK_Q] K-pool rows
+        tl.store(k_cache_ptr + dst[:, None] + offs_d[None, :],
+                 k.to(k_cache_ptr.dtype.element_ty), mask=mask)
+        tl.store(v_cache_ptr + _v_rows(dst, HEAD_DIM, HEAD_DIM_V)[:, None] + offs_dv[None, :],
+                 v.to(v_cache_ptr.dtype.element_ty), mask=mask_v)
 
 
 @triton.jit
@@ -120,20 +154,40 @@ def _pool_rows(block_table_row_ptr, pos, mask, kv_head, stride_cache_row,
 
 
 @triton.jit
-def _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask):
-    """K and V ``[TILE_N, HEAD_DIM_PAD]`` of pool rows ``rows`` (element offsets from
-    :func:`_pool_rows`); keys not ``key_ok`` are zeros and not read."""
+def _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask, offs_dv, dv_mask,
+             HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr):
+    """K ``[TILE_N, HEAD_DIM_PAD]`` and V ``[TILE_N, HEAD_DIM_V_PAD]`` of pool rows ``rows``
+    (K-pool element offsets from :func:`_pool_rows`); keys not ``key_ok`` are zeros and not
+    read."""
     mask = key_ok[:, None] & d_mask[None, :]
     k = tl.load(k_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
-    v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    if HEAD_DIM_V == HEAD_DIM:
+        v = tl.load(v_cache_ptr + rows[:, None] + offs_d[None, :], mask=mask, other=0.0)
+    else:
+        v = tl.load(v_cache_ptr + _v_rows(rows, HEAD_DIM, HEAD_DIM_V)[:, None]
+                    + offs_dv[None, :], mask=key_ok[:, None] & dv_mask[None, :], other=0.0)
     return k, v
 
 
 @triton.jit
-def _softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.constexpr,
-                  MASKED: tl.constexpr):
-    """One online-softmax step over a key tile (scores in the log2 domain, fp32 state)."""
+def _tanh(x):
+    """``tanh(x) = 1 - 2 / (exp(2x) + 1)``: exact limits at +-inf (``exp2`` gives inf or 0),
+    NaN stays NaN; one ``exp2`` and no libdevice call, so CUDA and ROCm build it alike. Its
+    absolute error is ~1 ulp of 1 (the softcap scales it to ~1e-7 x softcap of a logit)."""
+    return 1.0 - 2.0 / (tl.exp2(x * 2.8853900817779268) + 1.0)  # 2 * log2(e)
+
+
+@triton.jit
+def _softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2, softcap_log2,
+                  DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+    """One online-softmax step over a key tile (scores in the log2 domain, fp32 state).
+
+    ``HAS_SOFTCAP``: ``scale_log2`` is ``scale / softcap`` and ``softcap_log2`` is ``softcap *
+    log2(e)``, so the score is ``softcap * tanh(scale * q.k / softcap)`` in the log2 domain,
+    capped before the mask (Gemma 2's order)."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
+    if HAS_SOFTCAP:
+        s = _tanh(s) * softcap_log2
     if MASKED:
         s = tl.where(s_mask, s, float("-inf"))  # before the max: hidden keys never count
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -147,22 +201,26 @@ def _softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2, DOT_PRECISION: tl.
 
 @triton.jit
 def _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, kv_head,
-                  offs_n, offs_d, d_mask, m_i, l_i, acc, scale_log2, stride_cache_row,
-                  PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr,
-                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                  offs_n, offs_d, d_mask, offs_dv, dv_mask, m_i, l_i, acc, scale_log2,
+                  softcap_log2, stride_cache_row, PAGE_SIZE: tl.constexpr,
+                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, TILE_N: tl.constexpr,
+                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr):
     """Key tiles ``t_lo .. t_end`` of the committed context (keys ``< context``, in the pool).
 
-    Every such key is visible to every row of the request, so the only mask is ``< context``
-    (loads and scores): pool rows past it are never read. The next tile's page ids are fetched
-    one iteration ahead, so the K/V loads depend on a loop-carried offset, not on a load of
-    the same iteration: Triton then multi-buffers them (``num_stages - 1`` tiles in flight).
+    Every such key is visible to every row of the q-block (with a window: these are the tiles
+    past the band, :func:`_window_band`), so the only mask is ``< context`` (loads and scores):
+    pool rows past it are never read. The next tile's page ids are fetched one iteration
+    ahead, so the K/V loads depend on a loop-carried offset, not on a load of the same
+    iteration: Triton then multi-buffers them (``num_stages - 1`` tiles in flight).
     """
     pos = t_lo * TILE_N + offs_n  # [TILE_N]
     rows = _pool_rows(bt_row_ptr, pos, pos < context, kv_head, stride_cache_row, PAGE_SIZE,
                       HEAD_DIM)
     for t in range(t_lo, t_end):
         key_ok = pos < context
-        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask, offs_dv,
+                        dv_mask, HEAD_DIM, HEAD_DIM_V)
         pos = (t + 1) * TILE_N + offs_n
         rows = _pool_rows(bt_row_ptr, pos, pos < context, kv_head, stride_cache_row,
                           PAGE_SIZE, HEAD_DIM)
@@ -170,21 +228,64 @@ def _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context,
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         m_i, l_i, acc = _softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, scale_log2,
-                                      DOT_PRECISION, True)
+                                      softcap_log2, DOT_PRECISION, True, HAS_SOFTCAP)
+    return m_i, l_i, acc
+
+
+@triton.jit
+def _guarded_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
+                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                  HAS_SOFTCAP: tl.constexpr):
+    """A softmax step over keys that some rows see and others do not (``visible [BLOCK_M,
+    TILE]``): a non-finite V is zeroed before ``P @ V`` (``0 * NaN`` is NaN) and given back, as
+    NaN, only to the rows that see it (the reference gives NaN there, or Inf for an Inf)."""
+    bad = ~(tl.abs(v.to(tl.float32)) < float("inf"))  # [TILE, HEAD_DIM_V_PAD] NaN or Inf
+    v = tl.where(bad, 0.0, v)
+    if UPCAST:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
+                                  DOT_PRECISION, True, HAS_SOFTCAP)
+    hits = tl.dot(visible.to(tl.float16), bad.to(tl.float16), out_dtype=tl.float32)
+    return m_i, l_i, tl.where(hits > 0, float("nan"), acc)
+
+
+@triton.jit
+def _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, key_lo, row_lo,
+                 kv_head, offs_n, offs_d, d_mask, offs_dv, dv_mask, m_i, l_i, acc, scale_log2,
+                 softcap_log2, stride_cache_row, PAGE_SIZE: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, TILE_N: tl.constexpr,
+                 UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                 HAS_SOFTCAP: tl.constexpr):
+    """Context tiles ``t_lo .. t_end`` of a windowed q-block's band: keys the first row's window
+    reaches but a later row's does not (``row_lo [BLOCK_M]``: each row's first key). Keys below
+    ``key_lo`` (the first row's) are not read, nor their page ids; at verify widths the band is
+    one or two tiles, so these loads are not pipelined."""
+    for t in range(t_lo, t_end):
+        pos = t * TILE_N + offs_n  # [TILE_N]
+        key_ok = (pos < context) & (pos >= key_lo)
+        rows = _pool_rows(bt_row_ptr, pos, key_ok, kv_head, stride_cache_row, PAGE_SIZE,
+                          HEAD_DIM)
+        k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask, offs_dv,
+                        dv_mask, HEAD_DIM, HEAD_DIM_V)
+        visible = key_ok[None, :] & (pos[None, :] >= row_lo[:, None])
+        m_i, l_i, acc = _guarded_step(q, k, v, visible, m_i, l_i, acc, scale_log2,
+                                      softcap_log2, UPCAST, DOT_PRECISION, HAS_SOFTCAP)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_own,
-                   kv_head, offs_e, offs_d, d_mask, m_i, l_i, acc, scale_log2, stride_k_tok,
-                   stride_k_head, stride_v_tok, stride_v_head, UPCAST: tl.constexpr,
-                   DOT_PRECISION: tl.constexpr):
+                   kv_head, offs_e, offs_d, d_mask, offs_dv, dv_mask, m_i, l_i, acc,
+                   scale_log2, softcap_log2, window, stride_k_tok, stride_k_head, stride_v_tok,
+                   stride_v_head, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """The request's own new keys ``e0 ..`` (rows ``row0 + e`` of ``k``/``v``), causal.
 
     Read from the inputs rather than the pool (no program reads a pool row written in this
     launch), cast to the pool's dtype as the pool would hold them. Row ``r`` sees new key ``e``
-    iff ``e <= q_own[r]``; non-finite V of a key some row may not see is zeroed before
-    ``P @ V`` (``0 * NaN`` is NaN) and given back, as NaN, only to the rows that see it.
+    iff ``e <= q_own[r]`` (and, with a window, ``e > q_own[r] - window``); V is guarded
+    (:func:`_guarded_step`).
     """
     e = e0 + offs_e  # [NEW_N]
     rows = (row0 + e).to(tl.int64)
@@ -192,71 +293,121 @@ def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_
     k = tl.load(k_ptr + rows[:, None] * stride_k_tok + kv_head * stride_k_head
                 + offs_d[None, :], mask=mask, other=0.0).to(cache_ty)
     v = tl.load(v_ptr + rows[:, None] * stride_v_tok + kv_head * stride_v_head
-                + offs_d[None, :], mask=mask, other=0.0).to(cache_ty)
-    bad = ~(tl.abs(v.to(tl.float32)) < float("inf"))  # [NEW_N, HEAD_DIM_PAD] NaN or Inf
+                + offs_dv[None, :], mask=(e < n_keys)[:, None] & dv_mask[None, :],
+                other=0.0).to(cache_ty)
+    # _guarded_step's body, with the mask made after the upcast: the plain build's code order
+    bad = ~(tl.abs(v.to(tl.float32)) < float("inf"))  # [NEW_N, HEAD_DIM_V_PAD] NaN or Inf
     v = tl.where(bad, 0.0, v)
     if UPCAST:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     visible = (e[None, :] <= q_own[:, None]) & (e < n_keys)[None, :]  # [BLOCK_M, NEW_N]
-    m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, DOT_PRECISION,
-                                  True)
+    if HAS_WINDOW:
+        visible = visible & (e[None, :] > q_own[:, None] - window)
+    m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
+                                  DOT_PRECISION, True, HAS_SOFTCAP)
     hits = tl.dot(visible.to(tl.float16), bad.to(tl.float16), out_dtype=tl.float32)
     return m_i, l_i, tl.where(hits > 0, float("nan"), acc)
 
 
 @triton.jit
-def _split_units(context, q0, n_q, split, num_splits, TILE_N: tl.constexpr,
-                 NEW_N: tl.constexpr):
+def _split_units(context, q0, n_q, split, num_splits, window, TILE_N: tl.constexpr,
+                 NEW_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
     """This split's share of a q-block's keys: work units ``u_lo .. u_hi`` (context tiles of
     TILE_N keys ``0 .. n_ctx``, then new-key tiles of NEW_N keys; the block's last query sees
-    ``q0 + n_q`` new keys), equal runs of units per split."""
+    ``q0 + n_q`` new keys), equal runs of units per split, and ``e_skip``.
+
+    With a window, the tiles wholly below the block's first query's window are no units: the
+    context's start at unit ``c_skip`` (units count from there), and unit ``n_ctx + j`` is
+    new-key tile ``e_skip + j``. Without, ``c_skip = e_skip = 0``."""
     n_ctx = tl.cdiv(context, TILE_N)
     units = n_ctx + tl.cdiv(q0 + n_q, NEW_N)
-    return n_ctx, split * units // num_splits, (split + 1) * units // num_splits
+    if HAS_WINDOW:
+        key_lo = context + q0 - window + 1  # the block's first query's first key (may be < 0)
+        c_skip = tl.where(key_lo >= context, n_ctx, tl.maximum(key_lo, 0) // TILE_N)
+        e_skip = tl.maximum(key_lo - context, 0) // NEW_N
+        units = units - c_skip - e_skip
+        u_lo = c_skip + split * units // num_splits
+        u_hi = c_skip + (split + 1) * units // num_splits
+    else:
+        e_skip = 0
+        u_lo = split * units // num_splits
+        u_hi = (split + 1) * units // num_splits
+    return n_ctx, u_lo, u_hi, e_skip
 
 
 @triton.jit
-def _first_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, context, u_lo, u_hi, n_ctx, kv_head,
-                offs_d, d_mask, stride_cache_row, PAGE_SIZE: tl.constexpr,
-                HEAD_DIM: tl.constexpr, TILE_N: tl.constexpr):
-    """K, V ``[TILE_N, HEAD_DIM_PAD]`` and key mask of the split's first context tile (all
-    masked when its run holds none). It reads only what the launch before this one does not
-    write (the request's block-table row and committed pool rows), so with ``EARLY`` it is
-    loaded before the PDL wait (:func:`_ragged_attention_kernel`)."""
+def _first_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, context, key_lo, u_lo, u_hi, n_ctx,
+                kv_head, offs_d, d_mask, offs_dv, dv_mask, stride_cache_row,
+                PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
+                TILE_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+    """K, V and key mask of the split's first context tile (all masked when its run holds
+    none; with a window, keys below ``key_lo`` too). It reads only what the launch before this
+    one does not write (the request's block-table row and committed pool rows), so with
+    ``EARLY`` it is loaded before the PDL wait (:func:`_ragged_attention_kernel`)."""
     pos = u_lo * TILE_N + tl.arange(0, TILE_N)
     key_ok = (pos < context) & (pos < tl.minimum(u_hi, n_ctx) * TILE_N)  # in the run
+    if HAS_WINDOW:
+        key_ok = key_ok & (pos >= key_lo)
     rows = _pool_rows(bt_row_ptr, pos, key_ok, kv_head, stride_cache_row, PAGE_SIZE, HEAD_DIM)
-    k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask)
+    k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask, offs_dv, dv_mask,
+                    HEAD_DIM, HEAD_DIM_V)
     return k, v, key_ok
 
 
 @triton.jit
 def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_ptr, context,
-            req_start, q0, n_q, q_idx, kv_head, n_ctx, u_lo, u_hi, offs_d, d_mask, m_i, l_i,
-            acc, scale_log2, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-            stride_cache_row, PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
+            key_lo, req_start, q0, n_q, q_idx, kv_head, n_ctx, u_lo, u_hi, e_skip, offs_d,
+            d_mask, offs_dv, dv_mask, m_i, l_i, acc, scale_log2, softcap_log2, window,
+            stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
+            PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             TILE_N: tl.constexpr, NEW_N: tl.constexpr, UPCAST: tl.constexpr,
-            DOT_PRECISION: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
     """This split's units ``u_lo .. u_hi`` (:func:`_split_units`): the first context tile,
     already loaded (``k0``, ``v0``, ``key_ok0``: :func:`_first_tile`; an all-masked tile
-    leaves the state as it was), the rest of the context, then the new keys."""
-    if UPCAST:
-        k0 = k0.to(tl.float32)
-        v0 = v0.to(tl.float32)
-    m_i, l_i, acc = _softmax_step(q, k0, v0, key_ok0[None, :], m_i, l_i, acc, scale_log2,
-                                  DOT_PRECISION, True)
-    m_i, l_i, acc = _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, u_lo + 1,
-                                  tl.minimum(u_hi, n_ctx), context, kv_head,
-                                  tl.arange(0, TILE_N), offs_d, d_mask, m_i, l_i, acc,
-                                  scale_log2, stride_cache_row, PAGE_SIZE, HEAD_DIM, TILE_N,
-                                  UPCAST, DOT_PRECISION)
+    leaves the state as it was), the rest of the context, then the new keys.
+
+    With a window, row ``r`` sees keys from ``key_lo + q_idx[r]``: the first tile and the band
+    (tiles below the last row's first key) take per-row masks and guarded V
+    (:func:`_window_band`); the tiles after the band are today's loop."""
+    offs_n = tl.arange(0, TILE_N)
+    t_end = tl.minimum(u_hi, n_ctx)
+    if HAS_WINDOW:
+        row_lo = key_lo + q_idx  # [BLOCK_M]
+        pos0 = u_lo * TILE_N + offs_n
+        visible0 = key_ok0[None, :] & (pos0[None, :] >= row_lo[:, None])
+        m_i, l_i, acc = _guarded_step(q, k0, v0, visible0, m_i, l_i, acc, scale_log2,
+                                      softcap_log2, UPCAST, DOT_PRECISION, HAS_SOFTCAP)
+        band_end = tl.cdiv(tl.maximum(key_lo + n_q - 1, 0), TILE_N)
+        m_i, l_i, acc = _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, u_lo + 1,
+                                     tl.minimum(t_end, band_end), context, key_lo, row_lo,
+                                     kv_head, offs_n, offs_d, d_mask, offs_dv, dv_mask, m_i,
+                                     l_i, acc, scale_log2, softcap_log2, stride_cache_row,
+                                     PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, UPCAST,
+                                     DOT_PRECISION, HAS_SOFTCAP)
+        t_lo = tl.maximum(u_lo + 1, band_end)
+    else:
+        if UPCAST:
+            k0 = k0.to(tl.float32)
+            v0 = v0.to(tl.float32)
+        m_i, l_i, acc = _softmax_step(q, k0, v0, key_ok0[None, :], m_i, l_i, acc, scale_log2,
+                                      softcap_log2, DOT_PRECISION, True, HAS_SOFTCAP)
+        t_lo = u_lo + 1
+    m_i, l_i, acc = _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end,
+                                  context, kv_head, offs_n, offs_d, d_mask, offs_dv, dv_mask,
+                                  m_i, l_i, acc, scale_log2, softcap_log2, stride_cache_row,
+                                  PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, UPCAST,
+                                  DOT_PRECISION, HAS_SOFTCAP)
     for u in range(tl.maximum(u_lo, n_ctx), u_hi):
+        if HAS_WINDOW:
+            e0 = (u - n_ctx + e_skip) * NEW_N
+        else:
+            e0 = (u - n_ctx) * NEW_N
         m_i, l_i, acc = _new_keys_step(
-            q, k_ptr, v_ptr, k_cache_ptr.dtype.element_ty, req_start, (u - n_ctx) * NEW_N,
-            q0 + n_q, q0 + q_idx, kv_head, tl.arange(0, NEW_N), offs_d, d_mask, m_i, l_i, acc,
-            scale_log2, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, UPCAST,
-            DOT_PRECISION)
+            q, k_ptr, v_ptr, k_cache_ptr.dtype.element_ty, req_start, e0, q0 + n_q,
+            q0 + q_idx, kv_head, tl.arange(0, NEW_N), offs_d, d_mask, offs_dv, dv_mask, m_i,
+            l_i, acc, scale_log2, softcap_log2, window, stride_k_tok, stride_k_head,
+            stride_v_tok, stride_v_head, UPCAST, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
     return m_i, l_i, acc
 
 
@@ -314,21 +465,23 @@ def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, tokens, heads, row_ok, off
     tl.store(ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_requests", "num_splits"])
+@triton.jit(do_not_specialize=["num_tokens", "num_requests", "num_splits", "window"])
 def _ragged_attention_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr,
         v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, slot_mapping_ptr,
-        scale_log2,
+        sinks_ptr, scale_log2, softcap_log2, window,
         num_tokens, num_requests, num_splits, stride_q_tok, stride_q_head, stride_k_tok,
         stride_k_head,
         stride_v_tok, stride_v_head, stride_out_tok, stride_out_head, stride_bt_req,
         stride_cache_row, NUM_HEADS: tl.constexpr, GROUP: tl.constexpr,
         GROUP_PAD: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr,
+        HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
         PAGE_SIZE: tl.constexpr, BLOCK_Q: tl.constexpr, BLOCK_M: tl.constexpr,
         TILE_N: tl.constexpr, NEW_N: tl.constexpr, SEARCH: tl.constexpr,
         SEARCH_ONCE: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
         MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-        EARLY: tl.constexpr, PDL: tl.constexpr):
+        EARLY: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr,
+        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
     """One (q-block, KV head, split): fused KV write, then attention over the paged context.
 
     ``FOLD`` (with ``SPLIT``): the last of a q-block's programs to finish merges the partials
@@ -338,6 +491,13 @@ def _ragged_attention_kernel(
     request lookup, the block-table row and the first context tile's K/V are read before the
     PDL wait, so that chain of dependent loads runs while the launch before this one finishes;
     the caller vouches that that launch writes none of them (``ragged_attention_triton``).
+
+    Semantics switches (all off: the plain causal build, its code unchanged): ``HAS_WINDOW``
+    (a query at ``p`` sees keys ``p - window < kpos <= p``; tiles below the block's first
+    window are no work units), ``HAS_SOFTCAP`` (:func:`_softmax_step`), ``HAS_SINKS``
+    (``sinks_ptr [H]``, any float dtype: split 0 starts each row's online softmax from the
+    sink logit, ``m = sink``, ``l = 1``, so the merge of partials counts it exactly once).
+    ``HEAD_DIM_V`` may differ from ``HEAD_DIM`` (q/k): acc, partials and out have V's.
     """
     if not EARLY:
         pdl_enter(PDL)
@@ -357,10 +517,19 @@ def _ragged_attention_kernel(
     bt_row_ptr = block_table_ptr + tl.where(is_pad, 0, req).to(tl.int64) * stride_bt_req
     offs_d = tl.arange(0, HEAD_DIM_PAD)
     d_mask = offs_d < HEAD_DIM
-    n_ctx, u_lo, u_hi = _split_units(context, q0, n_q, split, num_splits, TILE_N, NEW_N)
-    k0, v0, key_ok0 = _first_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, context, u_lo, u_hi,
-                                  n_ctx, kv_head, offs_d, d_mask, stride_cache_row, PAGE_SIZE,
-                                  HEAD_DIM, TILE_N)
+    if HEAD_DIM_V == HEAD_DIM:
+        offs_dv = offs_d
+        dv_mask = d_mask
+    else:
+        offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+        dv_mask = offs_dv < HEAD_DIM_V
+    n_ctx, u_lo, u_hi, e_skip = _split_units(context, q0, n_q, split, num_splits, window,
+                                             TILE_N, NEW_N, HAS_WINDOW)
+    key_lo = context + q0 - window + 1  # the block's first query's first key (window only)
+    k0, v0, key_ok0 = _first_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, context, key_lo, u_lo,
+                                  u_hi, n_ctx, kv_head, offs_d, d_mask, offs_dv, dv_mask,
+                                  stride_cache_row, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N,
+                                  HAS_WINDOW)
     if EARLY:
         pdl_enter(PDL)
     # split 0 writes the block's rows into the pool (the others touch nothing: 0 rows). Done
@@ -368,7 +537,7 @@ def _ragged_attention_kernel(
     _write_new_rows(k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_mapping_ptr, req_start + q0,
                     tl.where(split == 0, n_q, 0), kv_head, stride_k_tok, stride_k_head,
                     stride_v_tok, stride_v_head, stride_cache_row, BLOCK_Q, HEAD_DIM,
-                    HEAD_DIM_PAD)
+                    HEAD_DIM_PAD, HEAD_DIM_V, HEAD_DIM_V_PAD)
     offs_m = tl.arange(0, BLOCK_M)  # row r: query r // GROUP_PAD, head r % GROUP_PAD
     q_idx = offs_m // GROUP_PAD
     row_ok = (q_idx < n_q) & (offs_m % GROUP_PAD < GROUP)  # [BLOCK_M]
@@ -376,34 +545,40 @@ def _ragged_attention_kernel(
     heads = kv_head * GROUP + offs_m % GROUP_PAD
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
-    acc = tl.zeros([BLOCK_M, HEAD_DIM_PAD], tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], tl.float32)
     if is_pad:  # padding rows: zeros (the reduce writes them when split and not folded)
         if not SPLIT or (FOLD and split == 0):
             _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads,
-                        row_ok, offs_d, d_mask, split, num_tokens, stride_out_tok,
-                        stride_out_head, NUM_HEADS, HEAD_DIM, False)
+                        row_ok, offs_dv, dv_mask, split, num_tokens, stride_out_tok,
+                        stride_out_head, NUM_HEADS, HEAD_DIM_V, False)
         return
     q = tl.load(q_ptr + tokens[:, None] * stride_q_tok + heads[:, None] * stride_q_head
                 + offs_d[None, :], mask=row_ok[:, None] & d_mask[None, :], other=0.0)
     if UPCAST:
         q = q.to(tl.float32)
+    if HAS_SINKS:  # the sink logit (natural units) in the log2 domain, counted by split 0 only
+        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
+        sink = sink * 1.4426950408889634  # log2(e)
+        m_i = tl.where(split == 0, sink, m_i)
+        l_i = tl.where(split == 0, 1.0, l_i)
     m_i, l_i, acc = _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr,
-                            bt_row_ptr, context, req_start, q0, n_q, q_idx, kv_head, n_ctx,
-                            u_lo, u_hi, offs_d, d_mask, m_i, l_i, acc, scale_log2,
-                            stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                            stride_cache_row, PAGE_SIZE, HEAD_DIM, TILE_N, NEW_N, UPCAST,
-                            DOT_PRECISION)
+                            bt_row_ptr, context, key_lo, req_start, q0, n_q, q_idx, kv_head,
+                            n_ctx, u_lo, u_hi, e_skip, offs_d, d_mask, offs_dv, dv_mask, m_i,
+                            l_i, acc, scale_log2, softcap_log2, window, stride_k_tok,
+                            stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
+                            PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, NEW_N, UPCAST,
+                            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
     _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads, row_ok,
-                offs_d, d_mask, split, num_tokens, stride_out_tok, stride_out_head, NUM_HEADS,
-                HEAD_DIM, SPLIT)
+                offs_dv, dv_mask, split, num_tokens, stride_out_tok, stride_out_head,
+                NUM_HEADS, HEAD_DIM_V, SPLIT)
     if SPLIT and FOLD:
         tl.debug_barrier()  # every thread's partial stores are issued before the release
         counter = counter_ptr + block_id * tl.num_programs(1) + kv_head
         if tl.atomic_add(counter, 1, sem="acq_rel") == num_splits - 1:
             tl.store(counter, 0)  # the last one: reset for the next launch, then merge
-            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, tokens, heads, row_ok, offs_d,
-                          d_mask, num_splits, num_tokens, stride_out_tok, stride_out_head,
-                          NUM_HEADS, HEAD_DIM, BLOCK_M, HEAD_DIM_PAD, MAX_SPLITS)
+            _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, tokens, heads, row_ok, offs_dv,
+                          dv_mask, num_splits, num_tokens, stride_out_tok, stride_out_head,
+                          NUM_HEADS, HEAD_DIM_V, BLOCK_M, HEAD_DIM_V_PAD, MAX_SPLITS)
 
 
 @triton.jit(do_not_specialize=["num_tokens", "num_requests", "num_splits"])
@@ -513,7 +688,7 @@ def _max_splits(num_splits: int) -> int:
 @functools.lru_cache(maxsize=1024)  # a pure function of ints: ~10 us of Python per call saved
 def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_heads: int,
                    max_keys: int, max_query_len: int, cfg: TargetConfig, sm_count: int,
-                   num_splits: int | None = None) -> AttentionPlan:
+                   num_splits: int | None = None, window: int = 0) -> AttentionPlan:
     """Choose tiles and the split count from host ints (no device value is read).
 
     ``BLOCK_Q`` covers ``max_query_len`` (a verify block is one tile, so its KV is read once
@@ -523,7 +698,9 @@ def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_he
     enough parts to reach that, rounded up to a power of two, at most ``cfg.split_max`` and at
     least ``cfg.split_min_keys`` keys (``max_keys``: the block table's width in tokens) per
     part. At 16/8 heads on an H200
-    (132 SMs) this splits bs 1 and 8 and leaves bs >= 64 whole.
+    (132 SMs) this splits bs 1 and 8 and leaves bs >= 64 whole. With a ``window`` (> 0) a
+    q-block reads at most ``window + BLOCK_Q - 1`` keys, and those are what the rule splits: a
+    windowed layer at a long context plans like a short one.
     """
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     block_m = max(16, group_pad, min(triton.next_power_of_2(max_query_len) * group_pad,
@@ -531,7 +708,8 @@ def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_he
     block_q = block_m // group_pad
     if num_splits is None:
         busy = max(1, min(num_requests, num_tokens)) * num_kv_heads * -(-max_query_len // block_q)
-        most = max(1, min(cfg.split_max, max_keys // cfg.split_min_keys))
+        keys = min(max_keys, window + block_q - 1) if window > 0 else max_keys
+        most = max(1, min(cfg.split_max, keys // cfg.split_min_keys))
         # a power of two: a power-of-two context splits into whole tiles (1024 keys in 5 parts
         # do not), and 8 splits at bs 8 measured 16.4 us against 17.5 for 5 (targets.py)
         num_splits = min(most, triton.next_power_of_2(
@@ -560,7 +738,7 @@ def _fail(msg: str) -> None:
     raise ValueError(f"ragged_attention_triton: {msg}")
 
 
-def _check_inputs(tensors: tuple, max_query_len) -> None:
+def _check_inputs(tensors: tuple, max_query_len, window, softcap, sinks) -> None:
     """Raise ``ValueError`` naming the argument, its value and the rule it breaks.
 
     ``tensors``: the op's tensor arguments in order, then ``out`` (None: allocated). Messages
@@ -575,17 +753,35 @@ def _check_inputs(tensors: tuple, max_query_len) -> None:
                   f"{tuple(getattr(t, 'shape', ()))}; it must be a {dims}-D tensor of {dtypes}")
         if t.device != device:
             _fail(f"{name} is on {t.device} but q is on {device}; move every argument there")
-    q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, out = tensors
-    (n, h, d), (_, _, hkv, dc), r = q.shape, k_cache.shape, query_start_loc.shape[0] - 1
-    if k.shape != (n, hkv, d) or v.shape != (n, hkv, d):
-        _fail(f"k {tuple(k.shape)} and v {tuple(v.shape)} must both be [N, Hkv, D] = "
-              f"{(n, hkv, d)} (N, D from q, Hkv from k_cache)")
+    _check_shapes(*tensors)
+    if max_query_len is not None and (type(max_query_len) is not int or max_query_len < 1):
+        _fail(f"max_query_len={max_query_len!r}; it must be None or a python int >= 1")
+    check_semantics("ragged_attention_triton", window, softcap, sinks, tensors[0].shape[1],
+                    device)
+    if sinks is not None and sinks.stride(0) != 1:
+        _fail(f"sinks has stride {sinks.stride(0)}; it must be dense ([H], stride 1)")
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        _fail("CPU tensors need TRITON_INTERPRET=1 set before triton kernels are imported; "
+              "for the CPU path call dspark_compile.ops.attention_reference.ragged_attention")
+
+
+def _check_shapes(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                  slot_mapping, out) -> None:
+    """Head counts and dims of q/k/v, pools and out agree (Dk from q, Dv from v); the
+    metadata describes R requests of N rows."""
+    (n, h, d), (pages, page_size, hkv, dc), r = q.shape, k_cache.shape, \
+        query_start_loc.shape[0] - 1
+    dv = v.shape[2]
+    if k.shape != (n, hkv, d) or v.shape[:2] != (n, hkv):
+        _fail(f"k {tuple(k.shape)} must be [N, Hkv, Dk] = {(n, hkv, d)} and v {tuple(v.shape)} "
+              f"[N, Hkv, Dv] = {(n, hkv, 'Dv')} (N, Dk from q, Hkv from k_cache)")
     if dc != d or h % hkv:
         _fail(f"k_cache {tuple(k_cache.shape)} must have head dim {d} (q's) and a number of "
               f"KV heads that divides q's {h} heads")
-    if v_cache.shape != k_cache.shape or v_cache.dtype != k_cache.dtype:
+    if v_cache.shape != (pages, page_size, hkv, dv) or v_cache.dtype != k_cache.dtype:
         _fail(f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache "
-              f"{tuple(k_cache.shape)} {k_cache.dtype}")
+              f"{tuple(k_cache.shape)} {k_cache.dtype} but for v's head dim {dv}: "
+              f"{(pages, page_size, hkv, dv)}")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous()) or any(
             t.stride(-1) != 1 for t in (q, k, v, block_table, out) if t is not None):
         _fail("the KV pools must be contiguous; q, k, v, block_table, out need a dense last dim")
@@ -594,19 +790,17 @@ def _check_inputs(tensors: tuple, max_query_len) -> None:
               f"rows: seq_lens {tuple(seq_lens.shape)} and block_table "
               f"{tuple(block_table.shape)} need R rows, slot_mapping "
               f"{tuple(slot_mapping.shape)} N")
-    if out is not None and (out.shape != q.shape or out.dtype != q.dtype):
-        _fail(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype}")
-    if max_query_len is not None and (type(max_query_len) is not int or max_query_len < 1):
-        _fail(f"max_query_len={max_query_len!r}; it must be None or a python int >= 1")
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        _fail("CPU tensors need TRITON_INTERPRET=1 set before triton kernels are imported; "
-              "for the CPU path call dspark_compile.ops.attention_reference.ragged_attention")
+    if out is not None and (out.shape != (n, h, dv) or out.dtype != q.dtype):
+        _fail(f"out {tuple(out.shape)} {out.dtype} must match q {tuple(q.shape)} {q.dtype} but "
+              f"for v's head dim {dv}: {(n, h, dv)}")
 
 
 def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
+                            window: int = 0, softcap: float = 0.0,
+                            sinks: torch.Tensor | None = None,
                             max_query_len: int | None = None, num_splits: int | None = None,
                             config: TargetConfig | None = None,
                             out: torch.Tensor | None = None,
@@ -614,30 +808,37 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             early_reads: bool = False) -> torch.Tensor:
     """Triton ``dspark::ragged_attention``: same arguments and result as the reference.
 
-    ``max_query_len``: a host bound on any request's length (default ``N``, always safe); a
-    tighter bound lets one program cover a whole verify block. ``num_splits`` and ``config``
-    override the split rule and the target entry (benchmarks, tests); ``out`` is an optional
-    ``[N, H, D]`` buffer of q's dtype to write (every element is written). ``fold_reduce``
-    (default: the target's ``attn_fold_reduce``) merges split partials in the attention launch
-    instead of a second one (:func:`split_counters`). ``early_reads`` (with PDL): the caller vouches
-    that the kernel launched just before this one writes neither ``query_start_loc``,
-    ``seq_lens``, ``block_table`` nor the pools' committed rows (those below each request's
-    context), so they are read before the PDL wait; ``lower`` sets it where the graph shows it
-    (:func:`dspark_compile.passes.lower.early_attention_reads`). Mutates the pools;
-    no host sync, so it can be captured in a CUDA graph. Returns ``[N, H, D]`` in q's dtype.
+    ``window``, ``softcap``, ``sinks``: the reference's switches, checked on the host before
+    anything launches; each turns on a constexpr of the one kernel (all off: the plain causal
+    build). A window that reaches past the block table's width (no key is ever outside it) is
+    plain causal. ``max_query_len``: a host bound on any request's length (default ``N``, always
+    safe); a tighter bound lets one program cover a whole verify block. ``num_splits`` and
+    ``config`` override the split rule and the target entry (benchmarks, tests); ``out`` is an
+    optional ``[N, H, Dv]`` buffer of q's dtype to write (every element is written).
+    ``fold_reduce`` (default: the target's ``attn_fold_reduce``) merges split partials in the
+    attention launch instead of a second one (:func:`split_counters`). ``early_reads`` (with
+    PDL): the caller vouches that the kernel launched just before this one writes neither
+    ``query_start_loc``, ``seq_lens``, ``block_table`` nor the pools' committed rows (those
+    below each request's context), so they are read before the PDL wait; ``lower`` sets it
+    where the graph shows it (:func:`dspark_compile.passes.lower.early_attention_reads`).
+    Mutates the pools; no host sync, so it can be captured in a CUDA graph. Returns
+    ``[N, H, Dv]`` in q's dtype.
     """
     _check_inputs((q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                   slot_mapping, out), max_query_len)
+                   slot_mapping, out), max_query_len, window, softcap, sinks)
     n, h, d = q.shape
+    dv = v.shape[2]
     r = query_start_loc.shape[0] - 1
     hkv, page_size = k_cache.shape[2], k_cache.shape[1]
+    max_keys = block_table.shape[1] * page_size
+    window = window if window < max_keys else 0  # every position < max_keys <= window: causal
     cfg, sm_count = device_target(q.device)
     cfg = config or cfg
     pdl = use_pdl(q.device, cfg)
-    plan = plan_attention(n, r, h, hkv, block_table.shape[1] * page_size,
-                          max(1, max_query_len or n), cfg, sm_count, num_splits)
+    plan = plan_attention(n, r, h, hkv, max_keys, max(1, max_query_len or n), cfg, sm_count,
+                          num_splits, window)
     if out is None:
-        out = torch.empty_like(q, memory_format=torch.contiguous_format)  # [N, H, D]
+        out = q.new_empty((n, h, dv))  # [N, H, Dv]
     if n == 0:
         return out
     split = plan.num_splits > 1
@@ -645,31 +846,35 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     counters = split_counters(q.device, plan.grid[0] * plan.grid[1]) if split and fold else None
     part_acc, part_ml = out, out  # never touched without a split (the branch compiles out)
     if split:
-        part_acc = q.new_empty((plan.num_splits, n, h, d), dtype=torch.float32)
+        part_acc = q.new_empty((plan.num_splits, n, h, dv), dtype=torch.float32)
         part_ml = q.new_empty((plan.num_splits, n, h, 2), dtype=torch.float32)
-    d_pad = head_dim_pad(d)
+    dv_pad = head_dim_pad(dv)
     max_splits = _max_splits(plan.num_splits)
     # maxnreg: NVIDIA only (the HIP backend rejects the option)
     regs = ({"maxnreg": plan.max_registers} if plan.max_registers is not None
             and cfg.backend == "cuda" and q.device.type == "cuda" else {})
+    # softcap: the scores' multiplier becomes the tanh argument's, softcap * log2(e) the cap's
+    qk_scale = scale / softcap if softcap > 0 else scale * _LOG2E
     launch(_ragged_attention_kernel, plan.grid,
         out, part_acc, part_ml, out if counters is None else counters, q, k, v, k_cache,
         v_cache, query_start_loc, seq_lens,
-        block_table, slot_mapping, scale * _LOG2E, n, r, plan.num_splits, q.stride(0),
+        block_table, slot_mapping, q if sinks is None else sinks, qk_scale,
+        float(softcap) * _LOG2E, window, n, r, plan.num_splits, q.stride(0),
         q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), hkv * d, NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad,
-        HEAD_DIM=d, HEAD_DIM_PAD=d_pad, PAGE_SIZE=page_size, BLOCK_Q=plan.block_q,
+        HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad(d), HEAD_DIM_V=dv, HEAD_DIM_V_PAD=dv_pad,
+        PAGE_SIZE=page_size, BLOCK_Q=plan.block_q,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
         SEARCH_ONCE=r + 1 <= plan.search, SPLIT=split, FOLD=counters is not None,
         MAX_SPLITS=max_splits, UPCAST=q.dtype != k_cache.dtype,
         DOT_PRECISION=cfg.fp32_dot_precision, EARLY=pdl and early_reads and cfg.attn_early_reads,
-        PDL=pdl,
+        PDL=pdl, HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
         num_warps=plan.num_warps, num_stages=cfg.attn_num_stages, **regs, **pdl_options(pdl))
     if split and counters is None:
         launch(_split_reduce_kernel, (n,),
             out, part_acc, part_ml, query_start_loc, n, r, plan.num_splits, out.stride(0),
-            out.stride(1), NUM_HEADS=h, HEADS_PAD=triton.next_power_of_2(h), HEAD_DIM=d,
-            HEAD_DIM_PAD=d_pad, MAX_SPLITS=max_splits, PDL=pdl, num_warps=cfg.reduce_num_warps,
+            out.stride(1), NUM_HEADS=h, HEADS_PAD=triton.next_power_of_2(h), HEAD_DIM=dv,
+            HEAD_DIM_PAD=dv_pad, MAX_SPLITS=max_splits, PDL=pdl, num_warps=cfg.reduce_num_warps,
             **pdl_options(pdl))
     return out

@@ -36,7 +36,11 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
         if packet in table:
             node.target = table[packet].default
             if packet is torch.ops.dspark.ragged_attention:
-                node.args = (*node.args, ctx.settings.block, early_attention_reads(node))
+                # the Triton op takes its launch choices after the ten leading arguments and
+                # the switches (window, softcap, sinks) as keywords
+                switches = dict(zip(("window", "softcap", "sinks"), node.args[10:]))
+                node.args = (*node.args[:10], ctx.settings.block, early_attention_reads(node))
+                node.kwargs = {**switches, **node.kwargs}
             elif packet is torch.ops.dspark.skinny_linear:
                 node.kwargs = {**node.kwargs, "weight_settled": settled_weight(node)}
             result.changed += 1

@@ -16,7 +16,8 @@ import pytest
 from aot import TARGET_NAMES, aot_tests, compile_kernel
 
 # case -> (kernel, dtype of q/k/v/pools/out, shape (N, R, H, Hkv, D, page, max_query_len),
-# split count); constexprs and launch options come from plan_attention, as at run time.
+# split count[, semantics: Dv, window / softcap / sinks switches]); constexprs and launch options
+# come from plan_attention, as at run time.
 CASES = {
     "attention_bf16": ("_ragged_attention_kernel", "bf16", (512, 64, 16, 8, 128, 16, 8), 1),
     # float32 (the target's fp32 dot precision: no TF32 on AMD), GQA 8, 64-row tiles, split
@@ -28,27 +29,42 @@ CASES = {
     # head dim 8 (small test models): tiled as 16, since tl.dot needs K >= 16 on a GPU
     "attention_fp32_d8": ("_ragged_attention_kernel", "fp32", (12, 3, 4, 2, 8, 16, 4), 1),
     "split_reduce_fp32_d8": ("_split_reduce_kernel", "fp32", (12, 3, 4, 2, 8, 16, 4), 2),
+    # every semantics switch at once, DeepSeek MLA's expanded heads (Dk 192, Dv 128), bs 1
+    # verify folded over 8 splits (sinks join in split 0, the merge counts them once). One
+    # case: each switch is a constexpr subset of it, and each case costs ~10 s a target cold
+    "attention_bf16_mla_window_softcap_sinks": (
+        "_ragged_attention_kernel", "bf16", (3, 1, 16, 16, 192, 16, 8), 8,
+        dict(dv=128, window=True, softcap=True, sinks="fp32")),
 }
 
 
-def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg) -> tuple:
+SCALARS = {"scale_log2": "fp32", "softcap_log2": "fp32"}
+"""Float scalars of the attention kernel (every other scalar is an i32)."""
+
+
+def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg,
+                 sem: dict | None = None) -> tuple:
     """(pointer dtypes by argument, constexprs, compile options) of one case on one target."""
     from dspark_compile.kernels.attention import _max_splits, head_dim_pad, plan_attention
 
     n, r, h, hkv, d, page, max_q = shape
+    sem = sem or {}
+    dv = sem.get("dv", d)
     plan = plan_attention(n, r, h, hkv, 1024, max_q, cfg, cfg.default_sm_count, splits)
     pointers = {"out_ptr": dtype, "part_acc_ptr": "fp32", "part_ml_ptr": "fp32",
                 "query_start_loc_ptr": "i32"}
     if kernel_name == "_split_reduce_kernel":
-        consts = dict(NUM_HEADS=h, HEADS_PAD=h, HEAD_DIM=d, HEAD_DIM_PAD=head_dim_pad(d),
+        consts = dict(NUM_HEADS=h, HEADS_PAD=h, HEAD_DIM=dv, HEAD_DIM_PAD=head_dim_pad(dv),
                       MAX_SPLITS=_max_splits(plan.num_splits))
         return pointers, consts, {"num_warps": cfg.reduce_num_warps}
     pointers.update({name: dtype for name in ("q_ptr", "k_ptr", "v_ptr", "k_cache_ptr",
                                               "v_cache_ptr")})
     pointers.update(seq_lens_ptr="i32", block_table_ptr="i32", slot_mapping_ptr="i64",
-                    counter_ptr="i32")
+                    counter_ptr="i32", sinks_ptr=sem.get("sinks", dtype))
     consts = dict(NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad, HEAD_DIM=d,
-                  HEAD_DIM_PAD=head_dim_pad(d), PAGE_SIZE=page, BLOCK_Q=plan.block_q,
+                  HEAD_DIM_PAD=head_dim_pad(d), HEAD_DIM_V=dv, HEAD_DIM_V_PAD=head_dim_pad(dv),
+                  HAS_WINDOW=sem.get("window", False), HAS_SOFTCAP=sem.get("softcap", False),
+                  HAS_SINKS="sinks" in sem, PAGE_SIZE=page, BLOCK_Q=plan.block_q,
                   BLOCK_M=plan.block_m,
                   TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
                   SEARCH_ONCE=r + 1 <= plan.search, SPLIT=plan.num_splits > 1,
@@ -68,20 +84,19 @@ def _compile_all() -> dict:
 
     result: dict = {}
     ptx: dict = {}  # the bs-1 launch's order around the PDL wait (sm_90), EARLY off and on
-    for case, (kernel_name, dtype, shape, splits) in CASES.items():
+    for case, (kernel_name, dtype, shape, splits, *sem) in CASES.items():
         kernel = getattr(triton_attention, kernel_name)
         for name in TARGET_NAMES:
             pointers, consts, options = _launch_spec(kernel_name, dtype, shape, splits,
-                                                     TARGETS[name])
+                                                     TARGETS[name], *sem)
             asm = ptx.setdefault(False, {}) if (case, name) == (
                 "attention_bf16_split_fold", "sm_90") else None
             result.setdefault(case, {})[name] = compile_kernel(
-                kernel, pointers, consts, name, options, scalars={"scale_log2": "fp32"},
-                asm=asm)
+                kernel, pointers, consts, name, options, scalars=SCALARS, asm=asm)
     pointers, consts, options = _launch_spec(*CASES["attention_bf16_split_fold"],
                                              TARGETS["sm_90"])
     compile_kernel(triton_attention._ragged_attention_kernel, pointers, {**consts, "EARLY": True},
-                   "sm_90", options, scalars={"scale_log2": "fp32"}, asm=ptx.setdefault(True, {}))
+                   "sm_90", options, scalars=SCALARS, asm=ptx.setdefault(True, {}))
     for early, asm in ptx.items():
         result[f"pdl_order_early_{early}"] = {op: asm["ptx"].find(op) for op in (
             "griddepcontrol.wait", "griddepcontrol.launch_dependents", "ld.global",
