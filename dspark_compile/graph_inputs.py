@@ -59,6 +59,10 @@ class InputKind(str, enum.Enum):
     GDN_RING_V = "gdn_ring_v"
     GDN_RING_G = "gdn_ring_g"
     GDN_RING_BETA = "gdn_ring_beta"
+    SSD_RING_X = "ssd_ring_x"
+    """Mamba-2 layers: ``x * dt`` of each packed row (``dspark::ssd``'s replay ring)."""
+    SSD_RING_B = "ssd_ring_b"
+    SSD_RING_DA = "ssd_ring_da"
 
     def __str__(self) -> str:
         return self.value
@@ -74,7 +78,8 @@ KV_KINDS = frozenset({InputKind.K_CACHE, InputKind.V_CACHE})
 LINEAR_KINDS = frozenset({InputKind.CONV_STATE, InputKind.RECURRENT_STATE})
 """Kinds the state's linear-attention pools fill (``<kind>_<layer>``)."""
 RING_KINDS = frozenset({InputKind.CONV_RING, InputKind.GDN_RING_K, InputKind.GDN_RING_V,
-                        InputKind.GDN_RING_G, InputKind.GDN_RING_BETA})
+                        InputKind.GDN_RING_G, InputKind.GDN_RING_BETA, InputKind.SSD_RING_X,
+                        InputKind.SSD_RING_B, InputKind.SSD_RING_DA})
 """Kinds of the replay rings the ragged linear passes add."""
 REQUEST_KINDS = frozenset({InputKind.BLOCK_TABLE, InputKind.CONTEXT_LENS,
                            InputKind.QUERY_START_LOC, InputKind.SEQ_LENS, InputKind.SLOTS})

@@ -38,18 +38,25 @@ class AttentionSpec:
 
 @dataclass(frozen=True)
 class LinearSpec:
-    """Shape of one linear-attention (Gated DeltaNet) layer's state."""
+    """Shape of one linear-attention or state-space layer's state: a causal-conv window and
+    (except for a conv-only layer) a float32 recurrent state ``[Hv, K, V]`` per slot."""
 
     conv_dim: int
-    """Channels of the causal conv1d (q, k and v projections together)."""
+    """Channels of the causal conv1d (GDN: q, k and v projections; Mamba-2: x, B and C)."""
     conv_width: int
     """Conv kernel width W; the conv state keeps the last W-1 inputs."""
     num_v_heads: int
-    """Value heads Hv of the recurrent state."""
+    """Heads Hv of the recurrent state (Mamba-2: its heads H)."""
     head_k_dim: int
-    """Key channels K per head."""
+    """Key channels K per head (Mamba-2: the SSM state size N, B's and C's width)."""
     head_v_dim: int
-    """Value channels V per head."""
+    """Value channels V per head (Mamba-2: the head dim P, x's width)."""
+    kind: str = "gdn"
+    """``"gdn"``: Gated DeltaNet (conv, then ``dspark::gated_delta_rule``); ``"ssd"``: Mamba-2
+    (conv, then ``dspark::ssd``); ``"conv"``: a short causal conv alone (LFM2), whose head
+    fields are 0 (no recurrent state)."""
+    name: str = ""
+    """Where the layer is in the model (for messages)."""
 
 
 @dataclass(frozen=True)

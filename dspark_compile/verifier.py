@@ -109,7 +109,8 @@ class Verifier:
         table = LOWERED.get(lowering, {})
         self._commit_ops = {  # the linear-state commits, in the forward's lowering
             "conv": table.get(OPS.causal_conv1d_commit, OPS.causal_conv1d_commit),
-            "gdn": table.get(OPS.gated_delta_rule_commit, OPS.gated_delta_rule_commit)}
+            "gdn": table.get(OPS.gated_delta_rule_commit, OPS.gated_delta_rule_commit),
+            "ssd": table.get(OPS.ssd_commit, OPS.ssd_commit)}
         self._states: weakref.WeakSet[VerifierState] = weakref.WeakSet()
         """The states this verifier's ``new_state`` made (their pools fit this model only)."""
         self._sessions: weakref.WeakKeyDictionary[VerifierState, VerifySession] = \

@@ -23,7 +23,7 @@ from torch import nn
 
 from .plain import CachedAttention
 from ..specs import AttentionSpec, LinearSpec
-from .hybrid import hybrid_hooks, linear_layers, linear_spec
+from .hybrid import RecurrentLayers, hybrid_hooks
 from .multimodal import MRopeSpec, mrope_spec, vision_hook
 from .scope import active_scope
 
@@ -51,7 +51,8 @@ class ModelAdapter:
     kind: str
     """``"hf"`` or ``"plain"``: how the model was recognised (shown by ``explain``)."""
     linear_specs: list[LinearSpec] = field(default_factory=list)
-    """State shape of each linear-attention (Gated DeltaNet) layer, in layer order."""
+    """State shape of each recurrent layer (Gated DeltaNet, Mamba-2, short conv), in layer
+    order; a Hugging Face model's is filled by the discovery forward (``recurrent.py``)."""
     mrope: MRopeSpec | None = None
     """Multimodal rotary positions (Qwen2-VL, Qwen2.5-VL, Qwen3-VL): positions are
     ``[3, bs, T]`` and ``vision_embeds [bs, T, hidden]`` is one more input; None otherwise."""
@@ -408,7 +409,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
     from transformers.masking_utils import AttentionMaskInterface
 
     config = model.config
-    linear = linear_layers(model)
+    linear = RecurrentLayers(model)
     mrope = mrope_spec(model)
     names = {id(m): name for name, m in model.named_modules()}
 
@@ -423,7 +424,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         else:
             route = _sdpa_route(config)
         try:
-            with route, hybrid_hooks(linear) if linear else contextlib.nullcontext(), \
+            with route, hybrid_hooks(linear), \
                     vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
                     _batched_experts(model):
                 yield
@@ -435,4 +436,4 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         return call(input_ids=ids, position_ids=pos, use_cache=False).logits
 
     return ModelAdapter(model, None, None, forward, hooks, "hf",
-                        [linear_spec(m) for m in linear], mrope, names)
+                        linear.specs, mrope, names)

@@ -32,6 +32,7 @@ from ..graph_inputs import InputKind, InputSpec, fake_input, name_placeholders
 from ..specs import AttentionSpec
 from .adapters import ModelAdapter
 from .guards import describe, locate, needs_locating, token_names
+from .recurrent import check_linear_calls
 from .scope import CaptureScope, open_scope
 
 __all__ = ["CapturedGraph", "capture_dense", "SAMPLE_BS", "SAMPLE_T"]
@@ -200,7 +201,7 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
                 f"the forward made {scope.attention_calls} attention calls while captured but "
                 f"{len(adapter.specs)} when its layers were discovered; the forward must make "
                 "the same calls every time")
-        _check_linear_calls(scope, len(adapter.linear_specs))
+        check_linear_calls(scope, adapter.linear_specs)
         return logits
 
     was_training = model.training
@@ -219,15 +220,6 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     bs, tokens = _token_symbols(gm, mode.shape_env)
     _check_guards(mode.shape_env, bs, tokens, gm)
     return CapturedGraph(gm, specs, bs, tokens)
-
-
-def _check_linear_calls(scope: CaptureScope, num_layers: int) -> None:
-    """Every linear-attention layer made exactly one conv and one gated-delta-rule call."""
-    if any(n != num_layers for n in scope.calls.values()):
-        raise RuntimeError(
-            f"the capture saw {scope.calls} hybrid-layer calls for {num_layers} linear-attention "
-            "layers; each layer must call causal_conv1d_fn and the gated delta rule once per "
-            "forward (a layer that skipped them keeps state dspark_compile cannot own)")
 
 
 def _token_symbols(gm: fx.GraphModule, shape_env: ShapeEnv) -> tuple[sympy.Symbol, sympy.Symbol]:

@@ -1,12 +1,11 @@
-"""Hugging Face hybrid models: route Gated DeltaNet conv and recurrence through the capture scope.
+"""Hugging Face hybrid models: route recurrent mixers' conv and scan calls through the capture.
 
-Qwen3-Next / Qwen3.5 linear-attention layers never pass through the attention interface: they
-call *module-level* functions of their modeling module (``causal_conv1d_fn``,
-``causal_conv1d_update``, ``torch_chunk_gated_delta_rule``, ``torch_recurrent_gated_delta_rule``)
-on every call. Assigning a replacement to those module attributes is seen by the layer on
-transformers 5.17 and 5.24 alike and traces as one node; it is global for the model class, so
-:func:`hybrid_hooks` sets the replacements for the duration of a capture and restores the
-originals after it.
+Gated DeltaNet (Qwen3-Next, Qwen3.5), Mamba-2 (Mamba2, Bamba, Falcon-H1, GraniteMoeHybrid,
+Nemotron-H, Zamba2) and short-conv (LFM2) layers never pass through the attention interface:
+they call *module-level* functions of their modeling module on every call. Assigning a
+replacement to those module attributes is seen by the layer on transformers 5.17 and 5.24 alike
+and traces as one node; it is global for the model class, so :func:`hybrid_hooks` sets the
+replacements for the duration of a capture and restores the originals after it.
 
 With ``use_cache=False`` (how the capture runs the model) a layer calls::
 
@@ -14,115 +13,107 @@ With ``use_cache=False`` (how the capture runs the model) a layer calls::
     torch_chunk_gated_delta_rule(q, k, v, g=, beta=, initial_state=None,
                                  output_final_state=False, use_qk_l2norm_in_kernel=True, **kwargs)
         -> (out [bs, T, Hv, V], None)
+    mamba2_chunk_scan(...)                                   (frontend/mamba.py)
 
-and each replacement emits the dense op over the layer's state pool (``CaptureScope.conv`` /
-``CaptureScope.gated_delta_rule``). Call ``k`` of each kind belongs to linear layer ``k``.
+Which module made a call, and so which state pool it gets, is found from the forward itself
+(``frontend/recurrent.py``): a module is a recurrent layer because of the calls it makes, never
+because of its attribute names. Mamba-1 scans are refused naming the module.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import sys
 from typing import Iterator
 
 from torch import nn
 
-from ..specs import LinearSpec
-from .scope import active_scope
+from . import mamba
+from .recurrent import RecurrentLayers
 
-__all__ = ["linear_layers", "linear_spec", "hybrid_hooks"]
+__all__ = ["RecurrentLayers", "hybrid_hooks"]
 
-_REPLACED = ("causal_conv1d_fn", "causal_conv1d_update", "torch_chunk_gated_delta_rule",
-             "torch_recurrent_gated_delta_rule")
-
-
-_RECURRENT = ("conv1d", "A_log")
-"""What every state-space / linear-attention mixer of transformers has (a causal conv and a
-decay), Gated DeltaNet and Mamba alike."""
-_GATED_DELTA_NET = ("dt_bias", "layer_idx", "conv_dim", "conv_kernel_size", "num_v_heads",
-                    "head_k_dim", "head_v_dim")
-"""What tells a Gated DeltaNet layer apart, and what :func:`linear_spec` reads."""
+_GDN = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
 
 
-def linear_layers(model: nn.Module) -> list[nn.Module]:
-    """Gated DeltaNet layers of ``model`` in layer order. Any other recurrent mixer (a module
-    with a causal conv and ``A_log``: Mamba, Mamba-2, their hybrids) is refused by name: its
-    state would not be owned."""
-    found = []
-    for name, m in model.named_modules():
-        if not all(hasattr(m, a) for a in _RECURRENT):
-            continue
-        missing = [a for a in _GATED_DELTA_NET if not hasattr(m, a)]
-        if missing:
-            raise NotImplementedError(
-                f"{type(m).__name__} {name!r} is a recurrent (state-space) mixer with conv1d "
-                f"and A_log but not a Gated DeltaNet layer (it lacks {', '.join(missing)}); "
-                "dspark_compile owns the state of Gated DeltaNet layers only, so the model is "
-                "refused (Mamba and Mamba-2 mixers are not supported)")
-        found.append(m)
-    return sorted(found, key=lambda m: m.layer_idx)
-
-
-def linear_spec(layer: nn.Module) -> LinearSpec:
-    """State shape of one Gated DeltaNet layer."""
-    return LinearSpec(conv_dim=layer.conv_dim, conv_width=layer.conv_kernel_size,
-                      num_v_heads=layer.num_v_heads, head_k_dim=layer.head_k_dim,
-                      head_v_dim=layer.head_v_dim)
-
-
-def _scope(name: str):
-    scope = active_scope()
-    if scope is None:
-        raise RuntimeError(
-            f"{name} was replaced by dspark_compile and runs only inside a capture; the "
-            "original is restored when the capture ends")
-    return scope
-
-
-def _conv(x, weight, bias=None, activation=None, **kwargs):
+def _conv(layers: RecurrentLayers, x, weight, bias=None, activation=None, **kwargs):
     """Replacement of ``causal_conv1d_fn``: x ``[bs, dim, T]`` -> ``[bs, dim, T]``."""
-    return _scope("causal_conv1d_fn").conv(x, weight, bias, activation or "none")
+    site = layers.site("causal_conv1d_fn")
+    if site.discovering:
+        layers.record(site, "conv", (int(weight.shape[0]), int(weight.shape[-1])))
+        return x.new_zeros(x.shape)
+    return site.scope.conv(site.layer, x, weight, bias, activation or "none")
 
 
-def _conv_update(*args, **kwargs):
+def _conv_update(layers: RecurrentLayers, *args, **kwargs):
     """``causal_conv1d_update`` runs only with a cache; the capture runs with
     ``use_cache=False``."""
+    site = layers.site("causal_conv1d_update")
     raise RuntimeError(
-        "causal_conv1d_update was called during a dspark_compile capture; the capture runs the "
-        "model with use_cache=False, so a layer that still calls it keeps its own cache. Make "
-        "the layer call causal_conv1d_fn when no cache is passed")
+        f"{site.where} was called during a dspark_compile capture; the capture runs the model "
+        "with use_cache=False, so a layer that still calls it keeps its own cache. Make the "
+        "layer call causal_conv1d_fn when no cache is passed")
 
 
-def _gated_delta_rule(query, key, value, g, beta, chunk_size=64, initial_state=None,
-                      output_final_state=False, use_qk_l2norm_in_kernel=False, **kwargs):
+def _gated_delta_rule(layers: RecurrentLayers, query, key, value, g, beta, chunk_size=64,
+                      initial_state=None, output_final_state=False,
+                      use_qk_l2norm_in_kernel=False, **kwargs):
     """Replacement of ``torch_{chunk,recurrent}_gated_delta_rule``: ``(out, None)``."""
-    scope = _scope("torch_chunk_gated_delta_rule")
+    site = layers.site("torch_chunk_gated_delta_rule")
     if initial_state is not None or output_final_state:
         raise RuntimeError(
-            "the gated delta rule was called with initial_state/output_final_state during a "
+            f"{site.where} was called with initial_state/output_final_state during a "
             "dspark_compile capture; the capture owns the recurrent state (use_cache=False)")
+    if site.discovering:
+        layers.record(site, "gdn", (int(value.shape[2]), int(key.shape[3]),
+                                    int(value.shape[3])))
+        return value.new_zeros(value.shape), None
     scale = kwargs.get("scale") or query.shape[-1] ** -0.5  # HF's default: 1/sqrt(K)
-    out = scope.gated_delta_rule(query, key, value, g, beta, scale, use_qk_l2norm_in_kernel)
+    out = site.scope.gated_delta_rule(site.layer, query, key, value, g, beta, scale,
+                                      use_qk_l2norm_in_kernel)
     return out, None
 
 
+_REPLACEMENTS = {
+    "causal_conv1d_fn": _conv,
+    "causal_conv1d_update": _conv_update,
+    **{name: _gated_delta_rule for name in _GDN},
+    "mamba2_chunk_scan": mamba.chunk_scan,
+    "mamba2_selective_state_update": mamba.selective_state_update,
+    **{name: mamba.refuse_mamba1(name) for name in mamba.REFUSED},
+}
+"""Modeling-module function name -> its replacement (given the model's RecurrentLayers)."""
+
+
+def _modeling_modules(model: nn.Module) -> list:
+    """The modules (Python) that define ``model``'s module classes and a replaced function."""
+    found = {}
+    for m in model.modules():
+        module = sys.modules.get(type(m).__module__)
+        if module is not None and any(hasattr(module, n) for n in _REPLACEMENTS):
+            found[module.__name__] = module
+    return list(found.values())
+
+
 @contextlib.contextmanager
-def hybrid_hooks(layers: list[nn.Module]) -> Iterator[None]:
-    """Replace the hybrid functions of every modeling module ``layers`` come from; restore after."""
-    modules = {sys.modules[type(m).__module__] for m in layers}
-    replacements = dict(zip(_REPLACED, (_conv, _conv_update, _gated_delta_rule,
-                                        _gated_delta_rule)))
+def hybrid_hooks(layers: RecurrentLayers) -> Iterator[None]:
+    """Replace the recurrent functions of every modeling module of ``layers.model`` and track
+    which module is running; restore everything after. A model whose modeling modules define
+    none of the functions is left untouched."""
+    modules = _modeling_modules(layers.model)
+    if not modules:
+        yield
+        return
     saved = []
     try:
         for module in modules:
-            for name, fn in replacements.items():
-                if not hasattr(module, name):
-                    raise TypeError(
-                        f"{module.__name__} has no {name}; dspark_compile routes Gated DeltaNet "
-                        f"layers through {_REPLACED} and cannot capture this modeling module")
-                saved.append((module, name, getattr(module, name)))
-                setattr(module, name, fn)
-        yield
+            for name, fn in _REPLACEMENTS.items():
+                if hasattr(module, name):
+                    saved.append((module, name, getattr(module, name)))
+                    setattr(module, name, functools.partial(fn, layers))
+        with layers.tracking():
+            yield
     finally:
         for module, name, fn in reversed(saved):
             setattr(module, name, fn)

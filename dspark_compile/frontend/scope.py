@@ -36,18 +36,19 @@ class CaptureScope:
     slots: torch.Tensor | None = None
     """int32 ``[bs]``: state-pool row of each dense request (hybrid models only)."""
     conv_states: list[torch.Tensor] = field(default_factory=list)
-    """Per linear-attention layer, in call order: conv pool ``[S, dim, W-1]``."""
+    """Per linear layer (GDN, Mamba-2 or short conv): conv pool ``[S, dim, W-1]``."""
     recurrent_states: list[torch.Tensor] = field(default_factory=list)
-    """Per linear-attention layer, in call order: recurrent pool ``[S, Hv, K, V]`` float32."""
+    """Per linear layer: recurrent pool ``[S, Hv, K, V]`` float32 (Mamba-2: ``[S, H, N, P]``;
+    a short-conv layer's is empty)."""
     vision_embeds: torch.Tensor | None = None
     """``[bs, T, hidden]``: vision-tower rows merged into the input embeddings at image/video
     tokens (mRoPE models only)."""
     deepstack_embeds: torch.Tensor | None = None
     """``[layers, bs, T, hidden]``: DeepStack rows added to the first text decoder layers'
     outputs (Qwen3-VL with DeepStack only)."""
-    calls: dict[str, int] = field(default_factory=lambda: {"conv": 0, "gdn": 0})
-    """Hybrid-layer calls seen so far, by kind: call ``k`` of a kind belongs to linear layer
-    ``k`` (the layers run in order and each makes one call of each kind)."""
+    linear_calls: list[tuple[int, str]] = field(default_factory=list)
+    """Hybrid-layer calls made so far in this forward: ``(linear layer, "conv" | "gdn" |
+    "ssd")`` (``frontend/hybrid.py`` attributes each call to its layer and checks them)."""
 
     site_names: dict[int, str] = field(default_factory=dict)
     """``id(module)`` -> the module's qualified name in the model (for messages)."""
@@ -109,30 +110,31 @@ class CaptureScope:
             q, k, v, k_cache, v_cache, self.block_table, self.context_lens, float(scale),
             *extra)
 
-    def _linear_layer(self, kind: str, pools: list) -> int:
-        index = self.calls[kind]
-        if index >= len(pools):
-            raise RuntimeError(
-                f"linear-attention {kind} call #{index} during capture, but the model has only "
-                f"{len(pools)} linear-attention layers with state pools; every linear layer "
-                "must make exactly one conv and one gated-delta-rule call per forward")
-        self.calls[kind] = index + 1
-        return index
+    def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor,
+             bias: torch.Tensor | None, activation: str) -> torch.Tensor:
+        """Dense causal conv1d of linear layer ``layer``: x ``[bs, dim, T]`` -> same shape."""
+        self.linear_calls.append((layer, "conv"))
+        return torch.ops.dspark.dense_causal_conv1d(x, weight, bias, self.conv_states[layer],
+                                                     self.slots, activation)
 
-    def conv(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
-             activation: str) -> torch.Tensor:
-        """Dense causal conv1d of the next linear layer: x ``[bs, dim, T]`` -> same shape."""
-        pool = self.conv_states[self._linear_layer("conv", self.conv_states)]
-        return torch.ops.dspark.dense_causal_conv1d(x, weight, bias, pool, self.slots,
-                                                     activation)
-
-    def gated_delta_rule(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    def gated_delta_rule(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          g: torch.Tensor, beta: torch.Tensor, scale: float,
                          use_qk_l2norm: bool) -> torch.Tensor:
-        """Dense gated delta rule of the next linear layer: ``[bs, T, Hv, V]``."""
-        pool = self.recurrent_states[self._linear_layer("gdn", self.recurrent_states)]
-        return torch.ops.dspark.dense_gated_delta_rule(q, k, v, g, beta, pool, self.slots,
-                                                        float(scale), bool(use_qk_l2norm))
+        """Dense gated delta rule of linear layer ``layer``: ``[bs, T, Hv, V]``."""
+        self.linear_calls.append((layer, "gdn"))
+        return torch.ops.dspark.dense_gated_delta_rule(
+            q, k, v, g, beta, self.recurrent_states[layer], self.slots, float(scale),
+            bool(use_qk_l2norm))
+
+    def ssd(self, layer: int, x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor,
+            B: torch.Tensor, C: torch.Tensor, D: torch.Tensor | None,
+            dt_bias: torch.Tensor | None, dt_softplus: bool, dt_min: float,
+            dt_max: float) -> torch.Tensor:
+        """Dense Mamba-2 scan of linear layer ``layer``: ``[bs, T, H, P]`` float32."""
+        self.linear_calls.append((layer, "ssd"))
+        return torch.ops.dspark.dense_ssd(x, dt, A, B, C, D, dt_bias,
+                                          self.recurrent_states[layer], self.slots,
+                                          bool(dt_softplus), float(dt_min), float(dt_max))
 
 
 _ACTIVE: contextvars.ContextVar[CaptureScope | None] = contextvars.ContextVar(

@@ -1,14 +1,17 @@
-"""State of linear-attention (Gated DeltaNet) layers: slot pools and replay rings.
+"""State of linear layers (Gated DeltaNet, Mamba-2, short conv): slot pools and replay rings.
 
 Per linear layer ``i``::
 
     conv_states[i]       [max_requests, conv_dim, W-1]   model dtype   last W-1 committed inputs
     recurrent_states[i]  [max_requests, Hv, K, V]        float32       committed recurrent state
-    rings["conv_ring_i"], rings["gdn_ring_{k,v,g,beta}_i"]   [max_step_tokens, ...]
+                         (Mamba-2: [max_requests, H, N, P]; a short-conv layer's is empty)
+    rings["conv_ring_i"], and rings["gdn_ring_{k,v,g,beta}_i"] (GDN) or
+    rings["ssd_ring_{x,b,da}_i"] (Mamba-2)              [max_step_tokens, ...]
 
-The forward ops (``dspark::causal_conv1d``, ``dspark::gated_delta_rule``) only *read* the pools
-and save each packed row's inputs in the rings; :meth:`LinearPools.replay_accepted` replays each
-request's accepted prefix onto its slot. A new request starts from zeros (:meth:`release`).
+The forward ops (``dspark::causal_conv1d``, ``dspark::gated_delta_rule``, ``dspark::ssd``) only
+*read* the pools and save each packed row's inputs in the rings; :meth:`LinearPools.
+replay_accepted` replays each request's accepted prefix onto its slot. A new request starts from
+zeros (:meth:`release`).
 """
 
 from __future__ import annotations
@@ -60,13 +63,15 @@ class LinearPools:
                accept_lens: torch.Tensor) -> None:
         """Replay each request's first ``accept_lens[i]`` ring rows onto its slot (in place).
 
-        ``ops`` maps ``"conv"`` / ``"gdn"`` to the commit op of the verifier's lowering; the
-        layout tensors are on the pools' device.
+        ``ops`` maps ``"conv"`` / ``"gdn"`` / ``"ssd"`` to the commit op of the verifier's
+        lowering; the layout tensors are on the pools' device. A layer's rings say its kind.
         """
         for i, (conv, rec) in enumerate(zip(self.conv_states, self.recurrent_states)):
             ops["conv"](conv, self.rings[f"conv_ring_{i}"], query_start_loc, slots, accept_lens)
-            rings = [self.rings[f"gdn_ring_{r}_{i}"] for r in ("k", "v", "g", "beta")]
-            ops["gdn"](rec, *rings, query_start_loc, slots, accept_lens)
+            for kind, names in (("gdn", ("k", "v", "g", "beta")), ("ssd", ("x", "b", "da"))):
+                if f"{kind}_ring_{names[0]}_{i}" in self.rings:
+                    rings = [self.rings[f"{kind}_ring_{r}_{i}"] for r in names]
+                    ops[kind](rec, *rings, query_start_loc, slots, accept_lens)
 
     def release(self, slots: torch.Tensor) -> None:
         """Zero the state of ``slots``: a new request in them starts from nothing."""

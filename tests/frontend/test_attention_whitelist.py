@@ -135,10 +135,12 @@ def test_qwen2_moe_builds_a_window_mask_no_layer_uses():
 def test_alibi_and_state_space_mixers_are_refused_by_name():
     with pytest.raises(NotImplementedError, match="alibi=True adds an ALiBi position bias"):
         dspark_compile(_model(T.FalconConfig, T.FalconForCausalLM, alibi=True))
-    with pytest.raises(NotImplementedError, match=r"BambaMixer 'model.layers.0.mamba' is a "
-                       r"recurrent \(state-space\) mixer"):
-        dspark_compile(_model(T.BambaConfig, T.BambaForCausalLM, mamba_n_heads=4, mamba_d_head=16,
-                              mamba_n_groups=1, mamba_d_state=16))
+    with pytest.raises(NotImplementedError, match=r"JambaMambaMixer 'model.layers.0.mamba' "
+                       r"\(mamba_selective_scan\): a Mamba-1 selective scan"):
+        dspark_compile(_model(T.JambaConfig, T.JambaForCausalLM, num_experts=4,
+                              num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
+                              expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
+                              mamba_dt_rank=8))
 
 
 def test_a_model_with_no_attention_calls_is_refused():

@@ -1,0 +1,128 @@
+"""Mamba-2 hybrids (and LFM2's short conv) against HF transformers' own forward.
+
+Each family's mixers are recognised from the calls their forward makes (``causal_conv1d_fn``
+and ``mamba2_chunk_scan``) and compiled to ``dspark::causal_conv1d`` + ``dspark::ssd``. Every
+ragged logit row equals HF's forward (``use_cache=False``) over that request's prompt +
+committed + new tokens alone, over a prefill and three verify/commit rounds with random lengths
+and accepted prefixes (float32, CPU, reference ops). HF scans in chunks of 4, the op token by
+token, so rows agree to float32 rounding (max errors 6e-8 to 6e-7 at 71e5b1b), not bitwise.
+Containment: a NaN token at rejected draft positions leaves the accepted outputs and the
+committed conv and SSM state bit-identical to a clean run. Mamba-1 (Jamba) and mixers that
+run their conv themselves are refused naming the module.
+"""
+
+import random
+import types
+
+import pytest
+import torch
+
+from dspark_compile import VerifyLayout, dspark_compile
+from helpers import Session
+from ssm_models import FAMILIES, VOCAB, tiny_ssm
+
+TOL = 1e-4
+POISON = VOCAB - 1  # a token id whose embedding row is NaN in the containment test
+_compiled: dict = {}
+
+
+def compiled(family: str):
+    if family not in _compiled:
+        model = tiny_ssm(family)
+        _compiled[family] = model, dspark_compile(model)
+    return _compiled[family]
+
+
+@pytest.mark.parametrize("family", [*FAMILIES, "lfm2"])
+def test_ragged_equals_hf_forward(family):
+    model, verifier = compiled(family)
+    done = {r.name: r.changed for r in verifier.results}
+    mixers = len(verifier.adapter.linear_specs)
+    assert mixers >= 1 and done["ragged_conv"] == mixers
+    assert done["ragged_ssd"] == (0 if family == "lfm2" else mixers)
+    ops = {str(n.target) for n in verifier.graph_module.graph.nodes if n.op == "call_function"}
+    assert not any("dense_" in op for op in ops), ops
+    session = Session(model, verifier, [2, 0], seed=1)
+    session.vocab = POISON
+    session.step([5, 7], accept=[5, 7])
+    rng = random.Random(1)
+    for _ in range(3):
+        session.step([rng.randint(1, 6), rng.randint(1, 6)])
+    assert session.max_err < TOL, f"{family}: max |ragged - HF| = {session.max_err}"
+
+
+def _linear_state(state):
+    return [t.clone() for t in (*state.linear.conv_states, *state.linear.recurrent_states)]
+
+
+def _step(verifier, state, tokens, context, slots):
+    layout = VerifyLayout.pack([t.numel() for t in tokens], context, slots)
+    return verifier(torch.cat(tokens), layout, state), layout
+
+
+def test_nan_draft_cannot_reach_accepted_rows_or_state():
+    """Rejected drafts hold a token with a NaN embedding: nothing accepted changes, bitwise,
+    through the eager commit and the static-buffer commit of a captured session alike."""
+    model, verifier = compiled("nemotron_h")
+    gen = torch.Generator().manual_seed(2)
+    slots, prompts = [3, 1], [6, 4]
+    states = [verifier.new_state(max_requests=4, max_context=64) for _ in range(2)]
+    verifier.capture(states[1], block=8, use_graphs=False)
+    embed = model.get_input_embeddings().weight
+    with torch.no_grad():
+        saved = embed[POISON].clone()
+        embed[POISON] = float("nan")
+    try:
+        prompt = [torch.randint(0, POISON, (n,), generator=gen) for n in prompts]
+        for state in states:
+            _, layout = _step(verifier, state, prompt, [0, 0], slots)
+            verifier.commit(layout, prompts, state)
+        ctx, rng = list(prompts), random.Random(2)
+        for _ in range(3):
+            lens = [rng.randint(2, 7) for _ in slots]
+            accept = [rng.randint(1, n - 1) for n in lens]  # always something rejected
+            clean = [torch.randint(0, POISON, (n,), generator=gen) for n in lens]
+            poisoned = [torch.cat([c[:a], torch.full((n - a,), POISON)])
+                        for c, a, n in zip(clean, accept, lens)]
+            outs = []
+            for state, tokens in zip(states, (clean, poisoned)):
+                logits, layout = _step(verifier, state, tokens, ctx, slots)
+                verifier.commit(layout, accept, state)
+                outs.append(logits.clone())
+            qsl = layout.query_start_loc.tolist()
+            for i, a in enumerate(accept):
+                rows = slice(qsl[i], qsl[i] + a)
+                assert torch.isfinite(outs[0][rows]).all()
+                assert torch.equal(outs[0][rows], outs[1][rows]), f"request {i}"
+            assert not torch.isfinite(outs[1]).all(), "the poison token must produce NaN"
+            for a, b in zip(_linear_state(states[0]), _linear_state(states[1])):
+                assert torch.equal(a, b)
+            ctx = [c + a for c, a in zip(ctx, accept)]
+    finally:
+        with torch.no_grad():
+            embed[POISON] = saved
+
+
+def test_jamba_mamba1_mixer_is_refused_by_name():
+    with pytest.raises(NotImplementedError,
+                       match=r"JambaMambaMixer 'model.layers.0.mamba' \(mamba_selective_scan\): "
+                             r"a Mamba-1 selective scan"):
+        dspark_compile(tiny_ssm("jamba"))
+
+
+def test_a_mixer_running_its_own_conv_is_refused_by_name():
+    """A short-conv mixer rewritten to call its ``nn.Conv1d`` over the tokens itself (what a
+    mixer written without HF's functions does) is refused before any graph exists."""
+    model = tiny_ssm("lfm2")
+    mixer = model.model.layers[0].conv
+
+    def forward(self, hidden_states, **kwargs):
+        b, c, x = self.in_proj(hidden_states).transpose(-1, -2).chunk(3, dim=-2)
+        y = self.conv(b * x)[..., :hidden_states.shape[1]]
+        return self.out_proj((c * y).transpose(-1, -2))
+
+    mixer.forward = types.MethodType(forward, mixer)
+    with pytest.raises(NotImplementedError,
+                       match=r"Lfm2ShortConv 'model.layers.0.conv' runs a causal depthwise "
+                             r"nn.Conv1d \(Conv1d 'model.layers.0.conv.conv'\)"):
+        dspark_compile(model)
