@@ -1,4 +1,4 @@
-"""Command line: ``python -m dspark_compile demo``."""
+"""Command line: ``python -m dspark_compile demo | profile-sps | zoo``."""
 
 from __future__ import annotations
 
@@ -19,9 +19,18 @@ def main(argv: list[str] | None = None) -> int:
     prof.add_argument("--context", type=int, default=256)
     prof.add_argument("--iters", type=int, default=20)
     prof.add_argument("--out", default="sps.json", help="table path; the PNG goes beside it")
+    zoo = sub.add_parser("zoo", help="check every HF *ForCausalLM, tiny and random, against "
+                         "its own forward: exact, refused, wrong or error")
+    from .zoo import add_arguments
+
+    add_arguments(zoo)
     args = parser.parse_args(argv)
     if args.command == "profile-sps":
         return _profile(args)
+    if args.command == "zoo":
+        from .zoo import main as zoo_main
+
+        return zoo_main(args)
     if args.command == "demo":
         from .demo import run_demo, run_engine_demo
 

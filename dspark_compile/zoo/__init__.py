@@ -1,0 +1,130 @@
+"""The model zoo: every causal LM of the installed transformers, tiny and random, checked
+against its own HF forward (``python -m dspark_compile zoo``).
+
+* :mod:`.tiny`: a tiny config for any model type, by rules on field names.
+* :mod:`.check`: one architecture: build, compile, prefill + three ragged verify/commit
+  rounds, compare every verified row with HF; exact / refused / wrong / error / skipped.
+* :mod:`.runner`: checks in parallel processes with a time limit each.
+* :mod:`.report`: the terminal table, JSON, ``docs/models.md`` and the README's list.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+
+from .check import STATUSES, TOLERANCE, Entry, Result, check, entries
+from .tiny import TinyConfig, tiny_config
+
+__all__ = ["STATUSES", "TOLERANCE", "Entry", "Result", "TinyConfig", "check", "entries",
+           "tiny_config", "select", "add_arguments", "main"]
+
+
+def select(names: list[str] | None) -> list[Entry]:
+    """The entries named (model type, ``type+variant`` or class name, any case); a model type
+    brings its variants. All entries when ``names`` is empty; an unknown name raises
+    ``ValueError`` listing the close ones."""
+    every = entries()
+    if not names:
+        return every
+    chosen, unknown = [], []
+    for name in names:
+        key = name.lower()
+        hits = [e for e in every if key in (e.name.lower(), e.model_type.lower(),
+                                            e.architecture.lower())]
+        if not hits:
+            unknown.append(name)
+        chosen += [e for e in hits if e not in chosen]
+    if unknown:
+        import difflib
+
+        close = {n: difflib.get_close_matches(n.lower(), [e.name for e in every], n=3)
+                 for n in unknown}
+        raise ValueError("no such architecture in this transformers: " + "; ".join(
+            f"{n} (close: {', '.join(c) or 'none'})" for n, c in close.items()))
+    return chosen
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """The ``zoo`` subcommand's options."""
+    parser.add_argument("--only", nargs="+", metavar="NAME",
+                        help="model types or class names (default: every *ForCausalLM)")
+    parser.add_argument("--out", default="zoo.json", help="JSON report (default: zoo.json)")
+    parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
+                        help="checks in parallel, one process each (default: the CPU count)")
+    parser.add_argument("--timeout", type=float, default=300.0,
+                        help="seconds one architecture may take (default 300)")
+    parser.add_argument("--markdown", nargs="?", const="docs/models.md", metavar="FILE",
+                        help="also write the Markdown table (default FILE: docs/models.md)")
+    parser.add_argument("--update-readme", nargs="?", const="README.md", metavar="FILE",
+                        help="rewrite the supported-models list between the zoo markers of "
+                        "FILE (default README.md)")
+    parser.add_argument("--from", dest="from_json", metavar="JSON",
+                        help="write --markdown / --update-readme from a saved report, no run")
+    parser.add_argument("--list", action="store_true", help="print the entries and exit")
+
+
+def main(args: argparse.Namespace) -> int:
+    """Run the zoo; exit status 1 when any architecture is ``wrong`` or ``error``."""
+    from . import report as rep
+
+    if args.list:
+        for entry in select(args.only):
+            print(f"{entry.name:32} {entry.architecture}")
+        return 0
+    if args.from_json:
+        result = rep.load(args.from_json)
+    else:
+        result = _run(args, rep)
+    if args.markdown:
+        os.makedirs(os.path.dirname(os.path.abspath(args.markdown)), exist_ok=True)
+        with open(args.markdown, "w", encoding="utf-8") as f:
+            f.write(rep.markdown(result))
+        print(f"wrote {args.markdown}")
+    if args.update_readme:
+        link = os.path.relpath(os.path.abspath(args.markdown or "docs/models.md"),
+                               os.path.dirname(os.path.abspath(args.update_readme)))
+        rep.update_readme(args.update_readme, result, link)
+        print(f"updated {args.update_readme}")
+    bad = rep.counts(result["rows"])
+    return 1 if bad["wrong"] or bad["error"] else 0
+
+
+def _run(args, rep) -> dict:
+    from .runner import run_checks
+
+    selected = select(args.only)
+    start = time.perf_counter()
+    try:
+        from tqdm import tqdm
+    except ImportError:  # progress is optional
+        tqdm = None
+    bar = tqdm(total=len(selected), unit="arch", file=sys.stderr, disable=None) \
+        if tqdm else None  # disable=None: no bar when stderr is not a terminal
+    write = bar.write if bar and not bar.disable else print
+
+    def show(r: Result) -> None:
+        err = "" if r.max_error is None else f"{r.max_error:.1e}"
+        write(f"{r.name:32} {r.status:8} {err:9} {r.seconds:6.1f}s  "
+              f"{' '.join(r.reason.split())[:160]}")
+        if bar:
+            bar.update(1)
+        sys.stdout.flush()
+
+    results = run_checks(selected, jobs=args.jobs, timeout=args.timeout, on_result=show)
+    if bar:
+        bar.close()
+    report = {"environment": rep.environment(), "jobs": args.jobs, "timeout": args.timeout,
+              "only": args.only or [], "wall_seconds": round(time.perf_counter() - start, 1),
+              "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+              "rows": [r.to_json() for r in results]}
+    print()
+    print(rep.table(report["rows"]))
+    c = rep.counts(report["rows"])
+    print(f"\n{', '.join(f'{c[s]} {s}' for s in STATUSES)} of {len(results)} "
+          f"in {report['wall_seconds']:.0f} s ({args.jobs} jobs)")
+    rep.save(args.out, report)
+    print(f"wrote {args.out}")
+    return report

@@ -1,0 +1,313 @@
+"""Check one architecture: its tiny random model, compiled, against HF's own forward.
+
+A prefill of three prompts, then three verify/commit rounds with different draft lengths per
+request and a different accepted prefix each; every verified row of every round is compared
+with HF's forward over that request's committed + drafted tokens alone (no KV cache, eager
+attention). The outcome is one of :data:`STATUSES`.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+import traceback
+from dataclasses import asdict, dataclass, field
+from typing import Callable
+
+import torch
+
+from .tiny import _TOKEN_ID, _walk, tiny_config
+
+__all__ = ["STATUSES", "TOLERANCE", "Entry", "entries", "check", "classify"]
+
+STATUSES = ("exact", "refused", "wrong", "error", "skipped")
+"""``exact``: every row within :data:`TOLERANCE`; ``refused``: the library raised its refusal
+(a message naming what is unsupported); ``wrong``: it ran and a row is off (the worst outcome);
+``error``: any other exception, a hang or a crash (a bug to fix); ``skipped``: the zoo could not
+build or run the HF model itself (the reason says which step)."""
+
+TOLERANCE = 1e-5
+"""Largest |ragged - HF| of an exact architecture (float32, CPU, reference lowering)."""
+
+SLOTS = (2, 0, 1)
+PROMPTS = (10, 7, 12)
+ROUNDS = (((3, 1, 4), (2, 1, 3)),   # (draft lengths, accepted prefix) per request
+          ((2, 4, 1), (1, 4, 1)),
+          ((4, 2, 3), (4, 1, 2)))
+"""Request geometry: prompts ~10 tokens, then three rounds; every sequence ends past the tiny
+sliding window (8)."""
+
+_REFUSALS = (NotImplementedError, TypeError, ValueError)
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_ZOO = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One row of the zoo: a model type, its causal-LM class and the config fields a variant
+    sets on top of the tiny rules."""
+
+    model_type: str
+    architecture: str
+    variant: str = ""
+    overrides: tuple = ()
+
+    @property
+    def name(self) -> str:
+        return f"{self.model_type}+{self.variant}" if self.variant else self.model_type
+
+
+def entries() -> list[Entry]:
+    """Every ``*ForCausalLM`` model type of the installed transformers
+    (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), plus a ``+window`` variant of each config class
+    that has a ``use_sliding_window`` switch defaulting to off (Qwen2's family: its window is
+    exercised only when switched on)."""
+    import dataclasses
+
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    out = []
+    for model_type, arch in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+        out.append(Entry(model_type, arch))
+        if model_type not in CONFIG_MAPPING_NAMES:
+            continue
+        try:
+            from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+            fields = {f.name: f for f in dataclasses.fields(CONFIG_MAPPING[model_type])}
+        except Exception:  # noqa: BLE001 - not a dataclass config or import fails: no variant
+            continue
+        switch = fields.get("use_sliding_window")
+        if switch is not None and switch.default is False and "sliding_window" in fields:
+            out.append(Entry(model_type, arch, "window",
+                             (("use_sliding_window", True), ("sliding_window", 8))))
+    return out
+
+
+@dataclass
+class Result:
+    """One architecture's outcome (a row of the zoo's table and JSON)."""
+
+    name: str
+    model_type: str
+    architecture: str
+    status: str
+    reason: str = ""
+    max_error: float | None = None
+    flipped: float | None = None
+    """Fraction of verified rows whose greedy token differs from HF's (``wrong`` rows)."""
+    rows: int = 0
+    """Verified rows compared."""
+    layers: int | None = None
+    layer_kinds: str = ""
+    """``covered/kinds``: layer kinds of the default config the tiny one has."""
+    reference: str = ""
+    """HF attention implementation of the reference forward."""
+    message: str = ""
+    """The whole exception text (refused / error rows)."""
+    where: str = ""
+    """Where the exception was raised: the innermost frame, and the innermost dspark_compile
+    frame when that differs."""
+    seconds: float = 0.0
+    phase: str = ""
+    """The step that ended the check: config, model, reference, compile, verify, done."""
+    config: dict = field(default_factory=dict)
+    """Fields the tiny rules rewrote: ``{field: [default, tiny]}``."""
+
+    def to_json(self) -> dict:
+        return asdict(self)
+
+
+def _enter(result: Result, phase: Callable[[str], None], step: str) -> None:
+    result.phase = step
+    phase(step)
+
+
+def _first_line(text: str) -> str:
+    """The message's first line, with the next one when it ends in a colon (a validation
+    error whose cause follows)."""
+    lines = [ln.strip() for ln in text.splitlines() if ln.strip()]
+    if len(lines) > 1 and lines[0].endswith(":"):
+        return f"{lines[0]} {lines[1]}"
+    return lines[0] if lines else ""
+
+
+def _frames(err: BaseException) -> tuple[str, str]:
+    """``(innermost frame, innermost dspark_compile frame)`` as ``path:line``."""
+    frames = traceback.extract_tb(err.__traceback__)
+
+    def short(f):
+        path = f.filename
+        for marker in ("site-packages" + os.sep, _PACKAGE):
+            if marker in path:
+                path = path.split(marker, 1)[1] if marker != _PACKAGE else \
+                    "dspark_compile/" + path.split(marker, 1)[1]
+        return f"{path}:{f.lineno}"
+    inner = short(frames[-1]) if frames else ""
+    ours = next((short(f) for f in reversed(frames)
+                 if f.filename.startswith(_PACKAGE) and not f.filename.startswith(_ZOO)), "")
+    return inner, ours
+
+
+def classify(err: BaseException) -> tuple[str, str, str]:
+    """``(status, reason, where)`` of an exception raised by ``dspark_compile``, ``new_state``,
+    a verify or a commit. ``refused``: a :class:`~dspark_compile.RefusedOp`, or a
+    NotImplementedError / TypeError / ValueError raised by the library's own code (not one that
+    escaped from torch or transformers through it); everything else is ``error``."""
+    from ..passes import RefusedOp
+
+    inner, ours = _frames(err)
+    where = inner if not ours or ours == inner else f"{inner} (via {ours})"
+    message = _first_line(str(err)) or type(err).__name__
+    own = bool(inner) and inner.startswith("dspark_compile/") and \
+        not inner.startswith("dspark_compile/zoo/")
+    if isinstance(err, RefusedOp) or (isinstance(err, _REFUSALS) and own):
+        return "refused", message, where
+    return "error", f"{type(err).__name__}: {message}", where
+
+
+def _special_ids(config) -> set[int]:
+    ids = set()
+    for _, key, value in _walk(config.to_dict()):
+        if _TOKEN_ID.search(key):
+            for x in value if isinstance(value, list) else [value]:
+                if isinstance(x, int) and not isinstance(x, bool):
+                    ids.add(x)
+    return ids
+
+
+def _hf_logits(model, seq: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=seq[None], use_cache=False).logits[0].float()
+
+
+def _reference_model(model_cls, config, impl: str, seed: int, result: Result, phase):
+    """The tiny model (seeded, float32, eval) with HF attention ``impl``, and the token ids the
+    check may draw (the vocabulary without special tokens); its forward must give finite
+    logits for every position."""
+    _enter(result, phase, "model")
+    torch.manual_seed(seed)
+    model = model_cls._from_config(config, attn_implementation=impl,
+                                   dtype=torch.float32).eval()
+    vocab = model.get_input_embeddings().num_embeddings
+    allowed = torch.tensor(sorted(set(range(vocab)) - _special_ids(config)))
+    probe = allowed[torch.randint(0, allowed.numel(), (20,),
+                                  generator=torch.Generator().manual_seed(seed))]
+    _enter(result, phase, "reference")
+    logits = _hf_logits(model, probe)
+    if logits.shape[0] != probe.numel() or not torch.isfinite(logits).all():
+        raise ValueError(f"HF logits {tuple(logits.shape)} for {probe.numel()} tokens, finite: "
+                         f"{bool(torch.isfinite(logits).all())}")
+    return model, allowed
+
+
+def check(entry: Entry, phase: Callable[[str], None] = lambda _: None,
+          seed: int = 0) -> Result:
+    """Build, compile and verify ``entry``; never raises (the outcome is the result)."""
+    start = time.perf_counter()
+    result = Result(entry.name, entry.model_type, entry.architecture, "skipped")
+    try:
+        _run(entry, result, phase, seed)
+    except _Stop:
+        pass
+    result.seconds = round(time.perf_counter() - start, 2)
+    return result
+
+
+class _Stop(Exception):
+    pass
+
+
+def _skip(result: Result, step: str, err: BaseException):
+    result.status = "skipped"
+    result.phase = step
+    inner, _ = _frames(err)
+    result.reason = f"{step}: {type(err).__name__}: {_first_line(str(err)) or repr(err)}"
+    result.message = str(err)[:4000]
+    result.where = inner
+    raise _Stop
+
+
+def _fail(result: Result, step: str, err: BaseException):
+    result.status, result.reason, result.where = classify(err)
+    result.phase = step
+    result.message = str(err)[:4000]
+    raise _Stop
+
+
+def _run(entry: Entry, result: Result, phase, seed: int) -> None:
+    import transformers
+
+    from ..layout import VerifyLayout
+    from ..verifier import dspark_compile
+
+    _enter(result, phase, "config")
+    try:
+        model_cls = getattr(transformers, entry.architecture)
+        tiny = tiny_config(entry.model_type, model_cls, dict(entry.overrides))
+    except Exception as err:  # noqa: BLE001 - every failure is a row
+        _skip(result, "config", err)
+    result.config = {k: [a, b] for k, (a, b) in tiny.changed.items()}
+    text = tiny.config.get_text_config()
+    result.layers = getattr(text, "num_hidden_layers", None) or tiny.layers
+    result.layer_kinds = f"{tiny.covered}/{tiny.kinds}"
+
+    failures = []
+    for impl in ("eager", "sdpa"):  # sdpa only where HF's own eager path fails
+        try:
+            model, allowed = _reference_model(model_cls, tiny.config, impl, seed, result, phase)
+            result.reference = impl
+            break
+        except Exception as err:  # noqa: BLE001
+            failures.append(("HF model" if result.phase == "model" else "HF forward", err))
+    else:
+        _skip(result, *failures[0])
+
+    _enter(result, phase, "compile")
+    try:
+        verifier = dspark_compile(model)
+    except Exception as err:  # noqa: BLE001
+        _fail(result, "compile", err)
+
+    _enter(result, phase, "verify")
+    gen = torch.Generator().manual_seed(seed + 1)
+
+    def draw(n):
+        return allowed[torch.randint(0, allowed.numel(), (n,), generator=gen)]
+
+    worst, flipped, rows = 0.0, 0, 0
+    try:
+        state = verifier.new_state(max_requests=max(SLOTS) + 1, max_context=64)
+        seqs = [torch.empty(0, dtype=torch.int64) for _ in SLOTS]
+        steps = [(PROMPTS, PROMPTS)] + [tuple(r) for r in ROUNDS]
+        for lens, accept in steps:
+            new = [draw(n) for n in lens]
+            layout = VerifyLayout.pack(list(lens), [s.numel() for s in seqs], list(SLOTS))
+            out = verifier(torch.cat(new), layout, state).float().clone()
+            qsl = layout.query_start_loc.tolist()
+            for i, n in enumerate(lens):
+                got = out[qsl[i]:qsl[i + 1]]
+                want = _hf_logits(model, torch.cat([seqs[i], new[i]]))[-n:]
+                if got.shape != want.shape:
+                    raise AssertionError(f"ragged logits {tuple(got.shape)} vs HF "
+                                         f"{tuple(want.shape)}")
+                diff = (got - want).abs()
+                err = float(diff.max()) if torch.isfinite(diff).all() else float("inf")
+                worst = max(worst, err)
+                flipped += int((got.argmax(-1) != want.argmax(-1)).sum())
+                rows += n
+            verifier.commit(layout, list(accept), state)
+            seqs = [torch.cat([s, t[:a]]) for s, t, a in zip(seqs, new, accept)]
+    except Exception as err:  # noqa: BLE001
+        result.max_error, result.rows = (worst if rows else None), rows
+        _fail(result, "verify", err)
+    result.phase = "done"
+    result.max_error, result.rows = worst, rows
+    result.flipped = flipped / rows if rows else None
+    if worst <= TOLERANCE:
+        result.status = "exact"
+    else:
+        result.status = "wrong"
+        result.reason = (f"max |ragged - HF| = {worst:.3g}, {flipped} of {rows} greedy tokens "
+                         f"flipped ({flipped / rows:.0%})")

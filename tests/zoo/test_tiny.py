@@ -1,0 +1,107 @@
+"""The zoo's tiny configs: sizes by name rules, special token ids inside the vocabulary, every
+layer kind of the default config present, rotary parameters kept consistent."""
+
+from __future__ import annotations
+
+import pytest
+import transformers as T
+
+from dspark_compile.zoo.tiny import (SIZES, _TOKEN_ID, _fix_rope, _walk, special_token_ids,
+                                     tiny_config)
+
+
+def _ids(config) -> list[int]:
+    out = []
+    for _, key, value in _walk(config.to_dict()):
+        if _TOKEN_ID.search(key):
+            out += [x for x in (value if isinstance(value, list) else [value])
+                    if isinstance(x, int)]
+    return out
+
+
+@pytest.mark.parametrize("model_type, cls", [
+    ("gpt2", T.GPT2LMHeadModel),          # bos = eos = 50256, n_embd / n_layer / n_head
+    ("llama", T.LlamaForCausalLM),
+    ("mixtral", T.MixtralForCausalLM),
+    ("gemma3", T.Gemma3ForConditionalGeneration),  # composite: text + vision sub-configs
+])
+def test_sizes_and_special_token_ids(model_type, cls):
+    config = tiny_config(model_type, cls).config
+    text = config.get_text_config()
+    assert text.hidden_size == SIZES["hidden"] and text.num_attention_heads == SIZES["heads"]
+    assert text.vocab_size == SIZES["vocab"]
+    assert text.max_position_embeddings >= 256
+    ids = _ids(config)
+    assert ids and all(0 <= i < SIZES["vocab"] for i in ids), ids
+    if model_type == "gpt2":
+        assert config.bos_token_id == config.eos_token_id  # equal ids stay equal
+    if model_type == "mixtral":
+        assert (text.num_local_experts, text.num_experts_per_tok) == (4, 2)
+        assert text.num_key_value_heads == SIZES["kv_heads"]
+
+
+def test_special_token_ids_move_to_the_top_and_keep_their_identity():
+    d = {"vocab_size": 128, "bos_token_id": 50256, "eos_token_id": [50256, 50257],
+         "pad_token_id": 0, "text_config": {"model_type": "x", "image_token_id": 151655}}
+    special_token_ids(d, 128)
+    assert d["bos_token_id"] == d["eos_token_id"][0] == 127
+    assert d["eos_token_id"][1] == 126 and d["text_config"]["image_token_id"] == 125
+    assert d["pad_token_id"] == 0
+
+
+@pytest.mark.parametrize("model_type, cls, field, kinds", [
+    ("gemma3_text", T.Gemma3ForCausalLM, "layer_types", {"sliding_attention", "full_attention"}),
+    ("gpt_oss", T.GptOssForCausalLM, "layer_types", {"sliding_attention", "full_attention"}),
+    ("qwen3_5_text", T.Qwen3_5ForCausalLM, "layer_types",
+     {"linear_attention", "full_attention"}),
+    ("jamba", T.JambaForCausalLM, "layers_block_type", {"mamba", "attention"}),
+])
+def test_every_layer_type_of_the_default_is_covered(model_type, cls, field, kinds):
+    tiny = tiny_config(model_type, cls)
+    assert set(getattr(tiny.config, field)) == kinds
+    assert tiny.covered == tiny.kinds and tiny.layers <= 8
+
+
+def test_jamba_has_dense_and_expert_layers_of_its_period_rules():
+    """Jamba's pattern is scalar (attention every 8th layer from 4, experts every 2nd from 1):
+    the layer count grows until mamba+dense, mamba+MoE and attention layers are all there."""
+    config = tiny_config("jamba", T.JambaForCausalLM).config
+    experts = [i % config.expert_layer_period == config.expert_layer_offset
+               for i in range(config.num_hidden_layers)]
+    assert any(experts) and not all(experts)
+
+
+def test_first_k_dense_layers_leave_a_moe_layer():
+    config = tiny_config("deepseek_v3", T.DeepseekV3ForCausalLM).config
+    assert config.first_k_dense_replace < config.num_hidden_layers
+
+
+def test_sliding_window_variant_has_sliding_and_full_layers():
+    config = tiny_config("qwen2", T.Qwen2ForCausalLM,
+                         {"use_sliding_window": True, "sliding_window": 8}).config
+    assert set(config.layer_types) == {"sliding_attention", "full_attention"}
+    assert config.sliding_window == SIZES["window"] < 10  # the zoo's shortest prompt is 10
+
+
+def test_windows_shrink_below_the_sequences():
+    assert tiny_config("mistral", T.MistralForCausalLM).config.sliding_window == SIZES["window"]
+
+
+def test_mla_ranks_are_small_and_kv_heads_follow_the_query_heads():
+    config = tiny_config("deepseek_v3", T.DeepseekV3ForCausalLM).config
+    assert (config.q_lora_rank, config.kv_lora_rank) == (SIZES["rank"], SIZES["rank"])
+    assert config.qk_rope_head_dim == SIZES["rope_head_dim"]
+    assert config.num_key_value_heads == config.num_attention_heads
+
+
+def test_rope_parameters_follow_the_head_dim():
+    assert _fix_rope({"rope_type": "default", "mrope_section": [16, 24, 24]}, 64, 8) == \
+        {"rope_type": "default", "mrope_section": [2, 3, 3]}
+    long = _fix_rope({"rope_type": "longrope", "short_factor": [1.0] * 64,
+                      "long_factor": [2.0] * 64, "factor": 16.0,
+                      "original_max_position_embeddings": 4096}, 64, 8)
+    assert len(long["short_factor"]) == len(long["long_factor"]) == 8
+    assert long["original_max_position_embeddings"] == SIZES["positions"] // 16
+    per_type = _fix_rope({"full_attention": {"rope_type": "default", "mrope_section": [8, 8]},
+                          "sliding_attention": {"rope_type": "default"}}, 16, 8)
+    assert per_type["full_attention"]["mrope_section"] == [4, 4]

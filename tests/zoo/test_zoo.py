@@ -1,0 +1,104 @@
+"""A fixed subset of the model zoo: every one exact or refused by name, never wrong and never
+an error; the ones that verify today stay exact. Plus the runner's time limit, the CLI and the
+generated README section."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dspark_compile.__main__ import main
+from dspark_compile.zoo import Result, check, select
+from dspark_compile.zoo.check import classify
+from dspark_compile.zoo.report import BEGIN, END, markdown, update_readme
+
+EXACT = ("llama", "qwen2", "mixtral")
+"""Verified exact today: must stay so."""
+EXACT_OR_REFUSED = ("gpt2", "mistral", "gpt_oss", "qwen2_moe+window")
+"""Features being added (learned positions, windows, sinks): exact or refused, never wrong."""
+
+
+def _entry(name):
+    (entry,) = [e for e in select([name]) if e.name == name]
+    return entry
+
+
+@pytest.mark.parametrize("name", EXACT + EXACT_OR_REFUSED)
+def test_zoo_subset(name):
+    result = check(_entry(name))
+    assert result.status not in ("wrong", "error"), (result.status, result.reason, result.where)
+    if name in EXACT:
+        assert result.status == "exact", (result.status, result.reason, result.where)
+        assert result.max_error <= 1e-5 and result.rows == sum((10, 7, 12, 3, 1, 4, 2, 4, 1,
+                                                                 4, 2, 3))
+    else:
+        assert result.status in ("exact", "refused")
+        assert result.status == "exact" or result.reason
+
+
+def test_select_names_model_types_variants_and_classes():
+    assert [e.name for e in select(["qwen2"])] == ["qwen2", "qwen2+window"]
+    assert "llama" in [e.name for e in select(["LlamaForCausalLM"])]
+    with pytest.raises(ValueError, match="close: .*llama"):
+        select(["lama"])
+
+
+def test_refusal_is_the_library_raising_not_an_escaping_exception():
+    from dspark_compile import VerifyLayout
+
+    with pytest.raises(ValueError) as own:
+        VerifyLayout.pack([0], [0], [0])  # raised by dspark_compile/layout.py
+    assert classify(own.value)[0] == "refused"
+    with pytest.raises(ValueError) as foreign:
+        int("x")  # a ValueError from outside the package is a bug, not a refusal
+    status, reason, _ = classify(foreign.value)
+    assert status == "error" and reason.startswith("ValueError: invalid literal")
+
+
+def test_runner_kills_a_check_past_its_time_limit():
+    from dspark_compile.zoo.runner import run_checks
+
+    (result,) = run_checks([_entry("llama")], jobs=1, timeout=0.5, preload=[])
+    assert result.status in ("skipped", "error") and "timed out after" in result.reason
+
+
+def _report(rows):
+    return {"environment": {"transformers": "5.24.0", "torch": "2.13", "dspark_compile": "abc"},
+            "jobs": 2, "wall_seconds": 1.0, "rows": rows}
+
+
+def _row(name, status, reason="", err=None):
+    return Result(name, name, "XForCausalLM", status, reason, max_error=err).to_json()
+
+
+def test_markdown_and_readme_section(tmp_path):
+    report = _report([_row("llama", "exact", err=1e-7), _row("gpt2", "refused", "no x"),
+                      _row("bad", "wrong", "max |ragged - HF| = 0.2"), _row("boom", "error",
+                                                                            "KeyError: 1")])
+    text = markdown(report)
+    assert "## Wrong and error" in text and "| `bad` | wrong |" in text
+    assert "1 exact, 1 refused, 1 wrong, 1 error, 0 skipped of 4" in text
+    readme = tmp_path / "README.md"
+    readme.write_text(f"# x\n\n## Supported models\n\n{BEGIN}\nold\n{END}\n\nrest\n")
+    update_readme(str(readme), report)
+    new = readme.read_text()
+    assert new.startswith("# x\n\n## Supported models\n\n" + BEGIN) and new.endswith("\n\nrest\n")
+    assert "old" not in new and "`llama`" in new and "**Wrong**" in new and "`bad`" in new
+    readme.write_text("# no markers\n")
+    with pytest.raises(ValueError, match="no zoo section"):
+        update_readme(str(readme), report)
+
+
+def test_cli_writes_markdown_and_readme_from_a_saved_report(tmp_path, capsys):
+    saved = tmp_path / "zoo.json"
+    saved.write_text(json.dumps(_report([_row("llama", "exact", err=1e-7)])))
+    readme = tmp_path / "README.md"
+    readme.write_text(f"{BEGIN}\n{END}\n")
+    md = tmp_path / "docs" / "models.md"
+    assert main(["zoo", "--from", str(saved), "--markdown", str(md),
+                 "--update-readme", str(readme)]) == 0
+    assert "| `llama` | `XForCausalLM` | exact | 1.0e-07 |" in md.read_text()
+    assert "[docs/models.md](docs/models.md)" in readme.read_text()
+    assert main(["zoo", "--list", "--only", "gpt2"]) == 0
+    assert "GPT2LMHeadModel" in capsys.readouterr().out
