@@ -179,6 +179,43 @@ def _(recurrent_state, ring_k, ring_v, ring_g, ring_beta, query_start_loc, slots
     return None
 
 
+@torch.library.custom_op("dspark::ssd_triton", mutates_args=("ring_x", "ring_b", "ring_da"),
+                         device_types=("cuda",))
+def ssd_triton(x: torch.Tensor, dt: torch.Tensor, A: torch.Tensor, B: torch.Tensor,
+               C: torch.Tensor, D: Optional[torch.Tensor], dt_bias: Optional[torch.Tensor],
+               ssm_state: torch.Tensor, query_start_loc: torch.Tensor, slots: torch.Tensor,
+               ring_x: torch.Tensor, ring_b: torch.Tensor, ring_da: torch.Tensor,
+               dt_softplus: bool, dt_min: float, dt_max: float) -> torch.Tensor:
+    """``dspark::ssd`` (Mamba-2 scan) lowered to Triton."""
+    from .ssd import ssd_triton as kernel
+
+    return zeros_when_warming(kernel(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc,
+                                     slots, ring_x, ring_b, ring_da, dt_softplus, dt_min,
+                                     dt_max))
+
+
+@ssd_triton.register_fake
+def _(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ring_x, ring_b, ring_da,
+      dt_softplus, dt_min, dt_max):
+    return x.new_empty(x.shape, dtype=torch.float32)
+
+
+@torch.library.custom_op("dspark::ssd_commit_triton", mutates_args=("ssm_state",),
+                         device_types=("cuda",))
+def ssd_commit_triton(ssm_state: torch.Tensor, ring_x: torch.Tensor, ring_b: torch.Tensor,
+                      ring_da: torch.Tensor, query_start_loc: torch.Tensor,
+                      slots: torch.Tensor, accept_lens: torch.Tensor) -> None:
+    """``dspark::ssd_commit`` lowered to Triton."""
+    from .ssd import ssd_commit_triton as kernel
+
+    kernel(ssm_state, ring_x, ring_b, ring_da, query_start_loc, slots, accept_lens)
+
+
+@ssd_commit_triton.register_fake
+def _(ssm_state, ring_x, ring_b, ring_da, query_start_loc, slots, accept_lens):
+    return None
+
+
 LOWERED = {"triton": {
     torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton,
     torch.ops.dspark.linear_group: torch.ops.dspark.linear_group_triton,
@@ -189,5 +226,7 @@ LOWERED = {"triton": {
     torch.ops.dspark.gated_delta_rule: torch.ops.dspark.gated_delta_rule_triton,
     torch.ops.dspark.gated_delta_rule_commit:
         torch.ops.dspark.gated_delta_rule_commit_triton,
+    torch.ops.dspark.ssd: torch.ops.dspark.ssd_triton,
+    torch.ops.dspark.ssd_commit: torch.ops.dspark.ssd_commit_triton,
 }}
 """Per lowering: reference op packet -> the op that implements it there."""

@@ -126,3 +126,21 @@ def test_a_mixer_running_its_own_conv_is_refused_by_name():
                        match=r"Lfm2ShortConv 'model.layers.0.conv' runs a causal depthwise "
                              r"nn.Conv1d \(Conv1d 'model.layers.0.conv.conv'\)"):
         dspark_compile(model)
+
+
+def test_triton_lowering_takes_the_ssd_kernel_and_its_commit():
+    """``lower`` swaps ``dspark::ssd`` for its Triton twin; the verifier's commit table holds
+    the Triton commit under the Triton lowering (no device needed to check either)."""
+    from dspark_compile import DSparkConfig
+    from dspark_compile.kernels.ops import LOWERED
+    from dspark_compile.passes import PassContext, lower
+    from dspark_compile.passes.retrace import copy_module
+
+    _, verifier = compiled("mamba2")
+    gm = copy_module(verifier.graph_module)
+    ctx = PassContext(None, None, list(verifier.inputs), DSparkConfig().resolve("cuda"))
+    lower.run(gm, ctx)
+    targets = {str(n.target) for n in gm.graph.nodes if n.op == "call_function"}
+    assert {"dspark.ssd_triton.default", "dspark.causal_conv1d_triton.default"} <= targets
+    ops = torch.ops.dspark
+    assert LOWERED["triton"][ops.ssd_commit] is ops.ssd_commit_triton

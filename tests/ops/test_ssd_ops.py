@@ -180,3 +180,59 @@ def test_ssd_argument_errors(change, match):
         OPS.ssd(a["x"], a["dt"], a["A"], a["B"], a["C"], a["D"], a["dt_bias"], a["ssm_state"],
                 a["qsl"], a["slots"], a["ring_x"], a["ring_b"], a["ring_da"], a["dt_softplus"],
                 a["dt_min"], a["dt_max"])
+
+
+# ------------------------------------------------------------------ Triton (interpreter / GPU)
+
+def _triton():
+    from dspark_compile.kernels import ssd as triton_ssd
+
+    return triton_ssd
+
+
+@needs_triton
+@pytest.mark.parametrize("name", ["mixed", "empty_ends", "prefill"])
+@pytest.mark.parametrize("h, g, n_state, p, bias, d, limits", [
+    (4, 2, 8, 6, True, True, (0.0, INF)), (3, 1, 5, 20, False, False, (0.001, 0.5))])
+def test_triton_matches_reference(name, h, g, n_state, p, bias, d, limits):
+    """Odd shapes (N and P not powers of two, P over two channel blocks), padding rows, empty
+    requests; outputs, rings and the committed state against the reference."""
+    kernels = _triton()
+    lens, pad = LAYOUTS[name]
+    layout = make_layout(lens, num_pad=pad, seed=p)
+    c = ssd_case(layout, h=h, g=g, n_state=n_state, p=p, seed=p, bias=bias, d=d)
+    plan = kernels.plan_ssd(len(lens), h, n_state, p, 132)
+    if p > 16:
+        plan = kernels.SsdPlan(plan.n_pad, 16, 2)
+    want, want_rings = run_ssd(c, layout, limits=limits)
+    got, got_rings = run_ssd(c, layout, limits=limits, impl=lambda *a: kernels.ssd_triton(
+        *a, plan=plan))
+    torch.testing.assert_close(got, want, **TOL)
+    real = sum(lens)
+    assert torch.equal(got[real:], torch.zeros_like(got[real:]))
+    for a, b in zip(got_rings, want_rings):
+        torch.testing.assert_close(a, b, **TOL)
+    acc = accepts(layout, seed=p)
+    pools = [c["ssm_state"].clone() for _ in range(2)]
+    OPS.ssd_commit(pools[0], *want_rings, layout.qsl, layout.slots, acc)
+    kernels.ssd_commit_triton(pools[1], *got_rings, layout.qsl, layout.slots, acc, plan=plan)
+    torch.testing.assert_close(pools[1], pools[0], **TOL)
+
+
+@needs_triton
+def test_triton_contains_rejected_rows_and_changes_nothing_without_accepts():
+    kernels = _triton()
+    layout = make_layout([3, 0, 5], num_pad=3, seed=4)
+    acc = accepts(layout, 4)
+    c = ssd_case(layout, h=2, g=1, n_state=4, p=3, seed=4)
+    d = {**c, **{n: _poison(c[n], layout, acc) for n in ("x", "dt", "B", "C")}}
+    runs = [run_ssd(case, layout, impl=kernels.ssd_triton) for case in (c, d)]
+    _check_containment(layout, acc, *runs)
+    pools = [c["ssm_state"].clone() for _ in range(2)]
+    for pool, (_, rings) in zip(pools, runs):
+        kernels.ssd_commit_triton(pool, *rings, layout.qsl, layout.slots, acc)
+    assert torch.equal(pools[0], pools[1])
+    pool = c["ssm_state"].clone()
+    none = torch.zeros_like(acc)
+    kernels.ssd_commit_triton(pool, *runs[0][1], layout.qsl, layout.slots, none)
+    assert torch.equal(pool, c["ssm_state"])

@@ -1,0 +1,55 @@
+"""The Mamba-2 (SSD) forward and commit kernels compile ahead of time for cuda:90, hip:gfx942
+and gfx950.
+
+Same harness as ``test_linear_ops_aot.py`` (a subprocess without ``TRITON_INTERPRET``, one JSON
+line). Shapes are Nemotron-H's (128 heads of P = 64, 8 groups of N = 128) in bf16 with the fp32
+state pool.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from aot import TARGET_NAMES, aot_tests, compile_kernel
+
+_LAYOUT = {"query_start_loc_ptr": "i32", "slots_ptr": "i32"}
+_RINGS = {"ring_x_ptr": "fp32", "ring_b_ptr": "fp32", "ring_da_ptr": "fp32"}
+_SHAPE = {"H": 128, "G": 8, "NS": 128, "P": 64, "N_PAD": 128, "BLOCK_P": 32, "NUM_PB": 2}
+
+
+CASES = {
+    "ssd_forward_bf16": ("_ssd_forward_kernel",
+                         {"out_ptr": "fp32", "x_ptr": "bf16", "dt_ptr": "bf16", "a_ptr": "fp32",
+                          "b_ptr": "bf16", "c_ptr": "bf16", "d_ptr": "fp32",
+                          "dt_bias_ptr": "fp32", "state_ptr": "fp32", **_RINGS, **_LAYOUT},
+                         {**_SHAPE, "HAS_D": True, "HAS_DT_BIAS": True, "SOFTPLUS": True,
+                          "PAD_ROWS": 16}),
+    "ssd_commit": ("_ssd_commit_kernel",
+                   {"state_ptr": "fp32", **_RINGS, "accept_lens_ptr": "i32", **_LAYOUT},
+                   _SHAPE),
+}
+
+
+def _compile_all() -> dict:
+    """Compile every case for every target; return ``{case: {target: [artifact kinds]}}``."""
+    from dspark_compile.kernels import ssd
+
+    result: dict = {}
+    for case, (attr, pointers, constexprs) in CASES.items():
+        kernel = getattr(ssd, attr)
+        missing = (set(pointers) | set(constexprs)) - set(kernel.arg_names)
+        assert not missing, f"{case}: {attr} has no arguments {sorted(missing)}"
+        for name in TARGET_NAMES:
+            result.setdefault(case, {})[name] = compile_kernel(
+                kernel, pointers, constexprs, name, {"num_warps": 4},
+                scalars={"dt_min": "fp32", "dt_max": "fp32"})
+    return result
+
+
+compiled, test_ssd_kernel_compiles_ahead_of_time = aot_tests(__file__, CASES)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") != "1", "AOT compile needs TRITON_INTERPRET unset"
+    print(json.dumps(_compile_all()))
