@@ -125,14 +125,14 @@ def _rotary_half(d: dict) -> int:
     return max(1, int(head * partial) // 2)
 
 
-def _fix_rope(rope: dict, old_half: int, new_half: int) -> dict:
+def _fix_rope(rope: dict, new_half: int) -> dict:
     """Keep a rotary parameter dict consistent with the new sizes: mRoPE sections rescaled to
     the new half dim, per-frequency factor lists cut to it, and a scaled rope's original
     context set to the new positions over its factor (YaRN, Llama 3)."""
     if not isinstance(rope, dict):
         return rope
     if "rope_type" not in rope and all(isinstance(v, dict) for v in rope.values()):
-        return {k: _fix_rope(v, old_half, new_half) for k, v in rope.items()}
+        return {k: _fix_rope(v, new_half) for k, v in rope.items()}
     rope = dict(rope)
     factor, original = rope.get("factor"), rope.get("original_max_position_embeddings")
     if isinstance(factor, (int, float)) and factor > 0 and isinstance(original, int):
@@ -160,8 +160,6 @@ def _shrink(d: dict, changed: dict, prefix: str = "") -> dict:
     heads_key = next((k for k in _HEADS if isinstance(d.get(k), int)), None)
     old_head = d.get("head_dim") or (
         (d.get(hidden_key) or 0) // max(1, d.get(heads_key) or 1) if hidden_key else 0)
-    old_half = max(1, int((d.get("qk_rope_head_dim") or old_head or 2)
-                          * (d.get("partial_rotary_factor") or 1.0)) // 2)
     mla = isinstance(d.get("kv_lora_rank"), int)
     has_top_k = any(isinstance(d.get(k), int) for k in _TOP_K)
     has_experts = any(isinstance(d.get(k), int) for k in _EXPERTS)
@@ -249,7 +247,7 @@ def _shrink(d: dict, changed: dict, prefix: str = "") -> dict:
             put("mamba_d_ssm", expand * d[hidden_key])
         put(ssm_heads, expand * d[hidden_key] // d[ssm_dim])
     for key in _ROPE_DICTS & d.keys():
-        fixed = _fix_rope(d[key], old_half, _rotary_half(d))
+        fixed = _fix_rope(d[key], _rotary_half(d))
         if fixed != d[key]:
             put(key, fixed)
     return d
@@ -263,26 +261,24 @@ def _is_layer_dict(value: dict) -> bool:
 
 def special_token_ids(d: dict, vocab: int) -> dict[str, Any]:
     """Move every special token id (``*_token_id(s)``, ``*_index``) at or past ``vocab`` to the
-    top of the vocabulary, one new id per old id (ids that were equal stay equal); returns
-    ``field: new value`` for the ids that moved, sub-configs dotted."""
-    moved: dict[int, int] = {}
-    free = iter(range(vocab - 1, -1, -1))
-
-    def remap(x):
-        if not isinstance(x, int) or isinstance(x, bool) or 0 <= x < vocab:
-            return x
-        if x < 0:
-            return x
-        if x not in moved:
-            moved[x] = next(i for i in free if i not in inside)
-        return moved[x]
-
+    top of the vocabulary, one new id per old id (ids that were equal stay equal), skipping
+    ids already inside; returns ``field: new value`` for the fields that changed."""
     inside = set()
     for _, key, value in _walk(d):
         if _TOKEN_ID.search(key):
             for x in value if isinstance(value, list) else [value]:
                 if isinstance(x, int) and 0 <= x < vocab:
                     inside.add(x)
+    moved: dict[int, int] = {}
+    free = iter(range(vocab - 1, -1, -1))
+
+    def remap(x):
+        if not isinstance(x, int) or isinstance(x, bool) or x < vocab:
+            return x  # inside already, or negative (none)
+        if x not in moved:
+            moved[x] = next(i for i in free if i not in inside)
+        return moved[x]
+
     out = {}
     for owner, key, value in list(_walk(d)):
         if not _TOKEN_ID.search(key):
@@ -439,15 +435,14 @@ def tiny_config(model_type: str, model_cls=None, overrides: dict | None = None) 
     text.update({**OVERRIDES.get(model_type, {}), **(overrides or {})})
     layer_key = _layer_key(config_cls if not text_key else type(default.get_text_config()),
                            text)
-    tiny_layers = text.get(layer_key) if layer_key else None
 
     # the default's layer count at tiny widths; per-layer fields as the config class derives
     # them from the rewritten scalars (a window count of 1 makes layer 1 sliding)
     text_default = default.get_text_config().to_dict()
     n_full = text_default.get(layer_key) if layer_key else None
     if not isinstance(n_full, int) or not layer_key:
-        return TinyConfig(_for_model(_build(config_cls, full), model_cls), tiny_layers or 0, 1,
-                          1, changed)
+        return TinyConfig(_for_model(_build(config_cls, full), model_cls),
+                          text.get(layer_key) or 0, 1, 1, changed)
     given = set(OVERRIDES.get(model_type, {})) | set(overrides or {})
     fields = [set(f) - given for f in _per_layer_fields(text_default, n_full)]
     medium = copy.deepcopy(full)
@@ -536,8 +531,7 @@ def tiny_config(model_type: str, model_cls=None, overrides: dict | None = None) 
             break
     chosen = best[0] if best else list(range(min(SIZES["layers"], n_full)))
     d = with_layers(chosen)
-    if len(chosen) != (tiny_layers or 0):
-        changed[layer_key] = (n_full, len(chosen))
+    changed[(f"{text_key}." if text_key else "") + layer_key] = (n_full, len(chosen))
     return TinyConfig(_for_model(_build(config_cls, d), model_cls), len(chosen), len(goal),
                       best[1] if best else 0, changed)
 

@@ -95,13 +95,13 @@ def test_mla_ranks_are_small_and_kv_heads_follow_the_query_heads():
 
 
 def test_rope_parameters_follow_the_head_dim():
-    assert _fix_rope({"rope_type": "default", "mrope_section": [16, 24, 24]}, 64, 8) == \
+    assert _fix_rope({"rope_type": "default", "mrope_section": [16, 24, 24]}, 8) == \
         {"rope_type": "default", "mrope_section": [2, 3, 3]}
     long = _fix_rope({"rope_type": "longrope", "short_factor": [1.0] * 64,
                       "long_factor": [2.0] * 64, "factor": 16.0,
-                      "original_max_position_embeddings": 4096}, 64, 8)
+                      "original_max_position_embeddings": 4096}, 8)
     assert len(long["short_factor"]) == len(long["long_factor"]) == 8
     assert long["original_max_position_embeddings"] == SIZES["positions"] // 16
     per_type = _fix_rope({"full_attention": {"rope_type": "default", "mrope_section": [8, 8]},
-                          "sliding_attention": {"rope_type": "default"}}, 16, 8)
+                          "sliding_attention": {"rope_type": "default"}}, 8)
     assert per_type["full_attention"]["mrope_section"] == [4, 4]
