@@ -9,9 +9,15 @@ the KV read comes from HBM, not L2, as in a real forward. Bandwidth = KV bytes r
 against 4.8 TB/s. SDPA gets ``[bs, H, T, D]`` queries, contiguous ``[bs, Hkv, ctx + T, D]`` K/V
 (``enable_gqa``) and a boolean mask, T = the widest request.
 
-Usage: ``python benchmarks/attention_kernel.py [--sweep] [--smoke]``. Writes
-``attention_kernel.json`` to ``$OUT`` if set, else to ``benchmarks/results/``. ``--smoke`` runs
-tiny shapes on the CPU under ``TRITON_INTERPRET=1`` (checks the script, times nothing real).
+``--semantics`` times the attention switches instead (issue 22's targets): (a) a windowed layer
+(window 1024 at context 8192) against a full layer at context 1024, same batch, bs 1/8/64/256;
+(b) softcap 50, sinks, and both against plain, bs 64, context 1024; all-8 verify lengths; each
+case checked against the reference first. Writes ``attention_semantics.json``.
+
+Usage: ``python benchmarks/attention_kernel.py [--sweep] [--semantics] [--smoke] [--out DIR]``.
+Writes ``attention_kernel.json`` to ``--out``, else ``$OUT`` if set, else
+``benchmarks/results/``. ``--smoke`` runs tiny shapes on the CPU under ``TRITON_INTERPRET=1``
+(checks the script, times nothing real).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel 
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
-from common import time_calls  # noqa: E402
+from common import out_dir, time_calls, versions, write_json  # noqa: E402
 from dspark_compile.ops import attention_reference as reference  # noqa: E402
 from dspark_compile.kernels.targets import target_for_device  # noqa: E402
 from dspark_compile.kernels.attention import (  # noqa: E402
@@ -43,11 +49,13 @@ SETTINGS = dict(num_heads=16, num_kv_heads=8, head_dim=128, page_size=16, contex
                 sweep_splits=[[1, [4, 8, 16]], [8, [2, 4, 8]], [64, [1, 2]]],
                 small_bs=[1, 8], small_tiles=[[64, 4, 2, 128], [32, 4, 2, 128], [32, 4, 3, 128],
                                               [64, 4, 3, 128]],
-                small_splits=[None, 8, 16])
+                small_splits=[None, 8, 16], window=1024, window_context=8192,
+                window_bs=[1, 8, 64, 256], switch_bs=[64], softcap=50.0)
 SMOKE = dict(SETTINGS, num_heads=4, num_kv_heads=2, head_dim=64, context=40, dtype="float32",
              batch_sizes=[1, 3], rotate_bytes=0, eager_iters=2, graph_calls=1, graph_replays=1,
              sweep_tile_bs=[2], sweep_tiles=[[32, 4, 3, None]], sweep_splits=[[1, [1, 2]]],
-             small_bs=[1], small_tiles=[[32, 4, 3, None]], small_splits=[None, 2])
+             small_bs=[1], small_tiles=[[32, 4, 3, None]], small_splits=[None, 2], window=16,
+             window_context=80, window_bs=[2], switch_bs=[2])
 
 
 def verify_lengths(bs: int, mix: bool, s: dict) -> list[int]:
@@ -66,9 +74,13 @@ def verify_lengths(bs: int, mix: bool, s: dict) -> list[int]:
     return lens
 
 
-def build_layer(lens: list[int], s: dict, device: str, seed: int) -> dict:
-    """Inputs of one layer's call: packed q/k/v, a randomly paged pool, block table, slots."""
+def build_layer(lens: list[int], s: dict, device: str, seed: int,
+                fill_device: str = "cpu") -> dict:
+    """Inputs of one layer's call: packed q/k/v, a randomly paged pool, block table, slots.
+    ``fill_device``: where the random values are drawn (``device`` for the 8k-context pools,
+    gigabytes that the CPU would take a minute to fill)."""
     g = torch.Generator(device="cpu").manual_seed(seed)
+    fill = torch.Generator(device=fill_device).manual_seed(seed)
     dtype = getattr(torch, s["dtype"])
     bs, ctx, page = len(lens), s["context"], s["page_size"]
     hkv, d = s["num_kv_heads"], s["head_dim"]
@@ -82,7 +94,7 @@ def build_layer(lens: list[int], s: dict, device: str, seed: int) -> dict:
     slots = table[req, pos // page] * page + pos % page
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=g).to(dtype).to(device)
+        return torch.randn(*shape, generator=fill, device=fill_device).to(dtype).to(device)
 
     n = int(qsl[-1])
     return dict(q=rnd(n, s["num_heads"], d), k=rnd(n, hkv, d), v=rnd(n, hkv, d),
@@ -98,13 +110,15 @@ def call_args(layer: dict, scale: float) -> list:
     return [layer[k] for k in keys] + [scale]
 
 
-def check_correct(layer: dict, s: dict, **kw) -> float:
-    """Max |triton - reference| on copies of the pools; raises if the pools differ."""
-    scale = s["head_dim"] ** -0.5
+def check_correct(layer: dict, s: dict, sem: dict | None = None, **kw) -> float:
+    """Max |triton - reference| on copies of the pools; raises if the pools differ. ``sem``:
+    the switches (window, softcap, sinks) both take."""
+    scale, sem = s["head_dim"] ** -0.5, sem or {}
     mine = {**layer, "k_cache": layer["k_cache"].clone(), "v_cache": layer["v_cache"].clone()}
     ref = {**layer, "k_cache": layer["k_cache"].clone(), "v_cache": layer["v_cache"].clone()}
-    got = ragged_attention_triton(*call_args(mine, scale), max_query_len=s["max_len"], **kw)
-    want = reference.ragged_attention(*call_args(ref, scale))
+    got = ragged_attention_triton(*call_args(mine, scale), max_query_len=s["max_len"], **sem,
+                                  **kw)
+    want = reference.ragged_attention(*call_args(ref, scale), **sem)
     if not (torch.equal(mine["k_cache"], ref["k_cache"])
             and torch.equal(mine["v_cache"], ref["v_cache"])):
         raise AssertionError("KV pool after the write differs from the reference's")
@@ -134,17 +148,33 @@ def sdpa_layers(lens: list[int], s: dict, device: str, count: int) -> list:
     return fns
 
 
-def run_case(bs: int, mix: bool, s: dict, device: str, with_sdpa: bool = True, **kw) -> dict:
-    """Check, then time the Triton op (and SDPA) for one (batch, length mix)."""
+def keys_read(context: int, n: int, window: int) -> int:
+    """Keys a request of ``n`` new tokens after ``context`` reads (with a window: its first
+    query's window and the new keys)."""
+    return min(context + n, window + n - 1) if window else context + n
+
+
+def run_case(bs: int, mix: bool, s: dict, device: str, with_sdpa: bool = True,
+             sem: dict | None = None, fill_device: str = "cpu", **kw) -> dict:
+    """Check, then time the Triton op (and SDPA) for one (batch, length mix). ``sem``: the
+    switches (window, softcap; ``sinks: True`` draws ``[H]`` sink logits per layer)."""
     lens = verify_lengths(bs, mix, s)
+    sem = dict(sem or {})
     elem = torch.finfo(getattr(torch, s["dtype"])).bits // 8
-    kv_bytes = 2 * sum(s["context"] + n for n in lens) * s["num_kv_heads"] * s["head_dim"] * elem
+    kv_bytes = 2 * sum(keys_read(s["context"], n, sem.get("window", 0)) for n in lens) \
+        * s["num_kv_heads"] * s["head_dim"] * elem
     layers = max(1, min(64, math.ceil(s["rotate_bytes"] / kv_bytes)))
-    built = [build_layer(lens, s, device, seed=bs * 100 + i) for i in range(layers)]
-    err = check_correct(built[0], s, **kw)
+    built = [build_layer(lens, s, device, seed=bs * 100 + i, fill_device=fill_device)
+             for i in range(layers)]
+    sinks = [None] * layers
+    if sem.pop("sinks", False):
+        g = torch.Generator().manual_seed(bs)
+        sinks = [torch.randn(s["num_heads"], generator=g).to(getattr(torch, s["dtype"]))
+                 .to(device) for _ in range(layers)]
+    err = check_correct(built[0], s, {**sem, "sinks": sinks[0]}, **kw)
     scale = s["head_dim"] ** -0.5
-    fns = [lambda a=call_args(x, scale): ragged_attention_triton(
-        *a, max_query_len=s["max_len"], **kw) for x in built]
+    fns = [lambda a=call_args(x, scale), sk=sk: ragged_attention_triton(
+        *a, max_query_len=s["max_len"], sinks=sk, **sem, **kw) for x, sk in zip(built, sinks)]
     times = time_calls(fns, s, device)
     sdpa = (time_calls(sdpa_layers(lens, s, device, layers), s, device) if with_sdpa
             else dict(eager_us=None, graph_us=None))
@@ -152,7 +182,8 @@ def run_case(bs: int, mix: bool, s: dict, device: str, with_sdpa: bool = True, *
     plan = plan_attention(sum(lens), bs, s["num_heads"], s["num_kv_heads"],
                           built[0]["block_table"].shape[1] * s["page_size"], s["max_len"], cfg,
                           torch.cuda.get_device_properties(device).multi_processor_count
-                          if device == "cuda" else cfg.default_sm_count, kw.get("num_splits"))
+                          if device == "cuda" else cfg.default_sm_count, kw.get("num_splits"),
+                          window=sem.get("window", 0))
     best = min(v for v in (times["eager_us"], times["graph_us"]) if v is not None)
     return dict(bs=bs, lengths="mix_mean3" if mix else "all8", num_tokens=sum(lens),
                 mean_len=sum(lens) / bs, layers_rotated=layers, kv_bytes=kv_bytes,
@@ -161,6 +192,35 @@ def run_case(bs: int, mix: bool, s: dict, device: str, with_sdpa: bool = True, *
                 floor_us=kv_bytes / s["hbm_bytes_per_s"] * 1e6, best_us=best,
                 sdpa_eager_us=sdpa["eager_us"], sdpa_graph_us=sdpa["graph_us"],
                 plan=dataclasses.asdict(plan), tile_config=_tiles(cfg))
+
+
+def semantics(s: dict, device: str) -> dict:
+    """Issue 22's timings: (a) window ``s["window"]`` at ``s["window_context"]`` against a full
+    layer at ``s["context"]``, same batch; (b) softcap, sinks and both against plain at
+    ``s["switch_bs"]``. Ratios of the best of eager and graph us; all-8 lengths."""
+    fill = device  # the 8k pools are gigabytes: draw them where they live
+    long = dict(s, context=s["window_context"])
+    rows = []
+    for bs in s["window_bs"]:
+        full = run_case(bs, False, s, device, with_sdpa=False, fill_device=fill)
+        win = run_case(bs, False, long, device, with_sdpa=False, fill_device=fill,
+                       sem=dict(window=s["window"]))
+        rows.append(dict(case="window", bs=bs, window=s["window"], context=long["context"],
+                         full_context=s["context"], ratio=win["best_us"] / full["best_us"],
+                         full=full, windowed=win))
+        print(f"bs {bs:>3}: window {s['window']} at {long['context']}: {win['best_us']:.1f} us, "
+              f"full at {s['context']}: {full['best_us']:.1f} us -> {rows[-1]['ratio']:.3f}x",
+              flush=True)
+    for bs in s["switch_bs"]:
+        plain = run_case(bs, False, s, device, with_sdpa=False, fill_device=fill)
+        for name, sem in (("softcap", dict(softcap=s["softcap"])), ("sinks", dict(sinks=True)),
+                          ("softcap_sinks", dict(softcap=s["softcap"], sinks=True))):
+            r = run_case(bs, False, s, device, with_sdpa=False, fill_device=fill, sem=sem)
+            rows.append(dict(case=name, bs=bs, context=s["context"],
+                             ratio=r["best_us"] / plain["best_us"], plain=plain, switched=r))
+            print(f"bs {bs:>3}: {name}: {r['best_us']:.1f} us, plain {plain['best_us']:.1f} us "
+                  f"-> {rows[-1]['ratio']:.3f}x", flush=True)
+    return dict(rows=rows)
 
 
 def _pct(kv_bytes: int, us: float | None, s: dict) -> float | None:
@@ -232,7 +292,7 @@ def tile_sweep(tiles: list[str], batch_sizes: list[int], s: dict, device: str) -
     return rows
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--tiles", nargs="+", metavar="TILE_N,WARPS,STAGES,REGS",
                     help="only time these tile configs at --tile-bs (attention_tiles.json)")
@@ -240,19 +300,30 @@ def main() -> None:
     ap.add_argument("--sweep", action="store_true", help="also sweep tiles and split counts")
     ap.add_argument("--small-sweep", action="store_true",
                     help="also sweep fold/tiles/splits at the small batch sizes")
+    ap.add_argument("--semantics", action="store_true",
+                    help="only time window / softcap / sinks against plain "
+                         "(attention_semantics.json)")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the interpreter")
-    opts = ap.parse_args()
+    ap.add_argument("--out", help="results folder (default: $OUT, else benchmarks/results)")
+    opts = ap.parse_args(argv)
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
     import triton
+    if opts.semantics:
+        report = dict(environment=versions(device == "cuda"), settings=s,
+                      target=dataclasses.asdict(target_for_device(device)),
+                      command=" ".join(["benchmarks/attention_kernel.py"] + (argv or sys.argv[1:])),
+                      **semantics(s, device))
+        print(write_json(out_dir(opts.out), "attention_semantics.json", report))
+        return
     if opts.tiles:
         report = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else
                       platform.processor(), torch=torch.__version__, triton=triton.__version__,
                       settings=s, command=" ".join(["benchmarks/attention_kernel.py"]
                                                    + sys.argv[1:]),
                       tiles=tile_sweep(opts.tiles, opts.tile_bs, s, device))
-        out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-        out_dir.mkdir(parents=True, exist_ok=True)
-        (out_dir / "attention_tiles.json").write_text(json.dumps(report, indent=1))
+        folder = Path(opts.out or os.environ.get("OUT") or Path(__file__).parent / "results")
+        folder.mkdir(parents=True, exist_ok=True)
+        (folder / "attention_tiles.json").write_text(json.dumps(report, indent=1))
         return
     report = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
                   torch=torch.__version__, triton=triton.__version__, settings=s,
@@ -265,9 +336,9 @@ def main() -> None:
         report["sweep"] = sweep(s, device)
     if opts.small_sweep:
         report["small_sweep"] = small_sweep(s, device)
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "attention_kernel.json").write_text(json.dumps(report, indent=1))
+    folder = Path(opts.out or os.environ.get("OUT") or Path(__file__).parent / "results")
+    folder.mkdir(parents=True, exist_ok=True)
+    (folder / "attention_kernel.json").write_text(json.dumps(report, indent=1))
     for row in report.get("sweep", []):
         print(row)
     print(f"{'bs':>4} {'lens':>9} {'eager us':>9} {'graph us':>9} {'HBM% eager':>10} "
