@@ -199,9 +199,20 @@ class _Flattener:
         """The new axis sits among the result's dims, so it moves with the result's label."""
         return aten.stack(self.value(tensors), _fdim(_label(node), dim, node.meta["val"].dim()))
 
+    def op_repeat(self, node, x, repeats):
+        """Tiles along non-token dims or of whole flat rows: the request axis's count (1)
+        goes with the axis."""
+        lab, rank = _label(x), x.meta["val"].dim()
+        extra = len(repeats) - rank
+        keep = list(repeats[:extra]) + [r for d, r in enumerate(repeats[extra:])
+                                         if not (_drops_bs(lab) and d == lab.bs_dim)]
+        return aten.repeat(self.env[x], self.value(keep))
+
     def op_bmm(self, node, a, b):
         la, lb = _label(a), _label(b)
         xa, xb = self.env[a], self.env[b]
+        if la.bs_dim is None and lb.bs_dim is None:  # [E, N, K] @ [E, K, M]: batched over E
+            return torch.bmm(xa, xb)
         if la.bs_factor > 1 or lb.bs_factor > 1:  # [c, M, K] @ [c, K, N]: batched over c
             if la.bs_factor != lb.bs_factor:
                 raise EnsureError(f"flatten_tokens: bmm {node.name} batches {la.bs_factor} "

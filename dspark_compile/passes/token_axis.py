@@ -29,6 +29,7 @@ Ops, by family (checked in that order)::
     %o = aten.stack.default([%a, %b], -1)      along a non-token dim, whatever the op's name:
     %o = aten.scatter.value(%x, -1, %ids, -inf)  operands hold %x's token axes at its dims
     %o = aten.ones_like.default(%x)                      constant fill: token-wise by shape
+    %o = aten.repeat.default(%x, [4, 1])   [N, H] -> [4*N, H]: 4 tiles, the factor in front
     %o = aten.cumsum.default(%x, 1)    on [bs, T, ...]   refused: mixes tokens
 
 A refusal names the op, the model source line (``node.meta["stack_trace"]``) and what to do.
@@ -36,6 +37,7 @@ A refusal names the op, the model source line (``node.meta["stack_trace"]``) and
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import operator
 from dataclasses import dataclass
@@ -131,6 +133,11 @@ class AxisLabel:
     """Dim of size ``bs*T*flat_factor`` (the flat token axis)."""
     flat_factor: int = 1
     """Sub-rows per token of the flat axis (1: one row per token)."""
+    flat_outer: bool = False
+    """The flat axis's ``flat_factor`` sits in front of the tokens (``[c, bs*T] -> [c*bs*T]``:
+    ``c`` blocks of every token's row, as ``repeat`` tiles them for Llama 4's experts) instead
+    of behind them (``[bs*T, c] -> [bs*T*c]``: token-major). The shape alone cannot tell the
+    two apart; :func:`label_graph` follows each value's producer."""
     bs_factor: int = 1
     """A static axis merged in front of the request axis (``[c, bs] -> [c*bs]``: batched
     matmuls over mRoPE sections, transformers 5.17); its flat form keeps ``c``."""
@@ -221,7 +228,38 @@ def label_graph(gm: fx.GraphModule, bs: sympy.Symbol, tokens: sympy.Symbol) -> N
         from_request = (spec is not None and spec.kind in REQUEST_KINDS) or any(
             isinstance(a.meta.get("dspark_axis"), AxisLabel) and a.meta["dspark_axis"].from_request
             for a in node.all_input_nodes)
-        node.meta["dspark_axis"] = label_of(val, bs, tokens, from_request)
+        label = label_of(val, bs, tokens, from_request)
+        if isinstance(label, AxisLabel) and label.flat_dim is not None and label.flat_factor > 1:
+            label = _flat_order(node, label)
+        node.meta["dspark_axis"] = label
+
+
+def _flat_order(node: fx.Node, label: AxisLabel) -> AxisLabel:
+    """``label`` with its flat factor in front of the tokens where ``node`` put it there: a
+    view of ``[c, N, ...]`` to ``[c*N, ...]`` (the same product in front of the tokens), a
+    ``repeat`` that tiles the flat rows; any other op keeps the order of an operand with the
+    same factor. The checks refuse what does not line up."""
+    outer = dataclasses.replace(label, flat_outer=True)
+    inputs = [a for a in node.all_input_nodes if isinstance(a.meta.get("dspark_axis"), AxisLabel)
+              and isinstance(a.meta.get("val"), torch.Tensor)]
+    packet = _packet(node) if node.op == "call_function" else None
+    x = node.args[0] if node.args and node.args[0] in inputs else None
+    if packet in (aten.view, aten._unsafe_view, aten.reshape) and x is not None:
+        lab_in, shape = axis(x), node.meta["val"].shape
+        if lab_in.token_dims and _token_ordered(lab_in):
+            front = _prefix(x.meta["val"].shape, lab_in)
+            if _prefix(shape, label) != front and _prefix(shape, outer) == front:
+                return outer
+        return label
+    if packet is aten.repeat and x is not None:
+        lab_in = axis(x)
+        if lab_in.flat_dim is not None and lab_in.flat_factor != label.flat_factor:
+            return outer  # tiles of the rows ([r, N] from [N], [r, c, N] from [c, N])
+    for a in inputs:
+        lab = a.meta["dspark_axis"]
+        if lab.flat_dim is not None and lab.flat_factor == label.flat_factor:
+            return dataclasses.replace(label, flat_outer=lab.flat_outer)
+    return label
 
 
 def axis(node: fx.Node) -> AxisLabel:
@@ -266,6 +304,9 @@ def _check_pointwise(node: fx.Node, out: AxisLabel) -> str | None:
         if lab.flat_dim is not None and lab.flat_factor != out.flat_factor:
             return (f"operand {a.name} has {lab.flat_factor} rows per token but the result "
                     f"{out.flat_factor}")
+        if lab.flat_dim is not None and lab.flat_outer != out.flat_outer:
+            return (f"operand {a.name} holds its flat rows in {_order(lab)} but another "
+                    f"operand in {_order(out)}")
         for mine, theirs in ((lab.bs_dim, out.bs_dim), (lab.t_dim, out.t_dim),
                              (lab.flat_dim, out.flat_dim)):
             if mine is not None and mine + shift != theirs:
@@ -290,6 +331,15 @@ def _check_layout(node: fx.Node, out: AxisLabel) -> str | None:
     return None
 
 
+def _order(lab: AxisLabel) -> str:
+    """How a flat axis holds its rows, in words."""
+    if lab.flat_factor == 1:
+        return "one row per token"
+    if lab.flat_outer:
+        return f"{lab.flat_factor} tiles of every token's row ([{lab.flat_factor}, N] order)"
+    return f"token-major order ({lab.flat_factor} rows per token, [N, {lab.flat_factor}])"
+
+
 def _segments(shape, lab: AxisLabel) -> list:
     """Products of the sizes before, between and after the token axes."""
     cuts = sorted(d for d in (lab.bs_dim, lab.t_dim) if d is not None)
@@ -306,10 +356,14 @@ def _token_ordered(lab: AxisLabel) -> bool:
 
 
 def _prefix(shape, lab: AxisLabel):
-    """Product of the sizes before the first token axis."""
+    """Product of the sizes in front of the tokens: before the first token axis, times a
+    static factor merged in front of the request axis or the flat axis (``[c*bs]``, an outer
+    ``[c*bs*T]``). Read as ``[prefix, bs, T, rest]``, a value keeps its rows under a view
+    exactly when the view keeps this product."""
     first = min(lab.token_dims)
-    return sympy.prod([sympy.sympify(s.node.expr if isinstance(s, torch.SymInt) else s)
-                       for s in shape[:first]])
+    front = lab.bs_factor * (lab.flat_factor if lab.flat_outer else 1)
+    return front * sympy.prod([sympy.sympify(s.node.expr if isinstance(s, torch.SymInt) else s)
+                               for s in shape[:first]])
 
 
 def _check_factor_view(x: fx.Node, node: fx.Node, lab_in: AxisLabel,
@@ -370,6 +424,10 @@ def _check_linear(node: fx.Node) -> str | None:
     if 2 in la.token_dims or 1 in lb.token_dims:
         return "it contracts over the token axis"
     if la.token_dims == lb.token_dims == (0,) and la.flat_dim == lb.flat_dim == 0:
+        if _axes(la) != _axes(lb):  # row i of one is not row i of the other
+            return (f"its operands hold flat rows in different orders ({_order(la)} against "
+                    f"{_order(lb)}): only rows in the same token-major order or the same "
+                    "tiling pair up")
         return None  # one product per flat row: a (token, expert) row times its gathered weights
     if la.kind == "token" and lb.kind == "token":
         return "both operands hold token rows (tokens attend to tokens outside cached attention)"
@@ -404,13 +462,13 @@ def _arg(node: fx.Node, index: int):
 
 def _axes(lab: AxisLabel) -> tuple:
     """Where a label's token axes are and how rows sit in them (equal: the same rows)."""
-    return lab.bs_dim, lab.t_dim, lab.flat_dim, lab.flat_factor, lab.bs_factor
+    return lab.bs_dim, lab.t_dim, lab.flat_dim, lab.flat_factor, lab.flat_outer, lab.bs_factor
 
 
 def _kinds(lab: AxisLabel) -> tuple:
     """Which token axes a label has, wherever they are."""
     return (lab.bs_dim is not None, lab.t_dim is not None, lab.flat_dim is not None,
-            lab.flat_factor, lab.bs_factor)
+            lab.flat_factor, lab.flat_outer, lab.bs_factor)
 
 
 def _dim_operands(node: fx.Node, packet) -> tuple[fx.Node, list[fx.Node]]:
@@ -439,6 +497,10 @@ def _check_operands(node: fx.Node, packet, x: fx.Node, others: list[fx.Node]) ->
             continue
         if not la.token_dims and a.meta["val"].dim() == 0:
             continue  # a scalar tensor: the same value for every row
+        if a.meta["val"].dim() == x.meta["val"].dim() and la.flat_dim == lab.flat_dim and \
+                la.flat_dim is not None and _axes(la) != _axes(lab):
+            return (f"operand {a.name} holds its flat rows in {_order(la)} but {x.name} in "
+                    f"{_order(lab)} (row i of one is not row i of the other)")
         if a.meta["val"].dim() != x.meta["val"].dim() or _axes(la) != _axes(lab):
             return (f"operand {a.name} {tuple(a.meta['val'].shape)} does not hold the token "
                     f"axes of {x.name} {tuple(x.meta['val'].shape)} at the same dims (each "
@@ -469,6 +531,22 @@ def _check_dims(node: fx.Node, packet, out: AxisLabel) -> str | None:
     if _kinds(out) != _kinds(lab):
         return (f"its result {tuple(node.meta['val'].shape)} does not keep the token axes of "
                 f"{x.name} {tuple(x.meta['val'].shape)} (it drops or narrows some tokens' rows)")
+    return None
+
+
+def _check_repeat(node: fx.Node) -> str | None:
+    """``repeat`` tiles a value: along non-token dims, or whole tiles of its flat rows (Llama
+    4 feeds every expert all tokens as ``[E*N, H]``); never along the request or token axis."""
+    x, reps = node.args[0], list(node.args[1])
+    lab = axis(x)
+    shift = len(reps) - x.meta["val"].dim()
+    for d in (lab.bs_dim, lab.t_dim):
+        if d is not None and reps[d + shift] != 1:
+            return ("it tiles along the request or token axis (tile the flat [N, ...] rows "
+                    "instead)")
+    if lab.flat_dim is not None and reps[lab.flat_dim + shift] != 1 and \
+            lab.flat_factor > 1 and not lab.flat_outer:
+        return "it tiles token-major sub-rows (a tile would interleave tokens' rows)"
     return None
 
 
@@ -514,6 +592,8 @@ def check_node(node: fx.Node) -> str | None:
         return _check_gather(node)
     if packet in LIKE_FACTORIES or packet in SIZED_FACTORIES:
         return _check_factory(node, packet, out)
+    if packet is aten.repeat:
+        return _check_repeat(node)
     if packet in DIM_OPS:
         return _check_dims(node, packet, out)
     if packet in NORM_OPS:

@@ -3,8 +3,9 @@ axis, or pairing rows of different tokens, are refused by name at the model's li
 
 Each rule has a case that compiles and matches the model's own forward, and a case that must
 still be refused. The rules came from false refusals of real models (Cohere's, GLM-4's and
-Ernie 4.5's interleaved rotary ``stack``, Llama 4's ``ones_like``/``polar`` rotary, PhiMoE's
-router ``scatter``), which are checked here against HF's own forward.
+Ernie 4.5's interleaved rotary ``stack``, Llama 4's ``ones_like``/``polar`` rotary and its
+experts' ``repeat`` tiling, PhiMoE's router ``scatter``), which are checked here against HF's
+own forward.
 """
 
 from __future__ import annotations
@@ -68,8 +69,17 @@ def router_scatter_gather(x, positions):  # PhiMoE / Llama 4's router: -inf but 
     return masked.softmax(-1) + picked + x.index_select(-1, torch.tensor([3, 1] * 8))
 
 
+def experts_tiled(x, positions):  # Llama 4: every expert gets every token, [E*N, H]
+    rows = x.reshape(-1, H)
+    scores = torch.sigmoid(rows[:, :4])  # [N, E]
+    tiled = rows.repeat(4, 1) * scores.transpose(0, 1).reshape(-1, 1)  # [E*N, H]
+    w = torch.linspace(-1, 1, 4 * H * H).view(4, H, H)
+    out = torch.bmm(tiled.view(4, -1, H), w).view(-1, H)
+    return x + out.reshape(4, -1, H).sum(dim=0).view_as(x)
+
+
 @pytest.mark.parametrize("mix", [interleaved_rotary, complex_rotary, constant_fills,
-                                 router_scatter_gather])
+                                 router_scatter_gather, experts_tiled])
 def test_ops_along_other_dims_compile_and_match(mix):
     model = Mixer(mix).eval()
     verifier = dspark_compile(model)
@@ -83,6 +93,12 @@ def test_ops_along_other_dims_compile_and_match(mix):
 
 
 # ---------------------------------------------------------------- still refused, by name
+def stack_of_rows_in_two_orders(x, positions):
+    rows = x.reshape(-1, H)
+    tiles = torch.stack([rows.repeat_interleave(2, 0), rows.repeat(2, 1)], -1)
+    return tiles.sum(-1).view(-1, 2, H).mean(1).view_as(x)
+
+
 def cat_along_tokens(x, positions):
     rows = x.reshape(-1, H)
     return torch.cat([rows, rows]).view(2, -1, H).mean(0).view_as(x)
@@ -114,7 +130,22 @@ def index_add_by_token_ids(x, positions):
     return x + table.sum(0)
 
 
+def repeat_along_tokens(x, positions):
+    return x.repeat(1, 2, 1).view(x.shape[0], x.shape[1], 2, H).mean(2)
+
+
+def repeat_requests(x, positions):
+    return x.repeat(2, 1, 1).view(2, *x.shape).mean(0)
+
+
+def complex_of_rows_in_two_orders(x, positions):
+    rows = x.reshape(-1, H)
+    z = torch.complex(rows.repeat(2, 1), rows.repeat_interleave(2, 0))
+    return z.abs().view(-1, 2, H).mean(1).view_as(x)
+
+
 @pytest.mark.parametrize("mix, op, why", [
+    (stack_of_rows_in_two_orders, "stack", "holds its flat rows in"),
     (cat_along_tokens, "cat", "along the token axis"),
     (random_fill, "rand_like", "not known to be token-wise"),
     (fill_tokens_before_requests, "zeros", "puts the token axis before the request axis"),
@@ -122,6 +153,9 @@ def index_add_by_token_ids(x, positions):
     (scatter_along_tokens, "scatter_add", "along the token axis"),
     (gather_along_tokens, "gather", "along the token axis"),
     (index_add_by_token_ids, "index_add", "by the per-token index"),
+    (repeat_along_tokens, "repeat", "merges the token axis with another axis"),
+    (repeat_requests, "repeat", "tiles along the request or token axis"),
+    (complex_of_rows_in_two_orders, "complex", "holds its flat rows in"),
 ], ids=lambda v: v.__name__ if callable(v) else None)
 def test_same_ops_across_tokens_are_refused_with_op_and_line(mix, op, why):
     with pytest.raises(RefusedOp) as info:
@@ -131,6 +165,19 @@ def test_same_ops_across_tokens_are_refused_with_op_and_line(mix, op, why):
     # The model's source line (the innermost forward() frame), not one of ours.
     assert "test_token_axis_rules.py" in message and \
         "x = self.mix(self.norm(self.embed(ids)), positions)" in message, message
+
+
+def test_tiled_experts_paired_with_token_major_weights_are_refused():
+    """Row i of a tiling ([E, N]) is not row i of per-token expert rows ([N, E]): a bmm that
+    pairs them would multiply one token's activations by another token's weights."""
+    def mix(x, positions):
+        rows = x.reshape(-1, H)
+        ids = rows[:, :2].argmax(-1, keepdim=True).expand(-1, 2).reshape(-1)  # [N*2] by token
+        w = torch.linspace(-1, 1, 2 * H * H).view(2, H, H)[ids]
+        out = torch.bmm(w, rows.repeat(2, 1).unsqueeze(-1))  # tiles: [2, N] order
+        return x + out.view(-1, 2, H).sum(1).view_as(x)
+    with pytest.raises(RefusedOp, match=r"refuses bmm\.default.*different orders"):
+        dspark_compile(Mixer(mix))
 
 
 # ---------------------------------------------------------------- the models they came from
@@ -145,6 +192,10 @@ def _hf(name):
         "cohere": (tf.CohereConfig, tf.CohereForCausalLM, {}),
         "glm4": (tf.Glm4Config, tf.Glm4ForCausalLM, dict(head_dim=16, pad_token_id=0)),
         "ernie4_5": (tf.Ernie4_5Config, tf.Ernie4_5ForCausalLM, dict(head_dim=16)),
+        # Llama 4's chunked attention is a mask dspark_compile does not implement: off here.
+        "llama4": (tf.Llama4TextConfig, tf.Llama4ForCausalLM,
+                   dict(head_dim=16, num_local_experts=4, num_experts_per_tok=1,
+                        intermediate_size_mlp=96, attention_chunk_size=None)),
         "phimoe": (tf.PhimoeConfig, tf.PhimoeForCausalLM,
                    dict(num_local_experts=4, num_experts_per_tok=2, sliding_window=None)),
     }
@@ -153,7 +204,7 @@ def _hf(name):
     return model_cls(config_cls(**{**SMALL, **extra})).eval()
 
 
-@pytest.mark.parametrize("name", ["cohere", "glm4", "ernie4_5", "phimoe"])
+@pytest.mark.parametrize("name", ["cohere", "glm4", "ernie4_5", "llama4", "phimoe"])
 def test_models_refused_by_these_ops_now_equal_hf(name):
     model = _hf(name)
     session = Session(model, dspark_compile(model), [2, 0], seed=1)
