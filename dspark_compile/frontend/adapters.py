@@ -23,6 +23,7 @@ from torch import nn
 
 from .plain import CachedAttention
 from ..specs import AttentionSpec, LinearSpec
+from .experts import experts_hooks
 from .hybrid import RecurrentLayers, hybrid_hooks
 from .multimodal import MRopeSpec, mrope_spec, vision_hook
 from .scope import active_scope
@@ -381,27 +382,6 @@ def _sdpa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     return out.transpose(1, 2)
 
 
-@contextlib.contextmanager
-def _batched_experts(model: nn.Module) -> Iterator[None]:
-    """Mixture-of-experts models run their experts as ``batched_mm`` during a capture.
-
-    transformers' default experts forward loops over the experts a batch happens to hit (data-
-    dependent control flow, not traceable) and ``grouped_mm`` has no float32 CPU kernel; the
-    ``batched_mm`` forward gathers each (token, expert) pair's weights and runs one ``bmm``, which
-    the token-axis pass proves token-wise. The previous implementation is restored afterwards.
-    """
-    previous = getattr(model.config, "_experts_implementation", None)
-    if previous is None or not hasattr(model, "set_experts_implementation") or \
-            not model._can_set_experts_implementation():
-        yield
-        return
-    model.set_experts_implementation("batched_mm")
-    try:
-        yield
-    finally:
-        model.set_experts_implementation(previous)
-
-
 def _hf_adapter(model: nn.Module) -> ModelAdapter:
     """Attention layers are found by the capture (``discover``): every call of the attention
     function in one forward is a layer, in call order, with the shapes of that call."""
@@ -426,7 +406,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         try:
             with route, hybrid_hooks(linear), \
                     vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
-                    _batched_experts(model):
+                    experts_hooks(model):
                 yield
         finally:
             if config._attn_implementation != previous:

@@ -7,6 +7,8 @@ rotary angles and takes them as flat rows. ``ragged_attention``, ``ragged_conv``
 take flat rows, so once they are rewritten the dense graph is still runnable on a uniform
 layout, and ``flatten_tokens`` finds only ops that treat rows independently plus ops that are
 already flat-native.
+``ragged_experts`` bounds the experts' routing (flat-native from the capture on) by the
+layout's real rows, so padding routes nowhere.
 
 Stage ``lowering`` works on the packed graph: token-wise fusions, each enabled by the resolved
 configuration (``DSparkConfig.resolve``), then ``lower`` swaps every reference ``dspark::`` op
@@ -24,7 +26,7 @@ import torch.fx as fx
 from ..config import ResolvedConfig
 from . import (concat_linear, flat_mrope, flatten_tokens, fuse_linear, fuse_rotary,
                group_linear, lower, outer_product, ragged_attention, ragged_conv,
-               ragged_linear_attention, ragged_ssd, token_axis)
+               ragged_experts, ragged_linear_attention, ragged_ssd, token_axis)
 from .base import EnsureError, PassContext, PassResult, RefusedOp
 
 __all__ = ["PIPELINE", "Pass", "run_pipeline", "stage", "PassContext", "PassResult",
@@ -58,6 +60,7 @@ PIPELINE = (
     Pass("ragged_conv", ragged_conv.run, "ragged"),
     Pass("ragged_linear_attention", ragged_linear_attention.run, "ragged"),
     Pass("ragged_ssd", ragged_ssd.run, "ragged"),
+    Pass("ragged_experts", ragged_experts.run, "ragged"),
     Pass("flatten_tokens", flatten_tokens.run, "ragged"),
     Pass("outer_products", lambda gm, ctx: outer_product.outer_products(gm), "lowering"),
     Pass("group_linears", lambda gm, ctx: group_linear.group_linears(gm), "lowering",

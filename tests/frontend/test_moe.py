@@ -1,9 +1,10 @@
 """Mixture-of-experts layers: per-token expert routing is token-wise.
 
 HF Qwen3-Next (Gated DeltaNet + gated attention, a sparse MoE in every layer) runs its experts
-as ``batched_mm`` while captured: each token's row repeated once per chosen expert, the
-experts' weights gathered by id (``aten.index`` on a global table), one ``bmm`` per (token,
-expert) row. Every ragged logit row equals HF's own forward over that request alone.
+through transformers' experts interface as ``dspark::experts_route / experts_up /
+experts_down`` while captured (``frontend/experts.py``; the other MoE families are in
+``test_experts.py``); router and shared expert stay graph code. Every ragged logit row equals
+HF's own forward over that request alone.
 
 A plain decoder with the same routing pins down each rule and where it must refuse: gathering
 token rows by index, tiling rows out of token-major order, top-k over the token axis.
@@ -46,7 +47,9 @@ def test_qwen3_next_ragged_equals_hf_forward(compiled, slots, prompts, lens_fn):
 
 def test_qwen3_next_capture_restores_the_experts_implementation(compiled):
     model, verifier = compiled
-    assert model.config._experts_implementation != "batched_mm"
+    assert model.config._experts_implementation == "grouped_mm"
+    ops = [getattr(n.target, "__name__", "") for n in verifier.graph_module.graph.nodes]
+    assert sum(op.startswith("experts_up") for op in ops) == 4
     done = {r.name: r.changed for r in verifier.results}
     assert done["ragged_conv"] == 2 and done["ragged_linear_attention"] == 2
 
