@@ -13,7 +13,10 @@ verify widths, T <= 16, the state read dominates, and each row costs 3 K x BLOCK
     out = S^T (q * scale)
 
 Each value-channel block is independent (every reduction is over K), which is what lets a
-small batch spread over the GPU (see :func:`plan_gdn`). The pool is only read; the state
+small batch spread over the GPU (see :func:`plan_gdn`). Each step issues the next row's loads
+before its own arithmetic (the last row reloads itself), so their latency overlaps the update
+instead of adding to the token-serial chain; ``GdnPlan.num_warps`` is open to the sweep of
+``benchmarks/ssd_kernels.py`` (at 4 warps the two reductions over K cross warps every step). The pool is only read; the state
 never leaves registers. A row only ever sees earlier rows of its own request, so a NaN or Inf
 in a rejected draft reaches that row's and later rows' outputs only, never an earlier row:
 there is no causal mask term to get wrong. The program of value head ``h`` and channel block
@@ -106,6 +109,22 @@ def _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_hea
 
 
 @triton.jit
+def _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, head, k_head, offs_k, offs_v, k_ok,
+              v_ok, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
+              stride_v_head, stride_g_tok, stride_beta_tok):
+    """Row ``n``'s q, k ``[K_PAD]`` (its key head), v ``[BLOCK_V]``, g and beta, as fp32."""
+    k = tl.load(k_ptr + n * stride_k_tok + k_head * stride_k_head + offs_k, mask=k_ok,
+                other=0.0)
+    q = tl.load(q_ptr + n * stride_q_tok + k_head * stride_q_head + offs_k, mask=k_ok,
+                other=0.0)
+    v = tl.load(v_ptr + n * stride_v_tok + head * stride_v_head + offs_v, mask=v_ok, other=0.0)
+    g = tl.load(g_ptr + n * stride_g_tok + head)
+    beta = tl.load(beta_ptr + n * stride_beta_tok + head)
+    return (q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), g.to(tl.float32),
+            beta.to(tl.float32))
+
+
+@triton.jit
 def _gdn_forward_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
         slots_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_tokens,
@@ -135,25 +154,39 @@ def _gdn_forward_kernel(
     _, state = _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok,
                            stride_s_slot, stride_s_head, stride_s_k)
     k_head = head // (HV // HK)
+    last = start + length - 1
+    q, k, v, g, beta = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start.to(tl.int64), head,
+                                 k_head, offs_k, offs_v, k_ok, v_ok, stride_q_tok,
+                                 stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
+                                 stride_v_head, stride_g_tok, stride_beta_tok)
     for t in range(length):
         n = (start + t).to(tl.int64)
-        k = tl.load(k_ptr + n * stride_k_tok + k_head * stride_k_head + offs_k, mask=k_ok,
-                    other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + n * stride_q_tok + k_head * stride_q_head + offs_k, mask=k_ok,
-                    other=0.0).to(tl.float32)
+        # the next row's loads go out before this row's arithmetic (the last row reloads
+        # itself): their latency overlaps the update instead of stalling the next step
+        q_next, k_next, v_next, g_next, beta_next = _load_row(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tl.minimum(n + 1, last).to(tl.int64), head,
+            k_head, offs_k, offs_v, k_ok, v_ok, stride_q_tok, stride_q_head, stride_k_tok,
+            stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok)
         if L2NORM:
             k = _l2norm(k)
             q = _l2norm(q)
-        v = tl.load(v_ptr + n * stride_v_tok + head * stride_v_head + offs_v, mask=v_ok,
-                    other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + n * stride_g_tok + head).to(tl.float32)
-        beta = tl.load(beta_ptr + n * stride_beta_tok + head).to(tl.float32)
         state = _delta_step(state, k, v, g, beta)
         out = tl.sum(state * (q * scale)[:, None], 0)  # [BLOCK_V]
         tl.store(out_ptr + n * stride_out_tok + head * stride_out_head + offs_v,
                  out.to(out_ptr.dtype.element_ty), mask=v_ok)
         _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k,
                    v, g, beta, offs_k, offs_v, k_ok, v_ok, HK, HV, KD, VD)
+        q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
+
+
+@triton.jit
+def _load_ring_row(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, offs_k,
+                   offs_v, k_ok, v_ok, HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr,
+                   VD: tl.constexpr):
+    """Row ``n``'s saved key ``[K_PAD]``, v ``[BLOCK_V]``, g and beta."""
+    k = tl.load(ring_k_ptr + (n * HK + k_head) * KD + offs_k, mask=k_ok, other=0.0)
+    v = tl.load(ring_v_ptr + (n * HV + head) * VD + offs_v, mask=v_ok, other=0.0)
+    return k, v, tl.load(ring_g_ptr + n * HV + head), tl.load(ring_beta_ptr + n * HV + head)
 
 
 @triton.jit
@@ -179,13 +212,18 @@ def _gdn_commit_kernel(
     ptrs, state = _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok,
                               stride_s_slot, stride_s_head, stride_s_k)
     k_head = head // (HV // HK)
+    last = start + accepted - 1
+    k, v, g, beta = _load_ring_row(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
+                                   start.to(tl.int64), head, k_head, offs_k, offs_v, k_ok, v_ok,
+                                   HK, HV, KD, VD)
     for t in range(accepted):
         n = (start + t).to(tl.int64)
-        k = tl.load(ring_k_ptr + (n * HK + k_head) * KD + offs_k, mask=k_ok, other=0.0)
-        v = tl.load(ring_v_ptr + (n * HV + head) * VD + offs_v, mask=v_ok, other=0.0)
-        g = tl.load(ring_g_ptr + n * HV + head)
-        beta = tl.load(ring_beta_ptr + n * HV + head)
+        k_next, v_next, g_next, beta_next = _load_ring_row(  # prefetched, as in the forward
+            ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
+            tl.minimum(n + 1, last).to(tl.int64), head, k_head, offs_k, offs_v, k_ok, v_ok,
+            HK, HV, KD, VD)
         state = _delta_step(state, k, v, g, beta)
+        k, v, g, beta = k_next, v_next, g_next, beta_next
     tl.debug_barrier()  # the whole tile is read before any warp writes it back
     tl.store(ptrs, state, mask=k_ok[:, None] & v_ok[None, :])
 
@@ -200,6 +238,8 @@ class GdnPlan:
     """Value channels per program."""
     num_vb: int
     """Value-channel blocks per head: ``cdiv(V, block_v)``."""
+    num_warps: int = _NUM_WARPS
+    """Warps per program (``benchmarks/ssd_kernels.py --sweep`` times 1 to 8)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -243,7 +283,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
         v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
         st.stride(0), st.stride(1), st.stride(2), HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad,
         BLOCK_V=plan.block_v, NUM_VB=plan.num_vb, L2NORM=use_qk_l2norm, PAD_ROWS=_PAD_ROWS,
-        num_warps=_NUM_WARPS)
+        num_warps=plan.num_warps)
     return out
 
 
@@ -264,4 +304,4 @@ def gated_delta_rule_commit_triton(recurrent_state, ring_k, ring_v, ring_g, ring
         st, ring_k, ring_v, ring_g, ring_beta, query_start_loc, slots, accept_lens,
         st.shape[0], st.stride(0), st.stride(1), st.stride(2), HK=ring_k.shape[1], HV=hv,
         KD=kd, VD=vd, K_PAD=plan.k_pad, BLOCK_V=plan.block_v, NUM_VB=plan.num_vb,
-        num_warps=_NUM_WARPS)
+        num_warps=plan.num_warps)

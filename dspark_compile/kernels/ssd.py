@@ -12,7 +12,9 @@ widths the state read dominates, and each row costs 3 N x BLOCK_P FMAs)::
     S  <- S * exp(da) + B (x) xdt;        out = S^T C + D * x
 
 Every reduction is over N, so channel blocks are independent, which is what lets a small
-batch spread over the GPU (:func:`plan_ssd`). The pool is only read; the state never leaves
+batch spread over the GPU (:func:`plan_ssd`). The update itself is elementwise; only the output
+reduces (over N). Each step issues the next row's loads before its own arithmetic (the last row
+reloads itself), so their latency overlaps the update instead of adding to the serial chain. The pool is only read; the state never leaves
 registers. A row only ever sees earlier rows of its own request, so a NaN or Inf in a rejected
 draft reaches that row's and later rows' outputs only: there is no causal mask term to get
 wrong. Ring writers: every channel block its slice of ``x * dt``; channel block 0 of each head
@@ -46,7 +48,6 @@ from .device import device_sm_count
 
 __all__ = ["SsdPlan", "plan_ssd", "ssd_triton", "ssd_commit_triton"]
 
-_NUM_WARPS = 4
 _MAX_TILE = 4096  # fp32 state elements per program: 32 registers per thread at 4 warps of 32
 _MIN_BLOCK_P = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
@@ -96,6 +97,20 @@ def _load_state(state_ptr, slot, num_slots, head, offs_n, offs_p, n_ok, p_ok, st
 
 
 @triton.jit
+def _load_row(x_ptr, dt_ptr, b_ptr, c_ptr, n, head, group, offs_n, offs_p, n_ok, p_ok,
+              stride_x_tok, stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group,
+              stride_c_tok, stride_c_group):
+    """Row ``n``'s x ``[BLOCK_P]``, raw dt, B and C ``[N_PAD]`` of this head, as fp32."""
+    x = tl.load(x_ptr + n * stride_x_tok + head * stride_x_head + offs_p, mask=p_ok, other=0.0)
+    dt = tl.load(dt_ptr + n * stride_dt_tok + head)
+    b = tl.load(b_ptr + n * stride_b_tok + group * stride_b_group + offs_n, mask=n_ok,
+                other=0.0)
+    c = tl.load(c_ptr + n * stride_c_tok + group * stride_c_group + offs_n, mask=n_ok,
+                other=0.0)
+    return x.to(tl.float32), dt.to(tl.float32), b.to(tl.float32), c.to(tl.float32)
+
+
+@triton.jit
 def _ssd_forward_kernel(
         out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
         query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
@@ -129,16 +144,21 @@ def _ssd_forward_kernel(
     d = tl.load(d_ptr + head).to(tl.float32)  # read only with HAS_D (else A's address)
     # HF adds dt_bias.to(dt.dtype): round it to dt's dtype first
     bias = tl.load(dt_bias_ptr + head).to(dt_ptr.dtype.element_ty).to(tl.float32)
+    last = start + length - 1
+    x, dt, b, c = _load_row(x_ptr, dt_ptr, b_ptr, c_ptr, start.to(tl.int64), head, group,
+                            offs_n, offs_p, n_ok, p_ok, stride_x_tok, stride_x_head,
+                            stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
+                            stride_c_group)
     for t in range(length):
         n = (start + t).to(tl.int64)
-        x = tl.load(x_ptr + n * stride_x_tok + head * stride_x_head + offs_p, mask=p_ok,
-                    other=0.0).to(tl.float32)
-        dt = _process_dt(tl.load(dt_ptr + n * stride_dt_tok + head).to(tl.float32), bias,
-                         HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max, dt_ptr.dtype.element_ty)
-        b = tl.load(b_ptr + n * stride_b_tok + group * stride_b_group + offs_n, mask=n_ok,
-                    other=0.0).to(tl.float32)
-        c = tl.load(c_ptr + n * stride_c_tok + group * stride_c_group + offs_n, mask=n_ok,
-                    other=0.0).to(tl.float32)
+        # the next row's loads go out before this row's arithmetic (the last row reloads
+        # itself): their latency overlaps the update instead of stalling the next step
+        x_next, dt_next, b_next, c_next = _load_row(
+            x_ptr, dt_ptr, b_ptr, c_ptr, tl.minimum(n + 1, last).to(tl.int64), head, group,
+            offs_n, offs_p, n_ok, p_ok, stride_x_tok, stride_x_head, stride_dt_tok,
+            stride_b_tok, stride_b_group, stride_c_tok, stride_c_group)
+        dt = _process_dt(dt, bias, HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max,
+                         dt_ptr.dtype.element_ty)
         xdt = x * dt
         da = a * dt
         state = _ssd_step(state, xdt, b, da)
@@ -152,6 +172,16 @@ def _ssd_forward_kernel(
             tl.store(ring_da_ptr + n * H + head, da)
             if head % (H // G) == 0:
                 tl.store(ring_b_ptr + (n * G + group) * NS + offs_n, b, mask=n_ok)
+        x, dt, b, c = x_next, dt_next, b_next, c_next
+
+
+@triton.jit
+def _load_ring_row(ring_x_ptr, ring_b_ptr, ring_da_ptr, n, head, group, offs_n, offs_p, n_ok,
+                   p_ok, H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr):
+    """Row ``n``'s saved ``x * dt`` ``[BLOCK_P]``, B ``[N_PAD]`` and ``A * dt``."""
+    xdt = tl.load(ring_x_ptr + (n * H + head) * P + offs_p, mask=p_ok, other=0.0)
+    b = tl.load(ring_b_ptr + (n * G + group) * NS + offs_n, mask=n_ok, other=0.0)
+    return xdt, b, tl.load(ring_da_ptr + n * H + head)
 
 
 @triton.jit
@@ -177,12 +207,16 @@ def _ssd_commit_kernel(
     ptrs, state = _load_state(state_ptr, slot, num_slots, head, offs_n, offs_p, n_ok, p_ok,
                               stride_s_slot, stride_s_head, stride_s_n)
     group = head // (H // G)
+    last = start + accepted - 1
+    xdt, b, da = _load_ring_row(ring_x_ptr, ring_b_ptr, ring_da_ptr, start.to(tl.int64), head,
+                                group, offs_n, offs_p, n_ok, p_ok, H, G, NS, P)
     for t in range(accepted):
         n = (start + t).to(tl.int64)
-        xdt = tl.load(ring_x_ptr + (n * H + head) * P + offs_p, mask=p_ok, other=0.0)
-        b = tl.load(ring_b_ptr + (n * G + group) * NS + offs_n, mask=n_ok, other=0.0)
-        da = tl.load(ring_da_ptr + n * H + head)
+        xdt_next, b_next, da_next = _load_ring_row(  # prefetched, as in the forward
+            ring_x_ptr, ring_b_ptr, ring_da_ptr, tl.minimum(n + 1, last).to(tl.int64), head,
+            group, offs_n, offs_p, n_ok, p_ok, H, G, NS, P)
         state = _ssd_step(state, xdt, b, da)
+        xdt, b, da = xdt_next, b_next, da_next
     tl.debug_barrier()  # the whole tile is read before any warp writes it back
     tl.store(ptrs, state, mask=n_ok[:, None] & p_ok[None, :])
 
@@ -197,6 +231,8 @@ class SsdPlan:
     """Head channels per program."""
     num_pb: int
     """Channel blocks per head: ``cdiv(P, block_p)``."""
+    num_warps: int = 4
+    """Warps per program (``benchmarks/ssd_kernels.py --sweep`` times 1 to 8)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -239,7 +275,7 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
            C.stride(0), C.stride(1), out.stride(0), out.stride(1), st.stride(0), st.stride(1),
            st.stride(2), H=h, G=g, NS=n_state, P=p, N_PAD=plan.n_pad, BLOCK_P=plan.block_p,
            NUM_PB=plan.num_pb, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
-           SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, num_warps=_NUM_WARPS)
+           SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, num_warps=plan.num_warps)
     return out
 
 
@@ -257,4 +293,5 @@ def ssd_commit_triton(ssm_state, ring_x, ring_b, ring_da, query_start_loc, slots
     launch(_ssd_commit_kernel, (r, h * plan.num_pb),
            st, ring_x, ring_b, ring_da, query_start_loc, slots, accept_lens, st.shape[0],
            st.stride(0), st.stride(1), st.stride(2), H=h, G=ring_b.shape[1], NS=n_state, P=p,
-           N_PAD=plan.n_pad, BLOCK_P=plan.block_p, NUM_PB=plan.num_pb, num_warps=_NUM_WARPS)
+           N_PAD=plan.n_pad, BLOCK_P=plan.block_p, NUM_PB=plan.num_pb,
+           num_warps=plan.num_warps)

@@ -5,7 +5,7 @@ and ``mamba2_chunk_scan``) and compiled to ``dspark::causal_conv1d`` + ``dspark:
 ragged logit row equals HF's forward (``use_cache=False``) over that request's prompt +
 committed + new tokens alone, over a prefill and three verify/commit rounds with random lengths
 and accepted prefixes (float32, CPU, reference ops). HF scans in chunks of 4, the op token by
-token, so rows agree to float32 rounding (max errors 6e-8 to 6e-7 at 71e5b1b), not bitwise.
+token, so rows agree to float32 rounding (max errors 6e-8 to 6e-7 at f31adbe), not bitwise.
 Containment: a NaN token at rejected draft positions leaves the accepted outputs and the
 committed conv and SSM state bit-identical to a clean run. Mamba-1 (Jamba) and mixers that
 run their conv themselves are refused naming the module.

@@ -1,0 +1,254 @@
+"""Benchmark: the Mamba-2 (SSD) and Gated DeltaNet verify ops against their state-read floor.
+
+SSD: Nemotron-H's mixer shapes (128 heads of P = 64, 8 groups of N = 128), bf16 x / dt / B / C,
+fp32 state. GDN: Qwen3-Next's (16 key heads, 32 value heads, K = V = 128), bf16 q / k / v, fp32
+state. bs 1 / 8 / 64 / 128, verify lengths all 8 and a fixed-seed mix of 1..8 with mean exactly
+3 (``common.mix_lens``). Floor = the fp32 state read once (``bs * heads * K * V * 4`` bytes; the
+forward writes no state) at 4.8 TB/s; the share of it is ``floor / best time``. The commits
+(state read + write) are timed too, against twice that floor.
+
+Every case is first checked against the pure-torch reference (float32 copies), then timed as
+back-to-back launches between two CUDA events and as CUDA-graph replays, cycling over enough
+copies of the inputs that the state comes from HBM, not the 50 MB L2 (``common.time_calls``).
+``--sweep`` also times every channel block (``BLOCK_P`` / ``BLOCK_V``) and warp count at each
+batch size, all 8 rows.
+
+Usage: ``python benchmarks/ssd_kernels.py [--sweep] [--smoke]``. Writes ``ssd_kernels.json`` to
+``$OUT`` if set, else to ``benchmarks/results/``. ``--smoke`` runs tiny shapes on the CPU under
+``TRITON_INTERPRET=1`` (checks the script, times nothing real).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import math
+import os
+import platform
+import sys
+from pathlib import Path
+
+if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel import
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+from common import mix_lens, time_calls  # noqa: E402
+
+from dspark_compile.kernels import gdn as triton_gdn  # noqa: E402
+from dspark_compile.kernels import ssd as triton_ssd  # noqa: E402
+from dspark_compile.kernels.device import device_sm_count  # noqa: E402
+from dspark_compile.ops import linear_attention as linear_ops  # noqa: E402
+from dspark_compile.ops import linear_attention_reference as gdn_ref  # noqa: E402
+from dspark_compile.ops import ssd as ssd_ops  # noqa: E402
+from dspark_compile.ops import ssd_reference as ssd_ref  # noqa: E402
+
+SETTINGS = dict(batch_sizes=[1, 8, 64, 128], block=8, mean_len=3, dtype="bfloat16",
+                ssd_heads=128, ssd_groups=8, ssd_state=128, ssd_head_dim=64,
+                gdn_k_heads=16, gdn_v_heads=32, gdn_k_dim=128, gdn_v_dim=128,
+                hbm_bytes_per_s=4.8e12, rotate_bytes=256e6, eager_iters=200, graph_calls=32,
+                graph_replays=20, sweep_blocks=[16, 32, 64], sweep_warps=[1, 2, 4, 8])
+SMOKE = dict(SETTINGS, batch_sizes=[1, 3], dtype="float32", ssd_heads=4, ssd_groups=2,
+             ssd_state=8, ssd_head_dim=24, gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=16,
+             gdn_v_dim=16, rotate_bytes=0, eager_iters=2, graph_calls=1, graph_replays=1,
+             sweep_blocks=[16], sweep_warps=[4])
+
+
+def lengths(bs: int, mix: bool, s: dict) -> list[int]:
+    return mix_lens(bs, s["block"], s["mean_len"]) if mix else [s["block"]] * bs
+
+
+def layout(lens: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """``query_start_loc`` and slots (a fixed permutation of a pool twice the batch)."""
+    qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    slots = torch.randperm(2 * len(lens), generator=torch.Generator().manual_seed(1))
+    return qsl.to(device), slots[: len(lens)].to(torch.int32).to(device)
+
+
+def _copies(one_bytes: float, s: dict) -> int:
+    return max(1, min(64, math.ceil(s["rotate_bytes"] / max(one_bytes, 1))))
+
+
+def _rates(nbytes: float, times: dict, s: dict) -> dict:
+    best = min(v for v in (times["eager_us"], times["graph_us"]) if v is not None)
+    floor = nbytes / s["hbm_bytes_per_s"] * 1e6
+    return dict(**times, best_us=best, bytes=int(nbytes), floor_us=floor,
+                floor_pct=round(100 * floor / best, 1))
+
+
+# ---------------------------------------------------------------------- SSD
+def ssd_inputs(lens: list[int], s: dict, device: str, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    dtype, n, r = getattr(torch, s["dtype"]), sum(lens), len(lens)
+    h, grp, ns, p = s["ssd_heads"], s["ssd_groups"], s["ssd_state"], s["ssd_head_dim"]
+    qsl, slots = layout(lens, device)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+
+    return dict(x=rnd(n, h, p), dt=rnd(n, h, scale=0.5), B=rnd(n, grp, ns), C=rnd(n, grp, ns),
+                A=-torch.rand(h, generator=g).add(0.5).to(device),
+                D=torch.randn(h, generator=g).to(device),
+                dt_bias=torch.randn(h, generator=g).mul(0.3).to(device),
+                state=torch.randn(2 * r, h, ns, p, generator=g).mul(0.3).to(device),
+                qsl=qsl, slots=slots, rings=ssd_ops.ssd_ring(n, h, grp, ns, p, device))
+
+
+def _ssd_args(c: dict) -> tuple:
+    return (c["x"], c["dt"], c["A"], c["B"], c["C"], c["D"], c["dt_bias"], c["state"], c["qsl"],
+            c["slots"], *c["rings"], True, 0.0, float("inf"))
+
+
+def check_ssd(c: dict, lens: list[int], plan=None) -> float:
+    f32 = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+           for k, v in c.items()}
+    f32["rings"] = tuple(torch.zeros_like(r) for r in c["rings"])
+    want = ssd_ref.ssd(*_ssd_args(f32))
+    got = triton_ssd.ssd_triton(*_ssd_args(c), plan=plan)
+    acc = torch.tensor([max(1, n // 2) for n in lens], dtype=torch.int32, device=c["x"].device)
+    state, want_state = c["state"].clone(), c["state"].clone()
+    triton_ssd.ssd_commit_triton(state, *c["rings"], c["qsl"], c["slots"], acc, plan=plan)
+    ssd_ref.ssd_commit(want_state, *f32["rings"], c["qsl"], c["slots"], acc)
+    err = (got - want).abs().max().item()
+    state_err = (state - want_state).abs().max().item()
+    scale = max(1.0, want.abs().max().item())
+    if not (err < 1e-3 * scale and state_err < 1e-3):
+        raise AssertionError(f"ssd: triton vs reference max abs error {err} (output scale "
+                             f"{scale}), state {state_err}")
+    return err
+
+
+def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
+    lens = lengths(bs, mix, s)
+    h, ns, p = s["ssd_heads"], s["ssd_state"], s["ssd_head_dim"]
+    floor = bs * h * ns * p * 4  # fp32 state, read once, never written by the forward
+    sets = [ssd_inputs(lens, s, device, seed=bs + i) for i in range(_copies(floor, s))]
+    err = check_ssd(sets[0], lens, plan)
+    fns = [lambda c=c: triton_ssd.ssd_triton(*_ssd_args(c), plan=plan) for c in sets]
+    acc = torch.tensor(lens, dtype=torch.int32, device=device)
+    commit = [lambda c=c: triton_ssd.ssd_commit_triton(
+        c["state"], *c["rings"], c["qsl"], c["slots"], acc, plan=plan) for c in sets]
+    used = plan or triton_ssd.plan_ssd(bs, h, ns, p, device_sm_count(torch.device(device)))
+    return dict(kernel="ssd", bs=bs, lengths="mix_mean3" if mix else "all8",
+                num_tokens=sum(lens), copies=len(sets), max_abs_err=err,
+                plan=dataclasses.asdict(used), **_rates(floor, time_calls(fns, s, device), s),
+                commit=_rates(2 * floor, time_calls(commit, s, device), s))
+
+
+# ---------------------------------------------------------------------- GDN
+def gdn_inputs(lens: list[int], s: dict, device: str, seed: int) -> dict:
+    g = torch.Generator().manual_seed(seed)
+    dtype, n = getattr(torch, s["dtype"]), sum(lens)
+    hk, hv, kd, vd = s["gdn_k_heads"], s["gdn_v_heads"], s["gdn_k_dim"], s["gdn_v_dim"]
+    qsl, slots = layout(lens, device)
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g)
+
+    return dict(q=rnd(n, hk, kd).to(dtype).to(device), k=rnd(n, hk, kd).to(dtype).to(device),
+                v=rnd(n, hv, vd).to(dtype).to(device),
+                g=(-torch.nn.functional.softplus(rnd(n, hv))).to(device),
+                beta=torch.sigmoid(rnd(n, hv)).to(dtype).to(device),
+                state=(0.3 * rnd(2 * len(lens), hv, kd, vd)).to(device), qsl=qsl, slots=slots,
+                rings=linear_ops.gdn_ring(n, hk, hv, kd, vd, device))
+
+
+def _gdn_args(c: dict, s: dict) -> tuple:
+    return (c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["qsl"], c["slots"],
+            *c["rings"], s["gdn_k_dim"] ** -0.5, True)
+
+
+def check_gdn(c: dict, lens: list[int], s: dict, plan=None) -> float:
+    f32 = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
+           for k, v in c.items()}
+    f32["rings"] = tuple(torch.zeros_like(r) for r in c["rings"])
+    want = gdn_ref.gated_delta_rule(*_gdn_args(f32, s))
+    got = triton_gdn.gated_delta_rule_triton(*_gdn_args(c, s), plan=plan)
+    acc = torch.tensor([max(1, n // 2) for n in lens], dtype=torch.int32, device=c["q"].device)
+    state, want_state = c["state"].clone(), c["state"].clone()
+    triton_gdn.gated_delta_rule_commit_triton(state, *c["rings"], c["qsl"], c["slots"], acc,
+                                              plan=plan)
+    gdn_ref.gated_delta_rule_commit(want_state, *f32["rings"], c["qsl"], c["slots"], acc)
+    state_err = (state - want_state).abs().max().item()
+    err = (got.float() - want).abs().max().item()
+    if not (err < 3e-2 and state_err < 1e-3):
+        raise AssertionError(f"gdn: triton vs reference max abs error {err}, state {state_err}")
+    return err
+
+
+def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
+    lens = lengths(bs, mix, s)
+    hv, kd, vd = s["gdn_v_heads"], s["gdn_k_dim"], s["gdn_v_dim"]
+    floor = bs * hv * kd * vd * 4
+    sets = [gdn_inputs(lens, s, device, seed=bs + i) for i in range(_copies(floor, s))]
+    err = check_gdn(sets[0], lens, s, plan)
+    fns = [lambda c=c: triton_gdn.gated_delta_rule_triton(*_gdn_args(c, s), plan=plan)
+           for c in sets]
+    acc = torch.tensor(lens, dtype=torch.int32, device=device)
+    commit = [lambda c=c: triton_gdn.gated_delta_rule_commit_triton(
+        c["state"], *c["rings"], c["qsl"], c["slots"], acc, plan=plan) for c in sets]
+    used = plan or triton_gdn.plan_gdn(bs, hv, kd, vd, device_sm_count(torch.device(device)))
+    return dict(kernel="gdn", bs=bs, lengths="mix_mean3" if mix else "all8",
+                num_tokens=sum(lens), copies=len(sets), max_abs_err=err,
+                plan=dataclasses.asdict(used), **_rates(floor, time_calls(fns, s, device), s),
+                commit=_rates(2 * floor, time_calls(commit, s, device), s))
+
+
+def sweep(s: dict, device: str) -> list[dict]:
+    """Every channel block and warp count of both kernels at each batch size, all 8 rows."""
+    rows, ns, kd = [], s["ssd_state"], s["gdn_k_dim"]
+    n_pad, k_pad = 1 << (ns - 1).bit_length(), 1 << (kd - 1).bit_length()
+    for bs in s["batch_sizes"]:
+        for block_v in s["sweep_blocks"]:
+            for warps in s["sweep_warps"]:
+                plan = triton_gdn.GdnPlan(k_pad, block_v, -(-s["gdn_v_dim"] // block_v),
+                                          warps)
+                r = gdn_case(bs, False, s, device, plan)
+                rows.append(dict(kernel="gdn", bs=bs, block_v=block_v, num_warps=warps,
+                                 best_us=r["best_us"], floor_pct=r["floor_pct"],
+                                 commit_us=r["commit"]["best_us"]))
+        for block_p in s["sweep_blocks"]:
+            for warps in s["sweep_warps"]:
+                plan = triton_ssd.SsdPlan(n_pad, block_p, -(-s["ssd_head_dim"] // block_p),
+                                          warps)
+                r = ssd_case(bs, False, s, device, plan)
+                rows.append(dict(kernel="ssd", bs=bs, block_p=block_p, num_warps=warps,
+                                 best_us=r["best_us"], floor_pct=r["floor_pct"],
+                                 commit_us=r["commit"]["best_us"]))
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sweep", action="store_true", help="also sweep SSD tiles and warps")
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the interpreter")
+    opts = ap.parse_args()
+    s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
+    import transformers
+    import triton
+    report = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
+                  torch=torch.__version__, triton=triton.__version__,
+                  transformers=transformers.__version__, settings=s,
+                  command=" ".join(sys.argv), results=[])
+    for bs in s["batch_sizes"]:
+        for mix in (True, False):
+            report["results"] += [ssd_case(bs, mix, s, device), gdn_case(bs, mix, s, device)]
+    if opts.sweep:
+        report["sweep"] = sweep(s, device)
+    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    (out_dir / "ssd_kernels.json").write_text(json.dumps(report, indent=1))
+    print(f"{'kernel':>6} {'bs':>4} {'lens':>9} {'eager us':>9} {'graph us':>9} "
+          f"{'floor us':>8} {'floor%':>6} {'commit us':>9} {'commit%':>7}")
+    for r in report["results"]:
+        c = r["commit"]
+        print(f"{r['kernel']:>6} {r['bs']:>4} {r['lengths']:>9} {r['eager_us']:>9.1f} "
+              f"{r['graph_us'] or 0:>9.1f} {r['floor_us']:>8.2f} {r['floor_pct']:>6} "
+              f"{c['best_us']:>9.1f} {c['floor_pct']:>7}")
+    for row in report.get("sweep", []):
+        print(row)
+
+
+if __name__ == "__main__":
+    main()
