@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..ops.attention_reference import check_semantics
+from ..ops import experts as _experts
 from ..ops.linear import skinny_linear_fake as _skinny_fake  # also registers the reference ops
 from .launch import zeros_when_warming
 
@@ -216,6 +217,48 @@ def _(ssm_state, ring_x, ring_b, ring_da, query_start_loc, slots, accept_lens):
     return None
 
 
+@torch.library.custom_op("dspark::experts_route_triton", mutates_args=(),
+                         device_types=("cuda",))
+def experts_route_triton(ids: torch.Tensor, query_start_loc: Optional[torch.Tensor],
+                         num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dspark::experts_route`` lowered to Triton (a stable counting sort, two launches)."""
+    from .experts import experts_route_triton as kernel
+
+    return zeros_when_warming(kernel(ids, query_start_loc, num_experts))
+
+
+experts_route_triton.register_fake(_experts.route_fake)
+
+
+@torch.library.custom_op("dspark::experts_up_triton", mutates_args=(), device_types=("cuda",))
+def experts_up_triton(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
+                      w: torch.Tensor, bias: Optional[torch.Tensor], transposed: bool,
+                      activation: str) -> torch.Tensor:
+    """``dspark::experts_up`` lowered to Triton's grouped GEMM with the gate in its epilogue
+    (or ``torch._grouped_mm`` where ``TargetConfig.experts_kernel`` says so)."""
+    from .experts import experts_up_triton as kernel
+
+    return zeros_when_warming(kernel(x, order, offsets, w, bias, transposed, activation))
+
+
+experts_up_triton.register_fake(_experts.up_fake)
+
+
+@torch.library.custom_op("dspark::experts_down_triton", mutates_args=(),
+                         device_types=("cuda",))
+def experts_down_triton(h: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
+                        weights: torch.Tensor, w: torch.Tensor, bias: Optional[torch.Tensor],
+                        transposed: bool) -> torch.Tensor:
+    """``dspark::experts_down`` lowered to Triton: grouped GEMM with the routing weights, then
+    the combine in ``k`` order (or ``torch._grouped_mm`` per ``TargetConfig.experts_kernel``)."""
+    from .experts import experts_down_triton as kernel
+
+    return zeros_when_warming(kernel(h, order, offsets, weights, w, bias, transposed))
+
+
+experts_down_triton.register_fake(_experts.down_fake)
+
+
 LOWERED = {"triton": {
     torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton,
     torch.ops.dspark.linear_group: torch.ops.dspark.linear_group_triton,
@@ -228,5 +271,8 @@ LOWERED = {"triton": {
         torch.ops.dspark.gated_delta_rule_commit_triton,
     torch.ops.dspark.ssd: torch.ops.dspark.ssd_triton,
     torch.ops.dspark.ssd_commit: torch.ops.dspark.ssd_commit_triton,
+    torch.ops.dspark.experts_route: torch.ops.dspark.experts_route_triton,
+    torch.ops.dspark.experts_up: torch.ops.dspark.experts_up_triton,
+    torch.ops.dspark.experts_down: torch.ops.dspark.experts_down_triton,
 }}
 """Per lowering: reference op packet -> the op that implements it there."""

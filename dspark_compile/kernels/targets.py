@@ -138,7 +138,22 @@ class TargetConfig:
     before its PDL wait. Chosen by ``python benchmarks/verify_step.py --quick --target
     attn_early_reads=false``; figures in docs/tuning.md."""
 
+    experts_kernel: str = "triton"
+    """The grouped GEMMs of ``dspark::experts_up`` / ``experts_down``: ``"triton"``
+    (``kernels/experts.py``) or ``"grouped_mm"`` (the vendor ``torch._grouped_mm`` on rows
+    gathered into expert order; bf16 with 16-byte row strides only, anything else takes Triton).
+    To be chosen by ``python benchmarks/moe_layer.py`` (it times both); not measured yet."""
+    experts_block_n: int = 64
+    """Output columns per program of the experts' grouped GEMM (untuned)."""
+    experts_block_k: int = 64
+    """K per iteration of the experts' grouped GEMM (untuned)."""
+    experts_num_warps: int = 4
+    experts_num_stages: int = 3
+
     def __post_init__(self) -> None:
+        if self.experts_kernel not in ("triton", "grouped_mm"):
+            raise ValueError(f"TargetConfig.experts_kernel={self.experts_kernel!r}; it must be "
+                             "'triton' or 'grouped_mm'")
         if self.skinny_max_m > SKINNY_MAX_ROWS:
             raise ValueError(f"TargetConfig.skinny_max_m={self.skinny_max_m}; the skinny "
                              f"kernel's largest row tile holds {SKINNY_MAX_ROWS} rows, so it "

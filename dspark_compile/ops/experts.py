@@ -44,7 +44,8 @@ import torch
 
 from . import experts_reference as ref
 
-__all__ = ["experts_route", "experts_up", "experts_down", "EXPERTS_OPS"]
+__all__ = ["experts_route", "experts_up", "experts_down", "route_fake", "up_fake",
+           "down_fake", "down_dtype", "EXPERTS_OPS"]
 
 
 @torch.library.custom_op("dspark::experts_route", mutates_args=())
@@ -55,11 +56,13 @@ def experts_route(ids: torch.Tensor, query_start_loc: Optional[torch.Tensor],
     return ref.route(ids, query_start_loc, num_experts)
 
 
-@experts_route.register_fake
-def _(ids, query_start_loc, num_experts):
+def route_fake(ids, query_start_loc, num_experts):
     ref.check_route(ids, query_start_loc, num_experts)
     return (ids.new_empty(ids.shape[0] * ids.shape[1], dtype=torch.int32),
             ids.new_empty(num_experts, dtype=torch.int32))
+
+
+experts_route.register_fake(route_fake)
 
 
 @torch.library.custom_op("dspark::experts_up", mutates_args=())
@@ -71,10 +74,12 @@ def experts_up(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor, w: t
     return ref.up(x, order, offsets, w, bias, transposed, activation)
 
 
-@experts_up.register_fake
-def _(x, order, offsets, w, bias, transposed, activation):
+def up_fake(x, order, offsets, w, bias, transposed, activation):
     ref.check_up(x, order, offsets, w, bias, transposed, activation)
     return x.new_empty(order.shape[0], ref.up_columns(w, transposed, activation))
+
+
+experts_up.register_fake(up_fake)
 
 
 def down_dtype(w: torch.Tensor, weights: torch.Tensor) -> torch.dtype:
@@ -92,11 +97,13 @@ def experts_down(h: torch.Tensor, order: torch.Tensor, offsets: torch.Tensor,
     return ref.down(h, order, offsets, weights, w, bias, transposed)
 
 
-@experts_down.register_fake
-def _(h, order, offsets, weights, w, bias, transposed):
+def down_fake(h, order, offsets, weights, w, bias, transposed):
     ref.check_down(h, order, offsets, weights, w, bias, transposed)
     out = w.shape[2] if transposed else w.shape[1]
     return h.new_empty(weights.shape[0], out, dtype=down_dtype(w, weights))
+
+
+experts_down.register_fake(down_fake)
 
 
 EXPERTS_OPS = (torch.ops.dspark.experts_route, torch.ops.dspark.experts_up,
