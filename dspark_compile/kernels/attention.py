@@ -688,7 +688,8 @@ def _max_splits(num_splits: int) -> int:
 @functools.lru_cache(maxsize=1024)  # a pure function of ints: ~10 us of Python per call saved
 def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_heads: int,
                    max_keys: int, max_query_len: int, cfg: TargetConfig, sm_count: int,
-                   num_splits: int | None = None, window: int = 0) -> AttentionPlan:
+                   num_splits: int | None = None, window: int = 0,
+                   head_dim_pad: int = 128) -> AttentionPlan:
     """Choose tiles and the split count from host ints (no device value is read).
 
     ``BLOCK_Q`` covers ``max_query_len`` (a verify block is one tile, so its KV is read once
@@ -700,7 +701,8 @@ def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_he
     part. At 16/8 heads on an H200
     (132 SMs) this splits bs 1 and 8 and leaves bs >= 64 whole. With a ``window`` (> 0) a
     q-block reads at most ``window + BLOCK_Q - 1`` keys, and those are what the rule splits: a
-    windowed layer at a long context plans like a short one.
+    windowed layer at a long context plans like a short one. ``head_dim_pad``: the wider of
+    q/k's and v's padded head dims (:func:`head_dim_pad`).
     """
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     block_m = max(16, group_pad, min(triton.next_power_of_2(max_query_len) * group_pad,
@@ -720,9 +722,12 @@ def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_he
                   cfg.search_chunk)
     # The table's warps and register cap are for 16-row (verify) tiles; wider tiles get more
     # warps and no cap: at 32/64 rows a 128-register cap spilled 16-672 B a thread (ptxas,
-    # triton 3.6), and 64 rows on 4 warps took 255 registers and spilled anyway.
+    # triton 3.6), and 64 rows on 4 warps took 255 registers and spilled anyway. Head dims past
+    # 128 get no cap either: at 16 rows under 128 registers, Dk 192 / Dv 128 spilled 64 B and
+    # 256 / 256 276 B a thread (ptxas sm_90, triton 3.9); uncapped, 218 and 246 registers, no
+    # spill. Nothing changes at head dims up to 128.
     num_warps = cfg.attn_num_warps * max(1, block_m // 32)
-    max_registers = cfg.attn_max_registers if block_m <= 16 else None
+    max_registers = cfg.attn_max_registers if block_m <= 16 and head_dim_pad <= 128 else None
     return AttentionPlan(block_q, group_pad, block_m, cfg.attn_tile_n, new_n, search,
                          num_splits, grid, num_warps, max_registers)
 
@@ -836,7 +841,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cfg = config or cfg
     pdl = use_pdl(q.device, cfg)
     plan = plan_attention(n, r, h, hkv, max_keys, max(1, max_query_len or n), cfg, sm_count,
-                          num_splits, window)
+                          num_splits, window, max(head_dim_pad(d), head_dim_pad(dv)))
     if out is None:
         out = q.new_empty((n, h, dv))  # [N, H, Dv]
     if n == 0:

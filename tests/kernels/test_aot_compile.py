@@ -50,7 +50,8 @@ def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg,
     n, r, h, hkv, d, page, max_q = shape
     sem = sem or {}
     dv = sem.get("dv", d)
-    plan = plan_attention(n, r, h, hkv, 1024, max_q, cfg, cfg.default_sm_count, splits)
+    plan = plan_attention(n, r, h, hkv, 1024, max_q, cfg, cfg.default_sm_count, splits,
+                          head_dim_pad=max(head_dim_pad(d), head_dim_pad(dv)))
     pointers = {"out_ptr": dtype, "part_acc_ptr": "fp32", "part_ml_ptr": "fp32",
                 "query_start_loc_ptr": "i32"}
     if kernel_name == "_split_reduce_kernel":

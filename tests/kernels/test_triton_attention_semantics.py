@@ -179,6 +179,15 @@ def test_split_rule_counts_only_the_keys_a_window_reads() -> None:
     assert plan_attention(8, 1, 16, 8, 8200, 8, cfg, 132, window=40).num_splits == 1
 
 
+def test_head_dims_past_128_lift_the_register_cap() -> None:
+    """A 16-row tile keeps the target's register cap up to head dim 128 (the plain build's
+    launch), and drops it past (MLA's 192, Gemma's 256 spilled under it)."""
+    cfg = TARGETS["sm_90"]
+    assert plan_attention(8, 1, 16, 8, 1040, 8, cfg, 132).max_registers == 128
+    assert plan_attention(8, 1, 16, 8, 1040, 8, cfg, 132, head_dim_pad=128).max_registers == 128
+    assert plan_attention(8, 1, 16, 8, 1040, 8, cfg, 132, head_dim_pad=256).max_registers is None
+
+
 BAD = [  # (what to change, message)
     (dict(window=-2), "window=-2; it must be an int >= 0"),
     (dict(window=3.0), "window=3.0"),
