@@ -1,0 +1,218 @@
+"""Benchmark: one mixture-of-experts layer's verify against its floor and HF's experts paths.
+
+The layer is Qwen3-30B-A3B's experts (128 experts, top 8, hidden 2048, expert intermediate 768,
+SwiGLU), bf16, random weights; ``bs`` requests of a fixed-seed ragged length mix with mean
+exactly 3 (``common.mix_lens``, lengths 1..8), so ``N = 3 * bs`` token rows and ``8 N``
+(token, expert) pairs. Routing is each token's top 8 of a random router over random rows, the
+same for every path. Timed paths, each checked first against the float32 reference
+(``ops/experts_reference.py`` on the bf16 values):
+
+- ``ours_triton``: ``dspark::experts_route / experts_up / experts_down`` lowered to Triton
+  (``kernels/experts.py``; the target entry's ``experts_kernel="triton"``);
+- ``ours_grouped_mm``: the same ops with their GEMMs on ``torch._grouped_mm``
+  (``experts_kernel="grouped_mm"``): the vendor option of the target table;
+- ``hf_grouped_mm``: transformers' ``grouped_mm`` experts forward on the same module;
+- ``hf_eager``: transformers' own loop over the hit experts (a host sync: eager only).
+
+Each is timed as back-to-back launches between CUDA events and, where it captures, as CUDA-graph
+replays (``common.time_calls``). The floor of a layer is the larger of the active experts'
+weight bytes at 4.8 TB/s and the GEMM flops (``2 * pairs * 3 * D * I``) at 790 TFLOP/s; a
+path's ``floor_share`` is floor / its best time (1.0: at the floor). ``experts_kernel_pick``
+names the faster of our two GEMM choices per ``bs``: what ``TargetConfig.experts_kernel``
+should hold on this GPU.
+
+Usage: ``python benchmarks/moe_layer.py [--smoke] [--out DIR] [--batch-sizes 1 8 64 256]``.
+Writes ``moe_layer.json`` (``moe_layer_smoke.json``) to ``--out``, else ``$OUT``, else
+``benchmarks/results/``. ``--smoke`` runs tiny float32 shapes on the CPU under
+``TRITON_INTERPRET=1`` (checks the script; the times mean nothing, and ``ours_grouped_mm``
+falls back to Triton there: the vendor GEMM is taken on CUDA devices only).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import sys
+
+if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel import
+    os.environ["TRITON_INTERPRET"] = "1"
+
+import torch  # noqa: E402
+from common import (BF16_FLOPS, BLOCK, HBM_BYTES_PER_S, mix_lens, out_dir,  # noqa: E402
+                    time_calls, versions, write_json)
+
+from dspark_compile.ops import experts_reference as ref  # noqa: E402
+
+SETTINGS = dict(name="full", experts=128, top_k=8, hidden=2048, intermediate=768,
+                batch_sizes=[1, 8, 64, 256], mean_len=3, block=BLOCK, dtype="bfloat16",
+                seed=0, eager_iters=100, graph_calls=20, graph_replays=10, atol=5e-2)
+SMOKE = dict(SETTINGS, name="smoke", experts=8, top_k=2, hidden=64, intermediate=32,
+             batch_sizes=[3], dtype="float32", eager_iters=1, graph_calls=1,
+             graph_replays=1, atol=1e-4)
+PATHS = ("ours_triton", "ours_grouped_mm", "hf_grouped_mm", "hf_eager")
+
+
+def build(s: dict, device: str):
+    """transformers' Qwen3-MoE experts module of the settings' shapes (random weights)."""
+    from transformers import Qwen3MoeConfig
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+
+    cfg = Qwen3MoeConfig(hidden_size=s["hidden"], moe_intermediate_size=s["intermediate"],
+                         num_experts=s["experts"], num_experts_per_tok=s["top_k"])
+    torch.manual_seed(s["seed"])
+    with torch.device(device):
+        experts = Qwen3MoeExperts(cfg)
+        for p in experts.parameters():
+            torch.nn.init.normal_(p, std=p.shape[-1] ** -0.5)
+    return experts.to(getattr(torch, s["dtype"])).requires_grad_(False).eval()
+
+
+def routing(n: int, s: dict, device: str):
+    """``(x [N, D], ids [N, K], weights [N, K], query_start_loc)``: rows, their top-k of a
+    random router (softmax, renormalised over the top k, as Qwen3-MoE does)."""
+    g = torch.Generator().manual_seed(s["seed"] + n)
+    dtype = getattr(torch, s["dtype"])
+    x = torch.randn(n, s["hidden"], generator=g)
+    router = torch.randn(s["experts"], s["hidden"], generator=g) * s["hidden"] ** -0.5
+    probs = (x @ router.T).softmax(-1)
+    weights, ids = probs.topk(s["top_k"], dim=-1)
+    weights = weights / weights.sum(-1, keepdim=True)
+    qsl = torch.tensor([0, n], dtype=torch.int32)
+    return (x.to(dtype).to(device), ids.to(device), weights.to(dtype).to(device),
+            qsl.to(device))
+
+
+def floor_us(ids: torch.Tensor, s: dict) -> dict:
+    """The layer's floor: active experts' weight bytes at HBM speed, or the GEMM compute."""
+    active = int(torch.unique(ids).numel())
+    per_expert = 3 * s["hidden"] * s["intermediate"]  # gate, up and down
+    elem = torch.finfo(getattr(torch, s["dtype"])).bits // 8
+    bytes_us = active * per_expert * elem / HBM_BYTES_PER_S * 1e6
+    flops_us = 2 * ids.numel() * per_expert / BF16_FLOPS * 1e6
+    return dict(active_experts=active, weight_bytes=active * per_expert * elem,
+                floor_us=max(bytes_us, flops_us),
+                floor_kind="bytes" if bytes_us >= flops_us else "compute")
+
+
+@contextlib.contextmanager
+def use_kernel(kind: str):
+    """Every target entry's ``experts_kernel`` set to ``kind`` (``triton`` | ``grouped_mm``)
+    inside; the entries are restored after."""
+    from dspark_compile.kernels import device, targets
+
+    saved = dict(targets.TARGETS)
+    for name, entry in saved.items():
+        targets.TARGETS[name] = dataclasses.replace(entry, experts_kernel=kind)
+    device.device_target.cache_clear()
+    try:
+        yield
+    finally:
+        targets.TARGETS.update(saved)
+        device.device_target.cache_clear()
+
+
+def path_fn(path: str, experts, x, ids, weights, qsl):
+    """A call of ``path`` on the layer's rows (returns ``[N, D]``)."""
+    from dspark_compile.kernels import experts as kx
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    if path.startswith("ours"):
+        def ours():
+            order, offsets = kx.experts_route_triton(ids, qsl, experts.num_experts)
+            h = kx.experts_up_triton(x, order, offsets, experts.gate_up_proj, None, False,
+                                     "silu_glu")
+            return kx.experts_down_triton(h, order, offsets, weights, experts.down_proj, None,
+                                          False)
+        return ours
+    if path == "hf_grouped_mm":
+        return lambda: grouped_mm_experts_forward(experts, x, ids, weights)
+    eager = type(experts).forward.__wrapped__  # the class's own loop (use_experts_impl wraps it)
+    return lambda: eager(experts, x, ids, weights)
+
+
+def reference(experts, x, ids, weights, qsl) -> torch.Tensor:
+    order, offsets = ref.route(ids, qsl, experts.num_experts)
+    h = ref.up(x.float(), order, offsets, experts.gate_up_proj.float(), None, False,
+               "silu_glu")
+    return ref.down(h, order, offsets, weights.float(), experts.down_proj.float(), None, False)
+
+
+def time_path(fn, s: dict, device: str) -> dict:
+    """Eager and graph times of one path; a path that cannot capture (HF's eager loop syncs
+    on the host) gets its eager time and the capture's error."""
+    try:
+        return time_calls([fn], s, device)
+    except Exception as err:  # noqa: BLE001 - recorded in the JSON
+        if device == "cpu":
+            raise
+        torch.cuda.synchronize()
+        return dict(eager_us=_eager_us(fn, s), graph_us=None,
+                    graph_error=f"{type(err).__name__}: {err}"[:300])
+
+
+def _eager_us(fn, s: dict) -> float:
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(s["eager_iters"]):
+        fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e3 / s["eager_iters"]
+
+
+def run_bs(bs: int, experts, s: dict, device: str) -> dict:
+    lens = mix_lens(bs, s["block"], s["mean_len"], s["seed"])
+    x, ids, weights, qsl = routing(sum(lens), s, device)
+    row = dict(bs=bs, tokens=sum(lens), pairs=ids.numel(), **floor_us(ids, s))
+    want = reference(experts, x, ids, weights, qsl)
+    for path in PATHS:
+        kernel = path.split("_", 1)[1] if path.startswith("ours") else "triton"
+        with use_kernel(kernel):
+            fn = path_fn(path, experts, x, ids, weights, qsl)
+            err = (fn().float() - want).abs().max().item()
+            times = time_path(fn, s, device)
+        best = min(t for t in (times["eager_us"], times["graph_us"]) if t is not None)
+        row[path] = dict(**times, best_us=best, max_err=err,
+                         floor_share=round(row["floor_us"] / best, 3))
+    row["experts_kernel_pick"] = min(("triton", "grouped_mm"),
+                                     key=lambda k: row[f"ours_{k}"]["best_us"])
+    return row
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the interpreter")
+    ap.add_argument("--out", default=None, help="result folder (default $OUT or "
+                    "benchmarks/results)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=None)
+    opts = ap.parse_args(argv)
+    s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
+    if opts.batch_sizes:
+        s = dict(s, batch_sizes=opts.batch_sizes)
+    torch.set_grad_enabled(False)
+    experts = build(s, device)
+    report = dict(settings=s, environment=versions(gpu=device == "cuda"),
+                  command="python benchmarks/moe_layer.py " + " ".join(argv or sys.argv[1:]),
+                  results={})
+    for bs in s["batch_sizes"]:
+        report["results"][str(bs)] = row = run_bs(bs, experts, s, device)
+        bad = [p for p in PATHS if row[p]["max_err"] > s["atol"]]
+        if bad:
+            report["errors"] = f"bs {bs}: {bad} differ from the reference by more than " \
+                f"{s['atol']}"
+        print(f"bs {bs:>4} N {row['tokens']:>4} active {row['active_experts']:>3} floor "
+              f"{row['floor_us']:8.1f} us ({row['floor_kind']})  " + "  ".join(
+                  f"{p} {row[p]['best_us']:8.1f} us ({row[p]['floor_share']:.2f})"
+                  for p in PATHS))
+    name = "moe_layer_smoke.json" if opts.smoke else "moe_layer.json"
+    report["path"] = write_json(out_dir(opts.out), name, report)
+    return report
+
+
+if __name__ == "__main__":
+    main()
