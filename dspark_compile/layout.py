@@ -24,20 +24,34 @@ __all__ = ["VerifyLayout"]
 _INT32 = np.iinfo(np.int32)
 
 
+_BOOLS = frozenset({bool, np.bool_})
+
+
 def _as_host_int32(name: str, value, array_only: bool = False
                    ) -> tuple[torch.Tensor | None, np.ndarray]:
     """A list, an integer NumPy array or a CPU int32 tensor, as a 1-D CPU int32 tensor and a NumPy
     view of it (``array_only``: the tensor may be None, where none was given); anything else is
-    refused. Validation runs on every step of an engine, so the checks here and below use NumPy
-    views (a small torch op on the CPU costs several microseconds, ``Tensor.numpy()`` alone ~2 us
-    and ``torch.from_numpy`` ~1.6 us on a 2-core Xeon): each layout makes its views once."""
+    refused, bools included (``True`` is not a length or a slot).
+
+    The result is always a copy the layout owns: an engine that reuses its buffer after ``pack``
+    cannot change a layout already built (a copy of 256 int32 costs ~0.4 us from NumPy and ~2.5 us
+    from a tensor; re-validating at every call would cost the ~8 us of the checks, twice).
+    Validation runs on every step of an engine, so the checks here and below use NumPy views (a
+    small torch op on the CPU costs several microseconds, ``Tensor.numpy()`` alone ~2 us and
+    ``torch.from_numpy`` ~1.6 us on a 2-core Xeon): each layout makes its views once."""
     if not isinstance(value, torch.Tensor):
+        if isinstance(value, (list, tuple)) and not _BOOLS.isdisjoint(map(type, value)):
+            raise ValueError(f"VerifyLayout.{name}={list(value)!r} holds a bool; it must hold "
+                             "ints (True is not a length, context or slot)")
         arr = np.asarray(value) if isinstance(value, (list, tuple, np.ndarray)) else None
+        if arr is not None and arr.dtype == np.bool_:
+            raise ValueError(f"VerifyLayout.{name} is a bool array; it must hold ints (a mask "
+                             "is not a list of slots: pass np.flatnonzero(mask))")
         if arr is not None and arr.ndim == 1 and arr.dtype.kind in "iu":
             if arr.dtype != np.int32 and arr.size and (
                     arr.min() < _INT32.min or arr.max() > _INT32.max):
                 raise ValueError(f"VerifyLayout.{name}={value!r} does not fit in int32")
-            host = np.ascontiguousarray(arr, dtype=np.int32)
+            host = np.array(arr, dtype=np.int32)  # always a copy (see the docstring)
             return None if array_only else torch.from_numpy(host), host
     if isinstance(value, torch.Tensor):
         if not value.is_cpu:
@@ -49,20 +63,29 @@ def _as_host_int32(name: str, value, array_only: bool = False
             raise ValueError(
                 f"VerifyLayout.{name} has dtype {value.dtype}; it must be torch.int32"
             )
-        tensor = value
-    else:
-        try:
-            items = [operator.index(x) for x in value]  # refuses 2.5 rather than truncating
-            tensor = torch.tensor(items, dtype=torch.int64)
-        except (TypeError, ValueError, RuntimeError, OverflowError) as err:
-            raise ValueError(f"VerifyLayout.{name}={value!r} is not a sequence of ints") from err
-        if tensor.numel() and (tensor.min() < -(2**31) or tensor.max() >= 2**31):
-            raise ValueError(f"VerifyLayout.{name}={value!r} does not fit in int32")
-        tensor = tensor.to(torch.int32)
+        if value.dim() != 1:
+            raise ValueError(
+                f"VerifyLayout.{name} has shape {tuple(value.shape)}; it must be 1-D")
+        host = np.array(value.detach().numpy(), dtype=np.int32)  # a copy (see the docstring)
+        return torch.from_numpy(host), host
+    try:
+        items = [_index(x) for x in value]  # refuses 2.5 (and True) rather than coercing
+        tensor = torch.tensor(items, dtype=torch.int64)
+    except (TypeError, ValueError, RuntimeError, OverflowError) as err:
+        raise ValueError(f"VerifyLayout.{name}={value!r} is not a sequence of ints") from err
+    if tensor.numel() and (tensor.min() < -(2**31) or tensor.max() >= 2**31):
+        raise ValueError(f"VerifyLayout.{name}={value!r} does not fit in int32")
+    tensor = tensor.to(torch.int32)
     if tensor.dim() != 1:
         raise ValueError(f"VerifyLayout.{name} has shape {tuple(tensor.shape)}; it must be 1-D")
     tensor = tensor.contiguous()
     return tensor, tensor.numpy()
+
+
+def _index(x) -> int:
+    if type(x) in _BOOLS:
+        raise TypeError("a bool")
+    return operator.index(x)
 
 
 @dataclass(frozen=True)
@@ -89,13 +112,31 @@ class VerifyLayout:
             tensor, view = _as_host_int32(name, getattr(self, name))
             object.__setattr__(self, name, tensor)
             host.append(view)
+        for view in host:  # the layout's own copies: nothing writes them after this
+            view.flags.writeable = False
         # NumPy views of the three fields (not dataclass fields): see ``host``.
         object.__setattr__(self, "_host", tuple(host))
         if self.mrope_deltas is not None:
             object.__setattr__(self, "mrope_deltas",
                                _as_host_int32("mrope_deltas", self.mrope_deltas)[0])
+        if isinstance(self.mrope_positions, torch.Tensor):
+            object.__setattr__(self, "mrope_positions", self.mrope_positions.clone())
         self._check_self()
         self._check_mrope()
+        object.__setattr__(self, "_versions", self._tensor_versions())
+
+    def _tensor_versions(self) -> tuple[int, ...]:
+        return (self.query_start_loc._version, self.context_lens._version, self.slots._version,
+                -1 if self.mrope_deltas is None else self.mrope_deltas._version)
+
+    def check_intact(self) -> None:
+        """Refuse a layout whose tensors were written in place after it was built (its checks
+        no longer hold); ~0.3 us, run by every verify and commit."""
+        if self._tensor_versions() != self._versions:
+            raise ValueError(
+                "VerifyLayout: a field (query_start_loc, context_lens, slots or mrope_deltas) "
+                "was written in place after the layout was built and validated; a layout is "
+                "immutable: pack a new one for every step")
 
     # ------------------------------------------------------------------ construction
     @classmethod
@@ -124,9 +165,9 @@ class VerifyLayout:
     # ------------------------------------------------------------------ derived values
     @property
     def host(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """NumPy views of ``(query_start_loc, context_lens, slots)``, made once per layout, for
-        host code that reads the layout every step; they share memory with the tensors (a
-        layout is not written after it is built)."""
+        """Read-only NumPy views of ``(query_start_loc, context_lens, slots)``, made once per
+        layout, for host code that reads the layout every step; they share memory with the
+        tensors, which are the layout's own copies of what it was built from."""
         return self._host
 
     @property
