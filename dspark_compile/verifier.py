@@ -5,6 +5,12 @@
     layout = VerifyLayout.pack(lens=[...], context_lens=[...], slots=[...])
     logits = verifier(input_ids, layout, state)      # input_ids int64 [N] -> logits [N, V]
     verifier.commit(layout, accept_lens, state)
+
+The protocol is checked on every call, before anything launches or moves: a refused call raises
+a ``ValueError`` (or a subclass: ``ProtocolError``, a call out of order; ``TokenIdError``, an id
+outside the vocabulary) or one of two ``RuntimeError`` subclasses (``StaleWeightsError``, the
+model's weights replaced or moved since the build; ``ConcurrentUseError``, a second thread on a
+captured state), and leaves the state as it was.
 """
 
 from __future__ import annotations
@@ -24,11 +30,16 @@ from .kernels.ops import LOWERED
 from .passes import PassContext, PassResult, run_pipeline
 from .passes.concat_linear import stack_weights
 from .passes.inductor import compile_rest
-from .session import Tier, TierGraphs, VerifySession, tier_set
+from .session import (ConcurrentUseError, StaleWeightsError, Tier, TierGraphs, VerifySession,
+                      WeightBinding, tier_set)
+from .session.ids import DeviceIdGuard, TokenIdError, check_ids_host
+from .session.inputs import check_input_ids, check_mrope_inputs
 from .specs import RingSpec
-from .state import LinearPools, VerifierState
+from .state import LinearPools, ProtocolError, VerifierState
+from .state.checks import positive_size
 
-__all__ = ["Verifier", "dspark_compile"]
+__all__ = ["Verifier", "dspark_compile", "ProtocolError", "TokenIdError", "StaleWeightsError",
+           "ConcurrentUseError"]
 
 
 def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
@@ -100,11 +111,20 @@ class Verifier:
         model = adapter.model
         self._weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         stack_weights(self._weights, inputs)  # concat_linears' stacked inputs, if any
-        # One parameter's storage, to notice model.to() / .half() / .data = ... after the
-        # build (every parameter moves then): stacked buffers and captured tier graphs would
-        # go on reading the old tensors. One data_ptr per call, not one per weight.
-        self._sentinel = next(((name, p, p.data_ptr()) for name, p in model.named_parameters()),
-                              None)
+        bound = [n for spec in (*inputs, *dense.inputs) if spec.kind in WEIGHT_KINDS
+                 for n in (spec.name, *(getattr(spec, "parts", None) or ()))]
+        self._binding = WeightBinding(model, self._weights, bound)
+        """Every model tensor the graphs bind, checked on each call (``session/weights.py``)."""
+        vocab = gm.graph.find_nodes(op="output")[0].args[0].meta["val"].shape[1]
+        embed = getattr(model, "get_input_embeddings", lambda: None)()
+        self.vocab_size = int(min(vocab, getattr(embed, "num_embeddings", vocab)))
+        """Token ids must lie in ``0..vocab_size-1``."""
+        self.id_check = "host" if device.type == "cpu" else "device"
+        """Where out-of-vocabulary ids are caught (``session/ids.py``): ``"host"``, before the
+        forward (CPU ids); ``"device"``, clamped and flagged in the forward, refused at commit
+        (device ids: no host sync)."""
+        self._id_guards: weakref.WeakKeyDictionary[VerifierState, DeviceIdGuard] = \
+            weakref.WeakKeyDictionary()
         self._run = compile_rest(gm) if config.inductor else gm
         table = LOWERED.get(lowering, {})
         self._commit_ops = {  # the linear-state commits, in the forward's lowering
@@ -123,15 +143,21 @@ class Verifier:
         """An engine-owned paged KV pool for ``max_requests`` slots of ``max_context`` tokens.
 
         Hybrid models also get their linear-attention pools and replay rings of
-        ``max_step_tokens`` rows (default ``DSparkConfig.max_step_tokens``).
+        ``max_step_tokens`` rows (default ``DSparkConfig.max_step_tokens``). Sizes are ints
+        >= 1 (None: the config's); anything else is refused. The pools are normal tensors even
+        when made under ``torch.inference_mode`` (inference tensors could not be updated by a
+        commit or a release outside it).
         """
-        state = VerifierState.allocate(
-            self.adapter.specs, max_requests, max_context,
-            page_size or self.config.page_size, self.dtype, self.device)
-        if self.adapter.linear_specs:
-            state.linear = LinearPools.allocate(
-                self.adapter.linear_specs, self._ring_specs(), max_requests,
-                max_step_tokens or self.config.max_step_tokens, self.dtype, self.device)
+        page_size = self.config.page_size if page_size is None else page_size
+        max_step_tokens = self.config.max_step_tokens if max_step_tokens is None else \
+            positive_size("new_state", "max_step_tokens", max_step_tokens)
+        with torch.inference_mode(False):
+            state = VerifierState.allocate(self.adapter.specs, max_requests, max_context,
+                                           page_size, self.dtype, self.device)
+            if self.adapter.linear_specs:
+                state.linear = LinearPools.allocate(
+                    self.adapter.linear_specs, self._ring_specs(), max_requests,
+                    max_step_tokens, self.dtype, self.device)
         self._states.add(state)
         return state
 
@@ -146,18 +172,6 @@ class Verifier:
         return out
 
     # ------------------------------------------------------------------ verify
-    def _check_ids(self, input_ids: torch.Tensor) -> None:
-        if not isinstance(input_ids, torch.Tensor):
-            raise ValueError(f"input_ids is a {type(input_ids).__name__}; it must be a tensor")
-        if input_ids.dtype != torch.int64 or input_ids.dim() != 1:
-            raise ValueError(
-                f"input_ids has dtype {input_ids.dtype} and shape {tuple(input_ids.shape)}; it "
-                "must be int64 [N] (all requests' tokens packed)")
-        if input_ids.device != self.device and not (
-                input_ids.device.type == self.device.type and self.device.index is None):
-            raise ValueError(
-                f"input_ids is on {input_ids.device} but the model is on {self.device}")
-
     def __call__(self, input_ids: torch.Tensor, layout: VerifyLayout, state: VerifierState,
                  vision_embeds: torch.Tensor | None = None,
                  deepstack_embeds: torch.Tensor | None = None) -> torch.Tensor:
@@ -173,80 +187,56 @@ class Verifier:
         ``layout.mrope_positions`` (a prefill) runs outside the tier graphs, whose static
         buffers hold none of them.
         """
-        self._check_ids(input_ids)
-        self._check_weights_bound()
-        if not isinstance(layout, VerifyLayout):
-            raise ValueError(f"layout is a {type(layout).__name__}; it must be a VerifyLayout")
+        check_input_ids(input_ids, self.device)
+        self._binding.check()
+        self._check_state(state)
+        session = self._sessions.get(state)
+        owner = session.claim("verify") if session is not None else None
+        try:
+            state.check_layout(layout, input_ids.numel())
+            check_mrope_inputs(self.adapter.mrope, type(self.adapter.model).__name__,
+                               self.dtype, layout, vision_embeds, input_ids.numel(),
+                               deepstack_embeds)
+            if self.id_check == "host":
+                check_ids_host(input_ids, layout, self.vocab_size)
+        except BaseException:
+            if session is not None:
+                session.restore(owner)
+            raise
+        explicit = vision_embeds is not None or deepstack_embeds is not None or \
+            layout.mrope_positions is not None
+        step = state.steps.begin(layout)
+        try:
+            if session is not None and not explicit:
+                out = session.graphs(input_ids, layout)
+            else:
+                dev = state.block_table.device
+                deltas = None if self.adapter.mrope is None else _deltas(layout).to(dev)
+                out = self._packed(input_ids, layout.query_start_loc.to(dev),
+                                   layout.context_lens.to(dev), layout.slots.to(dev), state,
+                                   deltas, layout.mrope_positions, vision_embeds,
+                                   deepstack_embeds)
+        except BaseException:
+            state.steps.failed(layout)  # a partial overwrite: nothing there is committable
+            if session is not None:
+                session.restore(owner)
+            raise
+        state.steps.end(layout, step)
+        if self.id_check == "device":
+            self._id_guard(state).publish()
+        return out
+
+    def _check_state(self, state) -> None:
         if not isinstance(state, VerifierState) or state not in self._states:
             raise ValueError("state was not made by this verifier's new_state; its KV pools "
                              "do not fit this model")
-        state.check_layout(layout, input_ids.numel())
-        self._check_mrope(layout, vision_embeds, input_ids.numel(), deepstack_embeds)
-        explicit = vision_embeds is not None or deepstack_embeds is not None or \
-            layout.mrope_positions is not None
-        session = self._sessions.get(state)
-        if session is not None and not explicit:
-            return session.graphs(input_ids, layout)
-        dev = state.block_table.device
-        deltas = None if self.adapter.mrope is None else _deltas(layout).to(dev)
-        return self._packed(input_ids, layout.query_start_loc.to(dev),
-                            layout.context_lens.to(dev), layout.slots.to(dev), state, deltas,
-                            layout.mrope_positions, vision_embeds, deepstack_embeds)
 
-    def _check_weights_bound(self) -> None:
-        """Raise if the model's parameters no longer live where this verifier bound them."""
-        if self._sentinel is None:
-            return
-        name, param, ptr = self._sentinel
-        if param.data_ptr() != ptr:
-            raise RuntimeError(
-                f"dspark_compile: parameter {name} moved since this verifier was built (its "
-                f"storage was at {ptr:#x}, now {param.data_ptr():#x}, {param.dtype} on "
-                f"{param.device}): model.to(), .half(), .cuda() or assigning .data leave the "
-                "verifier's stacked weights and tier graphs reading the old tensors. Call "
-                "dspark_compile(model) again after moving the model (load_state_dict, which "
-                "copies in place, needs no rebuild)")
-
-    def _check_mrope(self, layout: VerifyLayout, vision_embeds, num_tokens: int,
-                     deepstack_embeds=None) -> None:
-        """mRoPE inputs only for mRoPE models, in the shape the graph takes."""
-        spec = self.adapter.mrope
-        if spec is None:
-            given = [name for name, v in (("vision_embeds", vision_embeds),
-                                          ("deepstack_embeds", deepstack_embeds),
-                                          ("layout.mrope_positions", layout.mrope_positions),
-                                          ("layout.mrope_deltas", layout.mrope_deltas))
-                     if v is not None]
-            if given:
-                raise ValueError(
-                    f"{given[0]} was given, but {type(self.adapter.model).__name__} has text "
-                    "rotary positions (context + j); mRoPE inputs apply to Qwen2-VL, Qwen2.5-VL "
-                    "and Qwen3-VL models only")
-            return
-        if vision_embeds is not None and (
-                not isinstance(vision_embeds, torch.Tensor) or
-                tuple(vision_embeds.shape) != (num_tokens, spec.hidden_size) or
-                vision_embeds.dtype != self.dtype):
-            what = (f"{vision_embeds.dtype} {tuple(vision_embeds.shape)}"
-                    if isinstance(vision_embeds, torch.Tensor) else type(vision_embeds).__name__)
-            raise ValueError(
-                f"vision_embeds is {what}; it must be {self.dtype} [{num_tokens}, "
-                f"{spec.hidden_size}] (one row per packed token, zeros at text rows)")
-        if deepstack_embeds is None:
-            return
-        if not spec.deepstack_layers:
-            raise ValueError(
-                f"deepstack_embeds was given, but {type(self.adapter.model).__name__} has no "
-                "DeepStack layers (vision_config.deepstack_visual_indexes is empty)")
-        want = (spec.deepstack_layers, num_tokens, spec.hidden_size)
-        if not isinstance(deepstack_embeds, torch.Tensor) or \
-                tuple(deepstack_embeds.shape) != want or deepstack_embeds.dtype != self.dtype:
-            what = (f"{deepstack_embeds.dtype} {tuple(deepstack_embeds.shape)}"
-                    if isinstance(deepstack_embeds, torch.Tensor)
-                    else type(deepstack_embeds).__name__)
-            raise ValueError(
-                f"deepstack_embeds is {what}; it must be {self.dtype} {list(want)} (one row per "
-                "DeepStack layer and packed token, zeros at text rows)")
+    def _id_guard(self, state: VerifierState) -> DeviceIdGuard:
+        guard = self._id_guards.get(state)
+        if guard is None:
+            guard = self._id_guards[state] = DeviceIdGuard(state.max_requests,
+                                                           state.block_table.device)
+        return guard
 
     def _packed(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
                 context_lens: torch.Tensor, slots: torch.Tensor, state: VerifierState,
@@ -259,6 +249,9 @@ class Verifier:
         n = input_ids.shape[0]
         values = state.device_metadata(query_start_loc, context_lens, slots, n, mrope_deltas,
                                        triton=self.lowering == "triton")
+        if self.id_check == "device":  # clamped in the forward, refused at commit
+            input_ids = self._id_guard(state).guard(input_ids, query_start_loc, slots,
+                                                    self.vocab_size)
         values["input_ids"] = input_ids
         if self.adapter.mrope is not None:
             if mrope_positions is not None:
@@ -294,11 +287,17 @@ class Verifier:
         (``compile_ahead=False``: each compiles when a capture first launches it). The session's
         ``reports`` hold the time and pool memory each tier took (empty if not captured).
         """
-        self._check_weights_bound()
-        if state not in self._states:
+        self._binding.check()
+        if not isinstance(state, VerifierState) or state not in self._states:
             raise ValueError("capture: state was not made by this verifier's new_state")
-        block = block or self.config.block
-        tiers = tiers or tier_set(state.max_requests, block)
+        block = self.config.block if block is None else positive_size("capture", "block", block)
+        if tiers is None:
+            tiers = tier_set(state.max_requests, block)
+        elif not tiers or not all(isinstance(t, Tier) for t in tiers):
+            raise ValueError(f"capture: tiers={tiers!r}; it must be None (tier_set of the state "
+                             "and block) or a non-empty sequence of Tier")
+        if self.id_check == "device":
+            self._id_guard(state)  # its flags exist before the graphs capture them
         vocab = self.graph_module.graph.find_nodes(op="output")[0].args[0].meta["val"].shape[1]
         mrope = self.adapter.mrope is not None
         commit = None if state.linear is None or not commit_graphs else (
@@ -355,6 +354,8 @@ class Verifier:
                              f"dtype {input_ids.dtype}; it must be int64 [bs, T]")
         bs, t = input_ids.shape
         layout = VerifyLayout.pack([t] * bs, context_lens, slots)
+        self._binding.check()
+        self._check_state(state)
         state.check_layout(layout, bs * t)
         positions = layout.positions.view(bs, t) if self.adapter.mrope is None else \
             layout.mrope_rows.reshape(3, bs, t)
@@ -371,31 +372,60 @@ class Verifier:
             "context_lens": layout.context_lens.to(self.device),
             "slots": layout.slots.to(self.device),
         }
-        with torch.no_grad():
-            return self.dense_graph_module(*self._arguments(self._dense_inputs, values, state))
+        step = state.steps.begin(layout)  # its KV rows overwrite any earlier verify's
+        try:
+            with torch.no_grad():
+                out = self.dense_graph_module(*self._arguments(self._dense_inputs, values,
+                                                               state))
+        except BaseException:
+            state.steps.failed(layout)
+            raise
+        state.steps.end(layout, step)
+        return out
 
     def commit(self, layout: VerifyLayout, accept_lens, state: VerifierState) -> None:
         """Keep the first ``accept_lens[i]`` tokens of request ``i``; drop the rest.
 
-        KV needs bookkeeping only (rejected rows are never read); linear-attention layers
-        replay each request's accepted prefix from the replay rings onto its slot, so this
-        must follow the forward that wrote the rings, with the same layout. After
+        ``layout`` must be the layout of the last forward over its slots on this ``state``
+        (that forward wrote the provisional rows kept here; a hybrid model's, the state's last
+        forward, whose rows the replay rings hold), committed once: anything else raises
+        ``ProtocolError`` naming the request and the cause (``state/steps.py``), with nothing
+        changed. KV needs bookkeeping only (rejected rows are never read); linear-attention
+        layers replay each request's accepted prefix from the replay rings onto its slot. After
         ``capture(state)`` that replay is one CUDA graph per request-slot count (the static,
         padded path on the CPU).
         """
-        acc = state.advance(layout, accept_lens)
+        self._check_state(state)
         session = self._sessions.get(state)
+        owner = session.claim("commit") if session is not None else None
+        try:
+            if self.id_check == "device" and isinstance(layout, VerifyLayout):
+                self._id_guard(state).check(layout, self.vocab_size)
+            acc = state.advance(layout, accept_lens)
+        except BaseException:
+            if session is not None:
+                session.restore(owner)
+            raise
         if state.linear is not None and not (
                 session is not None and session.graphs.replay_commit(layout, acc)):
             dev = state.block_table.device
             state.linear.replay_accepted(self._commit_ops, layout.query_start_loc.to(dev),
                                 layout.slots.to(dev), acc.to(dev))
+        if session is not None:
+            session.done()
 
     # ------------------------------------------------------------------ report
     def explain(self) -> str:
         """What each pass did, with the model source lines it rewrote, and the graph summary."""
         lines = [f"dspark_compile: {type(self.adapter.model).__name__} ({self.adapter.kind} "
                  f"model, {len(self.adapter.specs)} cached-attention layers)"]
+        for spec in self.adapter.specs:
+            traits = [f"window {spec.window}" if spec.window else "causal"]
+            traits += [f"softcap {spec.softcap}"] * bool(spec.softcap) + ["sinks"] * spec.sinks
+            dims = str(spec.head_dim) if spec.v_head_dim is None else \
+                f"{spec.head_dim} (q/k) / {spec.v_head_dim} (v)"
+            lines.append(f"  attention {spec.name}: {', '.join(traits)}; "
+                         f"{spec.num_kv_heads} kv heads x {dims}")
         for r in self.results:
             details = ", ".join(f"{k}={v}" for k, v in sorted(r.details.items()))
             lines.append(f"  pass {r.name}: {r.changed} rewritten" +
@@ -410,10 +440,3 @@ class Verifier:
         lines.append("  packed inputs: " + ", ".join(
             s.name for s in self.inputs if s.kind not in WEIGHT_KINDS))
         return "\n".join(lines)
-        for spec in self.adapter.specs:
-            traits = [f"window {spec.window}" if spec.window else "causal"]
-            traits += [f"softcap {spec.softcap}"] * bool(spec.softcap) + ["sinks"] * spec.sinks
-            dims = str(spec.head_dim) if spec.v_head_dim is None else \
-                f"{spec.head_dim} (q/k) / {spec.v_head_dim} (v)"
-            lines.append(f"  attention {spec.name}: {', '.join(traits)}; "
-                         f"{spec.num_kv_heads} kv heads x {dims}")

@@ -15,6 +15,7 @@ import sys
 import time
 from typing import Callable
 
+import numpy as np
 import torch
 
 from ..session.tiers import Tier, tier_set
@@ -62,20 +63,34 @@ def profile_sps(verifier, state, context: int, tiers: tuple[Tier, ...] | None = 
 
     ``context`` committed tokens per request are assumed (the pool contents are not read for
     timing). Captures the tier graphs first if ``state`` has none.
+
+    The steps write KV rows into the state's slots, so ``state`` must hold no live request: a
+    slot with committed tokens or uncommitted rows is refused (``ValueError`` naming the slots;
+    profile a fresh ``verifier.new_state(...)``). Every slot is released afterwards.
     """
-    if context < 0 or context + (block or verifier.config.block) > state.max_context:
+    for name, value in (("context", context), ("warmup", warmup), ("iters", iters)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < (name == "iters"):
+            raise ValueError(f"profile_sps: {name}={value!r}; it must be an int >= "
+                             f"{int(name == 'iters')}")
+    block = verifier.config.block if block is None else block
+    if context + block > state.max_context:
         raise ValueError(f"profile_sps: context={context} plus the block must fit the state's "
                          f"max_context={state.max_context}")
-    tiers = tiers or tier_set(state.max_requests, block or verifier.config.block)
+    live = sorted(set(np.flatnonzero(state.committed_lens.numpy()).tolist()) |
+                  set(state.steps.has_provisional().tolist()))
+    if live:
+        raise ValueError(f"profile_sps: slots {live} of the state are live (committed tokens or "
+                         "a verify not yet committed); profiling writes KV into the slots it "
+                         "times. Profile a fresh verifier.new_state(...), or release them first")
+    tiers = tier_set(state.max_requests, block) if tiers is None else tiers
     if verifier.session(state) is None:
         verifier.capture(state, tiers=tiers, progress=progress)
     timed, samples = _timer(verifier.device), []
-    saved = state.committed_lens.clone()
     try:
         for i, tier in enumerate(tiers):
             width = tier.tokens // tier.request_slots
             slots = list(range(tier.request_slots))
-            state.committed_lens[slots] = context
+            state.committed_lens[slots] = context  # a timing context: the pool is not read
             layout = VerifyLayout.pack([width] * len(slots), [context] * len(slots), slots)
             ids = torch.zeros(layout.num_tokens, dtype=torch.int64, device=verifier.device)
             step = lambda: verifier(ids, layout, state)  # noqa: E731
@@ -88,7 +103,10 @@ def profile_sps(verifier, state, context: int, tiers: tuple[Tier, ...] | None = 
         if progress:
             sys.stderr.write("\n")
     finally:
-        state.committed_lens.copy_(saved)
+        state.release(range(state.max_requests))  # nothing the profile wrote stays live
+        session = verifier.session(state)
+        if session is not None:
+            session.done()  # the profile's verifies are never committed
     return table_from_samples(samples, _metadata(verifier, tiers, model))
 
 

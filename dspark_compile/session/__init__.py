@@ -1,7 +1,9 @@
-"""Token-tier CUDA graphs and the verify session that owns them."""
+"""Token-tier CUDA graphs, the verify session that owns them, and the weights they bind."""
 
 from .graphs import TierGraphs, TierReport
-from .session import VerifySession
+from .session import ConcurrentUseError, VerifySession
 from .tiers import Tier, tier_set
+from .weights import StaleWeightsError, WeightBinding
 
-__all__ = ["VerifySession", "TierGraphs", "TierReport", "Tier", "tier_set"]
+__all__ = ["VerifySession", "ConcurrentUseError", "TierGraphs", "TierReport", "Tier", "tier_set",
+           "WeightBinding", "StaleWeightsError"]

@@ -17,7 +17,10 @@ request (no rows, no work).
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
+
+import numpy as np
 
 __all__ = ["Tier", "tier_set", "select_tier", "format_tiers"]
 
@@ -32,6 +35,11 @@ class Tier:
     """Requests the graph's metadata has room for (real requests plus empty ones)."""
 
     def __post_init__(self) -> None:
+        for name in ("tokens", "request_slots"):  # NumPy integers are taken as ints
+            value = getattr(self, name)
+            if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+                raise ValueError(f"Tier.{name}={value!r}; it must be an int")
+            object.__setattr__(self, name, int(value))
         if self.request_slots < 1 or self.tokens < self.request_slots:
             raise ValueError(
                 f"Tier(tokens={self.tokens}, request_slots={self.request_slots}): every request "

@@ -14,7 +14,9 @@ import torch
 
 from ..layout import VerifyLayout
 from ..specs import AttentionSpec
+from . import checks
 from .linear import LinearPools
+from .steps import StepLedger
 
 __all__ = ["VerifierState"]
 
@@ -42,6 +44,8 @@ class VerifierState:
     def __post_init__(self) -> None:
         if self.committed_lens is None:
             self.committed_lens = torch.zeros(self.max_requests, dtype=torch.int32)
+        self.steps = StepLedger(self.max_requests)
+        """Which forward wrote each slot's provisional rows (``state/steps.py``)."""
 
     @classmethod
     def allocate(
@@ -55,10 +59,13 @@ class VerifierState:
     ) -> "VerifierState":
         for name, value in (("max_requests", max_requests), ("max_context", max_context),
                             ("page_size", page_size)):
-            if not isinstance(value, int) or value < 1:
-                raise ValueError(f"new_state: {name}={value!r}; it must be an int >= 1")
+            checks.positive_size("new_state", name, value)
         pages_per_request = -(-max_context // page_size)
         num_pages = max_requests * pages_per_request
+        itemsize = torch.empty(0, dtype=dtype).element_size()
+        checks.check_memory("new_state", num_pages * page_size * itemsize * sum(
+            s.num_kv_heads * (s.head_dim + s.value_dim) for s in specs), device,
+            f"a KV pool of max_requests={max_requests} x max_context={max_context} tokens")
         # A fixed permutation (not random per run): the same state layout on every rank.
         perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
         block_table = perm.view(max_requests, pages_per_request).to(torch.int32)
@@ -74,19 +81,30 @@ class VerifierState:
 
     # ------------------------------------------------------------------ per-step metadata
     def check_layout(self, layout: VerifyLayout, num_tokens: int) -> None:
-        """Validate a layout against this pool (host-side, before any launch)."""
+        """Validate a layout against this pool (host-side, before any launch): its geometry,
+        and each request's ``context_lens`` equal to its slot's committed length (less would
+        overwrite committed KV rows, more would read rows never committed)."""
+        if not isinstance(layout, VerifyLayout):
+            raise ValueError(f"layout is a {type(layout).__name__}; it must be a VerifyLayout")
+        layout.check_intact()
         layout.validate(num_tokens, self.max_requests, self.max_context)
         if self.linear is not None:
             self.linear.check_rows(num_tokens)
         _, ctx, slots = layout.host
         committed = self.committed_lens.numpy()[slots]
-        ahead = ctx > committed
-        if ahead.any():
-            i = int(np.flatnonzero(ahead)[0])
+        if (ctx != committed).any():
+            i = int(np.flatnonzero(ctx != committed)[0])
+            if ctx[i] > committed[i]:
+                raise ValueError(
+                    f"request {i}: context_lens={int(ctx[i])} but slot "
+                    f"{int(slots[i])} has only {int(committed[i])} committed tokens; a verify "
+                    "step may only read committed context"
+                )
             raise ValueError(
-                f"request {i}: context_lens={int(ctx[i])} but slot "
-                f"{int(slots[i])} has only {int(committed[i])} committed tokens; a verify "
-                "step may only read committed context"
+                f"request {i}: context_lens={int(ctx[i])} but slot {int(slots[i])} has "
+                f"{int(committed[i])} committed tokens: the step would overwrite committed KV "
+                "rows (a rewind). context_lens must equal the committed length; to start a "
+                "request over, release its slot"
             )
 
     def device_metadata(self, query_start_loc: torch.Tensor, context_lens: torch.Tensor,
@@ -141,24 +159,17 @@ class VerifierState:
         Checks ``accept_lens`` and advances the committed lengths (host bookkeeping); returns
         the checked int64 ``accept_lens`` (CPU). Linear-attention state is advanced by
         ``Verifier.commit``, which knows the lowering of the commit ops.
+
+        The layout must be the one whose forward last wrote its slots (``StepLedger``), and each
+        request's ``context_lens`` its slot's committed length (so a step commits once); a
+        refused call changes nothing.
         """
-        if isinstance(accept_lens, np.ndarray) and accept_lens.dtype == np.int64:
-            acc = torch.from_numpy(accept_lens)  # a host loop's array: no conversions
-            a = accept_lens
-        else:
-            acc = torch.as_tensor(accept_lens)
-            a = None
-        if acc.dim() != 1 or acc.numel() != layout.num_requests:
-            raise ValueError(
-                f"commit: accept_lens has shape {tuple(acc.shape)}; it needs one entry per "
-                f"request ({layout.num_requests})"
-            )
-        if a is None:
-            if acc.dtype.is_floating_point or acc.dtype == torch.bool:
-                raise ValueError(f"commit: accept_lens has dtype {acc.dtype}; it must be "
-                                 "integers")
-            acc = acc.cpu().to(torch.int64)
-            a = acc.numpy()
+        if not isinstance(layout, VerifyLayout):
+            raise ValueError(f"commit: layout is a {type(layout).__name__}; it must be the "
+                             "VerifyLayout of the verify being committed")
+        layout.check_intact()
+        self.steps.check_commit(layout, rings=self.linear is not None)
+        acc, a = checks.accept_lens(accept_lens, layout.num_requests)
         qsl, ctx, slots = layout.host
         lens = qsl[1:] - qsl[:-1]
         if a.min() < 1 or (a > lens).any():
@@ -173,15 +184,19 @@ class VerifierState:
             i = int(np.flatnonzero(stale)[0])
             raise ValueError(
                 f"commit: request {i} was verified over context_lens={int(ctx[i])} but slot "
-                f"{int(slots[i])} now has {int(committed[slots[i]])} committed tokens; commit "
-                "each step once"
+                f"{int(slots[i])} now has {int(committed[slots[i]])} committed tokens: this "
+                "step was already committed; commit each step once"
             )
         committed[slots] = ctx + a  # writes through to committed_lens (a NumPy view)
         return acc
 
     def release(self, slots) -> None:
-        """Forget the requests in ``slots`` (their rows may be reused by new requests)."""
-        index = torch.as_tensor(slots, dtype=torch.long)
+        """Forget the requests in ``slots`` (their rows may be reused by new requests): an int
+        or a 1-D sequence, NumPy array or tensor of int slot ids in ``0..max_requests-1``
+        (bools, floats and negative ids are refused, not converted)."""
+        ids = checks.slot_ids("release", slots, self.max_requests)
+        index = torch.from_numpy(ids)
         self.committed_lens[index] = 0
+        self.steps.forget(ids)
         if self.linear is not None:
             self.linear.release(index)

@@ -13,6 +13,12 @@ def make_state(max_requests=4, max_context=32):
                                   torch.float32, torch.device("cpu"))
 
 
+def verified(state, layout):
+    """Record a forward of ``layout`` in the state's step ledger, as ``Verifier`` does."""
+    state.steps.end(layout, state.steps.begin(layout))
+    return layout
+
+
 def test_pack_builds_offsets_positions_and_request_ids():
     layout = VerifyLayout.pack(lens=[2, 1, 3], context_lens=[5, 0, 7], slots=[2, 0, 1])
     assert layout.query_start_loc.tolist() == [0, 2, 3, 6]
@@ -74,7 +80,7 @@ def test_layout_against_state(layout_args, num_tokens, match):
 
 def test_commit_rules():
     state = make_state()
-    layout = VerifyLayout.pack([3, 2], [0, 0], [1, 3])
+    layout = verified(state, VerifyLayout.pack([3, 2], [0, 0], [1, 3]))
     with pytest.raises(ValueError, match=r"accept_lens\[0\]=4"):
         state.advance(layout, [4, 1])
     with pytest.raises(ValueError, match=r"accept_lens\[1\]=0"):
@@ -155,7 +161,7 @@ def test_commit_takes_numpy_int64_like_any_integer_sequence(kind):
                 "numpy": np.array(values, np.int64)}[kind]
 
     state = make_state()
-    layout = VerifyLayout.pack([3, 2], [0, 0], [1, 3])
+    layout = verified(state, VerifyLayout.pack([3, 2], [0, 0], [1, 3]))
     with pytest.raises(ValueError, match=r"accept_lens\[0\]=4"):
         state.advance(layout, as_kind([4, 1]))
     with pytest.raises(ValueError, match=r"accept_lens\[1\]=0"):
