@@ -49,9 +49,11 @@ import os
 from dataclasses import dataclass
 from typing import NamedTuple, Sequence
 
+import numpy as np
 import torch
 
 from ..kernels.targets import TargetConfig, target_for_device
+from .values import check_scalar, is_scalar, number, positive_int_arg
 
 __all__ = ["SamplingParams", "PreDrawnNoise", "PhiloxNoise", "AcceptResult", "accept",
            "accept_reference", "draw_philox_noise", "philox4x32", "emitted_tokens"]
@@ -75,18 +77,30 @@ class SamplingParams:
     def build(cls, temperature: float | Sequence[float], top_k: int | Sequence[int] = 0,
               top_p: float | Sequence[float] = 1.0, *, num_requests: int | None = None,
               device: torch.device | str = "cpu") -> "SamplingParams":
-        """Host values (scalars broadcast to ``num_requests``), checked, as device tensors."""
+        """Host values (scalars broadcast to ``num_requests``), checked, as device tensors.
+
+        A value is a real number (``top_k``: an integer), a Python or NumPy scalar (converted as
+        it is), or a sequence, NumPy array or tensor of them, one per request; bools (``True``
+        is not a temperature) and non-integral ``top_k`` (2.5) are refused, not converted."""
         cols = {"temperature": temperature, "top_k": top_k, "top_p": top_p}
-        sizes = {len(v) for v in cols.values() if not isinstance(v, (int, float))}
+        for name, v in cols.items():
+            if not is_scalar(v) and not isinstance(v, (list, tuple, np.ndarray, torch.Tensor)):
+                raise ValueError(f"SamplingParams.build: {name} is a {type(v).__name__}; it "
+                                 "must be a number or a sequence of numbers, one per request")
+        sizes = {len(v) for v in cols.values() if not is_scalar(v)}
+        if num_requests is not None:
+            positive_int_arg("SamplingParams.build", "num_requests", num_requests)
         r = num_requests if num_requests is not None else (sizes.pop() if sizes else 1)
         host = {}
         for name, value in cols.items():
-            seq = [value] * r if isinstance(value, (int, float)) else list(value)
+            seq = [value] * r if is_scalar(value) else list(value)
             if len(seq) != r:
                 raise ValueError(f"SamplingParams.build: {name} has {len(seq)} entries; every "
                                  f"column needs one per request ({r}); pass a list of {r}")
+            for i, x in enumerate(seq):
+                check_scalar(name, i, x)
             dtype = torch.int32 if name == "top_k" else torch.float32
-            host[name] = torch.tensor(seq, dtype=dtype)
+            host[name] = torch.tensor([number(x) for x in seq], dtype=dtype)
         _check_values(host["temperature"], host["top_k"], host["top_p"], "SamplingParams.build")
         return cls(**{k: v.to(device) for k, v in host.items()})
 

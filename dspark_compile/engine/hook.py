@@ -18,6 +18,7 @@ from __future__ import annotations
 
 from typing import Protocol, Sequence
 
+import numpy as np
 import torch
 
 from ..layout import VerifyLayout
@@ -46,7 +47,7 @@ class DSparkHook:
     def __init__(self, verifier, max_requests: int, max_context: int, gamma: int,
                  rate: StepRateModel | None = None,
                  planner: PlannerConfig = PlannerConfig()) -> None:
-        if not isinstance(gamma, int) or gamma < 1:
+        if isinstance(gamma, bool) or not isinstance(gamma, int) or gamma < 1:
             raise ValueError(f"DSparkHook: gamma={gamma!r}; it must be an int >= 1")
         self.verifier, self.gamma, self.rate, self.planner = verifier, gamma, rate, planner
         self.state = verifier.new_state(max_requests=max_requests, max_context=max_context)
@@ -56,12 +57,18 @@ class DSparkHook:
         static, padded path is set up and nothing is captured. Returns each tier's cost."""
         return self.verifier.capture(self.state, block=self.gamma + 1).reports
 
-    def plan(self, confidence: torch.Tensor) -> torch.Tensor:
-        """int32 [R] verify lengths in ``1..gamma + 1`` from draft confidence ``[R, gamma]``."""
-        if confidence.dim() != 2 or confidence.shape[1] != self.gamma:
+    def plan(self, confidence) -> torch.Tensor:
+        """int32 [R] verify lengths in ``1..gamma + 1`` from draft confidence ``[R, gamma]``: a
+        tensor (any device; copied to the host as float32) or a NumPy array (taken as it is)."""
+        if not isinstance(confidence, (torch.Tensor, np.ndarray)):
+            raise ValueError(f"DSparkHook.plan: confidence is a {type(confidence).__name__}; it "
+                             f"must be a tensor or a numpy array [R, gamma={self.gamma}]")
+        if confidence.ndim != 2 or confidence.shape[1] != self.gamma:
             raise ValueError(f"DSparkHook.plan: confidence has shape {tuple(confidence.shape)}; "
                              f"it must be [R, gamma={self.gamma}]")
-        return plan_verify(confidence.float().cpu(), self.rate, self.planner).lens
+        if isinstance(confidence, torch.Tensor):
+            confidence = confidence.float().cpu()
+        return plan_verify(confidence, self.rate, self.planner).lens
 
     def verify(self, input_ids: torch.Tensor, layout: VerifyLayout) -> torch.Tensor:
         """Logits ``[N, V]`` of the packed step (writes provisional KV)."""
@@ -72,5 +79,6 @@ class DSparkHook:
         self.verifier.commit(layout, accept_lens, self.state)
 
     def release(self, slots: Sequence[int]) -> None:
-        """Free the slots of finished requests."""
-        self.state.release(list(slots))
+        """Free the slots of finished requests (ints in ``0..max_requests-1``; see
+        ``VerifierState.release``)."""
+        self.state.release(slots)

@@ -16,10 +16,18 @@ drafts in the cache. Modes:
 With greedy acceptance the emitted tokens are exactly plain greedy decoding of the target, in
 every mode (the tests hold it to that). New requests are prefilled in a packed forward of their
 own when a slot frees.
+
+A step that fails does not stop the engine. The verifier refuses a bad call before it changes
+anything, naming the request at fault (``TokenIdError.request``: a token id outside the
+vocabulary, from a drafter of another vocabulary, say): that request is failed, its slot given
+back, and the others go on. A fault that names no request fails every request of that step
+(their slots are given back too); queued requests still run. Failed requests are in ``failed``
+(id -> the error), and in the step's report.
 """
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from dataclasses import dataclass, field
 
@@ -33,6 +41,11 @@ from .drafter import Drafter
 __all__ = ["EngineConfig", "ReferenceEngine", "StepReport", "MODES"]
 
 MODES = ("none", "static", "fixed", "width", "planner")
+log = logging.getLogger("dspark_compile")
+
+
+def _is_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 @dataclass(frozen=True)
@@ -53,12 +66,16 @@ class EngineConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise ValueError(f"EngineConfig.mode={self.mode!r}; it must be one of {MODES}")
-        if not isinstance(self.gamma, int) or self.gamma < 1:
+        if not _is_int(self.gamma) or self.gamma < 1:
             raise ValueError(f"EngineConfig.gamma={self.gamma!r}; it must be an int >= 1")
-        if self.mode == "fixed" and not (isinstance(self.fixed_width, int)
+        if self.mode == "fixed" and not (_is_int(self.fixed_width)
                                          and 1 <= self.fixed_width <= self.gamma + 1):
             raise ValueError(f"EngineConfig.fixed_width={self.fixed_width!r}; mode 'fixed' "
                              f"needs an int in 1..gamma+1 = 1..{self.gamma + 1}")
+        if not _is_int(self.max_context) or self.max_context < self.gamma + 2:
+            raise ValueError(f"EngineConfig.max_context={self.max_context!r}; it must be an int "
+                             f">= gamma + 2 = {self.gamma + 2} (a one-token prompt, its first "
+                             "token and one block)")
 
 
 @dataclass
@@ -85,6 +102,8 @@ class StepReport:
     """Drafts accepted per running request."""
     emitted: int
     """Tokens emitted by the step (accepted drafts + one per request)."""
+    failed: list[int] = field(default_factory=list)
+    """Ids of the requests this step failed (see the module docstring)."""
 
 
 class ReferenceEngine:
@@ -104,20 +123,38 @@ class ReferenceEngine:
         self.queue: deque[_Request] = deque()
         self.running: list[_Request] = []
         self.finished: dict[int, list[int]] = {}
+        self.failed: dict[int, Exception] = {}
+        """Requests a step failed: id -> the error (naming the request)."""
         self.reports: list[StepReport] = []
         self._next_id = 0
 
     # ------------------------------------------------------------------ requests
     def submit(self, prompt: torch.Tensor, max_new_tokens: int) -> int:
-        """Queue a request; returns its id (its output is ``finished[id]`` when done)."""
-        if prompt.dim() != 1 or prompt.numel() < 1 or prompt.dtype != torch.int64:
-            raise ValueError(f"submit: prompt has shape {tuple(prompt.shape)} and dtype "
-                             f"{prompt.dtype}; it must be a non-empty int64 [L]")
+        """Queue a request; returns its id (its output is ``finished[id]`` when done).
+
+        ``prompt``: a non-empty int64 tensor ``[L]`` of ids in the verifier's vocabulary;
+        ``max_new_tokens``: an int >= 1 that fits ``max_context`` with the prompt and a block.
+        Anything else is refused here, before the request takes a slot."""
+        if not isinstance(prompt, torch.Tensor) or prompt.dim() != 1 or prompt.numel() < 1 \
+                or prompt.dtype != torch.int64:
+            what = f"shape {tuple(prompt.shape)} and dtype {prompt.dtype}" if isinstance(
+                prompt, torch.Tensor) else f"a {type(prompt).__name__}"
+            raise ValueError(f"submit: prompt has {what}; it must be a non-empty int64 tensor "
+                             "[L]")
+        vocab = getattr(self.verifier, "vocab_size", None)
+        if vocab is not None:
+            bad = (prompt < 0) | (prompt >= vocab)
+            if bad.any():
+                j = int(bad.nonzero()[0])
+                raise ValueError(f"submit: prompt[{j}]={int(prompt[j])} is outside the "
+                                 f"vocabulary 0..{vocab - 1} (vocab_size={vocab})")
+        if not _is_int(max_new_tokens) or max_new_tokens < 1:
+            raise ValueError(f"submit: max_new_tokens={max_new_tokens!r}; it must be an int >= 1")
         need = prompt.numel() + max_new_tokens + self.config.gamma + 1
-        if max_new_tokens < 1 or need > self.config.max_context:
+        if need > self.config.max_context:
             raise ValueError(f"submit: prompt {prompt.numel()} + max_new_tokens {max_new_tokens}"
                              f" + block {self.config.gamma + 1} = {need} exceeds max_context="
-                             f"{self.config.max_context} (or max_new_tokens < 1)")
+                             f"{self.config.max_context}")
         rid, self._next_id = self._next_id, self._next_id + 1
         self.queue.append(_Request(rid, prompt.cpu(), max_new_tokens))
         return rid
@@ -135,10 +172,20 @@ class ReferenceEngine:
         lens = [r.prompt.numel() for r in new]
         layout = VerifyLayout.pack(lens, [0] * len(new), [r.slot for r in new])
         ids = torch.cat([r.prompt for r in new]).to(self.verifier.device)
-        logits = self.verifier(ids, layout, self.state)
-        last = layout.query_start_loc[1:].long() - 1
-        first = logits[last.to(logits.device)].float().argmax(dim=-1).tolist()
-        self.verifier.commit(layout, lens, self.state)
+        try:
+            logits = self.verifier(ids, layout, self.state)
+            last = layout.query_start_loc[1:].long() - 1
+            first = logits[last.to(logits.device)].float().argmax(dim=-1).tolist()
+            self.verifier.commit(layout, lens, self.state)
+        except Exception as err:  # noqa: BLE001 - a failed step fails requests, not the engine
+            failed = self._fail(new, err)
+            for req in reversed([r for r in new if r.rid not in failed]):
+                self.state.release([req.slot])  # nothing of theirs was committed
+                self.free_slots.appendleft(req.slot)
+                req.slot = -1
+                self.queue.appendleft(req)
+            self.reports.append(StepReport(0, [], [], 0, failed))
+            return
         for req, tok in zip(new, first):
             req.emitted.append(tok)
         self.running.extend(new)
@@ -180,9 +227,14 @@ class ReferenceEngine:
         context = [r.prompt.numel() + len(r.emitted) - 1 for r in reqs]
         layout = VerifyLayout.pack(lens, context, [r.slot for r in reqs])
         ids = torch.cat(rows).to(self.verifier.device)
-        logits = self.verifier(ids, layout, self.state)
-        result = self._accept(logits, ids, layout)
-        self.verifier.commit(layout, result.accept_lens.cpu(), self.state)
+        try:
+            logits = self.verifier(ids, layout, self.state)
+            result = self._accept(logits, ids, layout)
+            self.verifier.commit(layout, result.accept_lens.cpu(), self.state)
+        except Exception as err:  # noqa: BLE001 - a failed step fails requests, not the engine
+            report = StepReport(len(reqs), lens, [0] * len(reqs), 0, self._fail(reqs, err))
+            self.reports.append(report)
+            return report
         accepted = result.num_accepted_drafts.tolist()
         for req, row, a, tok in zip(reqs, rows, accepted, result.next_tokens.tolist()):
             req.emitted.extend(row[1:1 + a].tolist() + [tok])
@@ -193,6 +245,22 @@ class ReferenceEngine:
         self.reports.append(report)
         self._retire()
         return report
+
+    def _fail(self, reqs: list[_Request], err: Exception) -> list[int]:
+        """Fail the request of ``reqs`` that ``err`` names (``err.request``, its index), or all
+        of them when it names none; give back their slots. Returns the failed ids."""
+        i = getattr(err, "request", None)
+        culprits = [reqs[i]] if isinstance(i, int) and 0 <= i < len(reqs) else list(reqs)
+        for req in culprits:
+            self.failed[req.rid] = err
+            log.warning("dspark_compile: ReferenceEngine failed request %d: %s", req.rid, err)
+            if req in self.running:
+                self.running.remove(req)
+            if req.slot >= 0:
+                self.state.release([req.slot])
+                self.free_slots.append(req.slot)
+                req.slot = -1
+        return [r.rid for r in culprits]
 
     def _accept(self, logits: torch.Tensor, ids: torch.Tensor, layout: VerifyLayout):
         """Greedy acceptance (temperature 0): noise is unused, zeros keep the shapes right."""
