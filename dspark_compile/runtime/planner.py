@@ -37,10 +37,11 @@ import numpy as np
 import torch
 
 from ._checks import fraction
-from .sps import StepRateModel
+from .sps import SpsTable, StepRateModel, TierRate, check_rates
 
 __all__ = ["PlannerConfig", "VerifyPlan", "Planner", "plan_verify", "plan_lengths", "survival"]
 
+_CHECKED_RATES = (TierRate, SpsTable)
 _INDEX_BITS = 32
 _INDEX_MASK = (1 << _INDEX_BITS) - 1
 
@@ -70,7 +71,8 @@ class PlannerConfig:
         if self.threshold is not None:
             fraction("PlannerConfig.threshold", self.threshold)
         for i, tier in enumerate(self.tiers):
-            if len(tier) != 2 or not all(isinstance(v, int) and v >= 1 for v in tier):
+            if len(tier) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and
+                                         v >= 1 for v in tier):
                 raise ValueError(f"PlannerConfig.tiers[{i}]={tier!r} is not a (tokens, "
                                  "request_slots) pair of positive ints; fix the tier set")
         object.__setattr__(self, "tiers", tuple(sorted(tuple(t) for t in self.tiers)))
@@ -193,11 +195,20 @@ def _at_least(keys: np.ndarray, key_bound: int) -> int:
 
 def _rate_span(rate: StepRateModel, first_tokens: int, count: int, requests: int) -> np.ndarray:
     """float64 [count] rates as a NumPy array: ``rate_span_host`` where the model has one (a
-    view of its table, no tensor made and read back), else ``rate_span``."""
+    view of its table, no tensor made and read back), else ``rate_span``. The rates of a model
+    other than ``TierRate`` and ``SpsTable`` (whose values are checked when they are built) are
+    checked here: a NaN rate would compare false with every other and silently turn
+    speculation off; a short span would be broadcast."""
     host = getattr(rate, "rate_span_host", None)
     if host is not None:
-        return host(first_tokens, count, requests)
-    return rate.rate_span(first_tokens, count, requests).numpy()
+        out = host(first_tokens, count, requests)
+    else:
+        out = rate.rate_span(first_tokens, count, requests)
+        out = out.detach().cpu().numpy() if isinstance(out, torch.Tensor) else np.asarray(out)
+    if type(rate) not in _CHECKED_RATES:
+        check_rates(f"{type(rate).__name__}.rate_span({first_tokens}, {count}, {requests})",
+                    out, count)
+    return out
 
 
 def _budget(keys: np.ndarray, r: int, rate: StepRateModel | None, config: PlannerConfig,

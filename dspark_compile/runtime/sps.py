@@ -38,6 +38,7 @@ __all__ = [
     "SpsSample",
     "SpsTable",
     "table_from_samples",
+    "check_rates",
 ]
 
 SPS_SCHEMA = "dspark_compile.sps_table/1"
@@ -344,6 +345,32 @@ def table_from_samples(samples: Iterable[SpsSample], metadata: SpsMetadata) -> S
     return SpsTable(metadata=metadata, entries=entries)
 
 
+def check_rates(where: str, rates, count: int) -> np.ndarray:
+    """Refuse step rates that are not ``count`` finite numbers > 0 (a rate model's output)."""
+    arr = np.asarray(rates)
+    if arr.shape != (count,):
+        raise ValueError(f"{where} returned shape {arr.shape}; a rate model must return one "
+                         f"rate per token count asked, [{count}]")
+    if arr.dtype.kind not in "fiu" or not (arr.min() > 0 and np.isfinite(arr).all()):
+        bad = arr if arr.dtype.kind not in "fiu" else arr[~(np.isfinite(arr) & (arr > 0))][:3]
+        raise ValueError(f"{where} returned {bad!r}; steps per second must be finite numbers "
+                         "> 0 (a NaN or a zero would silently change every decision)")
+    return arr
+
+
+def _tier_pair(i: int, t) -> tuple[int, int]:
+    pair = (t.tokens, t.request_slots) if hasattr(t, "request_slots") else tuple(t)
+    if len(pair) != 2:
+        raise ValueError(f"TierRate: tiers[{i}]={t!r} is not a Tier or a (tokens, "
+                         "request_slots) pair")
+    tokens = positive_int(f"TierRate: tiers[{i}] tokens", pair[0])
+    slots = positive_int(f"TierRate: tiers[{i}] request_slots", pair[1])
+    if tokens < slots:
+        raise ValueError(f"TierRate: tiers[{i}]={t!r} has fewer tokens than request slots; "
+                         "every request verifies at least one token")
+    return tokens, slots
+
+
 class TierRate:
     """``StepRateModel`` of tier-graph steps: the table read at the tier a step replays.
 
@@ -362,18 +389,20 @@ class TierRate:
 
     def __init__(self, table: StepRateModel, tiers, max_requests: int,
                  step_overhead_s: float = 0.0) -> None:
-        pairs = sorted({(int(getattr(t, "tokens", None) or t[0]),
-                         int(getattr(t, "request_slots", None) or t[1])) for t in tiers})
-        if not pairs or max_requests < 1:
-            raise ValueError(f"TierRate: {len(pairs)} tiers for max_requests={max_requests}; "
-                             "it needs at least one tier and one request")
-        if not (isinstance(step_overhead_s, (int, float)) and 0 <= step_overhead_s < 1):
+        pairs = sorted({_tier_pair(i, t) for i, t in enumerate(tiers)})
+        positive_int("TierRate: max_requests", max_requests)
+        if not pairs:
+            raise ValueError("TierRate: tiers is empty; it needs at least one tier")
+        if isinstance(step_overhead_s, bool) or not (
+                isinstance(step_overhead_s, (int, float)) and 0 <= step_overhead_s < 1):
             raise ValueError(f"TierRate: step_overhead_s={step_overhead_s!r}; it must be seconds "
                              "in [0, 1)")
         tokens = np.array([t for t, _ in pairs])
         slots = np.array([r for _, r in pairs])
         rates = np.array([float(table.steps_per_second(torch.tensor([t]), r)[0])
                           for t, r in pairs])
+        check_rates(f"TierRate: {type(table).__name__}.steps_per_second at tiers {pairs}", rates,
+                    len(pairs))
         rates = 1.0 / (1.0 / rates + step_overhead_s)
         self.dense = np.zeros((max_requests + 1, int(tokens.max()) + 1))  # [R + 1, B + 1]
         for r in range(1, max_requests + 1):

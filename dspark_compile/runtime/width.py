@@ -23,7 +23,7 @@ import numpy as np
 import torch
 
 from ._checks import fraction, positive_int
-from .sps import StepRateModel
+from .sps import StepRateModel, check_rates
 
 __all__ = ["WidthPolicyConfig", "WidthPolicy", "expected_tokens"]
 
@@ -157,6 +157,7 @@ class WidthPolicy:
                              "run the full width until every position has been reached")
         widths = self._widths  # [W]
         rates = self.rate.steps_per_second(torch.from_numpy(widths * batch_size), batch_size)
+        rates = check_rates(f"{type(self.rate).__name__}.steps_per_second", rates, widths.size)
         scores = batch_size * _expected(h)[widths - 1] * np.asarray(rates, dtype=np.float64)
         return dict(zip(self.config.widths, scores.tolist()))
 
