@@ -104,6 +104,27 @@ def test_family_ragged_equals_hf_forward(name):
     assert err <= TOL, f"{name}: max |ragged - HF| = {err}"
 
 
+def test_tier_padding_routes_nowhere_and_changes_no_real_row(monkeypatch):
+    """On the static-buffer tier path (the CPU twin of the tier graphs) every step pads ``N``
+    up to its tier; the padded rows route nowhere and the real rows still equal HF's."""
+    from dspark_compile.ops import experts_reference
+
+    seen = []
+    route = experts_reference.route
+    monkeypatch.setattr(experts_reference, "route", lambda ids, qsl, e: seen.append(
+        (ids.shape[0], int(qsl[-1]))) or route(ids, qsl, e))
+    model = _build("mixtral")
+    verifier = dspark_compile(model)
+    session = Session(model, verifier, [2, 0, 1], seed=1)
+    verifier.capture(session.state, block=4)
+    session.vocab = VOCAB
+    session.step([9, 11, 10], accept=[9, 11, 10])  # past the largest tier: eager
+    for lens in ([3, 2, 4], [4, 1, 3], [2, 4, 1]):
+        session.step(lens)
+    assert session.max_err <= TOL
+    assert any(rows > real for rows, real in seen), "some step ran with padded rows"
+
+
 # ---------------------------------------------------------------------- whitelist
 def test_fused_activation_is_proven_by_probing_the_gate():
     mixtral = _build("mixtral").model.layers[0].mlp.experts
