@@ -397,13 +397,18 @@ def _check_view(x: fx.Node, node: fx.Node, lab_in: AxisLabel, out: AxisLabel) ->
     if lab_in.bs_factor != 1 or out.bs_factor != 1:
         return _check_bs_factor_view(x, node, lab_in, out)
 
-    def separate_non_adjacent(lab):
-        return lab.kind == "token" and lab.flat_dim is None and lab.t_dim != lab.bs_dim + 1
-    if not (separate_non_adjacent(lab_in) or separate_non_adjacent(out)):
+    def separate_non_adjacent(lab, shape):
+        # only size-1 dims between the request and the token axis ([bs, 1, T]) keep rows in
+        # token-major order, as if they were adjacent
+        return lab.kind == "token" and lab.flat_dim is None and lab.t_dim != lab.bs_dim + 1 \
+            and not (lab.bs_dim < lab.t_dim and _segments(shape, lab)[1] == 1)
+    if not (separate_non_adjacent(lab_in, x.meta["val"].shape) or
+            separate_non_adjacent(out, node.meta["val"].shape)):
         return None
-    same_axes = (lab_in.bs_dim, lab_in.t_dim, lab_in.flat_dim) == \
-        (out.bs_dim, out.t_dim, out.flat_dim)
-    if same_axes and _segments(x.meta["val"].shape, lab_in) == \
+    # both sides keep a request axis and a token axis apart, with the same products before,
+    # between and after them: the view regroups static dims within those segments only (e.g.
+    # [bs, T, r] -> [bs, 1, T, r]), so every (request, token) keeps its own entries
+    if _kinds(lab_in) == _kinds(out) and _segments(x.meta["val"].shape, lab_in) == \
             _segments(node.meta["val"].shape, out):
         return None
     return "it reshapes across a request axis and a token axis that are not adjacent"

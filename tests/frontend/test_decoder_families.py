@@ -45,6 +45,12 @@ FAMILIES = {
     "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, dict()),
     "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, dict(n_embd=64, n_layer=2, n_head=4,
                                                      n_positions=256)),
+    "cohere": (T.CohereConfig, T.CohereForCausalLM, dict()),
+    "glm4": (T.Glm4Config, T.Glm4ForCausalLM, dict(head_dim=16)),
+    "deepseek_v3_mla": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, dict(
+        num_key_value_heads=4, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+        qk_rope_head_dim=8, v_head_dim=12, n_routed_experts=4, first_k_dense_replace=1,
+        n_group=1, topk_group=1, **MOE)),
     "qwen35_linear_only": (T.Qwen3_5TextConfig, T.Qwen3_5ForCausalLM, dict(
         layer_types=["linear_attention"] * 2, head_dim=16, linear_num_value_heads=4,
         linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16)),
@@ -84,3 +90,6 @@ def test_each_layer_reads_its_own_semantics_off_the_forward():
     oss = dspark_compile(_build("gpt_oss"))
     assert [(s.window, s.sinks) for s in oss.adapter.specs] == [(WINDOW, True), (0, True)]
     assert "sinks" in oss.explain()
+    mla = dspark_compile(_build("deepseek_v3_mla"))
+    assert {(s.head_dim, s.value_dim) for s in mla.adapter.specs} == {(24, 12)}
+    assert "24 (q/k) / 12 (v)" in mla.explain()
