@@ -8,6 +8,7 @@ import os
 import platform
 import re
 import subprocess
+import textwrap
 from collections import Counter
 
 from .check import STATUSES, TOLERANCE
@@ -104,6 +105,7 @@ def markdown(report: dict) -> str:
         f"dspark_compile {env.get('dspark_compile') or '?'}"
         + (f", selection: {' '.join(report['only'])}" if report.get("only") else "") + ".",
         "",
+        *([report["note"], ""] if report.get("note") else []),
         f"**{_summary_line(report)}.**",
         "",
     ]
@@ -155,7 +157,16 @@ def readme_section(report: dict, link: str = "docs/models.md") -> str:
         lines.append(f"- Not built by the zoo (the HF model's tiny config or forward fails): "
                      f"{names('skipped')}.")
     lines.append(END)
-    return "\n".join(lines)
+    return "\n".join(_wrap(line) for line in lines)
+
+
+def _wrap(line: str, width: int = 95) -> str:
+    """A README line wrapped like the rest of the README (list items with a hanging indent)."""
+    if line.startswith("<!--") or len(line) <= width:
+        return line
+    indent = "  " if line.startswith("- ") else ""
+    return textwrap.fill(line, width, subsequent_indent=indent, break_long_words=False,
+                         break_on_hyphens=False)
 
 
 def update_readme(path: str, report: dict, link: str = "docs/models.md") -> None:
