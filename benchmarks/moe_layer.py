@@ -21,9 +21,9 @@ path's ``floor_share`` is floor / its best time (1.0: at the floor). ``experts_k
 names the faster of our two GEMM choices per ``bs``: what ``TargetConfig.experts_kernel``
 should hold on this GPU.
 
-Usage: ``python benchmarks/moe_layer.py [--smoke] [--out DIR] [--batch-sizes 1 8 64 256]``.
-Writes ``moe_layer.json`` (``moe_layer_smoke.json``) to ``--out``, else ``$OUT``, else
-``benchmarks/results/``. ``--smoke`` runs tiny float32 shapes on the CPU under
+Usage: ``python benchmarks/moe_layer.py [--smoke] [--out DIR] [--batch-sizes 1 8 64 256]
+[--target experts_block_n=128 ...]``. Writes ``moe_layer.json`` (``moe_layer_smoke.json``; a
+``--target`` override adds a suffix) to ``--out``, else ``$OUT``, else ``benchmarks/results/``. ``--smoke`` runs tiny float32 shapes on the CPU under
 ``TRITON_INTERPRET=1`` (checks the script; the times mean nothing, and ``ours_grouped_mm``
 falls back to Triton there: the vendor GEMM is taken on CUDA devices only).
 """
@@ -41,7 +41,7 @@ if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel 
 
 import torch  # noqa: E402
 from common import (BF16_FLOPS, BLOCK, HBM_BYTES_PER_S, mix_lens, out_dir,  # noqa: E402
-                    time_calls, versions, write_json)
+                    target_overrides, time_calls, versions, write_json)
 
 from dspark_compile.ops import experts_reference as ref  # noqa: E402
 
@@ -139,9 +139,12 @@ def reference(experts, x, ids, weights, qsl) -> torch.Tensor:
     return ref.down(h, order, offsets, weights.float(), experts.down_proj.float(), None, False)
 
 
-def time_path(fn, s: dict, device: str) -> dict:
-    """Eager and graph times of one path; a path that cannot capture (HF's eager loop syncs
-    on the host) gets its eager time and the capture's error."""
+def time_path(fn, s: dict, device: str, graph: bool = True) -> dict:
+    """Eager and graph times of one path; a path that cannot capture gets its eager time and
+    why (HF's eager loop is not even tried: it syncs on the host for the experts it hits)."""
+    if device == "cuda" and not graph:
+        return dict(eager_us=_eager_us(fn, s), graph_us=None,
+                    graph_error="not captured: the loop over hit experts syncs on the host")
     try:
         return time_calls([fn], s, device)
     except Exception as err:  # noqa: BLE001 - recorded in the JSON
@@ -175,7 +178,7 @@ def run_bs(bs: int, experts, s: dict, device: str) -> dict:
         with use_kernel(kernel):
             fn = path_fn(path, experts, x, ids, weights, qsl)
             err = (fn().float() - want).abs().max().item()
-            times = time_path(fn, s, device)
+            times = time_path(fn, s, device, graph=path != "hf_eager")
         best = min(t for t in (times["eager_us"], times["graph_us"]) if t is not None)
         row[path] = dict(**times, best_us=best, max_err=err,
                          floor_share=round(row["floor_us"] / best, 3))
@@ -190,13 +193,18 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--out", default=None, help="result folder (default $OUT or "
                     "benchmarks/results)")
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=None)
+    ap.add_argument("--target", action="append", default=[], metavar="FIELD=VALUE",
+                    help="override a TargetConfig field (e.g. experts_block_n=128); files get "
+                    "a suffix")
     opts = ap.parse_args(argv)
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
+    overrides, suffix, _ = target_overrides(opts.target)
     if opts.batch_sizes:
         s = dict(s, batch_sizes=opts.batch_sizes)
     torch.set_grad_enabled(False)
     experts = build(s, device)
-    report = dict(settings=s, environment=versions(gpu=device == "cuda"),
+    report = dict(settings=s, target_overrides=overrides,
+                  environment=versions(gpu=device == "cuda"),
                   command="python benchmarks/moe_layer.py " + " ".join(argv or sys.argv[1:]),
                   results={})
     for bs in s["batch_sizes"]:
@@ -209,7 +217,7 @@ def main(argv: list[str] | None = None) -> dict:
               f"{row['floor_us']:8.1f} us ({row['floor_kind']})  " + "  ".join(
                   f"{p} {row[p]['best_us']:8.1f} us ({row[p]['floor_share']:.2f})"
                   for p in PATHS))
-    name = "moe_layer_smoke.json" if opts.smoke else "moe_layer.json"
+    name = f"moe_layer{'_smoke' if opts.smoke else ''}{suffix}.json"
     report["path"] = write_json(out_dir(opts.out), name, report)
     return report
 
