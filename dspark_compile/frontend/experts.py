@@ -110,6 +110,10 @@ def _tables(module: nn.Module, where: str):
     w_up = module.gate_up_proj if gated else module.up_proj
     b_up = (module.gate_up_proj_bias if gated else module.up_proj_bias) if biased else None
     b_down = module.down_proj_bias if biased else None
+    plain = (torch.float32, torch.float16, torch.bfloat16)
+    if w_up.dtype not in plain or module.down_proj.dtype not in plain:
+        raise _refuse(where, f"its expert weights are {w_up.dtype} / {module.down_proj.dtype} "
+                      "(quantized experts carry scales the ops do not read)")
     return w_up, b_up, module.down_proj, b_down, bool(module.is_transposed)
 
 

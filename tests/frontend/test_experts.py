@@ -160,6 +160,14 @@ def test_layouts_outside_the_ops_are_refused_by_name(attribute, why):
         _tables(module, "experts model.layers.0.mlp.experts")
 
 
+def test_quantized_expert_weights_are_refused():
+    module = _Experts()
+    module.gate_up_proj = nn.Parameter(torch.zeros(4, 8, 6).to(torch.float8_e4m3fn),
+                                       requires_grad=False)
+    with pytest.raises(NotImplementedError, match="quantized experts"):
+        _tables(module, "experts model.layers.0.mlp.experts")
+
+
 def test_arguments_outside_the_routing_tensors_are_refused():
     x, ids, w = torch.zeros(3, 6), torch.zeros(3, 2, dtype=torch.int64), torch.zeros(3, 2)
     assert _arguments("e", (x,), {"router_indices": ids, "routing_weights": w})[1] is ids
