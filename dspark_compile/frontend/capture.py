@@ -159,9 +159,10 @@ def discover_attention(adapter: ModelAdapter, dtype: torch.dtype,
     if not found and not adapter.linear_specs:
         raise TypeError(
             f"dspark_compile: no module of {type(adapter.model).__name__} called the attention "
-            "function during a forward, and it has no Gated DeltaNet layers: there is no "
-            "attention whose KV cache dspark_compile could own (a model computing attention "
-            "outside transformers' attention interface is not supported)")
+            "function during a forward, and it has no recurrent layers (Gated DeltaNet, Mamba-2, "
+            "short conv): there is no attention whose KV cache dspark_compile could own (a "
+            "model computing attention outside transformers' attention interface is not "
+            "supported)")
     return found
 
 
