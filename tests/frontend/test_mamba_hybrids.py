@@ -144,3 +144,39 @@ def test_triton_lowering_takes_the_ssd_kernel_and_its_commit():
     assert {"dspark.ssd_triton.default", "dspark.causal_conv1d_triton.default"} <= targets
     ops = torch.ops.dspark
     assert LOWERED["triton"][ops.ssd_commit] is ops.ssd_commit_triton
+
+
+@pytest.mark.parametrize("change, match", [
+    ("z", r"Mamba2Mixer 'backbone.layers.0.mixer' \(mamba2_chunk_scan\) passes \['z'\]"),
+    ("twice", r"Mamba2Mixer 'backbone.layers.0.mixer' \(mamba2_chunk_scan\) made a second "
+              r"'ssd' call"),
+    ("no_conv", r"Mamba2Mixer 'backbone.layers.0.mixer' mixes tokens through \['ssd'\]"),
+], ids=["gated scan", "two scans", "scan without its conv"])
+def test_scan_calls_outside_the_whitelist_are_refused_naming_the_mixer(change, match):
+    """What the capture does not implement (a z gate inside the scan, two scans in one mixer, a
+    scan whose conv is not HF's causal_conv1d_fn) is refused at discovery, naming the mixer."""
+    from transformers.models.mamba2 import modeling_mamba2 as hf
+
+    def forward(self, hidden_states, **kwargs):  # HF's mixer, cut down and changed
+        bs, t, _ = hidden_states.shape
+        gate, xbc, dt = self.in_proj(hidden_states).split(
+            [self.intermediate_size, self.conv_dim, self.num_heads], dim=-1)
+        if change != "no_conv":
+            xbc = hf.causal_conv1d_fn(xbc.transpose(1, 2), self.conv1d.weight.squeeze(1),
+                                      self.conv1d.bias, activation="silu").transpose(1, 2)
+        groups = self.n_groups * self.ssm_state_size
+        x, b, c = xbc.split([self.intermediate_size, groups, groups], dim=-1)
+        args = (x.view(bs, t, self.num_heads, self.head_dim), dt, -torch.exp(self.A_log),
+                b.view(bs, t, self.n_groups, -1), c.view(bs, t, self.n_groups, -1))
+        kw = dict(chunk_size=self.chunk_size, D=self.D, dt_bias=self.dt_bias,
+                  dt_softplus=True, z=gate.view(*x.shape[:2], -1) if change == "z" else None)
+        y = hf.mamba2_chunk_scan(*args, **kw)  # the capture's replacement, looked up now
+        if change == "twice":
+            y = y + hf.mamba2_chunk_scan(*args, **kw)
+        return self.out_proj(y.reshape(bs, t, -1).to(hidden_states.dtype))
+
+    model = tiny_ssm("mamba2")
+    mixer = model.backbone.layers[0].mixer
+    mixer.forward = types.MethodType(forward, mixer)
+    with pytest.raises(NotImplementedError, match=match):
+        dspark_compile(model)
