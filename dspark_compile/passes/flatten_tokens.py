@@ -128,6 +128,8 @@ class _Flattener:
                 node.meta.get("val"), (tuple, list)):
             return self.symbolic(node)
         touched = [a for a in node.all_input_nodes if _label(a).token_dims]
+        if packet is aten.index and _label(args[0]).token_dims:
+            return self.op_index_rows(node, *args)
         if packet in AS_IS or (not touched and not _label(node).token_dims):
             return node.target(*self.value(args), **self.value(node.kwargs))
         if packet in SIZE_OPS:
@@ -196,6 +198,13 @@ class _Flattener:
         if dim % rank in lab.token_dims:  # token_axis allows only full slices here
             return self.env[x]
         return aten.slice.Tensor(self.env[x], _fdim(lab, dim, rank), start, end, step)
+
+    def op_index_rows(self, node, x, indices):
+        """``x[..., idx, ...]`` of a token value along non-token dims: the request axis's
+        (empty) index goes with the axis."""
+        lab = _label(x)
+        keep = [i for d, i in enumerate(indices) if not (_drops_bs(lab) and d == lab.bs_dim)]
+        return aten.index.Tensor(self.env[x], self.value(keep))
 
     def op_stack(self, node, tensors, dim=0):
         """The new axis sits among the result's dims, so it moves with the result's label."""

@@ -445,9 +445,20 @@ def _check_gather(node: fx.Node) -> str | None:
     """``aten.index.Tensor(%w, [%ids])``: rows of a global table picked per token (expert
     weights by each token's expert ids), like an embedding."""
     table, indices = node.args[0], node.args[1]
-    if axis(table).token_dims:
-        return ("it gathers rows of a token value by index (a token would read another "
-                "token's row); index only weights or constants by per-token ids")
+    lab = axis(table)
+    if lab.token_dims:
+        # x[..., idx, ...]: fixed entries of every token's own row, picked along non-token
+        # dims by indices that hold no tokens, in one block (torch moves the dims of split
+        # index blocks to the front)
+        used = [d for d, i in enumerate(indices) if i is not None]
+        if any(d in lab.token_dims or (lab.flat_dim is not None and d == lab.flat_dim)
+               for d in used) or any(axis(indices[d]).kind not in ("global", "broadcast")
+                                     for d in used) or \
+                used != list(range(used[0], used[-1] + 1)):
+            return ("it gathers rows of a token value by index (a token would read another "
+                    "token's row); index only weights or constants by per-token ids, or a "
+                    "token value along its other dims by constant indices")
+        return None
     used = [i for i in indices if i is not None]
     if indices[0] is None or len(used) != 1:
         return ("it indexes a table with several index tensors or not along its first dim; "

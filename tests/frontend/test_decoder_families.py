@@ -45,6 +45,9 @@ FAMILIES = {
     "gpt_neox": (T.GPTNeoXConfig, T.GPTNeoXForCausalLM, dict()),
     "gpt2": (T.GPT2Config, T.GPT2LMHeadModel, dict(n_embd=64, n_layer=2, n_head=4,
                                                      n_positions=256)),
+    "falcon": (T.FalconConfig, T.FalconForCausalLM, dict()),  # multi-query, calls SDPA itself
+    "falcon_new_arch": (T.FalconConfig, T.FalconForCausalLM, dict(new_decoder_architecture=True,
+                                                                  num_kv_heads=2)),
     "cohere": (T.CohereConfig, T.CohereForCausalLM, dict()),
     "glm4": (T.Glm4Config, T.Glm4ForCausalLM, dict(head_dim=16)),
     "deepseek_v3_mla": (T.DeepseekV3Config, T.DeepseekV3ForCausalLM, dict(

@@ -69,6 +69,12 @@ def router_scatter_gather(x, positions):  # PhiMoE / Llama 4's router: -inf but 
     return masked.softmax(-1) + picked + x.index_select(-1, torch.tensor([3, 1] * 8))
 
 
+def constant_index_rows(x, positions):  # Falcon's fused qkv: qkv[..., [-2], :]
+    heads = x.view(*x.shape[:2], 4, 4)
+    return (heads[..., [-2], :] + heads[:, :, [0, 3]].sum(2, keepdim=True)).expand_as(
+        heads).reshape(x.shape)
+
+
 def experts_tiled(x, positions):  # Llama 4: every expert gets every token, [E*N, H]
     rows = x.reshape(-1, H)
     scores = torch.sigmoid(rows[:, :4])  # [N, E]
@@ -79,7 +85,7 @@ def experts_tiled(x, positions):  # Llama 4: every expert gets every token, [E*N
 
 
 @pytest.mark.parametrize("mix", [interleaved_rotary, complex_rotary, constant_fills,
-                                 router_scatter_gather, experts_tiled])
+                                 router_scatter_gather, constant_index_rows, experts_tiled])
 def test_ops_along_other_dims_compile_and_match(mix):
     model = Mixer(mix).eval()
     verifier = dspark_compile(model)
@@ -130,6 +136,21 @@ def index_add_by_token_ids(x, positions):
     return x + table.sum(0)
 
 
+def index_along_tokens(x, positions):
+    return x[:, [0]].expand_as(x) + x
+
+
+def index_by_token_ids(x, positions):  # an index holding token rows
+    heads = x.view(*x.shape[:2], 4, 4)
+    return x + heads[:, :, (x[..., 0] > 0).long()].sum((2, 3, 4)).unsqueeze(-1)
+
+
+def index_in_split_blocks(x, positions):
+    cube = x.view(*x.shape[:2], 2, 2, 4)
+    picked = cube[:, :, [1], :, [0]]  # split index blocks: torch moves their dim to the front
+    return x + picked.sum()
+
+
 def repeat_along_tokens(x, positions):
     return x.repeat(1, 2, 1).view(x.shape[0], x.shape[1], 2, H).mean(2)
 
@@ -153,6 +174,9 @@ def complex_of_rows_in_two_orders(x, positions):
     (scatter_along_tokens, "scatter_add", "along the token axis"),
     (gather_along_tokens, "gather", "along the token axis"),
     (index_add_by_token_ids, "index_add", "by the per-token index"),
+    (index_along_tokens, "index", "gathers rows of a token value by index"),
+    (index_by_token_ids, "index", "merges the token axis with another axis"),
+    (index_in_split_blocks, "index", "gathers rows of a token value by index"),
     (repeat_along_tokens, "repeat", "merges the token axis with another axis"),
     (repeat_requests, "repeat", "tiles along the request or token axis"),
     (complex_of_rows_in_two_orders, "complex", "holds its flat rows in"),
