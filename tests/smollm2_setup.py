@@ -8,6 +8,7 @@ package the tests skip with one reason line (``make test`` installs it, so there
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -26,6 +27,11 @@ def skip_reason() -> str | None:
 
 @functools.lru_cache(maxsize=1)
 def _load():
+    # Two xdist workers with torch's default of one thread per core would run 4 threads on 2
+    # cores; their spin-waits cost the 30-layer model several times its time. A core each.
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     from dspark_compile import dspark_compile
     from dspark_compile.demo_smollm2 import chat_prompts
     from dspark_compile.integrations.smollm2 import load_smollm2

@@ -19,9 +19,14 @@ HF's own loop, sampler and stopping criteria, untouched:
   any other call, runs HF's forward as before).
 
 Because HF's loop picks the tokens from logits that equal its own forward's (to float32
-rounding: about 1e-5 on SmolLM2), ``generate`` through the adapter decodes the same tokens as
-plain ``generate`` under greedy decoding, and under sampling draws from the same distribution
-with the same random numbers (so a fixed seed gives HF's own tokens).
+rounding: about 1e-4 on SmolLM2's logits of about 38), ``generate`` through the adapter decodes
+the same tokens as plain ``generate`` under greedy decoding, and under sampling draws from the
+same distribution with the same random numbers (so a fixed seed gives HF's own tokens).
+
+Hybrid models (Qwen3.5, Qwen3-Next: linear-attention layers with recurrent state) verify too:
+HF refuses assisted generation for them because their own cache cannot roll back, but a
+``DSparkCache``'s can (the verifier replays each layer's kept prefix), so while attached the
+model instance reports ``_is_stateful = False`` and prompt lookup runs on them.
 
 What is refused, with the reason: a cache of HF's own (``cache=`` / ``past_key_values=``; the
 adapter brings its own), beam search (``num_beams > 1``: the verifier's slots do not fork), a
@@ -61,6 +66,9 @@ from ..layout import VerifyLayout
 from ..verifier import Verifier, dspark_compile
 
 __all__ = ["DSparkCache", "DSparkGeneration", "UnsupportedGenerationError"]
+
+
+_UNSET = object()
 
 
 class UnsupportedGenerationError(ValueError):
@@ -277,6 +285,12 @@ class DSparkGeneration:
 
                 self._hf_forward = hf_forward
                 self.model.forward = forward
+                # HF refuses assisted generation for models with recurrent state, which cannot
+                # roll back; through a DSparkCache they can (the verifier replays the kept
+                # prefix of every linear-attention layer), so the instance says so meanwhile
+                self._stateful = self.model.__dict__.get("_is_stateful", _UNSET)
+                if getattr(self.model, "_is_stateful", False):
+                    self.model._is_stateful = False
             self._depth += 1
         try:
             yield self
@@ -290,6 +304,10 @@ class DSparkGeneration:
                             getattr(self._hf_forward, "__self__", None) is not self.model:
                         self.model.forward = self._hf_forward  # an instance override before us
                     self._hf_forward = None
+                    if self._stateful is _UNSET:
+                        self.model.__dict__.pop("_is_stateful", None)
+                    else:
+                        self.model._is_stateful = self._stateful
 
     def _forward(self, cache: DSparkCache, args: tuple, kwargs: dict) -> CausalLMOutputWithPast:
         if args:

@@ -189,3 +189,27 @@ def test_sampling_through_adapter_matches_plain_sampling_distribution(tiny):
     limit = dof * (1 - 2 / (9 * dof) + z * (2 / (9 * dof)) ** 0.5) ** 3
     assert chi2.item() < limit, (chi2.item(), limit, dof)
     assert not torch.equal(a, b)  # a test of sampling, not of one repeated token
+
+
+def test_prompt_lookup_on_a_hybrid_model_which_hf_alone_refuses():
+    """Qwen3.5 (Gated DeltaNet layers): HF refuses assisted generation for models with recurrent
+    state; through the adapter the verifier rolls the rejected drafts back, and prompt lookup
+    decodes plain greedy's tokens."""
+    from helpers import tiny_qwen35
+
+    model = tiny_qwen35(seed=1)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(10.0)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    gen = DSparkGeneration(model, dspark_compile(model), max_context=96)
+    torch.manual_seed(0)
+    ids = torch.randint(1, 101, (1, 10))
+    ids = torch.cat([ids, ids[:, :5]], dim=1)
+    want = model.generate(ids, max_new_tokens=20, do_sample=False)
+    with pytest.raises(ValueError, match="stateful"):
+        model.generate(ids, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=3)
+    out = gen.generate(ids, max_new_tokens=20, do_sample=False, prompt_lookup_num_tokens=3)
+    assert torch.equal(out, want)
+    assert gen.last_cache_stats["steps"] < 20  # drafts were accepted (and the rest rolled back)
+    assert "_is_stateful" not in model.__dict__
