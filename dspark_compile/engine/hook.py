@@ -81,4 +81,5 @@ class DSparkHook:
     def release(self, slots: Sequence[int]) -> None:
         """Free the slots of finished requests (ints in ``0..max_requests-1``; see
         ``VerifierState.release``)."""
-        self.state.release(slots)
+        self.state.release(slots if isinstance(slots, (np.ndarray, torch.Tensor, int))
+                           else list(slots))

@@ -18,6 +18,8 @@ Three ways an engine can change weights under a built verifier, and what each ne
   the 16-layer 1.1B benchmark model).
 
 A refusal is ``StaleWeightsError`` naming the tensor; ``dspark_compile(model)`` again rebinds.
+Not seen: writes to a module's ``_parameters`` dict itself, which bypass ``__setattr__`` (as
+``model.to()`` does only under ``torch.__future__.set_overwrite_module_params_on_conversion``).
 """
 
 from __future__ import annotations

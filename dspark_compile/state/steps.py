@@ -51,6 +51,7 @@ class StepLedger:
         self.last = 0
         """Id of the state's last forward that completed (0: none)."""
         self._layouts: dict[int, VerifyLayout] = {}
+        self._fresh: VerifyLayout | None = None  # the last forward's layout, nothing since
         self._ids = itertools.count(1)  # next() is atomic under the GIL
         self._bound = 2 * max_requests + 8  # layouts kept before a prune
 
@@ -64,12 +65,14 @@ class StepLedger:
         """The forward over ``layout`` raised: its slots hold a partial overwrite, not
         committable by any layout until a forward over them completes."""
         self.writer[layout.host[2]] = _FAILED
+        self._fresh = None
 
     def end(self, layout: VerifyLayout, step: int) -> None:
         """The forward ``step`` over ``layout`` completed: its rows are committable."""
         self.writer[layout.host[2]] = step
         self._layouts[step] = layout
         self.last = step
+        self._fresh = layout
         if len(self._layouts) > self._bound:
             live = set(np.unique(self.writer).tolist()) | {self.last}
             self._layouts = {k: v for k, v in self._layouts.items() if k in live}
@@ -77,6 +80,7 @@ class StepLedger:
     def forget(self, slots: np.ndarray) -> None:
         """``slots`` were released: they hold no provisional rows."""
         self.writer[slots] = 0
+        self._fresh = None
 
     def has_provisional(self) -> np.ndarray:
         """int64 slot ids that hold provisional rows (or a failed forward's)."""
@@ -86,6 +90,8 @@ class StepLedger:
     def check_commit(self, layout: VerifyLayout, rings: bool) -> None:
         """Raise ``ProtocolError`` unless ``layout``'s slots hold the rows of one forward of
         ``layout`` (and, with ``rings``, that forward is the state's last)."""
+        if layout is self._fresh:  # the last forward, nothing released since: its rows are there
+            return
         slots = layout.host[2]
         w = self.writer[slots]
         step = int(w[0])

@@ -172,6 +172,23 @@ def test_a_layout_written_in_place_is_refused(plain):
         verifier(tokens(2), layout, state)
 
 
+# ------------------------------------------------------------------------- out-of-vocab ids
+@pytest.mark.parametrize("bad, row", [(VOCAB, 2), (-1, 0), (2 ** 40, 1)])
+def test_out_of_vocabulary_ids_are_refused_before_the_forward(plain, bad, row):
+    from dspark_compile.session.ids import TokenIdError
+
+    _, verifier = plain
+    state = verifier.new_state(max_requests=3, max_context=16)
+    ids = tokens(5)
+    ids[2 + row] = bad  # request 1 (slot 0) owns rows 2..4
+    before = snapshot(state)
+    with pytest.raises(TokenIdError, match=rf"request 1 \(slot 0\) has token id {bad} at its "
+                                           rf"row {row}, outside the vocabulary 0..60") as err:
+        verifier(ids, VerifyLayout.pack([2, 3], [0, 0], [2, 0]), state)
+    assert err.value.request == 1
+    assert_unchanged(state, before)
+
+
 # ------------------------------------------------------------------------- release coercions
 @pytest.mark.parametrize("slots, match", [
     (torch.tensor([True, False, False]), "dtype torch.bool"),
