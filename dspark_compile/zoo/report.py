@@ -99,6 +99,12 @@ def markdown(report: dict) -> str:
         "- **error**: any other exception, a hang or a crash: a bug",
         "- **skipped**: the zoo could not build or run the HF model itself (the step is given)",
         "",
+        "Usage: `python -m dspark_compile zoo [--only NAME ...] [--jobs N] [--timeout S] "
+        "[--out zoo.json] [--markdown [docs/models.md]] [--update-readme [README.md]] "
+        "[--from zoo.json] [--list]` (each check runs in its own process; `--from` rewrites "
+        "the Markdown and the README from a saved report without running). Exit status 1 when "
+        "any row is wrong or an error.",
+        "",
         f"Run: transformers {env.get('transformers')}, torch {env.get('torch')}, Python "
         f"{env.get('python')}, {env.get('cpus')} CPUs ({env.get('machine')}), "
         f"{report.get('jobs')} jobs, wall time {report.get('wall_seconds', 0):.0f} s, "
