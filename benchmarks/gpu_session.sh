@@ -18,6 +18,8 @@
 #   splitk_op     splitk_bmm.py --op                   (down projection over K chunks row)
 #   jit_parallel  jit_parallel.py                      (parallel Triton JIT row)
 #   attention     attention_kernel.py                  (the attention kernel alone)
+#   ssd_kernels   ssd_kernels.py --sweep               (Mamba-2 and GDN verify ops vs state floor)
+#   ssm_step      ssm_step.py                          (Nemotron-H-like verify step vs HF dense)
 # One-off A/B and probe jobs are in git history. Each job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
 # A job that runs past its limit is stopped and the next one starts.
@@ -51,6 +53,8 @@ job() {
     splitk_op) python3 benchmarks/splitk_bmm.py --op ;;
     jit_parallel) python3 benchmarks/jit_parallel.py ;;
     attention) python3 benchmarks/attention_kernel.py ;;
+    ssd_kernels) python3 benchmarks/ssd_kernels.py --sweep ;;
+    ssm_step) python3 benchmarks/ssm_step.py ;;
     *) echo "unknown job $1"; return 2 ;;
   esac
 }
