@@ -27,6 +27,15 @@ _INT32 = np.iinfo(np.int32)
 _BOOLS = frozenset({bool, np.bool_})
 
 
+class _Own:
+    """An int32 array ``pack`` made itself: the layout takes it without a copy."""
+
+    __slots__ = ("array",)
+
+    def __init__(self, array: np.ndarray) -> None:
+        self.array = array
+
+
 def _as_host_int32(name: str, value, array_only: bool = False
                    ) -> tuple[torch.Tensor | None, np.ndarray]:
     """A list, an integer NumPy array or a CPU int32 tensor, as a 1-D CPU int32 tensor and a NumPy
@@ -39,6 +48,8 @@ def _as_host_int32(name: str, value, array_only: bool = False
     Validation runs on every step of an engine, so the checks here and below use NumPy views (a
     small torch op on the CPU costs several microseconds, ``Tensor.numpy()`` alone ~2 us and
     ``torch.from_numpy`` ~1.6 us on a 2-core Xeon): each layout makes its views once."""
+    if type(value) is _Own:
+        return torch.from_numpy(value.array), value.array
     if not isinstance(value, torch.Tensor):
         if isinstance(value, (list, tuple)) and not _BOOLS.isdisjoint(map(type, value)):
             raise ValueError(f"VerifyLayout.{name}={list(value)!r} holds a bool; it must hold "
@@ -51,8 +62,10 @@ def _as_host_int32(name: str, value, array_only: bool = False
             if arr.dtype != np.int32 and arr.size and (
                     arr.min() < _INT32.min or arr.max() > _INT32.max):
                 raise ValueError(f"VerifyLayout.{name}={value!r} does not fit in int32")
+            if array_only:  # read once, not kept: no copy
+                return None, np.ascontiguousarray(arr, dtype=np.int32)
             host = np.array(arr, dtype=np.int32)  # always a copy (see the docstring)
-            return None if array_only else torch.from_numpy(host), host
+            return torch.from_numpy(host), host
     if isinstance(value, torch.Tensor):
         if not value.is_cpu:
             raise ValueError(
@@ -158,7 +171,7 @@ class VerifyLayout:
         np.add.accumulate(lens_a, dtype=np.int64, out=qsl[1:])  # cumsum, less its wrapper
         if qsl[-1] > _INT32.max:
             raise ValueError(f"VerifyLayout: {int(qsl[-1])} tokens in total do not fit in int32")
-        return cls(query_start_loc=qsl.astype(np.int32),  # int32 NumPy: no range check
+        return cls(query_start_loc=_Own(qsl.astype(np.int32)),  # the layout's own: no copy
                    context_lens=context_lens, slots=slots, mrope_deltas=mrope_deltas,
                    mrope_positions=mrope_positions)
 
