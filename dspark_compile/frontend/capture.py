@@ -18,7 +18,11 @@ constrains ``bs`` or ``T`` is an error: the graph would be valid only for the sa
 
 from __future__ import annotations
 
+import contextlib
+import os
+import traceback
 from dataclasses import dataclass
+from typing import Iterator
 
 import sympy
 import torch
@@ -144,16 +148,8 @@ def discover_attention(adapter: ModelAdapter, dtype: torch.dtype,
     model.eval()
     try:
         with torch.no_grad(), mode, enable_python_dispatcher(), adapter.hooks(), \
-                open_scope(scope):
+                open_scope(scope), _refuse_model_failures(adapter):
             adapter.forward(call, values[0], values[1])
-    except (AttributeError, TypeError) as err:
-        if "Mask" not in str(err):
-            raise
-        raise NotImplementedError(
-            f"{type(adapter.model).__name__} uses the attention mask as a tensor outside its "
-            f"attention function ({err}); dspark_compile proves masks instead of building "
-            "them, so a model that edits its mask (adds a bias, slices it) is refused"
-        ) from err
     finally:
         model.train(was_training)
     if not found and not adapter.linear_specs:
@@ -164,6 +160,52 @@ def discover_attention(adapter: ModelAdapter, dtype: torch.dtype,
             "model computing attention outside transformers' attention interface is not "
             "supported)")
     return found
+
+
+_OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+def _model_frame(tb) -> str | None:
+    """``file:line in function: code`` of the innermost frame of ``tb`` in the model's own code
+    (neither torch nor dspark_compile), None when the failure started in dspark_compile."""
+    frames = traceback.extract_tb(tb)
+    if frames and os.path.abspath(frames[-1].filename).startswith(_OURS):
+        return None
+    for frame in reversed(frames):
+        path = os.path.abspath(frame.filename)
+        if not path.startswith((_OURS, _TORCH)) and "importlib" not in path:
+            short = "/".join(path.split(os.sep)[-3:])
+            return f"{short}:{frame.lineno} in {frame.name}: {(frame.line or '').strip()}"
+    return None
+
+
+@contextlib.contextmanager
+def _refuse_model_failures(adapter: ModelAdapter) -> Iterator[None]:
+    """A model whose forward fails under the capture is refused at its own line: code that uses
+    the attention mask as a tensor (the capture proves masks and builds none: plain causal is
+    None), or that branches on data (a guard on a value only known at run time). A failure
+    inside dspark_compile itself is not a refusal and propagates as it is."""
+    from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
+
+    try:
+        yield
+    except (TypeError, AttributeError, IndexError, GuardOnDataDependentSymNode) as err:
+        where = _model_frame(err.__traceback__)
+        if where is None:
+            raise
+        mask = "Mask" in str(err) or "NoneType" in str(err)
+        what = ("uses its attention mask outside the attention function (dspark_compile "
+                "proves masks instead of building them: plain causal is None, a window a proof "
+                "object), which is not supported" if mask else
+                "branches on a value known only at run time (data-dependent control flow or "
+                "shapes), which one captured graph cannot hold" if isinstance(
+                    err, GuardOnDataDependentSymNode) else
+                "fails while being captured")
+        first = str(err).strip().splitlines()[0] if str(err).strip() else ""
+        raise NotImplementedError(
+            f"{type(adapter.model).__name__} {what}: {type(err).__name__}: {first[:200]} at "
+            f"{where}; the model is refused") from err
 
 
 def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
@@ -211,7 +253,8 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
         # Factory calls inside the model (torch.arange, ...) must make fake tensors too.
         # The python dispatcher keeps sizes symbolic through composite ops (F.linear's size()
         # calls specialised bs and T on torch 2.11 without it).
-        with torch.no_grad(), mode, enable_python_dispatcher():
+        with torch.no_grad(), mode, enable_python_dispatcher(), \
+                _refuse_model_failures(adapter):
             gm = make_fx(dense_verify, tracing_mode="real", record_stack_traces=True)(*fakes)
     finally:
         model.train(was_training)
@@ -247,7 +290,7 @@ def _token_symbols(gm: fx.GraphModule, shape_env: ShapeEnv) -> tuple[sympy.Symbo
             f"captured; replacements {shape_env.replacements}, guards {guards}")
     nodes = locate(gm, shape_env, [i for i in culprits if needs_locating(shape_env.guards[i])])
     found = "; ".join(describe(shape_env.guards[i], nodes.get(i), names) for i in culprits[:4])
-    raise RuntimeError(
+    raise NotImplementedError(
         f"the dense verify forward specialised {' and '.join(lost.values())} while being "
         f"captured: {found}. The graph would hold only for that size: write shape-dependent "
         "code without Python branches on the size")
@@ -264,7 +307,7 @@ def _check_guards(shape_env: ShapeEnv, bs: sympy.Symbol, tokens: sympy.Symbol,
         if expr.free_symbols & {bs, tokens}:
             node = locate(gm, shape_env, [i]).get(i) if gm is not None and \
                 needs_locating(guard) else None
-            raise RuntimeError(
+            raise NotImplementedError(
                 "the dense verify forward specialises on its batch or token count ("
                 f"{describe(guard, node, token_names(bs, tokens), expr)}); write "
                 "shape-dependent code without Python branches on the size"

@@ -150,3 +150,35 @@ def test_a_model_with_no_attention_calls_is_refused():
                                                                None)
     with pytest.raises(TypeError, match="no module of LlamaForCausalLM called the attention"):
         dspark_compile(model)
+
+
+def test_a_model_that_uses_its_mask_outside_attention_is_refused_at_its_line(monkeypatch):
+    """Sparse-attention indexers (DeepSeek-V3.2 and kin) slice the mask themselves: the capture
+    proves masks and builds none, so the model is refused naming the line, not crashed."""
+    from transformers.models.llama import modeling_llama
+
+    real = modeling_llama.LlamaDecoderLayer.forward
+
+    def slicing(self, hidden_states, attention_mask=None, **kwargs):
+        bias = attention_mask[:, 0]  # the mask as a tensor, outside attention
+        return real(self, hidden_states + bias.sum(), attention_mask=attention_mask, **kwargs)
+    monkeypatch.setattr(modeling_llama.LlamaDecoderLayer, "forward", slicing)
+    with pytest.raises(NotImplementedError, match=r"LlamaForCausalLM uses its attention mask "
+                       r"outside the attention function.*test_attention_whitelist.py:\d+ in "
+                       r"slicing: bias = attention_mask\[:, 0\]"):
+        dspark_compile(_model(T.LlamaConfig, T.LlamaForCausalLM))
+
+
+def test_data_dependent_control_flow_is_refused_at_its_line(monkeypatch):
+    from transformers.models.llama import modeling_llama
+
+    real = modeling_llama.LlamaMLP.forward
+
+    def branching(self, x):
+        if (x > 0).any():  # a branch on data: one graph cannot hold both sides
+            return real(self, x)
+        return x
+    monkeypatch.setattr(modeling_llama.LlamaMLP, "forward", branching)
+    with pytest.raises(NotImplementedError, match=r"branches on a value known only at run "
+                       r"time.*in branching: if \(x > 0\).any\(\)"):
+        dspark_compile(_model(T.LlamaConfig, T.LlamaForCausalLM))
