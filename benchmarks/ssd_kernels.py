@@ -113,9 +113,13 @@ def check_ssd(c: dict, lens: list[int], plan=None) -> float:
     err = (got - want).abs().max().item()
     state_err = (state - want_state).abs().max().item()
     scale = max(1.0, want.abs().max().item())
-    if not (err < 1e-3 * scale and state_err < 1e-3):
+    state_scale = max(1.0, want_state.abs().max().item())
+    # outputs in the inputs' dtype: bf16 rounds at 2^-8 of the value; the fp32 state carries
+    # the rounding of its bf16 inputs
+    tol = 1e-3 if c["x"].dtype == torch.float32 else 2 ** -6
+    if not (err < tol * scale and state_err < tol * state_scale):
         raise AssertionError(f"ssd: triton vs reference max abs error {err} (output scale "
-                             f"{scale}), state {state_err}")
+                             f"{scale}), state {state_err} (state scale {state_scale})")
     return err
 
 
