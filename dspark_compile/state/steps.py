@@ -53,7 +53,7 @@ class StepLedger:
         self._layouts: dict[int, VerifyLayout] = {}
         self._fresh: VerifyLayout | None = None  # the last forward's layout, nothing since
         self._ids = itertools.count(1)  # next() is atomic under the GIL
-        self._bound = 2 * max_requests + 8  # layouts kept before a prune
+        self._bound = 32  # layouts kept before a prune (then twice the live ones, at least 32)
 
     # ------------------------------------------------------------------ forwards
     def begin(self, layout: VerifyLayout) -> int:
@@ -73,9 +73,10 @@ class StepLedger:
         self._layouts[step] = layout
         self.last = step
         self._fresh = layout
-        if len(self._layouts) > self._bound:
+        if len(self._layouts) > self._bound:  # ~5 us at 256 slots, once per ~32 forwards
             live = set(np.unique(self.writer).tolist()) | {self.last}
             self._layouts = {k: v for k, v in self._layouts.items() if k in live}
+            self._bound = max(32, 2 * len(self._layouts))
 
     def forget(self, slots: np.ndarray) -> None:
         """``slots`` were released: they hold no provisional rows."""
