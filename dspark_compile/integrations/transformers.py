@@ -46,6 +46,10 @@ Use::
     with gen.attached():                   # a client that calls model.generate itself
         out = model.generate(input_ids, cache=gen.new_cache(), prompt_lookup_num_tokens=4)
 
+A cache kept across calls carries a conversation: plain ``generate`` over the whole sequence
+verifies only what the cache does not hold yet. HF's assisted generation re-feeds the whole
+sequence on its first step, so it needs a new cache (it is refused over a non-empty one).
+
 On a GPU the state's token tiers are captured as CUDA graphs (``capture=True``), so each
 verify replays a graph; a step larger than the largest tier (a long prompt's prefill) runs
 without one.
@@ -348,6 +352,12 @@ class DSparkGeneration:
         if pos is not None:
             want = torch.arange(past, past + t, device=pos.device)
             if pos.numel() != t or not torch.equal(pos.reshape(-1), want):
+                if past and pos.numel() and int(pos.reshape(-1)[0]) == 0:
+                    raise UnsupportedGenerationError(
+                        f"DSparkGeneration: the forward re-feeds the whole sequence ({t} tokens "
+                        f"from position 0) over a cache that holds {past}: HF's assisted "
+                        "generation does so on its first step. Continue a conversation in a "
+                        "cache with plain generate, or give assisted generate a new cache")
                 raise UnsupportedGenerationError(
                     "DSparkGeneration: position_ids are not the positions after the cache "
                     f"({past}..{past + t - 1}); the verifier places tokens by the cache length")

@@ -213,3 +213,23 @@ def test_prompt_lookup_on_a_hybrid_model_which_hf_alone_refuses():
     assert torch.equal(out, want)
     assert gen.last_cache_stats["steps"] < 20  # drafts were accepted (and the rest rolled back)
     assert "_is_stateful" not in model.__dict__
+
+
+def test_a_cache_carries_a_conversation_across_generate_calls(tiny):
+    """Plain generate continues in the same DSparkCache (only the new tokens are verified);
+    assisted generate, which re-feeds the whole sequence on its first step, is refused there."""
+    model, gen = tiny
+    ids = torch.randint(1, 64, (1, 8), generator=torch.Generator().manual_seed(0))
+    with gen.attached():
+        cache = gen.new_cache()
+        try:
+            first = model.generate(ids, cache=cache, max_new_tokens=6, do_sample=False)
+            turn = torch.cat([first, torch.tensor([[5, 6, 7]])], dim=1)
+            second = model.generate(turn, cache=cache, max_new_tokens=6, do_sample=False)
+            assert cache.verified_tokens == 8 + 5 + 4 + 5  # no row of the first turn again
+            with pytest.raises(UnsupportedGenerationError, match="re-feeds the whole"):
+                model.generate(torch.cat([second, turn[:, -2:]], dim=1), cache=cache,
+                               max_new_tokens=3, do_sample=False, prompt_lookup_num_tokens=3)
+        finally:
+            cache.close()
+    assert torch.equal(second, model.generate(turn, max_new_tokens=6, do_sample=False))
