@@ -23,7 +23,7 @@ rounding: about 1e-4 on SmolLM2's logits of about 38), ``generate`` through the 
 the same tokens as plain ``generate`` under greedy decoding, and under sampling draws from the
 same distribution with the same random numbers (so a fixed seed gives HF's own tokens).
 
-Hybrid models (Qwen3.5, Qwen3-Next: linear-attention layers with recurrent state) verify too:
+Hybrid models (linear-attention layers with recurrent state; tested on Qwen3.5) verify too:
 HF refuses assisted generation for them because their own cache cannot roll back, but a
 ``DSparkCache``'s can (the verifier replays each layer's kept prefix), so while attached the
 model instance reports ``_is_stateful = False`` and prompt lookup runs on them.
