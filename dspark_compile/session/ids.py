@@ -15,8 +15,9 @@ CPU and a device-side assert that kills the process on a GPU. Two schemes, one p
              after the forward. ``commit`` reads that copy (the step's result was already on
              the host, so the copy has landed; an event makes sure) and refuses a request with
              a flagged row with ``TokenIdError``, before anything is committed: the clamped
-             forward's rows are never kept. The ops are plain torch, so they run inside the
-             tier graphs; the CPU tests run this scheme too.
+             forward's rows are never kept. On a GPU the guard is one Triton launch
+             (``kernels/ids.py``), elsewhere torch ops; either runs inside the tier graphs,
+             and the CPU tests run this scheme too.
 """
 
 from __future__ import annotations
@@ -27,6 +28,11 @@ import torch
 from ..layout import VerifyLayout
 
 __all__ = ["TokenIdError", "check_ids_host", "DeviceIdGuard"]
+
+
+def _interpreting() -> bool:
+    import os
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 class TokenIdError(ValueError):
@@ -60,10 +66,12 @@ class DeviceIdGuard:
     def __init__(self, max_requests: int, device: torch.device) -> None:
         # [max_requests + 1]: slot max_requests takes the padded requests of a tier (their slot
         # entries are 0, a real slot, and must not clear its flag).
-        self.rows = torch.zeros(max_requests + 1, dtype=torch.int64, device=device)
+        self.flags = torch.zeros(2, max_requests + 1, dtype=torch.int64, device=device)
+        """Rows ``rows`` and ``tokens`` below, one tensor so one copy brings both."""
+        self.rows = self.flags[0]
         """Per slot: 1 + the first out-of-vocabulary row of its request in the last forward over
         it (0: none)."""
-        self.tokens = torch.zeros(max_requests + 1, dtype=torch.int64, device=device)
+        self.tokens = self.flags[1]
         """Per slot: that row's id."""
         pinned = device.type == "cuda"
         self._host = torch.zeros(2, max_requests + 1, dtype=torch.int64, pin_memory=pinned)
@@ -73,7 +81,16 @@ class DeviceIdGuard:
     def guard(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
               slots: torch.Tensor, vocab: int) -> torch.Tensor:
         """Record each request's first out-of-vocabulary row; return the ids clamped into the
-        vocabulary. Torch ops only, no host sync (it runs inside the tier graphs)."""
+        vocabulary. No host sync (it runs inside the tier graphs): one Triton launch on a GPU
+        (``kernels/ids.py``), :meth:`guard_reference`'s torch ops elsewhere."""
+        if input_ids.device.type in ("cuda", "hip") and not _interpreting():
+            from ..kernels.ids import ids_guard_triton
+            return ids_guard_triton(input_ids, query_start_loc, slots, self.flags, vocab)
+        return self.guard_reference(input_ids, query_start_loc, slots, vocab)
+
+    def guard_reference(self, input_ids: torch.Tensor, query_start_loc: torch.Tensor,
+                        slots: torch.Tensor, vocab: int) -> torch.Tensor:
+        """:meth:`guard` as torch ops (the CPU path and the kernel's oracle)."""
         n = input_ids.shape[0]
         qsl = query_start_loc.long()
         r = qsl.numel() - 1
@@ -93,8 +110,7 @@ class DeviceIdGuard:
 
     def publish(self) -> None:
         """After a forward: start the copy of the flags to the host (non-blocking)."""
-        self._host[0].copy_(self.rows, non_blocking=True)
-        self._host[1].copy_(self.tokens, non_blocking=True)
+        self._host.copy_(self.flags, non_blocking=True)
         if self._copied is not None:
             self._copied.record()
 
