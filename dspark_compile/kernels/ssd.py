@@ -42,6 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
+from .gdn import _load_state, _zero_padding_rows  # shared tiles: same layout
 from .launch import launch
 from ..ops.ssd_reference import check_ssd, check_ssd_commit
 from .device import device_sm_count
@@ -69,31 +70,6 @@ def _process_dt(dt, bias, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, dt_
     if SOFTPLUS:
         dt = tl.where(dt > 20.0, dt, tl.log(1.0 + tl.exp(dt))).to(DT_TY).to(tl.float32)
     return tl.minimum(tl.maximum(dt, dt_min), dt_max)
-
-
-@triton.jit
-def _zero_padding_rows(out_ptr, first, num_tokens, head, offs_p, p_ok, stride_out_tok,
-                       stride_out_head, BLOCK_P: tl.constexpr, PAD_ROWS: tl.constexpr):
-    """``out[first:num_tokens, head, offs_p] = 0``, ``PAD_ROWS`` rows per store."""
-    offs_r = tl.arange(0, PAD_ROWS)
-    zeros = tl.zeros([PAD_ROWS, BLOCK_P], tl.float32)
-    for r0 in range(first, num_tokens, PAD_ROWS):
-        rows = (r0 + offs_r).to(tl.int64)
-        ptrs = out_ptr + rows[:, None] * stride_out_tok + head * stride_out_head + offs_p[None, :]
-        tl.store(ptrs, zeros, mask=(rows < num_tokens)[:, None] & p_ok[None, :])
-
-
-@triton.jit
-def _load_state(state_ptr, slot, num_slots, head, offs_n, offs_p, n_ok, p_ok, stride_s_slot,
-                stride_s_head, stride_s_n):
-    """Pointers and fp32 contents of ``state[slot, head, :, offs_p]`` (zeros: bad slot)."""
-    ptrs = state_ptr + slot * stride_s_slot + head * stride_s_head \
-        + offs_n[:, None] * stride_s_n + offs_p[None, :]
-    # the slot test as a [N_PAD] vector: the interpreter rejects scalar & tensor masks
-    slot_n = offs_n.to(tl.int64) * 0 + slot
-    ok = n_ok & (slot_n >= 0) & (slot_n < num_slots)
-    state = tl.load(ptrs, mask=ok[:, None] & p_ok[None, :], other=0.0)
-    return ptrs, state.to(tl.float32)
 
 
 @triton.jit
