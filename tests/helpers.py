@@ -184,6 +184,17 @@ class Session:
         return logits, layout
 
 
+def prefill_and_rounds(model, verifier, vocab: int) -> float:
+    """Prefill three requests (9-11 tokens, slots out of order), then three ragged
+    verify/commit rounds; the max |ragged - HF| over every verified row."""
+    session = Session(model, verifier, [2, 0, 1], seed=1)
+    session.vocab = vocab
+    session.step([9, 11, 10], accept=[9, 11, 10])
+    for lens in ([3, 2, 4], [4, 1, 3], [2, 4, 1]):
+        session.step(lens)
+    return session.max_err
+
+
 VL_FAMILIES = ("qwen2_vl", "qwen2_5_vl", "qwen3_vl", "qwen3_vl_deepstack")
 
 

@@ -15,7 +15,7 @@ import torch
 import transformers as T
 
 from dspark_compile import dspark_compile
-from helpers import Session
+from helpers import prefill_and_rounds
 
 TOL = 1e-5
 VOCAB = 96
@@ -67,12 +67,7 @@ def _build(name: str):
 
 
 def _run(model, verifier) -> float:
-    session = Session(model, verifier, [2, 0, 1], seed=1)
-    session.vocab = VOCAB
-    session.step([9, 11, 10], accept=[9, 11, 10])
-    for lens in ([3, 2, 4], [4, 1, 3], [2, 4, 1]):
-        session.step(lens)
-    return session.max_err
+    return prefill_and_rounds(model, verifier, VOCAB)
 
 
 @pytest.mark.parametrize("name", sorted(FAMILIES))

@@ -20,7 +20,7 @@ from torch import nn
 
 from dspark_compile import dspark_compile
 from dspark_compile.frontend.experts import _arguments, _tables, fused_activation
-from helpers import Session
+from helpers import Session, prefill_and_rounds
 
 TOL = 1e-5
 VOCAB = 96
@@ -65,12 +65,7 @@ def _spread_biases(model) -> None:
 
 
 def _run(model, verifier) -> float:
-    session = Session(model, verifier, [2, 0, 1], seed=1)
-    session.vocab = VOCAB
-    session.step([9, 11, 10], accept=[9, 11, 10])
-    for lens in ([3, 2, 4], [4, 1, 3], [2, 4, 1]):
-        session.step(lens)
-    return session.max_err
+    return prefill_and_rounds(model, verifier, VOCAB)
 
 
 def _experts_calls(verifier) -> dict[str, list]:
