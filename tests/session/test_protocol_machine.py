@@ -14,7 +14,7 @@ calls must be refused:
 - every accepted commit keeps exactly the drawn prefix (the committed lengths follow the model).
 
 One machine starts eager, one with a captured session (the static, padded path); both capture
-and drop along the way. Derandomized for CI; about 3000 steps each.
+and drop along the way. Derandomized for CI; about 4500 steps each (~10 s apiece on one thread).
 """
 
 from __future__ import annotations
@@ -33,7 +33,7 @@ from dspark_compile import VerifyLayout, dspark_compile
 from helpers import PlainDecoder, full_logits
 
 VOCAB, MAX_R, MAX_CTX, BLOCK = 61, 4, 20, 4
-SETTINGS = settings(max_examples=60, stateful_step_count=50, derandomize=True, deadline=None,
+SETTINGS = settings(max_examples=100, stateful_step_count=50, derandomize=True, deadline=None,
                     database=None, suppress_health_check=list(HealthCheck))
 
 
@@ -248,12 +248,22 @@ class StaticProtocolMachine(ProtocolMachine):
     static = True
 
 
+@pytest.fixture
+def one_thread():
+    """Thousands of tiny forwards: torch's intra-op threads only contend (a 2-core machine
+    running two test workers spent 6x longer in softmax and gelu with 2 threads each)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.mark.parametrize("machine", [ProtocolMachine, StaticProtocolMachine],
                          ids=["eager", "static"])
-def test_protocol_state_machine(machine):
+def test_protocol_state_machine(machine, one_thread):
     machine.stats.clear()
     run_state_machine_as_test(machine, settings=SETTINGS)
     stats = dict(machine.stats)
-    assert stats["steps"] >= 2500 and stats["refused"] >= 500, stats
-    assert stats["verified"] >= 300 and stats["committed"] >= 100, stats
+    assert stats["steps"] >= 4000 and stats["refused"] >= 800, stats
+    assert stats["verified"] >= 500 and stats["committed"] >= 200, stats
     assert stats["verified on the session"] >= 100, stats
