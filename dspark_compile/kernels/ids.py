@@ -21,7 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import launch, warming
 
 __all__ = ["ids_guard_triton"]
 
@@ -70,4 +70,6 @@ def ids_guard_triton(input_ids: torch.Tensor, query_start_loc: torch.Tensor,
     num_requests = query_start_loc.numel() - 1
     launch(_ids_guard_kernel, (num_requests + 1,), input_ids, out, query_start_loc, slots,
            flags, input_ids.shape[0], num_requests, flags.stride(0), vocab, BLOCK=BLOCK)
+    if warming():  # compile-ahead compiled the kernel without running it: the ids the forward
+        return out.zero_()  # reads must still be in the vocabulary (id 0), as padding is
     return out
