@@ -4,8 +4,10 @@ from .config import DSparkConfig
 from .layout import VerifyLayout
 from .passes import EnsureError, RefusedOp
 from .state import VerifierState
-from .verifier import Verifier, dspark_compile
+from .verifier import (ConcurrentUseError, ProtocolError, StaleWeightsError, TokenIdError,
+                       Verifier, dspark_compile)
 
 __all__ = ["dspark_compile", "DSparkConfig", "Verifier", "VerifyLayout", "VerifierState",
-           "RefusedOp", "EnsureError"]
+           "RefusedOp", "EnsureError", "ProtocolError", "TokenIdError", "StaleWeightsError",
+           "ConcurrentUseError"]
 __version__ = "0.1.0"
