@@ -22,6 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
 __all__ = ["InputKind", "InputSpec", "WEIGHT_KINDS", "RING_KINDS", "KV_KINDS", "LINEAR_KINDS",
+           "COMPRESS_KINDS",
            "REQUEST_KINDS", "find_input", "add_input", "query_start_loc", "name_placeholders",
            "fake_input", "RING_SAMPLE_ROWS"]
 
@@ -63,6 +64,9 @@ class InputKind(str, enum.Enum):
     """Mamba-2 layers: ``x * dt`` of each packed row (``dspark::ssd``'s replay ring)."""
     SSD_RING_B = "ssd_ring_b"
     SSD_RING_DA = "ssd_ring_da"
+    COMPRESS_POOL = "compress_pool"
+    """Compressed-attention layers (DeepSeek-V4): raw kv / gate rows and entries, paged like
+    the KV pool (``specs.compress_pools`` says which layer and pool each index is)."""
 
     def __str__(self) -> str:
         return self.value
@@ -77,6 +81,8 @@ KV_KINDS = frozenset({InputKind.K_CACHE, InputKind.V_CACHE})
 """Kinds the state's KV pools fill (``<kind>_<layer>``)."""
 LINEAR_KINDS = frozenset({InputKind.CONV_STATE, InputKind.RECURRENT_STATE})
 """Kinds the state's linear-attention pools fill (``<kind>_<layer>``)."""
+COMPRESS_KINDS = frozenset({InputKind.COMPRESS_POOL})
+"""Kinds the state's compressor pools fill (``compress_pool_<j>``)."""
 RING_KINDS = frozenset({InputKind.CONV_RING, InputKind.GDN_RING_K, InputKind.GDN_RING_V,
                         InputKind.GDN_RING_G, InputKind.GDN_RING_BETA, InputKind.SSD_RING_X,
                         InputKind.SSD_RING_B, InputKind.SSD_RING_DA})

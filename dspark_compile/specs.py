@@ -7,7 +7,41 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AttentionSpec", "LinearSpec", "RingSpec"]
+__all__ = ["AttentionSpec", "CompressSpec", "LinearSpec", "RingSpec", "compress_pools"]
+
+
+@dataclass(frozen=True)
+class CompressSpec:
+    """A compressed-attention layer's compressor (DeepSeek-V4's HCA and CSA): per request,
+    raw per-token ``kv`` / ``gate`` rows of ``width`` channels and one entry of ``head_dim``
+    channels per closed window of ``rate`` tokens (``ops/compressed_reference.py``)."""
+
+    rate: int
+    """Tokens per window."""
+    head_dim: int
+    """Channels of an entry (the layer's head dim: an entry is key and value)."""
+    overlap: bool = False
+    """CSA: entry ``w`` also pools window ``w - 1``'s first half (raw rows are 2 * head_dim
+    wide); HCA: False."""
+    index_topk: int = 0
+    """CSA: entries the indexer keeps per query (0: no indexer, every closed entry is seen)."""
+    index_heads: int = 0
+    """CSA: indexer query heads."""
+    index_head_dim: int = 0
+    """CSA: channels of an indexer entry (the indexer compresses with overlap too)."""
+
+    @property
+    def width(self) -> int:
+        """Channels of a raw ``kv`` / ``gate`` row."""
+        return 2 * self.head_dim if self.overlap else self.head_dim
+
+    @property
+    def pool_widths(self) -> tuple[int, ...]:
+        """Channels of each of the layer's pools, in order: raw kv, raw gate, entries (and the
+        indexer's three with an indexer)."""
+        own = (self.width, self.width, self.head_dim)
+        return own + ((2 * self.index_head_dim,) * 2 + (self.index_head_dim,)
+                      if self.index_topk else ())
 
 
 @dataclass(frozen=True)
@@ -29,6 +63,8 @@ class AttentionSpec:
     """Whether the layer adds a learned per-head sink logit to the softmax denominator."""
     name: str = ""
     """Where the layer is in the model (shown by ``explain``)."""
+    compress: CompressSpec | None = None
+    """The layer's compressor (DeepSeek-V4 HCA / CSA layers); None: plain attention."""
 
     @property
     def value_dim(self) -> int:
@@ -69,3 +105,10 @@ class RingSpec:
     """Shape of one ring row (the ring is ``[max_step_tokens, *row_shape]``)."""
     dtype: torch.dtype
     """Element type."""
+
+
+def compress_pools(specs) -> list[tuple[int, int]]:
+    """``(attention layer, channels)`` of every compressor pool of ``specs``
+    (``AttentionSpec`` list), in pool order: ``compress_pool_<j>`` is entry ``j``."""
+    return [(i, w) for i, s in enumerate(specs or ()) if s.compress is not None
+            for w in s.compress.pool_widths]

@@ -25,7 +25,8 @@ from .config import DSparkConfig
 from .frontend.adapters import ModelAdapter, adapter_for
 from .frontend.capture import CapturedGraph, capture_dense
 from .layout import VerifyLayout
-from .graph_inputs import KV_KINDS, LINEAR_KINDS, RING_KINDS, WEIGHT_KINDS, InputKind
+from .graph_inputs import (COMPRESS_KINDS, KV_KINDS, LINEAR_KINDS, RING_KINDS, WEIGHT_KINDS,
+                           InputKind)
 from .kernels.ops import LOWERED
 from .passes import PassContext, PassResult, run_pipeline
 from .passes.concat_linear import stack_weights
@@ -336,6 +337,8 @@ class Verifier:
                 args.append(pools[index])
             elif spec.kind in RING_KINDS:
                 args.append(state.linear.rings[spec.name])
+            elif spec.kind in COMPRESS_KINDS:
+                args.append(state.compress_pools[int(spec.name.rsplit("_", 1)[1])])
             else:
                 args.append(values[spec.kind.value])
         return args
@@ -422,6 +425,12 @@ class Verifier:
         for spec in self.adapter.specs:
             traits = [f"window {spec.window}" if spec.window else "causal"]
             traits += [f"softcap {spec.softcap}"] * bool(spec.softcap) + ["sinks"] * spec.sinks
+            c = spec.compress
+            if c is not None:
+                traits.append(f"compressed every {c.rate} tokens" +
+                              (" with overlap" if c.overlap else "") +
+                              (f", indexer top-{c.index_topk} ({c.index_heads} heads x "
+                               f"{c.index_head_dim})" if c.index_topk else ""))
             dims = str(spec.head_dim) if spec.v_head_dim is None else \
                 f"{spec.head_dim} (q/k) / {spec.v_head_dim} (v)"
             lines.append(f"  attention {spec.name}: {', '.join(traits)}; "

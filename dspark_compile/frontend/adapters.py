@@ -23,6 +23,7 @@ from torch import nn
 
 from .plain import CachedAttention
 from ..specs import AttentionSpec, LinearSpec
+from .compressed import compressor_hooks
 from .experts import experts_hooks
 from .hybrid import RecurrentLayers, hybrid_hooks
 from .multimodal import MRopeSpec, mrope_spec, vision_hook
@@ -116,8 +117,13 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if scaling is None:
         raise NotImplementedError(f"{where} passes no scaling and has no .scaling attribute; "
                                   "the softmax scale cannot be read off the model")
+    compressed = scope.take_compressed(module)
+    if compressed is not None and (key is not value or softcap):
+        raise NotImplementedError(
+            f"{where} has a compressor but its keys and values are not the same tensor (or it "
+            "passes a softcap); the compressed entries are read as both key and value")
     return scope.attend(None, query, key, value, float(scaling), window=window,
-                        softcap=softcap, sinks=sinks), None
+                        softcap=softcap, sinks=sinks, compressed=compressed), None
 
 
 _PASS_THROUGH = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions",
@@ -406,7 +412,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         try:
             with route, hybrid_hooks(linear), \
                     vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
-                    experts_hooks(model):
+                    experts_hooks(model), compressor_hooks(model, names):
                 yield
         finally:
             if config._attn_implementation != previous:

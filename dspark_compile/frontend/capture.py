@@ -33,7 +33,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..graph_inputs import InputKind, InputSpec, fake_input, name_placeholders
-from ..specs import AttentionSpec
+from ..specs import AttentionSpec, compress_pools
 from .adapters import ModelAdapter
 from .guards import describe, locate, needs_locating, token_names
 from .recurrent import check_linear_calls
@@ -79,6 +79,9 @@ def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.devi
             pool = torch.zeros(pages, _SAMPLE_PAGE_SIZE, s.num_kv_heads, dim,
                                dtype=dtype, device=device)
             meta.append((InputSpec(kind, f"{kind}_{i}"), pool, ()))
+    for j, (_, width) in enumerate(compress_pools(adapter.specs)):
+        pool = torch.zeros(pages, _SAMPLE_PAGE_SIZE, width, dtype=dtype, device=device)
+        meta.append((InputSpec("compress_pool", f"compress_pool_{j}"), pool, ()))
     if adapter.linear_specs:
         meta += _linear_samples(adapter, dtype, device)
     if adapter.mrope is not None:
@@ -114,7 +117,11 @@ def _scope_of(adapter: ModelAdapter, specs: list[InputSpec], values,
     by_kind: dict[str, list] = {}
     for spec, value in zip(specs, values):
         by_kind.setdefault(spec.kind, []).append(value)
+    first: dict[int, int] = {}
+    for j, (layer, _) in enumerate(compress_pools(adapter.specs)):
+        first.setdefault(layer, j)
     return CaptureScope(
+        compress_pools=by_kind.get("compress_pool", []), compress_index=first,
         kv_caches=list(zip(by_kind.get("k_cache", []), by_kind.get("v_cache", []))),
         block_table=by_kind["block_table"][0], context_lens=by_kind["context_lens"][0],
         pool_index={k: i for i, k in enumerate(adapter.keys or ())},
@@ -152,6 +159,7 @@ def discover_attention(adapter: ModelAdapter, dtype: torch.dtype,
             adapter.forward(call, values[0], values[1])
     finally:
         model.train(was_training)
+    _check_no_pending(scope)
     if not found and not adapter.linear_specs:
         raise TypeError(
             f"dspark_compile: no module of {type(adapter.model).__name__} called the attention "
@@ -160,6 +168,39 @@ def discover_attention(adapter: ModelAdapter, dtype: torch.dtype,
             "model computing attention outside transformers' attention interface is not "
             "supported)")
     return found
+
+
+def _drop_empty_cats(gm: fx.GraphModule) -> None:
+    """``cat([x, e], dim)`` where every operand but ``x`` has a static size 0 along ``dim`` is a
+    contiguous copy of ``x``: written so. A DeepSeek-V4 compressed layer concatenates its
+    (captured as zero-length) compressed entries onto its window keys along the token axis;
+    the entries reach the attention op by other means (``frontend/compressed.py``)."""
+    aten = torch.ops.aten
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target is not aten.cat.default:
+            continue
+        tensors = node.args[0]
+        dim = node.args[1] if len(node.args) > 1 else node.kwargs.get("dim", 0)
+        rank = node.meta["val"].dim()
+        kept = [t for t in tensors
+                if not (type(t.meta["val"].shape[dim % rank]) is int
+                        and t.meta["val"].shape[dim % rank] == 0)]
+        if len(kept) != 1 or len(tensors) == 1:
+            continue
+        with gm.graph.inserting_before(node):
+            copy = gm.graph.call_function(aten.clone.default, (kept[0],),
+                                          {"memory_format": torch.contiguous_format})
+        copy.meta = dict(node.meta)
+        node.replace_all_uses_with(copy)
+        gm.graph.erase_node(node)
+
+
+def _check_no_pending(scope: CaptureScope) -> None:
+    if scope.pending_compressed is not None:
+        module = scope.pending_compressed[0]
+        raise NotImplementedError(
+            f"compressor {scope.site_names.get(id(module), '?')!r} ran but no attention call "
+            "of its layer followed; its entries would be attended by nothing")
 
 
 _OURS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -245,6 +286,7 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
                 f"{len(adapter.specs)} when its layers were discovered; the forward must make "
                 "the same calls every time")
         check_linear_calls(scope, adapter.linear_specs)
+        _check_no_pending(scope)
         return logits
 
     was_training = model.training
@@ -258,6 +300,7 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
             gm = make_fx(dense_verify, tracing_mode="real", record_stack_traces=True)(*fakes)
     finally:
         model.train(was_training)
+    _drop_empty_cats(gm)
     gm.graph.eliminate_dead_code()
     name_placeholders(gm, specs)
     gm.recompile()

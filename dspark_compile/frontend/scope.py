@@ -58,7 +58,50 @@ class CaptureScope:
     attention_calls: int = 0
     """Attention calls seen so far in this forward; call ``k`` owns pool ``k`` when the layer
     key is the call order (Hugging Face models)."""
+    compress_pools: list[torch.Tensor] = field(default_factory=list)
+    """Compressed-attention layers (DeepSeek-V4): every compressor pool, in
+    ``specs.compress_pools`` order."""
+    compress_index: dict[int, int] = field(default_factory=dict)
+    """KV pool index of a compressed layer -> the index of its first compressor pool."""
+    pending_compressed: tuple | None = None
+    """``(compressor module, what its layer's next attention call adds)``: set by a replaced
+    compressor forward (``frontend/compressed.py``), taken by that call. While discovering,
+    what it adds is a ``CompressSpec``; while capturing ``(entry pool, fresh rows, rate,
+    picks or None)``."""
     _site: str = ""
+
+    def expect_compressed(self, compressor, what) -> None:
+        """A compressor ran: its layer's next attention call takes ``what``."""
+        if self.pending_compressed is not None:
+            raise NotImplementedError(
+                f"{self.site_names.get(id(compressor), '?')}: a compressor ran while the "
+                "previous compressor's attention call had not come yet; each compressor must "
+                "be followed by its own layer's attention call")
+        self.pending_compressed = (compressor, what)
+
+    def take_compressed(self, module):
+        """What the attention call of ``module`` adds (None: a plain layer). A pending
+        compressor must be ``module.compressor``."""
+        pending, self.pending_compressed = self.pending_compressed, None
+        if pending is None:
+            return None
+        if getattr(module, "compressor", None) is not pending[0]:
+            raise NotImplementedError(
+                f"{self._site}: the attention call after compressor "
+                f"{self.site_names.get(id(pending[0]), '?')!r} comes from a module whose "
+                "compressor is another one; the compressed entries would reach the wrong layer")
+        return pending[1]
+
+    def compress_pools_of(self, key: int) -> list[torch.Tensor]:
+        """The compressor pools of the layer whose attention call is ``key``."""
+        index = self.pool_index.get(key)
+        if index not in self.compress_index:
+            raise RuntimeError(
+                f"attention call {key} ran a compressor during the capture but had none when "
+                "the model's layers were discovered; the forward must make the same calls every "
+                "time")
+        first = self.compress_index[index]
+        return self.compress_pools[first:first + 6]
 
     def attention_site(self, module) -> str:
         """Name the module making the next attention call (also kept for ``attend``)."""
@@ -68,10 +111,11 @@ class CaptureScope:
 
     def attend(self, key: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, window: int = 0, softcap: float = 0.0,
-               sinks: torch.Tensor | None = None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, compressed=None) -> torch.Tensor:
         """Dense cached attention of layer ``key`` (None: the next call in forward order):
         q ``[bs, H, T, Dk]``, k ``[bs, Hkv, T, Dk]``, v ``[bs, Hkv, T, Dv]`` ->
-        ``[bs, T, H, Dv]``."""
+        ``[bs, T, H, Dv]``. ``compressed``: what the layer's compressor added
+        (``take_compressed``), None for a plain layer."""
         if key is None:
             key = self.attention_calls
         self.attention_calls += 1
@@ -86,7 +130,7 @@ class CaptureScope:
             self.discovered.append(AttentionSpec(
                 int(k.shape[1]), int(k.shape[-1]),
                 None if v.shape[-1] == k.shape[-1] else int(v.shape[-1]),
-                int(window), float(softcap), sinks is not None, self._site))
+                int(window), float(softcap), sinks is not None, self._site, compressed))
             bs, heads, t, _ = q.shape
             return q.new_zeros(bs, t, heads, v.shape[-1])
         if key not in self.pool_index:
@@ -104,6 +148,11 @@ class CaptureScope:
                 "must call the same layers with the same shapes every time")
         # the semantics arguments only where a layer has them: a plain layer's node is the
         # same as before they existed
+        if compressed is not None:
+            entries, fresh, rate, picks = compressed
+            return torch.ops.dspark.dense_compressed_attention(
+                q, k, v, k_cache, v_cache, self.block_table, self.context_lens, float(scale),
+                int(window), float(softcap), sinks, entries, fresh, rate, picks)
         extra = (int(window), float(softcap), sinks) if window or softcap or \
             sinks is not None else ()
         return torch.ops.dspark.dense_cached_attention(

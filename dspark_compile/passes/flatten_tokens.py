@@ -30,6 +30,7 @@ import torch.fx.traceback as fx_traceback
 from torch._guards import detect_fake_mode
 
 from ..graph_inputs import InputKind, fake_input
+from ..ops.compressed import COMPRESSED_RAGGED_OPS
 from ..ops.experts import EXPERTS_OPS
 from ..ops.linear_attention import LINEAR_RAGGED_OPS
 from .base import EnsureError, PassContext, PassResult
@@ -45,7 +46,7 @@ SIZE_OPS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand}
 AS_IS = {aten.embedding, aten.index, aten.mm, aten.addmm, aten.clone, aten._to_copy, aten.alias,
          aten.detach, aten.contiguous, aten.lift_fresh_copy,
          torch.ops.dspark.ragged_attention, *LINEAR_RAGGED_OPS,  # flat-native: rows in, rows out
-         *EXPERTS_OPS,
+         *EXPERTS_OPS, *COMPRESSED_RAGGED_OPS,
          *NORM_OPS,  # norms: trailing dims stay as they are
          *LIKE_FACTORIES, aten.view_as_complex, aten.view_as_real}  # shape follows the input
 FLAT_INPUTS = {"input_ids", "positions", "slot_mapping"}

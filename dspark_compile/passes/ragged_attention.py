@@ -34,6 +34,25 @@ __all__ = ["run"]
 
 DENSE = torch.ops.dspark.dense_cached_attention
 RAGGED = torch.ops.dspark.ragged_attention
+COMPRESSED = {  # DeepSeek-V4's compressed layers (ops/compressed.py): dense -> ragged
+    torch.ops.dspark.dense_compress: torch.ops.dspark.compress,
+    torch.ops.dspark.dense_index_topk: torch.ops.dspark.index_topk,
+    torch.ops.dspark.dense_compressed_attention: torch.ops.dspark.compressed_attention,
+}
+
+
+def _arguments(node: fx.Node) -> dict:
+    """The call's arguments by schema name, defaults filled in."""
+    schema = node.target._schema
+    out = {}
+    for i, a in enumerate(schema.arguments):
+        if i < len(node.args):
+            out[a.name] = node.args[i]
+        elif a.name in node.kwargs:
+            out[a.name] = node.kwargs[a.name]
+        else:
+            out[a.name] = a.default_value
+    return out
 
 
 def _add_inputs(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.Node]:
@@ -61,17 +80,27 @@ def _add_inputs(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.Node]:
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResult]:
     result = PassResult("ragged_attention", changed=0)
-    if not any(is_op(n, DENSE) for n in gm.graph.nodes):
+    packets = (DENSE, *COMPRESSED)
+    if not any(is_op(n, p) for n in gm.graph.nodes for p in packets):
         # a model without attention layers (all linear attention) reads no context lengths
         _drop_unused_input(gm, ctx, next(i for i, s in enumerate(ctx.inputs)
                                          if s.kind == InputKind.CONTEXT_LENS))
         return gm, result
     # a copy: the dense graph stays intact for Verifier.run_dense
-    gm, matches, (bs, t, rows) = start_rewrite(gm, DENSE)
+    gm, matches, (bs, t, rows) = start_rewrite(gm, packets)
     meta = _add_inputs(gm, ctx)
     graph, aten = gm.graph, torch.ops.aten
     exact = True  # every fake value after the replacements so far is current (retrace.py)
     for node in matches:
+        packet = node.target.overloadpacket
+        if packet in COMPRESSED:
+            with graph.inserting_before(node):
+                out = _compressed(graph, node, packet, meta, bs, t, rows, exact)
+            exact = replace(node, out, exact)
+            result.changed += 1
+            result.rewrites.append((f"{node.name} -> {COMPRESSED[packet].__name__}",
+                                    source_line(node)))
+            continue
         q, k, v, k_cache, v_cache, block_table, _context_lens, scale, *semantics = node.args
         if node.kwargs:  # window / softcap / sinks, however the capture recorded them
             names = ("window", "softcap", "sinks")[len(semantics):]
@@ -94,8 +123,64 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     ctx_idx = next(i for i, s in enumerate(ctx.inputs) if s.kind == InputKind.CONTEXT_LENS)
     gm = finish(gm, exact, ctx.inputs)  # DCE: the dense attention's inputs (its mask) go
     _drop_unused_input(gm, ctx, ctx_idx)
-    check_rewritten(gm, DENSE, RAGGED, result)
+    _check_all_rewritten(gm, result)
     return gm, result
+
+
+def _check_all_rewritten(gm: fx.GraphModule, result: PassResult) -> None:
+    """No dense op of the family is left, and the ragged ops are as many as the rewrites."""
+    from .base import EnsureError
+
+    pairs = ((DENSE, RAGGED), *COMPRESSED.items())
+    left = [n.name for n in gm.graph.nodes for d, _ in pairs if is_op(n, d)]
+    if left:
+        raise EnsureError(f"{result.name}: dense ops left in the graph: {left}")
+    found = sum(1 for n in gm.graph.nodes for _, r in pairs if is_op(n, r))
+    if found != result.changed:
+        raise EnsureError(f"{result.name}: rewrote {result.changed} calls but the graph has "
+                          f"{found} ragged ones")
+
+
+def _compressed(graph: fx.Graph, node: fx.Node, packet, meta: dict, bs, t, rows,
+                exact: bool) -> fx.Node:
+    """The ragged twin of one dense compressed-layer op, its rows viewed back to ``[bs, T,
+    ...]`` (the dense op's shape)."""
+    aten = torch.ops.aten
+    a = _arguments(node)
+
+    def flat(x: fx.Node | None, lead: int = 2) -> fx.Node | None:
+        """``[bs, T, *rest] -> [bs*T, *rest]``."""
+        if x is None:
+            return None
+        rest = list(x.meta["val"].shape[lead:])
+        return reshape_node(graph, node, x, [rows, *rest], decide=exact)
+
+    layout = (meta["query_start_loc"], meta["seq_lens"], a["block_table"])
+    if packet is torch.ops.dspark.dense_compress:
+        out = add_node(graph, node, torch.ops.dspark.compress.default, flat(a["kv"]),
+                       flat(a["gate"]), a["kv_pool"], a["gate_pool"], a["entry_pool"], *layout,
+                       meta["slot_mapping"], a["position_bias"], a["norm_weight"],
+                       a["inv_freq"], a["rate"], a["overlap"], a["eps"], a["rope_scale"])
+        width = a["entry_pool"].meta["val"].shape[-1]
+        return add_node(graph, node, aten.view.default, out, [bs, t, width])
+    if packet is torch.ops.dspark.dense_index_topk:
+        out = add_node(graph, node, torch.ops.dspark.index_topk.default, flat(a["q"]),
+                       flat(a["weights"]), a["entry_pool"], flat(a["fresh"]), *layout,
+                       a["rate"], a["topk"], a["softmax_scale"])
+        return add_node(graph, node, aten.view.default, out, [bs, t, a["topk"]])
+
+    def to_rows(x: fx.Node) -> fx.Node:  # [bs, h, T, d] -> [bs*T, h, d]
+        _, h, _, d = x.meta["val"].shape
+        x_t = add_node(graph, node, aten.transpose.int, x, 1, 2)
+        return reshape_node(graph, node, x_t, [rows, h, d], decide=exact)
+
+    heads, v_dim = a["q"].meta["val"].shape[1], a["v"].meta["val"].shape[-1]
+    out = add_node(graph, node, torch.ops.dspark.compressed_attention.default,
+                   to_rows(a["q"]), to_rows(a["k"]), to_rows(a["v"]), a["k_cache"],
+                   a["v_cache"], *layout[:2], a["block_table"], meta["slot_mapping"],
+                   a["scale"], a["window"], a["softcap"], a["sinks"], a["entries"],
+                   flat(a["fresh"]), a["rate"], flat(a["topk"]))
+    return add_node(graph, node, aten.view.default, out, [bs, t, heads, v_dim])
 
 
 def _drop_unused_input(gm: fx.GraphModule, ctx: PassContext, index: int) -> None:

@@ -114,11 +114,13 @@ def same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def start_rewrite(gm: fx.GraphModule, dense) -> tuple[fx.GraphModule, list[fx.Node],
                                                      tuple[fx.Node, fx.Node, fx.Node]]:
-    """``(copy of gm, its calls of the op packet dense, (bs, T, bs*T) nodes)``: a rewriting
+    """``(copy of gm, its calls of the op packet dense (or of any of a tuple of packets, in
+    graph order), (bs, T, bs*T) nodes)``: a rewriting
     pass edits the copy (the graph it was given stays intact); the token counts, read off
     ``input_ids [bs, T]``, sit once before the first call, for every replacement to use."""
     gm = copy_module(gm)
-    matches = [n for n in gm.graph.nodes if is_op(n, dense)]
+    packets = dense if isinstance(dense, tuple) else (dense,)
+    matches = [n for n in gm.graph.nodes if any(is_op(n, p) for p in packets)]
 
     ids = find_input(gm, InputKind.INPUT_IDS)
     like, aten = matches[0], torch.ops.aten

@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..layout import VerifyLayout
-from ..specs import AttentionSpec
+from ..specs import AttentionSpec, compress_pools
 from . import checks
 from .linear import LinearPools
 from .steps import StepLedger
@@ -40,6 +40,13 @@ class VerifierState:
     """int32 ``[max_requests]`` on the CPU: tokens committed per slot."""
     linear: LinearPools | None = field(default=None, repr=False)
     """Conv/recurrent pools and replay rings of the linear-attention layers (hybrid models)."""
+    compress_pools: list[torch.Tensor] = field(default_factory=list, repr=False)
+    """Compressed-attention layers (DeepSeek-V4 HCA / CSA), in ``specs.compress_pools`` order:
+    raw ``kv`` / ``gate`` rows and entries ``[num_pages, page_size, channels]``, paged like the
+    KV pool (token ``p``'s rows and entry ``w`` at positions ``p`` and ``w`` of the slot's
+    pages). Nothing to commit or roll back: the committed length says which rows and entries
+    (``committed // rate``) are valid, and a step rewrites whatever lies past it. The entry
+    pools use ``1 / rate`` of their rows (a known waste, kept for one page geometry)."""
 
     def __post_init__(self) -> None:
         if self.committed_lens is None:
@@ -63,8 +70,9 @@ class VerifierState:
         pages_per_request = -(-max_context // page_size)
         num_pages = max_requests * pages_per_request
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        checks.check_memory("new_state", num_pages * page_size * itemsize * sum(
-            s.num_kv_heads * (s.head_dim + s.value_dim) for s in specs), device,
+        widths = [w for _, w in compress_pools(specs)]
+        checks.check_memory("new_state", num_pages * page_size * itemsize * (sum(
+            s.num_kv_heads * (s.head_dim + s.value_dim) for s in specs) + sum(widths)), device,
             f"a KV pool of max_requests={max_requests} x max_context={max_context} tokens")
         # A fixed permutation (not random per run): the same state layout on every rank.
         perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
@@ -77,7 +85,10 @@ class VerifierState:
             )
             for s in specs
         ]
-        return cls(max_requests, max_context, page_size, kv, block_table.to(device))
+        compressed = [torch.zeros(num_pages, page_size, w, dtype=dtype, device=device)
+                      for w in widths]
+        return cls(max_requests, max_context, page_size, kv, block_table.to(device),
+                   compress_pools=compressed)
 
     # ------------------------------------------------------------------ per-step metadata
     def check_layout(self, layout: VerifyLayout, num_tokens: int) -> None:

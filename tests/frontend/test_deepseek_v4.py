@@ -1,0 +1,181 @@
+"""DeepSeek-V4 (``DeepseekV4ForCausalLM``): ragged verify of its sliding, HCA and CSA layers
+against HF's own forward, and the compressor state's rollback by length.
+
+The tiny configs compress every 2 (CSA) and 4 (HCA) tokens so that every round crosses window
+boundaries, in accepted and in rejected tokens. Token ids avoid the special ones, and the model
+has no padding id: a padding token embeds to zeros, which makes every indexer score 0, and HF's
+own choice among equal scores depends on how many future entries its forward holds (the
+ragged op takes the lower index; ``ops/compressed_reference.index_topk``). The indexer has 8
+heads so that an all-zero score row (every head's ReLU zero) is rare; :func:`_oracle` checks
+that no query of the oracle has a tie at its top-k boundary, so the comparison is well defined.
+"""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dspark_compile import VerifyLayout, dspark_compile
+
+transformers = pytest.importorskip("transformers")
+if not hasattr(transformers, "DeepseekV4ForCausalLM"):
+    pytest.skip("this transformers has no DeepSeek-V4", allow_module_level=True)
+
+HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
+VOCAB = 96
+
+
+def tiny_v4(layer_types, seed: int = 0, topk: int = 3):
+    cfg = transformers.DeepseekV4Config(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=64, moe_intermediate_size=32,
+        num_hidden_layers=len(layer_types), num_attention_heads=4, head_dim=32,
+        qk_rope_head_dim=8, q_lora_rank=32, o_groups=2, o_lora_rank=16, num_local_experts=4,
+        num_experts_per_tok=2, sliding_window=5, layer_types=list(layer_types),
+        mlp_layer_types=(["hash_moe", "moe"] * 4)[:len(layer_types)],
+        compress_rates={CSA: 2, HCA: 4}, index_topk=topk, index_n_heads=8, index_head_dim=16,
+        hc_mult=2, max_position_embeddings=256, pad_token_id=None, bos_token_id=1,
+        eos_token_id=2)
+    torch.manual_seed(seed)
+    model = transformers.DeepseekV4ForCausalLM(cfg).eval()
+    with torch.no_grad():  # HF initialises them to zero: make the windows' softmax non-trivial
+        for name, p in model.named_parameters():
+            if name.endswith("position_bias") or name.endswith("sinks"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+def _oracle(model, seq: torch.Tensor) -> torch.Tensor:
+    """HF's forward over the whole sequence; refuses a tie at any indexer's top-k boundary."""
+    found = []
+    hooks = [m.register_forward_hook(lambda mod, a, out: found.append(out))
+             for m in model.modules() if type(m).__name__ == "DeepseekV4IndexerScorer"]
+    try:
+        with torch.no_grad():
+            logits = model(seq[None], use_cache=False).logits[0]
+    finally:
+        for h in hooks:
+            h.remove()
+    rate, k = model.config.compress_rates[CSA], model.config.index_topk
+    for scores in found:
+        for t in range(scores.shape[1]):
+            row = scores[0, t, : (t + 1) // rate].sort(descending=True).values
+            assert not (row.numel() > k and row[k - 1] == row[k]), \
+                f"tie at the top-{k} boundary of query {t}: the oracle is not defined"
+    return logits
+
+
+class Driver:
+    """Prefill then ragged verify/commit rounds over slots ``slots``; checks every row."""
+
+    def __init__(self, model, verifier, slots, seed: int = 0, max_context: int = 96):
+        self.model, self.verifier, self.slots = model, verifier, list(slots)
+        self.state = verifier.new_state(max_requests=max(slots) + 1, max_context=max_context,
+                                        page_size=8)
+        self.gen = torch.Generator().manual_seed(seed)
+        self.seqs = [torch.empty(0, dtype=torch.int64) for _ in slots]
+        self.max_err = 0.0
+
+    def step(self, lens, accept, new=None):
+        new = new or [torch.randint(3, VOCAB, (n,), generator=self.gen) for n in lens]
+        context = [s.numel() for s in self.seqs]
+        layout = VerifyLayout.pack(lens, context, self.slots)
+        logits = self.verifier(torch.cat(new), layout, self.state)
+        qsl = layout.query_start_loc.tolist()
+        for i, n in enumerate(lens):
+            want = _oracle(self.model, torch.cat([self.seqs[i], new[i]]))[-n:]
+            err = (logits[qsl[i]:qsl[i + 1]] - want).abs().max().item()
+            self.max_err = max(self.max_err, err)
+        self.verifier.commit(layout, accept, self.state)
+        self.seqs = [torch.cat([s, t[:a]]) for s, t, a in zip(self.seqs, new, accept)]
+        return new
+
+
+# lens / accepts per round for three requests: contexts cross rate-2 and rate-4 windows in
+# accepted tokens, and drafts that would close a window are rejected (e.g. 11 + 4 tokens, 1
+# kept: positions 12..14 closed HCA window 2 and CSA windows 6, 7, then were dropped).
+ROUNDS = [([9, 11, 6], [9, 11, 6]), ([4, 4, 3], [2, 1, 3]), ([3, 5, 4], [1, 5, 2]),
+          ([5, 2, 4], [5, 1, 1]), ([4, 3, 5], [3, 3, 2]), ([6, 4, 3], [2, 4, 3])]
+
+
+def _rounds(layer_types, topk: int = 3) -> float:
+    model = tiny_v4(layer_types, topk=topk)
+    verifier = dspark_compile(model)
+    driver = Driver(model, verifier, [2, 0, 1])
+    for lens, accept in ROUNDS:
+        driver.step(lens, accept)
+    return driver.max_err
+
+
+@pytest.mark.parametrize("layer_types", [(HCA, HCA), (CSA, CSA), (SWA, HCA, CSA)],
+                         ids=["hca", "csa", "mixed"])
+def test_exact_vs_hf(layer_types):
+    assert _rounds(layer_types) <= 1e-5
+
+
+def test_explain_lists_compressed_layers():
+    verifier = dspark_compile(tiny_v4((SWA, HCA, CSA)))
+    text = verifier.explain()
+    assert "compressed every 4 tokens;" in text
+    assert "compressed every 2 tokens with overlap, indexer top-3 (8 heads x 16)" in text
+    assert "compress_pool_8" in text and "compress_pool_9" not in text
+
+
+def _committed_regions(state, verifier, slot: int, length: int) -> list[torch.Tensor]:
+    """Each compressor pool's committed rows of ``slot``: raw rows < length, entries <
+    length // rate."""
+    from dspark_compile.specs import compress_pools
+
+    specs = verifier.adapter.specs
+    out = []
+    for j, (layer, _) in enumerate(compress_pools(specs)):
+        pool = state.compress_pools[j]
+        rate = specs[layer].compress.rate
+        kind = j - [i for i, (lay, _) in enumerate(compress_pools(specs)) if lay == layer][0]
+        rows = length if kind % 3 != 2 else length // rate
+        table = state.block_table[slot].long()
+        flat = pool.view(-1, pool.shape[-1])
+        pos = torch.arange(rows)
+        out.append(flat[table[pos // pool.shape[1]] * pool.shape[1] + pos % pool.shape[1]])
+    return out
+
+
+def test_rejected_window_leaves_committed_state_bitwise():
+    """Runs on the same prompt whose second step keeps 1 of 6 drafts. The rejected drafts
+    close windows (positions 11, 13, 15: CSA entries 5, 6, 7, HCA entries 2, 3) and differ
+    between runs A and B: their committed compressor rows (raw < 11) and entries (< 11 // rate)
+    and the next step's logits are bitwise equal. Run C never verifies a draft past the kept
+    token (a one-token step: other matmul shapes, so equal to float tolerance, not bitwise)."""
+    model = tiny_v4((HCA, CSA))
+    verifier = dspark_compile(model)
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(3, VOCAB, (10,), generator=gen)
+    kept = torch.randint(3, VOCAB, (1,), generator=gen)
+    after = torch.randint(3, VOCAB, (5,), generator=gen)
+    steps = {"A": torch.cat([kept, torch.randint(3, VOCAB, (5,), generator=gen)]),
+             "B": torch.cat([kept, torch.randint(3, VOCAB, (5,), generator=gen)]),
+             "C": kept}
+    runs = {}
+    for name, draft in steps.items():
+        state = verifier.new_state(max_requests=2, max_context=48, page_size=4)
+        for p in state.compress_pools:
+            p.fill_(float("nan"))  # never-written rows must never be read
+        layout = VerifyLayout.pack([10], [0], [1])
+        verifier(prompt, layout, state)
+        verifier.commit(layout, [10], state)
+        layout = VerifyLayout.pack([draft.numel()], [10], [1])
+        verifier(draft, layout, state)
+        verifier.commit(layout, [1], state)
+        regions = _committed_regions(state, verifier, 1, 11)
+        layout = VerifyLayout.pack([5], [11], [1])
+        runs[name] = (regions, verifier(after, layout, state).clone())
+    assert not torch.equal(steps["A"], steps["B"])
+    for x, y, z in zip(runs["A"][0], runs["B"][0], runs["C"][0]):
+        assert not x.isnan().any()
+        assert torch.equal(x, y)
+        torch.testing.assert_close(x, z, rtol=0, atol=1e-6)
+    assert torch.equal(runs["A"][1], runs["B"][1])
+    want = _oracle(model, torch.cat([prompt, kept, after]))[-5:]
+    for name in "AC":
+        assert (runs[name][1] - want).abs().max().item() <= 1e-5
