@@ -126,6 +126,7 @@ def hf_gdn(c, layout, i, upto=None, l2=True, chunk=False):
 
 LAYOUTS = {"mixed": ([3, 0, 5, 1, 8], 2), "one": ([1], 0), "full": ([4, 4, 4], 3),
            "empty_ends": ([0, 6, 2, 0], 1)}
+TRITON_LAYOUTS = {**LAYOUTS, "long": ([17, 0, 33, 16], 1)}  # past the forward's 16-row chunks
 
 
 # ------------------------------------------------------------------ opcheck
@@ -371,12 +372,12 @@ def test_triton_conv_matches_reference(name, dim, width, activation, bias, tiles
 @needs_triton
 @pytest.mark.parametrize("name, hk, hv, kd, vd, l2, block_v", [
     ("mixed", 2, 4, 16, 32, True, None), ("empty_ends", 3, 3, 24, 20, False, None),
-    ("full", 1, 2, 32, 48, True, 16)])
+    ("full", 1, 2, 32, 48, True, 16), ("long", 2, 2, 16, 16, True, None)])
 def test_triton_gdn_matches_reference(name, hk, hv, kd, vd, l2, block_v):
     from dspark_compile.kernels.gdn import (GdnPlan, gated_delta_rule_commit_triton,
                                                     gated_delta_rule_triton)
 
-    layout = make_layout(*LAYOUTS[name], seed=kd)
+    layout = make_layout(*TRITON_LAYOUTS[name], seed=kd)
     c = gdn_case(layout, hk, hv, kd, vd, seed=kd)
     want, want_rings = run_gdn(c, layout, l2)
     plan = None if block_v is None else GdnPlan(32, block_v, -(-vd // block_v))

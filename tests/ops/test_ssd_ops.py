@@ -70,6 +70,7 @@ def hf_ssd(c, layout, i, upto=None, limits=(0.0, INF)):
 
 LAYOUTS = {"mixed": ([3, 0, 5, 1, 8], 2), "one": ([1], 0), "full": ([4, 4, 4], 3),
            "empty_ends": ([0, 6, 2, 0], 1), "prefill": ([13, 2], 1)}
+TRITON_LAYOUTS = {**LAYOUTS, "long": ([17, 0, 35, 16], 1)}  # past the forward's 16-row chunks
 
 
 def test_opcheck_all_ops():
@@ -191,14 +192,14 @@ def _triton():
 
 
 @needs_triton
-@pytest.mark.parametrize("name", ["mixed", "empty_ends", "prefill"])
+@pytest.mark.parametrize("name", ["mixed", "empty_ends", "prefill", "long"])
 @pytest.mark.parametrize("h, g, n_state, p, bias, d, limits", [
     (4, 2, 8, 6, True, True, (0.0, INF)), (3, 1, 5, 20, False, False, (0.001, 0.5))])
 def test_triton_matches_reference(name, h, g, n_state, p, bias, d, limits):
     """Odd shapes (N and P not powers of two, P over two channel blocks), padding rows, empty
     requests; outputs, rings and the committed state against the reference."""
     kernels = _triton()
-    lens, pad = LAYOUTS[name]
+    lens, pad = TRITON_LAYOUTS[name]
     layout = make_layout(lens, num_pad=pad, seed=p)
     c = ssd_case(layout, h=h, g=g, n_state=n_state, p=p, seed=p, bias=bias, d=d)
     plan = kernels.plan_ssd(len(lens), h, n_state, p, 132)
