@@ -27,8 +27,7 @@ def compile_kernel(kernel, pointers: dict, constexprs: dict, target: str, option
     ``pointers``: argument -> element type (``"bf16"``, ``"i32"``, ...); ``scalars``: argument ->
     type for non-i32 scalars (``"fp32"``); every other argument is an i32 scalar. Pointers and
     strides are declared 16-aligned, as the JIT specialises them at real shapes. A kernel's
-    ``PDL`` constexpr, unless given, is the target's ``pdl``, and ``DOT_PRECISION`` its
-    ``state_dot_precision``. ``asm``, if given, receives the
+    ``PDL`` constexpr, unless given, is the target's ``pdl``. ``asm``, if given, receives the
     compiled text and binaries by kind (``ptx``, ``amdgcn``, ...).
     """
     import triton
@@ -41,8 +40,6 @@ def compile_kernel(kernel, pointers: dict, constexprs: dict, target: str, option
     scalars = scalars or {}
     if "PDL" in kernel.arg_names:  # launched with PDL where the target uses it, as at run time
         constexprs = {"PDL": TARGETS[target].pdl, **constexprs}
-    if "DOT_PRECISION" in kernel.arg_names:  # the state products' precision (GDN, SSD)
-        constexprs = {"DOT_PRECISION": TARGETS[target].state_dot_precision, **constexprs}
     signature = {a: "constexpr" if a in constexprs else "*" + pointers[a] if a in pointers
                  else scalars.get(a, "i32") for a in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)

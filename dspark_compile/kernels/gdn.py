@@ -5,37 +5,32 @@ Kernels first, then the launch plan and the host wrappers; the oracle is
 ``linear_ops``.
 
 Forward (grid ``(R + 1, Hv * cdiv(V, BLOCK_V))``, from shapes only): one program per
-(request, value head, block of ``BLOCK_V`` value channels) reads its ``[K, BLOCK_V]`` slice of
-the fp32 state once and takes the request's rows ``CHUNK`` (16) at a time in the chunked form.
-With ``k, q <- l2norm`` (q also scaled), ``c_t`` the cumulative log decay from the chunk's start
-and ``S0`` the state at the chunk's start, the recurrence
+(request, value head, block of ``BLOCK_V`` value channels) holds its ``[K, BLOCK_V]`` slice of
+the fp32 state in registers and walks the request's rows in order (the recurrent form: at
+verify widths, T <= 16, the state read dominates, and each row costs 3 K x BLOCK_V FMAs):
 
-    S <- S * exp(g);  delta = beta * (v - S^T k);  S <- S + k delta^T;  out = S^T q
+    k, q <- l2norm;  S <- S * exp(g);  delta = beta * (v - S^T k);  S <- S + k delta^T;
+    out = S^T (q * scale)
 
-unrolls to ``delta_t = beta_t (v_t - e^{c_t} S0^T k_t - sum_{s<t} e^{c_t - c_s} (k_t . k_s)
-delta_s)`` and ``out_t = e^{c_t} S0^T q_t + sum_{s<=t} e^{c_t - c_s} (q_t . k_s) delta_s``. So
-the state enters through two products ``K S0`` and ``Q S0`` (``tl.dot`` in three TF32 passes:
-float32 accuracy on tensor cores; ``ieee`` on AMD), and what stays token-serial is a forward
-substitution over ``[CHUNK, BLOCK_V]`` tiles, not over the ``[K, BLOCK_V]`` state. The
-recurrent form spent 4 FMAs per state element per row; this one spends none outside the
-products. A request past ``CHUNK`` rows carries the state to the chunk's end with one more
-product (``S0 e^{c_T} + (K e^{c_T - c})^T delta``) and goes on. The pool is only read.
-
-Rows only ever see earlier rows of their own request: every product's row reads that row
-alone, the triangular terms are selects (``tl.where``), never zero weights, and the
-substitution reads rows of ``delta`` not yet computed as zeros; so a NaN or Inf in a rejected
-draft reaches that row's and later rows' outputs only. The program of value head ``h`` and
-channel block 0 saves ``g``, ``beta`` (and, for the first head of each key group, the
-normalized key) into the replay rings; every channel block saves its slice of ``v``. Program
-row ``R`` is the padding pseudo-request: it zeroes rows ``query_start_loc[R] .. N-1``. Empty
-requests exit.
+Each value-channel block is independent (every reduction is over K), which is what lets a
+small batch spread over the GPU (see :func:`plan_gdn`). Each step issues the next row's loads
+before its own arithmetic (the last row reloads itself), so their latency overlaps the update
+instead of adding to the token-serial chain; ``GdnPlan.num_warps`` is open to the sweep of
+``benchmarks/ssd_kernels.py`` (at 4 warps the two reductions over K cross warps every step). The pool is only read; the state
+never leaves registers. A row only ever sees earlier rows of its own request, so a NaN or Inf
+in a rejected draft reaches that row's and later rows' outputs only, never an earlier row:
+there is no causal mask term to get wrong. The program of value head ``h`` and channel block
+0 saves ``g``, ``beta`` (and, for the first head of each key group, the normalized key) into
+the replay rings; every channel block saves its slice of ``v``. Program row ``R`` is the
+padding pseudo-request: it zeroes rows ``query_start_loc[R] .. N-1``. Empty requests exit.
 
 Commit (grid ``(R, Hv * cdiv(V, BLOCK_V))``): the same update, fed from the rings for the
 first ``clamp(accept_lens[i], 0, len_i)`` rows, then one store of the tile into the pool. The
 update is the shared ``_delta_step``, so the committed state is the forward's own arithmetic.
 
-The commit stays recurrent (it writes the state: 4 FMAs per element per accepted row at
-verify widths cost about what the state's read and write do).
+Registers (sm_90, ``ptxas -v``, K = V = 128, BLOCK_V = 32, bf16): 80 per thread for either
+kernel, no spills. Token-serial by design: a long prefill runs ``len`` dependent steps per
+program (correct, not fast; a chunked kernel would be the prefill path).
 """
 
 from __future__ import annotations
@@ -50,7 +45,6 @@ import triton.language as tl
 from .launch import launch
 from ..ops.linear_attention_reference import check_gdn, check_gdn_commit
 from .device import device_sm_count
-from .targets import target_for_device
 
 __all__ = ["GdnPlan", "plan_gdn", "gated_delta_rule_triton", "gated_delta_rule_commit_triton"]
 
@@ -58,7 +52,12 @@ _NUM_WARPS = 4
 _MAX_TILE = 4096  # fp32 state elements per program: 32 registers per thread at 4 warps of 32
 _MIN_BLOCK_V = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
-_CHUNK = 16  # rows per chunk of the forward (tl.dot's smallest M); longer requests loop
+
+
+@triton.jit
+def _l2norm(x):
+    """``x / sqrt(sum(x^2) + 1e-6)`` over a ``[K_PAD]`` vector (padding lanes hold 0)."""
+    return x * tl.rsqrt(tl.sum(x * x, 0) + 1e-6)
 
 
 @triton.jit
@@ -96,10 +95,33 @@ def _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok, st
 
 
 @triton.jit
-def _pick_row(tile, sel):
-    """Row ``t`` of a ``[CHUNK, X]`` tile as ``[X]``: a select, then a sum of exact zeros, so a
-    NaN elsewhere in the tile never reaches it."""
-    return tl.sum(tl.where(sel, tile, 0.0), 0)
+def _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k, v, g,
+               beta, offs_k, offs_v, k_ok, v_ok, HK: tl.constexpr, HV: tl.constexpr,
+               KD: tl.constexpr, VD: tl.constexpr):
+    """Row ``n``'s replay inputs: one writer per key head (its first value head, block 0) for
+    the normalized key, per value head (block 0) for g and beta, per block for v."""
+    if (head % (HV // HK) == 0) & (vb == 0):
+        tl.store(ring_k_ptr + (n * HK + k_head) * KD + offs_k, k, mask=k_ok)
+    tl.store(ring_v_ptr + (n * HV + head) * VD + offs_v, v, mask=v_ok)
+    if vb == 0:
+        tl.store(ring_g_ptr + n * HV + head, g)
+        tl.store(ring_beta_ptr + n * HV + head, beta)
+
+
+@triton.jit
+def _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, head, k_head, offs_k, offs_v, k_ok,
+              v_ok, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
+              stride_v_head, stride_g_tok, stride_beta_tok):
+    """Row ``n``'s q, k ``[K_PAD]`` (its key head), v ``[BLOCK_V]``, g and beta, as fp32."""
+    k = tl.load(k_ptr + n * stride_k_tok + k_head * stride_k_head + offs_k, mask=k_ok,
+                other=0.0)
+    q = tl.load(q_ptr + n * stride_q_tok + k_head * stride_q_head + offs_k, mask=k_ok,
+                other=0.0)
+    v = tl.load(v_ptr + n * stride_v_tok + head * stride_v_head + offs_v, mask=v_ok, other=0.0)
+    g = tl.load(g_ptr + n * stride_g_tok + head)
+    beta = tl.load(beta_ptr + n * stride_beta_tok + head)
+    return (q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), g.to(tl.float32),
+            beta.to(tl.float32))
 
 
 @triton.jit
@@ -111,15 +133,13 @@ def _gdn_forward_kernel(
         stride_out_head, stride_s_slot, stride_s_head, stride_s_k, HK: tl.constexpr,
         HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, K_PAD: tl.constexpr,
         BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
-        PAD_ROWS: tl.constexpr, CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One (request, value head, value-channel block): the request's rows, ``CHUNK`` at a
-    time, in the chunked form (module docstring)."""
+        PAD_ROWS: tl.constexpr):
+    """One (request, value head, value-channel block): the request's rows, in order."""
     req = tl.program_id(0)
     head = tl.program_id(1) // NUM_VB
     vb = tl.program_id(1) % NUM_VB
     offs_k = tl.arange(0, K_PAD)
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    offs_t = tl.arange(0, CHUNK)
     k_ok = offs_k < KD
     v_ok = offs_v < VD
     start = tl.load(query_start_loc_ptr + req)
@@ -134,64 +154,29 @@ def _gdn_forward_kernel(
     _, state = _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok,
                            stride_s_slot, stride_s_head, stride_s_k)
     k_head = head // (HV // HK)
-    # ring writers as [CHUNK] vectors (the interpreter rejects scalar & tensor masks): block 0
-    # of each value head writes g and beta, and of the first value head per key head the key
-    first_block = (offs_t * 0 + vb) == 0
-    key_writer = first_block & ((offs_t * 0 + head) % (HV // HK) == 0)
-    row = offs_t[:, None]
-    col = offs_t[None, :]
-    for c0 in range(0, length, CHUNK):
-        rows = (start + c0 + offs_t).to(tl.int64)
-        t_ok = (c0 + offs_t) < length
-        tk = t_ok[:, None] & k_ok[None, :]
-        tv = t_ok[:, None] & v_ok[None, :]
-        kc = tl.load(k_ptr + rows[:, None] * stride_k_tok + k_head * stride_k_head
-                     + offs_k[None, :], mask=tk, other=0.0).to(tl.float32)
-        qc = tl.load(q_ptr + rows[:, None] * stride_q_tok + k_head * stride_q_head
-                     + offs_k[None, :], mask=tk, other=0.0).to(tl.float32)
-        vc = tl.load(v_ptr + rows[:, None] * stride_v_tok + head * stride_v_head
-                     + offs_v[None, :], mask=tv, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + rows * stride_g_tok + head, mask=t_ok, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + rows * stride_beta_tok + head, mask=t_ok,
-                       other=0.0).to(tl.float32)
+    last = start + length - 1
+    q, k, v, g, beta = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start.to(tl.int64), head,
+                                 k_head, offs_k, offs_v, k_ok, v_ok, stride_q_tok,
+                                 stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
+                                 stride_v_head, stride_g_tok, stride_beta_tok)
+    for t in range(length):
+        n = (start + t).to(tl.int64)
+        # the next row's loads go out before this row's arithmetic (the last row reloads
+        # itself): their latency overlaps the update instead of stalling the next step
+        q_next, k_next, v_next, g_next, beta_next = _load_row(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tl.minimum(n + 1, last).to(tl.int64), head,
+            k_head, offs_k, offs_v, k_ok, v_ok, stride_q_tok, stride_q_head, stride_k_tok,
+            stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok)
         if L2NORM:
-            kc = kc * tl.rsqrt(tl.sum(kc * kc, 1) + 1e-6)[:, None]
-            qc = qc * tl.rsqrt(tl.sum(qc * qc, 1) + 1e-6)[:, None]
-        qc = qc * scale
-        # the commit's replay inputs
-        tl.store(ring_k_ptr + (rows[:, None] * HK + k_head) * KD + offs_k[None, :], kc,
-                 mask=tk & key_writer[:, None])
-        tl.store(ring_v_ptr + (rows[:, None] * HV + head) * VD + offs_v[None, :], vc, mask=tv)
-        tl.store(ring_g_ptr + rows * HV + head, g, mask=t_ok & first_block)
-        tl.store(ring_beta_ptr + rows * HV + head, beta, mask=t_ok & first_block)
-        # every product with the state tile at once; each row of a product reads that row only
-        cum = tl.cumsum(g, 0)  # log of the decay from the chunk's start through row t
-        lead = tl.exp(cum)[:, None]
-        ks = tl.dot(kc, state, input_precision=DOT_PRECISION) * lead  # [CHUNK, BLOCK_V]
-        qs = tl.dot(qc, state, input_precision=DOT_PRECISION) * lead
-        kk = tl.dot(kc, tl.trans(kc), input_precision=DOT_PRECISION)  # [CHUNK, CHUNK]
-        qk = tl.dot(qc, tl.trans(kc), input_precision=DOT_PRECISION)
-        decay = tl.exp(cum[:, None] - cum[None, :])  # row t, col s: decay from s to t
-        lower = tl.where(col < row, beta[:, None] * decay * kk, 0.0)
-        causal = tl.where(col <= row, decay * qk, 0.0)
-        rhs = beta[:, None] * (vc - ks)
-        # forward substitution: delta_t = rhs_t - sum_{s<t} lower[t, s] delta_s, then
-        # out_t = qs_t + sum_{s<=t} causal[t, s] delta_s; rows past t are still zero
-        delta = tl.zeros([CHUNK, BLOCK_V], tl.float32)
-        out = tl.zeros([CHUNK, BLOCK_V], tl.float32)
-        for t in range(tl.minimum(length - c0, CHUNK)):
-            sel = row == t
-            d_t = _pick_row(rhs, sel) - tl.sum(_pick_row(lower, sel)[:, None] * delta, 0)
-            delta = tl.where(sel, d_t[None, :], delta)
-            o_t = _pick_row(qs, sel) + tl.sum(_pick_row(causal, sel)[:, None] * delta, 0)
-            out = tl.where(sel, o_t[None, :], out)
-        tl.store(out_ptr + rows[:, None] * stride_out_tok + head * stride_out_head
-                 + offs_v[None, :], out.to(out_ptr.dtype.element_ty), mask=tv)
-        if c0 + CHUNK < length:  # the state at the chunk's end, for the next chunk
-            total = tl.sum(tl.where(offs_t == CHUNK - 1, cum, 0.0), 0)
-            kw = kc * tl.exp(total - cum)[:, None]
-            state = state * tl.exp(total) + tl.dot(tl.trans(kw), delta,
-                                                   input_precision=DOT_PRECISION)
+            k = _l2norm(k)
+            q = _l2norm(q)
+        state = _delta_step(state, k, v, g, beta)
+        out = tl.sum(state * (q * scale)[:, None], 0)  # [BLOCK_V]
+        tl.store(out_ptr + n * stride_out_tok + head * stride_out_head + offs_v,
+                 out.to(out_ptr.dtype.element_ty), mask=v_ok)
+        _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k,
+                   v, g, beta, offs_k, offs_v, k_ok, v_ok, HK, HV, KD, VD)
+        q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
 
 
 @triton.jit
@@ -298,7 +283,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
         v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
         st.stride(0), st.stride(1), st.stride(2), HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad,
         BLOCK_V=plan.block_v, NUM_VB=plan.num_vb, L2NORM=use_qk_l2norm, PAD_ROWS=_PAD_ROWS,
-        CHUNK=_CHUNK, DOT_PRECISION=target_for_device(q.device).state_dot_precision, num_warps=plan.num_warps)
+        num_warps=plan.num_warps)
     return out
 
 

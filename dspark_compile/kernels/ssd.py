@@ -4,23 +4,22 @@ Kernels first, then the launch plan and the host wrappers; the oracle is
 :mod:`dspark_compile.ops.ssd_reference`, schemas and the ring layout are in ``ops/ssd.py``.
 
 Forward (grid ``(R + 1, H * cdiv(P, BLOCK_P))``, from shapes only): one program per
-(request, head, block of ``BLOCK_P`` head channels) reads its ``[N, BLOCK_P]`` slice of the
-fp32 state once and takes the request's rows ``CHUNK`` (16) at a time in the chunked form. The
-recurrence ::
+(request, head, block of ``BLOCK_P`` head channels) holds its ``[N, BLOCK_P]`` slice of the
+fp32 state in registers and walks the request's rows in order (the recurrent form: at verify
+widths the state read dominates, and each row costs 3 N x BLOCK_P FMAs)::
 
     dt <- clamp(softplus(dt + dt_bias));  xdt = x * dt;  da = A * dt
     S  <- S * exp(da) + B (x) xdt;        out = S^T C + D * x
 
-unrolls, with ``c_t`` the cumulative ``da`` from the chunk's start and ``S0`` the state there,
-to ``out_t = e^{c_t} C_t S0 + sum_{s<=t} e^{c_t - c_s} (C_t . B_s) xdt_s + D x_t``: the state
-enters through one product ``C S0`` (``tl.dot`` in three TF32 passes, float32 accuracy; ``ieee``
-on AMD) and the rest is ``[CHUNK, BLOCK_P]`` work, summed row by row with selects so that a
-later row (a NaN or Inf in a rejected draft) never enters an earlier row's output. A request
-past ``CHUNK`` rows carries the state to the chunk's end with one more product and goes on.
-The pool is only read. Ring writers: every channel block its slice of ``x * dt``; channel
-block 0 of each head ``A * dt``; block 0 of the first head of each group that group's B.
-Program row ``R`` is the padding pseudo-request: it zeroes rows ``query_start_loc[R] .. N-1``.
-Empty requests exit.
+Every reduction is over N, so channel blocks are independent, which is what lets a small
+batch spread over the GPU (:func:`plan_ssd`). The update itself is elementwise; only the output
+reduces (over N). Each step issues the next row's loads before its own arithmetic (the last row
+reloads itself), so their latency overlaps the update instead of adding to the serial chain. The pool is only read; the state never leaves
+registers. A row only ever sees earlier rows of its own request, so a NaN or Inf in a rejected
+draft reaches that row's and later rows' outputs only: there is no causal mask term to get
+wrong. Ring writers: every channel block its slice of ``x * dt``; channel block 0 of each head
+``A * dt``; block 0 of the first head of each group that group's B. Program row ``R`` is the
+padding pseudo-request: it zeroes rows ``query_start_loc[R] .. N-1``. Empty requests exit.
 
 dt is rounded to its own dtype after the bias and after the softplus, as HF computes it in
 that dtype (a no-op in float32). Softplus is ``log(1 + exp(v))`` below 20 and ``v`` above
@@ -30,7 +29,8 @@ Commit (grid ``(R, H * cdiv(P, BLOCK_P))``): the same update, fed from the rings
 ``clamp(accept_lens[i], 0, len_i)`` rows, then one store of the tile into the pool. The update
 is the shared ``_ssd_step``, so the committed state is the forward's own arithmetic.
 
-The commit stays recurrent, as the GDN commit does.
+Token-serial by design, like the GDN kernel: a long prefill runs ``len`` dependent steps per
+program (correct, not fast; a chunked kernel would be the prefill path).
 """
 
 from __future__ import annotations
@@ -42,11 +42,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .gdn import _CHUNK, _load_state, _zero_padding_rows  # shared tiles: same layout
+from .gdn import _load_state, _zero_padding_rows  # shared tiles: same layout
 from .launch import launch
 from ..ops.ssd_reference import check_ssd, check_ssd_commit
 from .device import device_sm_count
-from .targets import target_for_device
 
 __all__ = ["SsdPlan", "plan_ssd", "ssd_triton", "ssd_commit_triton"]
 
@@ -74,6 +73,20 @@ def _process_dt(dt, bias, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, dt_
 
 
 @triton.jit
+def _load_row(x_ptr, dt_ptr, b_ptr, c_ptr, n, head, group, offs_n, offs_p, n_ok, p_ok,
+              stride_x_tok, stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group,
+              stride_c_tok, stride_c_group):
+    """Row ``n``'s x ``[BLOCK_P]``, raw dt, B and C ``[N_PAD]`` of this head, as fp32."""
+    x = tl.load(x_ptr + n * stride_x_tok + head * stride_x_head + offs_p, mask=p_ok, other=0.0)
+    dt = tl.load(dt_ptr + n * stride_dt_tok + head)
+    b = tl.load(b_ptr + n * stride_b_tok + group * stride_b_group + offs_n, mask=n_ok,
+                other=0.0)
+    c = tl.load(c_ptr + n * stride_c_tok + group * stride_c_group + offs_n, mask=n_ok,
+                other=0.0)
+    return x.to(tl.float32), dt.to(tl.float32), b.to(tl.float32), c.to(tl.float32)
+
+
+@triton.jit
 def _ssd_forward_kernel(
         out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
         query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
@@ -82,16 +95,13 @@ def _ssd_forward_kernel(
         stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
         G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
         BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
-        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
-        CHUNK: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One (request, head, channel block): the request's rows, ``CHUNK`` at a time, in the
-    chunked form (module docstring)."""
+        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr):
+    """One (request, head, channel block): the request's rows, in order."""
     req = tl.program_id(0)
     head = tl.program_id(1) // NUM_PB
     pb = tl.program_id(1) % NUM_PB
     offs_n = tl.arange(0, N_PAD)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_t = tl.arange(0, CHUNK)
     n_ok = offs_n < NS
     p_ok = offs_p < P
     start = tl.load(query_start_loc_ptr + req)
@@ -110,55 +120,35 @@ def _ssd_forward_kernel(
     d = tl.load(d_ptr + head).to(tl.float32)  # read only with HAS_D (else A's address)
     # HF adds dt_bias.to(dt.dtype): round it to dt's dtype first
     bias = tl.load(dt_bias_ptr + head).to(dt_ptr.dtype.element_ty).to(tl.float32)
-    # ring writers as [CHUNK] vectors (the interpreter rejects scalar & tensor masks): block 0
-    # of each head writes A * dt, and of the first head of each group that group's B
-    first_block = (offs_t * 0 + pb) == 0
-    b_writer = first_block & ((offs_t * 0 + head) % (H // G) == 0)
-    row = offs_t[:, None]
-    col = offs_t[None, :]
-    for c0 in range(0, length, CHUNK):
-        rows = (start + c0 + offs_t).to(tl.int64)
-        t_ok = (c0 + offs_t) < length
-        tp = t_ok[:, None] & p_ok[None, :]
-        tn = t_ok[:, None] & n_ok[None, :]
-        x = tl.load(x_ptr + rows[:, None] * stride_x_tok + head * stride_x_head
-                    + offs_p[None, :], mask=tp, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + rows * stride_dt_tok + head, mask=t_ok, other=0.0).to(tl.float32)
-        bc = tl.load(b_ptr + rows[:, None] * stride_b_tok + group * stride_b_group
-                     + offs_n[None, :], mask=tn, other=0.0).to(tl.float32)
-        cc = tl.load(c_ptr + rows[:, None] * stride_c_tok + group * stride_c_group
-                     + offs_n[None, :], mask=tn, other=0.0).to(tl.float32)
-        dt = tl.where(t_ok, _process_dt(dt, bias, HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max,
-                                        dt_ptr.dtype.element_ty), 0.0)
-        xdt = x * dt[:, None]
+    last = start + length - 1
+    x, dt, b, c = _load_row(x_ptr, dt_ptr, b_ptr, c_ptr, start.to(tl.int64), head, group,
+                            offs_n, offs_p, n_ok, p_ok, stride_x_tok, stride_x_head,
+                            stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
+                            stride_c_group)
+    for t in range(length):
+        n = (start + t).to(tl.int64)
+        # the next row's loads go out before this row's arithmetic (the last row reloads
+        # itself): their latency overlaps the update instead of stalling the next step
+        x_next, dt_next, b_next, c_next = _load_row(
+            x_ptr, dt_ptr, b_ptr, c_ptr, tl.minimum(n + 1, last).to(tl.int64), head, group,
+            offs_n, offs_p, n_ok, p_ok, stride_x_tok, stride_x_head, stride_dt_tok,
+            stride_b_tok, stride_b_group, stride_c_tok, stride_c_group)
+        dt = _process_dt(dt, bias, HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max,
+                         dt_ptr.dtype.element_ty)
+        xdt = x * dt
         da = a * dt
-        tl.store(ring_x_ptr + (rows[:, None] * H + head) * P + offs_p[None, :], xdt, mask=tp)
-        tl.store(ring_da_ptr + rows * H + head, da, mask=t_ok & first_block)
-        tl.store(ring_b_ptr + (rows[:, None] * G + group) * NS + offs_n[None, :], bc,
-                 mask=tn & b_writer[:, None])
-        cum = tl.cumsum(da, 0)  # log of the decay from the chunk's start through row t
-        # the state's share of every row at once (each row of the product reads that row only)
-        cs = tl.dot(cc, state, input_precision=DOT_PRECISION) * tl.exp(cum)[:, None]
-        cb = tl.dot(cc, tl.trans(bc), input_precision=DOT_PRECISION)  # [CHUNK, CHUNK]
-        mix = tl.where(col <= row, tl.exp(cum[:, None] - cum[None, :]) * cb, 0.0)
+        state = _ssd_step(state, xdt, b, da)
+        out = tl.sum(state * c[:, None], 0)  # [BLOCK_P]
         if HAS_D:
-            cs = cs + d * x
-        # out_t = cs_t + sum_{s<=t} mix[t, s] xdt_s, row by row: a later row's x never
-        # enters (a select, not a zero weight, so a NaN there stays there)
-        out = tl.zeros([CHUNK, BLOCK_P], tl.float32)
-        for t in range(tl.minimum(length - c0, CHUNK)):
-            sel = row == t
-            w_t = tl.sum(tl.where(sel, mix, 0.0), 0)  # [CHUNK] over s
-            o_t = tl.sum(tl.where(sel, cs, 0.0), 0) + tl.sum(
-                tl.where(row <= t, w_t[:, None] * xdt, 0.0), 0)
-            out = tl.where(sel, o_t[None, :], out)
-        tl.store(out_ptr + rows[:, None] * stride_out_tok + head * stride_out_head
-                 + offs_p[None, :], out, mask=tp)
-        if c0 + CHUNK < length:  # the state at the chunk's end, for the next chunk
-            total = tl.sum(tl.where(offs_t == CHUNK - 1, cum, 0.0), 0)
-            bw = bc * tl.exp(total - cum)[:, None]
-            state = state * tl.exp(total) + tl.dot(tl.trans(bw), xdt,
-                                                   input_precision=DOT_PRECISION)
+            out = out + d * x
+        tl.store(out_ptr + n * stride_out_tok + head * stride_out_head + offs_p, out,
+                 mask=p_ok)
+        tl.store(ring_x_ptr + (n * H + head) * P + offs_p, xdt, mask=p_ok)
+        if pb == 0:
+            tl.store(ring_da_ptr + n * H + head, da)
+            if head % (H // G) == 0:
+                tl.store(ring_b_ptr + (n * G + group) * NS + offs_n, b, mask=n_ok)
+        x, dt, b, c = x_next, dt_next, b_next, c_next
 
 
 @triton.jit
@@ -261,8 +251,7 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
            C.stride(0), C.stride(1), out.stride(0), out.stride(1), st.stride(0), st.stride(1),
            st.stride(2), H=h, G=g, NS=n_state, P=p, N_PAD=plan.n_pad, BLOCK_P=plan.block_p,
            NUM_PB=plan.num_pb, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
-           SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, CHUNK=_CHUNK,
-           DOT_PRECISION=target_for_device(x.device).state_dot_precision, num_warps=plan.num_warps)
+           SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, num_warps=plan.num_warps)
     return out
 
 

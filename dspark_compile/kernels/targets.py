@@ -159,13 +159,6 @@ class TargetConfig:
                              f"kernel's largest row tile holds {SKINNY_MAX_ROWS} rows, so it "
                              f"must be at most {SKINNY_MAX_ROWS}")
 
-    @property
-    def state_dot_precision(self) -> str:
-        """``input_precision`` of products with a float32 recurrent state (the GDN and SSD
-        forwards): three TF32 passes where the fp32 dots are TF32 (float32 accuracy on tensor
-        cores), else the target's own (``ieee`` on AMD)."""
-        return "tf32x3" if self.fp32_dot_precision == "tf32" else self.fp32_dot_precision
-
 
 # Attention tiles and stages (sm_90): chosen by `python benchmarks/attention_kernel.py --sweep`.
 # Attention splits: chosen by `python benchmarks/attention_kernel.py --small-sweep`.

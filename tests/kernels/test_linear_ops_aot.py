@@ -40,7 +40,7 @@ CASES = {
                           "g_ptr": "fp32", "beta_ptr": "bf16", "state_ptr": "fp32",
                           "ring_k_ptr": "fp32", "ring_v_ptr": "fp32", "ring_g_ptr": "fp32",
                           "ring_beta_ptr": "fp32", **_LAYOUT},
-                         {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16, "CHUNK": 16}),
+                         {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16}),
     "gdn_commit": ("gdn", "_gdn_commit_kernel",
                    {"state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
                     "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", "accept_lens_ptr": "i32",

@@ -24,7 +24,7 @@ CASES = {
                           "b_ptr": "bf16", "c_ptr": "bf16", "d_ptr": "fp32",
                           "dt_bias_ptr": "fp32", "state_ptr": "fp32", **_RINGS, **_LAYOUT},
                          {**_SHAPE, "HAS_D": True, "HAS_DT_BIAS": True, "SOFTPLUS": True,
-                          "PAD_ROWS": 16, "CHUNK": 16}),
+                          "PAD_ROWS": 16}),
     "ssd_commit": ("_ssd_commit_kernel",
                    {"state_ptr": "fp32", **_RINGS, "accept_lens_ptr": "i32", **_LAYOUT},
                    _SHAPE),
