@@ -13,7 +13,7 @@ copies of the inputs that the state comes from HBM, not the 50 MB L2 (``common.t
 ``--sweep`` also times every channel block (``BLOCK_P`` / ``BLOCK_V``) and warp count at each
 batch size, all 8 rows.
 
-Usage: ``python benchmarks/ssd_kernels.py [--sweep] [--smoke]``. Writes ``ssd_kernels.json`` to
+Usage: ``python benchmarks/ssd_kernels.py [--sweep] [--smoke] [--bs 64 128] [--kernels gdn]``. Writes ``ssd_kernels.json`` to
 ``$OUT`` if set, else to ``benchmarks/results/``. ``--smoke`` runs tiny shapes on the CPU under
 ``TRITON_INTERPRET=1`` (checks the script, times nothing real).
 """
@@ -79,19 +79,19 @@ def _rates(nbytes: float, times: dict, s: dict) -> dict:
 
 # ---------------------------------------------------------------------- SSD
 def ssd_inputs(lens: list[int], s: dict, device: str, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
-    dtype, n, r = getattr(torch, s["dtype"]), sum(lens), len(lens)
+    g = torch.Generator(device).manual_seed(seed)  # on the device: a CPU randn of a 1 GB
+    dtype, n, r = getattr(torch, s["dtype"]), sum(lens), len(lens)  # state takes seconds
     h, grp, ns, p = s["ssd_heads"], s["ssd_groups"], s["ssd_state"], s["ssd_head_dim"]
     qsl, slots = layout(lens, device)
 
     def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(dtype).to(device)
+        return (torch.randn(*shape, generator=g, device=device) * scale).to(dtype)
 
     return dict(x=rnd(n, h, p), dt=rnd(n, h, scale=0.5), B=rnd(n, grp, ns), C=rnd(n, grp, ns),
-                A=-torch.rand(h, generator=g).add(0.5).to(device),
-                D=torch.randn(h, generator=g).to(device),
-                dt_bias=torch.randn(h, generator=g).mul(0.3).to(device),
-                state=torch.randn(2 * r, h, ns, p, generator=g).mul(0.3).to(device),
+                A=-torch.rand(h, generator=g, device=device).add(0.5),
+                D=torch.randn(h, generator=g, device=device),
+                dt_bias=torch.randn(h, generator=g, device=device).mul(0.3),
+                state=torch.randn(2 * r, h, ns, p, generator=g, device=device).mul(0.3),
                 qsl=qsl, slots=slots, rings=ssd_ops.ssd_ring(n, h, grp, ns, p, device))
 
 
@@ -142,19 +142,17 @@ def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
 
 # ---------------------------------------------------------------------- GDN
 def gdn_inputs(lens: list[int], s: dict, device: str, seed: int) -> dict:
-    g = torch.Generator().manual_seed(seed)
+    g = torch.Generator(device).manual_seed(seed)
     dtype, n = getattr(torch, s["dtype"]), sum(lens)
     hk, hv, kd, vd = s["gdn_k_heads"], s["gdn_v_heads"], s["gdn_k_dim"], s["gdn_v_dim"]
     qsl, slots = layout(lens, device)
 
     def rnd(*shape):
-        return torch.randn(*shape, generator=g)
+        return torch.randn(*shape, generator=g, device=device)
 
-    return dict(q=rnd(n, hk, kd).to(dtype).to(device), k=rnd(n, hk, kd).to(dtype).to(device),
-                v=rnd(n, hv, vd).to(dtype).to(device),
-                g=(-torch.nn.functional.softplus(rnd(n, hv))).to(device),
-                beta=torch.sigmoid(rnd(n, hv)).to(dtype).to(device),
-                state=(0.3 * rnd(2 * len(lens), hv, kd, vd)).to(device), qsl=qsl, slots=slots,
+    return dict(q=rnd(n, hk, kd).to(dtype), k=rnd(n, hk, kd).to(dtype), v=rnd(n, hv, vd).to(dtype),
+                g=-torch.nn.functional.softplus(rnd(n, hv)), beta=torch.sigmoid(rnd(n, hv)).to(dtype),
+                state=0.3 * rnd(2 * len(lens), hv, kd, vd), qsl=qsl, slots=slots,
                 rings=linear_ops.gdn_ring(n, hk, hv, kd, vd, device))
 
 
@@ -199,59 +197,79 @@ def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
                 commit=_rates(2 * floor, time_calls(commit, s, device), s))
 
 
-def sweep(s: dict, device: str) -> list[dict]:
-    """Every channel block and warp count of both kernels at each batch size, all 8 rows."""
-    rows, ns, kd = [], s["ssd_state"], s["gdn_k_dim"]
+def sweep(s: dict, device: str, kernels: tuple[str, ...], emit) -> None:
+    """Every channel block and warp count of the kernels at each batch size, all 8 rows."""
+    ns, kd = s["ssd_state"], s["gdn_k_dim"]
     n_pad, k_pad = 1 << (ns - 1).bit_length(), 1 << (kd - 1).bit_length()
     for bs in s["batch_sizes"]:
-        for block_v in s["sweep_blocks"]:
+        for block_v in s["sweep_blocks"] if "gdn" in kernels else ():
             for warps in s["sweep_warps"]:
                 plan = triton_gdn.GdnPlan(k_pad, block_v, -(-s["gdn_v_dim"] // block_v),
                                           warps)
                 r = gdn_case(bs, False, s, device, plan)
-                rows.append(dict(kernel="gdn", bs=bs, block_v=block_v, num_warps=warps,
-                                 best_us=r["best_us"], floor_pct=r["floor_pct"],
-                                 commit_us=r["commit"]["best_us"]))
-        for block_p in s["sweep_blocks"]:
+                emit(dict(kernel="gdn", bs=bs, block_v=block_v, num_warps=warps,
+                          best_us=r["best_us"], floor_pct=r["floor_pct"],
+                          commit_us=r["commit"]["best_us"]))
+        for block_p in s["sweep_blocks"] if "ssd" in kernels else ():
             for warps in s["sweep_warps"]:
                 plan = triton_ssd.SsdPlan(n_pad, block_p, -(-s["ssd_head_dim"] // block_p),
                                           warps)
                 r = ssd_case(bs, False, s, device, plan)
-                rows.append(dict(kernel="ssd", bs=bs, block_p=block_p, num_warps=warps,
-                                 best_us=r["best_us"], floor_pct=r["floor_pct"],
-                                 commit_us=r["commit"]["best_us"]))
-    return rows
+                emit(dict(kernel="ssd", bs=bs, block_p=block_p, num_warps=warps,
+                          best_us=r["best_us"], floor_pct=r["floor_pct"],
+                          commit_us=r["commit"]["best_us"]))
+
+
+def _row(r: dict) -> str:
+    c = r["commit"]
+    return (f"{r['kernel']:>6} {r['bs']:>4} {r['lengths']:>9} {r['eager_us']:>9.1f} "
+            f"{r['graph_us'] or 0:>9.1f} {r['floor_us']:>8.2f} {r['floor_pct']:>6} "
+            f"{c['best_us']:>9.1f} {c['floor_pct']:>7}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--sweep", action="store_true", help="also sweep SSD tiles and warps")
+    ap.add_argument("--sweep", action="store_true", help="also sweep channel blocks and warps")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the interpreter")
+    ap.add_argument("--bs", type=int, nargs="+", help="batch sizes (default: 1 8 64 128)")
+    ap.add_argument("--kernels", nargs="+", choices=("ssd", "gdn"), default=("ssd", "gdn"))
+    ap.add_argument("--sweep-warps", type=int, nargs="+", help="warp counts of the sweep")
     opts = ap.parse_args()
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
+    s = dict(s, **({"batch_sizes": opts.bs} if opts.bs else {}),
+             **({"sweep_warps": opts.sweep_warps} if opts.sweep_warps else {}))
     import transformers
     import triton
     report = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
                   torch=torch.__version__, triton=triton.__version__,
                   transformers=transformers.__version__, settings=s,
-                  command=" ".join(sys.argv), results=[])
-    for bs in s["batch_sizes"]:
-        for mix in (True, False):
-            report["results"] += [ssd_case(bs, mix, s, device), gdn_case(bs, mix, s, device)]
-    if opts.sweep:
-        report["sweep"] = sweep(s, device)
+                  command=" ".join(sys.argv), results=[], partial=True)
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
-    (out_dir / "ssd_kernels.json").write_text(json.dumps(report, indent=1))
+
+    def save() -> None:  # after every row: a run stopped by its time limit keeps what it did
+        (out_dir / "ssd_kernels.json").write_text(json.dumps(report, indent=1))
+
     print(f"{'kernel':>6} {'bs':>4} {'lens':>9} {'eager us':>9} {'graph us':>9} "
-          f"{'floor us':>8} {'floor%':>6} {'commit us':>9} {'commit%':>7}")
-    for r in report["results"]:
-        c = r["commit"]
-        print(f"{r['kernel']:>6} {r['bs']:>4} {r['lengths']:>9} {r['eager_us']:>9.1f} "
-              f"{r['graph_us'] or 0:>9.1f} {r['floor_us']:>8.2f} {r['floor_pct']:>6} "
-              f"{c['best_us']:>9.1f} {c['floor_pct']:>7}")
-    for row in report.get("sweep", []):
-        print(row)
+          f"{'floor us':>8} {'floor%':>6} {'commit us':>9} {'commit%':>7}", flush=True)
+    cases = {"ssd": ssd_case, "gdn": gdn_case}
+    for bs in s["batch_sizes"]:
+        for mix in (True, False):
+            for name in opts.kernels:
+                report["results"].append(cases[name](bs, mix, s, device))
+                print(_row(report["results"][-1]), flush=True)
+                save()
+    if opts.sweep:
+        report["sweep"] = []
+
+        def emit(row: dict) -> None:
+            report["sweep"].append(row)
+            print(row, flush=True)
+            save()
+
+        sweep(s, device, tuple(opts.kernels), emit)
+    del report["partial"]
+    save()
 
 
 if __name__ == "__main__":
