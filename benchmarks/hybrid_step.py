@@ -6,9 +6,11 @@ Model: Qwen3-Next's layer pattern (3 GDN layers, then 1 full attention) twice: 8
 2048; GDN heads of the real model (16 key heads, 32 value heads, K = V = 128, conv kernel 4);
 full attention 16 q heads / 2 kv heads, head 256, partial rotary 0.25 (HF's defaults); vocab
 151936. MLP: dense, intermediate 5632 = the real model's active expert width per token (10
-routed x 512 + 1 shared x 512). Not the MoE: ``dspark_compile`` runs HF's experts as
-``batched_mm``, which gathers a copy of the expert weights per (token, expert) row (k = 10 at
-bs 128 x 8 tokens: ~20 GB per layer), so an MoE here would time that gather, not the verify.
+routed x 512 + 1 shared x 512). ``--variant moe``: the same model with its real experts (512
+routed of width 512, top 10, one shared); ``--variant a3b``: Qwen3-30B-A3B's layer (128 experts
+of width 768, top 8, attention 32 q / 4 kv heads of 128), 12 layers, bs up to 256. HF's dense
+baseline runs its experts as ``grouped_mm`` where torch has it on the GPU (JSON:
+``hf_experts``); the floor counts the experts a step's picks reach under uniform routing.
 
 Context 1024 (page 16), block 8, bs 1 / 8 / 64 / 128; verify lengths: all 8, uniform 3 and a
 fixed-seed mix of 1..8 with mean exactly 3 (same token count as uniform 3). Columns:
@@ -29,9 +31,11 @@ fixed-seed mix of 1..8 with mean exactly 3 (same token count as uniform 3). Colu
 Correctness once before timing: prefill + one ragged verify of 3 requests against HF's forward
 of each request alone (bf16: the max abs error is recorded, as verify_step.py does).
 
-    python benchmarks/hybrid_step.py [--out DIR] [--quick | --smoke]
+    python benchmarks/hybrid_step.py [--out DIR] [--quick | --smoke] [--variant moe|a3b]
+        [--bs 1 8]
 
-Writes ``hybrid_step.json`` (GPU, versions, every setting, all timings) and ``hybrid_step.png``
+Writes ``hybrid_step.json`` (``hybrid_step_<variant>.json`` for a variant; GPU, versions, every
+setting, all timings) and the same-named ``.png``
 to DIR (default: $OUT if set, else benchmarks/results). ``--quick``: bs 1 and 8. ``--smoke``:
 a tiny float32 config on the CPU (reference ops, static tier buffers without graphs, 2
 iterations), written as ``hybrid_step_smoke.json``; it checks the script, times nothing real.
@@ -63,12 +67,27 @@ QWEN3_NEXT_SMALL = dict(
     linear_num_key_heads=16, linear_num_value_heads=32, linear_key_head_dim=128,
     linear_value_head_dim=128, linear_conv_kernel_dim=4, num_experts=0,
     max_position_embeddings=4096)
+QWEN3_NEXT_MOE = dict(  # the real model's experts: 512 of width 512, top 10, one shared
+    QWEN3_NEXT_SMALL, intermediate_size=5120, num_experts=512, num_experts_per_tok=10,
+    moe_intermediate_size=512, shared_expert_intermediate_size=512, norm_topk_prob=True)
+A3B_SMALL = dict(  # Qwen3-30B-A3B's layer with 12 of its 48 layers: ~1B parameters per token
+    vocab_size=151936, hidden_size=2048, intermediate_size=6144, num_hidden_layers=12,
+    num_attention_heads=32, num_key_value_heads=4, head_dim=128, num_experts=128,
+    num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+    max_position_embeddings=4096)
 TINY = dict(
     vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
     layer_types=PATTERN, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
     linear_num_key_heads=2, linear_num_value_heads=4, linear_key_head_dim=16,
     linear_value_head_dim=16, linear_conv_kernel_dim=4, num_experts=0,
     max_position_embeddings=512)
+TINY_MOE = dict(TINY, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                shared_expert_intermediate_size=32)
+TINY_A3B = dict(vocab_size=101, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=8,
+                num_experts_per_tok=2, moe_intermediate_size=32, max_position_embeddings=512)
+FAMILIES = {"qwen3_next": ("Qwen3NextConfig", "Qwen3NextForCausalLM"),
+            "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM")}
 
 
 @dataclass(frozen=True)
@@ -80,7 +99,7 @@ class Settings:
     device: str
     """"cuda" (Triton lowering, Inductor, tier graphs) or "cpu" (reference ops, no graphs)."""
     model: dict
-    """Qwen3NextConfig arguments (random weights, seed 0)."""
+    """Config arguments of ``family`` (random weights, seed 0)."""
     dtype: str
     """Weights, KV and logits dtype: "bfloat16" or "float32"."""
     batches: tuple[int, ...]
@@ -101,6 +120,11 @@ class Settings:
     """H200 HBM bandwidth, for the floor."""
     peak_flops: float = 790e12
     """H200 dense bf16 peak, for the floor."""
+    family: str = "qwen3_next"
+    """Key of :data:`FAMILIES`: the transformers model class."""
+    variant: str = "dense_mlp"
+    """``dense_mlp`` (Qwen3-Next's layers, a dense MLP of the active expert width), ``moe``
+    (Qwen3-Next with its real experts) or ``a3b`` (Qwen3-30B-A3B's layer, 12 layers)."""
 
     @property
     def gpu(self) -> bool:
@@ -110,18 +134,41 @@ class Settings:
 FULL = Settings("full", "cuda", QWEN3_NEXT_SMALL, "bfloat16", (1, 8, 64, 128))
 QUICK = replace(FULL, name="quick", batches=(1, 8), iters=20)
 SMOKE = Settings("smoke", "cpu", TINY, "float32", (1, 3), context=32, iters=1, warmup=1)
+VARIANTS = {  # --variant: (full model, tiny model for --smoke, family, batches)
+    "dense_mlp": (QWEN3_NEXT_SMALL, TINY, "qwen3_next", (1, 8, 64, 128)),
+    "moe": (QWEN3_NEXT_MOE, TINY_MOE, "qwen3_next", (1, 8, 64, 128)),
+    "a3b": (A3B_SMALL, TINY_A3B, "qwen3_moe", (1, 8, 64, 256))}
+
+
+def settings_for(base: Settings, variant: str) -> Settings:
+    full, tiny, family, batches = VARIANTS[variant]
+    if base.name == "smoke":
+        return replace(base, model=tiny, family=family, variant=variant)
+    return replace(base, model=full, family=family, variant=variant,
+                   batches=batches if base.name == "full" else base.batches)
 
 
 # ---------------------------------------------------------------------- model and shapes
 def build_model(s: Settings):
-    from transformers import Qwen3NextConfig, Qwen3NextForCausalLM
+    import transformers
 
+    config_cls, model_cls = (getattr(transformers, n) for n in FAMILIES[s.family])
     torch.manual_seed(0)
     with torch.device(s.device):
-        model = Qwen3NextForCausalLM(Qwen3NextConfig(**s.model))
+        model = model_cls(config_cls(**s.model))
     model = model.to(getattr(torch, s.dtype)).eval()
     model.set_attn_implementation("sdpa")
     return model
+
+
+def hf_experts_path(model, s: Settings) -> str | None:
+    """HF's experts for the dense baseline: ``grouped_mm`` (one grouped GEMM) where this torch
+    has it on the GPU, else HF's own loop; None without experts."""
+    if not s.model.get("num_experts"):
+        return None
+    impl = "grouped_mm" if s.gpu and hasattr(torch, "_grouped_mm") else "eager"
+    model.set_experts_implementation(impl)
+    return impl
 
 
 def shapes_for(s: Settings, bs: int) -> dict[str, list[int]]:
@@ -146,7 +193,9 @@ def fill_state(state, s: Settings) -> None:
     for k, v in state.kv_caches:
         k.normal_(0, 0.5)
         v.normal_(0, 0.5)
-    for conv, rec in zip(state.linear.conv_states, state.linear.recurrent_states):
+    linear = getattr(state, "linear", None)
+    for conv, rec in zip(getattr(linear, "conv_states", ()),
+                         getattr(linear, "recurrent_states", ())):
         conv.normal_(0, 0.5)
         rec.normal_(0, 0.05)
     state.committed_lens[:] = s.context
@@ -229,21 +278,37 @@ def hf_gdn_path() -> dict:
 
 
 # ---------------------------------------------------------------------- floor
+def expert_params(s: Settings) -> int:
+    """Parameters of one routed expert (gate, up and down)."""
+    return 3 * s.model["hidden_size"] * s.model["moe_intermediate_size"] \
+        if s.model.get("num_experts") else 0
+
+
 def floor_ms(s: Settings, linear_params: int, bs: int, mean_len: float) -> float:
-    """max(weight bytes / BW, 2 * params * N / peak) + (KV + linear state) bytes / BW, in ms:
-    the full-attention KV of ``context + mean_len`` tokens, the fp32 recurrent state and the
-    conv window of every GDN layer, read once."""
+    """max(weight bytes / BW, 2 * params per token * N / peak) + (KV + linear state) bytes /
+    BW, in ms: the full-attention KV of ``context + mean_len`` tokens, the fp32 recurrent
+    state and the conv window of every GDN layer, read once. With experts, the weight bytes are
+    those of the experts the step's ``N * top_k`` picks reach, in expectation under uniform
+    routing (``E (1 - (1 - k / E)^N)`` per layer), and the flops count ``k`` experts per token."""
     m, elem = s.model, torch.finfo(getattr(torch, s.dtype)).bits // 8
-    full = m["layer_types"].count("full_attention")
-    lin = m["layer_types"].count("linear_attention")
-    linear = max(linear_params * elem / s.hbm_bytes_per_s,
-                 2 * linear_params * bs * mean_len / s.peak_flops)
+    kinds = m.get("layer_types") or ["full_attention"] * m["num_hidden_layers"]
+    full, lin = kinds.count("full_attention"), kinds.count("linear_attention")
+    n = bs * mean_len
+    read, per_token = linear_params, linear_params
+    if m.get("num_experts"):
+        e, k, layers = m["num_experts"], m["num_experts_per_tok"], m["num_hidden_layers"]
+        routed = layers * e * expert_params(s)
+        read = linear_params - routed + layers * e * (1 - (1 - k / e) ** n) * expert_params(s)
+        per_token = linear_params - routed + layers * k * expert_params(s)
+    linear = max(read * elem / s.hbm_bytes_per_s, 2 * per_token * n / s.peak_flops)
     kv = bs * (s.context + mean_len) * full * 2 * m["num_key_value_heads"] * m["head_dim"] * elem
-    conv_dim = 2 * m["linear_num_key_heads"] * m["linear_key_head_dim"] + \
-        m["linear_num_value_heads"] * m["linear_value_head_dim"]
-    state = bs * lin * (m["linear_num_value_heads"] * m["linear_key_head_dim"] *
-                        m["linear_value_head_dim"] * 4 +
-                        conv_dim * (m["linear_conv_kernel_dim"] - 1) * elem)
+    state = 0
+    if lin:
+        conv_dim = 2 * m["linear_num_key_heads"] * m["linear_key_head_dim"] + \
+            m["linear_num_value_heads"] * m["linear_value_head_dim"]
+        state = bs * lin * (m["linear_num_value_heads"] * m["linear_key_head_dim"] *
+                            m["linear_value_head_dim"] * 4 +
+                            conv_dim * (m["linear_conv_kernel_dim"] - 1) * elem)
     return 1e3 * (linear + (kv + state) / s.hbm_bytes_per_s)
 
 
@@ -293,12 +358,17 @@ def run(s: Settings, save) -> dict:
     params = sum(p.numel() for p in model.parameters())
     linear_params = params - model.model.embed_tokens.weight.numel()  # the LM head is read
     verifier, check = compile_and_check(model, s)
+    experts = hf_experts_path(model, s)  # after the check: HF's oracle ran its default
     max_bs = max(s.batches)
     state = verifier.new_state(max_requests=max_bs, max_context=s.context + s.block,
                                max_step_tokens=max_bs * s.block)  # rings hold the largest tier
     fill_state(state, s)
     shapes = {bs: shapes_for(s, bs) for bs in s.batches}
-    data = {"params": params, "linear_params": linear_params, **check,
+    data = {"params": params, "linear_params": linear_params, "hf_experts": experts,
+            "params_per_token": linear_params - (
+                s.model["num_hidden_layers"] * (s.model.get("num_experts", 0) -
+                                                s.model.get("num_experts_per_tok", 0))
+                * expert_params(s)), **check,
             "shapes": {str(bs): v["mix3"] for bs, v in shapes.items()}, "partial": True}
     results = {bs: {} for bs in s.batches}
     for bs in s.batches:  # eager first: every Inductor compile happens before the capture
@@ -321,6 +391,18 @@ def run(s: Settings, save) -> dict:
     return data
 
 
+MODEL_WORDS = {
+    "dense_mlp": "Qwen3-Next-like, random weights (seed 0): hidden 2048, 8 layers (3 GDN + 1 "
+                 "full attention, twice), GDN 16 key / 32 value heads K = V = 128 conv 4, "
+                 "attention 16 q / 2 kv heads head 256 (output gate, partial rotary 0.25), "
+                 "dense MLP 5632 (the real model's active expert width), vocab 151936",
+    "moe": "Qwen3-Next-like as dense_mlp, with the real model's experts: 512 routed experts of "
+           "width 512, top 10, one shared expert of width 512, random router",
+    "a3b": "Qwen3-30B-A3B-like, random weights (seed 0): hidden 2048, 12 of its 48 layers, "
+           "attention 32 q / 4 kv heads head 128 (q/k norm), 128 experts of width 768, top 8, "
+           "vocab 151936"}
+
+
 def environment(s: Settings) -> dict:
     import transformers
 
@@ -334,11 +416,8 @@ def environment(s: Settings) -> dict:
             "triton": getattr(triton, "__version__", None),
             "transformers": transformers.__version__, "python": platform.python_version(),
             "command": " ".join(sys.argv),
-            "model": "Qwen3-Next-like, random weights (seed 0): hidden 2048, 8 layers (3 GDN + 1 "
-                     "full attention, twice), GDN 16 key / 32 value heads K = V = 128 conv 4, "
-                     "attention 16 q / 2 kv heads head 256 (output gate, partial rotary 0.25), "
-                     "dense MLP 5632 (the real model's active expert width), vocab 151936"
-                     if s.name != "smoke" else "tiny Qwen3-Next (3 GDN + 1 full attention)",
+            "model": MODEL_WORDS[s.variant] if s.name != "smoke" else
+                     f"tiny {s.family} ({s.variant})",
             "timing": "mean of back-to-back calls between two CUDA events after warm-ups "
                       "(graph replays: 2x iters); wall clock on the CPU",
             "ours": "dspark_compile(lowering='triton', inductor=True), tier graphs of the "
@@ -363,7 +442,8 @@ def plot(data: dict, path: str) -> None:
                        ("ours_eager_mix3_ms", "ours ragged, mean 3 (eager)"),
                        (hf, f"HF dense padded to 8 ({hf.split('_')[2]})"),
                        ("floor_mean3_ms", "floor, mean 3")),
-                 f"hybrid (Qwen3-Next-like) verify step, {data['environment']['gpu']}", path)
+                 f"{data['settings']['family']} ({data['settings']['variant']}) verify step, "
+                 f"{data['environment']['gpu']}", path)
 
 
 def main(argv=None) -> dict:
@@ -372,12 +452,19 @@ def main(argv=None) -> dict:
     group.add_argument("--quick", action="store_true", help="bs 1 and 8, fewer iterations")
     group.add_argument("--smoke", action="store_true", help="tiny config on the CPU")
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
+    parser.add_argument("--variant", choices=sorted(VARIANTS), default="dense_mlp",
+                        help="dense_mlp (default), moe (Qwen3-Next's real experts) or a3b "
+                             "(Qwen3-30B-A3B's layer, 12 layers)")
+    parser.add_argument("--bs", type=int, nargs="+", help="batch sizes (default: the variant's)")
     args = parser.parse_args(argv)
-    s = SMOKE if args.smoke else QUICK if args.quick else FULL
+    s = settings_for(SMOKE if args.smoke else QUICK if args.quick else FULL, args.variant)
+    if args.bs:
+        s = replace(s, batches=tuple(args.bs))
     if s.gpu and not torch.cuda.is_available():
         sys.exit("hybrid_step.py needs a GPU; use --smoke on the CPU")
     os.makedirs(args.out, exist_ok=True)
-    stem = os.path.join(args.out, "hybrid_step" if s.name == "full" else f"hybrid_step_{s.name}")
+    base = "hybrid_step" if s.variant == "dense_mlp" else f"hybrid_step_{s.variant}"
+    stem = os.path.join(args.out, base if s.name == "full" else f"{base}_{s.name}")
     head = {"environment": environment(s), "settings": asdict(s)}
 
     def save(part: dict) -> None:

@@ -83,3 +83,18 @@ def test_full_config_is_qwen3_next_shaped(hybrid_step):
     # dense MLP as wide as the real model's active experts per token (10 routed + 1 shared)
     assert cfg.num_experts == 0
     assert cfg.intermediate_size == (real.num_experts_per_tok + 1) * real.moe_intermediate_size
+
+
+@pytest.mark.parametrize("variant", ["moe", "a3b"])
+def test_smoke_moe_variants_match_hf_and_count_active_experts(hybrid_step, variant, tmp_path):
+    """The MoE variants run end to end (Qwen3-Next's experts, Qwen3-MoE's layer), exact against
+    HF, and their floor reads only the experts a step's picks reach."""
+    hybrid_step.main(["--smoke", "--variant", variant, "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / f"hybrid_step_{variant}_smoke.json").read_text())
+    assert saved["settings"]["variant"] == variant and saved["hf_experts"] == "eager"
+    assert saved["max_abs_err_vs_hf"] <= TOL
+    assert saved["params_per_token"] < saved["params"]
+    s = hybrid_step.settings_for(hybrid_step.SMOKE, variant)
+    every = hybrid_step.replace(s, model={**s.model, "num_experts": 0})  # no expert discount
+    one = hybrid_step.floor_ms(s, saved["linear_params"], 1, 1)
+    assert one < hybrid_step.floor_ms(every, saved["linear_params"], 1, 1)
