@@ -223,8 +223,12 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, entry_pool: torch.Tensor,
 
     ``score[t, s] = sum_h weights[t, h] * relu(q[t, h] . entry[s]) * softmax_scale`` over the
     entries ``s < (p + 1) // rate`` a query at position ``p`` may see; a query keeps the
-    ``min(topk, that count)`` best (equal scores: the lower index first), the rest of its row is
-    -1. ``fresh`` (the indexer compress op's rows) orders this read after that op's writes."""
+    ``min(topk, that count)`` best, the rest of its row is -1. Equal scores (a ReLU zero in every
+    head is common) are resolved as HF's indexer resolves them over the same sequence: the
+    scores of the request's ``seq_len // rate`` entries, computed with HF's op shapes, future
+    ones -inf, through ``torch.topk`` with ``k = min(topk, seq_len // rate)`` (HF's cached decode
+    and its whole-sequence forward see the same row). ``fresh`` (the indexer compress op's
+    rows) orders this read after that op's writes."""
     check_index("index_topk", q, weights, entry_pool, fresh, rate, topk, 1)
     out = torch.full((q.shape[0], topk), -1, dtype=torch.int64, device=q.device)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -235,16 +239,18 @@ def index_topk(q: torch.Tensor, weights: torch.Tensor, entry_pool: torch.Tensor,
             continue
         context = lens[i] - (end - start)
         keys = _gather_keys(entry_pool, block_table[i], 0, count)  # [E, Di]
-        scores = torch.matmul(q[start:end].float(), keys.transpose(0, 1).float())  # [L, Hi, E]
+        # HF's scorer, shapes included: [1, L, Hi, Di] @ [1, 1, Di, E] -> [1, L, Hi, E]
+        scores = torch.matmul(q[start:end].float()[None],
+                              keys.transpose(-1, -2).float()[None, None])
         scores = torch.relu(scores) * softmax_scale
-        scores = (scores * weights[start:end].float().unsqueeze(-1)).sum(dim=1)  # [L, E]
-        for j in range(end - start):
-            seen = (context + j + 1) // rate
-            k = min(topk, seen)
-            if k == 0:
-                continue
-            order = torch.sort(scores[j, :seen], descending=True, stable=True).indices
-            out[start + j, :k] = order[:k]
+        weighted = weights[start:end].float()[None]
+        scores = (scores * weighted.unsqueeze(-1)).sum(dim=2)[0]  # [L, E]
+        seen = (context + torch.arange(end - start, device=q.device) + 1) // rate  # [L]
+        future = torch.arange(count, device=q.device)[None] >= seen[:, None]
+        scores = scores.masked_fill(future, float("-inf"))
+        k = min(topk, count)
+        picks = scores.topk(k, dim=-1).indices
+        out[start:end, :k] = torch.where(picks >= seen[:, None], -1, picks)
     return out
 
 

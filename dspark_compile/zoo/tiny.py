@@ -93,6 +93,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # model cannot build); real checkpoints mix short-conv and attention layers: take both.
     "lfm2": {"full_attn_idxs": [1]},
     "lfm2_moe": {"layer_types": ["conv", "full_attention"]},
+    # DeepSeek-V4's compressed layers close a window every 4 (CSA) / 128 (HCA) tokens and its
+    # indexer keeps 512 entries: the zoo's ~20-token sequences would never see an HCA entry
+    # nor a CSA selection. Windows of 2 and 4 tokens, two entries kept per query.
+    "deepseek_v4": {"compress_rates": {"compressed_sparse_attention": 2,
+                                       "heavily_compressed_attention": 4},
+                    "index_topk": 2},
 }
 """Per model type, fields no name rule can guess (applied to the text config last)."""
 
