@@ -30,6 +30,7 @@ from .graph_inputs import (COMPRESS_KINDS, KV_KINDS, LINEAR_KINDS, RING_KINDS, W
 from .kernels.ops import LOWERED
 from .passes import PassContext, PassResult, run_pipeline
 from .passes.concat_linear import stack_weights
+from .passes.lower import reference_only_ops
 from .passes.inductor import compile_rest
 from .session import (ConcurrentUseError, StaleWeightsError, Tier, TierGraphs, VerifySession,
                       WeightBinding, tier_set)
@@ -297,6 +298,13 @@ class Verifier:
         elif not tiers or not all(isinstance(t, Tier) for t in tiers):
             raise ValueError(f"capture: tiers={tiers!r}; it must be None (tier_set of the state "
                              "and block) or a non-empty sequence of Tier")
+        missing = reference_only_ops(self.graph_module)
+        if missing and use_graphs is not False and state.block_table.device.type == "cuda":
+            raise NotImplementedError(
+                f"capture: the packed graph calls {', '.join(missing)}, which have no GPU "
+                "kernel yet and run their pure-torch reference (it reads the layout on the "
+                "host), so CUDA graphs cannot capture them; pass use_graphs=False to serve the "
+                "tiers without graphs")
         if self.id_check == "device":
             self._id_guard(state)  # its flags exist before the graphs capture them
         vocab = self.graph_module.graph.find_nodes(op="output")[0].args[0].meta["val"].shape[1]

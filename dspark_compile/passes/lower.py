@@ -17,10 +17,28 @@ from __future__ import annotations
 import torch
 import torch.fx as fx
 
-from ..kernels.ops import LOWERED
-from .base import EnsureError, PassContext, PassResult
+import logging
 
-__all__ = ["run", "early_attention_reads", "settled_weight"]
+from ..kernels.ops import LOWERED
+from .base import EnsureError, PassContext, PassResult, source_line
+
+__all__ = ["run", "early_attention_reads", "settled_weight", "REFERENCE_ONLY",
+           "reference_only_ops"]
+
+log = logging.getLogger(__name__)
+
+REFERENCE_ONLY = (torch.ops.dspark.compress, torch.ops.dspark.index_topk,
+                  torch.ops.dspark.compressed_attention)
+"""Ops with no kernel in any lowering yet (DeepSeek-V4's compressed layers): under a lowering
+other than the reference they run their pure-torch reference on the device, which reads the
+layout on the host (a sync per call), so the tier graphs cannot capture them. ``lower`` says so
+(a warning and its result), and ``Verifier.capture`` refuses CUDA graphs for such a graph."""
+
+
+def reference_only_ops(gm: fx.GraphModule) -> list[str]:
+    """Names of the :data:`REFERENCE_ONLY` ops ``gm`` calls, sorted."""
+    return sorted({str(n.target.overloadpacket) for n in gm.graph.nodes
+                   if getattr(n.target, "overloadpacket", None) in REFERENCE_ONLY})
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
@@ -44,6 +62,19 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             elif packet is torch.ops.dspark.skinny_linear:
                 node.kwargs = {**node.kwargs, "weight_settled": settled_weight(node)}
             result.changed += 1
+    if lowering != "reference":
+        for node in gm.graph.nodes:
+            if getattr(node.target, "overloadpacket", None) in REFERENCE_ONLY:
+                result.rewrites.append((f"{node.name}: no {lowering} kernel yet, runs its "
+                                        "pure-torch reference on the device",
+                                        source_line(node)))
+        missing = reference_only_ops(gm)
+        if missing:
+            result.details["reference ops on the device"] = len(result.rewrites)
+            log.warning("dspark_compile: %s have no %s kernel yet; they run their pure-torch "
+                        "reference on the device (a host sync per call; the tier graphs cannot "
+                        "capture them: Verifier.capture needs use_graphs=False)",
+                        ", ".join(missing), lowering)
     left = [n.name for n in gm.graph.nodes
             if getattr(n.target, "overloadpacket", None) in table]
     if left:

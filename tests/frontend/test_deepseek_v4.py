@@ -233,3 +233,61 @@ def test_rejected_window_leaves_committed_state_bitwise():
     want = _oracle(model, torch.cat([prompt, kept, after]))[-5:]
     for name in "AC":
         assert (runs[name][1] - want).abs().max().item() <= 1e-5
+
+
+def test_triton_lowering_names_the_ops_without_a_kernel(caplog):
+    """No Triton kernel exists for the compressed ops yet: lowering for a GPU keeps their
+    references and says so (a warning, and the lower pass's rewrites for ``explain``)."""
+    import logging
+
+    from helpers import packed_graph
+    from dspark_compile.passes.lower import reference_only_ops
+
+    with caplog.at_level(logging.WARNING, logger="dspark_compile.passes.lower"):
+        gm, _ = packed_graph(tiny_v4((SWA, HCA, CSA)), device_type="cuda",
+                             stages=("ragged", "lowering"))
+    assert reference_only_ops(gm) == ["dspark.compress", "dspark.compressed_attention",
+                                      "dspark.index_topk"]
+    assert "have no triton kernel yet" in caplog.text
+    assert any(getattr(n.target, "__name__", "") == "ragged_attention_triton.default"
+               for n in gm.graph.nodes)  # the sliding layer is lowered as before
+
+
+def _compressor(model, layer: int):
+    return model.model.layers[layer].self_attn.compressor
+
+
+def test_refuses_a_compressor_subclass_by_name():
+    model = tiny_v4((HCA,))
+    attn = model.model.layers[0].self_attn
+    base = type(attn.compressor)
+    attn.compressor.__class__ = type("MyHCACompressor", (base,), {})
+    with pytest.raises(NotImplementedError, match="MyHCACompressor 'model.layers.0.self_attn."
+                       "compressor'.*not one of the known classes"):
+        dspark_compile(model)
+
+
+def test_refuses_a_forward_replaced_on_the_instance():
+    model = tiny_v4((CSA,))
+    comp = _compressor(model, 0)
+    comp.forward = comp.forward  # a bound copy: still the instance's own attribute
+    with pytest.raises(NotImplementedError, match="forward is replaced on the instance"):
+        dspark_compile(model)
+
+
+def test_refuses_a_changed_forward_source(monkeypatch):
+    from dspark_compile.frontend import compressed
+
+    monkeypatch.setitem(compressed.KNOWN_SOURCES, "DeepseekV4IndexerScorer", {"0" * 16})
+    with pytest.raises(NotImplementedError, match=r"DeepseekV4IndexerScorer.forward's source "
+                       r"\(sha256 [0-9a-f]{16}\) is not the one"):
+        dspark_compile(tiny_v4((CSA,)))
+
+
+def test_compressor_called_with_a_cache_is_refused():
+    from dspark_compile.frontend.compressed import _arguments
+
+    with pytest.raises(NotImplementedError, match="called with a cache"):
+        _arguments("X 'm'", (None, None, None, object(), 0), {})
+    with pytest.raises(NotImplementedError, match="keyword 'extra'"):
+        _arguments("X 'm'", (None, None, None), {"extra": 1})
