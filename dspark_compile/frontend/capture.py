@@ -4,6 +4,7 @@ The captured function is::
 
     dense_verify(*params, *buffers, input_ids [bs, T], positions [bs, T],
                  block_table [bs, pages], context_lens [bs], *k_pools, *v_pools,
+                 *compress_pools,                                 # DeepSeek-V4 HCA / CSA
                  [slots [bs], *conv_states, *recurrent_states],   # hybrid models only
                  [vision_embeds [bs, T, hidden]])                 # mRoPE models only
         -> logits [bs, T, V]

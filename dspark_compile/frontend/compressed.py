@@ -113,10 +113,9 @@ def _arguments(where: str, args: tuple, kwargs: dict):
     return given["hidden_states"], given["q_residual"], given["position_ids"]
 
 
-def _compress(module: nn.Module, hidden: torch.Tensor, where: str, overlap: bool,
-              index: bool):
-    """Emit (or, discovering, describe) one compressor's ``dense_compress``; returns the
-    scope, the layer's pool indices and the op's rows (None while discovering)."""
+def _compress(module: nn.Module, hidden: torch.Tensor, where: str, overlap: bool):
+    """One compressor's token-wise projections (graph code) and what its ``dense_compress``
+    takes besides: ``(kv, gate, inv_freq, rope_scale, rate, head_dim)``."""
     scope = active_scope()
     if scope is None:
         raise RuntimeError(f"{where}'s forward was replaced by dspark_compile and runs only "
@@ -131,6 +130,7 @@ def _compress(module: nn.Module, hidden: torch.Tensor, where: str, overlap: bool
 
 
 def _emit(scope, pools: list, kv, gate, module, inv_freq, rope_scale, rate, overlap):
+    """``dense_compress`` over the layer's raw and entry pools; ``(entry pool, its rows)``."""
     kv_pool, gate_pool, entry_pool = pools
     fresh = torch.ops.dspark.dense_compress(
         kv, gate, kv_pool, gate_pool, entry_pool, scope.block_table, scope.context_lens,
@@ -141,7 +141,7 @@ def _emit(scope, pools: list, kv, gate, module, inv_freq, rope_scale, rate, over
 
 def _hca_forward(module: nn.Module, where: str, *args, **kwargs):
     hidden, _, _ = _arguments(where, args, kwargs)
-    kv, gate, inv_freq, rope_scale, rate, dim = _compress(module, hidden, where, False, False)
+    kv, gate, inv_freq, rope_scale, rate, dim = _compress(module, hidden, where, False)
     scope = active_scope()
     if scope.discovered is not None:
         scope.expect_compressed(module, CompressSpec(rate, dim))
@@ -162,8 +162,8 @@ def _csa_forward(module: nn.Module, where: str, modeling, *args, **kwargs):
     if int(indexer.compress_rate) != int(module.compress_rate):
         raise _refuse(where, f"its indexer compresses every {indexer.compress_rate} tokens but "
                       f"the compressor every {module.compress_rate}")
-    kv, gate, inv_freq, rope_scale, rate, dim = _compress(module, hidden, where, True, True)
-    ikv, igate, iinv, iscale, _, idim = _compress(indexer, hidden, iwhere, True, False)
+    kv, gate, inv_freq, rope_scale, rate, dim = _compress(module, hidden, where, True)
+    ikv, igate, iinv, iscale, _, idim = _compress(indexer, hidden, iwhere, True)
     # the indexer's query and weights: token-wise graph code, as the indexer computes them
     batch, seq_len = hidden.shape[:2]
     cos_q, sin_q = indexer.rotary_emb(hidden, position_ids=position_ids,

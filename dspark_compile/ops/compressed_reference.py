@@ -185,7 +185,7 @@ def compress(kv: torch.Tensor, gate: torch.Tensor, kv_pool: torch.Tensor,
     entry, zeros elsewhere (rows past ``query_start_loc[R]`` too)."""
     check_compress("compress", kv, gate, kv_pool, gate_pool, entry_pool, position_bias,
                    norm_weight, inv_freq, rate, overlap, 2)
-    width, d = kv.shape[-1], entry_pool.shape[-1]
+    d = entry_pool.shape[-1]
     kv_write(kv.unsqueeze(1), gate.unsqueeze(1), kv_pool.unsqueeze(2), gate_pool.unsqueeze(2),
              slot_mapping)
     fresh = torch.zeros(kv.shape[0], d, dtype=kv.dtype, device=kv.device)

@@ -13,6 +13,16 @@ Writes (aten nodes with their fake values, so the graph is not re-traced)::
                   %v_cache_0, %query_start_loc, %seq_lens, %block_table, %slot_mapping, 0.25)
     %o = view(%o_rows, [bs, T, H, D])
 
+A compressed layer's ops (DeepSeek-V4, ``ops/compressed.py``) are rewritten the same way, their
+``[bs, T, ...]`` operands as ``[bs*T, ...]`` rows and the layout's metadata in place of
+``context_lens``::
+
+    %f = dspark.dense_compress.default(%kv, %gate, %compress_pool_0, %compress_pool_1,
+                                       %compress_pool_2, %block_table, %context_lens, ...)
+      -> view(dspark.compress.default(%kv_rows, %gate_rows, ..., %query_start_loc,
+                                      %seq_lens, %block_table, %slot_mapping, ...), [bs, T, D])
+    dense_index_topk -> index_topk, dense_compressed_attention -> compressed_attention
+
 ``query_start_loc``, ``seq_lens`` and ``slot_mapping`` become graph inputs and
 ``context_lens`` goes away. On a uniform layout (every length ``T``) the rewritten graph
 computes exactly what the dense one did, so it can run between passes; ``flatten_tokens``
@@ -27,7 +37,7 @@ import torch.fx as fx
 from torch._guards import detect_fake_mode
 
 from ..graph_inputs import InputKind, InputSpec
-from .base import PassContext, PassResult, check_rewritten, is_op, source_line
+from .base import PassContext, PassResult, is_op, source_line
 from .retrace import add_node, finish, replace, reshape_node, start_rewrite
 
 __all__ = ["run"]

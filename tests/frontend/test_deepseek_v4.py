@@ -16,7 +16,6 @@ special ones; the indexer has 8 heads, so that a score row of ReLU zeros is rare
 
 from __future__ import annotations
 
-import random
 
 import pytest
 import torch
