@@ -63,6 +63,13 @@ class PlannerConfig:
     all its tokens, so the budget grows to fill it (within the candidates and the cap)."""
     budget_lag: int = 0
     """Steps by which the budget's confidence lags the lengths' (0: both use the current one)."""
+    flat_tolerance: float | None = 0.02
+    """Verify every draft, without ranking, when the step rate at ``R * (gamma + 1)`` tokens
+    is within this fraction of the best rate over ``R .. R * (gamma + 1)`` tokens. Expected
+    tokens are largest with every draft verified, so no budget beats it by more than this
+    fraction whatever the confidences; where the step cost is flat in tokens (small batches)
+    the ranking is then pure host time, and the step is the fixed full width's. None: always
+    rank. Not used with ``threshold``, ``budget_frac`` or a lagged budget."""
 
     def __post_init__(self) -> None:
         fraction("PlannerConfig.min_survival", self.min_survival)
@@ -76,6 +83,8 @@ class PlannerConfig:
                 raise ValueError(f"PlannerConfig.tiers[{i}]={tier!r} is not a (tokens, "
                                  "request_slots) pair of positive ints; fix the tier set")
         object.__setattr__(self, "tiers", tuple(sorted(tuple(t) for t in self.tiers)))
+        if self.flat_tolerance is not None:
+            fraction("PlannerConfig.flat_tolerance", self.flat_tolerance)
         if not isinstance(self.budget_lag, int) or self.budget_lag < 0:
             raise ValueError(f"PlannerConfig.budget_lag={self.budget_lag!r} is not an int >= 0; "
                              "pass the number of steps the budget may lag")
@@ -245,11 +254,22 @@ def _cap_and_align(k: int, candidates: int, r: int, gamma: int, config: PlannerC
     return k
 
 
+def _flat(rate: StepRateModel | None, r: int, gamma: int, config: PlannerConfig) -> bool:
+    """Whether every draft is verified without ranking (``PlannerConfig.flat_tolerance``)."""
+    if rate is None or config.flat_tolerance is None or config.threshold is not None or \
+            config.budget_frac is not None:
+        return False
+    rates = _rate_span(rate, r, r * gamma + 1, r)  # [R * gamma + 1]: B = R .. R (gamma + 1)
+    return bool(rates[-1] >= (1.0 - config.flat_tolerance) * rates.max())
+
+
 def _plan(conf: np.ndarray, budget_conf: np.ndarray | None, rate: StepRateModel | None,
           config: PlannerConfig) -> tuple[np.ndarray, int]:
     """Lengths (int32 [R]) and K from position-major host confidences ``conf [gamma, R]`` (and
     a lagged one)."""
     gamma, r = conf.shape
+    if budget_conf is None and _flat(rate, r, gamma, config):
+        return np.full(r, gamma + 1, dtype=np.int32), r * gamma
     keys = _rank(conf)  # [R * gamma]
     candidates = _at_least(keys, config._min_survival_key)
     if budget_conf is None:

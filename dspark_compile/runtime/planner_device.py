@@ -315,4 +315,11 @@ def plan_verify_device(confidence: torch.Tensor, sps: torch.Tensor | None,
         TIERS_PAD=triton.next_power_of_2(max(num_tiers, 1)), HAS_RATE=sps is not None,
         THRESHOLD=thr, LAGGED=budget_confidence is not None, num_warps=warps,
         enable_fp_fusion=False)  # the host rounds every add and multiply on its own
+    if sps is not None and config.flat_tolerance is not None and not thr and \
+            config.budget_frac is None and budget_confidence is None:
+        # the host's _flat on the same rates (B = R .. R (gamma + 1)), without a sync
+        span = sps[r: r * (gamma + 1) + 1]
+        full = (span[-1] >= (1.0 - config.flat_tolerance) * span.max()) & (k >= 0)
+        lens = torch.where(full, torch.full_like(lens, gamma + 1), lens)
+        k = torch.where(full, torch.full_like(k, r * gamma), k)
     return lens, k

@@ -20,6 +20,7 @@ from dspark_compile.runtime import (
     survival,
 )
 
+RANK = PlannerConfig(flat_tolerance=None)  # the ranking itself, never the flat shortcut
 META = SpsMetadata(gpu="test", model="test")
 SETTINGS = settings(max_examples=60, deadline=None)
 
@@ -72,7 +73,7 @@ def _reference_lens(conf: torch.Tensor, k: int) -> list[int]:
 def test_budget_matches_brute_force_and_lengths_are_top_k_prefixes(case):
     conf, table = case
     r, gamma = conf.shape
-    plan = plan_verify(conf, table)
+    plan = plan_verify(conf, table, RANK)
     assert plan.num_draft_tokens == _brute_force_k(conf, table)
     assert plan.lens.dtype == torch.int32 and plan.lens.shape == (r,)
     assert int(plan.lens.sum()) - r == plan.num_draft_tokens
@@ -152,12 +153,37 @@ def test_theta_ties_go_to_the_smallest_budget():
     assert plan_verify(conf, table).num_draft_tokens == 1
 
 
+def test_flat_step_cost_verifies_every_draft_without_ranking(monkeypatch):
+    """Where the step rate at R (gamma + 1) tokens is within flat_tolerance of the best rate,
+    the plan is the full width whatever the confidences, and nothing is ranked; a rate that
+    falls past the tolerance is ranked as before."""
+    from dspark_compile.runtime import planner as planner_module
+
+    conf = torch.tensor([[0.9, 1e-4, 1.0], [0.5, 1e-8, 1e-2]])
+    ranked = []
+    real_rank = planner_module._rank
+    monkeypatch.setattr(planner_module, "_rank", lambda c: ranked.append(1) or real_rank(c))
+    flat = SpsTable(META, (SpsEntry(1, 100.0), SpsEntry(8, 98.5)))  # 1.5% slower at 8 tokens
+    plan = plan_verify(conf, flat)
+    assert plan.lens.tolist() == [4, 4] and plan.num_draft_tokens == 6 and not ranked
+    steep = SpsTable(META, (SpsEntry(1, 100.0), SpsEntry(8, 97.0)))  # 3%: past 2%
+    plan = plan_verify(conf, steep)
+    assert ranked and plan.lens.tolist() == plan_verify(conf, steep, RANK).lens.tolist()
+    assert plan.lens.tolist() != [4, 4]
+    tight = plan_verify(conf, flat, PlannerConfig(flat_tolerance=0.01))
+    assert tight.lens.tolist() == plan_verify(conf, flat, RANK).lens.tolist() != [4, 4]
+    for config in (PlannerConfig(budget_frac=0.5), PlannerConfig(threshold=0.5)):
+        assert plan_verify(conf, flat, config).lens.tolist() != [4, 4]  # their own rules
+    with pytest.raises(ValueError, match="flat_tolerance"):
+        PlannerConfig(flat_tolerance=1.5)
+
+
 def test_small_survivals_are_not_candidates():
     conf = torch.tensor([[0.9, 1e-4, 1.0], [0.9, 1e-3, 1e-2]])  # 9e-5, 9e-5 / 9e-4, 9e-6
     flat = SpsTable(META, (SpsEntry(1, 10.0),))  # constant rate: Theta grows with every token
-    assert plan_verify(conf, flat).lens.tolist() == [4, 4]
+    assert plan_verify(conf, flat, RANK).lens.tolist() == [4, 4]
     tiny = torch.tensor([[1e-3, 1e-3, 1e-3]])  # 1e-3, 1e-6, 1e-9
-    assert plan_verify(tiny, flat).lens.tolist() == [3]
+    assert plan_verify(tiny, flat, RANK).lens.tolist() == [3]
 
 
 def test_no_table_verifies_everything_and_cap_is_hard():
@@ -212,7 +238,7 @@ def test_lagged_budget_from_another_batch_size_is_clipped():
     table = SpsTable(META, (SpsEntry(1, 10.0),))
     big = torch.full((16, 4), 0.99)
     small = torch.tensor([[0.5, 0.5, 1e-7, 1.0]])
-    plan = plan_verify(small, table, budget_confidence=big)
+    plan = plan_verify(small, table, RANK, budget_confidence=big)
     assert plan.lens.tolist() == [3]  # 64 budgeted, 2 candidates now
 
 
