@@ -16,6 +16,7 @@ special ones; the indexer has 8 heads, so that a score row of ReLU zeros is rare
 
 from __future__ import annotations
 
+import functools
 
 import pytest
 import torch
@@ -103,9 +104,16 @@ ROUNDS = [([9, 11, 6], [9, 11, 6]), ([4, 4, 3], [2, 1, 3]), ([3, 5, 4], [1, 5, 2
           ([5, 2, 4], [5, 1, 1]), ([4, 3, 5], [3, 3, 2]), ([6, 4, 3], [2, 4, 3])]
 
 
-def _rounds(layer_types, topk: int = 3) -> float:
-    model = tiny_v4(layer_types, topk=topk)
-    verifier = dspark_compile(model)
+@functools.lru_cache(maxsize=None)
+def compiled(layer_types):
+    """``(model, verifier)`` of ``tiny_v4(layer_types)``, compiled once per test process (a
+    test makes its own state)."""
+    model = tiny_v4(layer_types)
+    return model, dspark_compile(model)
+
+
+def _rounds(layer_types) -> float:
+    model, verifier = compiled(layer_types)
     driver = Driver(model, verifier, [2, 0, 1])
     for lens, accept in ROUNDS:
         driver.step(lens, accept)
@@ -158,8 +166,7 @@ def test_exact_vs_hf_cached_decode_with_indexer_ties():
 def test_session_tiers_exact():
     """The static, padded tier path (``capture`` on the CPU): padded rows write no raw row and
     close no window, padded requests make no entry."""
-    model = tiny_v4((SWA, HCA, CSA))
-    verifier = dspark_compile(model)
+    model, verifier = compiled((SWA, HCA, CSA))
     driver = Driver(model, verifier, [2, 0, 1])
     verifier.capture(driver.state, progress=False)
     for lens, accept in ROUNDS:  # the prefill is past the largest tier: no graph for it
@@ -168,8 +175,7 @@ def test_session_tiers_exact():
 
 
 def test_explain_lists_compressed_layers():
-    verifier = dspark_compile(tiny_v4((SWA, HCA, CSA)))
-    text = verifier.explain()
+    text = compiled((SWA, HCA, CSA))[1].explain()
     assert "compressed every 4 tokens;" in text
     assert "compressed every 2 tokens with overlap, indexer top-3 (8 heads x 16)" in text
     assert "compress_pool_8" in text and "compress_pool_9" not in text
@@ -200,8 +206,7 @@ def test_rejected_window_leaves_committed_state_bitwise():
     between runs A and B: their committed compressor rows (raw < 11) and entries (< 11 // rate)
     and the next step's logits are bitwise equal. Run C never verifies a draft past the kept
     token (a one-token step: other matmul shapes, so equal to float tolerance, not bitwise)."""
-    model = tiny_v4((HCA, CSA))
-    verifier = dspark_compile(model)
+    model, verifier = compiled((HCA, CSA))
     gen = torch.Generator().manual_seed(3)
     prompt = torch.randint(3, VOCAB, (10,), generator=gen)
     kept = torch.randint(3, VOCAB, (1,), generator=gen)
@@ -243,7 +248,7 @@ def test_triton_lowering_names_the_ops_without_a_kernel(caplog):
     from dspark_compile.passes.lower import reference_only_ops
 
     with caplog.at_level(logging.WARNING, logger="dspark_compile.passes.lower"):
-        gm, _ = packed_graph(tiny_v4((SWA, HCA, CSA)), device_type="cuda",
+        gm, _ = packed_graph(tiny_v4((SWA, CSA)), device_type="cuda",
                              stages=("ragged", "lowering"))
     assert reference_only_ops(gm) == ["dspark.compress", "dspark.compressed_attention",
                                       "dspark.index_topk"]
