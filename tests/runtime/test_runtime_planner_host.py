@@ -66,6 +66,11 @@ def _reference_budget(ranked, r: int, rate, config: PlannerConfig) -> int:
 def _reference_lens(conf: np.ndarray, rate, config: PlannerConfig, lagged=None) -> list[int]:
     """The plan the plain way; ``lagged [R', gamma]``: the budget's confidence."""
     r, gamma = conf.shape
+    if lagged is None and rate is not None and config.flat_tolerance is not None and \
+            config.threshold is None and config.budget_frac is None:
+        rates = [float(x) for x in rate.rate_span(r, r * gamma + 1, r)]  # B = r .. r (g + 1)
+        if rates[-1] >= (1.0 - config.flat_tolerance) * max(rates):
+            return [gamma + 1] * r  # a flat step cost: every draft, unranked
     ranked = _ranked(conf)
     candidates = sum(s >= config.min_survival for s, _, _ in ranked)
     if lagged is None:
