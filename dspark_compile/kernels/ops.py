@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..ops.attention_reference import check_semantics
+from ..ops.compressed_reference import check_compress
 from ..ops import experts as _experts
 from ..ops.linear import skinny_linear_fake as _skinny_fake  # also registers the reference ops
 from .launch import zeros_when_warming
@@ -259,7 +260,35 @@ def experts_down_triton(h: torch.Tensor, order: torch.Tensor, offsets: torch.Ten
 experts_down_triton.register_fake(_experts.down_fake)
 
 
+@torch.library.custom_op("dspark::compress_triton",
+                         mutates_args=("kv_pool", "gate_pool", "entry_pool"),
+                         device_types=("cuda",))
+def compress_triton(kv: torch.Tensor, gate: torch.Tensor, kv_pool: torch.Tensor,
+                    gate_pool: torch.Tensor, entry_pool: torch.Tensor,
+                    query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                    block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                    position_bias: torch.Tensor, norm_weight: torch.Tensor,
+                    inv_freq: torch.Tensor, rate: int, overlap: bool, eps: float,
+                    rope_scale: float) -> torch.Tensor:
+    """``dspark::compress`` lowered to Triton: the raw-row write, then one program per row
+    making the entry of the window it closes (``kernels/compress.py``)."""
+    from .compress import compress_triton as kernel  # needs a GPU driver
+
+    return kernel(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc, seq_lens,
+                  block_table, slot_mapping, position_bias, norm_weight, inv_freq, rate,
+                  overlap, eps, rope_scale)
+
+
+@compress_triton.register_fake
+def _(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc, seq_lens, block_table,
+      slot_mapping, position_bias, norm_weight, inv_freq, rate, overlap, eps, rope_scale):
+    check_compress("compress_triton", kv, gate, kv_pool, gate_pool, entry_pool,
+                   position_bias, norm_weight, inv_freq, rate, overlap, 2)
+    return kv.new_empty(kv.shape[0], entry_pool.shape[-1])
+
+
 LOWERED = {"triton": {
+    torch.ops.dspark.compress: torch.ops.dspark.compress_triton,
     torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton,
     torch.ops.dspark.linear_group: torch.ops.dspark.linear_group_triton,
     torch.ops.dspark.rotary_apply: torch.ops.dspark.rotary_apply_triton,
