@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..ops.attention_reference import check_semantics
-from ..ops.compressed_reference import check_compress
+from ..ops.compressed_reference import check_compress, check_entries
 from ..ops import experts as _experts
 from ..ops.linear import skinny_linear_fake as _skinny_fake  # also registers the reference ops
 from .launch import zeros_when_warming
@@ -287,8 +287,35 @@ def _(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc, seq_lens, block
     return kv.new_empty(kv.shape[0], entry_pool.shape[-1])
 
 
+@torch.library.custom_op("dspark::compressed_attention_triton",
+                         mutates_args=("k_cache", "v_cache"), device_types=("cuda",))
+def compressed_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                                k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                                block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                                scale: float, window: int, softcap: float,
+                                sinks: Optional[torch.Tensor], entries: torch.Tensor,
+                                fresh: torch.Tensor, rate: int,
+                                topk: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``dspark::compressed_attention`` lowered to Triton: the K/V write, then one program per
+    query row over the window's keys and its entries (``kernels/compressed_attention.py``)."""
+    from .compressed_attention import compressed_attention_triton as kernel  # needs a GPU
+
+    return kernel(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                  slot_mapping, scale, window, softcap, sinks, entries, fresh, rate, topk)
+
+
+@compressed_attention_triton.register_fake
+def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
+      window, softcap, sinks, entries, fresh, rate, topk=None):
+    check_semantics("compressed_attention_triton", window, softcap, sinks, q.shape[1])
+    check_entries("compressed_attention_triton", q, entries, fresh, rate, topk, 1)
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
 LOWERED = {"triton": {
     torch.ops.dspark.compress: torch.ops.dspark.compress_triton,
+    torch.ops.dspark.compressed_attention: torch.ops.dspark.compressed_attention_triton,
     torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton,
     torch.ops.dspark.linear_group: torch.ops.dspark.linear_group_triton,
     torch.ops.dspark.rotary_apply: torch.ops.dspark.rotary_apply_triton,
