@@ -12,7 +12,7 @@ from typing import Optional
 import torch
 
 from ..ops.attention_reference import check_semantics
-from ..ops.compressed_reference import check_compress, check_entries
+from ..ops.compressed_reference import check_compress, check_entries, check_index
 from ..ops import experts as _experts
 from ..ops.linear import skinny_linear_fake as _skinny_fake  # also registers the reference ops
 from .launch import zeros_when_warming
@@ -313,8 +313,29 @@ def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_ma
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
+@torch.library.custom_op("dspark::index_topk_triton", mutates_args=(), device_types=("cuda",))
+def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, entry_pool: torch.Tensor,
+                      fresh: torch.Tensor, query_start_loc: torch.Tensor,
+                      seq_lens: torch.Tensor, block_table: torch.Tensor, rate: int, topk: int,
+                      softmax_scale: float) -> torch.Tensor:
+    """``dspark::index_topk`` on the GPU: Triton scores, then ``torch.topk`` on the device
+    (``kernels/index_topk.py``; equal scores may be ordered otherwise than the reference)."""
+    from .index_topk import index_topk_triton as kernel  # needs a GPU driver
+
+    return kernel(q, weights, entry_pool, fresh, query_start_loc, seq_lens, block_table, rate,
+                  topk, softmax_scale)
+
+
+@index_topk_triton.register_fake
+def _(q, weights, entry_pool, fresh, query_start_loc, seq_lens, block_table, rate, topk,
+      softmax_scale):
+    check_index("index_topk_triton", q, weights, entry_pool, fresh, rate, topk, 1)
+    return q.new_empty(q.shape[0], topk, dtype=torch.int64)
+
+
 LOWERED = {"triton": {
     torch.ops.dspark.compress: torch.ops.dspark.compress_triton,
+    torch.ops.dspark.index_topk: torch.ops.dspark.index_topk_triton,
     torch.ops.dspark.compressed_attention: torch.ops.dspark.compressed_attention_triton,
     torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton,
     torch.ops.dspark.linear_group: torch.ops.dspark.linear_group_triton,

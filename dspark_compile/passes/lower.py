@@ -27,9 +27,8 @@ __all__ = ["run", "early_attention_reads", "settled_weight", "REFERENCE_ONLY",
 
 log = logging.getLogger(__name__)
 
-REFERENCE_ONLY = (torch.ops.dspark.index_topk,)
-"""Ops with no kernel in any lowering yet (DeepSeek-V4's CSA indexer; its compressor step and
-compressed attention have their Triton twins): under a lowering
+REFERENCE_ONLY: tuple = ()
+"""Ops with no kernel in some lowering (none at present): under a lowering
 other than the reference they run their pure-torch reference on the device, which reads the
 layout on the host (a sync per call), so the tier graphs cannot capture them. ``lower`` says so
 (a warning and its result), and ``Verifier.capture`` refuses CUDA graphs for such a graph."""

@@ -239,24 +239,30 @@ def test_rejected_window_leaves_committed_state_bitwise():
         assert (runs[name][1] - want).abs().max().item() <= 1e-5
 
 
-def test_triton_lowering_names_the_ops_without_a_kernel(caplog):
-    """The compressor step and the compressed attention have their Triton twins; the indexer
-    has none yet: lowering for a GPU keeps its reference and says so (a warning, and the lower
-    pass's rewrites for ``explain``)."""
+def test_triton_lowering_swaps_every_compressed_op(caplog, monkeypatch):
+    """Lowering for a GPU swaps the three compressed ops for their Triton twins. An op without
+    a kernel (``lower.REFERENCE_ONLY``; none at present, one is set here) would keep its
+    reference and be named: a warning, and the lower pass's rewrites for ``explain``."""
     import logging
 
+    import dspark_compile.passes.lower as lower
     from helpers import packed_graph
-    from dspark_compile.passes.lower import reference_only_ops
 
-    with caplog.at_level(logging.WARNING, logger="dspark_compile.passes.lower"):
-        gm, _ = packed_graph(tiny_v4((SWA, CSA)), device_type="cuda",
-                             stages=("ragged", "lowering"))
-    assert reference_only_ops(gm) == ["dspark.index_topk"]
-    assert "have no triton kernel yet" in caplog.text
+    model = tiny_v4((SWA, CSA))
+    gm, _ = packed_graph(model, device_type="cuda", stages=("ragged", "lowering"))
     names = {getattr(n.target, "__name__", "") for n in gm.graph.nodes}
     assert {"ragged_attention_triton.default", "compress_triton.default",
-            "compressed_attention_triton.default"} <= names
-    assert not {"compress.default", "compressed_attention.default"} & names
+            "index_topk_triton.default", "compressed_attention_triton.default"} <= names
+    assert not {"compress.default", "index_topk.default",
+                "compressed_attention.default"} & names
+    assert lower.reference_only_ops(gm) == []
+
+    monkeypatch.setattr(lower, "REFERENCE_ONLY", (torch.ops.dspark.index_topk,))
+    monkeypatch.delitem(lower.LOWERED["triton"], torch.ops.dspark.index_topk)
+    with caplog.at_level(logging.WARNING, logger="dspark_compile.passes.lower"):
+        gm, _ = packed_graph(model, device_type="cuda", stages=("ragged", "lowering"))
+    assert lower.reference_only_ops(gm) == ["dspark.index_topk"]
+    assert "dspark.index_topk have no triton kernel yet" in caplog.text
 
 
 def _compressor(model, layer: int):
