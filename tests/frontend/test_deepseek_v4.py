@@ -17,6 +17,7 @@ special ones; the indexer has 8 heads, so that a score row of ReLU zeros is rare
 from __future__ import annotations
 
 import functools
+import os
 
 import pytest
 import torch
@@ -263,6 +264,28 @@ def test_triton_lowering_swaps_every_compressed_op(caplog, monkeypatch):
         gm, _ = packed_graph(model, device_type="cuda", stages=("ragged", "lowering"))
     assert lower.reference_only_ops(gm) == ["dspark.index_topk"]
     assert "dspark.index_topk have no triton kernel yet" in caplog.text
+
+
+@pytest.mark.skipif(torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") != "1",
+                    reason="runs the Triton kernels under the interpreter on the CPU")
+def test_triton_kernels_exact_vs_hf_under_the_interpreter(monkeypatch):
+    """The three compressed ops' Triton kernels in place of their references (the CPU path
+    calls ``ops/compressed_reference``'s functions by name), over the mixed stack's prefill and
+    ragged rounds with rejected window-closing drafts: exact against HF's own forward."""
+    from dspark_compile.kernels.compress import compress_triton
+    from dspark_compile.kernels.compressed_attention import compressed_attention_triton
+    from dspark_compile.kernels.index_topk import index_topk_triton
+    from dspark_compile.ops import compressed_reference
+
+    monkeypatch.setattr(compressed_reference, "compress", compress_triton)
+    monkeypatch.setattr(compressed_reference, "index_topk", index_topk_triton)
+    monkeypatch.setattr(compressed_reference, "compressed_attention",
+                        compressed_attention_triton)
+    model, verifier = compiled((SWA, HCA, CSA))
+    driver = Driver(model, verifier, [2, 0, 1])
+    for lens, accept in ROUNDS:
+        driver.step(lens, accept)
+    assert driver.max_err <= 1e-5
 
 
 def _compressor(model, layer: int):
