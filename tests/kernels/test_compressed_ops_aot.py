@@ -1,0 +1,80 @@
+"""The compressed-attention kernels (DeepSeek-V4's HCA / CSA: ``kernels/compress.py``,
+``index_topk.py``, ``compressed_attention.py``) compile ahead of time for cuda:90, hip:gfx942 and
+gfx950.
+
+Same harness as ``test_aot_compile.py``: the compile runs in a subprocess without the
+interpreter (this file run as a script, printing one JSON line). Shapes are DeepSeek-V4-Flash's:
+head dim 512 with a 64-channel rotary, 64 query heads, CSA windows of 4 (8 slots with overlap),
+HCA windows of 128 (slot blocks of 16), an indexer of 64 heads x 128, in bf16 with float32
+position biases and norm weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+
+from aot import TARGET_NAMES, aot_tests, compile_kernel
+
+_LAYOUT = {"qsl_ptr": "i32", "seq_lens_ptr": "i32", "table_ptr": "i32"}
+_ENTRIES = {"kv_pool_ptr": "bf16", "gate_pool_ptr": "bf16", "entry_pool_ptr": "bf16",
+            "fresh_ptr": "bf16", "bias_ptr": "fp32", "weight_ptr": "fp32",
+            "inv_freq_ptr": "fp32", **_LAYOUT}
+
+# case -> (module, kernel attribute, pointer dtypes by argument, constexprs, float scalars)
+CASES = {
+    "raw_write_bf16": ("compress", "_raw_write",
+                       {"kv_ptr": "bf16", "gate_ptr": "bf16", "kv_pool_ptr": "bf16",
+                        "gate_pool_ptr": "bf16", "slot_ptr": "i64"},
+                       {"BLOCK_W": 1024}, {}),
+    "entries_csa_bf16": ("compress", "_entries", _ENTRIES,
+                         {"OVERLAP": True, "PAIRS": 256, "ROPE_PAIRS": 32, "SLOT_BLOCK": 8,
+                          "NUM_SLOTS": 8, "CHUNK": 128},
+                         {"eps": "fp32", "rope_scale": "fp32"}),
+    "entries_hca_bf16": ("compress", "_entries", _ENTRIES,
+                         {"OVERLAP": False, "PAIRS": 256, "ROPE_PAIRS": 32, "SLOT_BLOCK": 16,
+                          "NUM_SLOTS": 128, "CHUNK": 128},
+                         {"eps": "fp32", "rope_scale": "fp32"}),
+    "index_scores_bf16": ("index_topk", "_scores",
+                          {"q_ptr": "bf16", "w_ptr": "fp32", "entry_ptr": "bf16",
+                           "out_ptr": "fp32", "bound_ptr": "i32", **_LAYOUT},
+                          {"H_PAD": 64, "D_PAD": 128, "BLOCK_E": 16, "CHUNK": 128},
+                          {"softmax_scale": "fp32"}),
+    "attend_csa_bf16": ("compressed_attention", "_attend",
+                        {"q_ptr": "bf16", "out_ptr": "bf16", "k_cache_ptr": "bf16",
+                         "v_cache_ptr": "bf16", "entries_ptr": "bf16", "topk_ptr": "i64",
+                         "sinks_ptr": "fp32", **_LAYOUT},
+                        {"H_PAD": 64, "D_PAD": 512, "BLOCK_K": 16, "CHUNK": 128,
+                         "PICKS": True, "HAS_SINKS": True},
+                        {"scale": "fp32"}),
+    "attend_hca_fp32": ("compressed_attention", "_attend",
+                        {"q_ptr": "fp32", "out_ptr": "fp32", "k_cache_ptr": "fp32",
+                         "v_cache_ptr": "fp32", "entries_ptr": "fp32", "topk_ptr": "fp32",
+                         "sinks_ptr": "fp32", **_LAYOUT},
+                        {"H_PAD": 16, "D_PAD": 64, "BLOCK_K": 16, "CHUNK": 128,
+                         "PICKS": False, "HAS_SINKS": False},
+                        {"scale": "fp32"}),
+}
+
+
+def _compile_all() -> dict:
+    """Compile every case for every target; return ``{case: {target: [artifact kinds]}}``."""
+    import importlib
+
+    result: dict = {}
+    for case, (module, attr, pointers, constexprs, scalars) in CASES.items():
+        kernel = getattr(importlib.import_module(f"dspark_compile.kernels.{module}"), attr)
+        missing = (set(pointers) | set(constexprs) | set(scalars)) - set(kernel.arg_names)
+        assert not missing, f"{case}: {attr} has no arguments {sorted(missing)}"
+        for name in TARGET_NAMES:
+            result.setdefault(case, {})[name] = compile_kernel(
+                kernel, pointers, constexprs, name, {"num_warps": 8}, scalars=scalars)
+    return result
+
+
+compiled, test_compressed_kernel_compiles_ahead_of_time = aot_tests(__file__, CASES)
+
+
+if __name__ == "__main__":
+    assert os.environ.get("TRITON_INTERPRET") != "1", "AOT compile needs TRITON_INTERPRET unset"
+    print(json.dumps(_compile_all()))
