@@ -21,6 +21,15 @@ _ENTRIES = {"kv_pool_ptr": "bf16", "gate_pool_ptr": "bf16", "entry_pool_ptr": "b
             "fresh_ptr": "bf16", "bias_ptr": "fp32", "weight_ptr": "fp32",
             "inv_freq_ptr": "fp32", **_LAYOUT}
 
+_ATTENTION = {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
+              "k_cache_ptr": "bf16", "v_cache_ptr": "bf16", "query_start_loc_ptr": "i32",
+              "seq_lens_ptr": "i32", "block_table_ptr": "i32", "slot_mapping_ptr": "i64",
+              "sinks_ptr": "fp32", "entries_ptr": "bf16", "topk_ptr": "i64"}
+_ATTENTION_SHAPE = {"GROUP": 64, "BLOCK_H": 16, "NUM_HB": 4, "HEAD_DIM": 512,
+                    "HEAD_DIM_PAD": 512, "PAGE_SIZE": 64, "ENTRY_PAGE_SIZE": 64, "TILE_N": 16,
+                    "TILE_E": 16, "SEARCH": 32, "DOT_PRECISION": "ieee", "HAS_WINDOW": True,
+                    "HAS_SINKS": True}
+
 # case -> (module, kernel attribute, pointer dtypes by argument, constexprs, float scalars)
 CASES = {
     "raw_write_bf16": ("compress", "_raw_write",
@@ -40,20 +49,12 @@ CASES = {
                            "out_ptr": "fp32", "bound_ptr": "i32", **_LAYOUT},
                           {"H_PAD": 64, "D_PAD": 128, "BLOCK_E": 16, "CHUNK": 128},
                           {"softmax_scale": "fp32"}),
-    "attend_csa_bf16": ("compressed_attention", "_attend",
-                        {"q_ptr": "bf16", "out_ptr": "bf16", "k_cache_ptr": "bf16",
-                         "v_cache_ptr": "bf16", "entries_ptr": "bf16", "topk_ptr": "i64",
-                         "sinks_ptr": "fp32", **_LAYOUT},
-                        {"H_PAD": 64, "D_PAD": 512, "BLOCK_K": 16, "CHUNK": 128,
-                         "PICKS": True, "HAS_SINKS": True},
-                        {"scale": "fp32"}),
-    "attend_hca_fp32": ("compressed_attention", "_attend",
-                        {"q_ptr": "fp32", "out_ptr": "fp32", "k_cache_ptr": "fp32",
-                         "v_cache_ptr": "fp32", "entries_ptr": "fp32", "topk_ptr": "fp32",
-                         "sinks_ptr": "fp32", **_LAYOUT},
-                        {"H_PAD": 16, "D_PAD": 64, "BLOCK_K": 16, "CHUNK": 128,
-                         "PICKS": False, "HAS_SINKS": False},
-                        {"scale": "fp32"}),
+    "attention_csa_bf16": ("compressed_attention", "_compressed_attention_kernel", _ATTENTION,
+                           {**_ATTENTION_SHAPE, "RATE": 4, "UPCAST": False, "HAS_TOPK": True},
+                           {"scale_log2": "fp32"}),
+    "attention_hca_bf16": ("compressed_attention", "_compressed_attention_kernel", _ATTENTION,
+                           {**_ATTENTION_SHAPE, "RATE": 128, "UPCAST": False, "HAS_TOPK": False},
+                           {"scale_log2": "fp32"}),
 }
 
 
