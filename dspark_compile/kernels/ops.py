@@ -274,9 +274,9 @@ def compress_triton(kv: torch.Tensor, gate: torch.Tensor, kv_pool: torch.Tensor,
     making the entry of the window it closes (``kernels/compress.py``)."""
     from .compress import compress_triton as kernel  # needs a GPU driver
 
-    return kernel(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc, seq_lens,
-                  block_table, slot_mapping, position_bias, norm_weight, inv_freq, rate,
-                  overlap, eps, rope_scale)
+    return zeros_when_warming(kernel(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc,
+                                     seq_lens, block_table, slot_mapping, position_bias,
+                                     norm_weight, inv_freq, rate, overlap, eps, rope_scale))
 
 
 @compress_triton.register_fake
@@ -297,12 +297,13 @@ def compressed_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 sinks: Optional[torch.Tensor], entries: torch.Tensor,
                                 fresh: torch.Tensor, rate: int,
                                 topk: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """``dspark::compressed_attention`` lowered to Triton: the K/V write, then one program per
-    query row over the window's keys and its entries (``kernels/compressed_attention.py``)."""
+    """``dspark::compressed_attention`` lowered to Triton: one launch, a program per query row
+    and block of 16 heads, the K/V write fused (``kernels/compressed_attention.py``)."""
     from .compressed_attention import compressed_attention_triton as kernel  # needs a GPU
 
-    return kernel(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                  slot_mapping, scale, window, softcap, sinks, entries, fresh, rate, topk)
+    return zeros_when_warming(kernel(q, k, v, k_cache, v_cache, query_start_loc, seq_lens,
+                                     block_table, slot_mapping, scale, window, softcap, sinks,
+                                     entries, fresh, rate, topk))
 
 
 @compressed_attention_triton.register_fake
@@ -322,8 +323,8 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, entry_pool: torch.
     (``kernels/index_topk.py``; equal scores may be ordered otherwise than the reference)."""
     from .index_topk import index_topk_triton as kernel  # needs a GPU driver
 
-    return kernel(q, weights, entry_pool, fresh, query_start_loc, seq_lens, block_table, rate,
-                  topk, softmax_scale)
+    return zeros_when_warming(kernel(q, weights, entry_pool, fresh, query_start_loc, seq_lens,
+                                     block_table, rate, topk, softmax_scale))
 
 
 @index_topk_triton.register_fake
