@@ -320,7 +320,7 @@ def index_topk_triton(q: torch.Tensor, weights: torch.Tensor, entry_pool: torch.
                       seq_lens: torch.Tensor, block_table: torch.Tensor, rate: int, topk: int,
                       softmax_scale: float) -> torch.Tensor:
     """``dspark::index_topk`` on the GPU: Triton scores, then ``torch.topk`` on the device
-    (``kernels/index_topk.py``; equal scores may be ordered otherwise than the reference)."""
+    (``kernels/index_topk.py``; equal scores go to the lower entry index)."""
     from .index_topk import index_topk_triton as kernel  # needs a GPU driver
 
     return zeros_when_warming(kernel(q, weights, entry_pool, fresh, query_start_loc, seq_lens,

@@ -46,7 +46,7 @@ CASES = {
                          {"eps": "fp32", "rope_scale": "fp32"}),
     "index_scores_bf16": ("index_topk", "_scores",
                           {"q_ptr": "bf16", "w_ptr": "fp32", "entry_ptr": "bf16",
-                           "out_ptr": "fp32", "bound_ptr": "i32", **_LAYOUT},
+                           "out_ptr": "i64", **_LAYOUT},
                           {"H_PAD": 64, "D_PAD": 128, "BLOCK_E": 16, "CHUNK": 128},
                           {"softmax_scale": "fp32"}),
     "attention_csa_bf16": ("compressed_attention", "_compressed_attention_kernel", _ATTENTION,

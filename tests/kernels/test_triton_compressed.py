@@ -6,7 +6,8 @@ A step's last rows are a rejected draft whose inputs are NaN: no earlier row's o
 of a window that closes before them, and no pool row outside the step's own may change; padding
 rows (NaN inputs too) write nothing and come out as zeros. Every pool row the step may not
 read is NaN. The indexer's equal scores: the picks above the tied score are the reference's,
-and the tied ones are taken from the tied entries, as many as the reference takes.
+and the tied ones are the lowest tied indices (the reference takes as many from the tied
+entries, by its device's ``torch.topk``).
 """
 
 from __future__ import annotations
@@ -127,7 +128,8 @@ def test_index_topk_equal_scores():
     """Entries 0 .. 5 of every request are one row (so their scores are equal bit for bit),
     entry 6 is twice it (better) and later ones half of it (worse): each query keeps entry 6
     when it sees it, and fills the rest of its picks from the tied entries, as many as the
-    reference does."""
+    reference does; the kernel takes the lowest tied indices (its keys order equal scores by
+    index, on every device), where the reference leaves the choice to ``torch.topk``."""
     gen = torch.Generator().manual_seed(6)
     rate, topk = 2, 4
     q, weights, pool, fresh, qsl, seq, table = _index_case(gen, rate)
@@ -147,7 +149,11 @@ def test_index_topk_equal_scores():
             g, w = got[starts[i] + j], want[starts[i] + j]
             assert int((g >= 0).sum()) == int((w >= 0).sum()) == min(topk, seen)
             assert (6 in g.tolist()) == (6 in w.tolist()) == (seen > 6)
-            assert all(0 <= s < min(seen, 7) for s in g.tolist() if s >= 0)
+            assert all(0 <= s < min(seen, 7) for s in w.tolist() if s >= 0)
+            # the kernel's own rule, on every device: higher score first, then lower index
+            best = [6] if seen > 6 else []
+            rule = best + list(range(min(topk, seen) - len(best)))
+            assert g.tolist() == rule + [-1] * (topk - len(rule))
 
 
 @pytest.mark.parametrize("topk_rows", [False, True], ids=["hca", "csa"])
