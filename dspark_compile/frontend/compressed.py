@@ -48,13 +48,14 @@ MODELING = "transformers.models.deepseek_v4.modeling_deepseek_v4"
 """The modeling module whose compressor classes are understood."""
 
 KNOWN_SOURCES = {
-    "DeepseekV4HCACompressor": {"3fb94114cb4ed493"},
-    "DeepseekV4CSACompressor": {"3644b0ea966e20d2"},
-    "DeepseekV4Indexer": {"428c5223ef907ac9"},
+    "DeepseekV4HCACompressor": {"3fb94114cb4ed493", "a2fd6956cd44f4f4"},
+    "DeepseekV4CSACompressor": {"3644b0ea966e20d2", "5c2036e69d024e73"},
+    "DeepseekV4Indexer": {"428c5223ef907ac9", "23401818a3b328cb"},
     "DeepseekV4IndexerScorer": {"7e1489dad5000d02"},
 }
 """Class -> sha256 prefixes of the forward sources the replacements were derived from
-(transformers 5.24). A class whose forward reads otherwise is refused, not guessed at."""
+(transformers 5.24, and 5.17, whose forwards differ only in naming the cache argument
+``past_key_values``). A class whose forward reads otherwise is refused, not guessed at."""
 
 _STATIC_ROPE = frozenset({"default", "linear", "yarn", "llama3"})
 """Rotary types whose frequencies are fixed at init (no ``dynamic_rope_update``)."""
