@@ -17,6 +17,7 @@ special ones; the indexer has 8 heads, so that a score row of ReLU zeros is rare
 from __future__ import annotations
 
 import functools
+import inspect
 import os
 
 import pytest
@@ -139,6 +140,9 @@ def test_exact_vs_hf_cached_decode_with_indexer_ties():
     state = verifier.new_state(max_requests=2, max_context=64, page_size=8)
     cache = transformers.DynamicCache(config=model.config)
     k, rate, ties, ctx = model.config.index_topk, model.config.compress_rates[CSA], [0], 0
+    # transformers 5.24 names the argument cache, 5.17 past_key_values (a wrong name is ignored)
+    cache_kw = "cache" if "cache" in inspect.signature(model.forward).parameters else \
+        "past_key_values"
 
     def count(mod, args, scores):  # [1, n, E]: the step's queries over every entry so far
         for t in range(scores.shape[1]):
@@ -155,7 +159,7 @@ def test_exact_vs_hf_cached_decode_with_indexer_ties():
             got = verifier(seq[ctx:ctx + n], layout, state)
             verifier.commit(layout, [n], state)
             with torch.no_grad():
-                want = model(seq[None, ctx:ctx + n], cache=cache, use_cache=True).logits[0]
+                want = model(seq[None, ctx:ctx + n], use_cache=True, **{cache_kw: cache}).logits[0]
             worst = max(worst, (got - want).abs().max().item())
             ctx += n
     finally:
