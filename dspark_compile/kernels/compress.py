@@ -50,6 +50,39 @@ def _raw_write(kv_ptr, gate_ptr, kv_pool_ptr, gate_pool_ptr, slot_ptr, width,
 
 
 @triton.jit
+def _slot_gates(gate_pool_ptr, bias_ptr, table_row, s0, w, rate, page_size, width, dim, pair,
+                pair_ok, OVERLAP: tl.constexpr, SLOT_BLOCK: tl.constexpr,
+                NUM_SLOTS: tl.constexpr):
+    """Slots ``s0 ..`` of window ``w``'s pooling: their raw-pool offsets ``[SLOT_BLOCK,
+    PAIRS]`` (even channels; odd ones at ``+ 1``), validity, and gate logits with the position
+    bias (even, odd) as fp32. With ``OVERLAP`` slots below ``rate`` are window ``w - 1``'s first
+    half, the rest window ``w``'s second half (none before window 0)."""
+    j = s0 + tl.arange(0, SLOT_BLOCK)
+    if OVERLAP:
+        second = j >= rate
+        tok = tl.where(second, w * rate + j - rate, (w - 1) * rate + j)
+        off = tl.where(second, dim, 0)
+        brow = tl.where(second, j - rate, j)
+        ok_j = (j < NUM_SLOTS) & (second | (j * 0 + w >= 1))
+    else:
+        tok = w * rate + j
+        off = j * 0
+        brow = j
+        ok_j = j < NUM_SLOTS
+    tok = tl.where(ok_j, tok, 0)
+    page = tl.load(table_row + tok // page_size, mask=ok_j, other=0).to(tl.int64)
+    row = page * page_size + tok % page_size
+    ok = ok_j[:, None] & pair_ok[None, :]
+    base = row[:, None] * width + off[:, None] + 2 * pair[None, :]
+    bbase = brow[:, None] * width + off[:, None] + 2 * pair[None, :]
+    g_e = tl.load(gate_pool_ptr + base, mask=ok, other=0.0).to(tl.float32) + \
+        tl.load(bias_ptr + bbase, mask=ok, other=0.0).to(tl.float32)
+    g_o = tl.load(gate_pool_ptr + base + 1, mask=ok, other=0.0).to(tl.float32) + \
+        tl.load(bias_ptr + bbase + 1, mask=ok, other=0.0).to(tl.float32)
+    return base, ok, g_e, g_o
+
+
+@triton.jit
 def _entries(kv_pool_ptr, gate_pool_ptr, entry_pool_ptr, fresh_ptr, qsl_ptr, seq_lens_ptr,
              table_ptr, bias_ptr, weight_ptr, inv_freq_ptr, num_reqs, stride_table, page_size,
              width, dim, rate, eps, rope_scale,
@@ -77,28 +110,9 @@ def _entries(kv_pool_ptr, gate_pool_ptr, entry_pool_ptr, fresh_ptr, qsl_ptr, seq
         m_e = tl.full([PAIRS], float("-inf"), tl.float32)
         m_o = tl.full([PAIRS], float("-inf"), tl.float32)
         for s0 in range(0, NUM_SLOTS, SLOT_BLOCK):
-            j = s0 + tl.arange(0, SLOT_BLOCK)
-            if OVERLAP:  # slots < rate: window w - 1's first half; then window w's second
-                second = j >= rate
-                tok = tl.where(second, w * rate + j - rate, (w - 1) * rate + j)
-                off = tl.where(second, dim, 0)
-                brow = tl.where(second, j - rate, j)
-                ok_j = (j < NUM_SLOTS) & (second | (j * 0 + w >= 1))
-            else:
-                tok = w * rate + j
-                off = j * 0
-                brow = j
-                ok_j = j < NUM_SLOTS
-            tok = tl.where(ok_j, tok, 0)
-            page = tl.load(table_row + tok // page_size, mask=ok_j, other=0).to(tl.int64)
-            row = page * page_size + tok % page_size
-            ok = ok_j[:, None] & pair_ok[None, :]
-            base = row[:, None] * width + off[:, None] + 2 * pair[None, :]
-            bbase = brow[:, None] * width + off[:, None] + 2 * pair[None, :]
-            g_e = tl.load(gate_pool_ptr + base, mask=ok, other=0.0).to(tl.float32) + \
-                tl.load(bias_ptr + bbase, mask=ok, other=0.0).to(tl.float32)
-            g_o = tl.load(gate_pool_ptr + base + 1, mask=ok, other=0.0).to(tl.float32) + \
-                tl.load(bias_ptr + bbase + 1, mask=ok, other=0.0).to(tl.float32)
+            base, ok, g_e, g_o = _slot_gates(gate_pool_ptr, bias_ptr, table_row, s0, w, rate,
+                                             page_size, width, dim, pair, pair_ok, OVERLAP,
+                                             SLOT_BLOCK, NUM_SLOTS)
             m_e = tl.maximum(m_e, tl.max(tl.where(ok, g_e, float("-inf")), 0))
             m_o = tl.maximum(m_o, tl.max(tl.where(ok, g_o, float("-inf")), 0))
         # pass 2: exp-weighted sums
@@ -107,28 +121,9 @@ def _entries(kv_pool_ptr, gate_pool_ptr, entry_pool_ptr, fresh_ptr, qsl_ptr, seq
         a_e = tl.zeros([PAIRS], tl.float32)
         a_o = tl.zeros([PAIRS], tl.float32)
         for s0 in range(0, NUM_SLOTS, SLOT_BLOCK):
-            j = s0 + tl.arange(0, SLOT_BLOCK)
-            if OVERLAP:
-                second = j >= rate
-                tok = tl.where(second, w * rate + j - rate, (w - 1) * rate + j)
-                off = tl.where(second, dim, 0)
-                brow = tl.where(second, j - rate, j)
-                ok_j = (j < NUM_SLOTS) & (second | (j * 0 + w >= 1))
-            else:
-                tok = w * rate + j
-                off = j * 0
-                brow = j
-                ok_j = j < NUM_SLOTS
-            tok = tl.where(ok_j, tok, 0)
-            page = tl.load(table_row + tok // page_size, mask=ok_j, other=0).to(tl.int64)
-            row = page * page_size + tok % page_size
-            ok = ok_j[:, None] & pair_ok[None, :]
-            base = row[:, None] * width + off[:, None] + 2 * pair[None, :]
-            bbase = brow[:, None] * width + off[:, None] + 2 * pair[None, :]
-            g_e = tl.load(gate_pool_ptr + base, mask=ok, other=0.0).to(tl.float32) + \
-                tl.load(bias_ptr + bbase, mask=ok, other=0.0).to(tl.float32)
-            g_o = tl.load(gate_pool_ptr + base + 1, mask=ok, other=0.0).to(tl.float32) + \
-                tl.load(bias_ptr + bbase + 1, mask=ok, other=0.0).to(tl.float32)
+            base, ok, g_e, g_o = _slot_gates(gate_pool_ptr, bias_ptr, table_row, s0, w, rate,
+                                             page_size, width, dim, pair, pair_ok, OVERLAP,
+                                             SLOT_BLOCK, NUM_SLOTS)
             p_e = tl.where(ok, tl.exp(g_e - m_e[None, :]), 0.0)
             p_o = tl.where(ok, tl.exp(g_o - m_o[None, :]), 0.0)
             k_e = tl.load(kv_pool_ptr + base, mask=ok, other=0.0).to(tl.float32)
