@@ -20,6 +20,8 @@
 #   attention     attention_kernel.py                  (the attention kernel alone)
 #   ssd_kernels   ssd_kernels.py --sweep               (Mamba-2 and GDN verify ops vs state floor)
 #   ssm_step      ssm_step.py                          (Nemotron-H-like verify step vs HF dense)
+#   dsv4_step     dsv4_step.py                         (DeepSeek-V4-shaped verify step vs HF)
+#   moe_steps     hybrid_step.py --variant a3b, then --variant moe (MoE verify steps vs HF)
 # One-off A/B and probe jobs are in git history. Each job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
 # A job that runs past its limit is stopped and the next one starts.
@@ -55,6 +57,9 @@ job() {
     attention) python3 benchmarks/attention_kernel.py ;;
     ssd_kernels) python3 benchmarks/ssd_kernels.py --sweep ;;
     ssm_step) python3 benchmarks/ssm_step.py ;;
+    dsv4_step) python3 benchmarks/dsv4_step.py ;;
+    moe_steps) python3 benchmarks/hybrid_step.py --variant a3b &&
+      python3 benchmarks/hybrid_step.py --variant moe ;;
     *) echo "unknown job $1"; return 2 ;;
   esac
 }
