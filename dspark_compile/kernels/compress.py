@@ -27,6 +27,7 @@ import triton
 import triton.language as tl
 
 from .launch import launch, zeros_when_warming
+from .metadata import row_request
 
 __all__ = ["compress_triton"]
 
@@ -89,16 +90,8 @@ def _entries(kv_pool_ptr, gate_pool_ptr, entry_pool_ptr, fresh_ptr, qsl_ptr, seq
              OVERLAP: tl.constexpr, PAIRS: tl.constexpr, ROPE_PAIRS: tl.constexpr,
              SLOT_BLOCK: tl.constexpr, NUM_SLOTS: tl.constexpr, CHUNK: tl.constexpr):
     t = tl.program_id(0)
-    req = t * 0
-    for c in range(0, num_reqs, CHUNK):
-        i = c + tl.arange(0, CHUNK)
-        ends = tl.load(qsl_ptr + 1 + i, mask=i < num_reqs, other=2147483647)
-        req += tl.sum((ends <= t).to(tl.int32), 0)
-    req = tl.minimum(req, num_reqs - 1)
-    start = tl.load(qsl_ptr + req)
-    end = tl.load(qsl_ptr + req + 1)
-    pos = tl.load(seq_lens_ptr + req) - (end - start) + (t - start)
-    closes = (t < tl.load(qsl_ptr + num_reqs)) & ((pos + 1) % rate == 0)
+    req, pos, real = row_request(qsl_ptr, seq_lens_ptr, t, num_reqs, CHUNK)
+    closes = real & ((pos + 1) % rate == 0)
 
     pair = tl.arange(0, PAIRS)
     pair_ok = pair < dim // 2

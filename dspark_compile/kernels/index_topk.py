@@ -32,6 +32,7 @@ import triton.language as tl
 
 from .device import device_sm_count
 from .launch import launch, zeros_when_warming
+from .metadata import row_request
 
 __all__ = ["index_topk_triton", "plan_index"]
 
@@ -49,16 +50,7 @@ def _scores(q_ptr, w_ptr, entry_ptr, qsl_ptr, seq_lens_ptr, table_ptr, out_ptr, 
     t = tl.program_id(0)
     split = tl.program_id(1)
     splits = tl.num_programs(1)
-    req = t * 0
-    for c in range(0, num_reqs, CHUNK):
-        i = c + tl.arange(0, CHUNK)
-        ends = tl.load(qsl_ptr + 1 + i, mask=i < num_reqs, other=2147483647)
-        req += tl.sum((ends <= t).to(tl.int32), 0)
-    req = tl.minimum(req, num_reqs - 1)
-    start = tl.load(qsl_ptr + req)
-    end = tl.load(qsl_ptr + req + 1)
-    pos = tl.load(seq_lens_ptr + req) - (end - start) + (t - start)
-    real = t < tl.load(qsl_ptr + num_reqs)
+    req, pos, real = row_request(qsl_ptr, seq_lens_ptr, t, num_reqs, CHUNK)
     bound = tl.where(real, (pos + 1) // rate, 0)
     h = tl.arange(0, H_PAD)
     d = tl.arange(0, D_PAD)

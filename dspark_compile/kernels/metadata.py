@@ -35,6 +35,24 @@ CHUNK = 128
 
 
 @triton.jit
+def row_request(qsl_ptr, seq_lens_ptr, t, num_reqs, CHUNK: tl.constexpr):
+    """Packed row ``t``'s request ``req``, its position ``pos`` in that request's sequence and
+    whether it is a real row (``real``: below ``qsl[R]``; a padding row gets the last request
+    and a position past it). Counts the requests that end at or before ``t``, ``CHUNK`` ends
+    per load, as :func:`_row_metadata` does for a block of rows."""
+    req = t * 0
+    for c in range(0, num_reqs, CHUNK):
+        i = c + tl.arange(0, CHUNK)
+        ends = tl.load(qsl_ptr + 1 + i, mask=i < num_reqs, other=2147483647)
+        req += tl.sum((ends <= t).to(tl.int32), 0)
+    req = tl.minimum(req, num_reqs - 1)
+    start = tl.load(qsl_ptr + req)
+    end = tl.load(qsl_ptr + req + 1)
+    pos = tl.load(seq_lens_ptr + req) - (end - start) + (t - start)
+    return req, pos, t < tl.load(qsl_ptr + num_reqs)
+
+
+@triton.jit
 def _row_metadata(qsl_ptr, ctx_ptr, slots_ptr, pool_table_ptr, delta_ptr, pos_ptr,
                   slot_map_ptr, mpos_ptr, num_tokens, num_reqs, stride_pool, page_size, block,
                   BLOCK_ROWS: tl.constexpr, CHUNK: tl.constexpr, MROPE: tl.constexpr):
