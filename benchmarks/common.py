@@ -289,6 +289,14 @@ def mix_lens(bs: int, block: int, mean: int = 3, seed: int = 0) -> list[int]:
     return lens
 
 
+def step_tiers(batches, widths) -> tuple:
+    """Only the tiers a run replays: ``(w * bs, bs)`` for every batch size and verify width
+    (at least 2 tokens); a full tier set would capture ~30 graphs for nothing."""
+    from dspark_compile.session.tiers import Tier
+
+    return tuple(sorted({Tier(max(2, w * bs), bs) for bs in batches for w in widths}))
+
+
 def graph_of(fns: list, calls: int):
     """A CUDA graph of ``calls`` calls cycling ``fns``, captured after one warm-up call of each
     on a side stream, on that same stream: a split launch's counters are made per stream by

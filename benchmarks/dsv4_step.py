@@ -46,9 +46,8 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from common import max_err_vs_hf, mix_lens
+from common import max_err_vs_hf, mix_lens, step_tiers
 from dspark_compile import VerifyLayout, dspark_compile
-from dspark_compile.session.tiers import Tier
 
 SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", \
     "compressed_sparse_attention"
@@ -112,11 +111,6 @@ def build_model(s: Settings):
     return model.to(getattr(torch, s.dtype)).eval()
 
 
-def tiers_for(s: Settings) -> tuple[Tier, ...]:
-    return tuple(sorted({Tier(max(2, w * bs), bs) for bs in s.batches
-                         for w in (s.mean_len, s.block)}))
-
-
 def events_ms(fn, s: Settings, iters: int, before=None) -> float:
     """Median ms of ``iters`` calls, each between its own CUDA events (wall clock on the CPU);
     ``before`` runs untimed ahead of every call."""
@@ -172,10 +166,11 @@ def hf_row(model, s: Settings, bs: int) -> dict:
     prompt = torch.randint(0, s.model["vocab_size"], (bs, s.context), generator=gen)
     step_ids = torch.randint(0, s.model["vocab_size"], (bs, s.block), generator=gen)
     prompt, step_ids = prompt.to(s.device), step_ids.to(s.device)
+    kw = _cache_kw(model)
     prefilled = DynamicCache(config=model.config)
     with torch.no_grad():
         for c0 in range(0, s.context, 256):  # chunks bound the prefill's attention memory
-            model(input_ids=prompt[:, c0:c0 + 256], use_cache=True, **{_cache_kw(model): prefilled})
+            model(input_ids=prompt[:, c0:c0 + 256], use_cache=True, **{kw: prefilled})
     cache = [None]
     pos = torch.arange(s.context, s.context + s.block, device=s.device).expand(bs, -1)
 
@@ -185,13 +180,9 @@ def hf_row(model, s: Settings, bs: int) -> dict:
     def step():
         with torch.no_grad():
             return model(input_ids=step_ids, position_ids=pos, use_cache=True,
-                         **{_cache_kw(model): cache[0]}).logits
+                         **{kw: cache[0]}).logits
 
-    ms = events_ms(step, s, s.iters, before=restore)
-    del prefilled, cache
-    if s.gpu:
-        torch.cuda.empty_cache()
-    return {"hf_dense8_eager_ms": ms}
+    return {"hf_dense8_eager_ms": events_ms(step, s, s.iters, before=restore)}
 
 
 def _cache_kw(model) -> str:
@@ -236,7 +227,7 @@ def run(s: Settings, save) -> dict:
                                max_step_tokens=max_bs * s.block)
     fill_state(state, s)
     t0 = time.perf_counter()
-    tiers = tiers_for(s)
+    tiers = step_tiers(s.batches, (s.mean_len, s.block))
     verifier.capture(state, tiers=tiers, progress=s.gpu, use_graphs=s.gpu)
     data = {"params": sum(p.numel() for p in model.parameters()), "compile_seconds": compile_s,
             "capture_seconds": time.perf_counter() - t0,
@@ -246,6 +237,8 @@ def run(s: Settings, save) -> dict:
     for bs in s.batches:
         row = ours_row(verifier, state, s, bs)
         row.update(hf_row(model, s, bs))
+        if s.gpu:
+            torch.cuda.empty_cache()  # HF's caches of this batch size are gone
         row["hf_over_ours_mix3"] = row["hf_dense8_eager_ms"] / row["ours_graph_mix3_ms"]
         data["results"][str(bs)] = row
         print(bs, {k: round(v, 3) for k, v in row.items()}, flush=True)

@@ -57,7 +57,7 @@ import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
 from dspark_compile.session.tiers import Tier
-from common import (capture_graph, max_err_vs_hf, mix_lens, plot_step_ms,
+from common import (capture_graph, max_err_vs_hf, mix_lens, plot_step_ms, step_tiers,
                     time_ms as _time_ms)
 
 PATTERN = ["linear_attention"] * 3 + ["full_attention"]
@@ -177,10 +177,8 @@ def shapes_for(s: Settings, bs: int) -> dict[str, list[int]]:
 
 
 def tiers_for(s: Settings) -> tuple[Tier, ...]:
-    """Only the tiers the batches replay: ``(mean * bs, bs)`` (mix and uniform) and
-    ``(block * bs, bs)``; a full tier set would capture ~30 graphs for nothing."""
-    return tuple(sorted({Tier(max(2, w * bs), bs) for bs in s.batches
-                         for w in (s.mean_len, s.block)}))
+    """``(mean * bs, bs)`` (mix and uniform) and ``(block * bs, bs)``."""
+    return step_tiers(s.batches, (s.mean_len, s.block))
 
 
 def time_ms(fn, s: Settings, iters: int) -> float:
