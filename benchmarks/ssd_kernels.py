@@ -13,8 +13,10 @@ copies of the inputs that the state comes from HBM, not the 50 MB L2 (``common.t
 ``--sweep`` also times every channel block (``BLOCK_P`` / ``BLOCK_V``) and warp count at each
 batch size, all 8 rows.
 
-Usage: ``python benchmarks/ssd_kernels.py [--sweep] [--smoke] [--bs 64 128] [--kernels gdn]``. Writes ``ssd_kernels.json`` to
-``$OUT`` if set, else to ``benchmarks/results/``. ``--smoke`` runs tiny shapes on the CPU under
+Usage: ``python benchmarks/ssd_kernels.py [--sweep] [--smoke] [--bs 64 128] [--kernels gdn]
+[--sweep-warps 1 2 4 8]``. Writes ``ssd_kernels.json`` to ``$OUT`` if set, else to
+``benchmarks/results/`` (after every row). The GDN inputs and their check are
+``hybrid_kernels.py``'s. ``--smoke`` runs tiny shapes on the CPU under
 ``TRITON_INTERPRET=1`` (checks the script, times nothing real).
 """
 
@@ -23,7 +25,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import math
 import os
 import platform
 import sys
@@ -34,40 +35,28 @@ if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel 
 
 import torch  # noqa: E402
 from common import mix_lens, time_calls  # noqa: E402
+from hybrid_kernels import (_copies, _gdn_args, check_gdn, gdn_inputs,  # noqa: E402
+                            layout)
 
 from dspark_compile.kernels import gdn as triton_gdn  # noqa: E402
 from dspark_compile.kernels import ssd as triton_ssd  # noqa: E402
 from dspark_compile.kernels.device import device_sm_count  # noqa: E402
-from dspark_compile.ops import linear_attention as linear_ops  # noqa: E402
-from dspark_compile.ops import linear_attention_reference as gdn_ref  # noqa: E402
 from dspark_compile.ops import ssd as ssd_ops  # noqa: E402
 from dspark_compile.ops import ssd_reference as ssd_ref  # noqa: E402
 
 SETTINGS = dict(batch_sizes=[1, 8, 64, 128], block=8, mean_len=3, dtype="bfloat16",
                 ssd_heads=128, ssd_groups=8, ssd_state=128, ssd_head_dim=64,
-                gdn_k_heads=16, gdn_v_heads=32, gdn_k_dim=128, gdn_v_dim=128,
+                num_k_heads=16, num_v_heads=32, k_dim=128, v_dim=128,
                 hbm_bytes_per_s=4.8e12, rotate_bytes=256e6, eager_iters=200, graph_calls=32,
                 graph_replays=20, sweep_blocks=[16, 32, 64], sweep_warps=[1, 2, 4, 8])
 SMOKE = dict(SETTINGS, batch_sizes=[1, 3], dtype="float32", ssd_heads=4, ssd_groups=2,
-             ssd_state=8, ssd_head_dim=24, gdn_k_heads=2, gdn_v_heads=4, gdn_k_dim=16,
-             gdn_v_dim=16, rotate_bytes=0, eager_iters=2, graph_calls=1, graph_replays=1,
+             ssd_state=8, ssd_head_dim=24, num_k_heads=2, num_v_heads=4, k_dim=16,
+             v_dim=16, rotate_bytes=0, eager_iters=2, graph_calls=1, graph_replays=1,
              sweep_blocks=[16], sweep_warps=[4])
 
 
 def lengths(bs: int, mix: bool, s: dict) -> list[int]:
     return mix_lens(bs, s["block"], s["mean_len"]) if mix else [s["block"]] * bs
-
-
-def layout(lens: list[int], device: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """``query_start_loc`` and slots (a fixed permutation of a pool twice the batch)."""
-    qsl = torch.zeros(len(lens) + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-    slots = torch.randperm(2 * len(lens), generator=torch.Generator().manual_seed(1))
-    return qsl.to(device), slots[: len(lens)].to(torch.int32).to(device)
-
-
-def _copies(one_bytes: float, s: dict) -> int:
-    return max(1, min(64, math.ceil(s["rotate_bytes"] / max(one_bytes, 1))))
 
 
 def _rates(nbytes: float, times: dict, s: dict) -> dict:
@@ -141,47 +130,9 @@ def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
 
 
 # ---------------------------------------------------------------------- GDN
-def gdn_inputs(lens: list[int], s: dict, device: str, seed: int) -> dict:
-    g = torch.Generator(device).manual_seed(seed)
-    dtype, n = getattr(torch, s["dtype"]), sum(lens)
-    hk, hv, kd, vd = s["gdn_k_heads"], s["gdn_v_heads"], s["gdn_k_dim"], s["gdn_v_dim"]
-    qsl, slots = layout(lens, device)
-
-    def rnd(*shape):
-        return torch.randn(*shape, generator=g, device=device)
-
-    return dict(q=rnd(n, hk, kd).to(dtype), k=rnd(n, hk, kd).to(dtype), v=rnd(n, hv, vd).to(dtype),
-                g=-torch.nn.functional.softplus(rnd(n, hv)), beta=torch.sigmoid(rnd(n, hv)).to(dtype),
-                state=0.3 * rnd(2 * len(lens), hv, kd, vd), qsl=qsl, slots=slots,
-                rings=linear_ops.gdn_ring(n, hk, hv, kd, vd, device))
-
-
-def _gdn_args(c: dict, s: dict) -> tuple:
-    return (c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["qsl"], c["slots"],
-            *c["rings"], s["gdn_k_dim"] ** -0.5, True)
-
-
-def check_gdn(c: dict, lens: list[int], s: dict, plan=None) -> float:
-    f32 = {k: (v.float() if isinstance(v, torch.Tensor) and v.is_floating_point() else v)
-           for k, v in c.items()}
-    f32["rings"] = tuple(torch.zeros_like(r) for r in c["rings"])
-    want = gdn_ref.gated_delta_rule(*_gdn_args(f32, s))
-    got = triton_gdn.gated_delta_rule_triton(*_gdn_args(c, s), plan=plan)
-    acc = torch.tensor([max(1, n // 2) for n in lens], dtype=torch.int32, device=c["q"].device)
-    state, want_state = c["state"].clone(), c["state"].clone()
-    triton_gdn.gated_delta_rule_commit_triton(state, *c["rings"], c["qsl"], c["slots"], acc,
-                                              plan=plan)
-    gdn_ref.gated_delta_rule_commit(want_state, *f32["rings"], c["qsl"], c["slots"], acc)
-    state_err = (state - want_state).abs().max().item()
-    err = (got.float() - want).abs().max().item()
-    if not (err < 3e-2 and state_err < 1e-3):
-        raise AssertionError(f"gdn: triton vs reference max abs error {err}, state {state_err}")
-    return err
-
-
 def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
     lens = lengths(bs, mix, s)
-    hv, kd, vd = s["gdn_v_heads"], s["gdn_k_dim"], s["gdn_v_dim"]
+    hv, kd, vd = s["num_v_heads"], s["k_dim"], s["v_dim"]
     floor = bs * hv * kd * vd * 4
     sets = [gdn_inputs(lens, s, device, seed=bs + i) for i in range(_copies(floor, s))]
     err = check_gdn(sets[0], lens, s, plan)
@@ -199,12 +150,12 @@ def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
 
 def sweep(s: dict, device: str, kernels: tuple[str, ...], emit) -> None:
     """Every channel block and warp count of the kernels at each batch size, all 8 rows."""
-    ns, kd = s["ssd_state"], s["gdn_k_dim"]
+    ns, kd = s["ssd_state"], s["k_dim"]
     n_pad, k_pad = 1 << (ns - 1).bit_length(), 1 << (kd - 1).bit_length()
     for bs in s["batch_sizes"]:
         for block_v in s["sweep_blocks"] if "gdn" in kernels else ():
             for warps in s["sweep_warps"]:
-                plan = triton_gdn.GdnPlan(k_pad, block_v, -(-s["gdn_v_dim"] // block_v),
+                plan = triton_gdn.GdnPlan(k_pad, block_v, -(-s["v_dim"] // block_v),
                                           warps)
                 r = gdn_case(bs, False, s, device, plan)
                 emit(dict(kernel="gdn", bs=bs, block_v=block_v, num_warps=warps,
