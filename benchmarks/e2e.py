@@ -616,6 +616,8 @@ def parse_settings(argv=None) -> tuple[Settings, str]:
     parser.add_argument("--target", choices=("successor", "random"), default=None)
     parser.add_argument("--mean-accepted", type=float, default=None)
     parser.add_argument("--concentration", type=float, default=None)
+    parser.add_argument("--concurrency", type=int, nargs="+", default=None,
+                        help="concurrencies to run (default 1 8 64 256); the files get a suffix")
     parser.add_argument("--group-linears", choices=GROUP_LINEARS,
                         default="auto",
                         help="DSparkConfig(group_linears=...); not auto: the files get a suffix")
@@ -632,6 +634,12 @@ def parse_settings(argv=None) -> tuple[Settings, str]:
         suffix = variant_suffix(args.group_linears, args.rotary)
         changes.update(group_linears=args.group_linears, rotary=args.rotary,
                        name=s.name + suffix)
+    if args.mean_accepted is not None:
+        changes["name"] = changes.get("name", s.name) + f"_accepted{args.mean_accepted:g}"
+    if args.concurrency:
+        changes.update(concurrency=tuple(args.concurrency),
+                       name=changes.get("name", s.name) + "_c" + "_".join(
+                           str(c) for c in args.concurrency))
     if args.replay_rates:
         changes.update(step_overhead=False, name=changes.get("name", s.name) + "_replay_rates")
     return replace(s, **changes), args.out
