@@ -615,8 +615,9 @@ class AttentionPlan:
     ``block_m`` rows per program; ``tile_n`` keys per step over the paged context, ``new_n``
     per step over a request's own new keys; ``search`` ``query_start_loc`` entries per load
     when a program looks up its request; ``num_splits`` programs share a q-block's keys (1: no
-    reduce kernel); ``grid = (N // block_q + R + 1, Hkv, num_splits)``; ``num_warps`` and
-    ``max_registers`` (``maxnreg``, None: the compiler's choice) of the attention kernel.
+    reduce kernel); ``grid = (N // block_q + R + 1, Hkv, num_splits)``; ``num_warps``,
+    ``max_registers`` (``maxnreg``, None: the compiler's choice) and ``num_stages`` of the
+    attention kernel.
     """
 
     block_q: int
@@ -629,6 +630,37 @@ class AttentionPlan:
     grid: tuple[int, int, int]
     num_warps: int
     max_registers: int | None
+    num_stages: int
+
+
+def attention_smem(block_m: int, tile_n: int, stages: int, head_dim_pad: int,
+                   elem_bytes: int) -> int:
+    """Bytes of shared memory ``plan_attention`` counts for one program: ``stages`` K and V
+    tiles of ``tile_n`` keys (both at the wider padded head dim), the Q tile, and the
+    probabilities tile."""
+    return elem_bytes * (2 * stages * tile_n * head_dim_pad + block_m * head_dim_pad
+                         + block_m * tile_n)
+
+
+def fit_tiles(block_m: int, tile_n: int, stages: int, head_dim_pad: int, elem_bytes: int,
+              budget: int) -> tuple[int, int]:
+    """``(tile_n, stages)`` whose :func:`attention_smem` fits ``budget``: fewer stages (down to
+    2), then narrower tiles (down to 16), then one stage; ``ValueError`` naming the shapes when
+    even 16 keys in one stage do not fit."""
+    while attention_smem(block_m, tile_n, stages, head_dim_pad, elem_bytes) > budget:
+        if stages > 2:
+            stages -= 1
+        elif tile_n > 16:
+            tile_n //= 2
+        elif stages > 1:
+            stages -= 1
+        else:
+            raise ValueError(
+                f"ragged_attention_triton: a program of {block_m} rows (query tokens x heads per "
+                f"KV head) at head dim {head_dim_pad} in {elem_bytes}-byte elements needs "
+                f"{attention_smem(block_m, 16, 1, head_dim_pad, elem_bytes)} bytes of shared "
+                f"memory with 16 keys in one stage; the target allows {budget}")
+    return tile_n, stages
 
 
 def head_dim_pad(head_dim: int) -> int:
@@ -689,7 +721,7 @@ def _max_splits(num_splits: int) -> int:
 def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_heads: int,
                    max_keys: int, max_query_len: int, cfg: TargetConfig, sm_count: int,
                    num_splits: int | None = None, window: int = 0,
-                   head_dim_pad: int = 128) -> AttentionPlan:
+                   head_dim_pad: int = 128, elem_bytes: int = 2) -> AttentionPlan:
     """Choose tiles and the split count from host ints (no device value is read).
 
     ``BLOCK_Q`` covers ``max_query_len`` (a verify block is one tile, so its KV is read once
@@ -702,7 +734,10 @@ def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_he
     (132 SMs) this splits bs 1 and 8 and leaves bs >= 64 whole. With a ``window`` (> 0) a
     q-block reads at most ``window + BLOCK_Q - 1`` keys, and those are what the rule splits: a
     windowed layer at a long context plans like a short one. ``head_dim_pad``: the wider of
-    q/k's and v's padded head dims (:func:`head_dim_pad`).
+    q/k's and v's padded head dims (:func:`head_dim_pad`). Past 128, the key tile and the
+    pipeline's stages are cut until :func:`attention_smem` fits ``cfg.attn_max_smem``
+    (``elem_bytes``: the KV pool's element size): at 64 heads on one KV head of 512 in bf16,
+    the table's 32 keys x 3 stages asked 320 KB of the H200's 227 (triton 3.6).
     """
     group_pad = triton.next_power_of_2(num_heads // num_kv_heads)
     block_m = max(16, group_pad, min(triton.next_power_of_2(max_query_len) * group_pad,
@@ -728,8 +763,13 @@ def plan_attention(num_tokens: int, num_requests: int, num_heads: int, num_kv_he
     # spill. Nothing changes at head dims up to 128.
     num_warps = cfg.attn_num_warps * max(1, block_m // 32)
     max_registers = cfg.attn_max_registers if block_m <= 16 and head_dim_pad <= 128 else None
-    return AttentionPlan(block_q, group_pad, block_m, cfg.attn_tile_n, new_n, search,
-                         num_splits, grid, num_warps, max_registers)
+    tile_n, stages = cfg.attn_tile_n, cfg.attn_num_stages
+    if head_dim_pad > 128:
+        tile_n, stages = fit_tiles(block_m, tile_n, stages, head_dim_pad, elem_bytes,
+                                   cfg.attn_max_smem)
+        new_n = min(new_n, tile_n)
+    return AttentionPlan(block_q, group_pad, block_m, tile_n, new_n, search,
+                         num_splits, grid, num_warps, max_registers, stages)
 
 
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
@@ -841,7 +881,8 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     cfg = config or cfg
     pdl = use_pdl(q.device, cfg)
     plan = plan_attention(n, r, h, hkv, max_keys, max(1, max_query_len or n), cfg, sm_count,
-                          num_splits, window, max(head_dim_pad(d), head_dim_pad(dv)))
+                          num_splits, window, max(head_dim_pad(d), head_dim_pad(dv)),
+                          k_cache.element_size())
     if out is None:
         out = q.new_empty((n, h, dv))  # [N, H, Dv]
     if n == 0:
@@ -875,7 +916,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         MAX_SPLITS=max_splits, UPCAST=q.dtype != k_cache.dtype,
         DOT_PRECISION=cfg.fp32_dot_precision, EARLY=pdl and early_reads and cfg.attn_early_reads,
         PDL=pdl, HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
-        num_warps=plan.num_warps, num_stages=cfg.attn_num_stages, **regs, **pdl_options(pdl))
+        num_warps=plan.num_warps, num_stages=plan.num_stages, **regs, **pdl_options(pdl))
     if split and counters is None:
         launch(_split_reduce_kernel, (n,),
             out, part_acc, part_ml, query_start_loc, n, r, plan.num_splits, out.stride(0),

@@ -36,18 +36,19 @@ CHUNK = 128
 
 
 @triton.jit
-def _raw_write(kv_ptr, gate_ptr, kv_pool_ptr, gate_pool_ptr, slot_ptr, width,
-               BLOCK_W: tl.constexpr):
+def _raw_write(kv_ptr, gate_ptr, kv_pool_ptr, gate_pool_ptr, slot_ptr, width, stride_kv,
+               stride_gate, BLOCK_W: tl.constexpr):
     t = tl.program_id(0)
     slot = tl.load(slot_ptr + t).to(tl.int64)
     if slot >= 0:
         for c in range(0, width, BLOCK_W):
             cols = c + tl.arange(0, BLOCK_W)
             ok = cols < width
-            src = t.to(tl.int64) * width + cols
             dst = slot * width + cols
-            tl.store(kv_pool_ptr + dst, tl.load(kv_ptr + src, mask=ok), mask=ok)
-            tl.store(gate_pool_ptr + dst, tl.load(gate_ptr + src, mask=ok), mask=ok)
+            tl.store(kv_pool_ptr + dst, tl.load(kv_ptr + t.to(tl.int64) * stride_kv + cols,
+                                                mask=ok), mask=ok)
+            tl.store(gate_pool_ptr + dst, tl.load(gate_ptr + t.to(tl.int64) * stride_gate + cols,
+                                                  mask=ok), mask=ok)
 
 
 @triton.jit
@@ -161,9 +162,17 @@ def _entries(kv_pool_ptr, gate_pool_ptr, entry_pool_ptr, fresh_ptr, qsl_ptr, seq
 
 def _check(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc, seq_lens, block_table,
            slot_mapping, position_bias, norm_weight, inv_freq) -> None:
-    """Host-side checks (no device value is read): ``ValueError`` naming what is wrong."""
+    """Host-side checks (no device value is read): ``ValueError`` naming what is wrong.
+
+    ``kv`` and ``gate`` may be row-strided views (slices of one projection's output); their
+    channels must be contiguous. Every other tensor must be contiguous."""
     dev = kv.device
-    named = dict(kv=kv, gate=gate, kv_pool=kv_pool, gate_pool=gate_pool, entry_pool=entry_pool,
+    for name, t in (("kv", kv), ("gate", gate)):
+        if t.device != dev or t.stride(-1) != 1:
+            raise ValueError(f"compress_triton: {name} is on {t.device} with strides "
+                             f"{tuple(t.stride())}; it must be on {dev} with contiguous channels "
+                             "(last stride 1)")
+    named = dict(kv_pool=kv_pool, gate_pool=gate_pool, entry_pool=entry_pool,
                  query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                  slot_mapping=slot_mapping, position_bias=position_bias,
                  norm_weight=norm_weight, inv_freq=inv_freq)
@@ -201,8 +210,8 @@ def compress_triton(kv: torch.Tensor, gate: torch.Tensor, kv_pool: torch.Tensor,
     if n == 0:
         return fresh
     num_reqs = seq_lens.shape[0]
-    launch(_raw_write, (n,), kv, gate, kv_pool, gate_pool, slot_mapping, width,
-           BLOCK_W=min(triton.next_power_of_2(width), 1024))
+    launch(_raw_write, (n,), kv, gate, kv_pool, gate_pool, slot_mapping, width, kv.stride(0),
+           gate.stride(0), BLOCK_W=min(triton.next_power_of_2(width), 1024))
     slots = 2 * rate if overlap else rate
     launch(_entries, (n,), kv_pool, gate_pool, entry_pool, fresh, query_start_loc, seq_lens,
            block_table, position_bias, norm_weight, inv_freq, num_reqs, block_table.stride(0),

@@ -57,6 +57,10 @@ class TargetConfig:
     """Programs to aim for, per multiprocessor, when the batch alone does not fill the GPU."""
     default_sm_count: int
     """Multiprocessors assumed when the device cannot be asked (the interpreter)."""
+    attn_max_smem: int = 160 * 1024
+    """Shared memory (bytes, as ``plan_attention`` estimates it) an attention program's K/V
+    pipeline and Q tile may take at head dims past 128; its stages, then its key tile, are cut
+    to fit. 160 KB leaves headroom under the H200's 227 KB for what the estimate omits."""
     attn_fold_reduce: bool = True
     """Split launches merge their partials in the attention kernel (the last program of a
     q-block to finish, found with an atomic counter) instead of a second reduce launch.

@@ -76,7 +76,9 @@ class WeightBinding:
                     raise StaleWeightsError(
                         f"dspark_compile: parameter {name} moved since this verifier was built "
                         f"(its storage was at {ptr:#x}, now {t.data_ptr():#x}, {t.dtype} on "
-                        f"{t.device}): model.to(), .half(), .cuda() or assigning .data leave "
+                        f"{t.device}): model.to(), .half(), .cuda(), assigning .data, or "
+                        "another dspark_compile of this model that stacked its weights "
+                        "(group_linears='concat' rebinds them as views of one buffer) leave "
                         "the verifier's stacked weights and tier graphs reading the old "
                         "tensors. Call dspark_compile(model) again after moving the model "
                         "(load_state_dict, which copies in place, needs no rebuild)")

@@ -16,7 +16,8 @@ import torch
 
 from dspark_compile.ops import attention_reference as reference
 from dspark_compile.kernels.targets import TARGETS, target_for_device
-from dspark_compile.kernels.attention import plan_attention, ragged_attention_triton
+from dspark_compile.kernels.attention import (attention_smem, plan_attention,
+                                              ragged_attention_triton)
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 HAS_CUDA = torch.cuda.is_available()
@@ -224,6 +225,20 @@ def test_split_rule_uses_shapes_only() -> None:
     assert plan_attention(4, 1, 2, 2, 4096, 4, cfg, 132, num_splits=5).num_splits == 5
 
 
+def test_wide_heads_cut_stages_then_tiles_to_fit_shared_memory() -> None:
+    """Head dims up to 128 keep the table's tiles; 64 query heads on one KV head of 512 (the
+    MQA of DeepSeek-V4) in bf16 cut 3 stages x 32 keys to 2 x 16; float32 at that width does
+    not fit even 16 keys in one stage and is refused, naming the shapes, before a launch."""
+    cfg = TARGETS["sm_90"]
+    base = plan_attention(8, 1, 64, 1, 4096, 8, cfg, 132, head_dim_pad=128)
+    assert (base.tile_n, base.num_stages) == (cfg.attn_tile_n, cfg.attn_num_stages)
+    wide = plan_attention(8, 1, 64, 1, 4096, 8, cfg, 132, head_dim_pad=512, elem_bytes=2)
+    assert (wide.block_m, wide.tile_n, wide.num_stages, wide.new_n) == (64, 16, 2, 16)
+    assert attention_smem(64, 16, 2, 512, 2) <= cfg.attn_max_smem
+    with pytest.raises(ValueError, match="64 rows .* head dim 512 in 4-byte elements"):
+        plan_attention(8, 1, 64, 1, 4096, 8, cfg, 132, head_dim_pad=512, elem_bytes=4)
+
+
 def test_tier_set_compiles_few_kernel_variants() -> None:
     """Every specialised choice of a launch, over the 72-tier set of 256 requests x block 8:
     the split count, N and R are runtime arguments, so capture compiles a handful of variants
@@ -270,6 +285,22 @@ def test_bad_inputs_raise_value_error(mutate, match: str) -> None:
         ragged_attention_triton(*ok.args(), 0.1, max_query_len=0)
     with pytest.raises(ValueError, match="out .* must match q"):
         ragged_attention_triton(*ok.args(), 0.1, out=torch.empty_like(ok.q[:, :1]))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(INTERPRET or not HAS_CUDA, reason="needs a GPU and no interpreter")
+@pytest.mark.parametrize("bs", [1, 8, 64])
+def test_gpu_bf16_wide_mqa_heads(bs: int) -> None:
+    """64 query heads on one KV head of 512 (DeepSeek-V4's attention shape): the plan cuts its
+    tiles to fit shared memory, and the result still matches the reference."""
+    g = torch.Generator().manual_seed(bs)
+    lens = torch.randint(1, 9, (bs,), generator=g).tolist()
+    case = make_case(lens, [300] * bs, 64, 1, 512, 64, num_pad=3, seed=bs,
+                     dtype=torch.bfloat16, device="cuda")
+    got, got_pools, ref, ref_pools = run_both(case, scale=512 ** -0.5, max_query_len=8)
+    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
+    assert torch.equal(got[sum(lens):], torch.zeros_like(got[sum(lens):]))
+    assert all(torch.equal(g, r) for g, r in zip(got_pools, ref_pools))
 
 
 @pytest.mark.gpu

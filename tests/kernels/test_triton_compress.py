@@ -4,7 +4,8 @@ power of two, more slots than one slot block, ragged steps with an empty request
 rows over NaN-poisoned entry pools; float32 within rounding (the kernel divides once by the
 softmax's sum where the reference multiplies by its weights), bf16 within a few bf16 ulps (the
 reference rounds the softmax weights, products and sums to bf16 as HF does; the kernel
-accumulates in float32). The raw pools are bitwise the same (a copy)."""
+accumulates in float32). The raw pools are bitwise the same (a copy). The rows come in as
+row-strided slices of one tensor, as a fused projection's output does."""
 
 from __future__ import annotations
 
@@ -41,7 +42,8 @@ def test_triton_compress_matches_reference(overlap, rate, dim, rope_pairs, dtype
     tol = dict(rtol=0, atol=2e-6) if dtype == torch.float32 else dict(rtol=2 ** -5, atol=2 ** -5)
     for lens in steps:
         n = sum(lens)
-        kv, gate = rand(n + 2, width), rand(n + 2, width)
+        both = rand(n + 2, 2 * width)  # row-strided views, as slices of one projection
+        kv, gate = both[:, :width], both[:, width:]
         qsl = torch.tensor([0, lens[0], lens[0] + lens[1], n], dtype=torch.int32, device=DEVICE)
         seq = torch.tensor([c + m for c, m in zip(ctx, lens)], dtype=torch.int32, device=DEVICE)
         rows = []
@@ -68,6 +70,9 @@ def test_triton_compress_refuses_by_name():
     with pytest.raises(ValueError, match=r"position_bias is \(3, 32\)"):
         compress_triton(kv, kv, *pools, *meta, torch.zeros(3, 32), torch.zeros(32),
                         torch.zeros(4), 4, False, 1e-6, 1.0)
+    with pytest.raises(ValueError, match=r"gate is on cpu with strides \(1, 4\)"):
+        compress_triton(kv, kv.t().contiguous().t(), *pools, *meta, torch.zeros(4, 32),
+                        torch.zeros(32), torch.zeros(4), 4, False, 1e-6, 1.0)
     with pytest.raises(ValueError, match="kv_pool .*contiguous"):
         compress_triton(kv, kv, pools[0].transpose(0, 1), *pools[1:], *meta,
                         torch.zeros(4, 32), torch.zeros(32), torch.zeros(4), 4, False, 1e-6,
