@@ -127,14 +127,14 @@ class Settings:
     group_linears: str = "auto"
     """``DSparkConfig(group_linears=...)`` of the verifier (GPU runs)."""
     repeats: int = 3
-    """Timed runs per mode (after its warm-up); the median run is reported, every run's
-    tokens/s is kept. The host's share of a step varies run to run: one run per mode once gave
+    """Timed runs per mode (after every mode's warm-up), taken round the modes; the median run
+    is reported, every run's tokens/s is kept. The host's share of a step varies run to run: one run per mode once gave
     fixed width 6 at c = 64 45129 and 56152 tok/s in two processes."""
     step_overhead: bool = True
     """Price steps for the width policy and the planner at ``1 / SPS + overhead``
     (``TierRate(step_overhead_s=...)``), the overhead being this loop's time per step outside
-    the graph replay, measured on the no-speculation run at the same concurrency (which runs
-    first); False: the SPS table of graph replays alone."""
+    the graph replay, measured on untimed no-speculation runs at the same concurrency ahead
+    of the timed ones; False: the SPS table of graph replays alone."""
     rotary: str = "auto"
     """``DSparkConfig(rotary=...)`` of the verifier (GPU runs)."""
 
@@ -428,12 +428,29 @@ def bench_concurrency(decoder: Decoder, prompts: torch.Tensor, s: Settings):
                                decoder.vocab, s.seed + prompts.shape[0])
     decoder.warm_accept(prompts.shape[0])
     rows, outputs = {}, {"reference": reference[:, 1:1 + out]}
-    c, overhead = prompts.shape[0], 0.0
+    c = prompts.shape[0]
     decoder.rate = decoder.replay_rate
-    for mode in mode_names(s.gamma):
+    overhead = 0.0
+    if s.step_overhead:  # c tokens over c requests every step: the loop's time outside a replay
+        decoder.run("none", first, drafter, s.warmup_output)
+        probe = sorted(decoder.run("none", first, drafter, out).seconds
+                       for _ in range(s.repeats))
+        steps = out  # mode none emits one token per request per step
+        replay_s = 1.0 / float(decoder.replay_rate.steps_per_second(torch.tensor([c]), c)[0])
+        overhead = min(max(0.0, probe[len(probe) // 2] / steps - replay_s), 0.5)
+        decoder.rate = TierRate(decoder.table, decoder.tiers, decoder.state.max_requests,
+                                overhead)
+    modes = mode_names(s.gamma)
+    for mode in modes:
         decoder.run(mode, first, drafter, s.warmup_output)
-        runs = sorted((decoder.run(mode, first, drafter, out) for _ in range(s.repeats)),
-                      key=lambda r: r.seconds - r.draft_seconds)
+    # repeats go round the modes, so a drift of the machine over the minutes of a concurrency
+    # (clocks, host) falls on every mode alike instead of on the modes timed last
+    timed = {mode: [] for mode in modes}
+    for _ in range(s.repeats):
+        for mode in modes:
+            timed[mode].append(decoder.run(mode, first, drafter, out))
+    for mode in modes:
+        runs = sorted(timed[mode], key=lambda r: r.seconds - r.draft_seconds)
         summaries = [summarize(r, r.tokens[:, 1:1 + out], outputs["reference"], decoder.tiers)
                      for r in runs]
         run = runs[len(runs) // 2]  # the median run
@@ -441,11 +458,6 @@ def bench_concurrency(decoder: Decoder, prompts: torch.Tensor, s: Settings):
         rows[mode] = {**summaries[len(runs) // 2],
                       "tokens_per_s_runs": [x["tokens_per_s"] for x in summaries],
                       "mismatched_tokens": max(x["mismatched_tokens"] for x in summaries)}
-        if mode == "none" and s.step_overhead:  # c tokens over c requests every step
-            replay_s = 1.0 / float(decoder.replay_rate.steps_per_second(torch.tensor([c]), c)[0])
-            overhead = min(max(0.0, run.seconds / run.steps - replay_s), 0.5)
-            decoder.rate = TierRate(decoder.table, decoder.tiers, decoder.state.max_requests,
-                                    overhead)
         print(f"  c={prompts.shape[0]:>3} {mode:>8}: {rows[mode]['tokens_per_s']:10.1f} tok/s, "
               f"{rows[mode]['mean_verify_tokens_per_step']:7.1f} verify tokens/step, "
               f"accepted {rows[mode]['mean_accepted']:.2f}, "
@@ -568,7 +580,7 @@ POLICIES = ("width: WidthPolicy over widths 1..gamma+1 (default knobs); planner:
             "replays). Both read the SPS table through TierRate: the rate of the tier a step "
             "of (B tokens, R requests) replays, not the table's floor to the point below B; "
             "with step_overhead, a step costs 1 / SPS + the loop's own time per step outside "
-            "the replay, measured on the no-speculation run of the same concurrency "
+            "the replay, measured on untimed no-speculation runs of the same concurrency "
             "(results[c].step_overhead_ms).")
 
 
