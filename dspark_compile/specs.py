@@ -65,6 +65,9 @@ class AttentionSpec:
     """Where the layer is in the model (shown by ``explain``)."""
     compress: CompressSpec | None = None
     """The layer's compressor (DeepSeek-V4 HCA / CSA layers); None: plain attention."""
+    shared_kv: bool = False
+    """The layer passes one tensor as both its keys and its values (DeepSeek-V4's K=V head):
+    its K and V pools are one tensor, stored once."""
 
     @property
     def value_dim(self) -> int:

@@ -442,7 +442,8 @@ class Verifier:
             dims = str(spec.head_dim) if spec.v_head_dim is None else \
                 f"{spec.head_dim} (q/k) / {spec.v_head_dim} (v)"
             lines.append(f"  attention {spec.name}: {', '.join(traits)}; "
-                         f"{spec.num_kv_heads} kv heads x {dims}")
+                         f"{spec.num_kv_heads} kv heads x {dims}" +
+                         (", K=V (one pool)" if spec.shared_kv else ""))
         for r in self.results:
             details = ", ".join(f"{k}={v}" for k, v in sorted(r.details.items()))
             lines.append(f"  pass {r.name}: {r.changed} rewritten" +

@@ -130,7 +130,8 @@ class CaptureScope:
             self.discovered.append(AttentionSpec(
                 int(k.shape[1]), int(k.shape[-1]),
                 None if v.shape[-1] == k.shape[-1] else int(v.shape[-1]),
-                int(window), float(softcap), sinks is not None, self._site, compressed))
+                int(window), float(softcap), sinks is not None, self._site, compressed,
+                shared_kv=k is v))
             bs, heads, t, _ = q.shape
             return q.new_zeros(bs, t, heads, v.shape[-1])
         if key not in self.pool_index:

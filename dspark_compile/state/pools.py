@@ -33,7 +33,7 @@ class VerifierState:
     """Tokens per KV page."""
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     """Per attention layer: K and V pools ``[num_pages, page_size, kv_heads, head_dim]`` (V:
-    the layer's value head dim)."""
+    the layer's value head dim); one tensor twice for a K=V layer (``AttentionSpec.shared_kv``)."""
     block_table: torch.Tensor
     """int32 ``[max_requests, pages_per_request]`` on the pool's device: page ids per slot."""
     committed_lens: torch.Tensor = field(default=None)  # type: ignore[assignment]
@@ -72,19 +72,21 @@ class VerifierState:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         widths = [w for _, w in compress_pools(specs)]
         checks.check_memory("new_state", num_pages * page_size * itemsize * (sum(
-            s.num_kv_heads * (s.head_dim + s.value_dim) for s in specs) + sum(widths)), device,
+            s.num_kv_heads * (s.head_dim + (0 if s.shared_kv else s.value_dim)) for s in specs)
+            + sum(widths)), device,
             f"a KV pool of max_requests={max_requests} x max_context={max_context} tokens")
         # A fixed permutation (not random per run): the same state layout on every rank.
         perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
         block_table = perm.view(max_requests, pages_per_request).to(torch.int32)
-        kv = [
-            tuple(
-                torch.zeros(num_pages, page_size, s.num_kv_heads, dim, dtype=dtype,
+        kv = []
+        for s in specs:
+            k = torch.zeros(num_pages, page_size, s.num_kv_heads, s.head_dim, dtype=dtype,
                             device=device)
-                for dim in (s.head_dim, s.value_dim)
-            )
-            for s in specs
-        ]
+            # K=V layers: one pool passed as both; the step writes the same rows through
+            # either name, and every read sees them
+            kv.append((k, k) if s.shared_kv else (k, torch.zeros(
+                num_pages, page_size, s.num_kv_heads, s.value_dim, dtype=dtype,
+                device=device)))
         compressed = [torch.zeros(num_pages, page_size, w, dtype=dtype, device=device)
                       for w in widths]
         return cls(max_requests, max_context, page_size, kv, block_table.to(device),

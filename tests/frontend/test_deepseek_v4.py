@@ -186,6 +186,21 @@ def test_explain_lists_compressed_layers():
     assert "compress_pool_8" in text and "compress_pool_9" not in text
 
 
+def test_k_equals_v_layers_store_one_pool():
+    """Every DeepSeek-V4 layer passes one tensor as keys and values: its K and V pools are one
+    tensor (half the bytes); a Llama layer's stay two."""
+    from helpers import tiny_llama
+
+    verifier = compiled((SWA, HCA, CSA))[1]
+    assert all(spec.shared_kv for spec in verifier.adapter.specs)
+    assert verifier.explain().count("K=V (one pool)") == 3
+    state = verifier.new_state(max_requests=2, max_context=32, page_size=8)
+    assert all(k is v for k, v in state.kv_caches)
+    plain = dspark_compile(tiny_llama())
+    assert not any(spec.shared_kv for spec in plain.adapter.specs)
+    assert all(k is not v for k, v in plain.new_state(max_requests=2, max_context=32).kv_caches)
+
+
 def _committed_regions(state, verifier, slot: int, length: int) -> list[torch.Tensor]:
     """Each compressor pool's committed rows of ``slot``: raw rows < length, entries <
     length // rate."""
