@@ -22,7 +22,7 @@ import time
 import torch
 
 __all__ = ["time_calls", "graph_of", "graph_us", "time_ms", "capture_graph", "mix_lens",
-           "plot_step_ms", "max_err_vs_hf", "variant_suffix", "variant_flags", "target_overrides",
+           "plot_step_ms", "max_err_vs_hf", "errors_vs_models", "variant_suffix", "variant_flags", "target_overrides",
            "add_variant_args", "apply_variant", "LLAMA_1B", "CONTEXT", "PAGE", "BLOCK",
            "HBM_BYTES_PER_S", "BF16_FLOPS", "llama_config", "build_model", "fill_context",
            "versions", "cpu_name", "out_dir", "write_json"]
@@ -187,6 +187,13 @@ def max_err_vs_hf(model, verifier, vocab: int, device, **state_kwargs) -> float:
     """Largest |ours - HF| on real rows: a prefill of 3 requests (17, 5, 30 tokens in slots
     3, 0, 1), then one verify of 4, 1, 7 tokens, each request against HF's forward over its own
     tokens alone. ``state_kwargs`` go to ``new_state`` (e.g. ``max_step_tokens``)."""
+    return errors_vs_models(verifier, {"hf": model}, vocab, device, **state_kwargs)["hf"]
+
+
+def errors_vs_models(verifier, models: dict, vocab: int, device, **state_kwargs) -> dict:
+    """``max_err_vs_hf`` against each of ``models`` (name -> HF model; e.g. the model itself
+    and a float32 copy), plus ``"<a>_vs_<b>"``: the largest |a - b| between every later model
+    and the first on the same rows (how far the model's own dtype is from the reference)."""
     from dspark_compile import VerifyLayout
 
     gen = torch.Generator().manual_seed(0)
@@ -199,12 +206,20 @@ def max_err_vs_hf(model, verifier, vocab: int, device, **state_kwargs) -> float:
     new = [torch.randint(0, vocab, (n,), generator=gen).to(device) for n in new_lens]
     layout = VerifyLayout.pack(new_lens, prompt_lens, slots)
     logits = verifier(torch.cat(new), layout, state).float()
-    worst, qsl = 0.0, layout.query_start_loc.tolist()
+    qsl = layout.query_start_loc.tolist()
+    names = list(models)
+    out = dict.fromkeys(names, 0.0)
+    out.update({f"{b}_vs_{names[0]}": 0.0 for b in names[1:]})
     with torch.no_grad():
         for i, (p, t) in enumerate(zip(prompts, new)):
-            want = model(torch.cat([p, t])[None]).logits[0, -t.numel():].float()
-            worst = max(worst, (logits[qsl[i]:qsl[i + 1]] - want).abs().max().item())
-    return worst
+            rows = {name: m(torch.cat([p, t])[None]).logits[0, -t.numel():].float()
+                    for name, m in models.items()}
+            for name, want in rows.items():
+                out[name] = max(out[name], (logits[qsl[i]:qsl[i + 1]] - want).abs().max().item())
+            for b in names[1:]:
+                key = f"{b}_vs_{names[0]}"
+                out[key] = max(out[key], (rows[b] - rows[names[0]]).abs().max().item())
+    return out
 
 
 def capture_graph(step) -> tuple:

@@ -24,7 +24,7 @@ lengths: the fixed-seed mix of 1..8 with mean exactly 3, and all 8. Columns:
 Correctness once before timing: prefill + one ragged verify of 3 requests against HF's forward of
 each request alone (bf16; the largest |difference| of the logits is recorded).
 
-    python benchmarks/dsv4_step.py [--out DIR] [--bs 1 8] [--context 1024] [--smoke]
+    python benchmarks/dsv4_step.py [--out DIR] [--bs 1 8] [--context 1024] [--smoke] [--attribute]
 
 Writes ``dsv4_step.json`` (GPU, versions, every setting, all timings; rewritten after each batch
 size) to DIR (default: $OUT if set, else benchmarks/results). ``--smoke``: a tiny float32 model
@@ -46,7 +46,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from common import max_err_vs_hf, mix_lens, step_tiers
+from common import errors_vs_models, max_err_vs_hf, mix_lens, step_tiers
 from dspark_compile import VerifyLayout, dspark_compile
 
 SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", \
@@ -214,7 +214,7 @@ def environment(s: Settings) -> dict:
                         "with context tokens, use_cache=True), eager"}
 
 
-def run(s: Settings, save) -> dict:
+def run(s: Settings, save, attribute: bool = False) -> dict:
     model = build_model(s)
     t0 = time.perf_counter()
     verifier = dspark_compile(model, lowering="triton" if s.gpu else "reference",
@@ -222,6 +222,15 @@ def run(s: Settings, save) -> dict:
     compile_s = time.perf_counter() - t0
     err = max_err_vs_hf(model, verifier, s.model["vocab_size"], s.device, max_step_tokens=64)
     print(f"compiled in {compile_s:.1f} s; max |ours - HF| ({s.dtype}) = {err:.3g}", flush=True)
+    attribution = None
+    if attribute:  # ours and HF's own forward, both in the model's dtype, against float32
+        reference = copy.deepcopy(model).float()
+        attribution = errors_vs_models(verifier, {"hf_float32": reference, "hf": model},
+                                       s.model["vocab_size"], s.device, max_step_tokens=64)
+        del reference
+        if s.gpu:
+            torch.cuda.empty_cache()
+        print("max |x - y| of the logits:", attribution, flush=True)
     max_bs = max(s.batches)
     state = verifier.new_state(max_requests=max_bs, max_context=s.context + s.block,
                                max_step_tokens=max_bs * s.block)
@@ -232,6 +241,7 @@ def run(s: Settings, save) -> dict:
     data = {"params": sum(p.numel() for p in model.parameters()), "compile_seconds": compile_s,
             "capture_seconds": time.perf_counter() - t0,
             "tiers": [(t.tokens, t.request_slots) for t in tiers], "max_abs_err_vs_hf": err,
+            "errors_vs_float32": attribution,
             "partial": True, "results": {}}
     fill_state(state, s)  # again after the capture's warm-up runs
     for bs in s.batches:
@@ -253,6 +263,9 @@ def main(argv=None) -> dict:
     parser.add_argument("--out", default=os.environ.get("OUT") or "benchmarks/results")
     parser.add_argument("--bs", type=int, nargs="+", help="batch sizes (default 1 8 32)")
     parser.add_argument("--context", type=int, help="committed tokens per request")
+    parser.add_argument("--attribute", action="store_true",
+                        help="also compare ours and HF's own forward against a float32 copy of "
+                             "the model (errors_vs_float32 in the JSON; needs the copy's memory)")
     args = parser.parse_args(argv)
     s = SMOKE if args.smoke else FULL
     if args.bs:
@@ -270,7 +283,7 @@ def main(argv=None) -> dict:
         with open(path, "w") as f:
             json.dump({**head, **part}, f, indent=1)
 
-    data = {**head, **run(s, save)}
+    data = {**head, **run(s, save, args.attribute)}
     save(data)
     print(json.dumps(data["results"], indent=1))
     return data

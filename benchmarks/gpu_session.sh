@@ -21,6 +21,9 @@
 #   ssd_kernels   ssd_kernels.py --sweep               (Mamba-2 and GDN verify ops vs state floor)
 #   ssm_step      ssm_step.py                          (Nemotron-H-like verify step vs HF dense)
 #   dsv4_step     dsv4_step.py                         (DeepSeek-V4-shaped verify step vs HF)
+#   dsv4_attr     dsv4_step.py --bs 1 --attribute      (its bf16 logits: ours and HF vs float32)
+#   dsv4_tests    pytest -m gpu on DeepSeek-V4 (kernels, float32 exactness, tier-graph replay)
+#   e2e_small     e2e.py --concurrency 1 8, default draft and --mean-accepted 1.5 (planner at c <= 8)
 #   moe_steps     hybrid_step.py --variant a3b, then --variant moe (MoE verify steps vs HF)
 # One-off A/B and probe jobs are in git history. Each job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
@@ -34,7 +37,7 @@ set -u
 
 job() {
   case $1 in
-    gpu_tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider ;;
+    gpu_tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider -p no:logging ;;
     sanitizer) compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
         tests/test_gpu.py -k bitwise -p no:cacheprovider ;;
     v1_8) python3 benchmarks/verify_step.py --quick --bs 1 8 ;;
@@ -58,6 +61,11 @@ job() {
     ssd_kernels) python3 benchmarks/ssd_kernels.py --sweep ;;
     ssm_step) python3 benchmarks/ssm_step.py ;;
     dsv4_step) python3 benchmarks/dsv4_step.py ;;
+    dsv4_attr) python3 benchmarks/dsv4_step.py --bs 1 --attribute ;;
+    dsv4_tests) python3 -m pytest -q -m gpu -p no:logging -p no:cacheprovider \
+        tests/frontend/test_deepseek_v4_gpu.py tests/kernels/test_compressed_gpu.py ;;
+    e2e_small) python3 benchmarks/e2e.py --concurrency 1 8 &&
+      python3 benchmarks/e2e.py --concurrency 1 8 --mean-accepted 1.5 ;;
     moe_steps) python3 benchmarks/hybrid_step.py --variant a3b &&
       python3 benchmarks/hybrid_step.py --variant moe ;;
     *) echo "unknown job $1"; return 2 ;;
