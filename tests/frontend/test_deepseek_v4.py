@@ -186,6 +186,16 @@ def test_explain_lists_compressed_layers():
     assert "compress_pool_8" in text and "compress_pool_9" not in text
 
 
+def test_inductor_lowering_exact_vs_hf():
+    """``inductor=True`` (the packed graph's other ops through Inductor, the compressed ops as
+    opaque custom ops) over the mixed stack's rounds: still HF's output."""
+    model = tiny_v4((SWA, HCA, CSA))
+    driver = Driver(model, dspark_compile(model, inductor=True), [2, 0, 1])
+    for lens, accept in ROUNDS:
+        driver.step(lens, accept)
+    assert driver.max_err < 1e-5, driver.max_err
+
+
 def test_k_equals_v_layers_store_one_pool():
     """Every DeepSeek-V4 layer passes one tensor as keys and values: its K and V pools are one
     tensor (half the bytes); a Llama layer's stay two."""
