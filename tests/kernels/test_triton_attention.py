@@ -287,33 +287,24 @@ def test_bad_inputs_raise_value_error(mutate, match: str) -> None:
         ragged_attention_triton(*ok.args(), 0.1, out=torch.empty_like(ok.q[:, :1]))
 
 
-@pytest.mark.gpu
-@pytest.mark.skipif(INTERPRET or not HAS_CUDA, reason="needs a GPU and no interpreter")
-@pytest.mark.parametrize("bs", [1, 8, 64])
-def test_gpu_bf16_wide_mqa_heads(bs: int) -> None:
-    """64 query heads on one KV head of 512 (DeepSeek-V4's attention shape): the plan cuts its
-    tiles to fit shared memory, and the result still matches the reference."""
-    g = torch.Generator().manual_seed(bs)
-    lens = torch.randint(1, 9, (bs,), generator=g).tolist()
-    case = make_case(lens, [300] * bs, 64, 1, 512, 64, num_pad=3, seed=bs,
-                     dtype=torch.bfloat16, device="cuda")
-    got, got_pools, ref, ref_pools = run_both(case, scale=512 ** -0.5, max_query_len=8)
-    torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
-    assert torch.equal(got[sum(lens):], torch.zeros_like(got[sum(lens):]))
-    assert all(torch.equal(g, r) for g, r in zip(got_pools, ref_pools))
+# (heads, kv heads, head dim, page, context): the benchmark's Llama shape, and 64 query heads
+# on one KV head of 512 (DeepSeek-V4's MQA, whose plan cuts its tiles to fit shared memory)
+GPU_SHAPES = {"llama": (16, 8, 128, 16, 1024), "wide_mqa": (64, 1, 512, 64, 300)}
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET or not HAS_CUDA, reason="needs a GPU and no interpreter")
-@pytest.mark.parametrize("bs", [1, 8, 64, 256])
-@pytest.mark.parametrize("mixed", [False, True])
-def test_gpu_bf16_real_shapes(bs: int, mixed: bool) -> None:
-    """16 heads, 8 KV heads, head 128, page 16, context 1024; verify width 8 or a 1..8 mix."""
+@pytest.mark.parametrize("bs, mixed, shape", [
+    *((bs, mixed, "llama") for bs in (1, 8, 64, 256) for mixed in (False, True)),
+    *((bs, True, "wide_mqa") for bs in (1, 8, 64))])
+def test_gpu_bf16_real_shapes(bs: int, mixed: bool, shape: str) -> None:
+    """Verify width 8 or a 1..8 mix at real shapes (``GPU_SHAPES``), bf16."""
+    heads, kv_heads, dim, page, context = GPU_SHAPES[shape]
     g = torch.Generator().manual_seed(bs)
     lens = torch.randint(1, 9, (bs,), generator=g).tolist() if mixed else [8] * bs
-    case = make_case(lens, [1024] * bs, 16, 8, 128, 16, num_pad=5, seed=bs,
+    case = make_case(lens, [context] * bs, heads, kv_heads, dim, page, num_pad=5, seed=bs,
                      dtype=torch.bfloat16, device="cuda")
-    got, got_pools, ref, ref_pools = run_both(case, scale=128 ** -0.5, max_query_len=8)
+    got, got_pools, ref, ref_pools = run_both(case, scale=dim ** -0.5, max_query_len=8)
     torch.testing.assert_close(got, ref, atol=2e-2, rtol=2e-2)
     assert torch.equal(got[sum(lens):], torch.zeros_like(got[sum(lens):]))
     assert all(torch.equal(g, r) for g, r in zip(got_pools, ref_pools))
