@@ -15,9 +15,10 @@ verify widths, T <= 16, the state read dominates, and each row costs 3 K x BLOCK
 Each value-channel block is independent (every reduction is over K), which is what lets a
 small batch spread over the GPU (see :func:`plan_gdn`). Each step issues the next row's loads
 before its own arithmetic (the last row reloads itself), so their latency overlaps the update
-instead of adding to the token-serial chain; ``GdnPlan.num_warps`` is open to the sweep of
-``benchmarks/ssd_kernels.py`` (at 4 warps the two reductions over K cross warps every step). The pool is only read; the state
-never leaves registers. A row only ever sees earlier rows of its own request, so a NaN or Inf
+instead of adding to the token-serial chain. One warp a program: with more, the two
+reductions over K cross warps every step (``benchmarks/ssd_kernels.py --sweep`` on an H200, all
+8 rows, ``BLOCK_V`` 32: 87 / 161 us at bs 64 / 128 on 1 warp against 190 / 372 on 4). The pool is
+only read; the state never leaves registers. A row only ever sees earlier rows of its own request, so a NaN or Inf
 in a rejected draft reaches that row's and later rows' outputs only, never an earlier row:
 there is no causal mask term to get wrong. The program of value head ``h`` and channel block
 0 saves ``g``, ``beta`` (and, for the first head of each key group, the normalized key) into
@@ -28,8 +29,9 @@ Commit (grid ``(R, Hv * cdiv(V, BLOCK_V))``): the same update, fed from the ring
 first ``clamp(accept_lens[i], 0, len_i)`` rows, then one store of the tile into the pool. The
 update is the shared ``_delta_step``, so the committed state is the forward's own arithmetic.
 
-Registers (sm_90, ``ptxas -v``, K = V = 128, BLOCK_V = 32, bf16): 80 per thread for either
-kernel, no spills. Token-serial by design: a long prefill runs ``len`` dependent steps per
+Registers (sm_90, K = V = 128, BLOCK_V = 32, bf16, one warp; ``cuobjdump --dump-resource-usage``
+of triton 3.9's cubin): forward 229 per thread and no stack, commit 254 and 16 bytes of stack
+(the commit on one warp still measured faster: 105 / 209 against 123 / 229 us on 4). Token-serial by design: a long prefill runs ``len`` dependent steps per
 program (correct, not fast; a chunked kernel would be the prefill path).
 """
 
@@ -48,8 +50,8 @@ from .device import device_sm_count
 
 __all__ = ["GdnPlan", "plan_gdn", "gated_delta_rule_triton", "gated_delta_rule_commit_triton"]
 
-_NUM_WARPS = 4
-_MAX_TILE = 4096  # fp32 state elements per program: 32 registers per thread at 4 warps of 32
+_NUM_WARPS = 1  # module docstring: the sweep's best at every tile
+_MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on one warp of 32
 _MIN_BLOCK_V = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
 
