@@ -430,7 +430,7 @@ def bench_concurrency(decoder: Decoder, prompts: torch.Tensor, s: Settings):
     rows, outputs = {}, {"reference": reference[:, 1:1 + out]}
     c = prompts.shape[0]
     decoder.rate = decoder.replay_rate
-    overhead = 0.0
+    overhead, probe, steps = 0.0, [], 0
     if s.step_overhead:  # c tokens over c requests every step: the loop's time outside a replay
         decoder.run("none", first, drafter, s.warmup_output)
         probe = sorted(decoder.run("none", first, drafter, out).seconds
@@ -465,7 +465,8 @@ def bench_concurrency(decoder: Decoder, prompts: torch.Tensor, s: Settings):
     fixed = [m for m in rows if m.startswith("fixed_")] + ["static"]
     best = max(fixed, key=lambda m: rows[m]["tokens_per_s"])
     return {"modes": rows, "best_fixed": best, "drafter_mu": drafter.mu,
-            "step_overhead_ms": 1e3 * overhead}, outputs
+            "step_overhead_ms": 1e3 * overhead, "overhead_probe_seconds": probe,
+            "overhead_probe_steps": steps}, outputs
 
 
 def targets(c: int, row: dict) -> dict:

@@ -36,10 +36,13 @@ def test_smoke_json_has_every_mode_and_concurrency(e2e, smoke):
     assert all(len(m["tokens_per_s_runs"]) == s.repeats == 3
                for row in saved["results"].values() for m in row["modes"].values())
     rate = e2e.TierRate(SpsTable.from_json(saved["sps_table"]), saved["planner"]["tiers"], 4)
-    for c in (1, 4):  # the loop's time per step outside a replay, from the no-speculation run
-        none = saved["results"][str(c)]["modes"]["none"]
+    for c in (1, 4):  # the loop's time per step outside a replay, from no-speculation probes
+        row = saved["results"][str(c)]
+        probe = row["overhead_probe_seconds"]
+        assert len(probe) == s.repeats and probe == sorted(probe)
+        assert row["overhead_probe_steps"] == row["modes"]["none"]["steps"] == s.output
         replay_s = 1 / float(rate.steps_per_second(torch.tensor([c]), c)[0])
-        want = min(max(0.0, none["seconds"] / none["steps"] - replay_s), 0.5)
+        want = min(max(0.0, probe[len(probe) // 2] / s.output - replay_s), 0.5)
         assert saved["results"][str(c)]["step_overhead_ms"] == pytest.approx(1e3 * want)
     assert set(saved["results"]) == {"1", "4"}
     for c, row in saved["results"].items():
