@@ -22,9 +22,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
 __all__ = ["InputKind", "InputSpec", "WEIGHT_KINDS", "RING_KINDS", "KV_KINDS", "LINEAR_KINDS",
-           "COMPRESS_KINDS",
-           "REQUEST_KINDS", "find_input", "add_input", "query_start_loc", "name_placeholders",
-           "fake_input", "RING_SAMPLE_ROWS"]
+           "COMPRESS_KINDS", "REQUEST_KINDS", "WINDOW_KINDS", "find_input", "add_input",
+           "query_start_loc", "name_placeholders", "fake_input", "RING_SAMPLE_ROWS"]
 
 
 class InputKind(str, enum.Enum):
@@ -53,6 +52,10 @@ class InputKind(str, enum.Enum):
     """Added by the ragged passes (the layout)."""
     SEQ_LENS = "seq_lens"
     SLOT_MAPPING = "slot_mapping"
+    WINDOW_BLOCK_TABLE = "window_block_table"
+    """A sliding window's KV ring: the batch's block table in ring pages (``_<window>``)."""
+    WINDOW_SLOT_MAPPING = "window_slot_mapping"
+    """A sliding window's KV ring: each row's write slot in ring rows (``_<window>``)."""
     MROPE_POSITIONS = "mrope_positions"
     """``flat_mrope`` turns ``positions [3, bs, T]`` into these ``[3, N]``."""
     CONV_RING = "conv_ring"
@@ -87,8 +90,11 @@ RING_KINDS = frozenset({InputKind.CONV_RING, InputKind.GDN_RING_K, InputKind.GDN
                         InputKind.GDN_RING_G, InputKind.GDN_RING_BETA, InputKind.SSD_RING_X,
                         InputKind.SSD_RING_B, InputKind.SSD_RING_DA})
 """Kinds of the replay rings the ragged linear passes add."""
-REQUEST_KINDS = frozenset({InputKind.BLOCK_TABLE, InputKind.CONTEXT_LENS,
-                           InputKind.QUERY_START_LOC, InputKind.SEQ_LENS, InputKind.SLOTS})
+WINDOW_KINDS = frozenset({InputKind.WINDOW_BLOCK_TABLE, InputKind.WINDOW_SLOT_MAPPING})
+"""Kinds filled from the layout's metadata by name (one pair per sliding window)."""
+REQUEST_KINDS = frozenset({InputKind.BLOCK_TABLE, InputKind.WINDOW_BLOCK_TABLE,
+                           InputKind.CONTEXT_LENS, InputKind.QUERY_START_LOC,
+                           InputKind.SEQ_LENS, InputKind.SLOTS})
 """Kinds that hold one row per request."""
 
 RING_SAMPLE_ROWS = 16

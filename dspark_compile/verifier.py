@@ -26,7 +26,7 @@ from .frontend.adapters import ModelAdapter, adapter_for
 from .frontend.capture import CapturedGraph, capture_dense
 from .layout import VerifyLayout
 from .graph_inputs import (COMPRESS_KINDS, KV_KINDS, LINEAR_KINDS, RING_KINDS, WEIGHT_KINDS,
-                           InputKind)
+                           WINDOW_KINDS, InputKind)
 from .kernels.ops import LOWERED
 from .passes import PassContext, PassResult, run_pipeline
 from .passes.concat_linear import stack_weights
@@ -141,11 +141,17 @@ class Verifier:
 
     # ------------------------------------------------------------------ state
     def new_state(self, max_requests: int, max_context: int, page_size: int | None = None,
-                  max_step_tokens: int | None = None) -> VerifierState:
+                  max_step_tokens: int | None = None,
+                  window_rings: bool = False) -> VerifierState:
         """An engine-owned paged KV pool for ``max_requests`` slots of ``max_context`` tokens.
 
         Hybrid models also get their linear-attention pools and replay rings of
-        ``max_step_tokens`` rows (default ``DSparkConfig.max_step_tokens``). Sizes are ints
+        ``max_step_tokens`` rows (default ``DSparkConfig.max_step_tokens``). With
+        ``window_rings``, a plain sliding-window layer keeps only the last ``window +
+        max_step_tokens - 1`` positions of each slot (a KV ring, ``state.pools.window_rings``)
+        where that is fewer pages than ``max_context``; a request may then put at most
+        ``max_step_tokens`` tokens in one step (a longer prompt is prefilled in chunks), and
+        ``run_dense`` is refused. Sizes are ints
         >= 1 (None: the config's); anything else is refused. The pools are normal tensors even
         when made under ``torch.inference_mode`` (inference tensors could not be updated by a
         commit or a release outside it).
@@ -154,8 +160,11 @@ class Verifier:
         max_step_tokens = self.config.max_step_tokens if max_step_tokens is None else \
             positive_size("new_state", "max_step_tokens", max_step_tokens)
         with torch.inference_mode(False):
+            if not isinstance(window_rings, bool):
+                raise ValueError(f"new_state: window_rings={window_rings!r}; it must be a bool")
             state = VerifierState.allocate(self.adapter.specs, max_requests, max_context,
-                                           page_size, self.dtype, self.device)
+                                           page_size, self.dtype, self.device,
+                                           max_step_tokens if window_rings else None)
             if self.adapter.linear_specs:
                 state.linear = LinearPools.allocate(
                     self.adapter.linear_specs, self._ring_specs(), max_requests,
@@ -347,6 +356,8 @@ class Verifier:
                 args.append(state.linear.rings[spec.name])
             elif spec.kind in COMPRESS_KINDS:
                 args.append(state.compress_pools[int(spec.name.rsplit("_", 1)[1])])
+            elif spec.kind in WINDOW_KINDS:
+                args.append(values[spec.name])
             else:
                 args.append(values[spec.kind.value])
         return args
@@ -367,6 +378,11 @@ class Verifier:
         layout = VerifyLayout.pack([t] * bs, context_lens, slots)
         self._binding.check()
         self._check_state(state)
+        if state.window_step_tokens:
+            raise ValueError(
+                "run_dense: this state keeps its sliding-window layers' KV in rings sized by "
+                f"max_step_tokens={state.window_step_tokens}, and the dense graph reads every "
+                "layer through the full block table; make its state without window_rings")
         state.check_layout(layout, bs * t)
         positions = layout.positions.view(bs, t) if self.adapter.mrope is None else \
             layout.mrope_rows.reshape(3, bs, t)

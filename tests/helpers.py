@@ -151,9 +151,11 @@ def full_logits(model, seq: torch.Tensor) -> torch.Tensor:
 class Session:
     """Drives a verifier through prefill and verify/commit rounds, checking every row."""
 
-    def __init__(self, model, verifier, slots, max_context=128, seed=0, device="cpu"):
+    def __init__(self, model, verifier, slots, max_context=128, seed=0, device="cpu",
+                 **state_kwargs):
         self.model, self.verifier, self.slots = model, verifier, list(slots)
-        self.state = verifier.new_state(max_requests=max(slots) + 1, max_context=max_context)
+        self.state = verifier.new_state(max_requests=max(slots) + 1, max_context=max_context,
+                                        **state_kwargs)
         self.rng = random.Random(seed)
         self.gen = torch.Generator().manual_seed(seed)
         self.vocab = None

@@ -49,7 +49,7 @@ AS_IS = {aten.embedding, aten.index, aten.mm, aten.addmm, aten.clone, aten._to_c
          *EXPERTS_OPS, *COMPRESSED_RAGGED_OPS,
          *NORM_OPS,  # norms: trailing dims stay as they are
          *LIKE_FACTORIES, aten.view_as_complex, aten.view_as_real}  # shape follows the input
-FLAT_INPUTS = {"input_ids", "positions", "slot_mapping"}
+FLAT_INPUTS = {"input_ids", "positions", "slot_mapping", "window_slot_mapping"}
 
 
 class _TokenSize:
@@ -301,7 +301,7 @@ def _flat_inputs(placeholders: list[fx.Node], mode) -> list:
             shape, dynamic = (val.shape[0], num_tokens, val.shape[3]), (1,)
         elif spec.kind == "query_start_loc":
             shape = (num_requests + 1,)
-        elif spec.kind in ("seq_lens", "block_table", "slots"):
+        elif spec.kind in ("seq_lens", "block_table", "window_block_table", "slots"):
             shape = (num_requests, *val.shape[1:])
         else:
             out.append(val)

@@ -88,6 +88,27 @@ def _add_inputs(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.Node]:
     return new
 
 
+def _window_inputs(gm: fx.GraphModule, ctx: PassContext, meta: dict, block_table: fx.Node,
+                   window: int) -> tuple[fx.Node, fx.Node]:
+    """The block table and slot mapping placeholders of ``window``'s KV ring (added once per
+    window, shaped like the batch's own; ``VerifierState.window_maps`` fills them)."""
+    names = (f"window_block_table_{window}", f"window_slot_mapping_{window}")
+    if names[0] not in meta:
+        kinds = (InputKind.WINDOW_BLOCK_TABLE, InputKind.WINDOW_SLOT_MAPPING)
+        like = (block_table.meta["val"], meta["slot_mapping"].meta["val"])
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        mode = detect_fake_mode([like[0]])
+        with gm.graph.inserting_after(placeholders[-1]):
+            for name, kind, val in reversed(list(zip(names, kinds, like))):
+                node = gm.graph.placeholder(name)
+                with mode:
+                    node.meta["val"] = torch.empty_like(val)
+                node.meta["dspark_input"] = InputSpec(kind, name)
+                meta[name] = node
+        ctx.inputs.extend(meta[name].meta["dspark_input"] for name in names)
+    return meta[names[0]], meta[names[1]]
+
+
 def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResult]:
     result = PassResult("ragged_attention", changed=0)
     packets = (DENSE, *COMPRESSED)
@@ -117,6 +138,9 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
             semantics += [node.kwargs[n] for n in names if n in node.kwargs]
         _, heads, _, dim = q.meta["val"].shape
         kv_heads, v_dim = k.meta["val"].shape[1], v.meta["val"].shape[-1]
+        window = int(_arguments(node).get("window") or 0)
+        table, slots = (block_table, meta["slot_mapping"]) if window <= 0 else \
+            _window_inputs(gm, ctx, meta, block_table, window)
         with graph.inserting_before(node):
             def to_rows(x: fx.Node, n_heads: int, d: int) -> fx.Node:
                 x_t = add_node(graph, node, aten.transpose.int, x, 1, 2)  # [bs, T, h, d]
@@ -124,8 +148,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
 
             out = add_node(graph, node, RAGGED.default, to_rows(q, heads, dim),
                            to_rows(k, kv_heads, dim), to_rows(v, kv_heads, v_dim), k_cache,
-                           v_cache, meta["query_start_loc"], meta["seq_lens"], block_table,
-                           meta["slot_mapping"], scale, *semantics)
+                           v_cache, meta["query_start_loc"], meta["seq_lens"], table, slots,
+                           scale, *semantics)
             dense_out = add_node(graph, node, aten.view.default, out, [bs, t, heads, v_dim])
         exact = replace(node, dense_out, exact)
         result.changed += 1

@@ -18,7 +18,29 @@ from . import checks
 from .linear import LinearPools
 from .steps import StepLedger
 
-__all__ = ["VerifierState"]
+__all__ = ["VerifierState", "window_rings"]
+
+
+def window_rings(specs: list[AttentionSpec], pages_per_request: int, page_size: int,
+                 max_step_tokens: int | None) -> dict[int, int]:
+    """Pages per slot of each sliding window's KV ring: ``{window: pages}``.
+
+    A plain sliding-window layer (``window > 0``, no compressor) reads, in a step of at most
+    ``max_step_tokens`` tokens per request, keys no older than ``window - 1`` positions before
+    the step; a ring of ``ceil((window + max_step_tokens - 1) / page_size)`` pages per slot,
+    position ``p`` at ring row ``p mod (pages * page_size)``, holds them all, and a step's
+    writes only overwrite positions that no query of it or of a later step can see (nor can a
+    rejected draft's rows). Windows whose ring would not be smaller than the block table keep
+    full pools, as does every layer without ``max_step_tokens``."""
+    if max_step_tokens is None:
+        return {}
+    out = {}
+    for s in specs:
+        if s.window > 0 and s.compress is None:
+            pages = -(-(s.window + max_step_tokens - 1) // page_size)
+            if pages < pages_per_request:
+                out[s.window] = pages
+    return out
 
 
 @dataclass(eq=False)  # compared and hashed by identity: a verifier keys its sessions by state
@@ -47,6 +69,12 @@ class VerifierState:
     pages). Nothing to commit or roll back: the committed length says which rows and entries
     (``committed // rate``) are valid, and a step rewrites whatever lies past it. The entry
     pools use ``1 / rate`` of their rows (a known waste, kept for one page geometry)."""
+    window_maps: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
+    """Plain sliding-window layers, by window: int32 ``[num_pages]``, the ring page that holds
+    each page of the block table (``window_rings``), or None where the layers keep full
+    pools."""
+    window_step_tokens: int = 0
+    """Most tokens of one request in one step that the rings were sized for (0: no ring)."""
 
     def __post_init__(self) -> None:
         if self.committed_lens is None:
@@ -63,34 +91,48 @@ class VerifierState:
         page_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        max_step_tokens: int | None = None,
     ) -> "VerifierState":
+        """Pools for ``specs``. With ``max_step_tokens``, a plain sliding-window layer's K/V
+        (``window_rings``) holds only the pages its window and one step can reach."""
         for name, value in (("max_requests", max_requests), ("max_context", max_context),
                             ("page_size", page_size)):
             checks.positive_size("new_state", name, value)
         pages_per_request = -(-max_context // page_size)
         num_pages = max_requests * pages_per_request
+        rings = window_rings(specs, pages_per_request, page_size, max_step_tokens)
+        pages = [max_requests * rings.get(s.window, pages_per_request) if s.compress is None
+                 else num_pages for s in specs]
         itemsize = torch.empty(0, dtype=dtype).element_size()
         widths = [w for _, w in compress_pools(specs)]
-        checks.check_memory("new_state", num_pages * page_size * itemsize * (sum(
-            s.num_kv_heads * (s.head_dim + (0 if s.shared_kv else s.value_dim)) for s in specs)
-            + sum(widths)), device,
+        checks.check_memory("new_state", page_size * itemsize * (sum(
+            n * s.num_kv_heads * (s.head_dim + (0 if s.shared_kv else s.value_dim))
+            for n, s in zip(pages, specs)) + num_pages * sum(widths)), device,
             f"a KV pool of max_requests={max_requests} x max_context={max_context} tokens")
         # A fixed permutation (not random per run): the same state layout on every rank.
         perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
         block_table = perm.view(max_requests, pages_per_request).to(torch.int32)
         kv = []
-        for s in specs:
-            k = torch.zeros(num_pages, page_size, s.num_kv_heads, s.head_dim, dtype=dtype,
+        for n, s in zip(pages, specs):
+            k = torch.zeros(n, page_size, s.num_kv_heads, s.head_dim, dtype=dtype,
                             device=device)
             # K=V layers: one pool passed as both; the step writes the same rows through
             # either name, and every read sees them
             kv.append((k, k) if s.shared_kv else (k, torch.zeros(
-                num_pages, page_size, s.num_kv_heads, s.value_dim, dtype=dtype,
-                device=device)))
+                n, page_size, s.num_kv_heads, s.value_dim, dtype=dtype, device=device)))
         compressed = [torch.zeros(num_pages, page_size, w, dtype=dtype, device=device)
                       for w in widths]
+        maps = {s.window: None for s in specs if s.window > 0 and s.compress is None}
+        for window, ring in rings.items():
+            cols = torch.arange(pages_per_request, dtype=torch.int32)
+            ring_page = torch.arange(max_requests, dtype=torch.int32)[:, None] * ring + \
+                cols % ring  # [R, pages]: page c of slot r -> ring page c mod ring of slot r
+            page_map = torch.empty(num_pages, dtype=torch.int32)
+            page_map[block_table.long().view(-1)] = ring_page.view(-1)
+            maps[window] = page_map.to(device)
         return cls(max_requests, max_context, page_size, kv, block_table.to(device),
-                   compress_pools=compressed)
+                   compress_pools=compressed, window_maps=maps,
+                   window_step_tokens=max_step_tokens if rings else 0)
 
     # ------------------------------------------------------------------ per-step metadata
     def check_layout(self, layout: VerifyLayout, num_tokens: int) -> None:
@@ -103,8 +145,16 @@ class VerifierState:
         layout.validate(num_tokens, self.max_requests, self.max_context)
         if self.linear is not None:
             self.linear.check_rows(num_tokens)
-        _, ctx, slots = layout.host
-        committed = self.committed_lens.numpy()[slots]
+        qsl, ctx, slots = layout.host
+        lens = np.diff(qsl)  # [R]
+        if self.window_step_tokens and len(lens) and int(lens.max()) > self.window_step_tokens:
+            i = int(np.argmax(lens))
+            raise ValueError(
+                f"request {i} has {int(lens[i])} tokens in this step but the sliding-window "
+                f"layers' KV rings were sized for at most {self.window_step_tokens} "
+                "(new_state's max_step_tokens): more would overwrite keys still in the "
+                "window. Split the step, or make the state with a larger max_step_tokens")
+        committed = self.committed_lens.numpy()[slots]  # [R]
         if (ctx != committed).any():
             i = int(np.flatnonzero(ctx != committed)[0])
             if ctx[i] > committed[i]:
@@ -138,9 +188,9 @@ class VerifierState:
         if triton:
             from ..kernels.metadata import device_metadata_triton
 
-            return device_metadata_triton(query_start_loc, context_lens, slots,
-                                          self.block_table, self.page_size, num_tokens,
-                                          mrope_deltas)
+            return self._window_metadata(device_metadata_triton(
+                query_start_loc, context_lens, slots, self.block_table, self.page_size,
+                num_tokens, mrope_deltas))
         qsl = query_start_loc.long()
         rows = torch.arange(num_tokens, device=qsl.device)
         # request of each row: the last request whose start is <= row.
@@ -156,6 +206,22 @@ class VerifierState:
         if mrope_deltas is not None:
             delta = torch.where(valid, mrope_deltas.long()[req], 0)
             out["mrope_positions"] = (positions + delta).expand(3, num_tokens)
+        return self._window_metadata(out)
+
+    def _window_metadata(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """``out`` plus each ring's block table and slot mapping (``window_block_table_<w>``,
+        ``window_slot_mapping_<w>``): the batch's pages and rows mapped to ring pages; padding
+        rows keep slot -1. Torch ops only (CUDA-graph safe)."""
+        table, slot = out["block_table"], out["slot_mapping"]
+        for window, page_map in self.window_maps.items():
+            if page_map is None:  # full pools: the batch's own table and rows
+                out[f"window_block_table_{window}"] = table
+                out[f"window_slot_mapping_{window}"] = slot
+                continue
+            out[f"window_block_table_{window}"] = page_map[table.long()]
+            page = page_map[slot.clamp(min=0) // self.page_size].long()
+            out[f"window_slot_mapping_{window}"] = torch.where(
+                slot >= 0, page * self.page_size + slot % self.page_size, -1)
         return out
 
     def slot_mapping(self, layout: VerifyLayout) -> torch.Tensor:

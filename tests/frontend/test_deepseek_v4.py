@@ -78,10 +78,11 @@ def _oracle(model, seq: torch.Tensor) -> torch.Tensor:
 class Driver:
     """Prefill then ragged verify/commit rounds over slots ``slots``; checks every row."""
 
-    def __init__(self, model, verifier, slots, seed: int = 0, max_context: int = 96):
+    def __init__(self, model, verifier, slots, seed: int = 0, max_context: int = 96,
+                 **state_kwargs):
         self.model, self.verifier, self.slots = model, verifier, list(slots)
         self.state = verifier.new_state(max_requests=max(slots) + 1, max_context=max_context,
-                                        page_size=8)
+                                        page_size=8, **state_kwargs)
         self.gen = torch.Generator().manual_seed(seed)
         self.seqs = [torch.empty(0, dtype=torch.int64) for _ in slots]
         self.max_err = 0.0
@@ -223,6 +224,23 @@ def test_random_configs_exact_vs_hf(layer_types, heads, window, csa_rate, hca_ra
                 raise
             assume(False)
     assert driver.max_err < 1e-5, driver.max_err
+
+
+def test_sliding_layers_in_kv_rings_exact_vs_hf():
+    """With ``max_step_tokens=12`` the sliding-only layer keeps a 16-position ring (window 5)
+    and the compressed layers their full pools; over the mixed stack's rounds (contexts past
+    the ring), still HF's output."""
+    model, verifier = compiled((SWA, HCA, CSA))
+    driver = Driver(model, verifier, [2, 0, 1], max_step_tokens=12, window_rings=True)
+    assert list(driver.state.window_maps) == [5] and driver.state.window_step_tokens == 12
+    sizes = [k.shape[0] for k, _ in driver.state.kv_caches]
+    assert sizes == [3 * 2, 3 * 12, 3 * 12]
+    for lens, accept in ROUNDS:
+        driver.step(lens, accept)
+    for _ in range(3):
+        driver.step([4, 3, 5], [4, 3, 5])
+    assert min(s.numel() for s in driver.seqs) > 16
+    assert driver.max_err <= 1e-5, driver.max_err
 
 
 def test_inductor_lowering_exact_vs_hf():
