@@ -86,8 +86,8 @@ def _slot_gates(gate_pool_ptr, bias_ptr, table_row, s0, w, rate, page_size, widt
 
 @triton.jit
 def _entries(kv_pool_ptr, gate_pool_ptr, entry_pool_ptr, fresh_ptr, qsl_ptr, seq_lens_ptr,
-             table_ptr, bias_ptr, weight_ptr, inv_freq_ptr, num_reqs, stride_table, page_size,
-             width, dim, rate, eps, rope_scale,
+             table_ptr, raw_table_ptr, bias_ptr, weight_ptr, inv_freq_ptr, num_reqs,
+             stride_table, stride_raw_table, page_size, width, dim, rate, eps, rope_scale,
              OVERLAP: tl.constexpr, PAIRS: tl.constexpr, ROPE_PAIRS: tl.constexpr,
              SLOT_BLOCK: tl.constexpr, NUM_SLOTS: tl.constexpr, CHUNK: tl.constexpr):
     t = tl.program_id(0)
@@ -100,11 +100,12 @@ def _entries(kv_pool_ptr, gate_pool_ptr, entry_pool_ptr, fresh_ptr, qsl_ptr, seq
     if closes:
         w = (pos + 1) // rate - 1
         table_row = table_ptr + req.to(tl.int64) * stride_table
+        raw_row = raw_table_ptr + req.to(tl.int64) * stride_raw_table
         # pass 1: per channel, the largest logit over the slots
         m_e = tl.full([PAIRS], float("-inf"), tl.float32)
         m_o = tl.full([PAIRS], float("-inf"), tl.float32)
         for s0 in range(0, NUM_SLOTS, SLOT_BLOCK):
-            base, ok, g_e, g_o = _slot_gates(gate_pool_ptr, bias_ptr, table_row, s0, w, rate,
+            base, ok, g_e, g_o = _slot_gates(gate_pool_ptr, bias_ptr, raw_row, s0, w, rate,
                                              page_size, width, dim, pair, pair_ok, OVERLAP,
                                              SLOT_BLOCK, NUM_SLOTS)
             m_e = tl.maximum(m_e, tl.max(tl.where(ok, g_e, float("-inf")), 0))
@@ -115,7 +116,7 @@ def _entries(kv_pool_ptr, gate_pool_ptr, entry_pool_ptr, fresh_ptr, qsl_ptr, seq
         a_e = tl.zeros([PAIRS], tl.float32)
         a_o = tl.zeros([PAIRS], tl.float32)
         for s0 in range(0, NUM_SLOTS, SLOT_BLOCK):
-            base, ok, g_e, g_o = _slot_gates(gate_pool_ptr, bias_ptr, table_row, s0, w, rate,
+            base, ok, g_e, g_o = _slot_gates(gate_pool_ptr, bias_ptr, raw_row, s0, w, rate,
                                              page_size, width, dim, pair, pair_ok, OVERLAP,
                                              SLOT_BLOCK, NUM_SLOTS)
             p_e = tl.where(ok, tl.exp(g_e - m_e[None, :]), 0.0)
@@ -196,25 +197,36 @@ def compress_triton(kv: torch.Tensor, gate: torch.Tensor, kv_pool: torch.Tensor,
                     block_table: torch.Tensor, slot_mapping: torch.Tensor,
                     position_bias: torch.Tensor, norm_weight: torch.Tensor,
                     inv_freq: torch.Tensor, rate: int, overlap: bool, eps: float,
-                    rope_scale: float) -> torch.Tensor:
-    """``dspark::compress`` in two launches (module docstring); returns ``fresh [N, D]``."""
-    from ..ops.compressed_reference import check_compress
+                    rope_scale: float, raw_block_table: torch.Tensor | None = None,
+                    raw_slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
+    """``dspark::compress`` in two launches (module docstring); returns ``fresh [N, D]``.
+    ``raw_block_table`` / ``raw_slot_mapping`` (None: ``block_table`` / ``slot_mapping``):
+    where the raw rows live when their pools are rings; entries follow ``block_table``."""
+    from ..ops.compressed_reference import check_compress, check_raw_layout
 
     check_compress("compress_triton", kv, gate, kv_pool, gate_pool, entry_pool, position_bias,
                    norm_weight, inv_freq, rate, overlap, 2)
+    raw_table, raw_slots = check_raw_layout("compress_triton", block_table, slot_mapping,
+                                            raw_block_table, raw_slot_mapping)
     _check(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc, seq_lens, block_table,
            slot_mapping, position_bias, norm_weight, inv_freq)
+    for name, t in (("raw_block_table", raw_block_table), ("raw_slot_mapping", raw_slot_mapping)):
+        if t is not None and (t.device != kv.device or not t.is_contiguous()):
+            raise ValueError(f"compress_triton: {name} is on {t.device} "
+                             f"({'' if t.is_contiguous() else 'not '}contiguous); it must be "
+                             f"contiguous on {kv.device}")
     n, width = kv.shape
     dim = entry_pool.shape[-1]
     fresh = torch.empty(n, dim, dtype=kv.dtype, device=kv.device)
     if n == 0:
         return fresh
     num_reqs = seq_lens.shape[0]
-    launch(_raw_write, (n,), kv, gate, kv_pool, gate_pool, slot_mapping, width, kv.stride(0),
+    launch(_raw_write, (n,), kv, gate, kv_pool, gate_pool, raw_slots, width, kv.stride(0),
            gate.stride(0), BLOCK_W=min(triton.next_power_of_2(width), 1024))
     slots = 2 * rate if overlap else rate
     launch(_entries, (n,), kv_pool, gate_pool, entry_pool, fresh, query_start_loc, seq_lens,
-           block_table, position_bias, norm_weight, inv_freq, num_reqs, block_table.stride(0),
+           block_table, raw_table, position_bias, norm_weight, inv_freq, num_reqs,
+           block_table.stride(0), raw_table.stride(0),
            kv_pool.shape[1], width, dim, rate, float(eps), float(rope_scale),
            OVERLAP=bool(overlap), PAIRS=triton.next_power_of_2(dim // 2),
            ROPE_PAIRS=inv_freq.shape[0], SLOT_BLOCK=min(triton.next_power_of_2(slots), 16),

@@ -12,7 +12,8 @@ from typing import Optional
 import torch
 
 from ..ops.attention_reference import check_semantics
-from ..ops.compressed_reference import check_compress, check_entries, check_index
+from ..ops.compressed_reference import (check_compress, check_entries, check_index,
+                                        check_raw_layout)
 from ..ops import experts as _experts
 from ..ops.linear import skinny_linear_fake as _skinny_fake  # also registers the reference ops
 from .launch import zeros_when_warming
@@ -269,21 +270,26 @@ def compress_triton(kv: torch.Tensor, gate: torch.Tensor, kv_pool: torch.Tensor,
                     block_table: torch.Tensor, slot_mapping: torch.Tensor,
                     position_bias: torch.Tensor, norm_weight: torch.Tensor,
                     inv_freq: torch.Tensor, rate: int, overlap: bool, eps: float,
-                    rope_scale: float) -> torch.Tensor:
+                    rope_scale: float, raw_block_table: Optional[torch.Tensor] = None,
+                    raw_slot_mapping: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``dspark::compress`` lowered to Triton: the raw-row write, then one program per row
     making the entry of the window it closes (``kernels/compress.py``)."""
     from .compress import compress_triton as kernel  # needs a GPU driver
 
     return zeros_when_warming(kernel(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc,
                                      seq_lens, block_table, slot_mapping, position_bias,
-                                     norm_weight, inv_freq, rate, overlap, eps, rope_scale))
+                                     norm_weight, inv_freq, rate, overlap, eps, rope_scale,
+                                     raw_block_table, raw_slot_mapping))
 
 
 @compress_triton.register_fake
 def _(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc, seq_lens, block_table,
-      slot_mapping, position_bias, norm_weight, inv_freq, rate, overlap, eps, rope_scale):
+      slot_mapping, position_bias, norm_weight, inv_freq, rate, overlap, eps, rope_scale,
+      raw_block_table=None, raw_slot_mapping=None):
     check_compress("compress_triton", kv, gate, kv_pool, gate_pool, entry_pool,
                    position_bias, norm_weight, inv_freq, rate, overlap, 2)
+    check_raw_layout("compress_triton", block_table, slot_mapping, raw_block_table,
+                     raw_slot_mapping)
     return kv.new_empty(kv.shape[0], entry_pool.shape[-1])
 
 

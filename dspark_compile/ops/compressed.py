@@ -46,18 +46,24 @@ def compress(kv: torch.Tensor, gate: torch.Tensor, kv_pool: torch.Tensor,
              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
              slot_mapping: torch.Tensor, position_bias: torch.Tensor,
              norm_weight: torch.Tensor, inv_freq: torch.Tensor, rate: int, overlap: bool,
-             eps: float, rope_scale: float) -> torch.Tensor:
-    """Packed compressor step: raw rows in, entries of closing windows written; ``[N, D]``."""
+             eps: float, rope_scale: float, raw_block_table: Optional[torch.Tensor] = None,
+             raw_slot_mapping: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Packed compressor step: raw rows in, entries of closing windows written; ``[N, D]``.
+    ``raw_block_table`` / ``raw_slot_mapping``: the raw rows' ring (None: the pools' own)."""
     return reference.compress(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc,
                               seq_lens, block_table, slot_mapping, position_bias, norm_weight,
-                              inv_freq, rate, overlap, eps, rope_scale)
+                              inv_freq, rate, overlap, eps, rope_scale, raw_block_table,
+                              raw_slot_mapping)
 
 
 @compress.register_fake
 def _(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc, seq_lens, block_table,
-      slot_mapping, position_bias, norm_weight, inv_freq, rate, overlap, eps, rope_scale):
+      slot_mapping, position_bias, norm_weight, inv_freq, rate, overlap, eps, rope_scale,
+      raw_block_table=None, raw_slot_mapping=None):
     reference.check_compress("compress", kv, gate, kv_pool, gate_pool, entry_pool,
                              position_bias, norm_weight, inv_freq, rate, overlap, 2)
+    reference.check_raw_layout("compress", block_table, slot_mapping, raw_block_table,
+                               raw_slot_mapping)
     return kv.new_empty(kv.shape[0], entry_pool.shape[-1])
 
 

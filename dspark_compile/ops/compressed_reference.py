@@ -173,21 +173,46 @@ def _pool_entries(kv: torch.Tensor, gate: torch.Tensor, first: int, count: int, 
 
 
 # ---------------------------------------------------------------------------- ops
+def check_raw_layout(op: str, block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                     raw_block_table: torch.Tensor | None,
+                     raw_slot_mapping: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The raw rows' table and write slots: both given, shaped like ``block_table`` and
+    ``slot_mapping``, or neither (then those two); ``ValueError`` naming what is wrong."""
+    if (raw_block_table is None) != (raw_slot_mapping is None):
+        raise ValueError(f"{op}: raw_block_table and raw_slot_mapping come together; one of "
+                         "them is None")
+    if raw_block_table is None:
+        return block_table, slot_mapping
+    if raw_block_table.shape != block_table.shape or \
+            raw_slot_mapping.shape != slot_mapping.shape:
+        raise ValueError(f"{op}: raw_block_table {tuple(raw_block_table.shape)} / "
+                         f"raw_slot_mapping {tuple(raw_slot_mapping.shape)} must be shaped like "
+                         f"block_table {tuple(block_table.shape)} / slot_mapping "
+                         f"{tuple(slot_mapping.shape)}")
+    return raw_block_table, raw_slot_mapping
+
+
 def compress(kv: torch.Tensor, gate: torch.Tensor, kv_pool: torch.Tensor,
              gate_pool: torch.Tensor, entry_pool: torch.Tensor,
              query_start_loc: torch.Tensor, seq_lens: torch.Tensor, block_table: torch.Tensor,
              slot_mapping: torch.Tensor, position_bias: torch.Tensor,
              norm_weight: torch.Tensor, inv_freq: torch.Tensor, rate: int, overlap: bool,
-             eps: float, rope_scale: float) -> torch.Tensor:
+             eps: float, rope_scale: float, raw_block_table: torch.Tensor | None = None,
+             raw_slot_mapping: torch.Tensor | None = None) -> torch.Tensor:
     """Write packed raw rows ``kv``, ``gate`` ``[N, W]`` at ``slot_mapping`` (< 0: skip), then
     make every entry whose window closes inside a request's new tokens and write it at its
     index (module docstring). Returns ``[N, D]``: at the row of a window's closing token its
-    entry, zeros elsewhere (rows past ``query_start_loc[R]`` too)."""
+    entry, zeros elsewhere (rows past ``query_start_loc[R]`` too). ``raw_block_table`` /
+    ``raw_slot_mapping`` (None: ``block_table`` / ``slot_mapping``): where the raw rows live
+    when the raw pools are rings (``VerifierState.window_maps``); entries always follow
+    ``block_table``."""
     check_compress("compress", kv, gate, kv_pool, gate_pool, entry_pool, position_bias,
                    norm_weight, inv_freq, rate, overlap, 2)
+    raw_table, raw_slots = check_raw_layout("compress", block_table, slot_mapping,
+                                            raw_block_table, raw_slot_mapping)
     d = entry_pool.shape[-1]
     kv_write(kv.unsqueeze(1), gate.unsqueeze(1), kv_pool.unsqueeze(2), gate_pool.unsqueeze(2),
-             slot_mapping)
+             raw_slots)
     fresh = torch.zeros(kv.shape[0], d, dtype=kv.dtype, device=kv.device)
     flat_entries = entry_pool.view(-1, d)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
@@ -200,8 +225,8 @@ def compress(kv: torch.Tensor, gate: torch.Tensor, kv_pool: torch.Tensor,
         if last <= first:
             continue
         lo = (max(0, first - 1) if overlap else first) * rate
-        raw_kv = _gather_keys(kv_pool, block_table[i], lo, last * rate).to(kv.dtype)
-        raw_gate = _gather_keys(gate_pool, block_table[i], lo, last * rate).to(gate.dtype)
+        raw_kv = _gather_keys(kv_pool, raw_table[i], lo, last * rate).to(kv.dtype)
+        raw_gate = _gather_keys(gate_pool, raw_table[i], lo, last * rate).to(gate.dtype)
         pooled = _pool_entries(raw_kv, raw_gate, first, last - first, rate, overlap,
                                position_bias)
         windows = torch.arange(first, last, device=kv.device)

@@ -126,7 +126,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
         packet = node.target.overloadpacket
         if packet in COMPRESSED:
             with graph.inserting_before(node):
-                out = _compressed(graph, node, packet, meta, bs, t, rows, exact)
+                out = _compressed(gm, ctx, node, packet, meta, bs, t, rows, exact)
             exact = replace(node, out, exact)
             result.changed += 1
             result.rewrites.append((f"{node.name} -> {COMPRESSED[packet].__name__}",
@@ -175,11 +175,13 @@ def _check_all_rewritten(gm: fx.GraphModule, result: PassResult) -> None:
                           f"{found} ragged ones")
 
 
-def _compressed(graph: fx.Graph, node: fx.Node, packet, meta: dict, bs, t, rows,
-                exact: bool) -> fx.Node:
+def _compressed(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, packet, meta: dict, bs,
+                t, rows, exact: bool) -> fx.Node:
     """The ragged twin of one dense compressed-layer op, its rows viewed back to ``[bs, T,
-    ...]`` (the dense op's shape)."""
-    aten = torch.ops.aten
+    ...]`` (the dense op's shape). A compressor reads raw rows no older than ``span = rate``
+    (``2 * rate`` with overlap) positions before its step: they go through that span's ring
+    inputs (``_window_inputs``), its entries through the block table."""
+    graph, aten = gm.graph, torch.ops.aten
     a = _arguments(node)
 
     def flat(x: fx.Node | None, lead: int = 2) -> fx.Node | None:
@@ -194,7 +196,9 @@ def _compressed(graph: fx.Graph, node: fx.Node, packet, meta: dict, bs, t, rows,
         out = add_node(graph, node, torch.ops.dspark.compress.default, flat(a["kv"]),
                        flat(a["gate"]), a["kv_pool"], a["gate_pool"], a["entry_pool"], *layout,
                        meta["slot_mapping"], a["position_bias"], a["norm_weight"],
-                       a["inv_freq"], a["rate"], a["overlap"], a["eps"], a["rope_scale"])
+                       a["inv_freq"], a["rate"], a["overlap"], a["eps"], a["rope_scale"],
+                       *_window_inputs(gm, ctx, meta, a["block_table"],
+                                       a["rate"] * (2 if a["overlap"] else 1)))
         width = a["entry_pool"].meta["val"].shape[-1]
         return add_node(graph, node, aten.view.default, out, [bs, t, width])
     if packet is torch.ops.dspark.dense_index_topk:

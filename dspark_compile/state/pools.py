@@ -18,28 +18,41 @@ from . import checks
 from .linear import LinearPools
 from .steps import StepLedger
 
-__all__ = ["VerifierState", "window_rings"]
+__all__ = ["VerifierState", "ring_spans", "window_rings"]
 
 
 def window_rings(specs: list[AttentionSpec], pages_per_request: int, page_size: int,
                  max_step_tokens: int | None) -> dict[int, int]:
-    """Pages per slot of each sliding window's KV ring: ``{window: pages}``.
+    """Pages per slot of each span's ring (``ring_spans``): ``{span: pages}``.
 
-    A plain sliding-window layer (``window > 0``, no compressor) reads, in a step of at most
-    ``max_step_tokens`` tokens per request, keys no older than ``window - 1`` positions before
-    the step; a ring of ``ceil((window + max_step_tokens - 1) / page_size)`` pages per slot,
-    position ``p`` at ring row ``p mod (pages * page_size)``, holds them all, and a step's
-    writes only overwrite positions that no query of it or of a later step can see (nor can a
-    rejected draft's rows). Windows whose ring would not be smaller than the block table keep
-    full pools, as does every layer without ``max_step_tokens``."""
+    A layer of span ``w`` reads, in a step of at most ``max_step_tokens`` tokens per request,
+    rows no older than ``w - 1`` positions before the step; a ring of ``ceil((w +
+    max_step_tokens - 1) / page_size)`` pages per slot, position ``p`` at ring row ``p mod
+    (pages * page_size)``, holds them all, and a step's writes only overwrite positions that
+    no read of it or of a later step reaches (nor can a rejected draft's rows). Spans whose ring
+    would not be smaller than the block table keep full pools, as does every layer without
+    ``max_step_tokens``."""
     if max_step_tokens is None:
         return {}
     out = {}
-    for s in specs:
-        if s.window > 0 and s.compress is None:
-            pages = -(-(s.window + max_step_tokens - 1) // page_size)
-            if pages < pages_per_request:
-                out[s.window] = pages
+    for span in ring_spans(specs).values():
+        pages = -(-(span + max_step_tokens - 1) // page_size)
+        if pages < pages_per_request:
+            out[span] = pages
+    return out
+
+
+def ring_spans(specs: list[AttentionSpec]) -> dict[int, int]:
+    """``{layer: span}`` of the layers whose recent rows may live in a ring: a plain sliding
+    window's KV (span ``window``), a compressor's raw rows (span ``rate``, ``2 * rate`` with
+    overlap: the oldest row a step's closing windows pool). A compressed layer's KV and
+    entries stay full: its attention reads window keys and entries through one block table."""
+    out = {}
+    for i, s in enumerate(specs):
+        if s.compress is not None:
+            out[i] = s.compress.rate * (2 if s.compress.overlap else 1)
+        elif s.window > 0:
+            out[i] = s.window
     return out
 
 
@@ -68,11 +81,12 @@ class VerifierState:
     KV pool (token ``p``'s rows and entry ``w`` at positions ``p`` and ``w`` of the slot's
     pages). Nothing to commit or roll back: the committed length says which rows and entries
     (``committed // rate``) are valid, and a step rewrites whatever lies past it. The entry
-    pools use ``1 / rate`` of their rows (a known waste, kept for one page geometry)."""
+    pools use ``1 / rate`` of their rows (a known waste, kept for one page geometry); with
+    ``window_rings`` the raw pools are rings (``window_maps``)."""
     window_maps: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
-    """Plain sliding-window layers, by window: int32 ``[num_pages]``, the ring page that holds
-    each page of the block table (``window_rings``), or None where the layers keep full
-    pools."""
+    """By span (``ring_spans``: plain sliding windows, compressors' raw rows): int32
+    ``[num_pages]``, the ring page that holds each page of the block table
+    (``window_rings``), or None where those pools are full."""
     window_step_tokens: int = 0
     """Most tokens of one request in one step that the rings were sized for (0: no ring)."""
 
@@ -101,13 +115,20 @@ class VerifierState:
         pages_per_request = -(-max_context // page_size)
         num_pages = max_requests * pages_per_request
         rings = window_rings(specs, pages_per_request, page_size, max_step_tokens)
-        pages = [max_requests * rings.get(s.window, pages_per_request) if s.compress is None
-                 else num_pages for s in specs]
+        spans = ring_spans(specs)
+        pages = [max_requests * rings.get(spans.get(i), pages_per_request)
+                 if s.compress is None else num_pages for i, s in enumerate(specs)]
+        widths, compress_pages, seen = [], [], {}
+        for layer, width in compress_pools(specs):  # per layer: raw kv, raw gate, entries, ...
+            kind = seen[layer] = seen.get(layer, -1) + 1
+            widths.append(width)
+            compress_pages.append(num_pages if kind % 3 == 2 else
+                                  max_requests * rings.get(spans[layer], pages_per_request))
         itemsize = torch.empty(0, dtype=dtype).element_size()
-        widths = [w for _, w in compress_pools(specs)]
         checks.check_memory("new_state", page_size * itemsize * (sum(
             n * s.num_kv_heads * (s.head_dim + (0 if s.shared_kv else s.value_dim))
-            for n, s in zip(pages, specs)) + num_pages * sum(widths)), device,
+            for n, s in zip(pages, specs)) + sum(n * w for n, w in zip(compress_pages, widths))),
+            device,
             f"a KV pool of max_requests={max_requests} x max_context={max_context} tokens")
         # A fixed permutation (not random per run): the same state layout on every rank.
         perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
@@ -120,9 +141,9 @@ class VerifierState:
             # either name, and every read sees them
             kv.append((k, k) if s.shared_kv else (k, torch.zeros(
                 n, page_size, s.num_kv_heads, s.value_dim, dtype=dtype, device=device)))
-        compressed = [torch.zeros(num_pages, page_size, w, dtype=dtype, device=device)
-                      for w in widths]
-        maps = {s.window: None for s in specs if s.window > 0 and s.compress is None}
+        compressed = [torch.zeros(n, page_size, w, dtype=dtype, device=device)
+                      for n, w in zip(compress_pages, widths)]
+        maps = dict.fromkeys(spans.values())
         for window, ring in rings.items():
             cols = torch.arange(pages_per_request, dtype=torch.int32)
             ring_page = torch.arange(max_requests, dtype=torch.int32)[:, None] * ring + \

@@ -226,15 +226,25 @@ def test_random_configs_exact_vs_hf(layer_types, heads, window, csa_rate, hca_ra
     assert driver.max_err < 1e-5, driver.max_err
 
 
-def test_sliding_layers_in_kv_rings_exact_vs_hf():
-    """With ``max_step_tokens=12`` the sliding-only layer keeps a 16-position ring (window 5)
-    and the compressed layers their full pools; over the mixed stack's rounds (contexts past
-    the ring), still HF's output."""
+@pytest.mark.parametrize("kernels", [False, True], ids=["reference", "triton_kernels"])
+def test_rings_exact_vs_hf(kernels, monkeypatch):
+    """With ``max_step_tokens=12`` the sliding-only layer's KV (window 5) and every
+    compressor's raw rows (span 4: HCA rate 4, CSA rate 2 with overlap) live in 16-position
+    rings; the compressed layers' KV and entries stay full. Over the mixed stack's rounds
+    (contexts past the rings), still HF's output; also with the compressor's Triton kernel
+    (the interpreter on the CPU) in place of its reference."""
+    if kernels:
+        from dspark_compile.kernels.compress import compress_triton
+        from dspark_compile.ops import compressed_reference
+
+        monkeypatch.setattr(compressed_reference, "compress", compress_triton)
     model, verifier = compiled((SWA, HCA, CSA))
     driver = Driver(model, verifier, [2, 0, 1], max_step_tokens=12, window_rings=True)
-    assert list(driver.state.window_maps) == [5] and driver.state.window_step_tokens == 12
-    sizes = [k.shape[0] for k, _ in driver.state.kv_caches]
-    assert sizes == [3 * 2, 3 * 12, 3 * 12]
+    assert sorted(driver.state.window_maps) == [4, 5]
+    assert driver.state.window_step_tokens == 12
+    assert [k.shape[0] for k, _ in driver.state.kv_caches] == [3 * 2, 3 * 12, 3 * 12]
+    # HCA: raw kv, raw gate, entries; CSA: the same, then the indexer's three
+    assert [p.shape[0] for p in driver.state.compress_pools] == [6, 6, 36] * 3
     for lens, accept in ROUNDS:
         driver.step(lens, accept)
     for _ in range(3):

@@ -19,16 +19,17 @@ from test_deepseek_v4 import CSA, HCA, ROUNDS, SWA, VOCAB, tiny_v4
 pytestmark = pytest.mark.gpu
 
 
-def float32_errors() -> list[float]:
+def float32_errors(**state_kwargs) -> list[float]:
     """Worst |ours - HF| of each round: the tiny sliding + HCA + CSA stack in float32 through
-    the Triton lowering, against HF's own forward on the whole sequence."""
+    the Triton lowering, against HF's own forward on the whole sequence (``state_kwargs`` go
+    to ``new_state``)."""
     model = tiny_v4((SWA, HCA, CSA)).cuda()
     verifier = dspark_compile(model, lowering="triton")
     names = {getattr(n.target, "__name__", "") for n in verifier.graph_module.graph.nodes}
     assert {"compress_triton.default", "index_topk_triton.default",
             "compressed_attention_triton.default"} <= names
     slots = [2, 0, 1]
-    state = verifier.new_state(max_requests=3, max_context=96, page_size=8)
+    state = verifier.new_state(max_requests=3, max_context=96, page_size=8, **state_kwargs)
     gen = torch.Generator().manual_seed(0)
     seqs = [torch.empty(0, dtype=torch.int64) for _ in slots]
     errors = []
@@ -49,9 +50,10 @@ def float32_errors() -> list[float]:
     return errors
 
 
-def _ieee_errors() -> None:
+def _ieee_errors(rings: bool = False) -> None:
     """``float32_errors`` with every float32 dot in IEEE precision (run in a fresh process:
-    the kernels' precision is fixed when they compile); prints the errors as JSON."""
+    the kernels' precision is fixed when they compile), with the sliding layer's KV and the
+    compressors' raw rows in rings if ``rings``; prints the errors as JSON."""
     import dataclasses
     import json
 
@@ -59,10 +61,12 @@ def _ieee_errors() -> None:
 
     for name, cfg in list(targets.TARGETS.items()):
         targets.TARGETS[name] = dataclasses.replace(cfg, fp32_dot_precision="ieee")
-    print(json.dumps(float32_errors()))
+    print(json.dumps(float32_errors(**(dict(max_step_tokens=12, window_rings=True)
+                                       if rings else {}))))
 
 
-def test_float32_triton_lowering_matches_hf(tmp_path):
+@pytest.mark.parametrize("rings", [False, True], ids=["full_pools", "rings"])
+def test_float32_triton_lowering_matches_hf(tmp_path, rings):
     """Exact to float32 rounding once the dots are IEEE float32: a fresh process with
     ``TRITON_F32_DEFAULT=ieee``, the targets' float32 dots set to IEEE, and its own Triton
     cache. Under TF32 (sm_90's default for float32 dots) the differences reach the indexer's
@@ -77,7 +81,7 @@ def test_float32_triton_lowering_matches_hf(tmp_path):
     env = dict(os.environ, TRITON_F32_DEFAULT="ieee", TRITON_CACHE_DIR=str(tmp_path),
                PYTHONPATH=os.pathsep.join([here, root, os.environ.get("PYTHONPATH", "")]))
     done = subprocess.run([sys.executable, "-c",
-                           "import test_deepseek_v4_gpu as t; t._ieee_errors()"],
+                           f"import test_deepseek_v4_gpu as t; t._ieee_errors({rings})"],
                           env=env, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-4000:]
     errors = json.loads(done.stdout.strip().splitlines()[-1])

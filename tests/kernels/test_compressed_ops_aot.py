@@ -19,7 +19,7 @@ from aot import TARGET_NAMES, aot_tests, compile_kernel
 _LAYOUT = {"qsl_ptr": "i32", "seq_lens_ptr": "i32", "table_ptr": "i32"}
 _ENTRIES = {"kv_pool_ptr": "bf16", "gate_pool_ptr": "bf16", "entry_pool_ptr": "bf16",
             "fresh_ptr": "bf16", "bias_ptr": "fp32", "weight_ptr": "fp32",
-            "inv_freq_ptr": "fp32", **_LAYOUT}
+            "inv_freq_ptr": "fp32", "raw_table_ptr": "i32", **_LAYOUT}
 
 _ATTENTION = {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
               "k_cache_ptr": "bf16", "v_cache_ptr": "bf16", "query_start_loc_ptr": "i32",
