@@ -165,6 +165,7 @@ class Verifier:
             state = VerifierState.allocate(self.adapter.specs, max_requests, max_context,
                                            page_size, self.dtype, self.device,
                                            max_step_tokens if window_rings else None)
+            state.max_step_tokens = max_step_tokens
             if self.adapter.linear_specs:
                 state.linear = LinearPools.allocate(
                     self.adapter.linear_specs, self._ring_specs(), max_requests,

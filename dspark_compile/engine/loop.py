@@ -14,8 +14,8 @@ drafts in the cache. Modes:
 ``planner``  ragged lengths from :func:`plan_verify` (draft confidence, SPS)
 
 With greedy acceptance the emitted tokens are exactly plain greedy decoding of the target, in
-every mode (the tests hold it to that). New requests are prefilled in a packed forward of their
-own when a slot frees.
+every mode (the tests hold it to that). New requests are prefilled in packed forwards of their
+own when a slot frees, in chunks of at most the state's ``max_step_tokens`` rows.
 
 A step that fails does not stop the engine. The verifier refuses a bad call before it changes
 anything, naming the request at fault (``TokenIdError.request``: a token id outside the
@@ -62,6 +62,9 @@ class EngineConfig:
     """Tokens a request may hold (prompt + output + one block)."""
     planner: PlannerConfig = field(default_factory=PlannerConfig)
     """Options of the compact planner (mode ``planner``)."""
+    window_rings: bool = False
+    """``new_state(window_rings=...)``: sliding-window KV and compressor rows in rings (prompts
+    are prefilled in chunks of at most the state's ``max_step_tokens`` either way)."""
 
     def __post_init__(self) -> None:
         if self.mode not in MODES:
@@ -72,6 +75,9 @@ class EngineConfig:
                                          and 1 <= self.fixed_width <= self.gamma + 1):
             raise ValueError(f"EngineConfig.fixed_width={self.fixed_width!r}; mode 'fixed' "
                              f"needs an int in 1..gamma+1 = 1..{self.gamma + 1}")
+        if not isinstance(self.window_rings, bool):
+            raise ValueError(f"EngineConfig.window_rings={self.window_rings!r}; it must be a "
+                             "bool")
         if not _is_int(self.max_context) or self.max_context < self.gamma + 2:
             raise ValueError(f"EngineConfig.max_context={self.max_context!r}; it must be an int "
                              f">= gamma + 2 = {self.gamma + 2} (a one-token prompt, its first "
@@ -114,7 +120,8 @@ class ReferenceEngine:
         if config.mode == "width" and rate is None:
             raise ValueError("ReferenceEngine: mode 'width' needs an SPS rate model (rate=...)")
         self.verifier, self.drafter, self.config = verifier, drafter, config
-        self.state = verifier.new_state(max_requests=max_requests, max_context=config.max_context)
+        self.state = verifier.new_state(max_requests=max_requests, max_context=config.max_context,
+                                        window_rings=config.window_rings)
         self.rate = rate
         self.width_policy = WidthPolicy(WidthPolicyConfig(
             gamma=config.gamma, widths=tuple(range(1, config.gamma + 2))), rate) \
@@ -160,8 +167,9 @@ class ReferenceEngine:
         return rid
 
     def _admit(self) -> None:
-        """Prefill queued requests into free slots (one packed forward) and emit their first
-        token."""
+        """Prefill queued requests into free slots and emit their first token: packed forwards
+        of at most the state's ``max_step_tokens`` rows, each request's prompt in order (one
+        forward when it fits)."""
         new = []
         while self.queue and self.free_slots:
             req = self.queue.popleft()
@@ -170,22 +178,35 @@ class ReferenceEngine:
         if not new:
             return
         lens = [r.prompt.numel() for r in new]
-        layout = VerifyLayout.pack(lens, [0] * len(new), [r.slot for r in new])
-        ids = torch.cat([r.prompt for r in new]).to(self.verifier.device)
-        try:
-            logits = self.verifier(ids, layout, self.state)
-            last = layout.query_start_loc[1:].long() - 1
-            first = logits[last.to(logits.device)].float().argmax(dim=-1).tolist()
-            self.verifier.commit(layout, lens, self.state)
-        except Exception as err:  # noqa: BLE001 - a failed step fails requests, not the engine
-            failed = self._fail(new, err)
-            for req in reversed([r for r in new if r.rid not in failed]):
-                self.state.release([req.slot])  # nothing of theirs was committed
-                self.free_slots.appendleft(req.slot)
-                req.slot = -1
-                self.queue.appendleft(req)
-            self.reports.append(StepReport(0, [], [], 0, failed))
-            return
+        bound = self.state.max_step_tokens or sum(lens)
+        done, first = [0] * len(new), [0] * len(new)
+        while True:
+            active = [i for i in range(len(new)) if done[i] < lens[i]][:bound]
+            if not active:
+                break
+            share = bound // len(active)
+            take = [min(lens[i] - done[i], share) for i in active]
+            chunk = [new[i] for i in active]
+            layout = VerifyLayout.pack(take, [done[i] for i in active], [r.slot for r in chunk])
+            ids = torch.cat([r.prompt[done[i]:done[i] + t]
+                             for r, i, t in zip(chunk, active, take)]).to(self.verifier.device)
+            try:
+                logits = self.verifier(ids, layout, self.state)
+                last = layout.query_start_loc[1:].long() - 1
+                tops = logits[last.to(logits.device)].float().argmax(dim=-1).tolist()
+                self.verifier.commit(layout, take, self.state)
+            except Exception as err:  # noqa: BLE001 - a failed step fails requests, not the engine
+                failed = self._fail(chunk, err)
+                for req in reversed([r for r in new if r.rid not in failed]):
+                    self.state.release([req.slot])  # its prefill so far is dropped
+                    self.free_slots.appendleft(req.slot)
+                    req.slot = -1
+                    self.queue.appendleft(req)
+                self.reports.append(StepReport(0, [], [], 0, failed))
+                return
+            for i, t, tok in zip(active, take, tops):
+                done[i] += t
+                first[i] = tok
         for req, tok in zip(new, first):
             req.emitted.append(tok)
         self.running.extend(new)

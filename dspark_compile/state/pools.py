@@ -87,6 +87,9 @@ class VerifierState:
     """By span (``ring_spans``: plain sliding windows, compressors' raw rows): int32
     ``[num_pages]``, the ring page that holds each page of the block table
     (``window_rings``), or None where those pools are full."""
+    max_step_tokens: int | None = None
+    """Most rows one step may carry, as ``new_state`` was told (None: not bounded); engines
+    prefill long prompts in chunks of it."""
     window_step_tokens: int = 0
     """Most tokens of one request in one step that the rings were sized for (0: no ring)."""
 

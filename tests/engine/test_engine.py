@@ -71,3 +71,34 @@ def test_bad_requests_and_configs_are_refused(setup):
         engine.submit(torch.zeros(20, dtype=torch.int64), 10)
     with pytest.raises(ValueError, match="int64"):
         engine.submit(torch.zeros(3, dtype=torch.int32), 2)
+
+
+@pytest.mark.parametrize("family", ["llama", "mistral_rings"])
+def test_long_prompts_prefill_in_chunks_losslessly(family):
+    """Prompts longer than ``max_step_tokens`` (8) are prefilled in chunks: a Llama, and a
+    sliding-window model whose KV lives in rings (``window_rings``), decode exactly greedy."""
+    import transformers as T
+
+    if family == "llama":
+        model = tiny_llama(seed=3)
+        vocab = 97
+    else:
+        torch.manual_seed(0)
+        model = T.MistralForCausalLM(T.MistralConfig(
+            vocab_size=96, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+            sliding_window=5, pad_token_id=0, bos_token_id=1, eos_token_id=2)).eval()
+        vocab = 96
+    verifier = dspark_compile(model, max_step_tokens=8, page_size=4)
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, vocab, (n,), generator=gen) for n in (13, 20, 6, 9)]
+    want = [greedy(model, p, 8) for p in prompts]
+    config = EngineConfig(mode="static", gamma=3, max_context=64,
+                          window_rings=family == "mistral_rings")
+    engine = ReferenceEngine(verifier, NoisyCopyDrafter(model, noise=0.3, seed=2), config,
+                             max_requests=2)
+    assert engine.state.max_step_tokens == 8
+    assert bool(engine.state.window_step_tokens) == (family == "mistral_rings")
+    ids = [engine.submit(p, 8) for p in prompts]
+    out = engine.run()
+    assert [out[i] for i in ids] == want and not engine.failed
