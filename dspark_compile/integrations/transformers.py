@@ -204,7 +204,9 @@ class DSparkCache(Cache):
 
     def verify(self, tokens: torch.Tensor) -> torch.Tensor:
         """Logits ``[T, V]`` of ``tokens [T]`` after the committed context; the rows stay
-        pending until :meth:`crop` or the next call."""
+        pending until :meth:`crop` or the next call. More tokens than the state's
+        ``max_step_tokens`` (a long prompt) run in chunks: all but the last are committed as
+        they go, so only the last chunk's rows can be cropped."""
         self._check_open()
         self.settle()
         t = tokens.numel()
@@ -213,12 +215,22 @@ class DSparkCache(Cache):
                 f"DSparkCache: {self.committed} committed + {t} new tokens exceed the state's "
                 f"max_context={self.owner.state.max_context}; make DSparkGeneration with a "
                 "larger max_context (or lower max_new_tokens)")
-        layout = VerifyLayout.pack([t], [self.committed], [self.slot])
-        logits = self.owner.verifier(tokens, layout, self.owner.state)
-        self._pending, self._pending_len = layout, t
+        bound = self.owner.state.max_step_tokens or t
+        done, chunks = 0, []
+        while t - done > bound:  # a copy: after capture the output is a static buffer
+            layout = VerifyLayout.pack([bound], [self.committed], [self.slot])
+            chunks.append(self.owner.verifier(tokens[done:done + bound], layout,
+                                              self.owner.state).clone())
+            self.owner.verifier.commit(layout, [bound], self.owner.state)
+            self.committed += bound
+            done += bound
+            self.steps += 1
+        layout = VerifyLayout.pack([t - done], [self.committed], [self.slot])
+        logits = self.owner.verifier(tokens[done:], layout, self.owner.state)
+        self._pending, self._pending_len = layout, t - done
         self.steps += 1
         self.verified_tokens += t
-        return logits
+        return torch.cat(chunks + [logits]) if chunks else logits
 
     def close(self) -> None:
         """Give the slot back (idempotent)."""

@@ -233,3 +233,27 @@ def test_a_cache_carries_a_conversation_across_generate_calls(tiny):
         finally:
             cache.close()
     assert torch.equal(second, model.generate(turn, max_new_tokens=6, do_sample=False))
+
+
+def test_a_prompt_longer_than_a_step_is_verified_in_chunks():
+    """``max_step_tokens=8``: a 21-token prompt runs as chunks of 8, 8 and 5 (the first two
+    committed as they go); greedy and prompt-lookup generate still give HF's tokens."""
+    model = tiny_llama(seed=3, vocab=64)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(15.0)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    gen = DSparkGeneration(model, dspark_compile(model, max_step_tokens=8), max_context=96)
+    torch.manual_seed(1)
+    ids = torch.randint(1, 64, (1, 15))
+    ids = torch.cat([ids, ids[:, :6]], dim=1)
+    want = model.generate(ids, max_new_tokens=12, do_sample=False)
+    assert torch.equal(gen.generate(ids, max_new_tokens=12, do_sample=False), want)
+    assert torch.equal(gen.generate(ids, max_new_tokens=12, do_sample=False,
+                                    prompt_lookup_num_tokens=3), want)
+    cache = gen.new_cache()
+    logits = cache.verify(ids[0])
+    assert logits.shape == (21, 64) and cache.steps == 3 and cache.committed == 16
+    with pytest.raises(ValueError, match="only the last forward's 5 rows can be dropped"):
+        cache.crop(-6)
+    cache.close()
