@@ -56,6 +56,9 @@ class InputKind(str, enum.Enum):
     """A sliding window's KV ring: the batch's block table in ring pages (``_<window>``)."""
     WINDOW_SLOT_MAPPING = "window_slot_mapping"
     """A sliding window's KV ring: each row's write slot in ring rows (``_<window>``)."""
+    ENTRY_BLOCK_TABLE = "entry_block_table"
+    """Compressed layers of one rate: the batch's block table in entry-pool pages
+    (``_<rate>``)."""
     MROPE_POSITIONS = "mrope_positions"
     """``flat_mrope`` turns ``positions [3, bs, T]`` into these ``[3, N]``."""
     CONV_RING = "conv_ring"
@@ -90,9 +93,11 @@ RING_KINDS = frozenset({InputKind.CONV_RING, InputKind.GDN_RING_K, InputKind.GDN
                         InputKind.GDN_RING_G, InputKind.GDN_RING_BETA, InputKind.SSD_RING_X,
                         InputKind.SSD_RING_B, InputKind.SSD_RING_DA})
 """Kinds of the replay rings the ragged linear passes add."""
-WINDOW_KINDS = frozenset({InputKind.WINDOW_BLOCK_TABLE, InputKind.WINDOW_SLOT_MAPPING})
-"""Kinds filled from the layout's metadata by name (one pair per sliding window)."""
+WINDOW_KINDS = frozenset({InputKind.WINDOW_BLOCK_TABLE, InputKind.WINDOW_SLOT_MAPPING,
+                          InputKind.ENTRY_BLOCK_TABLE})
+"""Kinds filled from the layout's metadata by name (per ring span; per compression rate)."""
 REQUEST_KINDS = frozenset({InputKind.BLOCK_TABLE, InputKind.WINDOW_BLOCK_TABLE,
+                           InputKind.ENTRY_BLOCK_TABLE,
                            InputKind.CONTEXT_LENS, InputKind.QUERY_START_LOC,
                            InputKind.SEQ_LENS, InputKind.SLOTS})
 """Kinds that hold one row per request."""

@@ -379,11 +379,11 @@ class Verifier:
         layout = VerifyLayout.pack([t] * bs, context_lens, slots)
         self._binding.check()
         self._check_state(state)
-        if state.window_step_tokens:
+        if state.compact:
             raise ValueError(
-                "run_dense: this state keeps its sliding-window layers' KV in rings sized by "
-                f"max_step_tokens={state.window_step_tokens}, and the dense graph reads every "
-                "layer through the full block table; make its state without window_rings")
+                "run_dense: this state keeps some pools in rings or compact entry pools "
+                "(window_rings), and the dense graph reads every layer through the full block "
+                "table; make its state without window_rings")
         state.check_layout(layout, bs * t)
         positions = layout.positions.view(bs, t) if self.adapter.mrope is None else \
             layout.mrope_rows.reshape(3, bs, t)

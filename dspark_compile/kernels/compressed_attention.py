@@ -93,9 +93,10 @@ def _new_kv_tile(k_ptr, v_ptr, cache_ty: tl.constexpr, req_start, context, pos, 
 def _compressed_attention_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr,
         seq_lens_ptr, block_table_ptr, slot_mapping_ptr, sinks_ptr, entries_ptr, topk_ptr,
-        scale_log2, window, num_requests, num_picks, stride_q_tok, stride_q_head,
-        stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_out_tok,
-        stride_out_head, stride_bt_req, stride_topk_tok, stride_cache_row,
+        entry_table_ptr, scale_log2, window, num_requests, num_picks, stride_q_tok,
+        stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+        stride_out_tok, stride_out_head, stride_bt_req, stride_et_req, stride_topk_tok,
+        stride_cache_row,
         GROUP: tl.constexpr, BLOCK_H: tl.constexpr, NUM_HB: tl.constexpr,
         HEAD_DIM: tl.constexpr, HEAD_DIM_PAD: tl.constexpr, PAGE_SIZE: tl.constexpr,
         ENTRY_PAGE_SIZE: tl.constexpr, RATE: tl.constexpr, TILE_N: tl.constexpr,
@@ -136,6 +137,7 @@ def _compressed_attention_kernel(
     context = seq_len - (req_end - req_start)
     pos = context + row32 - req_start
     bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_req
+    et_row_ptr = entry_table_ptr + req.to(tl.int64) * stride_et_req
     q = tl.load(q_ptr + row * stride_q_tok + heads[:, None] * stride_q_head + offs_d[None, :],
                 mask=out_mask, other=0.0)
     if UPCAST:
@@ -187,7 +189,7 @@ def _compressed_attention_kernel(
         else:
             s = j
             ok = j < seen
-        page = tl.load(bt_row_ptr + s // ENTRY_PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+        page = tl.load(et_row_ptr + s // ENTRY_PAGE_SIZE, mask=ok, other=0).to(tl.int64)
         e_rows = page * ENTRY_PAGE_SIZE + s % ENTRY_PAGE_SIZE
         ent = tl.load(entries_ptr + e_rows[:, None] * HEAD_DIM + offs_d[None, :],
                       mask=ok[:, None] & d_mask[None, :], other=0.0)
@@ -238,10 +240,11 @@ def compressed_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 sinks: torch.Tensor | None, entries: torch.Tensor,
                                 fresh: torch.Tensor, rate: int,
                                 topk: torch.Tensor | None = None,
+                                entry_block_table: torch.Tensor | None = None,
                                 plan: CompressedAttentionPlan | None = None) -> torch.Tensor:
     """``dspark::compressed_attention`` in one launch (module docstring): ``[N, H, D]`` in q's
     dtype, padding rows zeros; writes the step's K/V into the pools. ``plan`` overrides the
-    tiles (tests)."""
+    tiles (tests); ``entry_block_table``: the entries' own table (None: ``block_table``)."""
     from ..ops.attention_reference import check_semantics
     from ..ops.compressed_reference import check_entries
 
@@ -255,6 +258,13 @@ def compressed_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     named = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache, entries=entries,
                  query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                  slot_mapping=slot_mapping)
+    if entry_block_table is not None:
+        if entry_block_table.shape != block_table.shape:
+            raise ValueError(f"compressed_attention_triton: entry_block_table "
+                             f"{tuple(entry_block_table.shape)} must be shaped like block_table "
+                             f"{tuple(block_table.shape)}")
+        named["entry_block_table"] = entry_block_table
+    entry_table = block_table if entry_block_table is None else entry_block_table
     if topk is not None:
         named["topk"] = topk
     if sinks is not None:
@@ -278,11 +288,12 @@ def compressed_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
     window = window if window < max_keys else 0  # a window past every position: causal
     launch(_compressed_attention_kernel, plan.grid,
            out, q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping,
-           q if sinks is None else sinks, entries, q if topk is None else topk,
+           q if sinks is None else sinks, entries, q if topk is None else topk, entry_table,
            float(scale) * _LOG2E, window, seq_lens.shape[0],
            0 if topk is None else topk.shape[1], q.stride(0), q.stride(1), k.stride(0),
            k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
-           block_table.stride(0), 0 if topk is None else topk.stride(0), dim,
+           block_table.stride(0), entry_table.stride(0),
+           0 if topk is None else topk.stride(0), dim,
            GROUP=heads, BLOCK_H=plan.block_h, NUM_HB=plan.num_hb, HEAD_DIM=dim,
            HEAD_DIM_PAD=head_dim_pad(dim), PAGE_SIZE=k_cache.shape[1],
            ENTRY_PAGE_SIZE=entries.shape[1], RATE=int(rate), TILE_N=plan.tile_n,

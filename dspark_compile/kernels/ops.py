@@ -302,19 +302,22 @@ def compressed_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tenso
                                 scale: float, window: int, softcap: float,
                                 sinks: Optional[torch.Tensor], entries: torch.Tensor,
                                 fresh: torch.Tensor, rate: int,
-                                topk: Optional[torch.Tensor] = None) -> torch.Tensor:
+                                topk: Optional[torch.Tensor] = None,
+                                entry_block_table: Optional[torch.Tensor] = None
+                                ) -> torch.Tensor:
     """``dspark::compressed_attention`` lowered to Triton: one launch, a program per query row
     and block of 16 heads, the K/V write fused (``kernels/compressed_attention.py``)."""
     from .compressed_attention import compressed_attention_triton as kernel  # needs a GPU
 
     return zeros_when_warming(kernel(q, k, v, k_cache, v_cache, query_start_loc, seq_lens,
                                      block_table, slot_mapping, scale, window, softcap, sinks,
-                                     entries, fresh, rate, topk))
+                                     entries, fresh, rate, topk,
+                                     entry_block_table=entry_block_table))
 
 
 @compressed_attention_triton.register_fake
 def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
-      window, softcap, sinks, entries, fresh, rate, topk=None):
+      window, softcap, sinks, entries, fresh, rate, topk=None, entry_block_table=None):
     check_semantics("compressed_attention_triton", window, softcap, sinks, q.shape[1])
     check_entries("compressed_attention_triton", q, entries, fresh, rate, topk, 1)
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])

@@ -142,16 +142,19 @@ def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
                          window: int, softcap: float, sinks: Optional[torch.Tensor],
                          entries: torch.Tensor, fresh: torch.Tensor, rate: int,
-                         topk: Optional[torch.Tensor] = None) -> torch.Tensor:
-    """Packed attention over the window's KV and the compressed entries: ``[N, H, Dv]``."""
+                         topk: Optional[torch.Tensor] = None,
+                         entry_block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """Packed attention over the window's KV and the compressed entries: ``[N, H, Dv]``.
+    ``entry_block_table``: the entries' own table (None: ``block_table``)."""
     return reference.compressed_attention(q, k, v, k_cache, v_cache, query_start_loc,
                                           seq_lens, block_table, slot_mapping, scale, window,
-                                          softcap, sinks, entries, fresh, rate, topk)
+                                          softcap, sinks, entries, fresh, rate, topk,
+                                          entry_block_table)
 
 
 @compressed_attention.register_fake
 def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
-      window, softcap, sinks, entries, fresh, rate, topk=None):
+      window, softcap, sinks, entries, fresh, rate, topk=None, entry_block_table=None):
     check_semantics("compressed_attention", window, softcap, sinks, q.shape[1])
     reference.check_entries("compressed_attention", q, entries, fresh, rate, topk, 1)
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])

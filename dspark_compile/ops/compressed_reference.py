@@ -320,12 +320,19 @@ def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
                          window: int, softcap: float, sinks: Optional[torch.Tensor],
                          entries: torch.Tensor, fresh: torch.Tensor, rate: int,
-                         topk: Optional[torch.Tensor] = None) -> torch.Tensor:
+                         topk: Optional[torch.Tensor] = None,
+                         entry_block_table: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``attention_reference.ragged_attention`` whose softmax also spans the compressed
     entries a query may see: with ``topk`` None every entry ``s < (p + 1) // rate`` (HCA),
     else the valid (>= 0) indices of its ``topk`` row (CSA; the indexer keeps them below that
     bound). Entries are read from ``entries`` (``fresh``: the compress op's rows, taken so the
-    read follows its write)."""
+    read follows its write) through ``entry_block_table`` (None: ``block_table``, which the
+    window's keys always follow)."""
+    if entry_block_table is not None and entry_block_table.shape != block_table.shape:
+        raise ValueError(f"compressed_attention: entry_block_table "
+                         f"{tuple(entry_block_table.shape)} must be shaped like block_table "
+                         f"{tuple(block_table.shape)}")
+    entry_table = block_table if entry_block_table is None else entry_block_table
     check_semantics("compressed_attention", window, softcap, sinks, q.shape[1])
     check_entries("compressed_attention", q, entries, fresh, rate, topk, 1)
     if softcap:
@@ -343,7 +350,7 @@ def compressed_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         keys = _gather_keys(k_cache, block_table[i], first, lens[i])
         values = _gather_keys(v_cache, block_table[i], first, lens[i])
         count = lens[i] // rate
-        ent = _gather_keys(entries, block_table[i], 0, count) if count else \
+        ent = _gather_keys(entries, entry_table[i], 0, count) if count else \
             entries.new_zeros(0, entries.shape[-1])
         out[start:end] = _attend_compressed(
             q[start:end], keys, values, first, context, scale, window, sinks, ent, rate,

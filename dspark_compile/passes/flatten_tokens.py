@@ -301,7 +301,8 @@ def _flat_inputs(placeholders: list[fx.Node], mode) -> list:
             shape, dynamic = (val.shape[0], num_tokens, val.shape[3]), (1,)
         elif spec.kind == "query_start_loc":
             shape = (num_requests + 1,)
-        elif spec.kind in ("seq_lens", "block_table", "window_block_table", "slots"):
+        elif spec.kind in ("seq_lens", "block_table", "window_block_table",
+                           "entry_block_table", "slots"):
             shape = (num_requests, *val.shape[1:])
         else:
             out.append(val)

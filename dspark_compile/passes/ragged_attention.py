@@ -88,25 +88,42 @@ def _add_inputs(gm: fx.GraphModule, ctx: PassContext) -> dict[str, fx.Node]:
     return new
 
 
-def _window_inputs(gm: fx.GraphModule, ctx: PassContext, meta: dict, block_table: fx.Node,
-                   window: int) -> tuple[fx.Node, fx.Node]:
-    """The block table and slot mapping placeholders of ``window``'s KV ring (added once per
-    window, shaped like the batch's own; ``VerifierState.window_maps`` fills them)."""
-    names = (f"window_block_table_{window}", f"window_slot_mapping_{window}")
-    if names[0] not in meta:
-        kinds = (InputKind.WINDOW_BLOCK_TABLE, InputKind.WINDOW_SLOT_MAPPING)
-        like = (block_table.meta["val"], meta["slot_mapping"].meta["val"])
+def _metadata_inputs(gm: fx.GraphModule, ctx: PassContext, meta: dict,
+                     inputs: tuple) -> list[fx.Node]:
+    """The placeholders ``inputs`` (``(kind, name, like)``: a fake value shaped like ``like``'s),
+    each added once after the last placeholder and recorded in ``meta`` by name;
+    ``VerifierState.device_metadata`` fills them by name."""
+    missing = [(kind, name, like) for kind, name, like in inputs if name not in meta]
+    if missing:
         placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
-        mode = detect_fake_mode([like[0]])
+        mode = detect_fake_mode([missing[0][2].meta["val"]])
         with gm.graph.inserting_after(placeholders[-1]):
-            for name, kind, val in reversed(list(zip(names, kinds, like))):
+            for kind, name, like in reversed(missing):
                 node = gm.graph.placeholder(name)
                 with mode:
-                    node.meta["val"] = torch.empty_like(val)
+                    node.meta["val"] = torch.empty_like(like.meta["val"])
                 node.meta["dspark_input"] = InputSpec(kind, name)
                 meta[name] = node
-        ctx.inputs.extend(meta[name].meta["dspark_input"] for name in names)
-    return meta[names[0]], meta[names[1]]
+        ctx.inputs.extend(meta[name].meta["dspark_input"] for _, name, _ in missing)
+    return [meta[name] for _, name, _ in inputs]
+
+
+def _window_inputs(gm: fx.GraphModule, ctx: PassContext, meta: dict, block_table: fx.Node,
+                   span: int) -> tuple[fx.Node, fx.Node]:
+    """The block table and slot mapping of ``span``'s ring (``VerifierState.window_maps``;
+    shaped like the batch's own)."""
+    table, slots = _metadata_inputs(gm, ctx, meta, (
+        (InputKind.WINDOW_BLOCK_TABLE, f"window_block_table_{span}", block_table),
+        (InputKind.WINDOW_SLOT_MAPPING, f"window_slot_mapping_{span}", meta["slot_mapping"])))
+    return table, slots
+
+
+def _entry_table(gm: fx.GraphModule, ctx: PassContext, meta: dict, block_table: fx.Node,
+                 rate: int) -> fx.Node:
+    """The block table of the entry pools of compression rate ``rate``
+    (``VerifierState.entry_maps``)."""
+    return _metadata_inputs(gm, ctx, meta, (
+        (InputKind.ENTRY_BLOCK_TABLE, f"entry_block_table_{rate}", block_table),))[0]
 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResult]:
@@ -191,7 +208,8 @@ def _compressed(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, packet, met
         rest = list(x.meta["val"].shape[lead:])
         return reshape_node(graph, node, x, [rows, *rest], decide=exact)
 
-    layout = (meta["query_start_loc"], meta["seq_lens"], a["block_table"])
+    entry_table = _entry_table(gm, ctx, meta, a["block_table"], a["rate"])
+    layout = (meta["query_start_loc"], meta["seq_lens"], entry_table)
     if packet is torch.ops.dspark.dense_compress:
         out = add_node(graph, node, torch.ops.dspark.compress.default, flat(a["kv"]),
                        flat(a["gate"]), a["kv_pool"], a["gate_pool"], a["entry_pool"], *layout,
@@ -213,11 +231,13 @@ def _compressed(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, packet, met
         return reshape_node(graph, node, x_t, [rows, h, d], decide=exact)
 
     heads, v_dim = a["q"].meta["val"].shape[1], a["v"].meta["val"].shape[-1]
+    kv_table, kv_slots = (a["block_table"], meta["slot_mapping"]) if a["window"] <= 0 else \
+        _window_inputs(gm, ctx, meta, a["block_table"], a["window"])
     out = add_node(graph, node, torch.ops.dspark.compressed_attention.default,
                    to_rows(a["q"]), to_rows(a["k"]), to_rows(a["v"]), a["k_cache"],
-                   a["v_cache"], *layout[:2], a["block_table"], meta["slot_mapping"],
+                   a["v_cache"], *layout[:2], kv_table, kv_slots,
                    a["scale"], a["window"], a["softcap"], a["sinks"], a["entries"],
-                   flat(a["fresh"]), a["rate"], flat(a["topk"]))
+                   flat(a["fresh"]), a["rate"], flat(a["topk"]), entry_table)
     return add_node(graph, node, aten.view.default, out, [bs, t, heads, v_dim])
 
 

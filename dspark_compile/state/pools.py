@@ -18,42 +18,65 @@ from . import checks
 from .linear import LinearPools
 from .steps import StepLedger
 
-__all__ = ["VerifierState", "ring_spans", "window_rings"]
+__all__ = ["VerifierState", "entry_pages", "ring_spans", "window_rings"]
 
 
 def window_rings(specs: list[AttentionSpec], pages_per_request: int, page_size: int,
                  max_step_tokens: int | None) -> dict[int, int]:
     """Pages per slot of each span's ring (``ring_spans``): ``{span: pages}``.
 
-    A layer of span ``w`` reads, in a step of at most ``max_step_tokens`` tokens per request,
-    rows no older than ``w - 1`` positions before the step; a ring of ``ceil((w +
+    A pool of span ``w`` is read, in a step of at most ``max_step_tokens`` tokens per request,
+    no further back than ``w - 1`` positions before the step; a ring of ``ceil((w +
     max_step_tokens - 1) / page_size)`` pages per slot, position ``p`` at ring row ``p mod
-    (pages * page_size)``, holds them all, and a step's writes only overwrite positions that
-    no read of it or of a later step reaches (nor can a rejected draft's rows). Spans whose ring
-    would not be smaller than the block table keep full pools, as does every layer without
-    ``max_step_tokens``."""
+    (pages * page_size)``, holds every row read, and a step's writes only overwrite positions
+    that no read of it or of a later step reaches (nor can a rejected draft's rows). Spans
+    whose ring would not be smaller than the block table keep full pools, as does every pool
+    without ``max_step_tokens``."""
     if max_step_tokens is None:
         return {}
     out = {}
-    for span in ring_spans(specs).values():
+    for span in {w for spans in ring_spans(specs).values() for w in spans if w}:
         pages = -(-(span + max_step_tokens - 1) // page_size)
         if pages < pages_per_request:
             out[span] = pages
     return out
 
 
-def ring_spans(specs: list[AttentionSpec]) -> dict[int, int]:
-    """``{layer: span}`` of the layers whose recent rows may live in a ring: a plain sliding
-    window's KV (span ``window``), a compressor's raw rows (span ``rate``, ``2 * rate`` with
-    overlap: the oldest row a step's closing windows pool). A compressed layer's KV and
-    entries stay full: its attention reads window keys and entries through one block table."""
+def ring_spans(specs: list[AttentionSpec]) -> dict[int, tuple[int, int]]:
+    """``{layer: (kv span, raw span)}`` (0: none) of the layers whose recent rows may live in
+    rings: a sliding window's KV (span ``window``) and a compressor's raw rows (span ``rate``,
+    ``2 * rate`` with overlap: the oldest row a step's closing windows pool)."""
     out = {}
     for i, s in enumerate(specs):
-        if s.compress is not None:
-            out[i] = s.compress.rate * (2 if s.compress.overlap else 1)
-        elif s.window > 0:
-            out[i] = s.window
+        raw = 0 if s.compress is None else s.compress.rate * (2 if s.compress.overlap else 1)
+        if s.window > 0 or raw:
+            out[i] = (max(s.window, 0), raw)
     return out
+
+
+def entry_pages(specs: list[AttentionSpec], pages_per_request: int, page_size: int,
+                max_context: int) -> dict[int, int]:
+    """Pages per slot of the entry pools of each compression rate: ``{rate: pages}``, entry
+    ``w < ceil(max_context / rate)`` at column ``w // page_size`` (rates whose pages would not
+    be fewer than the block table's are left out)."""
+    out = {}
+    for s in specs:
+        if s.compress is not None:
+            pages = -(-(-(-max_context // s.compress.rate)) // page_size)
+            if pages < pages_per_request:
+                out[s.compress.rate] = pages
+    return out
+
+
+def _page_map(block_table: torch.Tensor, pages: int) -> torch.Tensor:
+    """int32 ``[num_pages]``: page ``c`` of slot ``r`` (``block_table[r, c]``) -> page
+    ``r * pages + c mod pages`` of a pool of ``pages`` pages a slot."""
+    slots, cols = block_table.shape
+    compact = torch.arange(slots, dtype=torch.int32)[:, None] * pages + \
+        torch.arange(cols, dtype=torch.int32) % pages  # [R, pages_per_request]
+    page_map = torch.empty(block_table.numel(), dtype=torch.int32)
+    page_map[block_table.long().view(-1)] = compact.view(-1)
+    return page_map
 
 
 @dataclass(eq=False)  # compared and hashed by identity: a verifier keys its sessions by state
@@ -87,6 +110,10 @@ class VerifierState:
     """By span (``ring_spans``: plain sliding windows, compressors' raw rows): int32
     ``[num_pages]``, the ring page that holds each page of the block table
     (``window_rings``), or None where those pools are full."""
+    entry_maps: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
+    """Compressed layers, by rate: int32 ``[num_pages]``, the entry-pool page that holds each
+    page of the block table (``entry_pages``: only a slot's first pages hold entries), or None
+    where the entry pools are full."""
     max_step_tokens: int | None = None
     """Most rows one step may carry, as ``new_state`` was told (None: not bounded); engines
     prefill long prompts in chunks of it."""
@@ -119,14 +146,20 @@ class VerifierState:
         num_pages = max_requests * pages_per_request
         rings = window_rings(specs, pages_per_request, page_size, max_step_tokens)
         spans = ring_spans(specs)
-        pages = [max_requests * rings.get(spans.get(i), pages_per_request)
-                 if s.compress is None else num_pages for i, s in enumerate(specs)]
+        entries = entry_pages(specs, pages_per_request, page_size, max_context) \
+            if max_step_tokens is not None else {}
+
+        def slot_pages(span: int) -> int:  # pages of a pool of this span (0: full)
+            return max_requests * rings.get(span, pages_per_request)
+
+        pages = [slot_pages(spans.get(i, (0, 0))[0]) for i in range(len(specs))]
         widths, compress_pages, seen = [], [], {}
         for layer, width in compress_pools(specs):  # per layer: raw kv, raw gate, entries, ...
             kind = seen[layer] = seen.get(layer, -1) + 1
             widths.append(width)
-            compress_pages.append(num_pages if kind % 3 == 2 else
-                                  max_requests * rings.get(spans[layer], pages_per_request))
+            rate = specs[layer].compress.rate
+            compress_pages.append(max_requests * entries.get(rate, pages_per_request)
+                                  if kind % 3 == 2 else slot_pages(spans[layer][1]))
         itemsize = torch.empty(0, dtype=dtype).element_size()
         checks.check_memory("new_state", page_size * itemsize * (sum(
             n * s.num_kv_heads * (s.head_dim + (0 if s.shared_kv else s.value_dim))
@@ -146,16 +179,13 @@ class VerifierState:
                 n, page_size, s.num_kv_heads, s.value_dim, dtype=dtype, device=device)))
         compressed = [torch.zeros(n, page_size, w, dtype=dtype, device=device)
                       for n, w in zip(compress_pages, widths)]
-        maps = dict.fromkeys(spans.values())
-        for window, ring in rings.items():
-            cols = torch.arange(pages_per_request, dtype=torch.int32)
-            ring_page = torch.arange(max_requests, dtype=torch.int32)[:, None] * ring + \
-                cols % ring  # [R, pages]: page c of slot r -> ring page c mod ring of slot r
-            page_map = torch.empty(num_pages, dtype=torch.int32)
-            page_map[block_table.long().view(-1)] = ring_page.view(-1)
-            maps[window] = page_map.to(device)
+        maps = {w: None for pair in spans.values() for w in pair if w}
+        maps.update({w: _page_map(block_table, n).to(device) for w, n in rings.items()})
+        entry_maps = {s.compress.rate: None for s in specs if s.compress is not None}
+        entry_maps.update({rate: _page_map(block_table, n).to(device)
+                           for rate, n in entries.items()})
         return cls(max_requests, max_context, page_size, kv, block_table.to(device),
-                   compress_pools=compressed, window_maps=maps,
+                   compress_pools=compressed, window_maps=maps, entry_maps=entry_maps,
                    window_step_tokens=max_step_tokens if rings else 0)
 
     # ------------------------------------------------------------------ per-step metadata
@@ -232,10 +262,17 @@ class VerifierState:
             out["mrope_positions"] = (positions + delta).expand(3, num_tokens)
         return self._window_metadata(out)
 
+    @property
+    def compact(self) -> bool:
+        """Whether some pool is a ring or a compact entry pool (``window_rings``)."""
+        return any(m is not None for m in self.window_maps.values()) or \
+            any(m is not None for m in self.entry_maps.values())
+
     def _window_metadata(self, out: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         """``out`` plus each ring's block table and slot mapping (``window_block_table_<w>``,
-        ``window_slot_mapping_<w>``): the batch's pages and rows mapped to ring pages; padding
-        rows keep slot -1. Torch ops only (CUDA-graph safe)."""
+        ``window_slot_mapping_<w>``: the batch's pages and rows mapped to ring pages; padding
+        rows keep slot -1) and each compression rate's entry table (``entry_block_table_<r>``).
+        Torch ops only (CUDA-graph safe)."""
         table, slot = out["block_table"], out["slot_mapping"]
         for window, page_map in self.window_maps.items():
             if page_map is None:  # full pools: the batch's own table and rows
@@ -246,6 +283,9 @@ class VerifierState:
             page = page_map[slot.clamp(min=0) // self.page_size].long()
             out[f"window_slot_mapping_{window}"] = torch.where(
                 slot >= 0, page * self.page_size + slot % self.page_size, -1)
+        for rate, page_map in self.entry_maps.items():
+            out[f"entry_block_table_{rate}"] = table if page_map is None else \
+                page_map[table.long()]
         return out
 
     def slot_mapping(self, layout: VerifyLayout) -> torch.Tensor:

@@ -228,23 +228,29 @@ def test_random_configs_exact_vs_hf(layer_types, heads, window, csa_rate, hca_ra
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["reference", "triton_kernels"])
 def test_rings_exact_vs_hf(kernels, monkeypatch):
-    """With ``max_step_tokens=12`` the sliding-only layer's KV (window 5) and every
-    compressor's raw rows (span 4: HCA rate 4, CSA rate 2 with overlap) live in 16-position
-    rings; the compressed layers' KV and entries stay full. Over the mixed stack's rounds
-    (contexts past the rings), still HF's output; also with the compressor's Triton kernel
-    (the interpreter on the CPU) in place of its reference."""
+    """With ``max_step_tokens=12`` every layer's KV (window 5) and every compressor's raw rows
+    (span 4: HCA rate 4, CSA rate 2 with overlap) live in 16-position rings, and the entry
+    pools hold ``ceil(96 / rate)`` entries a slot instead of 96. Over the mixed stack's
+    rounds (contexts past the rings), still HF's output; also with the three compressed ops'
+    Triton kernels (the interpreter on the CPU) in place of their references."""
     if kernels:
         from dspark_compile.kernels.compress import compress_triton
+        from dspark_compile.kernels.compressed_attention import compressed_attention_triton
+        from dspark_compile.kernels.index_topk import index_topk_triton
         from dspark_compile.ops import compressed_reference
 
         monkeypatch.setattr(compressed_reference, "compress", compress_triton)
+        monkeypatch.setattr(compressed_reference, "index_topk", index_topk_triton)
+        monkeypatch.setattr(compressed_reference, "compressed_attention",
+                            compressed_attention_triton)
     model, verifier = compiled((SWA, HCA, CSA))
     driver = Driver(model, verifier, [2, 0, 1], max_step_tokens=12, window_rings=True)
-    assert sorted(driver.state.window_maps) == [4, 5]
-    assert driver.state.window_step_tokens == 12
-    assert [k.shape[0] for k, _ in driver.state.kv_caches] == [3 * 2, 3 * 12, 3 * 12]
-    # HCA: raw kv, raw gate, entries; CSA: the same, then the indexer's three
-    assert [p.shape[0] for p in driver.state.compress_pools] == [6, 6, 36] * 3
+    assert sorted(driver.state.window_maps) == [4, 5] and sorted(driver.state.entry_maps) == [2, 4]
+    assert driver.state.window_step_tokens == 12 and driver.state.compact
+    assert [k.shape[0] for k, _ in driver.state.kv_caches] == [3 * 2] * 3
+    # HCA: raw kv, raw gate, entries (24 a slot: 3 pages); CSA: the same (48: 6 pages), then
+    # the indexer's three
+    assert [p.shape[0] for p in driver.state.compress_pools] == [6, 6, 9] + [6, 6, 18] * 2
     for lens, accept in ROUNDS:
         driver.step(lens, accept)
     for _ in range(3):

@@ -24,7 +24,8 @@ _ENTRIES = {"kv_pool_ptr": "bf16", "gate_pool_ptr": "bf16", "entry_pool_ptr": "b
 _ATTENTION = {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
               "k_cache_ptr": "bf16", "v_cache_ptr": "bf16", "query_start_loc_ptr": "i32",
               "seq_lens_ptr": "i32", "block_table_ptr": "i32", "slot_mapping_ptr": "i64",
-              "sinks_ptr": "fp32", "entries_ptr": "bf16", "topk_ptr": "i64"}
+              "sinks_ptr": "fp32", "entries_ptr": "bf16", "topk_ptr": "i64",
+              "entry_table_ptr": "i32"}
 _ATTENTION_SHAPE = {"GROUP": 64, "BLOCK_H": 16, "NUM_HB": 4, "HEAD_DIM": 512,
                     "HEAD_DIM_PAD": 512, "PAGE_SIZE": 64, "ENTRY_PAGE_SIZE": 64, "TILE_N": 16,
                     "TILE_E": 16, "SEARCH": 32, "DOT_PRECISION": "ieee", "HAS_WINDOW": True,

@@ -183,7 +183,7 @@ def test_a_step_longer_than_the_rings_is_refused_before_it_runs():
                                          r"\(new_state's max_step_tokens\)"):
         verifier(torch.zeros(STEP + 2, dtype=torch.int64), layout, state)
     assert all(torch.equal(a, k) for a, (k, _) in zip(before, state.kv_caches))
-    with pytest.raises(ValueError, match="run_dense: this state keeps its sliding-window"):
+    with pytest.raises(ValueError, match="run_dense: this state keeps some pools in rings"):
         verifier.run_dense(torch.zeros(2, 1, dtype=torch.int64), [0, 0], [0, 1], state)
 
 
