@@ -225,7 +225,10 @@ class _OnState:
     def __init__(self, verifier, state) -> None:
         self._verifier, self._state = verifier, state
 
-    def new_state(self, max_requests: int, max_context: int):
+    def new_state(self, max_requests: int, max_context: int, window_rings: bool = False):
+        if window_rings != self._state.compact:
+            raise ValueError(f"_OnState: the engine wants window_rings={window_rings}; the "
+                             f"state was made with{'' if self._state.compact else 'out'} them")
         if max_requests > self._state.max_requests:
             raise ValueError(f"_OnState: the engine wants {max_requests} slots; the state has "
                              f"{self._state.max_requests}")
