@@ -38,7 +38,6 @@ import argparse
 import copy
 import json
 import os
-import platform
 import statistics
 import sys
 import time
@@ -46,7 +45,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from common import errors_vs_models, max_err_vs_hf, mix_lens, step_tiers
+from common import errors_vs_models, max_err_vs_hf, mix_lens, step_tiers, versions
 from dspark_compile import VerifyLayout, dspark_compile
 
 SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", \
@@ -195,16 +194,7 @@ def _cache_kw(model) -> str:
 
 
 def environment(s: Settings) -> dict:
-    import transformers
-
-    try:
-        import triton
-    except ImportError:
-        triton = None
-    return {"gpu": torch.cuda.get_device_name() if s.gpu else
-            f"cpu ({platform.processor() or platform.machine()})",
-            "torch": torch.__version__, "triton": getattr(triton, "__version__", None),
-            "transformers": transformers.__version__, "python": platform.python_version(),
+    return {**versions(s.gpu),
             "command": " ".join(sys.argv),
             "timing": "median of per-call CUDA event pairs after warm-ups (graph replays: 2x "
                       "iters); HF's cache restored from a deep copy before every call, untimed",

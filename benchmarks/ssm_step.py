@@ -31,7 +31,6 @@ import argparse
 import importlib.util
 import json
 import os
-import platform
 import sys
 from dataclasses import asdict, replace
 
@@ -40,7 +39,7 @@ import torch
 from dspark_compile import VerifyLayout
 from hybrid_step import (Settings, capture, compile_and_check, fill_state, hf_row, ours_row,
                          shapes_for, time_ms)
-from common import plot_step_ms
+from common import plot_step_ms, versions
 
 PATTERN = ["mamba", "mlp", "mamba", "mlp", "attention", "mlp"]
 NEMOTRON_H_1B = dict(
@@ -119,17 +118,8 @@ def run(s: Settings, save) -> dict:
 
 
 def environment(s: Settings) -> dict:
-    import transformers
-
-    try:
-        import triton
-    except ImportError:
-        triton = None
     have = {p: importlib.util.find_spec(p) is not None for p in ("mamba_ssm", "causal_conv1d")}
-    return {"gpu": torch.cuda.get_device_name() if s.gpu else
-            f"cpu ({platform.processor() or platform.machine()})",
-            "torch": torch.__version__, "triton": getattr(triton, "__version__", None),
-            "transformers": transformers.__version__, "python": platform.python_version(),
+    return {**versions(s.gpu),
             "command": " ".join(sys.argv),
             "model": "Nemotron-H-like, random weights (seed 0): hidden 2048, 24 layers "
                      "(M, MLP, M, MLP, A, MLP) x 4; Mamba-2 64 heads P 64, 8 groups N 128, conv "

@@ -18,9 +18,9 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import platform
-
 import torch
+
+from common import versions
 
 from dspark_compile.specs import AttentionSpec, CompressSpec
 from dspark_compile.state.pools import VerifierState
@@ -69,8 +69,7 @@ def main(argv=None) -> dict:
                 row[f"full_over_rings_step{step}"] = full / ring
             rows.append(row)
             print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
-    data = {"environment": {"torch": torch.__version__, "python": platform.python_version(),
-                            "command": "benchmarks/state_bytes.py"},
+    data = {"environment": {**versions(gpu=False), "command": "benchmarks/state_bytes.py"},
             "settings": {"page_size": 64, "dtype": "bfloat16", "max_requests": 1,
                          "contexts": args.context, "steps": args.step},
             "measured": "bytes of every pool VerifierState.allocate makes for one slot, on "

@@ -162,7 +162,8 @@ def _entries(kv_pool_ptr, gate_pool_ptr, entry_pool_ptr, fresh_ptr, qsl_ptr, seq
 
 
 def _check(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc, seq_lens, block_table,
-           slot_mapping, position_bias, norm_weight, inv_freq) -> None:
+           slot_mapping, position_bias, norm_weight, inv_freq, raw_block_table=None,
+           raw_slot_mapping=None) -> None:
     """Host-side checks (no device value is read): ``ValueError`` naming what is wrong.
 
     ``kv`` and ``gate`` may be row-strided views (slices of one projection's output); their
@@ -177,6 +178,9 @@ def _check(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc, seq_lens, 
                  query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                  slot_mapping=slot_mapping, position_bias=position_bias,
                  norm_weight=norm_weight, inv_freq=inv_freq)
+    named.update((name, t) for name, t in (("raw_block_table", raw_block_table),
+                                           ("raw_slot_mapping", raw_slot_mapping))
+                 if t is not None)
     for name, t in named.items():
         if t.device != dev or not t.is_contiguous():
             raise ValueError(f"compress_triton: {name} is on {t.device} "
@@ -209,12 +213,8 @@ def compress_triton(kv: torch.Tensor, gate: torch.Tensor, kv_pool: torch.Tensor,
     raw_table, raw_slots = check_raw_layout("compress_triton", block_table, slot_mapping,
                                             raw_block_table, raw_slot_mapping)
     _check(kv, gate, kv_pool, gate_pool, entry_pool, query_start_loc, seq_lens, block_table,
-           slot_mapping, position_bias, norm_weight, inv_freq)
-    for name, t in (("raw_block_table", raw_block_table), ("raw_slot_mapping", raw_slot_mapping)):
-        if t is not None and (t.device != kv.device or not t.is_contiguous()):
-            raise ValueError(f"compress_triton: {name} is on {t.device} "
-                             f"({'' if t.is_contiguous() else 'not '}contiguous); it must be "
-                             f"contiguous on {kv.device}")
+           slot_mapping, position_bias, norm_weight, inv_freq, raw_block_table,
+           raw_slot_mapping)
     n, width = kv.shape
     dim = entry_pool.shape[-1]
     fresh = torch.empty(n, dim, dtype=kv.dtype, device=kv.device)

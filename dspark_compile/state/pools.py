@@ -200,8 +200,8 @@ class VerifierState:
         if self.linear is not None:
             self.linear.check_rows(num_tokens)
         qsl, ctx, slots = layout.host
-        lens = np.diff(qsl)  # [R]
-        if self.window_step_tokens and len(lens) and int(lens.max()) > self.window_step_tokens:
+        lens = np.diff(qsl) if self.window_step_tokens else None  # [R]: only rings bound it
+        if lens is not None and len(lens) and int(lens.max()) > self.window_step_tokens:
             i = int(np.argmax(lens))
             raise ValueError(
                 f"request {i} has {int(lens[i])} tokens in this step but the sliding-window "

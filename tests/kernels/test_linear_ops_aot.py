@@ -59,8 +59,8 @@ def _compile_all() -> dict:
         missing = (set(pointers) | set(constexprs)) - set(kernel.arg_names)
         assert not missing, f"{case}: {attr} has no arguments {sorted(missing)}"
         # the warps the launches use: the GDN plan's default, 4 for the conv kernels
-        warps = importlib.import_module("dspark_compile.kernels.gdn").GdnPlan(
-            128, 32, 4).num_warps if module == "gdn" else 4
+        warps = importlib.import_module("dspark_compile.kernels.gdn")._NUM_WARPS \
+            if module == "gdn" else 4
         for name in TARGET_NAMES:
             result.setdefault(case, {})[name] = compile_kernel(
                 kernel, pointers, constexprs, name, {"num_warps": warps},
