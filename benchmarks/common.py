@@ -262,8 +262,8 @@ def time_ms(fn, iters: int, warmup: int = 3, gpu: bool = True) -> float:
 
 
 def plot_step_ms(results: dict, series, title: str, path: str) -> None:
-    """PNG of ms per step against bs (log-log), one line per ``(key, label)`` of ``series``
-    that every bs of ``results`` (``{bs: {key: ms}}``) has."""
+    """PNG of ms per step against bs (log-log), one line per ``(key, label)`` of ``series``,
+    through the bs of ``results`` (``{bs: {key: ms}}``) that have it (two at least)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -272,9 +272,10 @@ def plot_step_ms(results: dict, series, title: str, path: str) -> None:
     bss = sorted(int(b) for b in results)
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for key, label in series:
-        ys = [results[str(b)].get(key) for b in bss]
-        if all(y is not None for y in ys):
-            ax.plot(bss, ys, marker="o", label=label)
+        points = [(b, results[str(b)].get(key)) for b in bss]
+        points = [(b, y) for b, y in points if y is not None]
+        if len(points) >= 2:
+            ax.plot(*zip(*points), marker="o", label=label)
     ax.set_xscale("log", base=2)
     ax.set_yscale("log")
     ax.set_xlabel("requests (bs)")

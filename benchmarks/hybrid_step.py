@@ -341,7 +341,15 @@ def capture(verifier, state, s: Settings) -> dict:
 
 
 def hf_row(model, s: Settings, bs: int) -> tuple[dict, list[str]]:
-    step, graph, error, classes = hf_dense(model, s, bs)
+    """HF's dense step at ``bs``; on a CUDA out-of-memory error the row says so, with no times
+    (the cache classes then come back empty)."""
+    try:
+        step, graph, error, classes = hf_dense(model, s, bs)
+    except torch.OutOfMemoryError as err:
+        torch.cuda.empty_cache()
+        return {"hf_dense8_eager_ms": None, "hf_dense8_graph_ms": None,
+                "hf_dense8_graph_error": None,
+                "hf_dense8_error": "torch.OutOfMemoryError: " + str(err).split(". GPU")[0]}, []
     row = {"hf_dense8_eager_ms": time_ms(step, s, s.iters),
            "hf_dense8_graph_ms": time_ms(graph.replay, s, 2 * s.iters) if graph else None,
            "hf_dense8_graph_error": error}
@@ -377,7 +385,8 @@ def run(s: Settings, save) -> dict:
     data["capture"] = capture(verifier, state, s)
     for bs in s.batches:
         results[bs].update(ours_row(verifier, state, s, bs))
-        hf, data["hf_cache_layers"] = hf_row(model, s, bs)
+        hf, classes = hf_row(model, s, bs)
+        data["hf_cache_layers"] = classes or data.get("hf_cache_layers", [])
         results[bs].update(hf)
         for mean, name in ((s.mean_len, "floor_mean3_ms"), (s.block, "floor_all8_ms")):
             results[bs][name] = floor_ms(s, linear_params, bs, mean)

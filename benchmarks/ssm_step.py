@@ -116,7 +116,8 @@ def run(s: Settings, save) -> dict:
     for bs in s.batches:
         results[bs].update(ours_row(verifier, state, s, bs))
         # HF's torch fallback scan takes about a second a call from bs 64: fewer calls there
-        hf, data["hf_cache_layers"] = hf_row(model, hf_settings(s, bs), bs)
+        hf, classes = hf_row(model, hf_settings(s, bs), bs)
+        data["hf_cache_layers"] = classes or data.get("hf_cache_layers", [])
         results[bs]["hf_iters"] = hf_settings(s, bs).iters
         results[bs].update(hf)
         for mean, name in ((s.mean_len, "floor_mean3_ms"), (s.block, "floor_all8_ms")):
@@ -163,8 +164,8 @@ def main(argv=None) -> dict:
     data = {**head, **run(s, save)}
     try:
         res = data["results"]
-        hf = "hf_dense8_graph_ms" if all(r["hf_dense8_graph_ms"] for r in res.values()) else \
-            "hf_dense8_eager_ms"
+        hf = "hf_dense8_graph_ms" if all(r["hf_dense8_graph_ms"] for r in res.values()
+                                         if r["hf_dense8_eager_ms"]) else "hf_dense8_eager_ms"
         plot_step_ms(res, (("ours_graph_mix3_ms", "ours ragged, mean 3 (tier graph)"),
                            ("ours_graph_all8_ms", "ours all 8 (tier graph)"),
                            (hf, f"HF dense padded to 8 ({hf.split('_')[2]})"),

@@ -530,3 +530,30 @@ def test_gpu_cuda_graph_replays_another_layout():
         torch.testing.assert_close(g_.float(), w_.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(pools[0], want_pools[0])
     torch.testing.assert_close(pools[1], want_pools[1], atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("lens", [[3, 1, 8, 2, 5, 1, 7, 4] * 4, [40, 3, 16, 17]])
+def test_gpu_gdn_float32_chunk_form_matches_reference_closely(lens):
+    """float32 inputs take the six-product float32 path of the chunk form; requests of 17 and
+    40 rows take the row-by-row second launch. Both to float32 rounding of the reference."""
+    layout = make_layout(lens, num_pad=3, seed=9, device="cuda")
+    c = gdn_case(layout, 16, 32, 128, 128, seed=9, device="cuda")
+    want, want_rings = run_gdn(c, layout)
+    got, rings = run_gdn(c, layout, impl=OPS.gated_delta_rule_triton)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for r, w in zip(rings, want_rings):
+        torch.testing.assert_close(r, w, atol=1e-6, rtol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+def test_gpu_gdn_chunk_form_contains_rejected_rows():
+    """NaN and Inf in rejected and padding rows, bf16 at Qwen3-Next's shapes: accepted rows
+    bit for bit, through the tensor-core products of the chunk form."""
+    layout = make_layout([8, 3, 0, 5, 1], num_pad=3, seed=6, device="cuda")
+    acc = accepts(layout, 6)
+    c = gdn_case(layout, 16, 32, 128, 128, seed=6, dtype=torch.bfloat16, device="cuda")
+    d = {**c, **{n: _poison(c[n], layout, acc) for n in ("q", "k", "v", "g", "beta")}}
+    _check_containment(layout, acc, run_gdn(c, layout, impl=OPS.gated_delta_rule_triton),
+                       run_gdn(d, layout, impl=OPS.gated_delta_rule_triton))
