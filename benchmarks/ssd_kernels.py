@@ -112,7 +112,7 @@ def check_ssd(c: dict, lens: list[int], plan=None) -> float:
     return err
 
 
-def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None, serial=False) -> dict:
+def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
     lens = lengths(bs, mix, s)
     h, ns, p = s["ssd_heads"], s["ssd_state"], s["ssd_head_dim"]
     floor = bs * h * ns * p * 4  # fp32 state, read once, never written by the forward
@@ -123,20 +123,14 @@ def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None, serial=False) 
     commit = [lambda c=c: triton_ssd.ssd_commit_triton(
         c["state"], *c["rings"], c["qsl"], c["slots"], acc, plan=plan) for c in sets]
     used = plan or triton_ssd.plan_ssd(bs, h, ns, p, device_sm_count(torch.device(device)))
-    row = dict(kernel="ssd", bs=bs, lengths="mix_mean3" if mix else "all8",
-               num_tokens=sum(lens), copies=len(sets), max_abs_err=err,
-               plan=dataclasses.asdict(used), **_rates(floor, time_calls(fns, s, device), s),
-               commit=_rates(2 * floor, time_calls(commit, s, device), s))
-    if serial:  # the row-by-row forward on the same inputs, right after
-        rows = dataclasses.replace(used, chunk=False)
-        row["serial"] = dict(max_abs_err=check_ssd(sets[0], lens, rows), **_rates(
-            floor, time_calls([lambda c=c: triton_ssd.ssd_triton(*_ssd_args(c), plan=rows)
-                               for c in sets], s, device), s))
-    return row
+    return dict(kernel="ssd", bs=bs, lengths="mix_mean3" if mix else "all8",
+                num_tokens=sum(lens), copies=len(sets), max_abs_err=err,
+                plan=dataclasses.asdict(used), **_rates(floor, time_calls(fns, s, device), s),
+                commit=_rates(2 * floor, time_calls(commit, s, device), s))
 
 
 # ---------------------------------------------------------------------- GDN
-def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None, serial=False) -> dict:
+def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
     lens = lengths(bs, mix, s)
     hv, kd, vd = s["num_v_heads"], s["k_dim"], s["v_dim"]
     floor = bs * hv * kd * vd * 4
@@ -148,16 +142,10 @@ def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None, serial=False) 
     commit = [lambda c=c: triton_gdn.gated_delta_rule_commit_triton(
         c["state"], *c["rings"], c["qsl"], c["slots"], acc, plan=plan) for c in sets]
     used = plan or triton_gdn.plan_gdn(bs, hv, kd, vd, device_sm_count(torch.device(device)))
-    row = dict(kernel="gdn", bs=bs, lengths="mix_mean3" if mix else "all8",
-               num_tokens=sum(lens), copies=len(sets), max_abs_err=err,
-               plan=dataclasses.asdict(used), **_rates(floor, time_calls(fns, s, device), s),
-               commit=_rates(2 * floor, time_calls(commit, s, device), s))
-    if serial:  # the row-by-row forward on the same inputs, right after
-        rows = dataclasses.replace(used, chunk=False)
-        row["serial"] = dict(max_abs_err=check_gdn(sets[0], lens, s, rows), **_rates(
-            floor, time_calls([lambda c=c: triton_gdn.gated_delta_rule_triton(
-                *_gdn_args(c, s), plan=rows) for c in sets], s, device), s))
-    return row
+    return dict(kernel="gdn", bs=bs, lengths="mix_mean3" if mix else "all8",
+                num_tokens=sum(lens), copies=len(sets), max_abs_err=err,
+                plan=dataclasses.asdict(used), **_rates(floor, time_calls(fns, s, device), s),
+                commit=_rates(2 * floor, time_calls(commit, s, device), s))
 
 
 def sweep(s: dict, device: str, kernels: tuple[str, ...], emit) -> None:
@@ -185,11 +173,9 @@ def sweep(s: dict, device: str, kernels: tuple[str, ...], emit) -> None:
 
 def _row(r: dict) -> str:
     c = r["commit"]
-    serial = f" {r['serial']['best_us']:>9.1f} {r['serial']['floor_pct']:>7}" \
-        if "serial" in r else ""
     return (f"{r['kernel']:>6} {r['bs']:>4} {r['lengths']:>9} {r['eager_us']:>9.1f} "
             f"{r['graph_us'] or 0:>9.1f} {r['floor_us']:>8.2f} {r['floor_pct']:>6} "
-            f"{c['best_us']:>9.1f} {c['floor_pct']:>7}{serial}")
+            f"{c['best_us']:>9.1f} {c['floor_pct']:>7}")
 
 
 def main() -> None:
@@ -199,9 +185,6 @@ def main() -> None:
     ap.add_argument("--bs", type=int, nargs="+", help="batch sizes (default: 1 8 64 128)")
     ap.add_argument("--kernels", nargs="+", choices=("ssd", "gdn"), default=("ssd", "gdn"))
     ap.add_argument("--sweep-warps", type=int, nargs="+", help="warp counts of the sweep")
-    ap.add_argument("--serial", action="store_true",
-                    help="also time the row-by-row forward (the chunk form's predecessor) on "
-                         "each row's inputs")
     opts = ap.parse_args()
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
     s = dict(s, **({"batch_sizes": opts.bs} if opts.bs else {}),
@@ -219,14 +202,12 @@ def main() -> None:
         (out_dir / "ssd_kernels.json").write_text(json.dumps(report, indent=1))
 
     print(f"{'kernel':>6} {'bs':>4} {'lens':>9} {'eager us':>9} {'graph us':>9} "
-          f"{'floor us':>8} {'floor%':>6} {'commit us':>9} {'commit%':>7}"
-          + (f" {'serial us':>9} {'serial%':>7}" if opts.serial else ""), flush=True)
+          f"{'floor us':>8} {'floor%':>6} {'commit us':>9} {'commit%':>7}", flush=True)
     cases = {"ssd": ssd_case, "gdn": gdn_case}
     for bs in s["batch_sizes"]:
         for mix in (True, False):
             for name in opts.kernels:
-                report["results"].append(cases[name](bs, mix, s, device,
-                                                     serial=opts.serial))
+                report["results"].append(cases[name](bs, mix, s, device))
                 print(_row(report["results"][-1]), flush=True)
                 save()
     if opts.sweep:

@@ -50,15 +50,9 @@ from .device import device_sm_count
 
 __all__ = ["GdnPlan", "plan_gdn", "gated_delta_rule_triton", "gated_delta_rule_commit_triton"]
 
-_CHUNK_WARPS = 4
-_SERIAL_WARPS = 1  # module docstring: the sweep's best at every tile
-_BLOCK_K = 32
+_NUM_WARPS = 1  # module docstring: the sweep's best at every tile
 _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on one warp of 32
 _MIN_BLOCK_V = 16
-_MIN_PAD = 16  # tl.dot's smallest K
-CHUNK = 16  # rows of the chunk form's matrix products (tl.dot's smallest M)
-
-
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
 
 
@@ -141,10 +135,8 @@ def _gdn_forward_kernel(
         stride_out_head, stride_s_slot, stride_s_head, stride_s_k, HK: tl.constexpr,
         HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, K_PAD: tl.constexpr,
         BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
-        PAD_ROWS: tl.constexpr, SKIP_UPTO: tl.constexpr):
-    """One (request, value head, value-channel block): the request's rows, in order. With
-    ``SKIP_UPTO`` > 0, requests of at most that many rows and the padding rows are left to the
-    chunk kernel."""
+        PAD_ROWS: tl.constexpr):
+    """One (request, value head, value-channel block): the request's rows, in order."""
     req = tl.program_id(0)
     head = tl.program_id(1) // NUM_VB
     vb = tl.program_id(1) % NUM_VB
@@ -154,12 +146,11 @@ def _gdn_forward_kernel(
     v_ok = offs_v < VD
     start = tl.load(query_start_loc_ptr + req)
     if req == num_requests:
-        if SKIP_UPTO == 0:
-            _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, v_ok, stride_out_tok,
-                               stride_out_head, BLOCK_V, PAD_ROWS)
+        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, v_ok, stride_out_tok,
+                           stride_out_head, BLOCK_V, PAD_ROWS)
         return
     length = tl.load(query_start_loc_ptr + req + 1) - start
-    if length <= SKIP_UPTO:
+    if length <= 0:
         return
     slot = tl.load(slots_ptr + req).to(tl.int64)
     _, state = _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok,
@@ -188,146 +179,6 @@ def _gdn_forward_kernel(
         _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k,
                    v, g, beta, offs_k, offs_v, k_ok, v_ok, HK, HV, KD, VD)
         q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
-
-
-@triton.jit
-def _split3(x):
-    """float32 ``x`` as three bfloat16 tiles whose sum is ``x`` to about 2^-24 of it."""
-    hi = x.to(tl.bfloat16)
-    rest = x - hi.to(tl.float32)
-    mid = rest.to(tl.bfloat16)
-    return hi, mid, (rest - mid.to(tl.float32)).to(tl.bfloat16)
-
-
-@triton.jit
-def dot_f32(a, b, A_BF16: tl.constexpr, IEEE: tl.constexpr):
-    """``a @ b`` of float32 tiles to float32 accuracy on bfloat16 tensor cores, any backend:
-    ``b`` in three bfloat16 parts; ``a`` too (six products, the three smallest dropped) unless
-    ``A_BF16`` says its values are bfloat16 already (three exact products). ``IEEE``: one
-    float32 product instead (the interpreter's choice: its bfloat16 products are wrong)."""
-    if IEEE:
-        return tl.dot(a, b, input_precision="ieee")
-    b_hi, b_mid, b_lo = _split3(b)
-    if A_BF16:
-        a16 = a.to(tl.bfloat16)
-        return tl.dot(a16, b_hi) + tl.dot(a16, b_mid) + tl.dot(a16, b_lo)
-    a_hi, a_mid, a_lo = _split3(a)
-    acc = tl.dot(a_lo, b_hi) + tl.dot(a_mid, b_mid) + tl.dot(a_hi, b_lo)
-    return acc + tl.dot(a_mid, b_hi) + tl.dot(a_hi, b_mid) + tl.dot(a_hi, b_hi)
-
-
-@triton.jit
-def _row_of(x, offs_t, s):
-    """Row ``s`` of a ``[CHUNK, C]`` tile as ``[C]`` (a select, so other rows' NaN stay out)."""
-    return tl.sum(tl.where(offs_t[:, None] == s, x, 0.0), 0)
-
-
-@triton.jit
-def _col_of(x, offs_t, s):
-    """Column ``s`` of a ``[CHUNK, CHUNK]`` tile as ``[CHUNK]`` (a select, as ``_row_of``)."""
-    return tl.sum(tl.where(offs_t[None, :] == s, x, 0.0), 1)
-
-
-@triton.jit
-def _gdn_chunk_forward_kernel(
-        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
-        slots_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_tokens,
-        num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-        stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok, stride_out_tok,
-        stride_out_head, stride_s_slot, stride_s_head, stride_s_k, HK: tl.constexpr,
-        HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, K_PAD: tl.constexpr,
-        BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr,
-        L2NORM: tl.constexpr, PAD_ROWS: tl.constexpr, CHUNK: tl.constexpr,
-        QK_BF16: tl.constexpr, IEEE: tl.constexpr):
-    """One (request of at most ``CHUNK`` rows, value head, value-channel block) in the chunk
-    form (module docstring); longer requests are the row-by-row kernel's."""
-    req = tl.program_id(0)
-    head = tl.program_id(1) // NUM_VB
-    vb = tl.program_id(1) % NUM_VB
-    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    offs_t = tl.arange(0, CHUNK)
-    v_ok = offs_v < VD
-    start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, v_ok, stride_out_tok,
-                           stride_out_head, BLOCK_V, PAD_ROWS)
-        return
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if (length <= 0) | (length > CHUNK):
-        return
-    slot = tl.load(slots_ptr + req).to(tl.int64)
-    k_head = head // (HV // HK)
-    rows_ok = offs_t < length
-    n = (start + offs_t).to(tl.int64)
-    # every product with the state, over K slices: the state is read once and never held whole
-    ks = tl.zeros([CHUNK, BLOCK_V], tl.float32)
-    qs = tl.zeros([CHUNK, BLOCK_V], tl.float32)
-    kk = tl.zeros([CHUNK, CHUNK], tl.float32)
-    qk = tl.zeros([CHUNK, CHUNK], tl.float32)
-    sq_k = tl.zeros([CHUNK], tl.float32)
-    sq_q = tl.zeros([CHUNK], tl.float32)
-    for k0 in tl.static_range(0, K_PAD, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = offs_k < KD
-        qk_mask = rows_ok[:, None] & k_ok[None, :]
-        q = tl.load(q_ptr + n[:, None] * stride_q_tok + k_head * stride_q_head
-                    + offs_k[None, :], mask=qk_mask, other=0.0).to(tl.float32)
-        k = tl.load(k_ptr + n[:, None] * stride_k_tok + k_head * stride_k_head
-                    + offs_k[None, :], mask=qk_mask, other=0.0).to(tl.float32)
-        _, state = _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok,
-                               stride_s_slot, stride_s_head, stride_s_k)
-        ks += dot_f32(k, state, QK_BF16, IEEE)
-        qs += dot_f32(q, state, QK_BF16, IEEE)
-        if QK_BF16 and not IEEE:  # bfloat16 times bfloat16 is exact in float32: one product
-            kk += tl.dot(k.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
-            qk += tl.dot(q.to(tl.bfloat16), tl.trans(k.to(tl.bfloat16)))
-        else:
-            kk += dot_f32(k, tl.trans(k), False, IEEE)
-            qk += dot_f32(q, tl.trans(k), False, IEEE)
-        sq_k += tl.sum(k * k, 1)
-        sq_q += tl.sum(q * q, 1)
-    norm_k = tl.full([CHUNK], 1.0, tl.float32)
-    norm_q = tl.full([CHUNK], 1.0, tl.float32)
-    if L2NORM:
-        norm_k = tl.rsqrt(sq_k + 1e-6)
-        norm_q = tl.rsqrt(sq_q + 1e-6)
-    v_mask = rows_ok[:, None] & v_ok[None, :]
-    v = tl.load(v_ptr + n[:, None] * stride_v_tok + head * stride_v_head + offs_v[None, :],
-                mask=v_mask, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + n * stride_g_tok + head, mask=rows_ok, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + n * stride_beta_tok + head, mask=rows_ok,
-                   other=0.0).to(tl.float32)
-    cum = tl.cumsum(g, 0)  # log decay from the state through row t
-    first = tl.exp(cum)
-    decay = tl.exp(cum[:, None] - cum[None, :])  # [t, s]; read only where s <= t
-    # the l2 norms are row scales: applied to the products, selected away with the mask
-    a = tl.where(offs_t[None, :] < offs_t[:, None],
-                 (beta * norm_k)[:, None] * decay * kk * norm_k[None, :], 0.0)
-    w = tl.where(offs_t[None, :] <= offs_t[:, None],
-                 norm_q[:, None] * decay * qk * norm_k[None, :], 0.0)
-    # delta_t = r_t - sum_{s<t} a[t, s] delta_s, solved row by row in r
-    r = beta[:, None] * (v - (first * norm_k)[:, None] * ks)
-    acc = (first * norm_q)[:, None] * qs
-    for s in range(length):
-        delta = _row_of(r, offs_t, s)
-        r -= tl.where((offs_t > s)[:, None], _col_of(a, offs_t, s)[:, None] * delta[None, :],
-                      0.0)
-        acc += tl.where((offs_t >= s)[:, None], _col_of(w, offs_t, s)[:, None] * delta[None, :],
-                        0.0)
-    tl.store(out_ptr + n[:, None] * stride_out_tok + head * stride_out_head + offs_v[None, :],
-             (acc * scale).to(out_ptr.dtype.element_ty), mask=v_mask)
-    tl.store(ring_v_ptr + (n[:, None] * HV + head) * VD + offs_v[None, :], v, mask=v_mask)
-    if vb == 0:
-        tl.store(ring_g_ptr + n * HV + head, g, mask=rows_ok)
-        tl.store(ring_beta_ptr + n * HV + head, beta, mask=rows_ok)
-        if head % (HV // HK) == 0:  # the normalized key, once per key head
-            for k0 in tl.static_range(0, K_PAD, BLOCK_K):
-                offs_k = k0 + tl.arange(0, BLOCK_K)
-                key_mask = rows_ok[:, None] & (offs_k < KD)[None, :]
-                k = tl.load(k_ptr + n[:, None] * stride_k_tok + k_head * stride_k_head
-                            + offs_k[None, :], mask=key_mask, other=0.0).to(tl.float32)
-                tl.store(ring_k_ptr + (n[:, None] * HK + k_head) * KD + offs_k[None, :],
-                         k * norm_k[:, None], mask=key_mask)
 
 
 @triton.jit
@@ -384,22 +235,13 @@ class GdnPlan:
     """Tiles and grid of the GDN launches, derived from shapes and the device only."""
 
     k_pad: int
-    """K rounded up to a power of two, at least 16 (a program holds every K row of its state
-    slice; ``tl.dot`` needs 16)."""
+    """K rounded up to a power of two (a program holds every K row of its state slice)."""
     block_v: int
     """Value channels per program."""
     num_vb: int
     """Value-channel blocks per head: ``cdiv(V, block_v)``."""
-    num_warps: int = _CHUNK_WARPS
-    """Warps per chunk-form program (``benchmarks/ssd_kernels.py --sweep`` times 1 to 8)."""
-    chunk: bool = True
-    """Requests of at most ``CHUNK`` rows in the chunk form (longer ones row by row in a second
-    launch, made only when the batch has more than ``CHUNK`` rows), or every request row by
-    row."""
-    block_k: int = _BLOCK_K
-    """K per slice of the chunk form's products with the state."""
-    serial_warps: int = _SERIAL_WARPS
-    """Warps per row-by-row program (the commit, and the forward of long requests)."""
+    num_warps: int = _NUM_WARPS
+    """Warps per program (``benchmarks/ssd_kernels.py --sweep`` times 1 to 8)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -409,7 +251,7 @@ def plan_gdn(num_requests: int, num_v_heads: int, k_dim: int, v_dim: int,
     the state slice stays in registers), halved (down to 16) while ``R * Hv * V / BLOCK_V``
     programs are fewer than two per multiprocessor. At 32 value heads, V = 128 on an H200 (132
     SMs): bs 1 runs 256 programs of 16 channels, bs >= 8 programs of 32."""
-    k_pad = max(_MIN_PAD, triton.next_power_of_2(max(k_dim, 1)))
+    k_pad = triton.next_power_of_2(max(k_dim, 1))
     v_pad = triton.next_power_of_2(max(v_dim, 1))
     block_v = min(v_pad, max(_MIN_BLOCK_V, _MAX_TILE // k_pad))
     while block_v > _MIN_BLOCK_V and \
@@ -437,20 +279,13 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
         return out
     plan = plan or plan_gdn(r, hv, kd, vd, device_sm_count(q.device))
     st = recurrent_state
-    args = (out, q, k, v, g, beta, st, query_start_loc, slots, ring_k, ring_v, ring_g, ring_beta,
-            float(scale), n, r, st.shape[0], q.stride(0), q.stride(1), k.stride(0),
-            k.stride(1), v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0),
-            out.stride(1), st.stride(0), st.stride(1), st.stride(2))
-    shape = dict(HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad, BLOCK_V=plan.block_v,
-                 NUM_VB=plan.num_vb, L2NORM=use_qk_l2norm, PAD_ROWS=_PAD_ROWS)
-    grid = (r + 1, hv * plan.num_vb)
-    if plan.chunk:
-        launch(_gdn_chunk_forward_kernel, grid, *args, **shape, BLOCK_K=min(plan.block_k, plan.k_pad),
-               CHUNK=CHUNK, QK_BF16=q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16,
-               IEEE=q.device.type == "cpu", num_warps=plan.num_warps)
-    if not plan.chunk or n > CHUNK:  # a request may be longer than a chunk
-        launch(_gdn_forward_kernel, grid, *args, **shape, SKIP_UPTO=CHUNK if plan.chunk else 0,
-               num_warps=plan.serial_warps)
+    launch(_gdn_forward_kernel, (r + 1, hv * plan.num_vb),
+        out, q, k, v, g, beta, st, query_start_loc, slots, ring_k, ring_v, ring_g, ring_beta,
+        float(scale), n, r, st.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
+        st.stride(0), st.stride(1), st.stride(2), HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad,
+        BLOCK_V=plan.block_v, NUM_VB=plan.num_vb, L2NORM=use_qk_l2norm, PAD_ROWS=_PAD_ROWS,
+        num_warps=plan.num_warps)
     return out
 
 
@@ -471,4 +306,4 @@ def gated_delta_rule_commit_triton(recurrent_state, ring_k, ring_v, ring_g, ring
         st, ring_k, ring_v, ring_g, ring_beta, query_start_loc, slots, accept_lens,
         st.shape[0], st.stride(0), st.stride(1), st.stride(2), HK=ring_k.shape[1], HV=hv,
         KD=kd, VD=vd, K_PAD=plan.k_pad, BLOCK_V=plan.block_v, NUM_VB=plan.num_vb,
-        num_warps=plan.serial_warps)
+        num_warps=plan.num_warps)

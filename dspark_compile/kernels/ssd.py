@@ -42,15 +42,14 @@ import torch
 import triton
 import triton.language as tl
 
-from .gdn import (CHUNK, _col_of, _load_state, _row_of, _zero_padding_rows,  # same layout
-                  dot_f32)
+from .gdn import _load_state, _zero_padding_rows  # shared tiles: same layout
 from .launch import launch
 from ..ops.ssd_reference import check_ssd, check_ssd_commit
 from .device import device_sm_count
 
 __all__ = ["SsdPlan", "plan_ssd", "ssd_triton", "ssd_commit_triton"]
 
-_MAX_TILE = 4096  # fp32 state elements per program: 32 registers per thread at 4 warps of 32
+_MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on one warp
 _MIN_BLOCK_P = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
 
@@ -96,10 +95,8 @@ def _ssd_forward_kernel(
         stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
         G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
         BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
-        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
-        SKIP_UPTO: tl.constexpr):
-    """One (request, head, channel block): the request's rows, in order. With ``SKIP_UPTO`` >
-    0, requests of at most that many rows and the padding rows are left to the chunk kernel."""
+        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr):
+    """One (request, head, channel block): the request's rows, in order."""
     req = tl.program_id(0)
     head = tl.program_id(1) // NUM_PB
     pb = tl.program_id(1) % NUM_PB
@@ -109,12 +106,11 @@ def _ssd_forward_kernel(
     p_ok = offs_p < P
     start = tl.load(query_start_loc_ptr + req)
     if req == num_requests:
-        if SKIP_UPTO == 0:
-            _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
-                               stride_out_head, BLOCK_P, PAD_ROWS)
+        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
+                           stride_out_head, BLOCK_P, PAD_ROWS)
         return
     length = tl.load(query_start_loc_ptr + req + 1) - start
-    if length <= SKIP_UPTO:
+    if length <= 0:
         return
     slot = tl.load(slots_ptr + req).to(tl.int64)
     _, state = _load_state(state_ptr, slot, num_slots, head, offs_n, offs_p, n_ok, p_ok,
@@ -153,91 +149,6 @@ def _ssd_forward_kernel(
             if head % (H // G) == 0:
                 tl.store(ring_b_ptr + (n * G + group) * NS + offs_n, b, mask=n_ok)
         x, dt, b, c = x_next, dt_next, b_next, c_next
-
-
-@triton.jit
-def _ssd_chunk_forward_kernel(
-        out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
-        query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
-        num_tokens, num_requests, num_slots, stride_x_tok, stride_x_head, stride_dt_tok,
-        stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
-        stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
-        G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
-        BLOCK_N: tl.constexpr, BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr,
-        HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
-        PAD_ROWS: tl.constexpr, CHUNK: tl.constexpr, BC_BF16: tl.constexpr,
-        IEEE: tl.constexpr):
-    """One (request of at most ``CHUNK`` rows, head, channel block) in the chunk form (module
-    docstring); longer requests are the row-by-row kernel's."""
-    req = tl.program_id(0)
-    head = tl.program_id(1) // NUM_PB
-    pb = tl.program_id(1) % NUM_PB
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_t = tl.arange(0, CHUNK)
-    p_ok = offs_p < P
-    start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
-                           stride_out_head, BLOCK_P, PAD_ROWS)
-        return
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if (length <= 0) | (length > CHUNK):
-        return
-    slot = tl.load(slots_ptr + req).to(tl.int64)
-    group = head // (H // G)
-    rows_ok = offs_t < length
-    n = (start + offs_t).to(tl.int64)
-    saves_b = (pb == 0) & (head % (H // G) == 0)  # one writer of each group's B
-    # C S and C B^T over N slices: the state is read once and never held whole
-    cs = tl.zeros([CHUNK, BLOCK_P], tl.float32)
-    cb = tl.zeros([CHUNK, CHUNK], tl.float32)
-    for n0 in tl.static_range(0, N_PAD, BLOCK_N):
-        offs_n = n0 + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < NS
-        bn_mask = rows_ok[:, None] & n_ok[None, :]
-        b = tl.load(b_ptr + n[:, None] * stride_b_tok + group * stride_b_group
-                    + offs_n[None, :], mask=bn_mask, other=0.0).to(tl.float32)
-        c = tl.load(c_ptr + n[:, None] * stride_c_tok + group * stride_c_group
-                    + offs_n[None, :], mask=bn_mask, other=0.0).to(tl.float32)
-        _, state = _load_state(state_ptr, slot, num_slots, head, offs_n, offs_p, n_ok, p_ok,
-                               stride_s_slot, stride_s_head, stride_s_n)
-        cs += dot_f32(c, state, BC_BF16, IEEE)
-        if BC_BF16 and not IEEE:  # bfloat16 times bfloat16 is exact in float32: one product
-            cb += tl.dot(c.to(tl.bfloat16), tl.trans(b.to(tl.bfloat16)))
-        else:
-            cb += dot_f32(c, tl.trans(b), False, IEEE)
-        if saves_b:
-            tl.store(ring_b_ptr + (n[:, None] * G + group) * NS + offs_n[None, :], b,
-                     mask=bn_mask)
-    a = tl.load(a_ptr + head).to(tl.float32)
-    d = tl.load(d_ptr + head).to(tl.float32)  # read only with HAS_D (else A's address)
-    # HF adds dt_bias.to(dt.dtype): round it to dt's dtype first
-    bias = tl.load(dt_bias_ptr + head).to(dt_ptr.dtype.element_ty).to(tl.float32)
-    xp_mask = rows_ok[:, None] & p_ok[None, :]
-    x = tl.load(x_ptr + n[:, None] * stride_x_tok + head * stride_x_head + offs_p[None, :],
-                mask=xp_mask, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + n * stride_dt_tok + head, mask=rows_ok, other=0.0)
-    dt = _process_dt(dt.to(tl.float32), bias, HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max,
-                     dt_ptr.dtype.element_ty)
-    dt = tl.where(rows_ok, dt, 0.0)  # rows past the request decay nothing
-    xdt = x * dt[:, None]
-    da = a * dt
-    cum = tl.cumsum(da, 0)  # log decay from the state through row t
-    # out_t = exp(cum_t) C_t S + sum_{s<=t} exp(cum_t - cum_s) (C_t . B_s) xdt_s
-    coef = tl.where(offs_t[None, :] <= offs_t[:, None],
-                    tl.exp(cum[:, None] - cum[None, :]) * cb, 0.0)
-    out = tl.exp(cum)[:, None] * cs
-    for s in range(length):
-        out += tl.where((offs_t >= s)[:, None],
-                        _col_of(coef, offs_t, s)[:, None] * _row_of(xdt, offs_t, s)[None, :],
-                        0.0)
-    if HAS_D:
-        out += d * x
-    tl.store(out_ptr + n[:, None] * stride_out_tok + head * stride_out_head + offs_p[None, :],
-             out, mask=xp_mask)
-    tl.store(ring_x_ptr + (n[:, None] * H + head) * P + offs_p[None, :], xdt, mask=xp_mask)
-    if pb == 0:
-        tl.store(ring_da_ptr + n * H + head, da, mask=rows_ok)
 
 
 @triton.jit
@@ -291,24 +202,16 @@ class SsdPlan:
     """Tiles and grid of the SSD launches, derived from shapes and the device only."""
 
     n_pad: int
-    """The state size N rounded up to a power of two, at least 16 (a program holds every N
-    row; ``tl.dot`` needs 16)."""
+    """The state size N rounded up to a power of two (a program holds every N row)."""
     block_p: int
     """Head channels per program."""
     num_pb: int
     """Channel blocks per head: ``cdiv(P, block_p)``."""
-    num_warps: int = 4
-    """Warps per chunk-form program (``benchmarks/ssd_kernels.py --sweep`` times 1 to 8)."""
-    chunk: bool = True
-    """Requests of at most ``CHUNK`` rows in the chunk form (longer ones row by row in a second
-    launch, made only when the batch has more than ``CHUNK`` rows), or every request row by
-    row."""
-    block_n: int = 32
-    """N per slice of the chunk form's products with the state."""
-    serial_warps: int = 1
-    """Warps per row-by-row program (the commit, and the forward of long requests): at bs 64,
-    all 8 rows, ``BLOCK_P`` 32, the forward took 150 us on one warp against 228 on four and
-    the commit 188 against 187 (``ssd_kernels.py --sweep``, H200)."""
+    num_warps: int = 1
+    """Warps per program: ``benchmarks/ssd_kernels.py --sweep`` on an H200 at ``BLOCK_P`` 32,
+    all 8 rows, bs 64 / 128: the forward 150 / 280 us on one warp against 228 / 450 on four,
+    the commit 188 / 375 on either (the GDN kernels' finding: every reduction over N stays in
+    the warp)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -317,7 +220,7 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
     """``BLOCK_P`` from host ints: at most ``_MAX_TILE / N_PAD`` channels (32 at N = 128, so the
     state slice stays in registers), halved (down to 16) while ``R * H * P / BLOCK_P``
     programs are fewer than two per multiprocessor (the GDN kernel's rule)."""
-    n_pad = max(16, triton.next_power_of_2(max(state_dim, 1)))
+    n_pad = triton.next_power_of_2(max(state_dim, 1))
     p_pad = triton.next_power_of_2(max(head_dim, 1))
     block_p = min(p_pad, max(_MIN_BLOCK_P, _MAX_TILE // n_pad))
     while block_p > _MIN_BLOCK_P and \
@@ -344,22 +247,14 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
         return out
     plan = plan or plan_ssd(r, h, n_state, p, device_sm_count(x.device))
     st = ssm_state
-    args = (out, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, st,
-            query_start_loc, slots, ring_x, ring_b, ring_da, float(dt_min), float(dt_max), n, r,
-            st.shape[0], x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
-            C.stride(0), C.stride(1), out.stride(0), out.stride(1), st.stride(0), st.stride(1),
-            st.stride(2))
-    shape = dict(H=h, G=g, NS=n_state, P=p, N_PAD=plan.n_pad, BLOCK_P=plan.block_p,
-                 NUM_PB=plan.num_pb, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
-                 SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS)
-    grid = (r + 1, h * plan.num_pb)
-    if plan.chunk:
-        launch(_ssd_chunk_forward_kernel, grid, *args, **shape, BLOCK_N=min(plan.block_n, plan.n_pad),
-               CHUNK=CHUNK, BC_BF16=B.dtype == torch.bfloat16 and C.dtype == torch.bfloat16,
-               IEEE=x.device.type == "cpu", num_warps=plan.num_warps)
-    if not plan.chunk or n > CHUNK:  # a request may be longer than a chunk
-        launch(_ssd_forward_kernel, grid, *args, **shape, SKIP_UPTO=CHUNK if plan.chunk else 0,
-               num_warps=plan.serial_warps)
+    launch(_ssd_forward_kernel, (r + 1, h * plan.num_pb),
+           out, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, st,
+           query_start_loc, slots, ring_x, ring_b, ring_da, float(dt_min), float(dt_max), n, r,
+           st.shape[0], x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
+           C.stride(0), C.stride(1), out.stride(0), out.stride(1), st.stride(0), st.stride(1),
+           st.stride(2), H=h, G=g, NS=n_state, P=p, N_PAD=plan.n_pad, BLOCK_P=plan.block_p,
+           NUM_PB=plan.num_pb, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
+           SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, num_warps=plan.num_warps)
     return out
 
 
@@ -378,4 +273,4 @@ def ssd_commit_triton(ssm_state, ring_x, ring_b, ring_da, query_start_loc, slots
            st, ring_x, ring_b, ring_da, query_start_loc, slots, accept_lens, st.shape[0],
            st.stride(0), st.stride(1), st.stride(2), H=h, G=ring_b.shape[1], NS=n_state, P=p,
            N_PAD=plan.n_pad, BLOCK_P=plan.block_p, NUM_PB=plan.num_pb,
-           num_warps=plan.serial_warps)
+           num_warps=plan.num_warps)

@@ -40,14 +40,7 @@ CASES = {
                           "g_ptr": "fp32", "beta_ptr": "bf16", "state_ptr": "fp32",
                           "ring_k_ptr": "fp32", "ring_v_ptr": "fp32", "ring_g_ptr": "fp32",
                           "ring_beta_ptr": "fp32", **_LAYOUT},
-                         {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16, "SKIP_UPTO": 16}),
-    "gdn_chunk_forward_bf16": ("gdn", "_gdn_chunk_forward_kernel",
-                               {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16",
-                                "v_ptr": "bf16", "g_ptr": "fp32", "beta_ptr": "bf16",
-                                "state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
-                                "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", **_LAYOUT},
-                               {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16, "CHUNK": 16,
-                                "BLOCK_K": 32, "QK_BF16": True, "IEEE": False}),
+                         {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16}),
     "gdn_commit": ("gdn", "_gdn_commit_kernel",
                    {"state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
                     "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", "accept_lens_ptr": "i32",
@@ -65,10 +58,9 @@ def _compile_all() -> dict:
         kernel = getattr(importlib.import_module(f"dspark_compile.kernels.{module}"), attr)
         missing = (set(pointers) | set(constexprs)) - set(kernel.arg_names)
         assert not missing, f"{case}: {attr} has no arguments {sorted(missing)}"
-        # the warps the launches use: the GDN plan's defaults, 4 for the conv kernels
-        gdn = importlib.import_module("dspark_compile.kernels.gdn")
-        warps = {"_gdn_commit_kernel": gdn._SERIAL_WARPS,
-                 "_gdn_forward_kernel": gdn._SERIAL_WARPS}.get(attr, 4)
+        # the warps the launches use: the GDN plan's default, 4 for the conv kernels
+        warps = importlib.import_module("dspark_compile.kernels.gdn")._NUM_WARPS \
+            if module == "gdn" else 4
         for name in TARGET_NAMES:
             result.setdefault(case, {})[name] = compile_kernel(
                 kernel, pointers, constexprs, name, {"num_warps": warps},

@@ -24,15 +24,7 @@ CASES = {
                           "b_ptr": "bf16", "c_ptr": "bf16", "d_ptr": "fp32",
                           "dt_bias_ptr": "fp32", "state_ptr": "fp32", **_RINGS, **_LAYOUT},
                          {**_SHAPE, "HAS_D": True, "HAS_DT_BIAS": True, "SOFTPLUS": True,
-                          "PAD_ROWS": 16, "SKIP_UPTO": 16}),
-    "ssd_chunk_forward_bf16": ("_ssd_chunk_forward_kernel",
-                               {"out_ptr": "fp32", "x_ptr": "bf16", "dt_ptr": "bf16",
-                                "a_ptr": "fp32", "b_ptr": "bf16", "c_ptr": "bf16",
-                                "d_ptr": "fp32", "dt_bias_ptr": "fp32", "state_ptr": "fp32",
-                                **_RINGS, **_LAYOUT},
-                               {**_SHAPE, "HAS_D": True, "HAS_DT_BIAS": True,
-                                "SOFTPLUS": True, "PAD_ROWS": 16, "CHUNK": 16,
-                                "BLOCK_N": 32, "BC_BF16": True, "IEEE": False}),
+                          "PAD_ROWS": 16}),
     "ssd_commit": ("_ssd_commit_kernel",
                    {"state_ptr": "fp32", **_RINGS, "accept_lens_ptr": "i32", **_LAYOUT},
                    _SHAPE),
@@ -43,6 +35,8 @@ def _compile_all() -> dict:
     """Compile every case for every target; return ``{case: {target: [artifact kinds]}}``."""
     from dspark_compile.kernels import ssd
 
+    warps = ssd.SsdPlan.num_warps  # the launches' default
+
     result: dict = {}
     for case, (attr, pointers, constexprs) in CASES.items():
         kernel = getattr(ssd, attr)
@@ -50,7 +44,7 @@ def _compile_all() -> dict:
         assert not missing, f"{case}: {attr} has no arguments {sorted(missing)}"
         for name in TARGET_NAMES:
             result.setdefault(case, {})[name] = compile_kernel(
-                kernel, pointers, constexprs, name, {"num_warps": 4},
+                kernel, pointers, constexprs, name, {"num_warps": warps},
                 scalars={"dt_min": "fp32", "dt_max": "fp32"})
     return result
 

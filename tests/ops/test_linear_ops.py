@@ -534,9 +534,9 @@ def test_gpu_cuda_graph_replays_another_layout():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("lens", [[3, 1, 8, 2, 5, 1, 7, 4] * 4, [40, 3, 16, 17]])
-def test_gpu_gdn_float32_chunk_form_matches_reference_closely(lens):
-    """float32 inputs take the six-product float32 path of the chunk form; requests of 17 and
-    40 rows take the row-by-row second launch. Both to float32 rounding of the reference."""
+def test_gpu_gdn_float32_matches_reference_closely(lens):
+    """float32 at Qwen3-Next's shapes, verify widths and prefill lengths: to float32 rounding
+    of the reference."""
     layout = make_layout(lens, num_pad=3, seed=9, device="cuda")
     c = gdn_case(layout, 16, 32, 128, 128, seed=9, device="cuda")
     want, want_rings = run_gdn(c, layout)
@@ -548,9 +548,9 @@ def test_gpu_gdn_float32_chunk_form_matches_reference_closely(lens):
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
-def test_gpu_gdn_chunk_form_contains_rejected_rows():
-    """NaN and Inf in rejected and padding rows, bf16 at Qwen3-Next's shapes: accepted rows
-    bit for bit, through the tensor-core products of the chunk form."""
+def test_gpu_gdn_contains_rejected_rows():
+    """NaN and Inf in rejected and padding rows, bf16 at Qwen3-Next's shapes on the GPU:
+    accepted rows bit for bit."""
     layout = make_layout([8, 3, 0, 5, 1], num_pad=3, seed=6, device="cuda")
     acc = accepts(layout, 6)
     c = gdn_case(layout, 16, 32, 128, 128, seed=6, dtype=torch.bfloat16, device="cuda")
