@@ -208,10 +208,10 @@ class SsdPlan:
     num_pb: int
     """Channel blocks per head: ``cdiv(P, block_p)``."""
     num_warps: int = 1
-    """Warps per program: ``benchmarks/ssd_kernels.py --sweep`` on an H200 at ``BLOCK_P`` 32,
-    all 8 rows, bs 64 / 128: the forward 150 / 280 us on one warp against 228 / 450 on four,
-    the commit 188 / 375 on either (the GDN kernels' finding: every reduction over N stays in
-    the warp)."""
+    """Warps per program: ``benchmarks/ssd_kernels.py --sweep`` on an H200
+    (``ssd_kernels_ssd_sweep.json``) at ``BLOCK_P`` 32, all 8 rows, bs 64 / 128: the forward
+    150 / 280 us on one warp against 228 / 450 on four, the commit 188 / 375 on either (the GDN
+    kernels' finding: every reduction over N stays in the warp)."""
 
 
 @functools.lru_cache(maxsize=1024)

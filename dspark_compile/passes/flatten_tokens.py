@@ -48,7 +48,8 @@ AS_IS = {aten.embedding, aten.index, aten.mm, aten.addmm, aten.clone, aten._to_c
          torch.ops.dspark.ragged_attention, *LINEAR_RAGGED_OPS,  # flat-native: rows in, rows out
          *EXPERTS_OPS, *COMPRESSED_RAGGED_OPS,
          *NORM_OPS,  # norms: trailing dims stay as they are
-         *LIKE_FACTORIES, aten.view_as_complex, aten.view_as_real}  # shape follows the input
+         *LIKE_FACTORIES, aten.view_as_complex, aten.view_as_real,  # shape follows the input
+         aten.index_put, aten.index_put_}  # x[mask] = scalar: mask flattened as x (token_axis)
 FLAT_INPUTS = {"input_ids", "positions", "slot_mapping", "window_slot_mapping"}
 
 

@@ -25,6 +25,7 @@ Ops, by family (checked in that order)::
     %o = aten.mm.default(%x, %w)                         linear: %w global, K not a token dim
     %o = aten.bmm.default(%w_rows, %x)  [N*k, M, K] @ [N*k, K, 1]: batched over flat rows
     %o = aten.index.Tensor(%w, [%ids])   [E, M, K][N*k] -> [N*k, M, K]: %w global, like embedding
+    %o = aten.index_put_(%x, [%mask], %v)  x[mask] = v: mask on x's token dims, v one scalar
     %o = aten.mean.dim(%x, [-1], True)                   dim op: dims must not be token dims
     %o = aten.stack.default([%a, %b], -1)      along a non-token dim, whatever the op's name:
     %o = aten.scatter.value(%x, -1, %ids, -inf)  operands hold %x's token axes at its dims
@@ -466,6 +467,28 @@ def _check_gather(node: fx.Node) -> str | None:
     return None
 
 
+def _check_masked_fill(node: fx.Node) -> str | None:
+    """``x[mask] = value`` (``index_put(x, [mask], value)``): an elementwise select when the
+    one index is a boolean mask holding ``x``'s token axes at the same dims and the value is
+    one scalar; per-position values (the i-th value to the i-th hit) or integer indices along a
+    token axis would move values between tokens."""
+    x, indices, values = node.args[0], node.args[1], node.args[2]
+    lab = axis(x)
+    used = [i for i in indices if i is not None]
+    if len(used) != 1 or indices[0] is None or used[0].meta["val"].dtype != torch.bool:
+        return ("it writes by index tensors; only x[mask] = scalar with one boolean mask over "
+                "x's leading dims is known to be token-wise")
+    mask = used[0]
+    lm = axis(mask)
+    if _axes(lm) != _axes(lab) or not set(lab.token_dims) <= set(range(mask.meta["val"].dim())):
+        return (f"its mask {mask.name} {tuple(mask.meta['val'].shape)} does not hold the token "
+                f"axes of {x.name} {tuple(x.meta['val'].shape)} at the same dims")
+    if not isinstance(values, fx.Node) or values.meta["val"].numel() != 1 or axis(values).token_dims:
+        return ("it writes a tensor of values in mask order (the i-th value to the i-th masked "
+                "entry mixes tokens); only one scalar value is known to be token-wise")
+    return None
+
+
 def _arg(node: fx.Node, index: int):
     """Argument ``index`` of ``node``'s schema, positional or by keyword (None if absent)."""
     if len(node.args) > index:
@@ -606,6 +629,8 @@ def check_node(node: fx.Node) -> str | None:
         return None if not axis(node.args[0]).token_dims else "its table holds token rows"
     if packet is aten.index:
         return _check_gather(node)
+    if packet in (aten.index_put, aten.index_put_):
+        return _check_masked_fill(node)
     if packet in LIKE_FACTORIES or packet in SIZED_FACTORIES:
         return _check_factory(node, packet, out)
     if packet is aten.repeat:

@@ -84,8 +84,16 @@ def experts_tiled(x, positions):  # Llama 4: every expert gets every token, [E*N
     return x + out.reshape(4, -1, H).sum(dim=0).view_as(x)
 
 
+def masked_fills(x, positions):  # Gemma 3's llm_input_ids[special_image_mask] = 0
+    y = x.clone()
+    y[x[..., 0] > 0.2] = 0.0  # a [bs, T] mask over the leading dims of [bs, T, H]
+    y[y > 0.5] = 0.5  # a mask of the whole shape
+    return y
+
+
 @pytest.mark.parametrize("mix", [interleaved_rotary, complex_rotary, constant_fills,
-                                 router_scatter_gather, constant_index_rows, experts_tiled])
+                                 router_scatter_gather, constant_index_rows, experts_tiled,
+                                 masked_fills])
 def test_ops_along_other_dims_compile_and_match(mix):
     model = Mixer(mix).eval()
     verifier = dspark_compile(model)
@@ -165,6 +173,19 @@ def complex_of_rows_in_two_orders(x, positions):
     return z.abs().view(-1, 2, H).mean(1).view_as(x)
 
 
+def write_by_position(x, positions):
+    y = x.clone()
+    y[:, torch.tensor([0])] = 1.0  # the first row of every request: an index along tokens
+    return y
+
+
+def write_values_in_mask_order(x, positions):
+    y = x.clone()
+    y[y > 0.5] = y.new_ones(())  # one scalar: allowed
+    y[x[..., 0] > 0.2] = torch.linspace(0, 1, H)  # a vector value: refused
+    return y
+
+
 @pytest.mark.parametrize("mix, op, why", [
     (stack_of_rows_in_two_orders, "stack", "holds its flat rows in"),
     (cat_along_tokens, "cat", "along the token axis"),
@@ -180,6 +201,8 @@ def complex_of_rows_in_two_orders(x, positions):
     (repeat_along_tokens, "repeat", "merges the token axis with another axis"),
     (repeat_requests, "repeat", "tiles along the request or token axis"),
     (complex_of_rows_in_two_orders, "complex", "holds its flat rows in"),
+    (write_by_position, "index_put_", "writes by index tensors"),
+    (write_values_in_mask_order, "index_put_", "only one scalar value"),
 ], ids=lambda v: v.__name__ if callable(v) else None)
 def test_same_ops_across_tokens_are_refused_with_op_and_line(mix, op, why):
     with pytest.raises(RefusedOp) as info:

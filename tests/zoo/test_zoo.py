@@ -23,6 +23,7 @@ SUBSET = {
     "gpt_oss": "attention sinks, alternating windows, MoE (was verified wrong)",
     "gemma2": "logit softcap, alternating windows",
     "deepseek_v3": "MLA (q/k head dim 24, v 16), MoE with a dense first layer",
+    "gemma3": "the multimodal class on text: x[mask] = 0 on token ids (was refused)",
 }
 """Each verified exact at 37a670d; the feature each one holds down."""
 
