@@ -68,6 +68,9 @@ class AttentionSpec:
     shared_kv: bool = False
     """The layer passes one tensor as both its keys and its values (DeepSeek-V4's K=V head):
     its K and V pools are one tensor, stored once."""
+    chunk: int = 0
+    """Chunked attention (Llama 4): a query at position p sees keys ``p - p % chunk <= k <= p``,
+    its own chunk; 0: none. At most one of ``window`` and ``chunk`` is set."""
 
     @property
     def value_dim(self) -> int:

@@ -448,7 +448,8 @@ class Verifier:
         lines = [f"dspark_compile: {type(self.adapter.model).__name__} ({self.adapter.kind} "
                  f"model, {len(self.adapter.specs)} cached-attention layers)"]
         for spec in self.adapter.specs:
-            traits = [f"window {spec.window}" if spec.window else "causal"]
+            traits = [f"window {spec.window}" if spec.window else
+                      f"chunks of {spec.chunk}" if spec.chunk else "causal"]
             traits += [f"softcap {spec.softcap}"] * bool(spec.softcap) + ["sinks"] * spec.sinks
             c = spec.compress
             if c is not None:

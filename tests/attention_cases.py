@@ -70,7 +70,7 @@ def make_case(lens, contexts, heads, kv_heads, dk, dv=None, page=4, num_pad=0, s
 
 
 def naive_attention(case: AttentionCase, scale: float, window: int = 0, softcap: float = 0.0,
-                    sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    sinks: Optional[torch.Tensor] = None, chunk: int = 0) -> torch.Tensor:
     """fp32 ``[N, H, Dv]``: per request, every position's K/V (pool, then this step's rows),
     one dense masked softmax. Padding rows are zeros. Reads every position of the request, so
     it is the oracle for values, not for containment."""
@@ -96,6 +96,8 @@ def naive_attention(case: AttentionCase, scale: float, window: int = 0, softcap:
         mask = kpos <= qpos
         if window > 0:
             mask &= kpos > qpos - window
+        if chunk > 0:  # transformers' chunked_overlay: the same chunk of positions
+            mask &= kpos // chunk == qpos // chunk
         scores = scores.masked_fill(~mask, float("-inf"))
         if sinks is not None:
             sink_col = sinks.float().view(heads, 1, 1).expand(heads, length, 1)

@@ -110,7 +110,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(
             f"{where} is not causal (is_causal=False); verify needs causal attention")
-    window = _check_mask(where, attention_mask)
+    window, chunk = _check_mask(where, attention_mask)
     softcap, sinks = _check_attention_arguments(where, dropout, kwargs, window, query)
     if scaling is None:
         scaling = getattr(module, "scaling", None)
@@ -122,8 +122,11 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
         raise NotImplementedError(
             f"{where} has a compressor but its keys and values are not the same tensor (or it "
             "passes a softcap); the compressed entries are read as both key and value")
+    if compressed is not None and chunk:
+        raise NotImplementedError(f"{where} has a compressor and a chunked mask; the compressed "
+                                  "attention implements sliding windows only")
     return scope.attend(None, query, key, value, float(scaling), window=window,
-                        softcap=softcap, sinks=sinks, compressed=compressed), None
+                        softcap=softcap, sinks=sinks, compressed=compressed, chunk=chunk), None
 
 
 _PASS_THROUGH = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions",
@@ -132,19 +135,20 @@ _PASS_THROUGH = frozenset({"position_ids", "cache_position", "use_cache", "outpu
 (positions reach the graph as the layout's own input)."""
 
 
-def _check_mask(where: str, attention_mask) -> int:
-    """The left window a layer's mask proves (0: plain causal); anything else is refused."""
+def _check_mask(where: str, attention_mask) -> tuple[int, int]:
+    """``(window, chunk)`` a layer's mask proves (both 0: plain causal); anything else is
+    refused."""
     if attention_mask is None:
-        return 0
+        return 0, 0
     if isinstance(attention_mask, _WindowMask):
-        return attention_mask.window
+        return attention_mask.window, attention_mask.chunk
     what = f"builds {attention_mask.description}" if isinstance(attention_mask, _UnprovenMask) \
         else f"passes a mask of type {type(attention_mask).__name__} built outside the capture"
     raise NotImplementedError(
-        f"{where}: the model {what}, not causal attention with an optional left window. "
-        "dspark::ragged_attention computes causal and sliding-window attention only (chunked, "
-        "bidirectional, blockwise or padding masks are not implemented), so the model is "
-        "refused rather than verified wrong")
+        f"{where}: the model {what}, not causal attention with an optional left window or "
+        "chunks. dspark::ragged_attention computes causal, sliding-window and chunked "
+        "attention only (bidirectional, blockwise or padding masks are not implemented), so "
+        "the model is refused rather than verified wrong")
 
 
 def _check_attention_arguments(where: str, dropout, kwargs: dict, window: int = 0,
@@ -195,6 +199,8 @@ _CAUSAL = "causal_mask_function"
 """The causal leaf."""
 _WINDOW = "sliding_window_overlay.<locals>.inner_mask"
 """The left-window leaf (its closure holds ``sliding_window``)."""
+_CHUNK = "chunked_overlay.<locals>.inner_mask"
+"""The chunk leaf (its closure holds ``chunk_size`` and ``left_padding``)."""
 _AND = "and_masks.<locals>.and_mask"
 """Intersection of ``mask_functions``."""
 _TRANSPARENT = {"remap_positions_for_packed_sequence.<locals>.inner_mask": "mask_function"}
@@ -209,13 +215,13 @@ def _causal_only(*args, mask_function=None, attention_mask=None, **kwargs):
     """Mask builder for the dspark implementation. The ragged op computes the mask itself, so
     no mask tensor is built; instead the model's own mask function (transformers'
     ``masking_utils`` closures) must be proven equal to causal attention with an optional left
-    window: its leaves are read by structure (``causal_mask_function``, a sliding-window
-    overlay, a same-sequence test that holds in a verify), combined only by intersection,
-    position remapping or equal offsets, and each leaf is evaluated on probe positions against
-    the ragged op's own rule. Returns None (plain causal), a ``_WindowMask``, or an
-    ``_UnprovenMask`` naming what was found: sliding-window variants, chunks, bidirectional
-    or blockwise overlays, ``or_masks``, padding and mask functions of the model's own are
-    refused by the layer that receives them."""
+    window or chunks: its leaves are read by structure (``causal_mask_function``, a
+    sliding-window overlay, a chunk overlay, a same-sequence test that holds in a verify),
+    combined only by intersection, position remapping or equal offsets, and each leaf is
+    evaluated on probe positions against the ragged op's own rule. Returns None (plain
+    causal), a ``_WindowMask``, or an ``_UnprovenMask`` naming what was found: sliding-window
+    variants, a window with chunks, bidirectional or blockwise overlays, ``or_masks``, padding
+    and mask functions of the model's own are refused by the layer that receives them."""
     if attention_mask is not None:
         raise NotImplementedError("the model passed an attention_mask (padding) into the "
                                   "capture; verify takes none: padding is the layout's job")
@@ -224,7 +230,7 @@ def _causal_only(*args, mask_function=None, attention_mask=None, **kwargs):
     proof = _prove(mask_function)
     if proof is None or not proof[0]:
         return _UnprovenMask(_describe(mask_function))
-    return _WindowMask(proof[1]) if proof[1] else None
+    return _WindowMask(proof[1], proof[2]) if proof[1] or proof[2] else None
 
 
 @dataclass(frozen=True)
@@ -238,9 +244,11 @@ class _UnprovenMask:
 
 @dataclass(frozen=True)
 class _WindowMask:
-    """A mask proven equal to causal attention over the last ``window`` positions."""
+    """A mask proven equal to causal attention over the last ``window`` positions, or (with
+    ``chunk``) over the positions of the query's own chunk of ``chunk``."""
 
     window: int
+    chunk: int = 0
 
 
 def _hf_mask_name(fn) -> str | None:
@@ -260,20 +268,27 @@ def _children(fn, var: str) -> tuple:
     return tuple(value) if isinstance(value, (tuple, list)) else (value,)
 
 
-def _prove(fn) -> tuple[bool, int] | None:
-    """``(causal, window)`` that ``fn`` equals on every (query, key) pair of a verify, where
-    ``causal`` says whether keys after the query are hidden and ``window`` is the left window
-    (0: none); None when ``fn`` is anything else."""
+def _prove(fn) -> tuple[bool, int, int] | None:
+    """``(causal, window, chunk)`` that ``fn`` equals on every (query, key) pair of a verify,
+    where ``causal`` says whether keys after the query are hidden, ``window`` is the left
+    window and ``chunk`` the chunk size (0: none); None when ``fn`` is anything else."""
     name = _hf_mask_name(fn)
     if name == _CAUSAL:
-        return (True, 0) if _probe(fn, True, 0) else None
+        return (True, 0, 0) if _probe(fn, True, 0) else None
     if name == _WINDOW:
         window = _closure(fn, "sliding_window")
-        if not isinstance(window, int) or isinstance(window, bool) or window < 1:
+        if not _positive_int(window):
             return None
-        return (False, window) if _probe(fn, False, window) else None
+        return (False, window, 0) if _probe(fn, False, window) else None
+    if name == _CHUNK:
+        chunk = _closure(fn, "chunk_size")
+        if not _positive_int(chunk):
+            return None
+        leaf = _without_left_padding(fn)
+        return (False, 0, chunk) if leaf is not None and _probe(leaf, False, 0, chunk) \
+            else None
     if name in _ALWAYS_TRUE_IN_VERIFY:
-        return (False, 0)
+        return (False, 0, 0)
     if name in _TRANSPARENT:
         (child,) = _children(fn, _TRANSPARENT[name])
         return _prove(child)
@@ -281,36 +296,70 @@ def _prove(fn) -> tuple[bool, int] | None:
         q_off, kv_off = _closure(fn, "q_offset"), _closure(fn, "kv_offset")
         if not (isinstance(q_off, int) and isinstance(kv_off, int) and q_off == kv_off):
             return None
-        return _prove(_closure(fn, "mask_function"))
+        proof = _prove(_closure(fn, "mask_function"))
+        # equal shifts keep differences (causal, windows), not chunk edges unless whole chunks
+        return proof if proof is None or not proof[2] or q_off % proof[2] == 0 else None
     if name == _AND:
         parts = [_prove(k) for k in _children(fn, "mask_functions")]
         if any(p is None for p in parts):
             return None
-        windows = [w for _, w in parts if w]
-        return any(c for c, _ in parts), min(windows, default=0)
+        windows = [w for _, w, _ in parts if w]
+        chunks = {c for _, _, c in parts if c}
+        if len(chunks) > 1 or (chunks and windows):
+            return None  # two chunk sizes, or a window within chunks: not implemented
+        return any(c for c, _, _ in parts), min(windows, default=0), min(chunks, default=0)
     return None
+
+
+def _positive_int(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _without_left_padding(fn):
+    """The chunk leaf ``fn`` with its ``left_padding`` closure cell replaced by real zeros, to
+    be probed outside the trace; None if the cell is not a 1-D integer tensor.
+
+    transformers makes ``left_padding`` from the attention mask (``create_chunked_causal_mask``:
+    zeros when there is none), and a verify capture never passes one (``_causal_only`` refuses
+    it before any leaf is read), so the zeros are the values the model computes with."""
+    import types
+
+    padding = _closure(fn, "left_padding")
+    if not isinstance(padding, torch.Tensor) or padding.dim() != 1 or \
+            padding.dtype not in (torch.int32, torch.int64):
+        return None
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+
+    with unset_fake_temporarily():
+        zeros = torch.zeros(1, dtype=padding.dtype)
+    cells = tuple(types.CellType(zeros) if var == "left_padding" else cell
+                  for var, cell in zip(fn.__code__.co_freevars, fn.__closure__))
+    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
 
 
 _PROBE_SPAN = 64
 """Positions probed past each window edge."""
 
 
-def _probe(fn, causal: bool, window: int) -> bool:
+def _probe(fn, causal: bool, window: int, chunk: int = 0) -> bool:
     """Evaluate the leaf ``fn`` itself on real index tensors (outside the trace) at query
-    positions around 0, the window edge and far out, and check it equals the rule the proof
-    claims for it: ``k <= q`` (causal) and ``k > q - window`` (window)."""
+    positions around 0, the window or chunk edges and far out, and check it equals the rule the
+    proof claims for it: ``k <= q`` (causal), ``k > q - window`` (window) and
+    ``k // chunk == q // chunk`` (chunk; keys probed below the chunk too)."""
     from torch._subclasses.fake_tensor import unset_fake_temporarily
     from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
 
-    edges = {0, 1, 2, _PROBE_SPAN, 10_007} | ({window - 1, window, window + 1, 2 * window + 3}
-                                             if window else set())
+    span = window or chunk
+    edges = {0, 1, 2, _PROBE_SPAN, 10_007} | ({span - 1, span, span + 1, 2 * span + 3}
+                                             if span else set())
     with unset_fake_temporarily(), disable_proxy_modes_tracing():
         for q in sorted(e for e in edges if e >= 0):
-            kv = torch.arange(max(0, q - window - _PROBE_SPAN), q + _PROBE_SPAN)
+            kv = torch.arange(max(0, q - span - _PROBE_SPAN), q + _PROBE_SPAN)
             qi = torch.full_like(kv, q)
             zero = torch.zeros_like(kv)
             got = torch.as_tensor(fn(zero, zero, qi, kv), dtype=torch.bool).expand_as(kv)
-            want = (kv <= qi) if causal else (kv > qi - window)
+            want = (kv <= qi) if causal else (kv // chunk == qi // chunk) if chunk else \
+                (kv > qi - window)
             if not torch.equal(got, want):
                 return False
     return True
@@ -326,6 +375,8 @@ def _describe(fn) -> str:
         return f"{name.split('.')[0]}({parts})"
     if name == _WINDOW:
         return f"sliding_window_overlay({_closure(fn, 'sliding_window')!r})"
+    if name == _CHUNK:
+        return f"chunked_overlay({_closure(fn, 'chunk_size')!r})"
     return name.split(".")[0] if name else getattr(fn, "__qualname__", repr(fn))
 
 
@@ -374,9 +425,9 @@ def _sdpa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     if scope is None:
         raise RuntimeError(f"{where} was routed by dspark_compile outside a capture")
     if attn_mask is None and is_causal is True:
-        window = 0
+        window = chunk = 0
     else:
-        window = _check_mask(where, attn_mask)
+        window, chunk = _check_mask(where, attn_mask)
         if is_causal:
             raise NotImplementedError(f"{where} passes both a mask and is_causal=True")
     _check_attention_arguments(where, dropout_p, {})
@@ -384,7 +435,7 @@ def _sdpa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
         raise NotImplementedError(f"{where}: {query.shape[1]} query heads over "
                                   f"{key.shape[1]} key heads without enable_gqa (only one key head broadcasts)")
     scale = query.shape[-1] ** -0.5 if scale is None else scale
-    out = scope.attend(None, query, key, value, float(scale), window=window)
+    out = scope.attend(None, query, key, value, float(scale), window=window, chunk=chunk)
     return out.transpose(1, 2)
 
 

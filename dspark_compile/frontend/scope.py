@@ -111,11 +111,13 @@ class CaptureScope:
 
     def attend(self, key: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, window: int = 0, softcap: float = 0.0,
-               sinks: torch.Tensor | None = None, compressed=None) -> torch.Tensor:
+               sinks: torch.Tensor | None = None, compressed=None,
+               chunk: int = 0) -> torch.Tensor:
         """Dense cached attention of layer ``key`` (None: the next call in forward order):
         q ``[bs, H, T, Dk]``, k ``[bs, Hkv, T, Dk]``, v ``[bs, Hkv, T, Dv]`` ->
         ``[bs, T, H, Dv]``. ``compressed``: what the layer's compressor added
-        (``take_compressed``), None for a plain layer."""
+        (``take_compressed``), None for a plain layer. ``chunk``: chunked attention (0:
+        none)."""
         if key is None:
             key = self.attention_calls
         self.attention_calls += 1
@@ -131,7 +133,7 @@ class CaptureScope:
                 int(k.shape[1]), int(k.shape[-1]),
                 None if v.shape[-1] == k.shape[-1] else int(v.shape[-1]),
                 int(window), float(softcap), sinks is not None, self._site, compressed,
-                shared_kv=k is v))
+                shared_kv=k is v, chunk=int(chunk)))
             bs, heads, t, _ = q.shape
             return q.new_zeros(bs, t, heads, v.shape[-1])
         if key not in self.pool_index:
@@ -155,7 +157,8 @@ class CaptureScope:
                 q, k, v, k_cache, v_cache, self.block_table, self.context_lens, float(scale),
                 int(window), float(softcap), sinks, entries, fresh, rate, picks)
         extra = (int(window), float(softcap), sinks) if window or softcap or \
-            sinks is not None else ()
+            sinks is not None or chunk else ()
+        extra += (int(chunk),) if chunk else ()
         return torch.ops.dspark.dense_cached_attention(
             q, k, v, k_cache, v_cache, self.block_table, self.context_lens, float(scale),
             *extra)

@@ -251,6 +251,16 @@ def _guarded_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
 
 
 @triton.jit
+def _first_key(pos, window, CHUNKED: tl.constexpr):
+    """The first key a query at ``pos`` sees: ``pos - window + 1`` (a sliding window; may be
+    < 0) or, with ``CHUNKED`` (``window`` then holds the chunk size), ``pos - pos % window``,
+    the start of its chunk. Either is nondecreasing along a q-block's rows."""
+    if CHUNKED:
+        return pos - pos % window
+    return pos - window + 1
+
+
+@triton.jit
 def _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, key_lo, row_lo,
                  kv_head, offs_n, offs_d, d_mask, offs_dv, dv_mask, m_i, l_i, acc, scale_log2,
                  softcap_log2, stride_cache_row, PAGE_SIZE: tl.constexpr,
@@ -277,14 +287,16 @@ def _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, 
 @triton.jit
 def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_own,
                    kv_head, offs_e, offs_d, d_mask, offs_dv, dv_mask, m_i, l_i, acc,
-                   scale_log2, softcap_log2, window, stride_k_tok, stride_k_head, stride_v_tok,
-                   stride_v_head, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                   HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                   scale_log2, softcap_log2, window, context, stride_k_tok, stride_k_head,
+                   stride_v_tok, stride_v_head, UPCAST: tl.constexpr,
+                   DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
+                   HAS_SOFTCAP: tl.constexpr, CHUNKED: tl.constexpr):
     """The request's own new keys ``e0 ..`` (rows ``row0 + e`` of ``k``/``v``), causal.
 
     Read from the inputs rather than the pool (no program reads a pool row written in this
     launch), cast to the pool's dtype as the pool would hold them. Row ``r`` sees new key ``e``
-    iff ``e <= q_own[r]`` (and, with a window, ``e > q_own[r] - window``); V is guarded
+    iff ``e <= q_own[r]`` (and, with a window, ``e > q_own[r] - window``; with chunks, key
+    position ``context + e`` at or past the start of the row's chunk); V is guarded
     (:func:`_guarded_step`).
     """
     e = e0 + offs_e  # [NEW_N]
@@ -303,7 +315,11 @@ def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_
         v = v.to(tl.float32)
     visible = (e[None, :] <= q_own[:, None]) & (e < n_keys)[None, :]  # [BLOCK_M, NEW_N]
     if HAS_WINDOW:
-        visible = visible & (e[None, :] > q_own[:, None] - window)
+        if CHUNKED:
+            visible = visible & (context + e[None, :] >= _first_key(
+                context + q_own[:, None], window, True))
+        else:
+            visible = visible & (e[None, :] > q_own[:, None] - window)
     m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
                                   DOT_PRECISION, True, HAS_SOFTCAP)
     hits = tl.dot(visible.to(tl.float16), bad.to(tl.float16), out_dtype=tl.float32)
@@ -312,7 +328,7 @@ def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_
 
 @triton.jit
 def _split_units(context, q0, n_q, split, num_splits, window, TILE_N: tl.constexpr,
-                 NEW_N: tl.constexpr, HAS_WINDOW: tl.constexpr):
+                 NEW_N: tl.constexpr, HAS_WINDOW: tl.constexpr, CHUNKED: tl.constexpr):
     """This split's share of a q-block's keys: work units ``u_lo .. u_hi`` (context tiles of
     TILE_N keys ``0 .. n_ctx``, then new-key tiles of NEW_N keys; the block's last query sees
     ``q0 + n_q`` new keys), equal runs of units per split, and ``e_skip``.
@@ -323,7 +339,7 @@ def _split_units(context, q0, n_q, split, num_splits, window, TILE_N: tl.constex
     n_ctx = tl.cdiv(context, TILE_N)
     units = n_ctx + tl.cdiv(q0 + n_q, NEW_N)
     if HAS_WINDOW:
-        key_lo = context + q0 - window + 1  # the block's first query's first key (may be < 0)
+        key_lo = _first_key(context + q0, window, CHUNKED)  # the block's first query's (< 0 ok)
         c_skip = tl.where(key_lo >= context, n_ctx, tl.maximum(key_lo, 0) // TILE_N)
         e_skip = tl.maximum(key_lo - context, 0) // NEW_N
         units = units - c_skip - e_skip
@@ -362,23 +378,30 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
             stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
             PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             TILE_N: tl.constexpr, NEW_N: tl.constexpr, UPCAST: tl.constexpr,
-            DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+            DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+            CHUNKED: tl.constexpr):
     """This split's units ``u_lo .. u_hi`` (:func:`_split_units`): the first context tile,
     already loaded (``k0``, ``v0``, ``key_ok0``: :func:`_first_tile`; an all-masked tile
     leaves the state as it was), the rest of the context, then the new keys.
 
-    With a window, row ``r`` sees keys from ``key_lo + q_idx[r]``: the first tile and the band
-    (tiles below the last row's first key) take per-row masks and guarded V
-    (:func:`_window_band`); the tiles after the band are today's loop."""
+    With a window, row ``r`` sees keys from ``key_lo + q_idx[r]`` (with chunks, from its
+    chunk's start: :func:`_first_key`): the first tile and the band (tiles below the last row's
+    first key) take per-row masks and guarded V (:func:`_window_band`); the tiles after the
+    band are today's loop."""
     offs_n = tl.arange(0, TILE_N)
     t_end = tl.minimum(u_hi, n_ctx)
     if HAS_WINDOW:
-        row_lo = key_lo + q_idx  # [BLOCK_M]
+        if CHUNKED:
+            row_lo = _first_key(context + q0 + q_idx, window, True)  # [BLOCK_M]
+            last_lo = _first_key(context + q0 + n_q - 1, window, True)
+        else:
+            row_lo = key_lo + q_idx  # [BLOCK_M]
+            last_lo = key_lo + n_q - 1
         pos0 = u_lo * TILE_N + offs_n
         visible0 = key_ok0[None, :] & (pos0[None, :] >= row_lo[:, None])
         m_i, l_i, acc = _guarded_step(q, k0, v0, visible0, m_i, l_i, acc, scale_log2,
                                       softcap_log2, UPCAST, DOT_PRECISION, HAS_SOFTCAP)
-        band_end = tl.cdiv(tl.maximum(key_lo + n_q - 1, 0), TILE_N)
+        band_end = tl.cdiv(tl.maximum(last_lo, 0), TILE_N)
         m_i, l_i, acc = _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, u_lo + 1,
                                      tl.minimum(t_end, band_end), context, key_lo, row_lo,
                                      kv_head, offs_n, offs_d, d_mask, offs_dv, dv_mask, m_i,
@@ -406,8 +429,9 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
         m_i, l_i, acc = _new_keys_step(
             q, k_ptr, v_ptr, k_cache_ptr.dtype.element_ty, req_start, e0, q0 + n_q,
             q0 + q_idx, kv_head, tl.arange(0, NEW_N), offs_d, d_mask, offs_dv, dv_mask, m_i,
-            l_i, acc, scale_log2, softcap_log2, window, stride_k_tok, stride_k_head,
-            stride_v_tok, stride_v_head, UPCAST, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+            l_i, acc, scale_log2, softcap_log2, window, context, stride_k_tok, stride_k_head,
+            stride_v_tok, stride_v_head, UPCAST, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP,
+            CHUNKED)
     return m_i, l_i, acc
 
 
@@ -481,7 +505,7 @@ def _ragged_attention_kernel(
         SEARCH_ONCE: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
         MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
         EARLY: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr):
+        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, CHUNKED: tl.constexpr):
     """One (q-block, KV head, split): fused KV write, then attention over the paged context.
 
     ``FOLD`` (with ``SPLIT``): the last of a q-block's programs to finish merges the partials
@@ -494,7 +518,8 @@ def _ragged_attention_kernel(
 
     Semantics switches (all off: the plain causal build, its code unchanged): ``HAS_WINDOW``
     (a query at ``p`` sees keys ``p - window < kpos <= p``; tiles below the block's first
-    window are no work units), ``HAS_SOFTCAP`` (:func:`_softmax_step`), ``HAS_SINKS``
+    window are no work units; with ``CHUNKED`` it sees ``p - p % window <= kpos <= p``, its
+    chunk, ``window`` holding the chunk size), ``HAS_SOFTCAP`` (:func:`_softmax_step`), ``HAS_SINKS``
     (``sinks_ptr [H]``, any float dtype: split 0 starts each row's online softmax from the
     sink logit, ``m = sink``, ``l = 1``, so the merge of partials counts it exactly once).
     ``HEAD_DIM_V`` may differ from ``HEAD_DIM`` (q/k): acc, partials and out have V's.
@@ -524,8 +549,8 @@ def _ragged_attention_kernel(
         offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
         dv_mask = offs_dv < HEAD_DIM_V
     n_ctx, u_lo, u_hi, e_skip = _split_units(context, q0, n_q, split, num_splits, window,
-                                             TILE_N, NEW_N, HAS_WINDOW)
-    key_lo = context + q0 - window + 1  # the block's first query's first key (window only)
+                                             TILE_N, NEW_N, HAS_WINDOW, CHUNKED)
+    key_lo = _first_key(context + q0, window, CHUNKED)  # the block's first query's (window)
     k0, v0, key_ok0 = _first_tile(k_cache_ptr, v_cache_ptr, bt_row_ptr, context, key_lo, u_lo,
                                   u_hi, n_ctx, kv_head, offs_d, d_mask, offs_dv, dv_mask,
                                   stride_cache_row, PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N,
@@ -567,7 +592,7 @@ def _ragged_attention_kernel(
                             l_i, acc, scale_log2, softcap_log2, window, stride_k_tok,
                             stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
                             PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, NEW_N, UPCAST,
-                            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP)
+                            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, CHUNKED)
     _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads, row_ok,
                 offs_dv, dv_mask, split, num_tokens, stride_out_tok, stride_out_head,
                 NUM_HEADS, HEAD_DIM_V, SPLIT)
@@ -783,7 +808,7 @@ def _fail(msg: str) -> None:
     raise ValueError(f"ragged_attention_triton: {msg}")
 
 
-def _check_inputs(tensors: tuple, max_query_len, window, softcap, sinks) -> None:
+def _check_inputs(tensors: tuple, max_query_len, window, softcap, sinks, chunk=0) -> None:
     """Raise ``ValueError`` naming the argument, its value and the rule it breaks.
 
     ``tensors``: the op's tensor arguments in order, then ``out`` (None: allocated). Messages
@@ -802,7 +827,7 @@ def _check_inputs(tensors: tuple, max_query_len, window, softcap, sinks) -> None
     if max_query_len is not None and (type(max_query_len) is not int or max_query_len < 1):
         _fail(f"max_query_len={max_query_len!r}; it must be None or a python int >= 1")
     check_semantics("ragged_attention_triton", window, softcap, sinks, tensors[0].shape[1],
-                    device)
+                    device, chunk=chunk)
     if sinks is not None and sinks.stride(0) != 1:
         _fail(f"sinks has stride {sinks.stride(0)}; it must be dense ([H], stride 1)")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
@@ -845,7 +870,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
                             window: int = 0, softcap: float = 0.0,
-                            sinks: torch.Tensor | None = None,
+                            sinks: torch.Tensor | None = None, chunk: int = 0,
                             max_query_len: int | None = None, num_splits: int | None = None,
                             config: TargetConfig | None = None,
                             out: torch.Tensor | None = None,
@@ -853,10 +878,11 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             early_reads: bool = False) -> torch.Tensor:
     """Triton ``dspark::ragged_attention``: same arguments and result as the reference.
 
-    ``window``, ``softcap``, ``sinks``: the reference's switches, checked on the host before
-    anything launches; each turns on a constexpr of the one kernel (all off: the plain causal
-    build). A window that reaches past the block table's width (no key is ever outside it) is
-    plain causal. ``max_query_len``: a host bound on any request's length (default ``N``, always
+    ``window``, ``softcap``, ``sinks``, ``chunk``: the reference's switches, checked on the
+    host before anything launches; each turns on a constexpr of the one kernel (all off: the
+    plain causal build; a chunk runs the window's code with ``CHUNKED``, the chunk size in
+    ``window``). A window or chunk that reaches past the block table's width (no key is ever
+    outside it) is plain causal. ``max_query_len``: a host bound on any request's length (default ``N``, always
     safe); a tighter bound lets one program cover a whole verify block. ``num_splits`` and
     ``config`` override the split rule and the target entry (benchmarks, tests); ``out`` is an
     optional ``[N, H, Dv]`` buffer of q's dtype to write (every element is written).
@@ -870,13 +896,14 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``[N, H, Dv]`` in q's dtype.
     """
     _check_inputs((q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                   slot_mapping, out), max_query_len, window, softcap, sinks)
+                   slot_mapping, out), max_query_len, window, softcap, sinks, chunk)
     n, h, d = q.shape
     dv = v.shape[2]
     r = query_start_loc.shape[0] - 1
     hkv, page_size = k_cache.shape[2], k_cache.shape[1]
     max_keys = block_table.shape[1] * page_size
-    window = window if window < max_keys else 0  # every position < max_keys <= window: causal
+    chunked = 0 < chunk < max_keys  # every position < max_keys <= chunk: one chunk, causal
+    window = chunk if chunked else window if window < max_keys else 0  # ... <= window: causal
     cfg, sm_count = device_target(q.device)
     cfg = config or cfg
     pdl = use_pdl(q.device, cfg)
@@ -916,6 +943,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         MAX_SPLITS=max_splits, UPCAST=q.dtype != k_cache.dtype,
         DOT_PRECISION=cfg.fp32_dot_precision, EARLY=pdl and early_reads and cfg.attn_early_reads,
         PDL=pdl, HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
+        CHUNKED=chunked,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **regs, **pdl_options(pdl))
     if split and counters is None:
         launch(_split_reduce_kernel, (n,),

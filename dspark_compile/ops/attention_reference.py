@@ -13,6 +13,10 @@ Attention semantics (Hugging Face's conventions, checked against transformers 5.
 - ``window > 0``: a query at position ``p`` sees keys at ``p - window < kpos <= p``
   (``masking_utils.sliding_window_overlay``: ``kv_idx > q_idx - sliding_window``, plus causal);
   ``window == 0``: plain causal.
+- ``chunk > 0``: a query at position ``p`` sees keys at ``p - p % chunk <= kpos <= p``, its own
+  chunk of ``chunk`` positions (``masking_utils.chunked_overlay`` with no left padding:
+  ``kv_idx // chunk == q_idx // chunk``, plus causal; Llama 4); at most one of ``window`` and
+  ``chunk`` is set.
 - ``softcap > 0``: ``s = softcap * tanh(scale * q.k / softcap)`` (Gemma 2's
   ``eager_attention_forward``: after the scaling, before mask and softmax); 0: none.
 - ``sinks`` ``[H]``: one extra logit per query head joins the softmax denominator, unscaled and
@@ -27,18 +31,25 @@ from typing import Optional
 
 import torch
 
-__all__ = ["kv_write", "ragged_attention", "dense_cached_attention", "check_semantics"]
+__all__ = ["kv_write", "ragged_attention", "dense_cached_attention", "check_semantics",
+           "visible_from"]
 
 _SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
-def check_semantics(op: str, window, softcap, sinks, num_heads: int, device=None) -> None:
+def check_semantics(op: str, window, softcap, sinks, num_heads: int, device=None,
+                    chunk=0) -> None:
     """Raise ``ValueError`` naming the argument, its value and the rule, for the attention
-    switches: ``window`` a python int >= 0, ``softcap`` a finite number >= 0, ``sinks`` None or a
-    float tensor ``[num_heads]`` (on ``device``, when given)."""
+    switches: ``window`` and ``chunk`` python ints >= 0, not both set, ``softcap`` a finite
+    number >= 0, ``sinks`` None or a float tensor ``[num_heads]`` (on ``device``, when given)."""
     if type(window) is not int or window < 0:
         raise ValueError(f"{op}: window={window!r}; it must be an int >= 0 (0: no window; w: "
                          f"a query at p sees keys p - w < kpos <= p)")
+    if type(chunk) is not int or chunk < 0:
+        raise ValueError(f"{op}: chunk={chunk!r}; it must be an int >= 0 (0: no chunks; c: a "
+                         f"query at p sees keys p - p % c <= kpos <= p)")
+    if window and chunk:
+        raise ValueError(f"{op}: window={window} and chunk={chunk}; at most one may be set")
     if (isinstance(softcap, bool) or not isinstance(softcap, (int, float))
             or not math.isfinite(softcap) or softcap < 0):
         raise ValueError(f"{op}: softcap={softcap!r}; it must be a finite float >= 0 (0: none)")
@@ -77,9 +88,16 @@ def _gather_keys(cache: torch.Tensor, block_row: torch.Tensor, start: int,
     return rows[start - first * page_size: end - first * page_size]
 
 
+def visible_from(pos: int, window: int, chunk: int) -> int:
+    """The first key position a query at ``pos`` sees (the module docstring's rules)."""
+    if window:
+        return max(0, pos - window + 1)  # p - window < kpos <= p
+    return pos - pos % chunk if chunk else 0
+
+
 def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_key: int,
                 context: int, scale: float, window: int, softcap: float,
-                sinks: Optional[torch.Tensor]) -> torch.Tensor:
+                sinks: Optional[torch.Tensor], chunk: int = 0) -> torch.Tensor:
     """Attention of ``q [L, H, Dk]`` at positions ``context + j`` over ``keys [S, Hkv, Dk]``,
     ``values [S, Hkv, Dv]`` holding positions ``first_key ..``; returns fp32 ``[L, H, Dv]``."""
     num_q, num_heads, _ = q.shape
@@ -89,7 +107,7 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first
     out = torch.empty(num_q, num_heads, values.shape[2], dtype=torch.float32, device=q.device)
     for j in range(num_q):
         pos = context + j
-        lo = max(0, pos - window + 1) if window else 0  # p - window < kpos <= p
+        lo = visible_from(pos, window, chunk)
         seen = slice(lo - first_key, pos + 1 - first_key)  # only these keys are read at all
         scores = torch.einsum("hd,shd->hs", q[j].float(), kh[seen]) * scale
         if softcap:
@@ -107,16 +125,17 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, block_table: torch.Tensor,
                      slot_mapping: torch.Tensor, scale: float, window: int = 0,
-                     softcap: float = 0.0, sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
+                     chunk: int = 0) -> torch.Tensor:
     """Write the new K/V, then causal paged attention for packed queries.
 
     q ``[N, H, Dk]``; k ``[N, Hkv, Dk]``, v ``[N, Hkv, Dv]``; pools ``[pages, page_size, Hkv,
     Dk or Dv]``; query_start_loc ``[R + 1]``; seq_lens ``[R]`` (context + own length);
     block_table ``[R, pages_per_request]``; slot_mapping ``[N]`` (< 0 for padding rows);
-    ``window``, ``softcap``, ``sinks``: the module docstring. Returns ``[N, H, Dv]`` in q's
-    dtype; rows past ``query_start_loc[R]`` are zeros.
+    ``window``, ``softcap``, ``sinks``, ``chunk``: the module docstring. Returns ``[N, H, Dv]``
+    in q's dtype; rows past ``query_start_loc[R]`` are zeros.
     """
-    check_semantics("ragged_attention", window, softcap, sinks, q.shape[1])
+    check_semantics("ragged_attention", window, softcap, sinks, q.shape[1], chunk=chunk)
     kv_write(k, v, k_cache, v_cache, slot_mapping)
     out = torch.zeros(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
     qsl = query_start_loc.tolist()
@@ -126,11 +145,11 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         if end == start:
             continue
         context = lens[i] - (end - start)
-        first = max(0, context - window + 1) if window else 0  # the first query's window
+        first = visible_from(context, window, chunk)  # the first query's first key
         keys = _gather_keys(k_cache, block_table[i], first, lens[i])
         values = _gather_keys(v_cache, block_table[i], first, lens[i])
         out[start:end] = _attend_one(q[start:end], keys, values, first, context, scale,
-                                     window, softcap, sinks)
+                                     window, softcap, sinks, chunk)
     return out.to(q.dtype)
 
 
@@ -138,13 +157,15 @@ def dense_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor,
                            block_table: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, window: int = 0, softcap: float = 0.0,
-                           sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           sinks: Optional[torch.Tensor] = None,
+                           chunk: int = 0) -> torch.Tensor:
     """Dense verify attention: every one of ``bs`` requests runs ``T`` tokens.
 
     q ``[bs, H, T, Dk]``, k ``[bs, Hkv, T, Dk]``, v ``[bs, Hkv, T, Dv]`` (the layout HF attention
     functions receive); returns ``[bs, T, H, Dv]``. Token ``t`` of request ``b`` sits at
     ``context_lens[b] + t``, writes its K/V there and attends keys ``0 .. context_lens[b] + t``
-    (the last ``window`` of them with a window). Defined as the ragged op on ``bs`` requests
+    (the last ``window`` of them with a window, those of its own chunk with ``chunk``). Defined
+    as the ragged op on ``bs`` requests
     of length ``T`` so the two can never disagree.
     """
     bs, num_heads, t, d = q.shape
@@ -161,6 +182,6 @@ def dense_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k.transpose(1, 2).reshape(bs * t, k.shape[1], d),
         v.transpose(1, 2).reshape(bs * t, v.shape[1], dv),
         k_cache, v_cache, qsl, context_lens.long() + t, block_table, slot_mapping, scale,
-        window, softcap, sinks,
+        window, softcap, sinks, chunk,
     )
     return out.view(bs, t, num_heads, dv)

@@ -150,8 +150,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
                                     source_line(node)))
             continue
         q, k, v, k_cache, v_cache, block_table, _context_lens, scale, *semantics = node.args
-        if node.kwargs:  # window / softcap / sinks, however the capture recorded them
-            names = ("window", "softcap", "sinks")[len(semantics):]
+        if node.kwargs:  # window / softcap / sinks / chunk, however the capture recorded them
+            names = ("window", "softcap", "sinks", "chunk")[len(semantics):]
             semantics += [node.kwargs[n] for n in names if n in node.kwargs]
         _, heads, _, dim = q.meta["val"].shape
         kv_heads, v_dim = k.meta["val"].shape[1], v.meta["val"].shape[-1]

@@ -74,7 +74,9 @@ def test_mask_functions_are_proven_by_structure_and_probe():
     assert _causal_only(mask_function=nested) == _WindowMask(4096)
     assert _causal_only(mask_function=M.add_offsets_to_mask_function(
         M.sliding_window_causal_mask_function(5), 3, 3)) == _WindowMask(5)
-    for unproven in (M.chunked_causal_mask_function(8, torch.zeros(1, dtype=torch.long)),
+    assert _causal_only(mask_function=M.chunked_causal_mask_function(
+        8, torch.zeros(1, dtype=torch.long))) == _WindowMask(0, 8)
+    for unproven in (M.chunked_overlay(8, torch.zeros(1, dtype=torch.long)),  # no causality
                      M.sliding_window_overlay(8),  # a window without causality
                      M.bidirectional_mask_function,
                      M.sliding_window_bidirectional_mask_function(8),
@@ -103,9 +105,23 @@ def test_a_leaf_that_computes_something_else_under_a_known_name_fails_the_probe(
     assert isinstance(mask, _UnprovenMask)
     assert "sliding_window_overlay(8)" in mask.description
 
+    def chunked(chunk_size, left_padding):  # chunk edges one position off HF's
+        def inner_mask(batch_idx, head_idx, q_idx, kv_idx):
+            return (kv_idx + 1 - left_padding[batch_idx]) // chunk_size == \
+                (q_idx + 1 - left_padding[batch_idx]) // chunk_size
+        return inner_mask
 
-def test_chunked_attention_is_refused_at_the_layer_that_uses_it():
-    """Llama 4's chunked layers: the chunk lives only in the mask and the op has no chunks."""
+    impostor = chunked(8, torch.zeros(1, dtype=torch.long))
+    impostor.__module__ = "transformers.masking_utils"
+    impostor.__qualname__ = "chunked_overlay.<locals>.inner_mask"
+    mask = _causal_only(mask_function=M.and_masks(impostor, M.causal_mask_function))
+    assert isinstance(mask, _UnprovenMask)
+    assert "chunked_overlay(8)" in mask.description
+
+
+def test_a_chunk_added_to_the_mask_becomes_the_layers_chunk():
+    """A chunk that lives only in the mask (Llama 4's chunked layers) is read off the mask,
+    not off a config field: every layer gets chunks of 4."""
     from transformers.models.llama import modeling_llama
     from transformers import masking_utils as M
 
@@ -117,9 +133,8 @@ def test_chunked_attention_is_refused_at_the_layer_that_uses_it():
         return real(*args, **kwargs)
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(modeling_llama, "create_causal_mask", chunked)
-        with pytest.raises(NotImplementedError, match=r"'model.layers.0.self_attn'.*builds .*"
-                           r"and_masks\(causal_mask_function, chunked_overlay\)"):
-            dspark_compile(model)
+        verifier = dspark_compile(model)
+    assert [(s.window, s.chunk) for s in verifier.adapter.specs] == [(0, 4)] * 2
 
 
 def test_qwen2_moe_builds_a_window_mask_no_layer_uses():

@@ -16,7 +16,8 @@ import pytest
 from aot import TARGET_NAMES, aot_tests, compile_kernel
 
 # case -> (kernel, dtype of q/k/v/pools/out, shape (N, R, H, Hkv, D, page, max_query_len),
-# split count[, semantics: Dv, window / softcap / sinks switches]); constexprs and launch options
+# split count[, semantics: Dv, window / softcap / sinks / chunk switches]); constexprs and launch
+# options
 # come from plan_attention, as at run time.
 CASES = {
     "attention_bf16": ("_ragged_attention_kernel", "bf16", (512, 64, 16, 8, 128, 16, 8), 1),
@@ -35,6 +36,9 @@ CASES = {
     "attention_bf16_mla_window_softcap_sinks": (
         "_ragged_attention_kernel", "bf16", (3, 1, 16, 16, 192, 16, 8), 8,
         dict(dv=128, window=True, softcap=True, sinks="fp32")),
+    # chunked attention (Llama 4): the window's code with per-row chunk starts, split 4
+    "attention_bf16_chunked": ("_ragged_attention_kernel", "bf16", (24, 3, 8, 2, 128, 16, 8),
+                               4, dict(window=True, chunk=True)),
 }
 
 
@@ -65,7 +69,8 @@ def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg,
     consts = dict(NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad, HEAD_DIM=d,
                   HEAD_DIM_PAD=head_dim_pad(d), HEAD_DIM_V=dv, HEAD_DIM_V_PAD=head_dim_pad(dv),
                   HAS_WINDOW=sem.get("window", False), HAS_SOFTCAP=sem.get("softcap", False),
-                  HAS_SINKS="sinks" in sem, PAGE_SIZE=page, BLOCK_Q=plan.block_q,
+                  HAS_SINKS="sinks" in sem, CHUNKED=sem.get("chunk", False), PAGE_SIZE=page,
+                  BLOCK_Q=plan.block_q,
                   BLOCK_M=plan.block_m,
                   TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
                   SEARCH_ONCE=r + 1 <= plan.search, SPLIT=plan.num_splits > 1,

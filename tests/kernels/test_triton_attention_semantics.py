@@ -43,15 +43,16 @@ def _sinks(heads: int, device=DEVICE, dtype=torch.float32) -> torch.Tensor:
     return (torch.randn(heads, generator=g) * 2).to(dtype).to(device)
 
 
-def run_both(case, window=0, softcap=0.0, sinks=None, scale=0.3, **kw):
+def run_both(case, window=0, softcap=0.0, sinks=None, scale=0.3, chunk=0, **kw):
     """(triton output, triton pools, reference output, reference pools); the output buffer
     starts as NaN so a row the kernel forgets cannot pass."""
     got_args, ref_args = case.args(), case.args()
     out = torch.full((case.q.shape[0], case.q.shape[1], case.v.shape[2]), float("nan"),
                      dtype=case.q.dtype, device=case.q.device)
-    got = ragged_attention_triton(*got_args, scale, window, softcap, sinks, out=out, **kw)
+    got = ragged_attention_triton(*got_args, scale, window, softcap, sinks, out=out,
+                                  chunk=chunk, **kw)
     assert got is out
-    ref = reference.ragged_attention(*ref_args, scale, window, softcap, sinks)
+    ref = reference.ragged_attention(*ref_args, scale, window, softcap, sinks, chunk)
     return got, got_args[3:5], ref, ref_args[3:5]
 
 
@@ -74,6 +75,29 @@ def test_switch_matches_reference(name: str, num_splits: int, fold: bool) -> Non
     sinks = _sinks(4) if with_sinks else None
     _check(*run_both(case, window, softcap, sinks, num_splits=num_splits, max_query_len=5,
                      fold_reduce=fold, config=SMALL_TILES), case.num_real)
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("num_splits,fold", [(1, True), (3, True), (4, False)])
+@pytest.mark.parametrize("chunk", [5, 16, 24])
+def test_chunks_match_reference(chunk: int, num_splits: int, fold: bool) -> None:
+    """Chunked attention: q-blocks whose rows straddle a chunk edge (per-row first keys: the
+    band), chunks below a tile, of one tile and across tiles, contexts across 16-key tiles,
+    with softcap and sinks on, split with the merge folded or in a reduce launch."""
+    case = make_case([3, 0, 7, 1], [37, 5, 45, 0], 4, 2, 16, 16, page=8, num_pad=2,
+                     seed=chunk, device=DEVICE)
+    _check(*run_both(case, 0, 1.5, _sinks(4), chunk=chunk, num_splits=num_splits,
+                     max_query_len=8, fold_reduce=fold, config=SMALL_TILES), case.num_real)
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("hint", [None, 1])
+def test_chunks_over_a_prefill(hint) -> None:
+    """A 30-token prefill after 20 keys in chunks of 8: new-key tiles below a later block's
+    chunk are skipped, every block crosses chunk edges."""
+    case = make_case([30, 2], [20, 3], 2, 1, 16, 16, page=8, num_pad=1, seed=5, device=DEVICE)
+    _check(*run_both(case, chunk=8, num_splits=2, max_query_len=hint, fold_reduce=True,
+                     config=SMALL_TILES), case.num_real)
 
 
 @needs_kernel_device

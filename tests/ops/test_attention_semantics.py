@@ -54,6 +54,41 @@ def test_reference_matches_naive_dense(layout: str, switches: str) -> None:
     assert torch.equal(flat_v[real], case.v[: case.num_real])
 
 
+@pytest.mark.parametrize("chunk, softcap, with_sinks", [
+    (4, 0.0, False), (1, 0.0, False), (7, 1.5, True), (1000, 0.0, False)])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_chunked_reference_matches_naive_dense(layout: str, chunk: int, softcap: float,
+                                               with_sinks: bool) -> None:
+    """Chunked attention (Llama 4): a query sees the keys of its own chunk up to itself;
+    contexts and lengths cross chunk edges, chunk 1 is each query's own key, 1000 is causal."""
+    lens, contexts, h, hkv, dk, dv, page, pad = LAYOUTS[layout]
+    case = make_case(lens, contexts, h, hkv, dk, dv, page, num_pad=pad, seed=chunk)
+    sinks = _sinks(h, 1) if with_sinks else None
+    got = OP(*case.args(), 0.3, softcap=softcap, sinks=sinks, chunk=chunk)
+    want = naive_attention(case, 0.3, softcap=softcap, sinks=sinks, chunk=chunk)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[case.num_real:], torch.zeros_like(got[case.num_real:]))
+    if chunk == 1000:
+        assert torch.equal(got, OP(*case.args(), 0.3, softcap=softcap, sinks=sinks))
+
+
+def test_chunked_reads_only_its_chunk() -> None:
+    """Pool positions below each request's first query's chunk are NaN: the output equals the
+    clean run's. A NaN V in the first query's chunk reaches that chunk's rows only."""
+    case = make_case([5, 3], [13, 6], 4, 2, 8, page=4, seed=6)
+    clean = OP(*case.args(), 0.3, chunk=6)
+    flat_v = case.v_cache.flatten(0, 1)
+    for i, ctx in enumerate(case.contexts):
+        first = ctx - ctx % 6
+        rows = [int(case.block_table[i, p // 4]) * 4 + p % 4 for p in range(first)]
+        flat_v[rows] = float("nan")
+    torch.testing.assert_close(OP(*case.args(), 0.3, chunk=6), clean, atol=0, rtol=0)
+    rows = [int(case.block_table[0, 12 // 4]) * 4 + 12 % 4]  # position 12: chunk 12..17
+    flat_v[rows] = float("nan")
+    got = OP(*case.args(), 0.3, chunk=6)
+    assert torch.isnan(got[:5]).all() and torch.isfinite(got[5:]).all()  # rows 13..17
+
+
 def test_window_beyond_every_position_is_plain_causal_bitwise() -> None:
     case = make_case([3, 2], [6, 1], 4, 2, 8, page=4, seed=3)
     plain = OP(*case.args(), 0.3)
@@ -140,6 +175,8 @@ def test_opcheck_with_switches_and_dv() -> None:
 
 BAD = [  # (switches, message of the reference's ValueError)
     ({"window": -1}, "window=-1; it must be an int >= 0"),
+    ({"chunk": -4}, "chunk=-4; it must be an int >= 0"),
+    ({"chunk": 4, "window": 2}, "window=2 and chunk=4; at most one may be set"),
     ({"window": 2.0}, "window=2.0"),
     ({"window": True}, "window=True"),
     ({"softcap": -0.5}, "softcap=-0.5; it must be a finite float >= 0"),

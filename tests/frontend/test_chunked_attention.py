@@ -1,0 +1,67 @@
+"""Chunked attention (Llama 4's ``attention_chunk_size``): the mask proof reads transformers'
+``chunked_overlay`` and the ragged op computes it; a Llama 4 text model with chunked and full
+layers verifies exact against HF's own forward while contexts cross chunk edges. What the
+proof does not cover (two chunk sizes, a window inside chunks, offsets that move the chunk
+edges) is refused."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from dspark_compile import RefusedOp, dspark_compile
+from dspark_compile.frontend import adapters
+from helpers import Session
+
+tf = pytest.importorskip("transformers")
+mu = pytest.importorskip("transformers.masking_utils")
+
+SMALL = dict(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
+             head_dim=16, num_local_experts=4, num_experts_per_tok=1, intermediate_size_mlp=96)
+
+
+def _llama4(**extra):
+    torch.manual_seed(0)
+    return tf.Llama4ForCausalLM(tf.Llama4TextConfig(**{**SMALL, **extra})).eval()
+
+
+def test_llama4_chunks_equal_hf_across_chunk_edges():
+    model = _llama4(attention_chunk_size=5, attn_temperature_tuning=False)
+    verifier = dspark_compile(model)
+    kinds = [line for line in verifier.explain().splitlines() if "attention model." in line]
+    assert [("chunks of 5" in k, "causal" in k) for k in kinds] == \
+        [(True, False)] * 3 + [(False, True)], kinds  # three chunked layers, then a full one
+    session = Session(model, verifier, [7, 0], seed=1)
+    session.vocab = SMALL["vocab_size"]
+    session.step([5, 7], accept=[5, 7])
+    rng = random.Random(1)
+    for _ in range(4):  # contexts 7..~30: every round crosses or ends on a chunk edge
+        session.step([rng.randint(1, 5) for _ in range(2)])
+    assert session.max_err <= 1e-5, f"max |ragged - HF| = {session.max_err}"
+
+
+def test_llama4_temperature_tuning_is_refused_at_its_line():
+    """The NoPE layers' temperature tuning makes positions with arange(T) + the cache length
+    (one length for the batch): refused by name, not verified with the wrong positions."""
+    with pytest.raises(RefusedOp, match=r"(?s)refuses arange.*modeling_llama4\.py"):
+        dspark_compile(_llama4(attention_chunk_size=5))
+
+
+def test_chunk_proof_reads_the_overlay_and_refuses_what_it_does_not_cover():
+    zeros = torch.zeros(1, dtype=torch.long)
+    chunked = mu.chunked_causal_mask_function(4, zeros)
+    assert adapters._prove(chunked) == (True, 0, 4)
+    assert adapters._causal_only(mask_function=chunked) == adapters._WindowMask(0, 4)
+    window_in_chunks = mu.and_masks(chunked, mu.sliding_window_overlay(3))
+    two_sizes = mu.and_masks(chunked, mu.chunked_overlay(6, zeros))
+    for fn in (window_in_chunks, two_sizes):
+        assert adapters._prove(fn) is None
+        assert isinstance(adapters._causal_only(mask_function=fn), adapters._UnprovenMask)
+    shifted = mu.add_offsets_to_mask_function(chunked, 2, 2)  # moves the chunk edges
+    assert adapters._prove(shifted) is None
+    assert adapters._prove(mu.add_offsets_to_mask_function(chunked, 8, 8)) == (True, 0, 4)
+    with pytest.raises(NotImplementedError, match="at most one|window with chunks|chunked"):
+        adapters._check_mask("layer", adapters._causal_only(mask_function=window_in_chunks))
