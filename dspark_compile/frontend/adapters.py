@@ -26,6 +26,7 @@ from ..specs import AttentionSpec, LinearSpec
 from .compressed import compressor_hooks
 from .experts import experts_hooks
 from .hybrid import RecurrentLayers, hybrid_hooks
+from .llama4 import temperature_hooks, tuned_queries
 from .multimodal import MRopeSpec, mrope_spec, vision_hook
 from .scope import active_scope
 
@@ -107,6 +108,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
             "capture; set the model back to 'sdpa' or 'eager' to run it on its own"
         )
     where = scope.attention_site(module)
+    query = tuned_queries(module, query, scope.positions, where)
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(
             f"{where} is not causal (is_causal=False); verify needs causal attention")
@@ -463,13 +465,17 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         try:
             with route, hybrid_hooks(linear), \
                     vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
-                    experts_hooks(model), compressor_hooks(model, names):
+                    experts_hooks(model), compressor_hooks(model, names), \
+                    temperature_hooks(model, names):
                 yield
         finally:
             if config._attn_implementation != previous:
                 model.set_attn_implementation(previous)
 
     def forward(call, ids: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        scope = active_scope()
+        if scope is not None:
+            scope.positions = pos  # per-token positions for layers that use them elsewhere
         return call(input_ids=ids, position_ids=pos, use_cache=False).logits
 
     return ModelAdapter(model, None, None, forward, hooks, "hf",

@@ -68,6 +68,9 @@ class CaptureScope:
     compressor forward (``frontend/compressed.py``), taken by that call. While discovering,
     what it adds is a ``CompressSpec``; while capturing ``(entry pool, fresh rows, rate,
     picks or None)``."""
+    positions: torch.Tensor | None = None
+    """``[bs, T]``: the positions the adapter's forward was called with (Hugging Face models),
+    for layers that use them outside rotary (Llama 4's query temperature tuning)."""
     _site: str = ""
 
     def expect_compressed(self, compressor, what) -> None:

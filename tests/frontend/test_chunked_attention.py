@@ -1,8 +1,10 @@
 """Chunked attention (Llama 4's ``attention_chunk_size``): the mask proof reads transformers'
 ``chunked_overlay`` and the ragged op computes it; a Llama 4 text model with chunked and full
-layers verifies exact against HF's own forward while contexts cross chunk edges. What the
+layers verifies exact against HF's own forward while contexts cross chunk edges, with its
+NoPE layers' query temperature tuning applied per token (``frontend/llama4.py``). What the
 proof does not cover (two chunk sizes, a window inside chunks, offsets that move the chunk
-edges) is refused."""
+edges) is refused, and so is a tuning forward other than the one the capture was derived
+from."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ import random
 import pytest
 import torch
 
-from dspark_compile import RefusedOp, dspark_compile
+from dspark_compile import dspark_compile
 from dspark_compile.frontend import adapters
 from helpers import Session
 
@@ -43,10 +45,31 @@ def test_llama4_chunks_equal_hf_across_chunk_edges():
     assert session.max_err <= 1e-5, f"max |ragged - HF| = {session.max_err}"
 
 
-def test_llama4_temperature_tuning_is_refused_at_its_line():
-    """The NoPE layers' temperature tuning makes positions with arange(T) + the cache length
-    (one length for the batch): refused by name, not verified with the wrong positions."""
-    with pytest.raises(RefusedOp, match=r"(?s)refuses arange.*modeling_llama4\.py"):
+def test_llama4_temperature_tuning_equals_hf_per_token():
+    """The NoPE layers' query temperature tuning, with floor_scale 4 so that the scales change
+    every 4 positions of the rounds (at Llama 4's 8192 they stay 1 in any short test): applied
+    per token from each request's own positions, equal to HF's forward of that request."""
+    model = _llama4(attention_chunk_size=5, attn_temperature_tuning=True, floor_scale=4,
+                    attn_scale=0.5)
+    tuned = [m for m in model.modules() if getattr(m, "attn_temperature_tuning", False)
+             and not m.use_rope]
+    assert tuned, "the config has a NoPE layer with temperature tuning"
+    session = Session(model, dspark_compile(model), [6, 0, 3], seed=2)
+    session.vocab = SMALL["vocab_size"]
+    session.step([6, 2, 3], accept=[6, 2, 3])
+    rng = random.Random(2)
+    for _ in range(4):
+        session.step([rng.randint(1, 5) for _ in range(3)])
+    assert session.max_err <= 1e-5, f"max |ragged - HF| = {session.max_err}"
+    assert all(m.attn_temperature_tuning for m in tuned), "the capture restored the modules"
+
+
+def test_llama4_temperature_tuning_from_another_forward_is_refused(monkeypatch):
+    from dspark_compile.frontend import llama4
+
+    monkeypatch.setattr(llama4, "KNOWN_SOURCES", frozenset())
+    with pytest.raises(NotImplementedError, match="temperature tuning is captured from "
+                       "Llama4TextAttention's own forward"):
         dspark_compile(_llama4(attention_chunk_size=5))
 
 
