@@ -12,6 +12,7 @@ import os
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings, strategies as st
 
 from attention_cases import make_case
 from dspark_compile.kernels.attention import plan_attention, ragged_attention_triton
@@ -324,3 +325,18 @@ def test_gpu_window_reads_only_its_pages(bs: int) -> None:
     got = ragged_attention_triton(*case.args(), 128 ** -0.5, 1024, max_query_len=8)
     torch.cuda.synchronize()
     torch.testing.assert_close(got, want, atol=2e-2, rtol=2e-2)
+
+
+@needs_kernel_device
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(0, 12), min_size=1, max_size=4),
+       contexts=st.lists(st.integers(0, 60), min_size=4, max_size=4),
+       chunk=st.integers(1, 40), hint=st.sampled_from([None, 1, 4, 8]),
+       num_splits=st.sampled_from([1, 2, 3]), fold=st.booleans())
+def test_random_chunked_layouts_match_reference(lens, contexts, chunk, hint, num_splits, fold):
+    """Random ragged layouts against the reference: chunk edges anywhere relative to the
+    16-key tiles, the q-blocks (``max_query_len``) and the splits."""
+    case = make_case(lens, contexts[:len(lens)], 2, 1, 16, 16, page=8, num_pad=1,
+                     seed=chunk, device=DEVICE)
+    _check(*run_both(case, chunk=chunk, num_splits=num_splits, max_query_len=hint,
+                     fold_reduce=fold, config=SMALL_TILES), case.num_real)
