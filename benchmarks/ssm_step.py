@@ -116,9 +116,10 @@ def run(s: Settings, save) -> dict:
     for bs in s.batches:
         results[bs].update(ours_row(verifier, state, s, bs))
         # HF's torch fallback scan takes about a second a call from bs 64: fewer calls there
-        hf, classes = hf_row(model, hf_settings(s, bs), bs)
+        hf_s = hf_settings(s, bs)
+        hf, classes = hf_row(model, hf_s, bs)
         data["hf_cache_layers"] = classes or data.get("hf_cache_layers", [])
-        results[bs]["hf_iters"] = hf_settings(s, bs).iters
+        results[bs]["hf_iters"] = hf_s.iters
         results[bs].update(hf)
         for mean, name in ((s.mean_len, "floor_mean3_ms"), (s.block, "floor_all8_ms")):
             results[bs][name] = floor_ms(s, verifier, linear_params, bs, mean)

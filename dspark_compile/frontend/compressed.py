@@ -61,7 +61,8 @@ _STATIC_ROPE = frozenset({"default", "linear", "yarn", "llama3"})
 """Rotary types whose frequencies are fixed at init (no ``dynamic_rope_update``)."""
 
 
-def _source_key(cls) -> str:
+def source_key(cls) -> str:
+    """sha256 prefix of ``cls.forward``'s source: which forward a capture was derived from."""
     return hashlib.sha256(inspect.getsource(cls.forward).encode()).hexdigest()[:16]
 
 
@@ -79,7 +80,7 @@ def _check_class(module: nn.Module, where: str, modeling) -> None:
         raise _refuse(where, f"{cls.__module__}.{name} is not one of the known classes")
     if "forward" in module.__dict__:
         raise _refuse(where, "its forward is replaced on the instance")
-    key = _source_key(cls)
+    key = source_key(cls)
     if key not in KNOWN_SOURCES[name]:
         raise _refuse(where, f"{name}.forward's source (sha256 {key}) is not the one the "
                       "compressed ops were derived from (transformers 5.24)")

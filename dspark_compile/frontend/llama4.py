@@ -17,12 +17,12 @@ changed forward is refused rather than guessed at.
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import inspect
 from typing import Iterator
 
 import torch
 from torch import nn
+
+from .compressed import source_key
 
 __all__ = ["KNOWN_SOURCES", "temperature_hooks", "tuned_queries"]
 
@@ -33,10 +33,6 @@ differ only in naming the cache argument)."""
 _TUNED: dict[int, tuple[float, float]] = {}
 """``id(module)`` -> ``(floor_scale, attn_scale)`` of the layers tuned by the hook, while a
 capture runs."""
-
-
-def _source_key(cls) -> str:
-    return hashlib.sha256(inspect.getsource(cls.forward).encode()).hexdigest()[:16]
 
 
 @contextlib.contextmanager
@@ -51,7 +47,7 @@ def temperature_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]
     tuned = [m for m in model.modules() if isinstance(m, Llama4TextAttention)
              and getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True)]
     for m in tuned:
-        if type(m) is not Llama4TextAttention or _source_key(type(m)) not in KNOWN_SOURCES:
+        if type(m) is not Llama4TextAttention or source_key(type(m)) not in KNOWN_SOURCES:
             raise NotImplementedError(
                 f"{type(m).__name__} {names.get(id(m), '?')!r}: its attention temperature "
                 "tuning is captured from Llama4TextAttention's own forward (transformers 5.17 "

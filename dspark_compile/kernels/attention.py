@@ -314,12 +314,9 @@ def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     visible = (e[None, :] <= q_own[:, None]) & (e < n_keys)[None, :]  # [BLOCK_M, NEW_N]
-    if HAS_WINDOW:
-        if CHUNKED:
-            visible = visible & (context + e[None, :] >= _first_key(
-                context + q_own[:, None], window, True))
-        else:
-            visible = visible & (e[None, :] > q_own[:, None] - window)
+    if HAS_WINDOW:  # key position context + e at or past the row's first key
+        visible = visible & (context + e[None, :] >= _first_key(context + q_own[:, None],
+                                                                 window, CHUNKED))
     m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
                                   DOT_PRECISION, True, HAS_SOFTCAP)
     hits = tl.dot(visible.to(tl.float16), bad.to(tl.float16), out_dtype=tl.float32)
@@ -384,19 +381,15 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
     already loaded (``k0``, ``v0``, ``key_ok0``: :func:`_first_tile`; an all-masked tile
     leaves the state as it was), the rest of the context, then the new keys.
 
-    With a window, row ``r`` sees keys from ``key_lo + q_idx[r]`` (with chunks, from its
-    chunk's start: :func:`_first_key`): the first tile and the band (tiles below the last row's
+    With a window, row ``r`` sees keys from its first key (:func:`_first_key`: ``key_lo +
+    q_idx[r]`` for a sliding window, its chunk's start with chunks): the first tile and the band (tiles below the last row's
     first key) take per-row masks and guarded V (:func:`_window_band`); the tiles after the
     band are today's loop."""
     offs_n = tl.arange(0, TILE_N)
     t_end = tl.minimum(u_hi, n_ctx)
     if HAS_WINDOW:
-        if CHUNKED:
-            row_lo = _first_key(context + q0 + q_idx, window, True)  # [BLOCK_M]
-            last_lo = _first_key(context + q0 + n_q - 1, window, True)
-        else:
-            row_lo = key_lo + q_idx  # [BLOCK_M]
-            last_lo = key_lo + n_q - 1
+        row_lo = _first_key(context + q0 + q_idx, window, CHUNKED)  # [BLOCK_M]
+        last_lo = _first_key(context + q0 + n_q - 1, window, CHUNKED)  # the last row's
         pos0 = u_lo * TILE_N + offs_n
         visible0 = key_ok0[None, :] & (pos0[None, :] >= row_lo[:, None])
         m_i, l_i, acc = _guarded_step(q, k0, v0, visible0, m_i, l_i, acc, scale_log2,
@@ -942,8 +935,8 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         SEARCH_ONCE=r + 1 <= plan.search, SPLIT=split, FOLD=counters is not None,
         MAX_SPLITS=max_splits, UPCAST=q.dtype != k_cache.dtype,
         DOT_PRECISION=cfg.fp32_dot_precision, EARLY=pdl and early_reads and cfg.attn_early_reads,
-        PDL=pdl, HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0, HAS_SINKS=sinks is not None,
-        CHUNKED=chunked,
+        PDL=pdl, HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
+        HAS_SINKS=sinks is not None, CHUNKED=chunked,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **regs, **pdl_options(pdl))
     if split and counters is None:
         launch(_split_reduce_kernel, (n,),
