@@ -14,7 +14,7 @@ copies of the inputs that the state comes from HBM, not the 50 MB L2 (``common.t
 batch size, all 8 rows.
 
 Usage: ``python benchmarks/ssd_kernels.py [--sweep] [--smoke] [--bs 64 128] [--kernels gdn]
-[--sweep-warps 1 2 4 8] [--tails 0 8]``. Writes ``ssd_kernels.json`` to ``$OUT`` if set, else to
+[--sweep-warps 1 2 4 8]``. Writes ``ssd_kernels.json`` to ``$OUT`` if set, else to
 ``benchmarks/results/`` (after every row). The GDN inputs and their check are
 ``hybrid_kernels.py``'s. ``--smoke`` runs tiny shapes on the CPU under
 ``TRITON_INTERPRET=1`` (checks the script, times nothing real).
@@ -171,14 +171,6 @@ def sweep(s: dict, device: str, kernels: tuple[str, ...], emit) -> None:
                           commit_us=r["commit"]["best_us"]))
 
 
-def default_plan(name: str, bs: int, s: dict, device: str):
-    """The plan the op picks by itself for ``bs`` requests."""
-    sm = device_sm_count(torch.device(device))
-    if name == "gdn":
-        return triton_gdn.plan_gdn(bs, s["num_v_heads"], s["k_dim"], s["v_dim"], sm)
-    return triton_ssd.plan_ssd(bs, s["ssd_heads"], s["ssd_state"], s["ssd_head_dim"], sm)
-
-
 def _row(r: dict) -> str:
     c = r["commit"]
     return (f"{r['kernel']:>6} {r['bs']:>4} {r['lengths']:>9} {r['eager_us']:>9.1f} "
@@ -193,8 +185,6 @@ def main() -> None:
     ap.add_argument("--bs", type=int, nargs="+", help="batch sizes (default: 1 8 64 128)")
     ap.add_argument("--kernels", nargs="+", choices=("ssd", "gdn"), default=("ssd", "gdn"))
     ap.add_argument("--sweep-warps", type=int, nargs="+", help="warp counts of the sweep")
-    ap.add_argument("--tails", type=int, nargs="+",
-                    help="time each case under each plan tail (0: every row row by row)")
     opts = ap.parse_args()
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
     s = dict(s, **({"batch_sizes": opts.bs} if opts.bs else {}),
@@ -217,14 +207,9 @@ def main() -> None:
     for bs in s["batch_sizes"]:
         for mix in (True, False):
             for name in opts.kernels:
-                for tail in opts.tails or [None]:
-                    plan = None if tail is None else dataclasses.replace(
-                        default_plan(name, bs, s, device), tail=tail)
-                    report["results"].append(dict(cases[name](bs, mix, s, device, plan),
-                                                  **({} if tail is None else {"tail": tail})))
-                    print(_row(report["results"][-1]) + ("" if tail is None else
-                                                         f"  tail {tail}"), flush=True)
-                    save()
+                report["results"].append(cases[name](bs, mix, s, device))
+                print(_row(report["results"][-1]), flush=True)
+                save()
     if opts.sweep:
         report["sweep"] = []
 

@@ -135,7 +135,7 @@ def _gdn_forward_kernel(
         stride_out_head, stride_s_slot, stride_s_head, stride_s_k, HK: tl.constexpr,
         HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, K_PAD: tl.constexpr,
         BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
-        PAD_ROWS: tl.constexpr, TAIL: tl.constexpr):
+        PAD_ROWS: tl.constexpr):
     """One (request, value head, value-channel block): the request's rows, in order."""
     req = tl.program_id(0)
     head = tl.program_id(1) // NUM_VB
@@ -156,41 +156,13 @@ def _gdn_forward_kernel(
     _, state = _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok,
                            stride_s_slot, stride_s_head, stride_s_k)
     k_head = head // (HV // HK)
-    n_serial = length
-    if TAIL > 0:
-        n_serial = tl.maximum(length - TAIL, 0)
-    if n_serial > 0:
-        state = _gdn_serial_rows(
-            state, out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ring_k_ptr, ring_v_ptr,
-            ring_g_ptr, ring_beta_ptr, start, n_serial, head, k_head, vb, offs_k, offs_v, k_ok,
-            v_ok, scale, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
-            stride_v_head, stride_g_tok, stride_beta_tok, stride_out_tok, stride_out_head, HK,
-            HV, KD, VD, L2NORM)
-    if TAIL > 0:
-        _gdn_tail_rows(
-            state, out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ring_k_ptr, ring_v_ptr,
-            ring_g_ptr, ring_beta_ptr, start + n_serial, length - n_serial, head, k_head, vb,
-            offs_k, offs_v, k_ok, v_ok, scale, stride_q_tok, stride_q_head, stride_k_tok,
-            stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok,
-            stride_out_tok, stride_out_head, HK, HV, KD, VD, L2NORM, TAIL, BLOCK_V)
-
-
-@triton.jit
-def _gdn_serial_rows(state, out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ring_k_ptr,
-                     ring_v_ptr, ring_g_ptr, ring_beta_ptr, first, count, head, k_head, vb,
-                     offs_k, offs_v, k_ok, v_ok, scale, stride_q_tok, stride_q_head,
-                     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
-                     stride_beta_tok, stride_out_tok, stride_out_head, HK: tl.constexpr,
-                     HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
-                     L2NORM: tl.constexpr):
-    """Rows ``first .. first + count - 1`` one by one, updating the state tile: returns it."""
-    last = first + count - 1
-    q, k, v, g, beta = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, first.to(tl.int64), head,
+    last = start + length - 1
+    q, k, v, g, beta = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start.to(tl.int64), head,
                                  k_head, offs_k, offs_v, k_ok, v_ok, stride_q_tok,
                                  stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
                                  stride_v_head, stride_g_tok, stride_beta_tok)
-    for t in range(count):
-        n = (first + t).to(tl.int64)
+    for t in range(length):
+        n = (start + t).to(tl.int64)
         # the next row's loads go out before this row's arithmetic (the last row reloads
         # itself): their latency overlaps the update instead of stalling the next step
         q_next, k_next, v_next, g_next, beta_next = _load_row(
@@ -202,64 +174,6 @@ def _gdn_serial_rows(state, out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ring_
             q = _l2norm(q)
         state = _delta_step(state, k, v, g, beta)
         out = tl.sum(state * (q * scale)[:, None], 0)  # [BLOCK_V]
-        tl.store(out_ptr + n * stride_out_tok + head * stride_out_head + offs_v,
-                 out.to(out_ptr.dtype.element_ty), mask=v_ok)
-        _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k,
-                   v, g, beta, offs_k, offs_v, k_ok, v_ok, HK, HV, KD, VD)
-        q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
-    return state
-
-
-@triton.jit
-def _gdn_tail_rows(state, out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ring_k_ptr,
-                   ring_v_ptr, ring_g_ptr, ring_beta_ptr, first, count, head, k_head, vb,
-                   offs_k, offs_v, k_ok, v_ok, scale, stride_q_tok, stride_q_head,
-                   stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
-                   stride_beta_tok, stride_out_tok, stride_out_head, HK: tl.constexpr,
-                   HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
-                   L2NORM: tl.constexpr, TAIL: tl.constexpr, BLOCK_V: tl.constexpr):
-    """The last ``count <= TAIL`` rows from the state tile ``S0``, which is never updated.
-
-    With ``G_t`` the product of ``exp(g)`` over rows ``0..t`` and ``R_t[s]`` over rows
-    ``s+1..t``, row t's update and output expand to
-    ``u_t = G_t S0^T k_t + sum_{s<t} R_t[s] (k_s . k_t) delta_s`` and
-    ``o_t = G_t S0^T q_t + sum_{s<=t} R_t[s] (k_s . q_t) delta_s``: two reductions of S0 a
-    row, against the decay, the update and the output of the serial step. The deltas of earlier
-    rows live in a ``[TAIL, BLOCK_V]`` tile whose later rows are still zero, and every
-    coefficient of a later row is selected away (not multiplied by 0), so a NaN in a later row
-    reaches no earlier output."""
-    offs_t = tl.arange(0, TAIL)
-    keys = tl.zeros([offs_k.shape[0], TAIL], tl.float32)  # [K_PAD, TAIL]: rows so far
-    deltas = tl.zeros([TAIL, BLOCK_V], tl.float32)
-    decay = tl.zeros([TAIL], tl.float32)  # R_t[s]
-    gamma = tl.full([], 1.0, tl.float32)  # G_t
-    last = first + count - 1
-    q, k, v, g, beta = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, first.to(tl.int64), head,
-                                 k_head, offs_k, offs_v, k_ok, v_ok, stride_q_tok,
-                                 stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
-                                 stride_v_head, stride_g_tok, stride_beta_tok)
-    for t in range(count):
-        n = (first + t).to(tl.int64)
-        q_next, k_next, v_next, g_next, beta_next = _load_row(  # prefetched, as above
-            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tl.minimum(n + 1, last).to(tl.int64), head,
-            k_head, offs_k, offs_v, k_ok, v_ok, stride_q_tok, stride_q_head, stride_k_tok,
-            stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok)
-        if L2NORM:
-            k = _l2norm(k)
-            q = _l2norm(q)
-        qs = q * scale
-        eg = tl.exp(g)
-        gamma = gamma * eg
-        decay = tl.where(offs_t < t, decay * eg, tl.where(offs_t == t, 1.0, 0.0))
-        keys = tl.where((offs_t == t)[None, :], k[:, None], keys)
-        kk = tl.sum(keys * k[:, None], 0)  # [TAIL]: k_s . k_t
-        kq = tl.sum(keys * qs[:, None], 0)
-        u = gamma * tl.sum(state * k[:, None], 0) \
-            + tl.sum(tl.where(offs_t < t, decay * kk, 0.0)[:, None] * deltas, 0)
-        delta = (v - u) * beta
-        deltas = tl.where((offs_t == t)[:, None], delta[None, :], deltas)
-        out = gamma * tl.sum(state * qs[:, None], 0) \
-            + tl.sum(tl.where(offs_t <= t, decay * kq, 0.0)[:, None] * deltas, 0)
         tl.store(out_ptr + n * stride_out_tok + head * stride_out_head + offs_v,
                  out.to(out_ptr.dtype.element_ty), mask=v_ok)
         _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k,
@@ -328,9 +242,6 @@ class GdnPlan:
     """Value-channel blocks per head: ``cdiv(V, block_v)``."""
     num_warps: int = _NUM_WARPS
     """Warps per program (``benchmarks/ssd_kernels.py --sweep`` times 1 to 8)."""
-    tail: int = 8
-    """A request's last ``tail`` rows (all of a verify's) run from the unchanged state
-    (:func:`_gdn_tail_rows`), earlier ones row by row; 0: every row row by row."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -374,7 +285,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
         v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
         st.stride(0), st.stride(1), st.stride(2), HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad,
         BLOCK_V=plan.block_v, NUM_VB=plan.num_vb, L2NORM=use_qk_l2norm, PAD_ROWS=_PAD_ROWS,
-        TAIL=plan.tail, num_warps=plan.num_warps)
+        num_warps=plan.num_warps)
     return out
 
 

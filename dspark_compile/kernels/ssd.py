@@ -95,8 +95,7 @@ def _ssd_forward_kernel(
         stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
         G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
         BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
-        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
-        TAIL: tl.constexpr):
+        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr):
     """One (request, head, channel block): the request's rows, in order."""
     req = tl.program_id(0)
     head = tl.program_id(1) // NUM_PB
@@ -121,14 +120,6 @@ def _ssd_forward_kernel(
     d = tl.load(d_ptr + head).to(tl.float32)  # read only with HAS_D (else A's address)
     # HF adds dt_bias.to(dt.dtype): round it to dt's dtype first
     bias = tl.load(dt_bias_ptr + head).to(dt_ptr.dtype.element_ty).to(tl.float32)
-    n_serial = length
-    if TAIL > 0:
-        n_serial = tl.maximum(length - TAIL, 0)
-    offs_t = tl.arange(0, TAIL if TAIL > 0 else 1)
-    xs = tl.zeros([offs_t.shape[0], BLOCK_P], tl.float32)  # the tail's x * dt rows so far
-    bs = tl.zeros([N_PAD, offs_t.shape[0]], tl.float32)  # and their B rows
-    decay = tl.zeros([offs_t.shape[0]], tl.float32)  # R_t[s]
-    gamma = tl.full([], 1.0, tl.float32)  # G_t
     last = start + length - 1
     x, dt, b, c = _load_row(x_ptr, dt_ptr, b_ptr, c_ptr, start.to(tl.int64), head, group,
                             offs_n, offs_p, n_ok, p_ok, stride_x_tok, stride_x_head,
@@ -146,21 +137,8 @@ def _ssd_forward_kernel(
                          dt_ptr.dtype.element_ty)
         xdt = x * dt
         da = a * dt
-        if t < n_serial:
-            state = _ssd_step(state, xdt, b, da)
-            out = tl.sum(state * c[:, None], 0)  # [BLOCK_P]
-        else:
-            # the tail (module docstring): S0 = the state before it, never updated;
-            # out_t = G_t S0^T c_t + sum_{s<=t} R_t[s] (b_s . c_t) xdt_s, later rows selected
-            # away (zeros in xs and bs), so a NaN in a later row reaches no earlier output
-            j = t - n_serial
-            e = tl.exp(da)
-            gamma = gamma * e
-            decay = tl.where(offs_t < j, decay * e, tl.where(offs_t == j, 1.0, 0.0))
-            xs = tl.where((offs_t == j)[:, None], xdt[None, :], xs)
-            bs = tl.where((offs_t == j)[None, :], b[:, None], bs)
-            bc = tl.where(offs_t <= j, decay * tl.sum(bs * c[:, None], 0), 0.0)  # [TAIL]
-            out = gamma * tl.sum(state * c[:, None], 0) + tl.sum(bc[:, None] * xs, 0)
+        state = _ssd_step(state, xdt, b, da)
+        out = tl.sum(state * c[:, None], 0)  # [BLOCK_P]
         if HAS_D:
             out = out + d * x
         tl.store(out_ptr + n * stride_out_tok + head * stride_out_head + offs_p, out,
@@ -234,9 +212,6 @@ class SsdPlan:
     (``ssd_kernels_ssd_sweep.json``) at ``BLOCK_P`` 32, all 8 rows, bs 64 / 128: the forward
     150 / 280 us on one warp against 228 / 450 on four, the commit 188 / 375 on either (the GDN
     kernels' finding: every reduction over N stays in the warp)."""
-    tail: int = 8
-    """A request's last ``tail`` rows (all of a verify's) read the state before them and
-    never update it; earlier rows update it row by row. 0: every row row by row."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -279,8 +254,7 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
            C.stride(0), C.stride(1), out.stride(0), out.stride(1), st.stride(0), st.stride(1),
            st.stride(2), H=h, G=g, NS=n_state, P=p, N_PAD=plan.n_pad, BLOCK_P=plan.block_p,
            NUM_PB=plan.num_pb, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
-           SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, TAIL=plan.tail,
-           num_warps=plan.num_warps)
+           SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, num_warps=plan.num_warps)
     return out
 
 
