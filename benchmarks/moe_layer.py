@@ -22,7 +22,9 @@ names the faster of our two GEMM choices per ``bs``: what ``TargetConfig.experts
 should hold on this GPU.
 
 Usage: ``python benchmarks/moe_layer.py [--smoke] [--out DIR] [--batch-sizes 1 8 64 256]
-[--target experts_block_n=128 ...]``. Writes ``moe_layer.json`` (``moe_layer_smoke.json``; a
+[--target experts_block_n=128 ...] [--tiles | --profile]``. ``--tiles``
+times each projection's GEMM alone under a list of tiles; ``--profile`` records each kernel's
+GPU time per call (torch.profiler). Writes ``moe_layer.json`` (``moe_layer_smoke.json``; a
 ``--target`` override adds a suffix) to ``--out``, else ``$OUT``, else ``benchmarks/results/``. ``--smoke`` runs tiny float32 shapes on the CPU under
 ``TRITON_INTERPRET=1`` (checks the script; the times mean nothing, and ``ours_grouped_mm``
 falls back to Triton there: the vendor GEMM is taken on CUDA devices only).
@@ -187,6 +189,112 @@ def run_bs(bs: int, experts, s: dict, device: str) -> dict:
     return row
 
 
+# (BLOCK_M or None for the plan's, BLOCK_N, BLOCK_K, warps, stages) of each projection's sweep
+TILES_UP = [(None, 64, 64, 4, 3), (None, 64, 64, 4, 4), (None, 64, 64, 4, 5),
+            (None, 64, 128, 4, 3), (None, 64, 64, 8, 3), (None, 128, 64, 8, 3),
+            (None, 32, 64, 4, 4), (32, 64, 64, 4, 3), (32, 64, 64, 4, 4), (128, 64, 64, 8, 3)]
+TILES_DOWN = [(None, 64, 64, 4, 3), (None, 64, 64, 4, 4), (None, 64, 64, 4, 5),
+              (None, 64, 128, 4, 3), (None, 128, 64, 4, 3), (None, 128, 64, 8, 3),
+              (None, 128, 128, 8, 3), (None, 256, 64, 8, 3), (32, 64, 64, 4, 3),
+              (32, 128, 64, 4, 3), (128, 128, 64, 8, 3)]
+
+
+@contextlib.contextmanager
+def block_m(value: int | None):
+    """The experts plan's ``BLOCK_M`` forced to ``value`` inside (None: the plan's own)."""
+    from dspark_compile.kernels import experts as kx
+
+    plan = kx.plan_experts
+    if value is not None:
+        kx.plan_experts = lambda pairs, e: dataclasses.replace(
+            plan(pairs, e), block_m=value, max_tiles=-(-pairs // value) + min(e + 1, pairs))
+    try:
+        yield
+    finally:
+        kx.plan_experts = plan
+
+
+def tile_sweep(bs: int, experts, s: dict, device: str) -> dict:
+    """Each projection's grouped GEMM alone under every tile of ``TILES_UP`` / ``TILES_DOWN``
+    (the down projection without its combine), against its own weight bytes at HBM speed."""
+    from dspark_compile.kernels import experts as kx
+    from dspark_compile.kernels.device import device_target
+
+    lens = mix_lens(bs, s["block"], s["mean_len"], s["seed"])
+    x, ids, weights, qsl = routing(sum(lens), s, device)
+    floor = floor_us(ids, s)
+    e = experts.num_experts
+    order, offsets = kx.experts_route_triton(ids, qsl, e)
+    cfg, _ = device_target(x.device)
+    h = kx.experts_up_triton(x, order, offsets, experts.gate_up_proj, None, False, "silu_glu")
+    scale = weights.reshape(-1).contiguous()
+    want_down = torch.empty(order.shape[0], s["hidden"], dtype=h.dtype, device=device)
+    kx._gemm(h, order, offsets, experts.down_proj, None, scale, want_down, 1, False, "none",
+             cfg, cfg.experts_down_block_n)
+    share = dict(up=2 / 3, down=1 / 3)  # of the layer's weight bytes
+    rows = []
+    for proj, tiles in (("up", TILES_UP), ("down", TILES_DOWN)):
+        for bm, bn, bk, warps, stages in tiles:
+            c = dataclasses.replace(cfg, experts_block_k=bk, experts_num_warps=warps,
+                                    experts_num_stages=stages)
+            if proj == "up":
+                out, want = torch.empty_like(h), h
+                def fn(out=out, c=c):
+                    kx._gemm(x, order, offsets, experts.gate_up_proj, None, None, out,
+                             order.shape[0] // x.shape[0], False, "silu_glu", c, bn)
+            else:
+                out, want = torch.empty_like(want_down), want_down
+                def fn(out=out, c=c):
+                    kx._gemm(h, order, offsets, experts.down_proj, None, scale, out, 1, False,
+                             "none", c, bn)
+            row = dict(proj=proj, block_m=bm, block_n=bn, block_k=bk, warps=warps,
+                       stages=stages)
+            try:
+                with block_m(bm):
+                    fn()
+                    err = (out.float() - want.float()).abs().max().item()
+                    times = time_calls([fn], s, device)
+            except Exception as exc:  # noqa: BLE001 - a tile that does not fit is recorded
+                torch.cuda.synchronize()
+                rows.append(dict(row, error=f"{type(exc).__name__}: {exc}"[:200]))
+                print(rows[-1])
+                continue
+            best = min(t for t in (times["eager_us"], times["graph_us"]) if t is not None)
+            rows.append(dict(row, **times, best_us=best, max_err=err, floor_share=round(
+                floor["floor_us"] * share[proj] / best, 3)))
+            print(f"bs {bs} {proj:>4} BM {bm or 'plan'} BN {bn} BK {bk} w {warps} st {stages}:"
+                  f" {best:8.1f} us  share {rows[-1]['floor_share']:.3f}  err {err:.2e}")
+    return dict(bs=bs, tokens=sum(lens), pairs=ids.numel(), **floor,
+                plan_block_m=kx.plan_experts(ids.numel(), e).block_m, tiles=rows)
+
+
+def profile_bs(bs: int, experts, s: dict, device: str) -> dict:
+    """GPU time per call of each of our layer's kernels (torch.profiler over eager calls)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    lens = mix_lens(bs, s["block"], s["mean_len"], s["seed"])
+    x, ids, weights, qsl = routing(sum(lens), s, device)
+    fn = path_fn("ours_triton", experts, x, ids, weights, qsl)
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    calls = s["graph_calls"]
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+    kernels = {}
+    for evt in prof.key_averages():
+        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
+        if us and evt.count:
+            kernels[evt.key] = dict(us_per_call=us / calls, launches_per_call=evt.count / calls)
+    row = dict(bs=bs, tokens=sum(lens), **floor_us(ids, s), kernels=kernels,
+               kernel_us_per_call=sum(k["us_per_call"] for k in kernels.values()))
+    print(f"bs {bs}: " + ", ".join(f"{name[:40]} {k['us_per_call']:.1f}"
+                                   for name, k in kernels.items()))
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the interpreter")
@@ -196,6 +304,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--target", action="append", default=[], metavar="FIELD=VALUE",
                     help="override a TargetConfig field (e.g. experts_block_n=128); files get "
                     "a suffix")
+    ap.add_argument("--tiles", action="store_true",
+                    help="sweep each projection's tiles alone (moe_layer_tiles.json)")
+    ap.add_argument("--profile", action="store_true",
+                    help="GPU time of each of our kernels per call (moe_layer_profile.json)")
     opts = ap.parse_args(argv)
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
     overrides, suffix, _ = target_overrides(opts.target)
@@ -207,6 +319,12 @@ def main(argv: list[str] | None = None) -> dict:
                   environment=versions(gpu=device == "cuda"),
                   command="python benchmarks/moe_layer.py " + " ".join(argv or sys.argv[1:]),
                   results={})
+    if opts.tiles or opts.profile:
+        run, kind = (tile_sweep, "tiles") if opts.tiles else (profile_bs, "profile")
+        report["results"] = {str(bs): run(bs, experts, s, device) for bs in s["batch_sizes"]}
+        name = f"moe_layer_{kind}{'_smoke' if opts.smoke else ''}{suffix}.json"
+        report["path"] = write_json(out_dir(opts.out), name, report)
+        return report
     for bs in s["batch_sizes"]:
         report["results"][str(bs)] = row = run_bs(bs, experts, s, device)
         bad = [p for p in PATHS if row[p]["max_err"] > s["atol"]]

@@ -5,9 +5,12 @@ Kernels first, then the plan and the host wrappers (the Triton tutorials' order)
 :mod:`dspark_compile.ops.experts_reference`. Every grid is sized from ``N``, ``K`` and ``E``
 alone (never from the routing), so a layer captures in a tier's CUDA graph with no host sync.
 
-- Routing, two launches over blocks of ``BLOCK_P`` pairs: ``_route_count`` writes each block's
-  per-expert histogram; ``_route_place`` sums the histograms of the blocks before its own and of
-  all blocks (each expert's start), ranks its pairs within their expert by a prefix sum of a
+- Routing, three launches: ``_route_count`` writes the per-expert histogram of each block of
+  ``BLOCK_P`` pairs; ``_route_scan`` (one program per ``BLOCK_E`` buckets) turns it in place
+  into each block's count of earlier blocks' pairs and sums every bucket (work linear in the
+  blocks: each placing block summing all earlier rows itself read ``blocks^2 * E_P2`` entries,
+  38 MB at 6144 pairs over 128 experts); ``_route_place`` takes its block's row and the
+  totals (each expert's start), ranks its pairs within their expert by a prefix sum of a
   one-hot ``[BLOCK_P, E_P2]`` tile and scatters pair ids to ``order``: a stable counting sort,
   equal to the reference's ``torch.sort(stable=True)``. Pairs routed nowhere (padding rows,
   ids outside ``[0, E)``) form one more bucket ``E``, last.
@@ -82,21 +85,33 @@ def _route_count_kernel(ids_ptr, qsl_ptr, hist_ptr, num_pairs, top_k, num_expert
 
 
 @triton.jit
-def _route_place_kernel(ids_ptr, qsl_ptr, hist_ptr, order_ptr, offsets_ptr, num_pairs, top_k,
-                        num_experts, num_requests, num_blocks, HAS_QSL: tl.constexpr,
-                        BLOCK_P: tl.constexpr, E_P2: tl.constexpr, BLOCK_B: tl.constexpr,
-                        PDL: tl.constexpr):
+def _route_scan_kernel(hist_ptr, totals_ptr, num_blocks, E_P2: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_B: tl.constexpr, PDL: tl.constexpr):
+    """Buckets ``BLOCK_E * pid ..``: each block's histogram row becomes the count of its
+    buckets' pairs in the blocks before it (in place, ``BLOCK_B`` rows at a time), and
+    ``totals`` gets each bucket's count over all blocks."""
+    pdl_enter(PDL)
+    buckets = tl.program_id(0) * BLOCK_E + tl.arange(0, BLOCK_E)
+    carry = tl.zeros([BLOCK_E], dtype=tl.int32)
+    for b0 in range(0, num_blocks, BLOCK_B):
+        b = b0 + tl.arange(0, BLOCK_B)
+        ptrs = hist_ptr + b[:, None] * E_P2 + buckets[None, :]
+        ok = (b < num_blocks)[:, None]
+        h = tl.load(ptrs, mask=ok, other=0)
+        tl.store(ptrs, tl.cumsum(h, axis=0) - h + carry[None, :], mask=ok)
+        carry += tl.sum(h, axis=0)
+    tl.store(totals_ptr + buckets, carry)
+
+
+@triton.jit
+def _route_place_kernel(ids_ptr, qsl_ptr, before_ptr, totals_ptr, order_ptr, offsets_ptr,
+                        num_pairs, top_k, num_experts, num_requests, HAS_QSL: tl.constexpr,
+                        BLOCK_P: tl.constexpr, E_P2: tl.constexpr, PDL: tl.constexpr):
     pdl_enter(PDL)
     block = tl.program_id(0)
     buckets = tl.arange(0, E_P2)
-    total = tl.zeros([E_P2], dtype=tl.int32)
-    before = tl.zeros([E_P2], dtype=tl.int32)
-    for b0 in range(0, num_blocks, BLOCK_B):
-        b = b0 + tl.arange(0, BLOCK_B)
-        h = tl.load(hist_ptr + b[:, None] * E_P2 + buckets[None, :],
-                    mask=(b < num_blocks)[:, None], other=0)
-        total += tl.sum(h, axis=0)
-        before += tl.sum(tl.where((b < block)[:, None], h, 0), axis=0)
+    total = tl.load(totals_ptr + buckets)
+    before = tl.load(before_ptr + block * E_P2 + buckets)
     ends = tl.cumsum(total, axis=0)
     first = (buckets * 0 + block) == 0  # a vector: the interpreter rejects scalar masks
     tl.store(offsets_ptr + buckets, ends, mask=(buckets < num_experts) & first)
@@ -222,7 +237,9 @@ class ExpertsPlan:
     block_p: int
     """Pairs per routing block (``BLOCK_P * E_P2`` one-hot entries stay at 8K)."""
     block_b: int
-    """Histogram rows the placing kernel loads at once."""
+    """Histogram rows the scan loads at once."""
+    block_e: int
+    """Buckets per scan program."""
 
 
 def plan_experts(num_pairs: int, num_experts: int) -> ExpertsPlan:
@@ -231,13 +248,14 @@ def plan_experts(num_pairs: int, num_experts: int) -> ExpertsPlan:
     block_m = 16 if mean <= 16 else 32 if mean <= 32 else 64
     max_tiles = triton.cdiv(num_pairs, block_m) + min(num_experts + 1, num_pairs)
     block_p = max(16, min(128, 8192 // e_p2))
-    return ExpertsPlan(block_m, max_tiles, e_p2, block_p, max(1, min(64, 8192 // e_p2)))
+    block_e = min(e_p2, 64)
+    return ExpertsPlan(block_m, max_tiles, e_p2, block_p, 8192 // block_e, block_e)
 
 
 # ---------------------------------------------------------------------- host wrappers
 def experts_route_triton(ids: torch.Tensor, query_start_loc: torch.Tensor | None,
                          num_experts: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``dspark::experts_route`` on the device: two launches, no host sync."""
+    """``dspark::experts_route`` on the device: three launches, no host sync."""
     check_route(ids, query_start_loc, num_experts)
     ids = ids.contiguous()
     num_pairs = ids.numel()
@@ -249,6 +267,7 @@ def experts_route_triton(ids: torch.Tensor, query_start_loc: torch.Tensor | None
     plan = plan_experts(num_pairs, num_experts)
     blocks = triton.cdiv(num_pairs, plan.block_p)
     hist = torch.empty(blocks, plan.e_p2, dtype=torch.int32, device=ids.device)
+    totals = torch.empty(plan.e_p2, dtype=torch.int32, device=ids.device)
     qsl = query_start_loc if query_start_loc is not None else ids
     requests = query_start_loc.shape[0] - 1 if query_start_loc is not None else 0
     common = dict(HAS_QSL=query_start_loc is not None, BLOCK_P=plan.block_p, E_P2=plan.e_p2,
@@ -256,8 +275,11 @@ def experts_route_triton(ids: torch.Tensor, query_start_loc: torch.Tensor | None
     extra = pdl_options(common["PDL"])
     launch(_route_count_kernel, (blocks,), ids, qsl, hist, num_pairs, ids.shape[1],
            num_experts, requests, **common, **extra)
-    launch(_route_place_kernel, (blocks,), ids, qsl, hist, order, offsets, num_pairs,
-           ids.shape[1], num_experts, requests, blocks, BLOCK_B=plan.block_b, **common, **extra)
+    launch(_route_scan_kernel, (plan.e_p2 // plan.block_e,), hist, totals, blocks,
+           E_P2=plan.e_p2, BLOCK_E=plan.block_e, BLOCK_B=plan.block_b, PDL=common["PDL"],
+           num_warps=4, **extra)
+    launch(_route_place_kernel, (blocks,), ids, qsl, hist, totals, order, offsets, num_pairs,
+           ids.shape[1], num_experts, requests, **common, **extra)
     return order, offsets
 
 
@@ -270,21 +292,22 @@ def uses_grouped_mm(w: torch.Tensor, rows: torch.Tensor, cfg: TargetConfig) -> b
 
 
 def _gemm(a, order, offsets, w, bias, scale, out, row_div: int, transposed: bool,
-          activation: str, cfg: TargetConfig) -> None:
-    """Launch the grouped GEMM writing ``out [S, n_out]`` in pair order."""
+          activation: str, cfg: TargetConfig, block_n: int) -> None:
+    """Launch the grouped GEMM writing ``out [S, n_out]`` in pair order, ``block_n`` columns a
+    program."""
     num_pairs, num_experts = order.shape[0], w.shape[0]
     n_out = out.shape[1]
     plan = plan_experts(num_pairs, num_experts)
     # weight element (e, k: input, n: output) at e*s0 + k*s_k + n*s_n
     s_k, s_n = (w.stride(1), w.stride(2)) if transposed else (w.stride(2), w.stride(1))
     pdl = use_pdl(a.device, cfg)
-    grid = (plan.max_tiles, triton.cdiv(n_out, cfg.experts_block_n))
+    grid = (plan.max_tiles, triton.cdiv(n_out, block_n))
     dummy = out
     launch(_experts_gemm_kernel, grid, a, order, offsets, w,
            bias if bias is not None else dummy, scale if scale is not None else dummy, out,
            num_pairs, row_div, num_experts, n_out, a.shape[1], a.stride(0), w.stride(0), s_k,
            s_n, bias.stride(0) if bias is not None else 0, out.stride(0),
-           BLOCK_M=plan.block_m, BLOCK_N=cfg.experts_block_n, BLOCK_K=cfg.experts_block_k,
+           BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=cfg.experts_block_k,
            E_P2=plan.e_p2, ACT=_ACT[activation], HAS_BIAS=bias is not None,
            HAS_SCALE=scale is not None, DOT_PRECISION=cfg.fp32_dot_precision, PDL=pdl,
            num_warps=cfg.experts_num_warps, num_stages=cfg.experts_num_stages,
@@ -305,7 +328,7 @@ def experts_up_triton(x: torch.Tensor, order: torch.Tensor, offsets: torch.Tenso
     if uses_grouped_mm(w, x, cfg):
         return _up_grouped_mm(x, order, offsets, w, bias, transposed, activation, out)
     _gemm(x, order, offsets, w, bias, None, out, order.shape[0] // x.shape[0], transposed,
-          activation, cfg)
+          activation, cfg, cfg.experts_block_n)
     return out
 
 
@@ -325,7 +348,8 @@ def experts_down_triton(h: torch.Tensor, order: torch.Tensor, offsets: torch.Ten
     if uses_grouped_mm(w, h, cfg):
         return _down_grouped_mm(h, order, offsets, weights, w, bias, transposed, dtype)
     scratch = torch.empty(order.shape[0], d, dtype=dtype, device=h.device)
-    _gemm(h, order, offsets, w, bias, weights, scratch, 1, transposed, "none", cfg)
+    _gemm(h, order, offsets, w, bias, weights, scratch, 1, transposed, "none", cfg,
+          cfg.experts_down_block_n)
     pdl = use_pdl(h.device, cfg)
     block_d = min(256, triton.next_power_of_2(d))
     launch(_combine_kernel, (triton.cdiv(num_tokens, 16), triton.cdiv(d, block_d)), scratch,

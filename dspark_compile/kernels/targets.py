@@ -148,7 +148,10 @@ class TargetConfig:
     gathered into expert order; bf16 with 16-byte row strides only, anything else takes Triton).
     To be chosen by ``python benchmarks/moe_layer.py`` (it times both); not measured yet."""
     experts_block_n: int = 64
-    """Output columns per program of the experts' grouped GEMM (untuned)."""
+    """Output columns per program of the experts' grouped up GEMM (untuned)."""
+    experts_down_block_n: int = 64
+    """Output columns per program of the experts' grouped down GEMM (K is the expert width,
+    short: wider tiles re-read each row tile's activations fewer times)."""
     experts_block_k: int = 64
     """K per iteration of the experts' grouped GEMM (untuned)."""
     experts_num_warps: int = 4

@@ -50,7 +50,8 @@ def _tensor(*shape, dtype, seed, scale=1.0):
 
 @needs_kernel_device
 @pytest.mark.parametrize("n,k,e,hot", [(11, 3, 5, False), (50, 4, 130, False),
-                                       (40, 2, 4, True), (1, 1, 1, False)])
+                                       (40, 2, 4, True), (1, 1, 1, False),
+                                       (1100, 4, 130, False)])  # 138 blocks: 2 scan chunks
 def test_route_equals_reference_bitwise(n, k, e, hot):
     from dspark_compile.kernels.experts import experts_route_triton
 
@@ -195,10 +196,12 @@ def test_gpu_layer_equals_reference_and_replays_bitwise(n, kernel, monkeypatch):
 AOT_CASES = {  # case -> (kernel, pointer dtypes, constexprs)
     "route_count": ("_route_count_kernel", dict(ids_ptr="i64", qsl_ptr="i32", hist_ptr="i32"),
                     dict(HAS_QSL=True, BLOCK_P=32, E_P2=256)),
+    "route_scan": ("_route_scan_kernel", dict(hist_ptr="i32", totals_ptr="i32"),
+                   dict(E_P2=256, BLOCK_E=64, BLOCK_B=128)),
     "route_place": ("_route_place_kernel",
-                    dict(ids_ptr="i64", qsl_ptr="i32", hist_ptr="i32", order_ptr="i32",
-                         offsets_ptr="i32"),
-                    dict(HAS_QSL=True, BLOCK_P=32, E_P2=256, BLOCK_B=32)),
+                    dict(ids_ptr="i64", qsl_ptr="i32", before_ptr="i32", totals_ptr="i32",
+                         order_ptr="i32", offsets_ptr="i32"),
+                    dict(HAS_QSL=True, BLOCK_P=32, E_P2=256)),
     "up_bf16_silu": ("_experts_gemm_kernel", dict(a_ptr="bf16", w_ptr="bf16", bias_ptr="bf16",
                                                   scale_ptr="bf16", out_ptr="bf16"),
                      dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, E_P2=256, ACT=1, HAS_BIAS=False,
