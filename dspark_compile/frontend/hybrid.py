@@ -1,6 +1,6 @@
 """Hugging Face hybrid models: route recurrent mixers' conv and scan calls through the capture.
 
-Gated DeltaNet (Qwen3-Next, Qwen3.5), Mamba-2 (Mamba2, Bamba, Falcon-H1, GraniteMoeHybrid,
+Gated DeltaNet (Qwen3-Next, Qwen3.5; Kimi Linear's KDA), Mamba-2 (Mamba2, Bamba, Falcon-H1, GraniteMoeHybrid,
 Nemotron-H, Zamba2) and short-conv (LFM2) layers never pass through the attention interface:
 they call *module-level* functions of their modeling module on every call. Assigning a
 replacement to those module attributes is seen by the layer on transformers 5.17 and 5.24 alike
@@ -13,6 +13,7 @@ With ``use_cache=False`` (how the capture runs the model) a layer calls::
     torch_chunk_gated_delta_rule(q, k, v, g=, beta=, initial_state=None,
                                  output_final_state=False, use_qk_l2norm_in_kernel=True, **kwargs)
         -> (out [bs, T, Hv, V], None)
+    chunk_kimi_delta_attention(...)      the same, g [bs, T, H, K] (Kimi Linear)
     mamba2_chunk_scan(...)                                   (frontend/mamba.py)
 
 Which module made a call, and so which state pool it gets, is found from the forward itself
@@ -34,7 +35,10 @@ from .recurrent import RecurrentLayers
 
 __all__ = ["RecurrentLayers", "hybrid_hooks"]
 
-_GDN = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+_GDN = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
+        "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
+"""Gated delta rules: Qwen3-Next / Qwen3.5's (one gate a head) and Kimi Linear's KDA (one gate
+a key channel, ``g [bs, T, H, K]``), the same call signature."""
 
 
 def _conv(layers: RecurrentLayers, x, weight, bias=None, activation=None, **kwargs):

@@ -12,6 +12,9 @@ verify widths, T <= 16, the state read dominates, and each row costs 3 K x BLOCK
     k, q <- l2norm;  S <- S * exp(g);  delta = beta * (v - S^T k);  S <- S + k delta^T;
     out = S^T (q * scale)
 
+(with ``CHANNEL_GATES``, Kimi Linear's KDA, g is a ``[K]`` vector and row k of S decays by
+``exp(g[k])``; the rings keep the vector).
+
 Each value-channel block is independent (every reduction is over K), which is what lets a
 small batch spread over the GPU (see :func:`plan_gdn`). Each step issues the next row's loads
 before its own arithmetic (the last row reloads itself), so their latency overlaps the update
@@ -63,9 +66,13 @@ def _l2norm(x):
 
 
 @triton.jit
-def _delta_step(state, k, v, g, beta):
-    """One gated delta-rule update of a ``[K_PAD, BLOCK_V]`` fp32 state tile (HF's op order)."""
-    state = state * tl.exp(g)
+def _delta_step(state, k, v, g, beta, CHANNEL_GATES: tl.constexpr):
+    """One gated delta-rule update of a ``[K_PAD, BLOCK_V]`` fp32 state tile (HF's op order);
+    g is a scalar, or a ``[K_PAD]`` vector with ``CHANNEL_GATES`` (row k decays by g[k])."""
+    if CHANNEL_GATES:
+        state = state * tl.exp(g)[:, None]
+    else:
+        state = state * tl.exp(g)
     kv_mem = tl.sum(state * k[:, None], 0)  # [BLOCK_V]
     delta = (v - kv_mem) * beta
     return state + k[:, None] * delta[None, :]
@@ -99,28 +106,37 @@ def _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok, st
 @triton.jit
 def _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k, v, g,
                beta, offs_k, offs_v, k_ok, v_ok, HK: tl.constexpr, HV: tl.constexpr,
-               KD: tl.constexpr, VD: tl.constexpr):
+               KD: tl.constexpr, VD: tl.constexpr, CHANNEL_GATES: tl.constexpr):
     """Row ``n``'s replay inputs: one writer per key head (its first value head, block 0) for
     the normalized key, per value head (block 0) for g and beta, per block for v."""
     if (head % (HV // HK) == 0) & (vb == 0):
         tl.store(ring_k_ptr + (n * HK + k_head) * KD + offs_k, k, mask=k_ok)
     tl.store(ring_v_ptr + (n * HV + head) * VD + offs_v, v, mask=v_ok)
     if vb == 0:
-        tl.store(ring_g_ptr + n * HV + head, g)
+        if CHANNEL_GATES:
+            tl.store(ring_g_ptr + (n * HV + head) * KD + offs_k, g, mask=k_ok)
+        else:
+            tl.store(ring_g_ptr + n * HV + head, g)
         tl.store(ring_beta_ptr + n * HV + head, beta)
 
 
 @triton.jit
 def _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, head, k_head, offs_k, offs_v, k_ok,
               v_ok, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
-              stride_v_head, stride_g_tok, stride_beta_tok):
-    """Row ``n``'s q, k ``[K_PAD]`` (its key head), v ``[BLOCK_V]``, g and beta, as fp32."""
+              stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
+              CHANNEL_GATES: tl.constexpr):
+    """Row ``n``'s q, k ``[K_PAD]`` (its key head), v ``[BLOCK_V]``, g (``[K_PAD]`` with
+    ``CHANNEL_GATES``) and beta, as fp32."""
     k = tl.load(k_ptr + n * stride_k_tok + k_head * stride_k_head + offs_k, mask=k_ok,
                 other=0.0)
     q = tl.load(q_ptr + n * stride_q_tok + k_head * stride_q_head + offs_k, mask=k_ok,
                 other=0.0)
     v = tl.load(v_ptr + n * stride_v_tok + head * stride_v_head + offs_v, mask=v_ok, other=0.0)
-    g = tl.load(g_ptr + n * stride_g_tok + head)
+    if CHANNEL_GATES:
+        g = tl.load(g_ptr + n * stride_g_tok + head * stride_g_head + offs_k, mask=k_ok,
+                    other=0.0)
+    else:
+        g = tl.load(g_ptr + n * stride_g_tok + head)
     beta = tl.load(beta_ptr + n * stride_beta_tok + head)
     return (q.to(tl.float32), k.to(tl.float32), v.to(tl.float32), g.to(tl.float32),
             beta.to(tl.float32))
@@ -131,11 +147,11 @@ def _gdn_forward_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
         slots_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_tokens,
         num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-        stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok, stride_out_tok,
-        stride_out_head, stride_s_slot, stride_s_head, stride_s_k, HK: tl.constexpr,
-        HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, K_PAD: tl.constexpr,
-        BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
-        PAD_ROWS: tl.constexpr):
+        stride_v_tok, stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
+        stride_out_tok, stride_out_head, stride_s_slot, stride_s_head, stride_s_k,
+        HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
+        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
+        PAD_ROWS: tl.constexpr, CHANNEL_GATES: tl.constexpr):
     """One (request, value head, value-channel block): the request's rows, in order."""
     req = tl.program_id(0)
     head = tl.program_id(1) // NUM_VB
@@ -160,7 +176,8 @@ def _gdn_forward_kernel(
     q, k, v, g, beta = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start.to(tl.int64), head,
                                  k_head, offs_k, offs_v, k_ok, v_ok, stride_q_tok,
                                  stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
-                                 stride_v_head, stride_g_tok, stride_beta_tok)
+                                 stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
+                                 CHANNEL_GATES)
     for t in range(length):
         n = (start + t).to(tl.int64)
         # the next row's loads go out before this row's arithmetic (the last row reloads
@@ -168,27 +185,32 @@ def _gdn_forward_kernel(
         q_next, k_next, v_next, g_next, beta_next = _load_row(
             q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, tl.minimum(n + 1, last).to(tl.int64), head,
             k_head, offs_k, offs_v, k_ok, v_ok, stride_q_tok, stride_q_head, stride_k_tok,
-            stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok)
+            stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_g_head,
+            stride_beta_tok, CHANNEL_GATES)
         if L2NORM:
             k = _l2norm(k)
             q = _l2norm(q)
-        state = _delta_step(state, k, v, g, beta)
+        state = _delta_step(state, k, v, g, beta, CHANNEL_GATES)
         out = tl.sum(state * (q * scale)[:, None], 0)  # [BLOCK_V]
         tl.store(out_ptr + n * stride_out_tok + head * stride_out_head + offs_v,
                  out.to(out_ptr.dtype.element_ty), mask=v_ok)
         _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k,
-                   v, g, beta, offs_k, offs_v, k_ok, v_ok, HK, HV, KD, VD)
+                   v, g, beta, offs_k, offs_v, k_ok, v_ok, HK, HV, KD, VD, CHANNEL_GATES)
         q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
 
 
 @triton.jit
 def _load_ring_row(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, offs_k,
                    offs_v, k_ok, v_ok, HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr,
-                   VD: tl.constexpr):
+                   VD: tl.constexpr, CHANNEL_GATES: tl.constexpr):
     """Row ``n``'s saved key ``[K_PAD]``, v ``[BLOCK_V]``, g and beta."""
     k = tl.load(ring_k_ptr + (n * HK + k_head) * KD + offs_k, mask=k_ok, other=0.0)
     v = tl.load(ring_v_ptr + (n * HV + head) * VD + offs_v, mask=v_ok, other=0.0)
-    return k, v, tl.load(ring_g_ptr + n * HV + head), tl.load(ring_beta_ptr + n * HV + head)
+    if CHANNEL_GATES:
+        g = tl.load(ring_g_ptr + (n * HV + head) * KD + offs_k, mask=k_ok, other=0.0)
+    else:
+        g = tl.load(ring_g_ptr + n * HV + head)
+    return k, v, g, tl.load(ring_beta_ptr + n * HV + head)
 
 
 @triton.jit
@@ -196,7 +218,8 @@ def _gdn_commit_kernel(
         state_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, query_start_loc_ptr,
         slots_ptr, accept_lens_ptr, num_slots, stride_s_slot, stride_s_head, stride_s_k,
         HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
-        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr):
+        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr,
+        CHANNEL_GATES: tl.constexpr):
     """Replay the accepted rows of one (request, value head, channel block) onto the pool."""
     req = tl.program_id(0)
     head = tl.program_id(1) // NUM_VB
@@ -217,14 +240,14 @@ def _gdn_commit_kernel(
     last = start + accepted - 1
     k, v, g, beta = _load_ring_row(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
                                    start.to(tl.int64), head, k_head, offs_k, offs_v, k_ok, v_ok,
-                                   HK, HV, KD, VD)
+                                   HK, HV, KD, VD, CHANNEL_GATES)
     for t in range(accepted):
         n = (start + t).to(tl.int64)
         k_next, v_next, g_next, beta_next = _load_ring_row(  # prefetched, as in the forward
             ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
             tl.minimum(n + 1, last).to(tl.int64), head, k_head, offs_k, offs_v, k_ok, v_ok,
-            HK, HV, KD, VD)
-        state = _delta_step(state, k, v, g, beta)
+            HK, HV, KD, VD, CHANNEL_GATES)
+        state = _delta_step(state, k, v, g, beta, CHANNEL_GATES)
         k, v, g, beta = k_next, v_next, g_next, beta_next
     tl.debug_barrier()  # the whole tile is read before any warp writes it back
     tl.store(ptrs, state, mask=k_ok[:, None] & v_ok[None, :])
@@ -282,10 +305,10 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
     launch(_gdn_forward_kernel, (r + 1, hv * plan.num_vb),
         out, q, k, v, g, beta, st, query_start_loc, slots, ring_k, ring_v, ring_g, ring_beta,
         float(scale), n, r, st.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), g.stride(0), beta.stride(0), out.stride(0), out.stride(1),
-        st.stride(0), st.stride(1), st.stride(2), HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad,
-        BLOCK_V=plan.block_v, NUM_VB=plan.num_vb, L2NORM=use_qk_l2norm, PAD_ROWS=_PAD_ROWS,
-        num_warps=plan.num_warps)
+        v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), out.stride(0),
+        out.stride(1), st.stride(0), st.stride(1), st.stride(2), HK=hk, HV=hv, KD=kd, VD=vd,
+        K_PAD=plan.k_pad, BLOCK_V=plan.block_v, NUM_VB=plan.num_vb, L2NORM=use_qk_l2norm,
+        PAD_ROWS=_PAD_ROWS, CHANNEL_GATES=g.dim() == 3, num_warps=plan.num_warps)
     return out
 
 
@@ -306,4 +329,4 @@ def gated_delta_rule_commit_triton(recurrent_state, ring_k, ring_v, ring_g, ring
         st, ring_k, ring_v, ring_g, ring_beta, query_start_loc, slots, accept_lens,
         st.shape[0], st.stride(0), st.stride(1), st.stride(2), HK=ring_k.shape[1], HV=hv,
         KD=kd, VD=vd, K_PAD=plan.k_pad, BLOCK_V=plan.block_v, NUM_VB=plan.num_vb,
-        num_warps=plan.num_warps)
+        CHANNEL_GATES=ring_g.dim() == 3, num_warps=plan.num_warps)

@@ -17,8 +17,9 @@ Schemas::
 
     dspark::dense_gated_delta_rule(Tensor q, Tensor k, Tensor v, Tensor g, Tensor beta,
         Tensor recurrent_state, Tensor slots, float scale, bool use_qk_l2norm) -> Tensor
-      q, k [bs, T, Hk, K]; v [bs, T, Hv, V]; g, beta [bs, T, Hv]; recurrent_state
-      [S, Hv, K, V] float32. Returns [bs, T, Hv, V] in q's dtype.
+      q, k [bs, T, Hk, K]; v [bs, T, Hv, V]; g [bs, T, Hv] or [bs, T, Hv, K] (one gate a key
+      channel); beta [bs, T, Hv]; recurrent_state [S, Hv, K, V] float32. Returns
+      [bs, T, Hv, V] in q's dtype.
 
 The references are the ragged references on a uniform layout (every request ``T`` rows), with
 scratch rings, so the dense and ragged forms can never disagree.
@@ -69,10 +70,11 @@ def dense_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
     hv, vd = v.shape[2:]
     n = bs * t
     f32 = dict(dtype=torch.float32, device=q.device)
+    gates = g.shape[2:]  # (Hv,) or (Hv, K)
     rings = (torch.empty(n, hk, kd, **f32), torch.empty(n, hv, vd, **f32),  # scratch: never
-             torch.empty(n, hv, **f32), torch.empty(n, hv, **f32))           # replayed
+             torch.empty(n, *gates, **f32), torch.empty(n, hv, **f32))       # replayed
     out = ref.gated_delta_rule(q.reshape(n, hk, kd), k.reshape(n, hk, kd), v.reshape(n, hv, vd),
-                               g.reshape(n, hv), beta.reshape(n, hv), recurrent_state,
+                               g.reshape(n, *gates), beta.reshape(n, hv), recurrent_state,
                                _uniform_qsl(bs, t, q.device), slots, *rings, scale,
                                use_qk_l2norm)
     return out.view(bs, t, hv, vd)

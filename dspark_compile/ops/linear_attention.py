@@ -33,10 +33,11 @@ only, same schema)::
         Tensor(b!) ring_v, Tensor(c!) ring_g, Tensor(d!) ring_beta, float scale,
         bool use_qk_l2norm) -> Tensor
       q, k [N, Hk, K]; v [N, Hv, V] (Hv a multiple of Hk: value head h reads key head
-      h // (Hv/Hk)); g (log decay), beta [N, Hv]; recurrent_state [S, Hv, K, V] float32.
+      h // (Hv/Hk)); g (log decay) [N, Hv], or [N, Hv, K] with one gate a key channel (Kimi
+      Linear's KDA); beta [N, Hv]; recurrent_state [S, Hv, K, V] float32.
       Per token, from S = recurrent_state[slot_i]: q, k <- l2norm (eps 1e-6) if use_qk_l2norm;
-      S <- S * exp(g); delta = beta * (v - S^T k); S <- S + k (x) delta; out = S^T (q * scale).
-      Returns [N, Hv, V] in q's dtype.
+      S <- S * exp(g) (row k of S by exp(g[k]) with channel gates); delta = beta * (v - S^T k);
+      S <- S + k (x) delta; out = S^T (q * scale). Returns [N, Hv, V] in q's dtype.
 
     dspark::gated_delta_rule_commit(Tensor(a!) recurrent_state, Tensor ring_k, Tensor ring_v,
         Tensor ring_g, Tensor ring_beta, Tensor query_start_loc, Tensor slots,
@@ -45,7 +46,8 @@ only, same schema)::
 
 GDN ring layout (all float32, contiguous, M >= N rows; :func:`gdn_ring` allocates it):
 ``ring_k [M, Hk, K]`` the *normalized* keys (what the update used, before any scale),
-``ring_v [M, Hv, V]``, ``ring_g [M, Hv]``, ``ring_beta [M, Hv]``. Float32 holds bf16/fp16
+``ring_v [M, Hv, V]``, ``ring_g`` shaped like g's rows (``[M, Hv]`` or ``[M, Hv, K]``),
+``ring_beta [M, Hv]``. Float32 holds bf16/fp16
 inputs exactly, so the commit replays the forward's arithmetic on the forward's own operands;
 q is not saved (the commit produces no output). Conv ring: ``[M, dim]`` in x's dtype.
 
@@ -75,12 +77,15 @@ def conv_ring(max_rows: int, dim: int, dtype: torch.dtype, device) -> torch.Tens
 
 
 def gdn_ring(max_rows: int, num_k_heads: int, num_v_heads: int, k_dim: int, v_dim: int,
-             device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Replay rings of ``dspark::gated_delta_rule``: ``(ring_k, ring_v, ring_g, ring_beta)``."""
+             device, channel_gates: bool = False
+             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Replay rings of ``dspark::gated_delta_rule``: ``(ring_k, ring_v, ring_g, ring_beta)``;
+    ``channel_gates``: g has one gate a key channel (``ring_g [M, Hv, K]``)."""
     f32 = dict(dtype=torch.float32, device=device)
+    gates = (num_v_heads, k_dim) if channel_gates else (num_v_heads,)
     return (torch.zeros(max_rows, num_k_heads, k_dim, **f32),
             torch.zeros(max_rows, num_v_heads, v_dim, **f32),
-            torch.zeros(max_rows, num_v_heads, **f32), torch.zeros(max_rows, num_v_heads, **f32))
+            torch.zeros(max_rows, *gates, **f32), torch.zeros(max_rows, num_v_heads, **f32))
 
 
 # ---------------------------------------------------------------- reference ops (any device)

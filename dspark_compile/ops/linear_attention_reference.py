@@ -101,28 +101,33 @@ def check_conv_commit(conv_state, ring, qsl, slots, accept_lens) -> None:
     _check_layout(op, qsl, slots, dev, accept_lens)
 
 
-def _gdn_ring_shapes(m: int, hk: int, hv: int, kd: int, vd: int) -> tuple:
-    return (m, hk, kd), (m, hv, vd), (m, hv), (m, hv)
+def _gdn_ring_shapes(m: int, hk: int, hv: int, kd: int, vd: int,
+                     channel_gates: bool) -> tuple:
+    return (m, hk, kd), (m, hv, vd), (m, hv, kd) if channel_gates else (m, hv), (m, hv)
 
 
-def _check_rings(op: str, rings, hk: int, hv: int, kd: int, vd: int, min_rows: int, dev):
+def _check_rings(op: str, rings, hk: int, hv: int, kd: int, vd: int, min_rows: int, dev,
+                 channel_gates: bool):
     names = ("ring_k", "ring_v", "ring_g", "ring_beta")
     for name, t in zip(names, rings):
-        _check_tensor(op, name, t, 3 if name in ("ring_k", "ring_v") else 2,
-                      (torch.float32,), dev)
+        dims = 3 if name in ("ring_k", "ring_v") or (name == "ring_g" and channel_gates) else 2
+        _check_tensor(op, name, t, dims, (torch.float32,), dev)
     m = rings[0].shape[0]
-    for name, t, want in zip(names, rings, _gdn_ring_shapes(m, hk, hv, kd, vd)):
+    for name, t, want in zip(names, rings, _gdn_ring_shapes(m, hk, hv, kd, vd, channel_gates)):
         if tuple(t.shape) != want or m < min_rows or not t.is_contiguous():
             _fail(op, f"{name} has shape {tuple(t.shape)}; the rings must be contiguous "
-                      f"float32 [M, Hk, K], [M, Hv, V], [M, Hv], [M, Hv] with M >= N={min_rows}"
-                      f" (here {want})")
+                      f"float32 [M, Hk, K], [M, Hv, V], [M, Hv{', K' if channel_gates else ''}]"
+                      f", [M, Hv] with M >= N={min_rows} (here {want})")
 
 
 def check_gdn(q, k, v, g, beta, state, qsl, slots, rings, scale, use_qk_l2norm) -> None:
     """Argument rules of ``dspark::gated_delta_rule``."""
     op = "gated_delta_rule"
     dev = q.device if isinstance(q, torch.Tensor) else None
-    for name, t, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 2), ("beta", beta, 2)):
+    channel_gates = isinstance(g, torch.Tensor) and g.dim() == 3
+    for name, t, dims in (("q", q, 3), ("k", k, 3), ("v", v, 3), ("g", g, 3 if channel_gates
+                                                                      else 2),
+                          ("beta", beta, 2)):
         _check_tensor(op, name, t, dims, _FLOATS, dev)
     _check_tensor(op, "recurrent_state", state, 4, (torch.float32,), dev)
     n, hk, kd = k.shape
@@ -133,9 +138,10 @@ def check_gdn(q, k, v, g, beta, state, qsl, slots, rings, scale, use_qk_l2norm) 
     if hk == 0 or hv % hk:
         _fail(op, f"Hv={hv} value heads must be a multiple of Hk={hk} key heads (each key "
                   "head serves Hv/Hk consecutive value heads)")
-    if g.shape != (n, hv) or beta.shape != (n, hv):
-        _fail(op, f"g {tuple(g.shape)} and beta {tuple(beta.shape)} must be [N, Hv] = "
-                  f"{(n, hv)}")
+    if g.shape != ((n, hv, kd) if channel_gates else (n, hv)) or beta.shape != (n, hv):
+        _fail(op, f"g {tuple(g.shape)} must be [N, Hv] = {(n, hv)} (one gate a head) or "
+                  f"[N, Hv, K] = {(n, hv, kd)} (one a key channel), and beta "
+                  f"{tuple(beta.shape)} [N, Hv] = {(n, hv)}")
     if state.shape[1:] != (hv, kd, vd):
         _fail(op, f"recurrent_state has shape {tuple(state.shape)}; it must be [S, Hv, K, V] "
                   f"= [S, {hv}, {kd}, {vd}]")
@@ -143,7 +149,10 @@ def check_gdn(q, k, v, g, beta, state, qsl, slots, rings, scale, use_qk_l2norm) 
             not isinstance(use_qk_l2norm, bool):
         _fail(op, f"scale={scale!r} must be a python float and use_qk_l2norm="
                   f"{use_qk_l2norm!r} a bool")
-    _check_rings(op, rings, hk, hv, kd, vd, n, dev)
+    if not isinstance(rings[2], torch.Tensor) or rings[2].dim() != g.dim():
+        _fail(op, f"ring_g must be a float32 tensor shaped like g's rows: [M, "
+                  f"{'Hv, K' if channel_gates else 'Hv'}] for g {tuple(g.shape)}")
+    _check_rings(op, rings, hk, hv, kd, vd, n, dev, channel_gates)
     _check_layout(op, qsl, slots, dev)
 
 
@@ -155,7 +164,8 @@ def check_gdn_commit(state, rings, qsl, slots, accept_lens) -> None:
     _, hv, kd, vd = state.shape
     if not isinstance(rings[0], torch.Tensor) or rings[0].dim() != 3 or rings[0].shape[1] == 0:
         _fail(op, "ring_k must be a float32 [M, Hk, K] tensor")
-    _check_rings(op, rings, rings[0].shape[1], hv, kd, vd, 0, dev)
+    channel_gates = isinstance(rings[2], torch.Tensor) and rings[2].dim() == 3
+    _check_rings(op, rings, rings[0].shape[1], hv, kd, vd, 0, dev, channel_gates)
     _check_layout(op, qsl, slots, dev, accept_lens)
 
 
@@ -246,8 +256,9 @@ def l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _delta_step(state, k, v, g, beta):
-    """One gated delta-rule update, HF's op order. state ``[R, Hv, K, V]``, k ``[R, Hv, K]``."""
-    state = state * g.exp()[..., None, None]
+    """One gated delta-rule update, HF's op order. state ``[R, Hv, K, V]``, k ``[R, Hv, K]``,
+    g ``[R, Hv]`` (one gate a head) or ``[R, Hv, K]`` (one a key channel: Kimi's KDA)."""
+    state = state * (g.exp()[..., None] if g.dim() == 3 else g.exp()[..., None, None])
     kv_mem = (state * k.unsqueeze(-1)).sum(dim=-2)  # [R, Hv, V]
     delta = (v - kv_mem) * beta.unsqueeze(-1)
     return state + k.unsqueeze(-1) * delta.unsqueeze(-2)
@@ -256,8 +267,8 @@ def _delta_step(state, k, v, g, beta):
 def _replay(state, rings, starts, lens, group: int, q=None):
     """Run the recurrence over ``lens[i]`` rows of each request from the ring-form inputs.
 
-    ``rings`` = (k [M, Hk, K], v [M, Hv, V], g, beta [M, Hv]) in float32, ``state`` ``[R, Hv,
-    K, V]``. With ``q`` (float32, scaled, [M, Hk, K]) also returns each step's output ``[R,
+    ``rings`` = (k [M, Hk, K], v [M, Hv, V], g [M, Hv] or [M, Hv, K], beta [M, Hv]) in float32,
+    ``state`` ``[R, Hv, K, V]``. With ``q`` (float32, scaled, [M, Hk, K]) also returns each step's output ``[R,
     Tmax, Hv, V]``. A request that has run out of rows keeps its state through a select.
     Returns ``(state, outputs or None, valid [R, Tmax], rows [R, Tmax])``.
     """

@@ -4,7 +4,8 @@ Matches (dense verify graph, every request ``T`` tokens; HF's GDN recurrence)::
 
     %o = dspark.dense_gated_delta_rule.default(%q, %k, %v, %g, %beta, %recurrent_state_0,
                                                %slots, 0.25, True)
-        # q, k [bs, T, Hk, K], v [bs, T, Hv, V], g, beta [bs, T, Hv] -> o [bs, T, Hv, V]
+        # q, k [bs, T, Hk, K], v [bs, T, Hv, V], g [bs, T, Hv] (or [bs, T, Hv, K]: one gate a
+        # key channel), beta [bs, T, Hv] -> o [bs, T, Hv, V]
 
 Writes (aten nodes with their fake values, so the graph is not re-traced)::
 
@@ -14,7 +15,7 @@ Writes (aten nodes with their fake values, so the graph is not re-traced)::
                   %gdn_ring_g_0, %gdn_ring_beta_0, 0.25, True)     # [bs*T, Hv, V]
     %o = view(%o_rows, [bs, T, Hv, V])
 
-The four replay rings (float32 ``[rows, Hk, K]``, ``[rows, Hv, V]``, ``[rows, Hv]``,
+The four replay rings (float32 ``[rows, Hk, K]``, ``[rows, Hv, V]``, g's row shape,
 ``[rows, Hv]``) become graph inputs, sized by the key heads the rule actually receives (HF
 5.17 repeats them to ``Hv`` before the call, 5.24 does not). The pass ensures that no dense
 rule is left and that every rewrite produced one ragged op.
@@ -37,13 +38,14 @@ RAGGED = torch.ops.dspark.gated_delta_rule
 RINGS = ("k", "v", "g", "beta")
 
 
-def _rings(gm: fx.GraphModule, ctx: PassContext, k: fx.Node, v: fx.Node,
+def _rings(gm: fx.GraphModule, ctx: PassContext, k: fx.Node, v: fx.Node, g: fx.Node,
            pool: fx.Node) -> list[fx.Node]:
-    """Add ``gdn_ring_{k,v,g,beta}_<i>`` inputs shaped after this call's k and v."""
+    """Add ``gdn_ring_{k,v,g,beta}_<i>`` inputs shaped after this call's k, v and g."""
     _, _, hk, kd = k.meta["val"].shape
     _, _, hv, vd = v.meta["val"].shape
     rows = RING_SAMPLE_ROWS
-    shapes = {"k": (rows, hk, kd), "v": (rows, hv, vd), "g": (rows, hv), "beta": (rows, hv)}
+    shapes = {"k": (rows, hk, kd), "v": (rows, hv, vd),
+              "g": (rows, *g.meta["val"].shape[2:]), "beta": (rows, hv)}
     index = layer_index(pool)
     return [add_input(gm, ctx, f"gdn_ring_{r}", f"gdn_ring_{r}_{index}", shapes[r],
                       torch.float32) for r in RINGS]
@@ -59,7 +61,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     exact = True  # every fake value after the replacements so far is current (retrace.py)
     for node in matches:
         q, k, v, g, beta, pool, slots, scale, use_l2 = node.args
-        rings = _rings(gm, ctx, k, v, pool)
+        rings = _rings(gm, ctx, k, v, g, pool)
         with graph.inserting_before(node):
             rows = [reshape_node(graph, node, a, [n, *a.meta["val"].shape[2:]], decide=exact)
                     for a in (q, k, v, g, beta)]

@@ -40,12 +40,26 @@ CASES = {
                           "g_ptr": "fp32", "beta_ptr": "bf16", "state_ptr": "fp32",
                           "ring_k_ptr": "fp32", "ring_v_ptr": "fp32", "ring_g_ptr": "fp32",
                           "ring_beta_ptr": "fp32", **_LAYOUT},
-                         {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16}),
+                         {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16,
+                          "CHANNEL_GATES": False}),
     "gdn_commit": ("gdn", "_gdn_commit_kernel",
                    {"state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
                     "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", "accept_lens_ptr": "i32",
                     **_LAYOUT},
-                   _GDN_SHAPE),
+                   {**_GDN_SHAPE, "CHANNEL_GATES": False}),
+    # Kimi Linear's KDA: one gate a key channel, 32 heads of K = V = 128
+    "kda_forward_bf16": ("gdn", "_gdn_forward_kernel",
+                         {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
+                          "g_ptr": "fp32", "beta_ptr": "bf16", "state_ptr": "fp32",
+                          "ring_k_ptr": "fp32", "ring_v_ptr": "fp32", "ring_g_ptr": "fp32",
+                          "ring_beta_ptr": "fp32", **_LAYOUT},
+                         {**_GDN_SHAPE, "HK": 32, "L2NORM": True, "PAD_ROWS": 16,
+                          "CHANNEL_GATES": True}),
+    "kda_commit": ("gdn", "_gdn_commit_kernel",
+                   {"state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
+                    "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", "accept_lens_ptr": "i32",
+                    **_LAYOUT},
+                   {**_GDN_SHAPE, "HK": 32, "CHANNEL_GATES": True}),
 }
 
 

@@ -73,7 +73,8 @@ def conv_case(layout, dim=37, width=4, bias=True, seed=0, dtype=torch.float32, d
                 conv_state=rnd(layout.num_slots, dim, width - 1))
 
 
-def gdn_case(layout, hk=2, hv=4, kd=16, vd=32, seed=0, dtype=torch.float32, device="cpu"):
+def gdn_case(layout, hk=2, hv=4, kd=16, vd=32, seed=0, dtype=torch.float32, device="cpu",
+             channel_gates=False):
     g = torch.Generator().manual_seed(seed)
     n = layout.num_tokens
 
@@ -82,7 +83,8 @@ def gdn_case(layout, hk=2, hv=4, kd=16, vd=32, seed=0, dtype=torch.float32, devi
 
     return dict(q=rnd(n, hk, kd).to(dtype).to(device), k=rnd(n, hk, kd).to(dtype).to(device),
                 v=rnd(n, hv, vd).to(dtype).to(device),
-                g=(-torch.nn.functional.softplus(rnd(n, hv))).to(device),  # log decay <= 0
+                g=(-torch.nn.functional.softplus(  # log decay <= 0, a head's or a channel's
+                    rnd(n, hv, kd) if channel_gates else rnd(n, hv))).to(device),
                 beta=torch.sigmoid(rnd(n, hv)).to(dtype).to(device),
                 recurrent_state=(0.3 * rnd(layout.num_slots, hv, kd, vd)).to(device))
 
@@ -97,7 +99,8 @@ def run_conv(c, layout, activation="silu", impl=OPS.causal_conv1d, ring_fill=7.0
 def run_gdn(c, layout, l2=True, impl=OPS.gated_delta_rule, **kw):
     n, hk, kd = c["k"].shape
     hv, vd = c["v"].shape[1:]
-    rings = linear_ops.gdn_ring(n, hk, hv, kd, vd, c["q"].device)
+    rings = linear_ops.gdn_ring(n, hk, hv, kd, vd, c["q"].device,
+                                channel_gates=c["g"].dim() == 3)
     for r in rings:
         r.fill_(7.0)
     out = impl(c["q"], c["k"], c["v"], c["g"], c["beta"], c["recurrent_state"], layout.qsl,
@@ -557,3 +560,115 @@ def test_gpu_gdn_contains_rejected_rows():
     d = {**c, **{n: _poison(c[n], layout, acc) for n in ("q", "k", "v", "g", "beta")}}
     _check_containment(layout, acc, run_gdn(c, layout, impl=OPS.gated_delta_rule_triton),
                        run_gdn(d, layout, impl=OPS.gated_delta_rule_triton))
+
+
+# ------------------------------------------------------------ one gate a key channel (KDA)
+
+def hf_kda(c, layout, i, upto=None, chunk=False):
+    """Kimi Linear's KDA on request i alone from pool[slot]: (out [L, Hv, V], final state)."""
+    kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
+    rows = layout.rows(i, upto)
+    fn = kimi.chunk_kimi_delta_attention if chunk else kimi.recurrent_kimi_delta_attention
+    out, state = fn(*(c[n][rows][None] for n in ("q", "k", "v", "g", "beta")),
+                    initial_state=c["recurrent_state"][layout.slots[i]][None].clone(),
+                    output_final_state=True, use_qk_l2norm_in_kernel=True)
+    return out[0], state[0]
+
+
+@pytest.mark.parametrize("name", sorted(LAYOUTS))
+def test_channel_gates_match_kimi_kda_and_commit(name):
+    """g [N, Hv, K] (Kimi Linear): every request's rows equal HF's recurrent and chunked KDA
+    from its slot, and the commit equals HF's state after the accepted rows."""
+    layout = make_layout(*LAYOUTS[name], seed=5)
+    c = gdn_case(layout, 3, 3, 16, 24, seed=5, channel_gates=True)
+    out, rings = run_gdn(c, layout)
+    assert rings[2].shape == (layout.num_tokens, 3, 16)
+    for i, n in enumerate(layout.lens):
+        if n:
+            for chunk in (False, True):
+                torch.testing.assert_close(out[layout.rows(i)],
+                                           hf_kda(c, layout, i, chunk=chunk)[0],
+                                           atol=2e-5, rtol=1e-4)
+    real = sum(layout.lens)
+    assert torch.equal(out[real:], torch.zeros_like(out[real:]))
+    acc, committed = accepts(layout, seed=5), c["recurrent_state"].clone()
+    OPS.gated_delta_rule_commit(committed, *rings, layout.qsl, layout.slots, acc)
+    want = c["recurrent_state"].clone()
+    for i, a in enumerate(acc.tolist()):
+        if a:
+            want[int(layout.slots[i])] = hf_kda(c, layout, i, upto=a)[1]
+    torch.testing.assert_close(committed, want, atol=2e-6, rtol=1e-5)
+
+
+def test_channel_gates_are_not_head_gates():
+    """The same log decays spread over every channel of a head equal one gate a head, and a
+    different decay per channel changes the result (the channel axis is read, not dropped)."""
+    layout = make_layout([3, 5], num_pad=1, seed=2)
+    c = gdn_case(layout, 1, 2, 8, 8, seed=2)
+    spread = {**c, "g": c["g"][..., None].expand(-1, -1, 8).contiguous()}
+    torch.testing.assert_close(run_gdn(spread, layout)[0], run_gdn(c, layout)[0], atol=1e-6,
+                               rtol=1e-6)
+    varied = {**spread, "g": spread["g"] * torch.linspace(0.5, 1.5, 8)}
+    assert not torch.allclose(run_gdn(varied, layout)[0], run_gdn(c, layout)[0], atol=1e-3)
+
+
+def test_channel_gate_argument_errors():
+    layout = make_layout([2, 3], num_pad=0)
+    c = gdn_case(layout, 1, 2, 8, 8, channel_gates=True)
+    rings = linear_ops.gdn_ring(5, 1, 2, 8, 8, "cpu", channel_gates=True)
+    args = [c["q"], c["k"], c["v"], c["g"], c["beta"], c["recurrent_state"], layout.qsl,
+            layout.slots, *rings, 0.25, True]
+    with pytest.raises(ValueError, match=r"\[N, Hv, K\] = \(5, 2, 8\)"):
+        OPS.gated_delta_rule(*args[:3], c["g"][..., :4], *args[4:])
+    head_rings = linear_ops.gdn_ring(5, 1, 2, 8, 8, "cpu")
+    with pytest.raises(ValueError, match="ring_g must be a float32 tensor shaped like g's rows"):
+        OPS.gated_delta_rule(*args[:8], *head_rings, 0.25, True)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy, on the poisoned rows
+@pytest.mark.parametrize("name", ["mixed", "long"])
+def test_triton_channel_gates_match_reference_and_contain(name):
+    from dspark_compile.kernels.gdn import (GdnPlan, gated_delta_rule_commit_triton,
+                                            gated_delta_rule_triton)
+
+    layout = make_layout(*TRITON_LAYOUTS[name], seed=3)
+    c = gdn_case(layout, 2, 4, 16, 32, seed=3, channel_gates=True)
+    want, want_rings = run_gdn(c, layout)
+    plan = GdnPlan(16, 16, 2)  # two channel blocks: only the first saves g
+    t = {**c, **{n: _strided(c[n]) for n in ("q", "k", "v", "g", "beta")}}
+    got, rings = run_gdn(t, layout, impl=gated_delta_rule_triton, plan=plan)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    for r, w in zip(rings, want_rings):
+        torch.testing.assert_close(r, w, atol=1e-6, rtol=1e-6)
+    acc = accepts(layout, seed=3)
+    want_state, state = c["recurrent_state"].clone(), c["recurrent_state"].clone()
+    OPS.gated_delta_rule_commit(want_state, *want_rings, layout.qsl, layout.slots, acc)
+    gated_delta_rule_commit_triton(state, *rings, layout.qsl, layout.slots, acc, plan=plan)
+    torch.testing.assert_close(state, want_state, atol=2e-6, rtol=1e-5)
+    d = {**c, **{n: _poison(c[n], layout, acc) for n in ("q", "k", "v", "g", "beta")}}
+    clean = run_gdn(c, layout, impl=gated_delta_rule_triton, plan=plan)
+    dirty = run_gdn(d, layout, impl=gated_delta_rule_triton, plan=plan)
+    _check_containment(layout, acc, clean, dirty)
+    states = [c["recurrent_state"].clone() for _ in range(2)]
+    for st_, (_, r) in zip(states, (clean, dirty)):
+        gated_delta_rule_commit_triton(st_, *r, layout.qsl, layout.slots, acc, plan=plan)
+    assert torch.equal(states[0], states[1]) and torch.isfinite(states[1]).all()
+
+
+@pytest.mark.gpu
+def test_gpu_channel_gates_float32_matches_reference_closely():
+    """Kimi Linear's shapes (32 heads, K = V = 128, one gate a key channel), float32, verify
+    widths and a prefill length, on the GPU."""
+    layout = make_layout([3, 1, 8, 2, 5, 1, 7, 4] * 2 + [40], num_pad=3, seed=4, device="cuda")
+    c = gdn_case(layout, 32, 32, 128, 128, seed=4, device="cuda", channel_gates=True)
+    want, want_rings = run_gdn(c, layout)
+    got, rings = run_gdn(c, layout, impl=OPS.gated_delta_rule_triton)
+    torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
+    for r, w in zip(rings, want_rings):
+        torch.testing.assert_close(r, w, atol=1e-6, rtol=1e-6)
+    acc = accepts(layout, 4)
+    want_state, state = c["recurrent_state"].clone(), c["recurrent_state"].clone()
+    OPS.gated_delta_rule_commit(want_state, *want_rings, layout.qsl, layout.slots, acc)
+    OPS.gated_delta_rule_commit_triton(state, *rings, layout.qsl, layout.slots, acc)
+    torch.testing.assert_close(state, want_state, atol=1e-5, rtol=1e-5)
