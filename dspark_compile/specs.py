@@ -96,7 +96,8 @@ class LinearSpec:
     kind: str = "gdn"
     """``"gdn"``: Gated DeltaNet (conv, then ``dspark::gated_delta_rule``); ``"ssd"``: Mamba-2
     (conv, then ``dspark::ssd``); ``"conv"``: a short causal conv alone (LFM2), whose head
-    fields are 0 (no recurrent state)."""
+    fields are 0 (no recurrent state); ``"scan"``: ``dspark::ssd`` alone (MiniMax's lightning
+    attention), whose conv fields are 0 (no conv window)."""
     name: str = ""
     """Where the layer is in the model (for messages)."""
 

@@ -16,6 +16,9 @@ With ``use_cache=False`` (how the capture runs the model) a layer calls::
     chunk_kimi_delta_attention(...)      the same, g [bs, T, H, K] (Kimi Linear)
     mamba2_chunk_scan(...)                                   (frontend/mamba.py)
 
+MiniMax's lightning attention runs its scan inside its own forward; ``frontend/minimax.py``
+replaces that forward for the capture (a Mamba-2-form scan with no conv).
+
 Which module made a call, and so which state pool it gets, is found from the forward itself
 (``frontend/recurrent.py``): a module is a recurrent layer because of the calls it makes, never
 because of its attribute names. Mamba-1 scans are refused naming the module.
@@ -30,7 +33,7 @@ from typing import Iterator
 
 from torch import nn
 
-from . import mamba
+from . import mamba, minimax
 from .recurrent import RecurrentLayers
 
 __all__ = ["RecurrentLayers", "hybrid_hooks"]
@@ -106,7 +109,8 @@ def hybrid_hooks(layers: RecurrentLayers) -> Iterator[None]:
     which module is running; restore everything after. A model whose modeling modules define
     none of the functions is left untouched."""
     modules = _modeling_modules(layers.model)
-    if not modules:
+    lightning = minimax.has_lightning(layers.model)
+    if not modules and not lightning:
         yield
         return
     saved = []
@@ -116,7 +120,7 @@ def hybrid_hooks(layers: RecurrentLayers) -> Iterator[None]:
                 if hasattr(module, name):
                     saved.append((module, name, getattr(module, name)))
                     setattr(module, name, functools.partial(fn, layers))
-        with layers.tracking():
+        with layers.tracking(), minimax.lightning_hooks(layers):
             yield
     finally:
         for module, name, fn in reversed(saved):

@@ -35,9 +35,12 @@ from .scope import CaptureScope, active_scope
 __all__ = ["RecurrentLayers", "Site", "check_linear_calls"]
 
 KINDS = {frozenset({"conv", "gdn"}): "gdn", frozenset({"conv", "ssd"}): "ssd",
-         frozenset({"conv"}): "conv"}
-"""Calls one mixer's forward makes -> its kind (``LinearSpec.kind``)."""
-EXPECTED = {"gdn": ["conv", "gdn"], "ssd": ["conv", "ssd"], "conv": ["conv"]}
+         frozenset({"conv"}): "conv", frozenset({"scan"}): "scan"}
+"""Calls one mixer's forward makes -> its kind (``LinearSpec.kind``). ``"scan"`` is recorded
+only by MiniMax's lightning forward (``frontend/minimax.py``): a Mamba-2 scan without its conv
+stays refused."""
+EXPECTED = {"gdn": ["conv", "gdn"], "ssd": ["conv", "ssd"], "conv": ["conv"],
+            "scan": ["ssd"]}
 """Kind -> the calls a layer of that kind makes per forward, in order."""
 
 
@@ -125,9 +128,9 @@ class RecurrentLayers:
             raise NotImplementedError(
                 f"{self.name(module)} mixes tokens through {sorted(calls)} in one forward; "
                 "dspark_compile captures a causal_conv1d_fn call followed by a gated delta "
-                "rule or a mamba2_chunk_scan call, or a causal_conv1d_fn call alone, and "
-                "refuses any other mixer")
-        conv_dim, width = calls["conv"]
+                "rule or a mamba2_chunk_scan call, a causal_conv1d_fn call alone, or MiniMax's "
+                "lightning scan alone, and refuses any other mixer")
+        conv_dim, width = calls.get("conv", (0, 0))  # a lightning scan: no conv window
         heads = (0, 0, 0) if kind == "conv" else calls[kind]
         self.index[id(module)] = len(self.specs)
         self.specs.append(LinearSpec(conv_dim, width, *heads, kind=kind,

@@ -41,8 +41,8 @@ class LinearPools:
     @classmethod
     def allocate(cls, specs: list[LinearSpec], rings: list[RingSpec], max_requests: int,
                  max_step_tokens: int, dtype: torch.dtype, device) -> "LinearPools":
-        conv = [torch.zeros(max_requests, s.conv_dim, s.conv_width - 1, dtype=dtype,
-                            device=device) for s in specs]
+        conv = [torch.zeros(max_requests, s.conv_dim, max(s.conv_width - 1, 0), dtype=dtype,
+                            device=device) for s in specs]  # a scan alone: [R, 0, 0]
         rec = [torch.zeros(max_requests, s.num_v_heads, s.head_k_dim, s.head_v_dim,
                            dtype=torch.float32, device=device) for s in specs]
         buffers = {r.name: torch.zeros(max_step_tokens, *r.row_shape, dtype=r.dtype,
@@ -67,7 +67,9 @@ class LinearPools:
         lowering; the layout tensors are on the pools' device. A layer's rings say its kind.
         """
         for i, (conv, rec) in enumerate(zip(self.conv_states, self.recurrent_states)):
-            ops["conv"](conv, self.rings[f"conv_ring_{i}"], query_start_loc, slots, accept_lens)
+            if f"conv_ring_{i}" in self.rings:  # not for a scan with no conv window
+                ops["conv"](conv, self.rings[f"conv_ring_{i}"], query_start_loc, slots,
+                            accept_lens)
             for kind, names in (("gdn", ("k", "v", "g", "beta")), ("ssd", ("x", "b", "da"))):
                 if f"{kind}_ring_{names[0]}_{i}" in self.rings:
                     rings = [self.rings[f"{kind}_ring_{r}_{i}"] for r in names]
