@@ -99,6 +99,11 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_v4": {"compress_rates": {"compressed_sparse_attention": 2,
                                        "heavily_compressed_attention": 4},
                     "index_topk": 2},
+    # Qwen4-Exp's QSA indexer is all-or-nothing: every field set, one key head. Blocks of 2
+    # keys and a budget of 4 blocks, so the zoo's ~20-token sequences select.
+    **{name: {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
+              "indexer_budget": 4, "indexer_compress_ratio": 2}
+       for name in ("qwen4_exp", "qwen4_exp_text")},
 }
 """Per model type, fields no name rule can guess (applied to the text config last)."""
 
