@@ -20,10 +20,12 @@ _ATTENTION = dict(intermediate_size=48, num_attention_heads=4, num_key_value_hea
 
 FAMILIES = ("mamba2", "bamba", "falcon_h1", "granitemoehybrid", "nemotron_h", "zamba2")
 """The Mamba-2 families transformers 5.x implements with ``mamba2_chunk_scan``."""
+MAMBA1 = ("mamba", "falcon_mamba", "jamba")
+"""Mamba-1 families (``mamba_selective_scan``, one scan a mixer)."""
 
 
 def tiny_ssm(family: str, seed: int = 0):
-    """A tiny ``family`` causal LM (one of :data:`FAMILIES`, or ``"lfm2"`` / ``"jamba"``)."""
+    """A tiny ``family`` causal LM (one of :data:`FAMILIES` or :data:`MAMBA1`, or ``"lfm2"``)."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -67,4 +69,10 @@ def tiny_ssm(family: str, seed: int = 0):
             **small, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
             attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
             mamba_d_state=8, mamba_dt_rank=8)).eval()
+    mamba1 = dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8,
+                  num_hidden_layers=2, **_COMMON)
+    if family == "mamba":
+        return tf.MambaForCausalLM(tf.MambaConfig(**mamba1)).eval()
+    if family == "falcon_mamba":  # RMS norms on B, C and dt before the scan
+        return tf.FalconMambaForCausalLM(tf.FalconMambaConfig(**mamba1)).eval()
     raise KeyError(family)

@@ -21,7 +21,7 @@ replaces that forward for the capture (a Mamba-2-form scan with no conv).
 
 Which module made a call, and so which state pool it gets, is found from the forward itself
 (``frontend/recurrent.py``): a module is a recurrent layer because of the calls it makes, never
-because of its attribute names. Mamba-1 scans are refused naming the module.
+because of its attribute names. Mamba-1 scans run as Mamba-2 scans (``frontend/mamba.py``).
 """
 
 from __future__ import annotations
@@ -88,6 +88,7 @@ _REPLACEMENTS = {
     **{name: _gated_delta_rule for name in _GDN},
     "mamba2_chunk_scan": mamba.chunk_scan,
     "mamba2_selective_state_update": mamba.selective_state_update,
+    "mamba_selective_scan": mamba.selective_scan,
     **{name: mamba.refuse_mamba1(name) for name in mamba.REFUSED},
 }
 """Modeling-module function name -> its replacement (given the model's RecurrentLayers)."""

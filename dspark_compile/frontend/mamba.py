@@ -19,24 +19,45 @@ state), or the mixer is refused naming the module. Other keywords are the model'
 keywords passed through (``position_embeddings``, ``output_router_logits``): HF's fallback
 ignores them, and so does the capture.
 
-Mamba-1 selective scans (Mamba, Falcon-Mamba, Jamba, Zamba) call ``mamba_selective_scan`` /
-``mamba_inner_fn``; :data:`REFUSED` names them and their replacement refuses the module.
+Mamba-1 mixers (Mamba, Falcon-Mamba, Jamba; Zamba calls it once per head) call, with
+``use_cache=False`` and outside training::
+
+    mamba_selective_scan(x [bs, D, T], dt [bs, D, T], A [D, N], B [bs, N, T], C [bs, N, T],
+                         D=[D], z=[bs, D, T], delta_bias=[D], delta_softplus=True,
+                         return_last_state=False, use_mambapy=, use_associative_scan=)
+
+a scan whose decay ``exp(A[c, s] * dt[c])`` differs per (channel c, state channel s).
+:func:`selective_scan` runs it as ``dspark::ssd`` with one Mamba-2 head per pair (head
+``s * D + c``, P = 1, one state channel, B and C of group ``s``): the same recurrence, each
+head's decay a scalar again. The sum over ``s`` of the heads' outputs, the ``D`` skip and the
+``silu(z)`` gate are token-wise graph code. Exact, but not compact: the heads' replay rings hold
+``D * N`` floats a row (Falcon-Mamba-7B: 8192 x 16, 512 KB a row per ring), and the GPU kernel
+runs one state element per program; :func:`selective_scan` says so once in the log.
+``mamba_inner_fn`` (training only) and ``mamba_selective_state_update`` (with a cache only)
+are refused naming the module (:data:`REFUSED`).
 """
 
 from __future__ import annotations
 
+import logging
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .recurrent import RecurrentLayers
 
-__all__ = ["chunk_scan", "selective_state_update", "refuse_mamba1", "REPLACED", "REFUSED"]
+__all__ = ["chunk_scan", "selective_state_update", "selective_scan", "refuse_mamba1", "REPLACED",
+           "REFUSED"]
 
-REPLACED = ("mamba2_chunk_scan", "mamba2_selective_state_update")
-"""Mamba-2 functions the capture replaces (the second one runs only with a cache)."""
-REFUSED = ("mamba_selective_scan", "mamba_inner_fn", "mamba_selective_state_update")
-"""Mamba-1 functions: a module that calls one is refused by name."""
+log = logging.getLogger("dspark_compile")
+
+REPLACED = ("mamba2_chunk_scan", "mamba2_selective_state_update", "mamba_selective_scan")
+"""Mamba-2 functions the capture replaces (the second one runs only with a cache), and the
+Mamba-1 scan."""
+REFUSED = ("mamba_inner_fn", "mamba_selective_state_update")
+"""Mamba-1 functions of training and of a cache: a module that calls one is refused by name."""
+_SAID: set[str] = set()
 _MUST_BE_NONE = ("z", "seq_idx", "cu_seqlens", "initial_states")
 
 
@@ -74,12 +95,54 @@ def selective_state_update(layers: RecurrentLayers, *args, **kwargs):
         "with use_cache=False, so a mixer that still calls it keeps its own cache")
 
 
+def selective_scan(layers: RecurrentLayers, hidden_states, dt, A, B, C, D=None, z=None,
+                   delta_bias=None, delta_softplus=False, return_last_state=False,
+                   use_mambapy=False, use_associative_scan=False, **kwargs):
+    """Replacement of ``mamba_selective_scan``: ``[bs, D, T]`` (see the module docstring).
+    ``use_mambapy`` / ``use_associative_scan`` pick HF's algorithm, not the result."""
+    site = layers.site("mamba_selective_scan")
+    if return_last_state:
+        raise NotImplementedError(
+            f"{site.where} asks for its last state; dspark::ssd owns the state (the capture "
+            "runs use_cache=False), so this call is refused")
+    bs, d, t = hidden_states.shape
+    n = A.shape[-1] if A.dim() == 2 else -1
+    if A.shape != (d, n) or dt.shape != (bs, d, t) or B.shape != (bs, n, t) or \
+            C.shape != B.shape:
+        raise NotImplementedError(
+            f"{site.where}: x {tuple(hidden_states.shape)}, dt {tuple(dt.shape)}, A "
+            f"{tuple(A.shape)}, B {tuple(B.shape)}, C {tuple(C.shape)}; the capture takes x and "
+            "dt [bs, D, T], A [D, N] and B, C [bs, N, T]")
+    if site.where not in _SAID:
+        _SAID.add(site.where)
+        log.info("dspark_compile: %s runs as %d one-element Mamba-2 heads (D=%d x N=%d): "
+                 "exact, but its replay rings hold D*N floats a row and its GPU kernel one "
+                 "state element a program", site.where, d * n, d, n)
+    h = n * d  # head s * D + c: state channel s of channel c
+    x = hidden_states.transpose(1, 2)[:, :, None, :].expand(bs, t, n, d).reshape(bs, t, h, 1)
+    dts = dt.transpose(1, 2)[:, :, None, :].expand(bs, t, n, d).reshape(bs, t, h)
+    if site.discovering:
+        layers.record(site, "ssd", (h, 1, 1))
+        out = x.new_zeros(x.shape, dtype=torch.float32)
+    else:
+        groups = (B.transpose(1, 2)[..., None], C.transpose(1, 2)[..., None])  # [bs, T, N, 1]
+        bias = None if delta_bias is None else delta_bias.repeat(n)
+        out = site.scope.ssd(site.layer, x, dts, A.transpose(0, 1).reshape(h), *groups, None,
+                             bias, bool(delta_softplus), -math.inf, math.inf)
+    y = out.reshape(bs, t, n, d).sum(dim=2).transpose(1, 2)  # [bs, D, T]
+    if D is not None:
+        y = y + hidden_states * D[None, :, None]
+    if z is not None:
+        y = y * F.silu(z)
+    return y
+
+
 def refuse_mamba1(name: str):
     """A replacement of Mamba-1 function ``name`` that refuses the calling module."""
     def refuse(layers: RecurrentLayers, *args, **kwargs):
         site = layers.site(name)
         raise NotImplementedError(
-            f"{site.where}: a Mamba-1 selective scan (per-channel decay over a [d_inner, "
-            "d_state] state) has no dspark:: ragged op; dspark_compile implements Mamba-2 "
-            "(mamba2_chunk_scan), Gated DeltaNet and short-conv mixers, so the model is refused")
+            f"{site.where} runs outside inference with use_cache=False (training's fused "
+            "Mamba-1 path, or a cache's one-token update); dspark_compile captures "
+            "mamba_selective_scan, so the model is refused")
     return refuse

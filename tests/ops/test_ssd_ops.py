@@ -194,10 +194,12 @@ def _triton():
 @needs_triton
 @pytest.mark.parametrize("name", ["mixed", "empty_ends", "prefill", "long"])
 @pytest.mark.parametrize("h, g, n_state, p, bias, d, limits", [
-    (4, 2, 8, 6, True, True, (0.0, INF)), (3, 1, 5, 20, False, False, (0.001, 0.5))])
+    (4, 2, 8, 6, True, True, (0.0, INF)), (3, 1, 5, 20, False, False, (0.001, 0.5)),
+    (12, 3, 1, 1, True, False, (-INF, INF))])  # Mamba-1's one-element heads (frontend/mamba)
 def test_triton_matches_reference(name, h, g, n_state, p, bias, d, limits):
-    """Odd shapes (N and P not powers of two, P over two channel blocks), padding rows, empty
-    requests; outputs, rings and the committed state against the reference."""
+    """Odd shapes (N and P not powers of two, P over two channel blocks, one-element heads),
+    padding rows, empty requests; outputs, rings and the committed state against the
+    reference."""
     kernels = _triton()
     lens, pad = TRITON_LAYOUTS[name]
     layout = make_layout(lens, num_pad=pad, seed=p)
