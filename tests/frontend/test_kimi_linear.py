@@ -24,8 +24,7 @@ POISON = VOCAB - 1
 TOL = 1e-4
 
 
-@pytest.fixture(scope="module")
-def compiled():
+def tiny_kimi():
     from transformers import KimiLinearConfig
 
     torch.manual_seed(0)
@@ -42,6 +41,12 @@ def compiled():
         for name, p in model.named_parameters():
             if "A_log" in name or "dt_bias" in name:
                 p.normal_(0.0, 0.5)
+    return model
+
+
+@pytest.fixture(scope="module")
+def compiled():
+    model = tiny_kimi()
     return model, dspark_compile(model)
 
 
@@ -106,3 +111,17 @@ def test_nan_draft_cannot_reach_accepted_rows_or_state(compiled):
     finally:
         with torch.no_grad():
             embed[POISON] = saved
+
+
+@pytest.mark.gpu
+def test_float32_on_gpu_through_triton_matches_hf():
+    """The KDA layers through the Triton gated delta rule with channel gates, on the GPU."""
+    model = tiny_kimi().cuda()
+    verifier = dspark_compile(model, lowering="triton")
+    session = Session(model, verifier, [2, 0, 1], seed=5, device="cuda")
+    session.vocab = POISON
+    session.step([6, 9, 4], accept=[6, 9, 4])
+    rng = random.Random(5)
+    for _ in range(4):
+        session.step([rng.randint(1, 8) for _ in range(3)])
+    assert session.max_err < 2e-3, session.max_err

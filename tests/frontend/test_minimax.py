@@ -113,3 +113,17 @@ def test_changed_lightning_forward_is_refused(monkeypatch):
                        match="MiniMaxLightningAttention 'model.layers.0.self_attn'.*refused "
                              "rather than verified wrong"):
         dspark_compile(tiny_minimax())
+
+
+@pytest.mark.gpu
+def test_float32_on_gpu_through_triton_matches_hf():
+    """The lightning layers through the Triton Mamba-2 scan, on the GPU."""
+    model = tiny_minimax().cuda()
+    verifier = dspark_compile(model, lowering="triton")
+    session = Session(model, verifier, [1, 0, 2], seed=6, device="cuda")
+    session.vocab = POISON
+    session.step([9, 3, 6], accept=[9, 3, 6])
+    rng = random.Random(6)
+    for _ in range(4):
+        session.step([rng.randint(1, 7) for _ in range(3)])
+    assert session.max_err < 2e-3, session.max_err

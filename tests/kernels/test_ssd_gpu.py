@@ -58,7 +58,7 @@ def test_ssd_kernel_matches_reference_at_nemotron_shapes(lens):
     torch.testing.assert_close(pools[1], pools[0], atol=2e-3, rtol=2e-3)
 
 
-@pytest.mark.parametrize("family", ["nemotron_h", "bamba", "zamba2"])
+@pytest.mark.parametrize("family", ["nemotron_h", "bamba", "zamba2", "mamba", "jamba"])
 def test_mamba_hybrid_float32_on_gpu_matches_hf(family):
     model = tiny_ssm(family).cuda()
     verifier = dspark_compile(model, lowering="triton")
