@@ -306,6 +306,8 @@ def main(argv: list[str] | None = None) -> dict:
                     "a suffix")
     ap.add_argument("--tiles", action="store_true",
                     help="sweep each projection's tiles alone (moe_layer_tiles.json)")
+    ap.add_argument("--graph-calls", type=int, default=None,
+                    help="layer calls captured in one CUDA graph (default 20); files get a suffix")
     ap.add_argument("--profile", action="store_true",
                     help="GPU time of each of our kernels per call (moe_layer_profile.json)")
     opts = ap.parse_args(argv)
@@ -313,6 +315,10 @@ def main(argv: list[str] | None = None) -> dict:
     overrides, suffix, _ = target_overrides(opts.target)
     if opts.batch_sizes:
         s = dict(s, batch_sizes=opts.batch_sizes)
+    if opts.graph_calls:
+        s = dict(s, graph_calls=opts.graph_calls,
+                 graph_replays=s["graph_replays"] * s["graph_calls"] // opts.graph_calls)
+        suffix += f"_graph_calls_{opts.graph_calls}"
     torch.set_grad_enabled(False)
     experts = build(s, device)
     report = dict(settings=s, target_overrides=overrides,

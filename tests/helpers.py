@@ -247,3 +247,58 @@ def packed_graph(model, dtype=torch.float32, device_type: str = "cpu", stages=("
                       DSparkConfig(**config).resolve(device_type))
     gm, _ = run_pipeline(captured.gm, ctx, stages=stages)
     return gm, ctx
+
+
+def ragged_rounds_error(model, verifier, slots, prompts, vocab: int, seed: int, rounds: int = 4,
+                        max_len: int = 8, device: str = "cpu") -> float:
+    """Prefill ``prompts`` (all accepted), then ``rounds`` ragged verify/commit rounds of random
+    lengths 1..max_len; the max |ragged - HF| over every verified row (tokens below ``vocab``)."""
+    session = Session(model, verifier, slots, seed=seed, device=device)
+    session.vocab = vocab
+    session.step(prompts, accept=prompts)
+    rng = random.Random(seed)
+    for _ in range(rounds):
+        session.step([rng.randint(1, max_len) for _ in slots])
+    return session.max_err
+
+
+def assert_nan_drafts_contained(model, verifier, poison: int, slots, prompts, lens, accept,
+                                seed: int = 0, capture: bool = False) -> None:
+    """A token whose embedding row is NaN at every rejected draft position (``lens[i]`` drafts,
+    ``accept[i]`` accepted): the accepted rows and the committed linear-layer state are
+    bit-identical to a clean run. ``capture``: the poisoned session runs through a captured
+    session's static-buffer commit (CPU, no graphs)."""
+    gen = torch.Generator().manual_seed(seed)
+    states = [verifier.new_state(max_requests=max(slots) + 1, max_context=64) for _ in range(2)]
+    if capture:
+        verifier.capture(states[1], block=max(8, max(lens)), use_graphs=False)
+    embed = model.get_input_embeddings().weight
+    with torch.no_grad():
+        saved = embed[poison].clone()
+        embed[poison] = float("nan")
+    try:
+        prompt = [torch.randint(0, poison, (n,), generator=gen) for n in prompts]
+        for state in states:
+            layout = VerifyLayout.pack(list(prompts), [0] * len(slots), slots)
+            verifier(torch.cat(prompt), layout, state)
+            verifier.commit(layout, list(prompts), state)
+        clean = [torch.randint(0, poison, (n,), generator=gen) for n in lens]
+        dirty = [torch.cat([c[:a], torch.full((n - a,), poison)])
+                 for c, a, n in zip(clean, accept, lens)]
+        outs = []
+        for state, tokens in zip(states, (clean, dirty)):
+            layout = VerifyLayout.pack(list(lens), list(prompts), slots)
+            outs.append(verifier(torch.cat(tokens), layout, state).clone())
+            verifier.commit(layout, list(accept), state)
+        qsl = layout.query_start_loc.tolist()
+        for i, a in enumerate(accept):
+            rows = slice(qsl[i], qsl[i] + a)
+            assert torch.equal(outs[0][rows], outs[1][rows]), f"request {i}"
+        if any(a < n for a, n in zip(accept, lens)):
+            assert not torch.isfinite(outs[1]).all(), "the poison token must produce NaN"
+        linear = [(*s.linear.conv_states, *s.linear.recurrent_states) for s in states]
+        for a, b in zip(*linear):
+            assert torch.equal(a, b)
+    finally:
+        with torch.no_grad():
+            embed[poison] = saved

@@ -9,13 +9,11 @@ token at rejected draft positions leaves the accepted rows and the committed sta
 bit-identical.
 """
 
-import random
-
 import pytest
 import torch
 
-from dspark_compile import VerifyLayout, dspark_compile
-from helpers import Session
+from dspark_compile import dspark_compile
+from helpers import assert_nan_drafts_contained, ragged_rounds_error
 
 kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
@@ -66,51 +64,14 @@ def test_kda_layers_take_the_channel_gate_op(compiled):
 @pytest.mark.parametrize("slots,prompts", [([2, 0, 1], [6, 9, 4]), ([0], [7])])
 def test_ragged_equals_hf_forward(compiled, slots, prompts):
     model, verifier = compiled
-    session = Session(model, verifier, slots, seed=3)
-    session.vocab = POISON
-    session.step(prompts, accept=prompts)
-    rng = random.Random(3)
-    for _ in range(4):
-        session.step([rng.randint(1, 8) for _ in slots])
-    assert session.max_err < TOL, f"max |ragged - HF| = {session.max_err}"
+    err = ragged_rounds_error(model, verifier, slots, prompts, POISON, seed=3)
+    assert err < TOL, f"max |ragged - HF| = {err}"
 
 
 def test_nan_draft_cannot_reach_accepted_rows_or_state(compiled):
     model, verifier = compiled
-    gen = torch.Generator().manual_seed(4)
-    slots, prompts = [1, 0], [5, 6]
-    states = [verifier.new_state(max_requests=2, max_context=64) for _ in range(2)]
-    embed = model.get_input_embeddings().weight
-    with torch.no_grad():
-        saved = embed[POISON].clone()
-        embed[POISON] = float("nan")
-    try:
-        prompt = [torch.randint(0, POISON, (n,), generator=gen) for n in prompts]
-        for state in states:
-            layout = VerifyLayout.pack(prompts, [0, 0], slots)
-            verifier(torch.cat(prompt), layout, state)
-            verifier.commit(layout, prompts, state)
-        drafts = [torch.randint(0, POISON, (n,), generator=gen) for n in (5, 4)]
-        accept = [2, 3]
-        dirty = [d.clone() for d in drafts]
-        for d, a in zip(dirty, accept):
-            d[a:] = POISON
-        outs = []
-        for state, tokens in zip(states, (drafts, dirty)):
-            layout = VerifyLayout.pack([5, 4], prompts, slots)
-            outs.append(verifier(torch.cat(tokens), layout, state))
-            verifier.commit(layout, accept, state)
-        qsl = layout.query_start_loc.tolist()
-        for i, a in enumerate(accept):
-            rows = slice(qsl[i], qsl[i] + a)
-            assert torch.equal(outs[0][rows], outs[1][rows]), f"request {i}"
-        for clean, poisoned in zip(
-                (*states[0].linear.conv_states, *states[0].linear.recurrent_states),
-                (*states[1].linear.conv_states, *states[1].linear.recurrent_states)):
-            assert torch.equal(clean, poisoned)
-    finally:
-        with torch.no_grad():
-            embed[POISON] = saved
+    assert_nan_drafts_contained(model, verifier, POISON, [1, 0], [5, 6], [5, 4], [2, 3],
+                                seed=4)
 
 
 @pytest.mark.gpu
@@ -118,10 +79,6 @@ def test_float32_on_gpu_through_triton_matches_hf():
     """The KDA layers through the Triton gated delta rule with channel gates, on the GPU."""
     model = tiny_kimi().cuda()
     verifier = dspark_compile(model, lowering="triton")
-    session = Session(model, verifier, [2, 0, 1], seed=5, device="cuda")
-    session.vocab = POISON
-    session.step([6, 9, 4], accept=[6, 9, 4])
-    rng = random.Random(5)
-    for _ in range(4):
-        session.step([rng.randint(1, 8) for _ in range(3)])
-    assert session.max_err < 2e-3, session.max_err
+    err = ragged_rounds_error(model, verifier, [2, 0, 1], [6, 9, 4], POISON, seed=5,
+                              device="cuda")
+    assert err < 2e-3, err

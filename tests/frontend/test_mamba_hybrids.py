@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from helpers import Session
+from helpers import Session, assert_nan_drafts_contained, ragged_rounds_error
 from ssm_models import FAMILIES, MAMBA1, VOCAB, tiny_ssm
 
 TOL = 1e-4
@@ -107,55 +107,20 @@ def test_nan_draft_cannot_reach_accepted_rows_or_state():
 @pytest.mark.parametrize("family", MAMBA1)
 def test_mamba1_equals_hf_forward(family):
     """Mamba-1 mixers (``mamba_selective_scan``) run as one-element Mamba-2 heads: every ragged
-    row equals HF's forward over a prefill and three rounds, and the whole state is one pool."""
+    row equals HF's forward over a prefill and three rounds."""
     model, verifier = compiled(family)
     specs = verifier.adapter.linear_specs
     assert specs and all(s.kind == "ssd" and (s.head_k_dim, s.head_v_dim) == (1, 1)
                          for s in specs)
-    session = Session(model, verifier, [1, 0], seed=3)
-    session.vocab = POISON
-    session.step([6, 4], accept=[6, 4])
-    rng = random.Random(3)
-    for _ in range(3):
-        session.step([rng.randint(1, 6), rng.randint(1, 6)])
-    assert session.max_err < TOL, f"{family}: max |ragged - HF| = {session.max_err}"
+    err = ragged_rounds_error(model, verifier, [1, 0], [6, 4], POISON, seed=3, rounds=3,
+                             max_len=6)
+    assert err < TOL, f"{family}: max |ragged - HF| = {err}"
 
 
 def test_mamba1_nan_draft_cannot_reach_accepted_rows_or_state():
-    """A NaN token at rejected draft positions of a Mamba-1 model: accepted rows and the
-    committed conv and scan state bit-identical to a clean run."""
     model, verifier = compiled("mamba")
-    gen = torch.Generator().manual_seed(5)
-    slots, prompts = [0, 1], [5, 3]
-    states = [verifier.new_state(max_requests=2, max_context=64) for _ in range(2)]
-    embed = model.get_input_embeddings().weight
-    with torch.no_grad():
-        saved = embed[POISON].clone()
-        embed[POISON] = float("nan")
-    try:
-        prompt = [torch.randint(0, POISON, (n,), generator=gen) for n in prompts]
-        for state in states:
-            _, layout = _step(verifier, state, prompt, [0, 0], slots)
-            verifier.commit(layout, prompts, state)
-        lens, accept = [5, 4], [2, 3]
-        clean = [torch.randint(0, POISON, (n,), generator=gen) for n in lens]
-        poisoned = [torch.cat([c[:a], torch.full((n - a,), POISON)])
-                    for c, a, n in zip(clean, accept, lens)]
-        outs = []
-        for state, tokens in zip(states, (clean, poisoned)):
-            logits, layout = _step(verifier, state, tokens, prompts, slots)
-            verifier.commit(layout, accept, state)
-            outs.append(logits.clone())
-        qsl = layout.query_start_loc.tolist()
-        for i, a in enumerate(accept):
-            rows = slice(qsl[i], qsl[i] + a)
-            assert torch.equal(outs[0][rows], outs[1][rows]), f"request {i}"
-        assert not torch.isfinite(outs[1]).all(), "the poison token must produce NaN"
-        for a, b in zip(_linear_state(states[0]), _linear_state(states[1])):
-            assert torch.equal(a, b)
-    finally:
-        with torch.no_grad():
-            embed[POISON] = saved
+    assert_nan_drafts_contained(model, verifier, POISON, [0, 1], [5, 3], [5, 4], [2, 3],
+                                seed=5)
 
 
 def test_a_mixer_running_its_own_conv_is_refused_by_name():

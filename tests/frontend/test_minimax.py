@@ -8,13 +8,11 @@ the accepted rows and the committed state bit-identical; a changed lightning for
 naming the module.
 """
 
-import random
-
 import pytest
 import torch
 
-from dspark_compile import VerifyLayout, dspark_compile
-from helpers import Session
+from dspark_compile import dspark_compile
+from helpers import assert_nan_drafts_contained, ragged_rounds_error
 
 minimax = pytest.importorskip("transformers.models.minimax.modeling_minimax")
 
@@ -57,52 +55,15 @@ def test_lightning_layers_are_scans_without_conv(compiled):
 @pytest.mark.parametrize("slots,prompts", [([1, 0, 2], [9, 3, 6]), ([0], [5])])
 def test_ragged_equals_hf_forward(compiled, slots, prompts):
     model, verifier = compiled
-    session = Session(model, verifier, slots, seed=7)
-    session.vocab = POISON
-    session.step(prompts, accept=prompts)
-    rng = random.Random(7)
-    for _ in range(4):
-        session.step([rng.randint(1, 7) for _ in slots])
-    assert session.max_err < TOL, f"max |ragged - HF| = {session.max_err}"
+    err = ragged_rounds_error(model, verifier, slots, prompts, POISON, seed=7, max_len=7)
+    assert err < TOL, f"max |ragged - HF| = {err}"
 
 
 def test_nan_draft_cannot_reach_accepted_rows_or_state(compiled):
     """Through the eager commit and a captured session's static-buffer commit alike."""
     model, verifier = compiled
-    gen = torch.Generator().manual_seed(8)
-    slots, prompts = [0, 1], [6, 5]
-    states = [verifier.new_state(max_requests=2, max_context=64) for _ in range(2)]
-    verifier.capture(states[1], block=8, use_graphs=False)  # the static-buffer commit too
-    embed = model.get_input_embeddings().weight
-    with torch.no_grad():
-        saved = embed[POISON].clone()
-        embed[POISON] = float("nan")
-    try:
-        prompt = [torch.randint(0, POISON, (n,), generator=gen) for n in prompts]
-        for state in states:
-            layout = VerifyLayout.pack(prompts, [0, 0], slots)
-            verifier(torch.cat(prompt), layout, state)
-            verifier.commit(layout, prompts, state)
-        drafts = [torch.randint(0, POISON, (n,), generator=gen) for n in (6, 3)]
-        accept = [4, 1]
-        dirty = [d.clone() for d in drafts]
-        for d, a in zip(dirty, accept):
-            d[a:] = POISON
-        outs = []
-        for state, tokens in zip(states, (drafts, dirty)):
-            layout = VerifyLayout.pack([6, 3], prompts, slots)
-            outs.append(verifier(torch.cat(tokens), layout, state))
-            verifier.commit(layout, accept, state)
-        qsl = layout.query_start_loc.tolist()
-        for i, a in enumerate(accept):
-            rows = slice(qsl[i], qsl[i] + a)
-            assert torch.equal(outs[0][rows], outs[1][rows]), f"request {i}"
-        for clean, poisoned in zip(states[0].linear.recurrent_states,
-                                   states[1].linear.recurrent_states):
-            assert torch.equal(clean, poisoned)
-    finally:
-        with torch.no_grad():
-            embed[POISON] = saved
+    assert_nan_drafts_contained(model, verifier, POISON, [0, 1], [6, 5], [6, 3], [4, 1],
+                                seed=8, capture=True)
 
 
 def test_changed_lightning_forward_is_refused(monkeypatch):
@@ -120,10 +81,6 @@ def test_float32_on_gpu_through_triton_matches_hf():
     """The lightning layers through the Triton Mamba-2 scan, on the GPU."""
     model = tiny_minimax().cuda()
     verifier = dspark_compile(model, lowering="triton")
-    session = Session(model, verifier, [1, 0, 2], seed=6, device="cuda")
-    session.vocab = POISON
-    session.step([9, 3, 6], accept=[9, 3, 6])
-    rng = random.Random(6)
-    for _ in range(4):
-        session.step([rng.randint(1, 7) for _ in range(3)])
-    assert session.max_err < 2e-3, session.max_err
+    err = ragged_rounds_error(model, verifier, [1, 0, 2], [9, 3, 6], POISON, seed=6, max_len=7,
+                              device="cuda")
+    assert err < 2e-3, err
