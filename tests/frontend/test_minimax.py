@@ -79,6 +79,12 @@ def test_changed_lightning_forward_is_refused(monkeypatch):
 @pytest.mark.gpu
 def test_float32_on_gpu_through_triton_matches_hf():
     """The lightning layers through the Triton Mamba-2 scan, on the GPU."""
+    from dspark_compile.frontend.compressed import source_key
+    from dspark_compile.frontend.minimax import KNOWN_SOURCES
+
+    if source_key(minimax.MiniMaxLightningAttention) not in KNOWN_SOURCES:
+        pytest.skip("this transformers' lightning forward is not one the capture was derived "
+                    "from: refused by name (test_changed_lightning_forward_is_refused)")
     model = tiny_minimax().cuda()
     verifier = dspark_compile(model, lowering="triton")
     err = ragged_rounds_error(model, verifier, [1, 0, 2], [9, 3, 6], POISON, seed=6, max_len=7,
