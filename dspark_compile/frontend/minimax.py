@@ -13,8 +13,8 @@ and the output projection) and routes the scan through the capture scope, so eac
 state pool and a replay ring like a Mamba-2 mixer, with no conv window (``LinearSpec.kind``
 ``"scan"``).
 
-Only the exact class with a forward whose source this was derived from (transformers 5.24) is
-taken; a subclass or a changed forward is refused naming the module. The capture runs with
+Only the exact class with a forward whose source this was derived from (transformers 5.17 or
+5.24) is taken; a subclass or a changed forward is refused naming the module. The capture runs with
 ``use_cache=False`` and no padding mask; a forward given either is refused.
 """
 
@@ -32,9 +32,10 @@ from .recurrent import RecurrentLayers
 
 __all__ = ["KNOWN_SOURCES", "has_lightning", "lightning_hooks"]
 
-KNOWN_SOURCES = frozenset({"03c3f915c0c99c09"})
-"""sha256 prefixes of ``MiniMaxLightningAttention.forward`` this capture was derived from
-(transformers 5.24)."""
+KNOWN_SOURCES = frozenset({"03c3f915c0c99c09", "693a8e8a3970703e"})
+"""sha256 prefixes of ``MiniMaxLightningAttention.forward`` this capture was derived from:
+transformers 5.24 and 5.17 (which names the cache argument ``past_key_values`` and builds the
+zero state with ``.to(value_states)``; the same arithmetic)."""
 FUNCTION = "MiniMaxLightningAttention.forward"
 
 
@@ -42,6 +43,7 @@ def _forward(layers: RecurrentLayers, module, hidden_states, position_embeddings
              attention_mask=None, cache=None, **kwargs):
     """The lightning layer with its scan through the capture: ``(out [bs, T, hidden], None)``."""
     site = layers.site(FUNCTION)
+    cache = cache if cache is not None else kwargs.pop("past_key_values", None)  # 5.17's name
     if cache is not None or attention_mask is not None:
         raise NotImplementedError(
             f"{site.where} was given a {'cache' if cache is not None else 'padding mask'}; "
@@ -94,8 +96,8 @@ def lightning_hooks(layers: RecurrentLayers) -> Iterator[None]:
                 source_key(MiniMaxLightningAttention) not in KNOWN_SOURCES:
             raise NotImplementedError(
                 f"{layers.name(m)}: its lightning attention is captured from "
-                "MiniMaxLightningAttention's own forward (transformers 5.24) only, and this "
-                "forward reads otherwise; the model is refused rather than verified wrong")
+                "MiniMaxLightningAttention's own forward (transformers 5.17 and 5.24) only, and "
+                "this forward reads otherwise; the model is refused rather than verified wrong")
     original = MiniMaxLightningAttention.forward
 
     def forward(module, *args, **kwargs):
