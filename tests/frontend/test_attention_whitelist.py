@@ -147,11 +147,26 @@ def test_qwen2_moe_builds_a_window_mask_no_layer_uses():
     assert [s.window for s in verifier.adapter.specs] == [0, 0]
 
 
-def test_alibi_and_state_space_mixers_are_refused_by_name():
+def test_alibi_and_a_scan_keeping_its_state_are_refused_by_name(monkeypatch):
     with pytest.raises(NotImplementedError, match="alibi=True adds an ALiBi position bias"):
         dspark_compile(_model(T.FalconConfig, T.FalconForCausalLM, alibi=True))
+    from transformers.models.jamba import modeling_jamba
+
+    real = modeling_jamba.JambaMambaMixer.forward
+
+    def keeps_state(self, hidden_states, cache=None, attention_mask=None, **kwargs):
+        scan = modeling_jamba.mamba_selective_scan  # the capture's replacement, looked up now
+
+        def with_state(*args, **kw):
+            return scan(*args, **{**kw, "return_last_state": True})
+        monkeypatch.setattr(modeling_jamba, "mamba_selective_scan", with_state)
+        try:
+            return real(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
+        finally:
+            monkeypatch.setattr(modeling_jamba, "mamba_selective_scan", scan)
+    monkeypatch.setattr(modeling_jamba.JambaMambaMixer, "forward", keeps_state)
     with pytest.raises(NotImplementedError, match=r"JambaMambaMixer 'model.layers.0.mamba' "
-                       r"\(mamba_selective_scan\): a Mamba-1 selective scan"):
+                       r"\(mamba_selective_scan\) asks for its last state"):
         dspark_compile(_model(T.JambaConfig, T.JambaForCausalLM, num_experts=4,
                               num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
                               expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
