@@ -155,22 +155,26 @@ def test_alibi_and_a_scan_keeping_its_state_are_refused_by_name(monkeypatch):
     real = modeling_jamba.JambaMambaMixer.forward
 
     def keeps_state(self, hidden_states, cache=None, attention_mask=None, **kwargs):
-        scan = modeling_jamba.mamba_selective_scan  # the capture's replacement, looked up now
+        # the capture's replacement, looked up now; swapped back by hand (not by monkeypatch,
+        # whose undo would reinstate the replacement after the capture restored HF's own)
+        scan = modeling_jamba.mamba_selective_scan
 
         def with_state(*args, **kw):
             return scan(*args, **{**kw, "return_last_state": True})
-        monkeypatch.setattr(modeling_jamba, "mamba_selective_scan", with_state)
+        modeling_jamba.mamba_selective_scan = with_state
         try:
             return real(self, hidden_states, cache=cache, attention_mask=attention_mask, **kwargs)
         finally:
-            monkeypatch.setattr(modeling_jamba, "mamba_selective_scan", scan)
+            modeling_jamba.mamba_selective_scan = scan
     monkeypatch.setattr(modeling_jamba.JambaMambaMixer, "forward", keeps_state)
+    original = modeling_jamba.mamba_selective_scan
     with pytest.raises(NotImplementedError, match=r"JambaMambaMixer 'model.layers.0.mamba' "
                        r"\(mamba_selective_scan\) asks for its last state"):
         dspark_compile(_model(T.JambaConfig, T.JambaForCausalLM, num_experts=4,
                               num_experts_per_tok=2, attn_layer_period=2, attn_layer_offset=1,
                               expert_layer_period=2, expert_layer_offset=1, mamba_d_state=8,
                               mamba_dt_rank=8))
+    assert modeling_jamba.mamba_selective_scan is original, "the capture restored HF's scan"
 
 
 def test_a_model_with_no_attention_calls_is_refused():
