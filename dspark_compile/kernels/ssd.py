@@ -52,6 +52,7 @@ __all__ = ["SsdPlan", "plan_ssd", "ssd_triton", "ssd_commit_triton"]
 _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on one warp
 _MIN_BLOCK_P = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
+_MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 
 
 @triton.jit
@@ -95,11 +96,12 @@ def _ssd_forward_kernel(
         stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
         G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
         BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
-        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr):
+        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
+        HEADS_FIRST: tl.constexpr):
     """One (request, head, channel block): the request's rows, in order."""
-    req = tl.program_id(0)
-    head = tl.program_id(1) // NUM_PB
-    pb = tl.program_id(1) % NUM_PB
+    req = tl.program_id(1 if HEADS_FIRST else 0)
+    head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
+    pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
     offs_n = tl.arange(0, N_PAD)
     offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
     n_ok = offs_n < NS
@@ -165,11 +167,11 @@ def _ssd_commit_kernel(
         state_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, query_start_loc_ptr, slots_ptr,
         accept_lens_ptr, num_slots, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
         G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
-        BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr):
+        BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HEADS_FIRST: tl.constexpr):
     """Replay the accepted rows of one (request, head, channel block) onto the pool."""
-    req = tl.program_id(0)
-    head = tl.program_id(1) // NUM_PB
-    pb = tl.program_id(1) % NUM_PB
+    req = tl.program_id(1 if HEADS_FIRST else 0)
+    head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
+    pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
     start = tl.load(query_start_loc_ptr + req)
     length = tl.load(query_start_loc_ptr + req + 1) - start
     accepted = tl.minimum(tl.maximum(tl.load(accept_lens_ptr + req), 0), length)
@@ -212,6 +214,10 @@ class SsdPlan:
     (``ssd_kernels_ssd_sweep.json``) at ``BLOCK_P`` 32, all 8 rows, bs 64 / 128: the forward
     150 / 280 us on one warp against 228 / 450 on four, the commit 188 / 375 on either (the GDN
     kernels' finding: every reduction over N stays in the warp)."""
+    heads_first: bool = False
+    """The grid's first axis enumerates (head, channel block) and its second the requests: for
+    more than ``_MAX_GRID_Y`` of them (a Mamba-1 mixer runs ``d_inner * d_state`` one-element
+    heads, ``frontend/mamba.py``), which CUDA's second grid axis cannot hold."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -226,7 +232,19 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
     while block_p > _MIN_BLOCK_P and \
             max(num_requests, 1) * num_heads * triton.cdiv(head_dim, block_p) < 2 * sm_count:
         block_p //= 2
-    return SsdPlan(n_pad, block_p, triton.cdiv(head_dim, block_p))
+    num_pb = triton.cdiv(head_dim, block_p)
+    return SsdPlan(n_pad, block_p, num_pb, heads_first=num_heads * num_pb > _MAX_GRID_Y)
+
+
+def _grid(requests: int, head_blocks: int, heads_first: bool) -> tuple[int, int]:
+    """The launch grid: requests on the first axis, (head, channel block) on the second, or the
+    other way round with ``heads_first``; either way the second axis must fit CUDA's limit."""
+    grid = (head_blocks, requests) if heads_first else (requests, head_blocks)
+    if grid[1] > _MAX_GRID_Y:
+        raise ValueError(f"dspark::ssd: {requests} request rows and {head_blocks} (head, channel "
+                         f"block) programs: the grid's second axis holds at most {_MAX_GRID_Y} "
+                         "(SsdPlan.heads_first puts the larger count first)")
+    return grid
 
 
 def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ring_x, ring_b,
@@ -247,14 +265,16 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
         return out
     plan = plan or plan_ssd(r, h, n_state, p, device_sm_count(x.device))
     st = ssm_state
-    launch(_ssd_forward_kernel, (r + 1, h * plan.num_pb),
+    grid = _grid(r + 1, h * plan.num_pb, plan.heads_first)
+    launch(_ssd_forward_kernel, grid,
            out, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, st,
            query_start_loc, slots, ring_x, ring_b, ring_da, float(dt_min), float(dt_max), n, r,
            st.shape[0], x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
            C.stride(0), C.stride(1), out.stride(0), out.stride(1), st.stride(0), st.stride(1),
            st.stride(2), H=h, G=g, NS=n_state, P=p, N_PAD=plan.n_pad, BLOCK_P=plan.block_p,
            NUM_PB=plan.num_pb, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
-           SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, num_warps=plan.num_warps)
+           SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, HEADS_FIRST=plan.heads_first,
+           num_warps=plan.num_warps)
     return out
 
 
@@ -269,8 +289,8 @@ def ssd_commit_triton(ssm_state, ring_x, ring_b, ring_da, query_start_loc, slots
     if r == 0 or p == 0:
         return
     plan = plan or plan_ssd(r, h, n_state, p, device_sm_count(st.device))
-    launch(_ssd_commit_kernel, (r, h * plan.num_pb),
+    launch(_ssd_commit_kernel, _grid(r, h * plan.num_pb, plan.heads_first),
            st, ring_x, ring_b, ring_da, query_start_loc, slots, accept_lens, st.shape[0],
            st.stride(0), st.stride(1), st.stride(2), H=h, G=ring_b.shape[1], NS=n_state, P=p,
            N_PAD=plan.n_pad, BLOCK_P=plan.block_p, NUM_PB=plan.num_pb,
-           num_warps=plan.num_warps)
+           HEADS_FIRST=plan.heads_first, num_warps=plan.num_warps)

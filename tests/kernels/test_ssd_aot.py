@@ -24,10 +24,22 @@ CASES = {
                           "b_ptr": "bf16", "c_ptr": "bf16", "d_ptr": "fp32",
                           "dt_bias_ptr": "fp32", "state_ptr": "fp32", **_RINGS, **_LAYOUT},
                          {**_SHAPE, "HAS_D": True, "HAS_DT_BIAS": True, "SOFTPLUS": True,
-                          "PAD_ROWS": 16}),
+                          "PAD_ROWS": 16, "HEADS_FIRST": False}),
     "ssd_commit": ("_ssd_commit_kernel",
                    {"state_ptr": "fp32", **_RINGS, "accept_lens_ptr": "i32", **_LAYOUT},
-                   _SHAPE),
+                   {**_SHAPE, "HEADS_FIRST": False}),
+    # a Mamba-1 mixer's one-element heads (Falcon-Mamba-7B: 8192 x 16 of them), heads first
+    "mamba1_forward_bf16": ("_ssd_forward_kernel",
+                            {"out_ptr": "fp32", "x_ptr": "bf16", "dt_ptr": "bf16",
+                             "a_ptr": "fp32", "b_ptr": "bf16", "c_ptr": "bf16", "d_ptr": "fp32",
+                             "dt_bias_ptr": "fp32", "state_ptr": "fp32", **_RINGS, **_LAYOUT},
+                            {"H": 131072, "G": 16, "NS": 1, "P": 1, "N_PAD": 1, "BLOCK_P": 1,
+                             "NUM_PB": 1, "HAS_D": False, "HAS_DT_BIAS": True,
+                             "SOFTPLUS": True, "PAD_ROWS": 16, "HEADS_FIRST": True}),
+    "mamba1_commit": ("_ssd_commit_kernel",
+                      {"state_ptr": "fp32", **_RINGS, "accept_lens_ptr": "i32", **_LAYOUT},
+                      {"H": 131072, "G": 16, "NS": 1, "P": 1, "N_PAD": 1, "BLOCK_P": 1,
+                       "NUM_PB": 1, "HEADS_FIRST": True}),
 }
 
 

@@ -37,11 +37,14 @@ def _case(lens, h=128, g=8, n_state=128, p=64, dtype=torch.bfloat16, seed=0):
                 qsl=qsl.cuda(), slots=slots.cuda())
 
 
-@pytest.mark.parametrize("lens", [[1], [8] * 16, [3, 1, 8, 2, 5, 1, 7, 4] * 8, [40, 3]])
-def test_ssd_kernel_matches_reference_at_nemotron_shapes(lens):
+@pytest.mark.parametrize("lens, shape", [
+    ([1], {}), ([8] * 16, {}), ([3, 1, 8, 2, 5, 1, 7, 4] * 8, {}), ([40, 3], {}),
+    # Falcon-Mamba-7B's Mamba-1 mixer as one-element heads: 131072 of them, heads first
+    ([3, 8, 1], dict(h=8192 * 16, g=16, n_state=1, p=1))])
+def test_ssd_kernel_matches_reference_at_nemotron_shapes(lens, shape):
     from dspark_compile.kernels import ssd as triton_ssd
 
-    c = _case(lens)
+    c = _case(lens, **shape)
     h, p = c["x"].shape[1:]
     g, n_state = c["B"].shape[1:]
     outs, rings = [], []

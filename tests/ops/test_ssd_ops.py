@@ -207,6 +207,8 @@ def test_triton_matches_reference(name, h, g, n_state, p, bias, d, limits):
     plan = kernels.plan_ssd(len(lens), h, n_state, p, 132)
     if p > 16:
         plan = kernels.SsdPlan(plan.n_pad, 16, 2)
+    if p == 1:  # the grid with heads on its first axis, as past 65535 (head, block) programs
+        plan = kernels.SsdPlan(plan.n_pad, plan.block_p, plan.num_pb, heads_first=True)
     want, want_rings = run_ssd(c, layout, limits=limits)
     got, got_rings = run_ssd(c, layout, limits=limits, impl=lambda *a: kernels.ssd_triton(
         *a, plan=plan))
@@ -220,6 +222,17 @@ def test_triton_matches_reference(name, h, g, n_state, p, bias, d, limits):
     OPS.ssd_commit(pools[0], *want_rings, layout.qsl, layout.slots, acc)
     kernels.ssd_commit_triton(pools[1], *got_rings, layout.qsl, layout.slots, acc, plan=plan)
     torch.testing.assert_close(pools[1], pools[0], **TOL)
+
+
+@needs_triton
+def test_plan_puts_heads_first_past_the_grid_limit():
+    """Past 65535 (head, channel block) programs (Falcon-Mamba-7B's 8192 x 16 one-element
+    heads) they go on the grid's first axis; Mamba-2's shapes keep requests first."""
+    kernels = _triton()
+    assert kernels.plan_ssd(4, 8192 * 16, 1, 1, 132).heads_first
+    assert not kernels.plan_ssd(64, 128, 128, 64, 132).heads_first
+    with pytest.raises(ValueError, match="the grid's second axis holds at most 65535"):
+        kernels._grid(70000, 8, heads_first=True)
 
 
 @needs_triton
