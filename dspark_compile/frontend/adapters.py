@@ -24,6 +24,7 @@ from torch import nn
 from .plain import CachedAttention
 from ..specs import AttentionSpec, LinearSpec
 from .compressed import compressor_hooks
+from .dbrx import dbrx_hooks
 from .experts import experts_hooks
 from .hybrid import RecurrentLayers, hybrid_hooks
 from .llama4 import temperature_hooks, tuned_queries
@@ -465,7 +466,8 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         try:
             with route, hybrid_hooks(linear), \
                     vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
-                    experts_hooks(model), compressor_hooks(model, names), \
+                    experts_hooks(model), dbrx_hooks(model, names), \
+                    compressor_hooks(model, names), \
                     temperature_hooks(model, names):
                 yield
         finally:
