@@ -14,8 +14,8 @@ in, no gate fused), the module's own activation and product as graph code, and o
 ``experts_down`` (``w2`` as ``[E, F, D]``, in by out: ``transposed``). No weight is copied: the
 ops read the parameters through views.
 
-Only the exact classes with forwards whose source this was derived from (transformers 5.24)
-are taken; anything else is refused naming the module.
+Only the exact classes with forwards whose source this was derived from (transformers 5.24 and
+5.17) are taken; anything else is refused naming the module.
 """
 
 from __future__ import annotations
@@ -31,9 +31,11 @@ from .compressed import source_key
 
 __all__ = ["KNOWN_SOURCES", "dbrx_hooks"]
 
-KNOWN_SOURCES = {"DbrxExperts": frozenset({"acae1549e65ba7b2"}),
+KNOWN_SOURCES = {"DbrxExperts": frozenset({"acae1549e65ba7b2", "1305608305ce33be"}),
                  "DbrxExpertGLU": frozenset({"d4dac21b0aac7bb3"})}
-"""sha256 prefixes of the forwards this capture was derived from (transformers 5.24)."""
+"""sha256 prefixes of the forwards this capture was derived from: transformers 5.24, and 5.17,
+whose ``DbrxExperts.forward`` one-hot encodes the ids over ``E`` classes instead of ``E + 1``
+(the same loop for every id the router can give, a top-k over ``E`` logits: ``[0, E)``)."""
 
 
 def _forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
@@ -73,7 +75,7 @@ def dbrx_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
         if not known or not dtypes <= {torch.float32, torch.float16, torch.bfloat16}:
             raise NotImplementedError(
                 f"{type(m).__name__} {names.get(id(m), '?')!r}: DBRX's experts are captured "
-                "from DbrxExperts and DbrxExpertGLU's own forwards (transformers 5.24) with "
+                "from DbrxExperts and DbrxExpertGLU's own forwards (transformers 5.24, 5.17) with "
                 "plain float weights only, and these read otherwise; the model is refused "
                 "rather than verified wrong")
     original = DbrxExperts.forward
