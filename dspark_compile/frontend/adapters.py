@@ -25,6 +25,7 @@ from .plain import CachedAttention
 from ..specs import AttentionSpec, LinearSpec
 from .compressed import compressor_hooks
 from .dbrx import dbrx_hooks
+from .rotary import check_rotaries
 from .experts import experts_hooks
 from .hybrid import RecurrentLayers, hybrid_hooks
 from .llama4 import temperature_hooks, tuned_queries
@@ -452,6 +453,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
     linear = RecurrentLayers(model)
     mrope = mrope_spec(model)
     names = {id(m): name for name, m in model.named_modules()}
+    check_rotaries(model, names)
 
     @contextlib.contextmanager
     def hooks():

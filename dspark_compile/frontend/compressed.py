@@ -40,6 +40,7 @@ from torch import nn
 
 from ..ops import compressed as _compressed_ops  # noqa: F401  (registers the ops)
 from ..specs import CompressSpec
+from .rotary import FIXED_ROPE_TYPES
 from .scope import active_scope
 
 __all__ = ["compressor_hooks", "MODELING", "KNOWN_SOURCES"]
@@ -57,7 +58,7 @@ KNOWN_SOURCES = {
 (transformers 5.24, and 5.17, whose forwards differ only in naming the cache argument
 ``past_key_values``). A class whose forward reads otherwise is refused, not guessed at."""
 
-_STATIC_ROPE = frozenset({"default", "linear", "yarn", "llama3"})
+_STATIC_ROPE = FIXED_ROPE_TYPES
 """Rotary types whose frequencies are fixed at init (no ``dynamic_rope_update``)."""
 
 

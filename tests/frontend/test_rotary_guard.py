@@ -1,0 +1,96 @@
+"""Rotary types whose frequencies follow the batch's longest position are refused by name.
+
+HF's ``"dynamic"`` (NTK) and ``"longrope"`` rotaries pick their frequencies from
+``max(position_ids)`` of the whole batch in every forward, so a request's logits would depend on
+the requests verified with it. Such a model is refused before any trace, naming the module and
+the type; so is a type the library does not know. Scaled types with fixed frequencies (linear,
+YaRN, Llama 3) verify exactly, with sequences past their original context.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers as T
+from torch import nn
+
+from dspark_compile import dspark_compile
+from dspark_compile.frontend.rotary import FIXED_ROPE_TYPES, check_rotaries
+from helpers import prefill_and_rounds
+
+VOCAB = 96
+BASE = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2)
+ORIGINAL = 8  # the prompts (9-11 tokens) and every round pass it
+
+
+def llama(rope: dict, **extra):
+    torch.manual_seed(0)
+    cfg = T.LlamaConfig(**BASE, max_position_embeddings=extra.pop("positions", 256),
+                        rope_parameters={"rope_theta": 10000.0, **rope}, **extra)
+    return T.LlamaForCausalLM(cfg).eval()
+
+
+def test_dynamic_ntk_is_refused_naming_the_module_and_type():
+    model = llama({"rope_type": "dynamic", "factor": 2.0}, positions=ORIGINAL)
+    with pytest.raises(NotImplementedError,
+                       match=r"LlamaRotaryEmbedding 'model.rotary_emb': rope_type='dynamic' "
+                             r"recomputes its frequencies from the batch's longest position"):
+        dspark_compile(model)
+
+
+def test_longrope_is_refused():
+    torch.manual_seed(0)
+    half = 64 // 4 // 2
+    cfg = T.Phi3Config(**BASE, max_position_embeddings=4 * ORIGINAL, rope_parameters={
+        "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0] * half,
+        "long_factor": [2.0] * half, "original_max_position_embeddings": ORIGINAL})
+    with pytest.raises(NotImplementedError, match=r"rope_type='longrope' recomputes"):
+        dspark_compile(T.Phi3ForCausalLM(cfg).eval())
+
+
+class _Rotary(nn.Module):
+    def __init__(self, rope_type):
+        super().__init__()
+        self.rope_type = rope_type
+        self.register_buffer("sliding_attention_inv_freq", torch.ones(4), persistent=False)
+
+
+class _Model(nn.Module):
+    def __init__(self, rope_type):
+        super().__init__()
+        self.rotary = _Rotary(rope_type)
+
+
+def test_per_layer_types_and_unknown_types_are_checked():
+    check_rotaries(_Model({"full_attention": "default", "sliding_attention": "linear"}), {})
+    model = _Model({"full_attention": "default", "sliding_attention": "dynamic"})
+    names = {id(model.rotary): "model.rotary"}
+    with pytest.raises(NotImplementedError,
+                       match=r"_Rotary 'model.rotary': rope_type\['sliding_attention'\]="
+                             r"'dynamic' recomputes"):
+        check_rotaries(model, names)
+    with pytest.raises(NotImplementedError, match=r"rope_type='mystery' is not a rope type "
+                                                  r"whose frequencies are known to be fixed"):
+        check_rotaries(_Model("mystery"), {})
+
+
+def test_a_rope_type_without_frequencies_is_not_a_rotary():
+    """``rope_type`` alone (no ``inv_freq`` buffer) is some other module's attribute."""
+    holder = nn.Module()
+    holder.rope_type = "dynamic"
+    check_rotaries(holder, {})
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": ORIGINAL},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": ORIGINAL},
+], ids=lambda r: r["rope_type"])
+def test_fixed_scaled_rotaries_verify_exactly(rope):
+    assert rope["rope_type"] in FIXED_ROPE_TYPES
+    model = llama(rope)
+    err = prefill_and_rounds(model, dspark_compile(model), VOCAB)
+    assert err < 1e-5, err
