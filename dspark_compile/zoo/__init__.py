@@ -15,7 +15,7 @@ import os
 import sys
 import time
 
-from .check import STATUSES, TOLERANCE, Entry, Result, check, entries
+from .check import STATUSES, TOLERANCE, Entry, Result, check, entries, tolerance
 from .tiny import TinyConfig, tiny_config
 
 __all__ = ["STATUSES", "TOLERANCE", "Entry", "Result", "TinyConfig", "check", "entries",
@@ -63,6 +63,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "FILE (default README.md)")
     parser.add_argument("--from", dest="from_json", metavar="JSON",
                         help="write --markdown / --update-readme from a saved report, no run")
+    parser.add_argument("--device", default="cpu",
+                        help="where HF's forward and the verifier run (default cpu, the "
+                        "reference lowering; cuda: the Triton lowering, exact within "
+                        "zoo.check.GPU_TOLERANCE)")
     parser.add_argument("--list", action="store_true", help="print the entries and exit")
 
 
@@ -113,11 +117,14 @@ def _run(args, rep) -> dict:
             bar.update(1)
         sys.stdout.flush()
 
-    results = run_checks(selected, jobs=args.jobs, timeout=args.timeout, on_result=show)
+    results = run_checks(selected, jobs=args.jobs, timeout=args.timeout, on_result=show,
+                         device=args.device)
     if bar:
         bar.close()
     report = {"environment": rep.environment(), "jobs": args.jobs, "timeout": args.timeout,
-              "only": args.only or [], "wall_seconds": round(time.perf_counter() - start, 1),
+              "only": args.only or [], "device": args.device,
+              "tolerance": tolerance(args.device),
+              "wall_seconds": round(time.perf_counter() - start, 1),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "rows": [r.to_json() for r in results]}
     print()

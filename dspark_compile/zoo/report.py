@@ -93,7 +93,8 @@ def markdown(report: dict) -> str:
         "rounds; every verified row is compared with HF's own forward (eager attention, no KV "
         "cache) over that request's committed and drafted tokens.",
         "",
-        f"- **exact**: max \\|ragged − HF\\| ≤ {TOLERANCE:g} over all rows",
+        f"- **exact**: max \\|ragged − HF\\| ≤ {report.get('tolerance', TOLERANCE):g} over all "
+        f"rows (on {report.get('device', 'cpu')})",
         "- **refused**: the library raised its refusal, naming what is unsupported",
         "- **wrong**: ran, but a row is off by more than the tolerance (greedy flips given)",
         "- **error**: any other exception, a hang or a crash: a bug",

@@ -107,3 +107,14 @@ def test_cli_writes_markdown_and_readme_from_a_saved_report(tmp_path, capsys):
     assert "[docs/models.md](docs/models.md)" in readme.read_text()
     assert main(["zoo", "--list", "--only", "gpt2"]) == 0
     assert "GPT2LMHeadModel" in capsys.readouterr().out
+
+
+def test_gpu_runs_are_judged_by_the_gpu_bound_and_say_so():
+    from dspark_compile.zoo.check import GPU_TOLERANCE, TOLERANCE, tolerance
+
+    assert tolerance("cpu") == TOLERANCE < GPU_TOLERANCE == tolerance("cuda") == \
+        tolerance("cuda:1")
+    report = _report([_row("llama", "exact", err=1e-4)])
+    report.update(device="cuda", tolerance=GPU_TOLERANCE)
+    assert f"≤ {GPU_TOLERANCE:g} over all rows (on cuda)" in markdown(report)
+    assert f"≤ {TOLERANCE:g} over all rows (on cpu)" in markdown(_report([]))
