@@ -4,6 +4,7 @@ against its own HF forward (``python -m dspark_compile zoo``).
 * :mod:`.tiny`: a tiny config for any model type, by rules on field names.
 * :mod:`.check`: one architecture: build, compile, prefill + three ragged verify/commit
   rounds, compare every verified row with HF; exact / refused / wrong / error / skipped.
+* :mod:`.variants`: each model type again under config switches its checkpoints turn.
 * :mod:`.runner`: checks in parallel processes with a time limit each.
 * :mod:`.report`: the terminal table, JSON, ``docs/models.md`` and the README's list.
 """
@@ -67,6 +68,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where HF's forward and the verifier run (default cpu, the "
                         "reference lowering; cuda: the Triton lowering, exact within "
                         "zoo.check.GPU_TOLERANCE)")
+    parser.add_argument("--variants", action="store_true",
+                        help="also check each selected model type under the config switches "
+                        "of zoo/variants.py (biases, one KV head, scaled rotaries, windows, "
+                        "softcaps, ...)")
     parser.add_argument("--list", action="store_true", help="print the entries and exit")
 
 
@@ -75,7 +80,7 @@ def main(args: argparse.Namespace) -> int:
     from . import report as rep
 
     if args.list:
-        for entry in select(args.only):
+        for entry in _selected(args):
             print(f"{entry.name:32} {entry.architecture}")
         return 0
     if args.from_json:
@@ -96,10 +101,20 @@ def main(args: argparse.Namespace) -> int:
     return 1 if bad["wrong"] or bad["error"] else 0
 
 
+def _selected(args) -> list[Entry]:
+    """The entries ``--only`` names, with their ``--variants``."""
+    chosen = select(args.only)
+    if getattr(args, "variants", False):
+        from .variants import variant_entries
+
+        chosen = variant_entries(chosen)
+    return chosen
+
+
 def _run(args, rep) -> dict:
     from .runner import run_checks
 
-    selected = select(args.only)
+    selected = _selected(args)
     start = time.perf_counter()
     try:
         from tqdm import tqdm
@@ -122,7 +137,7 @@ def _run(args, rep) -> dict:
     if bar:
         bar.close()
     report = {"environment": rep.environment(), "jobs": args.jobs, "timeout": args.timeout,
-              "only": args.only or [], "device": args.device,
+              "only": args.only or [], "variants": bool(args.variants), "device": args.device,
               "tolerance": tolerance(args.device),
               "wall_seconds": round(time.perf_counter() - start, 1),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

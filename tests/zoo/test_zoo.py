@@ -118,3 +118,29 @@ def test_gpu_runs_are_judged_by_the_gpu_bound_and_say_so():
     report.update(device="cuda", tolerance=GPU_TOLERANCE)
     assert f"≤ {GPU_TOLERANCE:g} over all rows (on cuda)" in markdown(report)
     assert f"≤ {TOLERANCE:g} over all rows (on cpu)" in markdown(_report([]))
+
+
+def test_variants_set_the_switches_the_config_has():
+    from dspark_compile.zoo.variants import variant_entries
+
+    chosen = variant_entries(select(["llama", "gpt2"]))
+    llama = {e.variant: dict(e.overrides) for e in chosen if e.model_type == "llama"}
+    assert {"", "bias", "mqa", "head_dim32", "rope_yarn", "rope_dynamic", "eps"} <= set(llama)
+    assert "window5" not in llama and "final_softcap" not in llama  # Llama has neither field
+    assert llama["mqa"] == {"num_key_value_heads": 1}
+    assert llama["rope_dynamic"]["rope_parameters"]["rope_type"] == "dynamic"
+    assert llama["rope_dynamic"]["max_position_embeddings"] == 8
+    # GPT-2 has none of the rotary or attention-bias fields
+    assert not {"rope_yarn", "bias", "mqa"} & {e.variant for e in chosen if e.model_type == "gpt2"}
+
+
+@pytest.mark.parametrize("name,status", [("llama+mqa", "exact"), ("llama+rope_yarn", "exact"),
+                                         ("llama+rope_dynamic", "refused")])
+def test_a_variant_checks_its_switch(name, status):
+    from dspark_compile.zoo.variants import variant_entries
+
+    (entry,) = [e for e in variant_entries(select(["llama"])) if e.name == name]
+    result = check(entry)
+    assert result.status == status, (result.reason, result.message[:300])
+    if status == "refused":
+        assert "rope_type='dynamic'" in result.reason

@@ -1,0 +1,103 @@
+"""Config variants: each model type again under the switches real checkpoints of its family
+turn (``python -m dspark_compile zoo --variants``).
+
+The zoo's tiny config keeps a model type's defaults, but checkpoints differ from them: biases on
+or off, one KV head, a head dim unlike ``hidden / heads``, a scaled rotary, a window shorter than
+the sequence, logit softcaps. A variant sets one such switch (a field the type's text config
+has) on top of the tiny rules, so each one checks a code path the default leaves dark. Every
+variant must come out exact or refused by name; none may be wrong.
+
+The variants, by name (applied only where the config has the field):
+
+- ``bias``, ``mlp_bias``: ``attention_bias`` / ``mlp_bias`` on;
+- ``tied``: ``tie_word_embeddings`` flipped;
+- ``mqa``: one KV head;
+- ``head_dim32``: a head dim of 32 (twice ``hidden / heads``);
+- ``gelu_tanh``: ``hidden_act = "gelu_pytorch_tanh"``;
+- ``partial_rope``: ``partial_rotary_factor = 0.5``;
+- ``rope_linear``, ``rope_yarn``, ``rope_llama3``: scaled rotaries with an original context
+  (8) shorter than the sequences; ``rope_dynamic``: NTK scaling past an 8-position context,
+  which must be refused (its frequencies follow the batch's longest position);
+- ``window5``: a sliding window of 5 (switched on where the config has a switch);
+- ``final_softcap``, ``attn_softcap``: logit softcaps of 3 and 2;
+- ``eps``: an RMSNorm epsilon of 0.01 (a wrong epsilon shows at that size).
+"""
+
+from __future__ import annotations
+
+from .check import Entry
+
+__all__ = ["variant_entries"]
+
+ORIGINAL_CONTEXT = 8
+"""The original context of the scaled rotaries (the zoo's sequences run to 19 tokens)."""
+
+
+def _rope(base) -> dict:
+    """The rotary dict a variant starts from: the type's own theta (and partial factor)."""
+    base = base if isinstance(base, dict) and "rope_type" in base else {}
+    kept = {k: v for k, v in base.items() if k in ("rope_theta", "partial_rotary_factor")}
+    kept.setdefault("rope_theta", 10000.0)
+    return kept
+
+
+def _overrides(text: dict) -> list[tuple[str, tuple]]:
+    """``(variant, overrides)`` for a text config's fields (``text``: its ``to_dict()``)."""
+    out = []
+    if "attention_bias" in text:
+        out.append(("bias", (("attention_bias", True),)))
+    if "mlp_bias" in text:
+        out.append(("mlp_bias", (("mlp_bias", True),)))
+    if isinstance(text.get("tie_word_embeddings"), bool):
+        out.append(("tied", (("tie_word_embeddings", not text["tie_word_embeddings"]),)))
+    if "num_key_value_heads" in text:
+        out.append(("mqa", (("num_key_value_heads", 1),)))
+    if "head_dim" in text:
+        out.append(("head_dim32", (("head_dim", 32),)))
+    if "hidden_act" in text:
+        out.append(("gelu_tanh", (("hidden_act", "gelu_pytorch_tanh"),)))
+    if "partial_rotary_factor" in text:
+        out.append(("partial_rope", (("partial_rotary_factor", 0.5),)))
+    key = next((k for k in ("rope_parameters", "rope_scaling") if k in text), None)
+    if key is not None:
+        base = _rope(text.get(key))
+        original = {"original_max_position_embeddings": ORIGINAL_CONTEXT}
+        out += [
+            ("rope_linear", ((key, {**base, "rope_type": "linear", "factor": 2.0}),)),
+            ("rope_yarn", ((key, {**base, "rope_type": "yarn", "factor": 4.0, **original}),)),
+            ("rope_llama3", ((key, {**base, "rope_type": "llama3", "factor": 8.0,
+                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                    **original}),)),
+            ("rope_dynamic", ((key, {**base, "rope_type": "dynamic", "factor": 2.0}),
+                              ("max_position_embeddings", ORIGINAL_CONTEXT))),
+        ]
+    if "sliding_window" in text:
+        switch = (("use_sliding_window", True),) if "use_sliding_window" in text else ()
+        out.append(("window5", (("sliding_window", 5),) + switch))
+    if "final_logit_softcapping" in text:
+        out.append(("final_softcap", (("final_logit_softcapping", 3.0),)))
+    if "attn_logit_softcapping" in text:
+        out.append(("attn_softcap", (("attn_logit_softcapping", 2.0),)))
+    if "rms_norm_eps" in text:
+        out.append(("eps", (("rms_norm_eps", 1e-2),)))
+    return out
+
+
+def variant_entries(entries: list[Entry]) -> list[Entry]:
+    """The variants of every model type among ``entries`` (each type once, after the entries
+    of that type); a type whose default config cannot be built gets none."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+
+    out, seen = [], set()
+    for entry in entries:
+        out.append(entry)
+        if entry.model_type in seen or entry.model_type not in CONFIG_MAPPING:
+            continue
+        seen.add(entry.model_type)
+        try:
+            text = CONFIG_MAPPING[entry.model_type]().get_text_config().to_dict()
+        except Exception:  # noqa: BLE001 - a config that cannot be built has no variants
+            continue
+        out += [Entry(entry.model_type, entry.architecture, name, overrides)
+                for name, overrides in _overrides(text)]
+    return out
