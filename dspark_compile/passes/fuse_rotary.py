@@ -106,6 +106,18 @@ def _checked(x: fx.Node, cos: fx.Node, sin: fx.Node, add: fx.Node):
     return a, cos, sin, users[0]
 
 
+def _placeable(first: tuple, second: tuple, order: dict) -> bool:
+    """Whether one op after both rotations' inputs still comes before every use of either
+    result. All layers share one cos/sin, so the match before a rotation over the same cos/sin
+    may be another layer's: a layer whose q (or k) rotation takes another form leaves its
+    partner unpaired, and pairing that one with the next layer's would define a result after
+    the attention that reads it."""
+    ax, cos, sin, back_x, _ = first
+    ay, _, _, back_y, _ = second
+    last = max(order[n] for n in (ax, ay, cos, sin))
+    return all(order[u] > last for u in (*back_x.users, *back_y.users))
+
+
 def fuse_rotary(gm: fx.GraphModule) -> PassResult:
     """Rewrite ``gm`` in place (see the module docstring)."""
     result = PassResult("fuse_rotary", changed=0)
@@ -117,9 +129,9 @@ def fuse_rotary(gm: fx.GraphModule) -> PassResult:
         if found is None:
             continue
         key = (found[1], found[2])  # one cos/sin: a layer's q and k
-        if key in pending:
+        if key in pending and _placeable(pending[key], found, order):
             pairs.append((pending.pop(key), found))
-        else:
+        else:  # the first of a pair, or one whose partner is not a rotation this pass matches
             pending[key] = found
     for (ax, cos, sin, back_x, nodes_x), (ay, _, _, back_y, nodes_y) in pairs:
         last = max((ax, ay, cos, sin), key=order.__getitem__)  # every input is defined here

@@ -134,3 +134,25 @@ compiled, test_kernel_compiles_ahead_of_time = aot_tests(__file__, ["bf16", "fp1
 if __name__ == "__main__":
     assert os.environ.get("TRITON_INTERPRET") != "1", "AOT compile needs TRITON_INTERPRET unset"
     print(json.dumps(_compile_all()))
+
+
+def test_a_layer_with_one_matched_rotation_is_not_paired_with_the_next_layers() -> None:
+    """Falcon-H1 rotates q in the matched form and k otherwise, over the cos/sin every layer
+    shares: layer 0's q once paired with layer 1's, defining layer 0's rotated q after the
+    attention that reads it (the graph failed on the GPU). Unpaired rotations stay graph code
+    and the packed forward equals the unfused one."""
+    transformers = pytest.importorskip("transformers")
+    from dspark_compile import VerifyLayout, dspark_compile
+    from dspark_compile.zoo.tiny import tiny_config
+
+    config = tiny_config("falcon_h1", transformers.FalconH1ForCausalLM).config
+    torch.manual_seed(0)
+    model = transformers.FalconH1ForCausalLM._from_config(
+        config, attn_implementation="eager", dtype=torch.float32).eval()
+    plain, fused = dspark_compile(model), dspark_compile(model, rotary="triton")
+    assert "fuse_rotary: 0 rewritten" in fused.explain()
+    layout = VerifyLayout.pack([10, 7], [0, 0], [0, 1])
+    ids = torch.randint(3, 100, (17,), generator=torch.Generator().manual_seed(1))
+    outs = [v(ids, layout, v.new_state(max_requests=2, max_context=32))
+            for v in (plain, fused)]
+    assert torch.equal(outs[0], outs[1])
