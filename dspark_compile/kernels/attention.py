@@ -42,7 +42,7 @@ import triton.language as tl
 from ..ops.attention_reference import check_semantics
 from .launch import launch
 from .pdl import pdl_enter, pdl_options, use_pdl
-from .device import device_target
+from .device import device_target, fp32_dot_precision
 from .targets import TargetConfig
 
 __all__ = ["AttentionPlan", "plan_attention", "ragged_attention_triton"]
@@ -934,7 +934,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         BLOCK_M=plan.block_m, TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,
         SEARCH_ONCE=r + 1 <= plan.search, SPLIT=split, FOLD=counters is not None,
         MAX_SPLITS=max_splits, UPCAST=q.dtype != k_cache.dtype,
-        DOT_PRECISION=cfg.fp32_dot_precision, EARLY=pdl and early_reads and cfg.attn_early_reads,
+        DOT_PRECISION=fp32_dot_precision(cfg), EARLY=pdl and early_reads and cfg.attn_early_reads,
         PDL=pdl, HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
         HAS_SINKS=sinks is not None, CHUNKED=chunked,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **regs, **pdl_options(pdl))

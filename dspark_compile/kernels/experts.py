@@ -40,7 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .device import device_target
+from .device import device_target, fp32_dot_precision
 from .launch import launch
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .targets import TargetConfig
@@ -309,7 +309,7 @@ def _gemm(a, order, offsets, w, bias, scale, out, row_div: int, transposed: bool
            s_n, bias.stride(0) if bias is not None else 0, out.stride(0),
            BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=cfg.experts_block_k,
            E_P2=plan.e_p2, ACT=_ACT[activation], HAS_BIAS=bias is not None,
-           HAS_SCALE=scale is not None, DOT_PRECISION=cfg.fp32_dot_precision, PDL=pdl,
+           HAS_SCALE=scale is not None, DOT_PRECISION=fp32_dot_precision(cfg), PDL=pdl,
            num_warps=cfg.experts_num_warps, num_stages=cfg.experts_num_stages,
            **pdl_options(pdl))
 

@@ -36,7 +36,8 @@ class TargetConfig:
     warp_size: int
     """Threads per warp (wavefront): 32 on NVIDIA, 64 on CDNA3/CDNA4."""
     fp32_dot_precision: str
-    """``input_precision`` of ``tl.dot`` on float32 operands. AMD has no TF32 (``ieee``)."""
+    """``input_precision`` of ``tl.dot`` on float32 operands where torch allows TF32 matmuls
+    (``device.fp32_dot_precision``; IEEE otherwise). AMD has no TF32 (``ieee``)."""
     attn_tile_n: int
     """Keys per iteration of the attention loop (a multiple of the page size is not needed)."""
     attn_max_block_m: int

@@ -177,7 +177,7 @@ def test_arguments_outside_the_routing_tensors_are_refused():
 @pytest.mark.parametrize("name", ["qwen3_moe", "gpt_oss"])
 def test_gpu_triton_lowering_matches_hf(name):
     """The Triton experts (fused SwiGLU; GPT-OSS: biases, transposed weights, its own gate in
-    between) in float32 against HF's forward; their fp32 dots run in TF32 on sm_90."""
+    between) in float32 against HF's forward (IEEE fp32 dots at torch's default precision)."""
     model = _build(name).cuda()
     model.set_experts_implementation("batched_mm")  # HF's oracle in float32 on any GPU
     verifier = dspark_compile(model, lowering="triton")

@@ -157,3 +157,23 @@ def test_every_triton_op_with_outputs_zeroes_them_when_warming():
             if "zeros_when_warming(" not in src:
                 missing.append(name)
     assert len(checked) >= 6 and missing == [], (checked, missing)
+
+
+def test_float32_dots_follow_torchs_matmul_precision():
+    """IEEE float32 dots at torch's default ("highest"), as cuBLAS computes the model's own
+    float32 matmuls; the target's TF32 only where torch allows TF32; never on AMD."""
+    import torch
+
+    from dspark_compile.kernels.device import fp32_dot_precision
+    from dspark_compile.kernels.targets import TARGETS
+
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert fp32_dot_precision(TARGETS["sm_90"]) == "ieee"
+        for setting in ("high", "medium"):
+            torch.set_float32_matmul_precision(setting)
+            assert fp32_dot_precision(TARGETS["sm_90"]) == "tf32"
+            assert fp32_dot_precision(TARGETS["gfx942"]) == "ieee"
+    finally:
+        torch.set_float32_matmul_precision(before)

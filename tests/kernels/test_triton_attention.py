@@ -25,7 +25,8 @@ pytestmark = pytest.mark.skipif(
     not INTERPRET and not HAS_CUDA,
     reason="needs TRITON_INTERPRET=1 (set before import, as `make test` does) or a GPU")
 DEVICE = "cpu" if INTERPRET else "cuda"
-# float32: the interpreter computes dots in numpy fp32; CUDA uses TF32 (~3e-4 relative).
+# float32: the interpreter computes dots in numpy fp32; CUDA in IEEE fp32 at torch's default
+# matmul precision and TF32 (~3e-4 relative) where torch allows it.
 TOL = (1e-5, 1e-5) if INTERPRET else (3e-3, 3e-3)  # (atol, rtol)
 
 

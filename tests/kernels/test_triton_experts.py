@@ -22,8 +22,8 @@ from dspark_compile.ops import experts_reference as ref
 
 INTERPRET = os.environ.get("TRITON_INTERPRET") == "1"
 FP32_TOL = 1e-4 if INTERPRET or not torch.cuda.is_available() else 3e-3
-"""float32 dots: exact-ish in the interpreter (numpy); TF32 on CUDA (the target's fp32 dot
-precision)."""
+"""float32 dots: exact-ish in the interpreter (numpy); on CUDA IEEE at torch's default matmul
+precision, the target's TF32 where torch allows it (``device.fp32_dot_precision``)."""
 needs_kernel_device = pytest.mark.skipif(not INTERPRET and not torch.cuda.is_available(),
                                          reason="needs a GPU or TRITON_INTERPRET=1")
 

@@ -208,7 +208,7 @@ def test_short_contexts_and_the_default_keep_full_pools():
 @pytest.mark.parametrize("graphs", [False, True])
 def test_gpu_triton_rings_match_hf(graphs):
     """Gemma 2 (windowed and full layers, softcap) in float32 through the Triton lowering,
-    eagerly and in tier graphs, the ring wrapped several times: HF's rows (TF32 dots)."""
+    eagerly and in tier graphs, the ring wrapped several times: HF's rows."""
     model = _build("gemma2").cuda()
     verifier = dspark_compile(model, lowering="triton")
     session = Session(model, verifier, [1, 0], max_context=128, seed=3, device="cuda",
