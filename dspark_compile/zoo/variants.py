@@ -12,7 +12,9 @@ The variants, by name (applied only where the config has the field):
 - ``bias``, ``mlp_bias``: ``attention_bias`` / ``mlp_bias`` on;
 - ``tied``: ``tie_word_embeddings`` flipped;
 - ``mqa``: one KV head;
-- ``head_dim32``: a head dim of 32 (twice ``hidden / heads``);
+- ``head_dim32``, ``head_dim24``: a head dim of 32 (twice ``hidden / heads``) or 24 (not a
+  power of two: the kernels pad it, as for checkpoints with heads of 80, 96 or 192);
+- ``vocab131``: a vocabulary of 131 rows (odd, not a multiple of any tile);
 - ``gelu_tanh``: ``hidden_act = "gelu_pytorch_tanh"``;
 - ``partial_rope``: ``partial_rotary_factor = 0.5``;
 - ``rope_linear``, ``rope_yarn``, ``rope_llama3``: scaled rotaries with an original context
@@ -54,6 +56,9 @@ def _overrides(text: dict) -> list[tuple[str, tuple]]:
         out.append(("mqa", (("num_key_value_heads", 1),)))
     if "head_dim" in text:
         out.append(("head_dim32", (("head_dim", 32),)))
+        out.append(("head_dim24", (("head_dim", 24),)))
+    if "vocab_size" in text:
+        out.append(("vocab131", (("vocab_size", 131),)))
     if "hidden_act" in text:
         out.append(("gelu_tanh", (("hidden_act", "gelu_pytorch_tanh"),)))
     if "partial_rotary_factor" in text:
