@@ -188,8 +188,12 @@ def _special_ids(config) -> set[int]:
 
 
 def _hf_logits(model, seq: torch.Tensor) -> torch.Tensor:
+    """HF's logits over ``seq`` as ``generate`` calls the model: with an all-ones attention
+    mask. Without one some models build no mask at all, and their eager attention then sees
+    every token (transformers 5.17's Moshi), which no causal decoder is."""
     with torch.no_grad():
-        return model(input_ids=seq[None], use_cache=False).logits[0].float()
+        return model(input_ids=seq[None], attention_mask=torch.ones_like(seq[None]),
+                     use_cache=False).logits[0].float()
 
 
 def _reference_model(model_cls, config, impl: str, seed: int, result: Result, phase,

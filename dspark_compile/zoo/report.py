@@ -91,7 +91,8 @@ def markdown(report: dict) -> str:
         "cover every layer kind of the default config; float32, eval). The compiled verifier "
         "runs a prefill of three prompts (10, 7, 12 tokens) and three ragged verify/commit "
         "rounds; every verified row is compared with HF's own forward (eager attention, no KV "
-        "cache) over that request's committed and drafted tokens.",
+        "cache, an all-ones attention mask as `generate` passes) over that request's "
+        "committed and drafted tokens.",
         "",
         f"- **exact**: max \\|ragged − HF\\| ≤ {report.get('tolerance', TOLERANCE):g} over all "
         f"rows (on {report.get('device', 'cpu')})",
@@ -102,9 +103,11 @@ def markdown(report: dict) -> str:
         "",
         "Usage: `python -m dspark_compile zoo [--only NAME ...] [--jobs N] [--timeout S] "
         "[--out zoo.json] [--markdown [docs/models.md]] [--update-readme [README.md]] "
-        "[--from zoo.json] [--list]` (each check runs in its own process; `--from` rewrites "
-        "the Markdown and the README from a saved report without running). Exit status 1 when "
-        "any row is wrong or an error.",
+        "[--from zoo.json] [--device cuda] [--variants] [--list]` (each check runs in its own "
+        "process; `--from` rewrites the Markdown and the README from a saved report without "
+        "running; `--device cuda` runs HF and the verifier's Triton lowering on a GPU; "
+        "`--variants` adds each model type under the config switches of "
+        "`dspark_compile/zoo/variants.py`). Exit status 1 when any row is wrong or an error.",
         "",
         f"Run: transformers {env.get('transformers')}, torch {env.get('torch')}, Python "
         f"{env.get('python')}, {env.get('cpus')} CPUs ({env.get('machine')}), "

@@ -144,3 +144,24 @@ def test_a_variant_checks_its_switch(name, status):
     assert result.status == status, (result.reason, result.message[:300])
     if status == "refused":
         assert "rope_type='dynamic'" in result.reason
+
+
+def test_reference_logits_come_from_the_call_generate_makes():
+    """HF's forward is called with an all-ones attention mask, as ``generate`` calls it: some
+    models build no causal mask without one (transformers 5.17's Moshi attended to every
+    token)."""
+    import sys
+
+    import torch
+
+    seen = {}
+
+    class Stub(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, use_cache=None):
+            seen.update(ids=input_ids, mask=attention_mask, use_cache=use_cache)
+            return type("Out", (), {"logits": torch.zeros(1, input_ids.shape[1], 3)})()
+
+    check_module = sys.modules["dspark_compile.zoo.check"]
+    logits = check_module._hf_logits(Stub(), torch.tensor([5, 6, 7]))
+    assert logits.shape == (3, 3) and seen["use_cache"] is False
+    assert torch.equal(seen["mask"], torch.ones(1, 3, dtype=torch.int64))
