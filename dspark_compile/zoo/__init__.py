@@ -68,6 +68,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where HF's forward and the verifier run (default cpu, the "
                         "reference lowering; cuda: the Triton lowering, exact within "
                         "zoo.check.GPU_TOLERANCE)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="verify dtype (bfloat16: the float32 model cast, judged against "
+                        "its float32 forward relative to HF's own bfloat16 error)")
     parser.add_argument("--variants", action="store_true",
                         help="also check each selected model type under the config switches "
                         "of zoo/variants.py (biases, one KV head, scaled rotaries, windows, "
@@ -133,12 +136,12 @@ def _run(args, rep) -> dict:
         sys.stdout.flush()
 
     results = run_checks(selected, jobs=args.jobs, timeout=args.timeout, on_result=show,
-                         device=args.device)
+                         device=args.device, dtype=args.dtype)
     if bar:
         bar.close()
     report = {"environment": rep.environment(), "jobs": args.jobs, "timeout": args.timeout,
               "only": args.only or [], "variants": bool(args.variants), "device": args.device,
-              "tolerance": tolerance(args.device),
+              "dtype": args.dtype, "tolerance": tolerance(args.device),
               "wall_seconds": round(time.perf_counter() - start, 1),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "rows": [r.to_json() for r in results]}

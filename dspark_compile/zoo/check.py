@@ -8,6 +8,8 @@ attention). The outcome is one of :data:`STATUSES`.
 
 from __future__ import annotations
 
+import copy
+
 import os
 import time
 import traceback
@@ -18,8 +20,8 @@ import torch
 
 from .tiny import _TOKEN_ID, _walk, tiny_config
 
-__all__ = ["STATUSES", "TOLERANCE", "GPU_TOLERANCE", "Entry", "entries", "check", "classify",
-           "tolerance"]
+__all__ = ["STATUSES", "TOLERANCE", "GPU_TOLERANCE", "BF16_RATIO", "BF16_FLOOR", "DTYPES",
+           "Entry", "entries", "check", "classify", "tolerance"]
 
 STATUSES = ("exact", "refused", "wrong", "error", "skipped")
 """``exact``: every row within :data:`TOLERANCE`; ``refused``: the library raised its refusal
@@ -38,6 +40,20 @@ in another order than cuBLAS and HF's attention, and the GPU model tests use thi
 def tolerance(device: str) -> float:
     """The exactness bound of a check run on ``device``."""
     return TOLERANCE if torch.device(device).type == "cpu" else GPU_TOLERANCE
+
+
+BF16_RATIO = 2.0
+"""A bfloat16 check (``dtype="bfloat16"``) verifies in bfloat16 and judges against the float32
+forward of the same weights: it is exact when its largest error is at most this multiple of HF's
+own bfloat16 forward's (plus :data:`BF16_FLOOR`). Rounding at other points than HF (a norm or
+activation fused in float32, another summation order) moves a bfloat16 logit by as much as HF's
+own rounding does; a wrong mask, a lost term or a misplaced head moves it by far more."""
+
+BF16_FLOOR = 1e-2
+"""Absolute slack of the bfloat16 judgement (logits of order 1 round to 2**-8 in bfloat16)."""
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+"""The zoo's verify dtypes."""
 
 SLOTS = (2, 0, 1)
 PROMPTS = (10, 7, 12)
@@ -114,6 +130,9 @@ class Result:
     """``covered/kinds``: layer kinds of the default config the tiny one has."""
     reference: str = ""
     """HF attention implementation of the reference forward."""
+    hf_error: float | None = None
+    """bfloat16 checks: the largest |HF's bfloat16 forward - its float32 forward| (``max_error``
+    is then the verifier's against the float32 forward)."""
     message: str = ""
     """The whole exception text (refused / error rows)."""
     where: str = ""
@@ -218,14 +237,17 @@ def _reference_model(model_cls, config, impl: str, seed: int, result: Result, ph
 
 
 def check(entry: Entry, phase: Callable[[str], None] = lambda _: None,
-          seed: int = 0, device: str = "cpu") -> Result:
+          seed: int = 0, device: str = "cpu", dtype: str = "float32") -> Result:
     """Build, compile and verify ``entry`` on ``device`` (HF's forward and the verifier on the
-    same device: on a GPU the verifier's Triton lowering); never raises (the outcome is the
-    result)."""
+    same device: on a GPU the verifier's Triton lowering) in ``dtype`` (``"bfloat16"``: the
+    float32 model cast, judged by :data:`BF16_RATIO`); never raises once ``dtype`` is one of
+    :data:`DTYPES` (the outcome is the result)."""
+    if dtype not in DTYPES:
+        raise ValueError(f"dtype={dtype!r}; the zoo verifies in {sorted(DTYPES)}")
     start = time.perf_counter()
     result = Result(entry.name, entry.model_type, entry.architecture, "skipped")
     try:
-        _run(entry, result, phase, seed, device)
+        _run(entry, result, phase, seed, device, dtype)
     except _Stop:
         pass
     result.seconds = round(time.perf_counter() - start, 2)
@@ -253,7 +275,8 @@ def _fail(result: Result, step: str, err: BaseException):
     raise _Stop
 
 
-def _run(entry: Entry, result: Result, phase, seed: int, device: str) -> None:
+def _run(entry: Entry, result: Result, phase, seed: int, device: str,
+         dtype: str = "float32") -> None:
     import transformers
 
     from ..layout import VerifyLayout
@@ -282,9 +305,17 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str) -> None:
     else:
         _skip(result, *failures[0])
 
+    half = None
+    if dtype != "float32":  # the same weights cast; float32 stays the judge
+        try:
+            half = copy.deepcopy(model).to(DTYPES[dtype])
+            _hf_logits(half, allowed[:4].to(device))
+        except Exception as err:  # noqa: BLE001
+            _skip(result, "HF forward", err)
+
     _enter(result, phase, "compile")
     try:
-        verifier = dspark_compile(model)
+        verifier = dspark_compile(model if half is None else half)
     except Exception as err:  # noqa: BLE001
         _fail(result, "compile", err)
 
@@ -294,7 +325,12 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str) -> None:
     def draw(n):
         return allowed[torch.randint(0, allowed.numel(), (n,), generator=gen)]
 
-    worst, flipped, rows = 0.0, 0, 0
+    worst, hf_worst, flipped, rows = 0.0, 0.0, 0, 0
+
+    def max_abs(a, b) -> float:
+        diff = (a - b).abs()
+        return float(diff.max()) if torch.isfinite(diff).all() else float("inf")
+
     try:
         state = verifier.new_state(max_requests=max(SLOTS) + 1, max_context=64)
         seqs = [torch.empty(0, dtype=torch.int64) for _ in SLOTS]
@@ -310,9 +346,10 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str) -> None:
                 if got.shape != want.shape:
                     raise AssertionError(f"ragged logits {tuple(got.shape)} vs HF "
                                          f"{tuple(want.shape)}")
-                diff = (got - want).abs()
-                err = float(diff.max()) if torch.isfinite(diff).all() else float("inf")
-                worst = max(worst, err)
+                worst = max(worst, max_abs(got, want))
+                if half is not None:
+                    seq = torch.cat([seqs[i], new[i]]).to(device)
+                    hf_worst = max(hf_worst, max_abs(_hf_logits(half, seq)[-n:].cpu(), want))
                 flipped += int((got.argmax(-1) != want.argmax(-1)).sum())
                 rows += n
             verifier.commit(layout, list(accept), state)
@@ -323,9 +360,15 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str) -> None:
     result.phase = "done"
     result.max_error, result.rows = worst, rows
     result.flipped = flipped / rows if rows else None
-    if worst <= tolerance(device):
+    if half is None:
+        bound, what = tolerance(device), "HF"
+    else:
+        result.hf_error = hf_worst
+        bound, what = BF16_RATIO * hf_worst + BF16_FLOOR, "HF float32"
+    if worst <= bound:
         result.status = "exact"
     else:
         result.status = "wrong"
-        result.reason = (f"max |ragged - HF| = {worst:.3g}, {flipped} of {rows} greedy tokens "
-                         f"flipped ({flipped / rows:.0%})")
+        result.reason = (f"max |ragged - {what}| = {worst:.3g}"
+                         + (f" (HF's own {dtype}: {hf_worst:.3g})" if half is not None else "")
+                         + f", {flipped} of {rows} greedy tokens flipped ({flipped / rows:.0%})")

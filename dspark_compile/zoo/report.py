@@ -11,7 +11,7 @@ import subprocess
 import textwrap
 from collections import Counter
 
-from .check import STATUSES, TOLERANCE
+from .check import BF16_FLOOR, BF16_RATIO, STATUSES, TOLERANCE
 
 __all__ = ["BEGIN", "END", "environment", "counts", "table", "markdown", "readme_section",
            "update_readme", "save", "load"]
@@ -76,6 +76,17 @@ def _md(text: str, width: int = 240) -> str:
     return _clip(text, width).replace("|", "\\|")
 
 
+def _exact_rule(report: dict) -> str:
+    """The Markdown line saying when a row of ``report`` is exact."""
+    where = report.get("device", "cpu")
+    if report.get("dtype", "float32") != "float32":
+        return (f"- **exact**: verified in {report['dtype']} on {where}, max \\|ragged − HF "
+                f"float32\\| ≤ {BF16_RATIO:g} × HF's own {report['dtype']} error + "
+                f"{BF16_FLOOR:g} over all rows")
+    return (f"- **exact**: max \\|ragged − HF\\| ≤ {report.get('tolerance', TOLERANCE):g} over "
+            f"all rows (on {where})")
+
+
 def markdown(report: dict) -> str:
     """``docs/models.md``: the whole table, bugs (wrong, error) first."""
     env = report["environment"]
@@ -94,8 +105,7 @@ def markdown(report: dict) -> str:
         "cache, an all-ones attention mask as `generate` passes) over that request's "
         "committed and drafted tokens.",
         "",
-        f"- **exact**: max \\|ragged − HF\\| ≤ {report.get('tolerance', TOLERANCE):g} over all "
-        f"rows (on {report.get('device', 'cpu')})",
+        _exact_rule(report),
         "- **refused**: the library raised its refusal, naming what is unsupported",
         "- **wrong**: ran, but a row is off by more than the tolerance (greedy flips given)",
         "- **error**: any other exception, a hang or a crash: a bug",

@@ -26,25 +26,27 @@ _PRELOAD = ["torch", "torch._dynamo", "torch.export", "sympy", "transformers",
 """Imported once by the fork server (imports only: no torch op runs before a fork)."""
 
 
-def _child(entry: Entry, conn, threads: int, device: str) -> None:
+def _child(entry: Entry, conn, threads: int, device: str, dtype: str) -> None:
     import torch
     import transformers
 
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
-    result = check(entry, phase=lambda step: conn.send(("phase", step)), device=device)
+    result = check(entry, phase=lambda step: conn.send(("phase", step)), device=device,
+                   dtype=dtype)
     conn.send(("result", result.to_json()))
     conn.close()
 
 
 def run_checks(selected: Iterable[Entry], jobs: int = 1, timeout: float = 300.0,
                on_result: Callable[[Result], None] = lambda _: None,
-               preload: list[str] | None = None, device: str = "cpu") -> list[Result]:
+               preload: list[str] | None = None, device: str = "cpu",
+               dtype: str = "float32") -> list[Result]:
     """Check every entry, ``jobs`` at a time; results in the order of ``selected``.
     ``preload``: the modules the fork server imports (default :data:`_PRELOAD`; it takes
-    effect only when this process starts its fork server, i.e. on the first call). ``device``:
-    where each check runs its model and verifier (``check``)."""
+    effect only when this process starts its fork server, i.e. on the first call). ``device``,
+    ``dtype``: where and in what each check runs its model and verifier (``check``)."""
     selected = list(selected)
     ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods()
                          else "spawn")
@@ -69,7 +71,7 @@ def run_checks(selected: Iterable[Entry], jobs: int = 1, timeout: float = 300.0,
         while pending and len(running) < max(1, jobs):
             index, entry = pending.popleft()
             parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(entry, child, threads, device),
+            proc = ctx.Process(target=_child, args=(entry, child, threads, device, dtype),
                                daemon=True)
             proc.start()
             child.close()

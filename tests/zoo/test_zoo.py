@@ -165,3 +165,17 @@ def test_reference_logits_come_from_the_call_generate_makes():
     logits = check_module._hf_logits(Stub(), torch.tensor([5, 6, 7]))
     assert logits.shape == (3, 3) and seen["use_cache"] is False
     assert torch.equal(seen["mask"], torch.ones(1, 3, dtype=torch.int64))
+
+
+def test_bfloat16_checks_judge_against_float32_relative_to_hfs_own_rounding():
+    from dspark_compile.zoo.check import BF16_FLOOR, BF16_RATIO
+
+    result = check(_entry("llama"), dtype="bfloat16")
+    assert result.status == "exact", (result.reason, result.message[:300])
+    assert 0 < result.hf_error and result.max_error <= BF16_RATIO * result.hf_error + BF16_FLOOR
+    assert result.max_error > 1e-4  # it did run in bfloat16
+    report = _report([_row("llama", "exact", err=4e-3)])
+    report.update(dtype="bfloat16", device="cuda")
+    assert "verified in bfloat16 on cuda" in markdown(report)
+    with pytest.raises(ValueError, match="dtype='float16'; the zoo verifies in"):
+        check(_entry("llama"), dtype="float16")
