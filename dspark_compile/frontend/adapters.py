@@ -25,6 +25,7 @@ from .plain import CachedAttention
 from ..specs import AttentionSpec, LinearSpec
 from .compressed import compressor_hooks
 from .dbrx import dbrx_hooks
+from .longcat import longcat_hooks
 from .rotary import check_rotaries
 from .experts import experts_hooks
 from .hybrid import RecurrentLayers, hybrid_hooks
@@ -469,6 +470,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
             with route, hybrid_hooks(linear), \
                     vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
                     experts_hooks(model), dbrx_hooks(model, names), \
+                    longcat_hooks(model, names), \
                     compressor_hooks(model, names), \
                     temperature_hooks(model, names):
                 yield
