@@ -21,22 +21,28 @@ END = "<!-- zoo:end -->"
 _ORDER = {s: i for i, s in enumerate(("wrong", "error", "refused", "exact", "skipped"))}
 
 
-def environment() -> dict:
-    """Versions and machine of this run, and the package's git commit (``+dirty`` when its
-    files differ from it)."""
-    import torch
-    import transformers
-
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    commit = ""
+def _git_commit(root: str) -> str:
+    """The checkout's short commit at ``root``, ``+dirty`` when the package's files differ from
+    it; empty without git or a checkout."""
     try:
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
                                 capture_output=True, timeout=10).stdout.strip()
         dirty = subprocess.run(["git", "status", "--porcelain", "--", "dspark_compile"],
                                cwd=root, text=True, capture_output=True, timeout=10).stdout
-        commit += "+dirty" if commit and dirty.strip() else ""
     except (OSError, subprocess.SubprocessError):
-        pass
+        return ""
+    return commit + ("+dirty" if commit and dirty.strip() else "")
+
+
+def environment() -> dict:
+    """Versions and machine of this run, and the package's git commit (``+dirty`` when its
+    files differ from it); ``DSPARK_COMMIT`` names it instead where the package is a copy
+    outside its checkout (a ``git archive`` shipped to another machine)."""
+    import torch
+    import transformers
+
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    commit = os.environ.get("DSPARK_COMMIT", "") or _git_commit(root)
     return {"transformers": transformers.__version__, "torch": torch.__version__,
             "python": platform.python_version(), "machine": platform.machine(),
             "cpus": os.cpu_count(), "dspark_compile": commit}

@@ -22,7 +22,11 @@ The variants, by name (applied only where the config has the field):
   which must be refused (its frequencies follow the batch's longest position);
 - ``window5``: a sliding window of 5 (switched on where the config has a switch);
 - ``final_softcap``, ``attn_softcap``: logit softcaps of 3 and 2;
-- ``eps``: an RMSNorm epsilon of 0.01 (a wrong epsilon shows at that size).
+- ``eps``: an RMSNorm epsilon of 0.01 (a wrong epsilon shows at that size);
+- ``conv3``, ``conv2``: causal-conv windows of 3 and 2 (Mamba, Mamba-2, Gated DeltaNet, short
+  conv; most checkpoints use 4, LFM2 3);
+- ``groups2``: two Mamba-2 B/C groups; ``gdn_key_heads1``: one Gated DeltaNet key head shared
+  by every value head.
 """
 
 from __future__ import annotations
@@ -85,7 +89,22 @@ def _overrides(text: dict) -> list[tuple[str, tuple]]:
         out.append(("attn_softcap", (("attn_logit_softcapping", 2.0),)))
     if "rms_norm_eps" in text:
         out.append(("eps", (("rms_norm_eps", 1e-2),)))
+    convs = [k for k in _CONV_WIDTHS if isinstance(text.get(k), int)]
+    if convs:
+        out.append(("conv3", tuple((k, 3) for k in convs)))
+        out.append(("conv2", tuple((k, 2) for k in convs)))
+    groups = [k for k in _SSM_GROUPS if isinstance(text.get(k), int)]
+    if groups:
+        out.append(("groups2", tuple((k, 2) for k in groups)))
+    if isinstance(text.get("linear_num_key_heads"), int):
+        out.append(("gdn_key_heads1", (("linear_num_key_heads", 1),)))
     return out
+
+
+_CONV_WIDTHS = ("conv_kernel", "mamba_d_conv", "linear_conv_kernel_dim", "conv_L_cache")
+"""Causal-conv widths of the state-space and linear-attention families."""
+_SSM_GROUPS = ("n_groups", "mamba_n_groups", "mamba_ngroups")
+"""Mamba-2 B/C group counts."""
 
 
 def variant_entries(entries: list[Entry]) -> list[Entry]:

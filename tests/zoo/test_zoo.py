@@ -179,3 +179,10 @@ def test_bfloat16_checks_judge_against_float32_relative_to_hfs_own_rounding():
     assert "verified in bfloat16 on cuda" in markdown(report)
     with pytest.raises(ValueError, match="dtype='float16'; the zoo verifies in"):
         check(_entry("llama"), dtype="float16")
+
+
+def test_a_copy_outside_its_checkout_names_its_commit(monkeypatch):
+    from dspark_compile.zoo.report import environment
+
+    monkeypatch.setenv("DSPARK_COMMIT", "abc1234")
+    assert environment()["dspark_compile"] == "abc1234"
