@@ -25,6 +25,10 @@
 #   dsv4_tests    pytest -m gpu on DeepSeek-V4 (kernels, float32 exactness, tier-graph replay)
 #   e2e_small     e2e.py --concurrency 1 8, default draft and --mean-accepted 1.5 (planner at c <= 8)
 #   moe_steps     hybrid_step.py --variant a3b, then --variant moe (MoE verify steps vs HF)
+#   zoo_gpu       zoo --device cuda                    (every architecture, Triton lowering, fp32)
+#   zoo_bf16      zoo --device cuda --dtype bfloat16   (the same in bf16: the fused skinny paths)
+#   zoo_variants  zoo --device cuda --variants over the families the README names
+# The zoo jobs need DSPARK_COMMIT set where the tree is not a git checkout (a git archive).
 # One-off A/B and probe jobs are in git history. Each job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
 # A job that runs past its limit is stopped and the next one starts.
@@ -68,9 +72,20 @@ job() {
       python3 benchmarks/e2e.py --concurrency 1 8 --mean-accepted 1.5 ;;
     moe_steps) python3 benchmarks/hybrid_step.py --variant a3b &&
       python3 benchmarks/hybrid_step.py --variant moe ;;
+    zoo_gpu) python3 -m dspark_compile zoo --device cuda --jobs 14 --timeout 150 \
+        --out "$OUT/zoo_gpu.json" ;;
+    zoo_bf16) python3 -m dspark_compile zoo --device cuda --dtype bfloat16 --jobs 14 \
+        --timeout 150 --out "$OUT/zoo_gpu_bf16.json" ;;
+    zoo_variants) python3 -m dspark_compile zoo --device cuda --variants --jobs 14 --timeout 150 \
+        --only $ZOO_FAMILIES --out "$OUT/zoo_gpu_variants.json" ;;
     *) echo "unknown job $1"; return 2 ;;
   esac
 }
+
+ZOO_FAMILIES="llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe qwen3_next gemma gemma2
+  gemma3_text phi3 gpt_oss deepseek_v3 glm4 cohere2 granite starcoder2 olmo2 olmoe falcon gpt_neox
+  smollm3 ernie4_5 seed_oss minimax_m2 nemotron_h granitemoehybrid lfm2 exaone4 hunyuan_v1_dense
+  ministral falcon_h1 mamba2 bamba zamba2 jamba kimi_linear qwen3_5_text"
 
 if [ "${1:-}" = "--one" ]; then  # one job, under the caller's timeout
   job "$2"

@@ -9,7 +9,6 @@ attention). The outcome is one of :data:`STATUSES`.
 from __future__ import annotations
 
 import copy
-
 import os
 import time
 import traceback
