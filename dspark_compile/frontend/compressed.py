@@ -30,8 +30,6 @@ unexpected arguments, a rotary whose frequencies change with the sequence (dynam
 from __future__ import annotations
 
 import contextlib
-import hashlib
-import inspect
 import sys
 from typing import Iterator
 
@@ -40,6 +38,7 @@ from torch import nn
 
 from ..ops import compressed as _compressed_ops  # noqa: F401  (registers the ops)
 from ..specs import CompressSpec
+from .replaced import source_key
 from .rotary import FIXED_ROPE_TYPES
 from .scope import active_scope
 
@@ -60,11 +59,6 @@ KNOWN_SOURCES = {
 
 _STATIC_ROPE = FIXED_ROPE_TYPES
 """Rotary types whose frequencies are fixed at init (no ``dynamic_rope_update``)."""
-
-
-def source_key(cls) -> str:
-    """sha256 prefix of ``cls.forward``'s source: which forward a capture was derived from."""
-    return hashlib.sha256(inspect.getsource(cls.forward).encode()).hexdigest()[:16]
 
 
 def _refuse(where: str, what: str) -> NotImplementedError:

@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..ops import experts as _experts_ops  # noqa: F401  (registers the dspark::experts_* ops)
-from .compressed import source_key
+from .replaced import source_key, swapped_forward
 
 __all__ = ["KNOWN_SOURCES", "dbrx_hooks"]
 
@@ -78,9 +78,5 @@ def dbrx_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
                 "from DbrxExperts and DbrxExpertGLU's own forwards (transformers 5.24, 5.17) with "
                 "plain float weights only, and these read otherwise; the model is refused "
                 "rather than verified wrong")
-    original = DbrxExperts.forward
-    DbrxExperts.forward = _forward
-    try:
+    with swapped_forward(DbrxExperts, _forward):
         yield
-    finally:
-        DbrxExperts.forward = original

@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .compressed import source_key
+from .replaced import source_key
 
 __all__ = ["KNOWN_SOURCES", "temperature_hooks", "tuned_queries"]
 

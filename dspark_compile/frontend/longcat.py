@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..ops import experts as _experts_ops  # noqa: F401  (registers the dspark::experts_* ops)
-from .compressed import source_key
+from .replaced import source_key, swapped_forward
 
 __all__ = ["KNOWN_SOURCES", "longcat_hooks"]
 
@@ -82,9 +82,5 @@ def longcat_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
                 "captured from LongcatFlashExperts' own forward (transformers 5.24, 5.17) with "
                 "routed experts of plain float weights only, and these read otherwise; the "
                 "model is refused rather than verified wrong")
-    original = LongcatFlashExperts.forward
-    LongcatFlashExperts.forward = _forward
-    try:
+    with swapped_forward(LongcatFlashExperts, _forward):
         yield
-    finally:
-        LongcatFlashExperts.forward = original

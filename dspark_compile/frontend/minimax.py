@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from .compressed import source_key
+from .replaced import source_key, swapped_forward
 from .recurrent import RecurrentLayers
 
 __all__ = ["KNOWN_SOURCES", "has_lightning", "lightning_hooks"]
@@ -98,13 +98,8 @@ def lightning_hooks(layers: RecurrentLayers) -> Iterator[None]:
                 f"{layers.name(m)}: its lightning attention is captured from "
                 "MiniMaxLightningAttention's own forward (transformers 5.17 and 5.24) only, and "
                 "this forward reads otherwise; the model is refused rather than verified wrong")
-    original = MiniMaxLightningAttention.forward
-
     def forward(module, *args, **kwargs):
         return _forward(layers, module, *args, **kwargs)
 
-    MiniMaxLightningAttention.forward = forward
-    try:
+    with swapped_forward(MiniMaxLightningAttention, forward):
         yield
-    finally:
-        MiniMaxLightningAttention.forward = original

@@ -71,7 +71,7 @@ def test_changed_experts_forward_is_refused(monkeypatch):
 @pytest.mark.gpu
 def test_float32_on_gpu_through_triton_matches_hf():
     """The experts through the Triton routing and grouped GEMMs, on the GPU."""
-    from dspark_compile.frontend.compressed import source_key
+    from dspark_compile.frontend.replaced import source_key
     from dspark_compile.frontend.dbrx import KNOWN_SOURCES
 
     if any(source_key(cls) not in KNOWN_SOURCES[cls.__name__]

@@ -79,7 +79,7 @@ def test_changed_lightning_forward_is_refused(monkeypatch):
 @pytest.mark.gpu
 def test_float32_on_gpu_through_triton_matches_hf():
     """The lightning layers through the Triton Mamba-2 scan, on the GPU."""
-    from dspark_compile.frontend.compressed import source_key
+    from dspark_compile.frontend.replaced import source_key
     from dspark_compile.frontend.minimax import KNOWN_SOURCES
 
     if source_key(minimax.MiniMaxLightningAttention) not in KNOWN_SOURCES:
