@@ -11,7 +11,11 @@ The variants, by name (applied only where the config has the field):
 
 - ``bias``, ``mlp_bias``: ``attention_bias`` / ``mlp_bias`` on;
 - ``tied``: ``tie_word_embeddings`` flipped;
-- ``mqa``: one KV head;
+- ``mqa``: one KV head; ``mha``: as many KV heads as query heads; ``group7``: 7 query heads
+  of 16 on one KV head, width 112 (a GQA group that is no power of two, as Qwen2.5-7B's
+  28 / 4);
+  ``hidden96``: a width of 96 with 6 heads on 2 KV heads (a hidden size that is no power of
+  two, as 3584 or 5120 are);
 - ``head_dim32``, ``head_dim24``: a head dim of 32 (twice ``hidden / heads``) or 24 (not a
   power of two: the kernels pad it, as for checkpoints with heads of 80, 96 or 192);
 - ``vocab131``: a vocabulary of 131 rows (odd, not a multiple of any tile);
@@ -32,6 +36,7 @@ The variants, by name (applied only where the config has the field):
 from __future__ import annotations
 
 from .check import Entry
+from .tiny import SIZES
 
 __all__ = ["variant_entries"]
 
@@ -58,6 +63,13 @@ def _overrides(text: dict) -> list[tuple[str, tuple]]:
         out.append(("tied", (("tie_word_embeddings", not text["tie_word_embeddings"]),)))
     if "num_key_value_heads" in text:
         out.append(("mqa", (("num_key_value_heads", 1),)))
+        if "num_attention_heads" in text:  # the tiny rules give every config SIZES["heads"]
+            out.append(("mha", (("num_key_value_heads", SIZES["heads"]),)))
+        if "head_dim" in text and "num_attention_heads" in text:
+            out.append(("group7", (("hidden_size", 112), ("num_attention_heads", 7),
+                                   ("num_key_value_heads", 1), ("head_dim", 16))))
+            out.append(("hidden96", (("hidden_size", 96), ("num_attention_heads", 6),
+                                     ("num_key_value_heads", 2), ("head_dim", 16))))
     if "head_dim" in text:
         out.append(("head_dim32", (("head_dim", 32),)))
         out.append(("head_dim24", (("head_dim", 24),)))
