@@ -186,3 +186,26 @@ def test_a_copy_outside_its_checkout_names_its_commit(monkeypatch):
 
     monkeypatch.setenv("DSPARK_COMMIT", "abc1234")
     assert environment()["dspark_compile"] == "abc1234"
+
+
+def test_bfloat16_rows_off_everywhere_are_wrong_not_near_ties(monkeypatch):
+    """A verifier 5% off in its final norm is off on every row, and HF's own perturbed bfloat16
+    forward moves no row that far: wrong, with no row excused as a near-tie."""
+    import copy
+    import sys
+
+    import torch
+
+    verifier_module = sys.modules["dspark_compile.verifier"]
+    real = verifier_module.dspark_compile
+
+    def skewed(model, **kwargs):
+        own = copy.deepcopy(model)  # the verifier's weights only; HF's stay as they were
+        with torch.no_grad():
+            own.model.norm.weight.mul_(1.05)
+        return real(own, **kwargs)
+
+    monkeypatch.setattr(verifier_module, "dspark_compile", skewed)
+    result = check(_entry("llama"), dtype="bfloat16")
+    assert result.status == "wrong" and result.tie_rows == 0
+    assert result.off_rows == result.rows
