@@ -21,9 +21,13 @@ from torch import nn
 
 __all__ = ["FIXED_ROPE_TYPES", "check_rotaries"]
 
-FIXED_ROPE_TYPES = frozenset({"default", "linear", "yarn", "llama3", "proportional"})
+FIXED_ROPE_TYPES = frozenset({"default", "linear", "yarn", "llama3", "proportional", "axial",
+                              "ntk_alpha"})
 """Rope types whose frequencies transformers computes once, at init (none of them goes through
-``dynamic_rope_update``'s recomputation)."""
+``dynamic_rope_update``'s recomputation): the shared ones, the vision towers' 2D ``"axial"``
+(Qwen2-VL's family), and Hunyuan's ``"ntk_alpha"`` (its checkpoints say ``"dynamic"`` with a
+fixed ``alpha``, which only stretches the base; the model renames the type so that nothing
+recomputes it)."""
 
 
 def _types(rope_type) -> list[tuple[str, object]]:

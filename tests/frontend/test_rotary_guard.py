@@ -94,3 +94,17 @@ def test_fixed_scaled_rotaries_verify_exactly(rope):
     model = llama(rope)
     err = prefill_and_rounds(model, dspark_compile(model), VOCAB)
     assert err < 1e-5, err
+
+
+def test_hunyuans_fixed_alpha_ntk_is_taken():
+    """Hunyuan checkpoints label their rotary "dynamic" with a fixed alpha: the model renames it
+    "ntk_alpha" (frequencies fixed at init), which verifies exactly past the original
+    context."""
+    torch.manual_seed(0)
+    cfg = T.HunYuanDenseV1Config(**BASE, head_dim=16, max_position_embeddings=ORIGINAL,
+                                 rope_parameters={"rope_type": "dynamic", "alpha": 1000.0,
+                                                  "factor": 1.0, "rope_theta": 10000.0})
+    model = T.HunYuanDenseV1ForCausalLM(cfg).eval()
+    assert model.model.rotary_emb.rope_type == "ntk_alpha"
+    err = prefill_and_rounds(model, dspark_compile(model), VOCAB)
+    assert err < 1e-5, err
