@@ -31,9 +31,12 @@ build or run the HF model itself (the reason says which step)."""
 TOLERANCE = 1e-5
 """Largest |ragged - HF| of an exact architecture (float32, CPU, reference lowering)."""
 
-GPU_TOLERANCE = 2e-3
-"""The same on a GPU (float32, the Triton lowering against HF's CUDA forward): the kernels sum
-in another order than cuBLAS and HF's attention, and the GPU model tests use this bound."""
+GPU_TOLERANCE = 1e-4
+"""The same on a GPU (float32, the Triton lowering against HF's CUDA forward at torch's default
+float32 matmul precision): the kernels sum in another order than cuBLAS and HF's attention. On
+the H200 the worst exact architecture was 3.8e-6 off with IEEE float32 dots (``zoo_gpu_rest``,
+``zoo_gpu_moe_variants``); TF32 dots put every logit ~3e-4 off (the runs before them were judged
+at 2e-3)."""
 
 
 def tolerance(device: str) -> float:
