@@ -85,7 +85,7 @@ job() {
 ZOO_FAMILIES="llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe qwen3_next gemma gemma2
   gemma3_text phi3 gpt_oss deepseek_v3 glm4 cohere2 granite starcoder2 olmo2 olmoe falcon gpt_neox
   smollm3 ernie4_5 seed_oss minimax_m2 nemotron_h granitemoehybrid lfm2 exaone4 hunyuan_v1_dense
-  ministral falcon_h1 mamba2 bamba zamba2 jamba kimi_linear qwen3_5_text"
+  ministral falcon_h1 mamba2 bamba zamba2 jamba kimi_linear qwen3_5_text longcat_flash"
 
 if [ "${1:-}" = "--one" ]; then  # one job, under the caller's timeout
   job "$2"
