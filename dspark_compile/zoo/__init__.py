@@ -23,10 +23,11 @@ __all__ = ["STATUSES", "TOLERANCE", "Entry", "Result", "TinyConfig", "check", "e
            "tiny_config", "select", "add_arguments", "main"]
 
 
-def select(names: list[str] | None) -> list[Entry]:
+def select(names: list[str] | None, skip_unknown: bool = False) -> list[Entry]:
     """The entries named (model type, ``type+variant`` or class name, any case); a model type
     brings its variants. All entries when ``names`` is empty; an unknown name raises
-    ``ValueError`` listing the close ones."""
+    ``ValueError`` listing the close ones, or with ``skip_unknown`` (a scripted list run
+    against another transformers) is named in one log line and left out."""
     every = entries()
     if not names:
         return every
@@ -43,8 +44,11 @@ def select(names: list[str] | None) -> list[Entry]:
 
         close = {n: difflib.get_close_matches(n.lower(), [e.name for e in every], n=3)
                  for n in unknown}
-        raise ValueError("no such architecture in this transformers: " + "; ".join(
-            f"{n} (close: {', '.join(c) or 'none'})" for n, c in close.items()))
+        what = "no such architecture in this transformers: " + "; ".join(
+            f"{n} (close: {', '.join(c) or 'none'})" for n, c in close.items())
+        if not skip_unknown:
+            raise ValueError(what)
+        print(f"zoo: left out, {what}", file=sys.stderr)
     return chosen
 
 
@@ -75,6 +79,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also check each selected model type under the config switches "
                         "of zoo/variants.py (biases, one KV head, scaled rotaries, windows, "
                         "softcaps, ...)")
+    parser.add_argument("--skip-unknown", action="store_true",
+                        help="leave out --only names this transformers lacks (one log line) "
+                        "instead of refusing the run")
     parser.add_argument("--list", action="store_true", help="print the entries and exit")
 
 
@@ -106,7 +113,7 @@ def main(args: argparse.Namespace) -> int:
 
 def _selected(args) -> list[Entry]:
     """The entries ``--only`` names, with their ``--variants``."""
-    chosen = select(args.only)
+    chosen = select(args.only, skip_unknown=getattr(args, "skip_unknown", False))
     if getattr(args, "variants", False):
         from .variants import variant_entries
 

@@ -120,7 +120,8 @@ def markdown(report: dict) -> str:
         "",
         "Usage: `python -m dspark_compile zoo [--only NAME ...] [--jobs N] [--timeout S] "
         "[--out zoo.json] [--markdown [docs/models.md]] [--update-readme [README.md]] "
-        "[--from zoo.json] [--device cuda] [--variants] [--list]` (each check runs in its own "
+        "[--from zoo.json] [--device cuda] [--dtype bfloat16] [--variants] [--skip-unknown] "
+        "[--list]` (each check runs in its own "
         "process; `--from` rewrites the Markdown and the README from a saved report without "
         "running; `--device cuda` runs HF and the verifier's Triton lowering on a GPU; "
         "`--variants` adds each model type under the config switches of "

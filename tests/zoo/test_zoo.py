@@ -209,3 +209,12 @@ def test_bfloat16_rows_off_everywhere_are_wrong_not_near_ties(monkeypatch):
     result = check(_entry("llama"), dtype="bfloat16")
     assert result.status == "wrong" and result.tie_rows == 0
     assert result.off_rows == result.rows
+
+
+def test_a_scripted_list_may_leave_out_names_this_transformers_lacks(capsys):
+    with pytest.raises(ValueError, match="no such architecture in this transformers: nosuch"):
+        select(["llama", "nosuch"])
+    chosen = select(["llama", "nosuch"], skip_unknown=True)
+    assert [e.name for e in chosen] == ["llama"]
+    assert "left out, no such architecture in this transformers: nosuch" in \
+        capsys.readouterr().err
