@@ -262,6 +262,16 @@ def ragged_rounds_error(model, verifier, slots, prompts, vocab: int, seed: int, 
     return session.max_err
 
 
+def triton_rounds_error(model, slots, prompts, vocab: int, seed: int, **kwargs) -> float:
+    """:func:`ragged_rounds_error` of ``model`` moved to the GPU and compiled with the Triton
+    lowering."""
+    from dspark_compile import dspark_compile
+
+    model = model.cuda()
+    return ragged_rounds_error(model, dspark_compile(model, lowering="triton"), slots, prompts,
+                               vocab, seed, device="cuda", **kwargs)
+
+
 def assert_nan_drafts_contained(model, verifier, poison: int, slots, prompts, lens, accept,
                                 seed: int = 0, capture: bool = False) -> None:
     """A token whose embedding row is NaN at every rejected draft position (``lens[i]`` drafts,

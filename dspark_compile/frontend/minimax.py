@@ -14,8 +14,8 @@ state pool and a replay ring like a Mamba-2 mixer, with no conv window (``Linear
 ``"scan"``).
 
 Only the exact class with a forward whose source this was derived from (transformers 5.17 or
-5.24) is taken; a subclass or a changed forward is refused naming the module. The capture runs with
-``use_cache=False`` and no padding mask; a forward given either is refused.
+5.24) is taken; a subclass or a changed forward is refused naming the module. The capture runs
+with ``use_cache=False`` and no padding mask; a forward given either is refused.
 """
 
 from __future__ import annotations
@@ -98,6 +98,7 @@ def lightning_hooks(layers: RecurrentLayers) -> Iterator[None]:
                 f"{layers.name(m)}: its lightning attention is captured from "
                 "MiniMaxLightningAttention's own forward (transformers 5.17 and 5.24) only, and "
                 "this forward reads otherwise; the model is refused rather than verified wrong")
+
     def forward(module, *args, **kwargs):
         return _forward(layers, module, *args, **kwargs)
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dspark_compile import dspark_compile
-from helpers import assert_nan_drafts_contained, ragged_rounds_error
+from helpers import assert_nan_drafts_contained, ragged_rounds_error, triton_rounds_error
 
 kimi = pytest.importorskip("transformers.models.kimi_linear.modeling_kimi_linear")
 
@@ -77,8 +77,5 @@ def test_nan_draft_cannot_reach_accepted_rows_or_state(compiled):
 @pytest.mark.gpu
 def test_float32_on_gpu_through_triton_matches_hf():
     """The KDA layers through the Triton gated delta rule with channel gates, on the GPU."""
-    model = tiny_kimi().cuda()
-    verifier = dspark_compile(model, lowering="triton")
-    err = ragged_rounds_error(model, verifier, [2, 0, 1], [6, 9, 4], POISON, seed=5,
-                              device="cuda")
+    err = triton_rounds_error(tiny_kimi(), [2, 0, 1], [6, 9, 4], POISON, seed=5)
     assert err < 2e-3, err

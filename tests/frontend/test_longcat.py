@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from dspark_compile import dspark_compile
-from helpers import ragged_rounds_error
+from helpers import ragged_rounds_error, triton_rounds_error
 
 longcat = pytest.importorskip("transformers.models.longcat_flash.modeling_longcat_flash")
 
@@ -91,8 +91,5 @@ def test_changed_experts_forward_is_refused(monkeypatch):
 @pytest.mark.gpu
 def test_float32_on_gpu_through_triton_matches_hf():
     """The routed experts through the Triton routing and grouped GEMMs, on the GPU."""
-    model = tiny_longcat().cuda()
-    verifier = dspark_compile(model, lowering="triton")
-    err = ragged_rounds_error(model, verifier, [1, 0, 2], [7, 4, 9], VOCAB, seed=5,
-                              device="cuda")
+    err = triton_rounds_error(tiny_longcat(), [1, 0, 2], [7, 4, 9], VOCAB, seed=5)
     assert err < 2e-3, err
