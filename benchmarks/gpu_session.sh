@@ -25,6 +25,8 @@
 #   dsv4_tests    pytest -m gpu on DeepSeek-V4 (kernels, float32 exactness, tier-graph replay)
 #   e2e_small     e2e.py --concurrency 1 8, default draft and --mean-accepted 1.5 (planner at c <= 8)
 #   moe_steps     hybrid_step.py --variant a3b, then --variant moe (MoE verify steps vs HF)
+#   moe_attr      hybrid_step.py --variant moe --attribute --check-only (its bf16 logits: ours
+#                 and HF vs a float32 copy)
 #   zoo_gpu       zoo --device cuda                    (every architecture, Triton lowering, fp32)
 #   zoo_bf16      zoo --device cuda --dtype bfloat16   (the same in bf16: the fused skinny paths)
 #   zoo_variants  zoo --device cuda --variants over the families the README names
@@ -72,6 +74,7 @@ job() {
       python3 benchmarks/e2e.py --concurrency 1 8 --mean-accepted 1.5 ;;
     moe_steps) python3 benchmarks/hybrid_step.py --variant a3b &&
       python3 benchmarks/hybrid_step.py --variant moe ;;
+    moe_attr) python3 benchmarks/hybrid_step.py --variant moe --attribute --check-only ;;
     zoo_gpu) python3 -m dspark_compile zoo --device cuda --jobs 14 --timeout 150 \
         --out "$OUT/zoo_gpu.json" ;;
     zoo_bf16) python3 -m dspark_compile zoo --device cuda --dtype bfloat16 --jobs 14 \

@@ -32,7 +32,7 @@ Correctness once before timing: prefill + one ragged verify of 3 requests agains
 of each request alone (bf16: the max abs error is recorded, as verify_step.py does).
 
     python benchmarks/hybrid_step.py [--out DIR] [--quick | --smoke] [--variant moe|a3b]
-        [--bs 1 8]
+        [--bs 1 8] [--attribute] [--check-only]
 
 Writes ``hybrid_step.json`` (``hybrid_step_<variant>.json`` for a variant; GPU, versions, every
 setting, all timings) and the same-named ``.png``
@@ -44,6 +44,7 @@ iterations), written as ``hybrid_step_smoke.json``; it checks the script, times 
 from __future__ import annotations
 
 import argparse
+import copy
 import importlib.util
 import inspect
 import json
@@ -57,8 +58,8 @@ import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
 from dspark_compile.session.tiers import Tier
-from common import (capture_graph, max_err_vs_hf, mix_lens, plot_step_ms, step_tiers,
-                    time_ms as _time_ms)
+from common import (capture_graph, errors_vs_models, max_err_vs_hf, mix_lens, plot_step_ms,
+                    step_tiers, time_ms as _time_ms)
 
 PATTERN = ["linear_attention"] * 3 + ["full_attention"]
 QWEN3_NEXT_SMALL = dict(
@@ -359,11 +360,28 @@ def hf_row(model, s: Settings, bs: int) -> tuple[dict, list[str]]:
     return row, classes
 
 
-def run(s: Settings, save) -> dict:
+def attribute_errors(model, verifier, s: Settings) -> dict:
+    """Ours and HF's own forward, both in the model's dtype, against a float32 copy of the
+    model on the same rows: whether a bf16 difference from HF is ours or the dtype's."""
+    reference = copy.deepcopy(model).float()
+    errors = errors_vs_models(verifier, {"hf_float32": reference, "hf": model},
+                              s.model["vocab_size"], s.device, max_step_tokens=64)
+    del reference
+    if s.gpu:
+        torch.cuda.empty_cache()
+    print("max |x - y| of the logits:", errors, flush=True)
+    return errors
+
+
+def run(s: Settings, save, attribute: bool = False, check_only: bool = False) -> dict:
     model = build_model(s)
     params = sum(p.numel() for p in model.parameters())
     linear_params = params - model.model.embed_tokens.weight.numel()  # the LM head is read
     verifier, check = compile_and_check(model, s)
+    if attribute:
+        check["errors_vs_float32"] = attribute_errors(model, verifier, s)
+    if check_only:
+        return {"params": params, **check, "results": {}}
     experts = hf_experts_path(model, s)  # after the check: HF's oracle ran its default
     max_bs = max(s.batches)
     state = verifier.new_state(max_requests=max_bs, max_context=s.context + s.block,
@@ -463,6 +481,11 @@ def main(argv=None) -> dict:
                         help="dense_mlp (default), moe (Qwen3-Next's real experts) or a3b "
                              "(Qwen3-30B-A3B's layer, 12 layers)")
     parser.add_argument("--bs", type=int, nargs="+", help="batch sizes (default: the variant's)")
+    parser.add_argument("--attribute", action="store_true",
+                        help="also compare ours and HF's own forward against a float32 copy of "
+                             "the model (errors_vs_float32 in the JSON; needs the copy's memory)")
+    parser.add_argument("--check-only", action="store_true",
+                        help="compile and check against HF (and --attribute), time nothing")
     args = parser.parse_args(argv)
     s = settings_for(SMOKE if args.smoke else QUICK if args.quick else FULL, args.variant)
     if args.bs:
@@ -478,7 +501,11 @@ def main(argv=None) -> dict:
         with open(stem + ".json", "w") as f:
             json.dump({**head, **part}, f, indent=1)
 
-    data = {**head, **run(s, save)}
+    data = {**head, **run(s, save, args.attribute, args.check_only)}
+    if args.check_only:
+        save(data)
+        print(json.dumps({k: v for k, v in data.items() if k not in head}, indent=1))
+        return data
     try:
         plot(data, stem + ".png")
         data["png"] = stem + ".png"
