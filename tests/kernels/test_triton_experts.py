@@ -212,7 +212,7 @@ AOT_CASES = {  # case -> (kernel, pointer dtypes, constexprs)
                              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, E_P2=256, ACT=0,
                                   HAS_BIAS=True, HAS_SCALE=True, DOT_PRECISION="ieee")),
     "combine_bf16": ("_combine_kernel", dict(scratch_ptr="bf16", out_ptr="bf16"),
-                     dict(BLOCK_T=16, BLOCK_D=256)),
+                     dict(TOP_K=8, BLOCK_T=8, BLOCK_D=256)),
 }
 
 
