@@ -22,6 +22,10 @@ from .tiny import TinyConfig, tiny_config
 __all__ = ["STATUSES", "TOLERANCE", "Entry", "Result", "TinyConfig", "check", "entries",
            "tiny_config", "select", "add_arguments", "main"]
 
+PARTIAL_EVERY_S = 10.0
+"""While checks run, the report is rewritten (marked ``partial``) at most this often: a run
+stopped by a time limit keeps the rows it finished."""
+
 
 def select(names: list[str] | None, skip_unknown: bool = False) -> list[Entry]:
     """The entries named (model type, ``type+variant`` or class name, any case); a model type
@@ -134,6 +138,12 @@ def _run(args, rep) -> dict:
         if tqdm else None  # disable=None: no bar when stderr is not a terminal
     write = bar.write if bar and not bar.disable else print
 
+    head = {"environment": rep.environment(args.device), "jobs": args.jobs,
+            "timeout": args.timeout, "only": args.only or [], "variants": bool(args.variants),
+            "device": args.device, "dtype": args.dtype, "tolerance": tolerance(args.device)}
+    done: list[dict] = []
+    saved = [time.perf_counter()]
+
     def show(r: Result) -> None:
         err = "" if r.max_error is None else f"{r.max_error:.1e}"
         write(f"{r.name:32} {r.status:8} {err:9} {r.seconds:6.1f}s  "
@@ -141,15 +151,17 @@ def _run(args, rep) -> dict:
         if bar:
             bar.update(1)
         sys.stdout.flush()
+        done.append(r.to_json())
+        if time.perf_counter() - saved[0] > PARTIAL_EVERY_S:  # a stopped run keeps its rows
+            rep.save(args.out, {**head, "partial": f"{len(done)} of {len(selected)} checks",
+                                "rows": done})
+            saved[0] = time.perf_counter()
 
     results = run_checks(selected, jobs=args.jobs, timeout=args.timeout, on_result=show,
                          device=args.device, dtype=args.dtype)
     if bar:
         bar.close()
-    report = {"environment": rep.environment(), "jobs": args.jobs, "timeout": args.timeout,
-              "only": args.only or [], "variants": bool(args.variants), "device": args.device,
-              "dtype": args.dtype, "tolerance": tolerance(args.device),
-              "wall_seconds": round(time.perf_counter() - start, 1),
+    report = {**head, "wall_seconds": round(time.perf_counter() - start, 1),
               "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
               "rows": [r.to_json() for r in results]}
     print()

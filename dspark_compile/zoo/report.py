@@ -34,18 +34,30 @@ def _git_commit(root: str) -> str:
     return commit + ("+dirty" if commit and dirty.strip() else "")
 
 
-def environment() -> dict:
-    """Versions and machine of this run, and the package's git commit (``+dirty`` when its
-    files differ from it); ``DSPARK_COMMIT`` names it instead where the package is a copy
-    outside its checkout (a ``git archive`` shipped to another machine)."""
+def environment(device: str = "cpu") -> dict:
+    """Versions and machine of this run (with the GPU's name when ``device`` is one), and the
+    package's git commit (``+dirty`` when its files differ from it); ``DSPARK_COMMIT`` names it
+    instead where the package is a copy outside its checkout (a ``git archive`` shipped to
+    another machine)."""
     import torch
     import transformers
 
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     commit = os.environ.get("DSPARK_COMMIT", "") or _git_commit(root)
-    return {"transformers": transformers.__version__, "torch": torch.__version__,
-            "python": platform.python_version(), "machine": platform.machine(),
-            "cpus": os.cpu_count(), "dspark_compile": commit}
+    env = {"transformers": transformers.__version__, "torch": torch.__version__,
+           "python": platform.python_version(), "machine": platform.machine(),
+           "cpus": os.cpu_count(), "dspark_compile": commit}
+    if device != "cpu" and torch.cuda.is_available():
+        env["gpu"] = torch.cuda.get_device_name(torch.device(device))
+        env["triton"] = _version("triton")
+    return env
+
+
+def _version(package: str) -> str | None:
+    try:
+        return __import__(package).__version__
+    except ImportError:
+        return None
 
 
 def counts(rows: list[dict]) -> Counter:
@@ -212,10 +224,14 @@ def update_readme(path: str, report: dict, link: str = "docs/models.md") -> None
 
 
 def save(path: str, report: dict) -> None:
+    """Write ``report`` to ``path`` whole or not at all (a temporary file, then a rename): a run
+    stopped while saving keeps its previous report."""
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    with open(path, "w", encoding="utf-8") as f:
+    tmp = f"{path}.tmp{os.getpid()}"
+    with open(tmp, "w", encoding="utf-8") as f:
         json.dump(report, f, indent=1, default=str)
         f.write("\n")
+    os.replace(tmp, path)
 
 
 def load(path: str) -> dict:

@@ -40,6 +40,9 @@ from .tiny import SIZES
 
 __all__ = ["variant_entries"]
 
+_TOKEN_TABLES = ("vocab_size_per_layer_input",)
+"""Other embedding tables indexed by the token ids: where one is as long as the vocabulary, the
+``vocab131`` variant resizes it too (a longer vocabulary alone would draw ids past its end)."""
 ORIGINAL_CONTEXT = 8
 """The original context of the scaled rotaries (the zoo's sequences run to 19 tokens)."""
 
@@ -50,6 +53,17 @@ def _rope(base) -> dict:
     kept = {k: v for k, v in base.items() if k in ("rope_theta", "partial_rotary_factor")}
     kept.setdefault("rope_theta", 10000.0)
     return kept
+
+
+def _scaled_rope(value, kind: dict) -> dict:
+    """The rotary field with ``kind`` (a scaled type) in it. A field keyed by layer type (Gemma 3
+    and 4: ``{"sliding_attention": {...}, "full_attention": {...}}``) scales the full-attention
+    layers' rotary and keeps the others', as those checkpoints do."""
+    if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
+        scale = {"full_attention"} & set(value) or set(value)
+        return {layer: {**_rope(rope), **kind} if layer in scale else dict(rope)
+                for layer, rope in value.items()}
+    return {**_rope(value), **kind}
 
 
 def _overrides(text: dict) -> list[tuple[str, tuple]]:
@@ -73,25 +87,26 @@ def _overrides(text: dict) -> list[tuple[str, tuple]]:
     if "head_dim" in text:
         out.append(("head_dim32", (("head_dim", 32),)))
         out.append(("head_dim24", (("head_dim", 24),)))
-    if "vocab_size" in text:
-        out.append(("vocab131", (("vocab_size", 131),)))
+    if "vocab_size" in text:  # with every table the token ids index (Gemma 4's per-layer one)
+        out.append(("vocab131", tuple((k, 131) for k in ("vocab_size", *_TOKEN_TABLES)
+                                      if k in text and text[k] == text["vocab_size"])))
     if "hidden_act" in text:
         out.append(("gelu_tanh", (("hidden_act", "gelu_pytorch_tanh"),)))
     if "partial_rotary_factor" in text:
         out.append(("partial_rope", (("partial_rotary_factor", 0.5),)))
     key = next((k for k in ("rope_parameters", "rope_scaling") if k in text), None)
     if key is not None:
-        base = _rope(text.get(key))
         original = {"original_max_position_embeddings": ORIGINAL_CONTEXT}
-        out += [
-            ("rope_linear", ((key, {**base, "rope_type": "linear", "factor": 2.0}),)),
-            ("rope_yarn", ((key, {**base, "rope_type": "yarn", "factor": 4.0, **original}),)),
-            ("rope_llama3", ((key, {**base, "rope_type": "llama3", "factor": 8.0,
-                                    "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-                                    **original}),)),
-            ("rope_dynamic", ((key, {**base, "rope_type": "dynamic", "factor": 2.0}),
-                              ("max_position_embeddings", ORIGINAL_CONTEXT))),
-        ]
+        scaled = {
+            "rope_linear": {"rope_type": "linear", "factor": 2.0},
+            "rope_yarn": {"rope_type": "yarn", "factor": 4.0, **original},
+            "rope_llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                            "high_freq_factor": 4.0, **original},
+            "rope_dynamic": {"rope_type": "dynamic", "factor": 2.0}}
+        for name, kind in scaled.items():
+            extra = (("max_position_embeddings", ORIGINAL_CONTEXT),) \
+                if name == "rope_dynamic" else ()
+            out.append((name, ((key, _scaled_rope(text.get(key), kind)),) + extra))
     if "sliding_window" in text:
         switch = (("use_sliding_window", True),) if "use_sliding_window" in text else ()
         out.append(("window5", (("sliding_window", 5),) + switch))

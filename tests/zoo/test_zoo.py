@@ -135,11 +135,23 @@ def test_variants_set_the_switches_the_config_has():
 
 
 @pytest.mark.parametrize("name,status", [("llama+mqa", "exact"), ("llama+rope_yarn", "exact"),
-                                         ("llama+rope_dynamic", "refused")])
+                                         ("llama+rope_dynamic", "refused"),
+                                         ("gemma4_text+vocab131", "exact"),
+                                         ("gemma3_text+rope_linear", "exact")])
 def test_a_variant_checks_its_switch(name, status):
+    """``gemma4_text+vocab131`` once lengthened the vocabulary and not Gemma 4's per-layer token
+    table, so the check drew ids past that table's end and crashed (an ``error`` row); Gemma 3's
+    rotary field is keyed by layer type, and a scaled variant once replaced it whole (HF's config
+    then failed: no check ran)."""
     from dspark_compile.zoo.variants import variant_entries
 
-    (entry,) = [e for e in variant_entries(select(["llama"])) if e.name == name]
+    (entry,) = [e for e in variant_entries(select([name.split("+")[0]])) if e.name == name]
+    if name == "gemma4_text+vocab131":
+        assert dict(entry.overrides) == {"vocab_size": 131, "vocab_size_per_layer_input": 131}
+    if name == "gemma3_text+rope_linear":
+        rope = dict(entry.overrides)["rope_parameters"]
+        assert rope["full_attention"]["rope_type"] == "linear"
+        assert rope["sliding_attention"]["rope_type"] == "default"
     result = check(entry)
     assert result.status == status, (result.reason, result.message[:300])
     if status == "refused":
@@ -218,3 +230,26 @@ def test_a_scripted_list_may_leave_out_names_this_transformers_lacks(capsys):
     assert [e.name for e in chosen] == ["llama"]
     assert "left out, no such architecture in this transformers: nosuch" in \
         capsys.readouterr().err
+
+
+def test_a_stopped_run_keeps_the_rows_it_finished(tmp_path, monkeypatch):
+    """The report is rewritten, marked partial, while checks run: a run killed by its time
+    limit leaves the finished rows on disk instead of nothing."""
+    import dspark_compile.zoo as zoo
+    import dspark_compile.zoo.runner as runner
+
+    def two_then_killed(selected, on_result, **_):
+        for entry in selected[:2]:
+            on_result(Result(entry.name, entry.model_type, entry.architecture, "exact",
+                             max_error=1e-7))
+        raise KeyboardInterrupt  # what a time limit's signal ends the run with
+
+    monkeypatch.setattr(runner, "run_checks", two_then_killed)
+    monkeypatch.setattr(zoo, "PARTIAL_EVERY_S", -1.0)
+    out = tmp_path / "zoo.json"
+    with pytest.raises(KeyboardInterrupt):
+        main(["zoo", "--only", "llama", "gpt2", "qwen2", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["partial"] == f"2 of {len(select(['llama', 'gpt2', 'qwen2']))} checks"
+    assert [r["name"] for r in saved["rows"]] == ["llama", "gpt2"]
+    assert saved["environment"]["dspark_compile"] and "gpu" not in saved["environment"]
