@@ -222,6 +222,21 @@ def errors_vs_models(verifier, models: dict, vocab: int, device, **state_kwargs)
     return out
 
 
+def errors_vs_float32(model, verifier, vocab: int, device) -> dict:
+    """:func:`errors_vs_models` against the model itself and a float32 copy of it (made here,
+    freed after): whether a bf16 difference from HF is ours or the dtype's. Prints the result."""
+    import copy
+
+    reference = copy.deepcopy(model).float()
+    errors = errors_vs_models(verifier, {"hf_float32": reference, "hf": model}, vocab, device,
+                              max_step_tokens=64)
+    del reference
+    if torch.device(device).type == "cuda":
+        torch.cuda.empty_cache()
+    print("max |x - y| of the logits:", errors, flush=True)
+    return errors
+
+
 def capture_graph(step) -> tuple:
     """``(graph, None)``: ``step`` captured in a CUDA graph after a warm-up call on a side
     stream; ``(None, error)`` if it cannot be captured (the error goes into the JSON, never

@@ -45,7 +45,7 @@ from dataclasses import asdict, dataclass, replace
 
 import torch
 
-from common import errors_vs_models, max_err_vs_hf, mix_lens, step_tiers, versions
+from common import errors_vs_float32, max_err_vs_hf, mix_lens, step_tiers, versions
 from dspark_compile import VerifyLayout, dspark_compile
 
 SLIDING, HCA, CSA = "sliding_attention", "heavily_compressed_attention", \
@@ -212,15 +212,8 @@ def run(s: Settings, save, attribute: bool = False) -> dict:
     compile_s = time.perf_counter() - t0
     err = max_err_vs_hf(model, verifier, s.model["vocab_size"], s.device, max_step_tokens=64)
     print(f"compiled in {compile_s:.1f} s; max |ours - HF| ({s.dtype}) = {err:.3g}", flush=True)
-    attribution = None
-    if attribute:  # ours and HF's own forward, both in the model's dtype, against float32
-        reference = copy.deepcopy(model).float()
-        attribution = errors_vs_models(verifier, {"hf_float32": reference, "hf": model},
-                                       s.model["vocab_size"], s.device, max_step_tokens=64)
-        del reference
-        if s.gpu:
-            torch.cuda.empty_cache()
-        print("max |x - y| of the logits:", attribution, flush=True)
+    attribution = errors_vs_float32(model, verifier, s.model["vocab_size"], s.device) \
+        if attribute else None  # ours and HF's own forward, in the model's dtype, vs float32
     max_bs = max(s.batches)
     state = verifier.new_state(max_requests=max_bs, max_context=s.context + s.block,
                                max_step_tokens=max_bs * s.block)

@@ -44,7 +44,6 @@ iterations), written as ``hybrid_step_smoke.json``; it checks the script, times 
 from __future__ import annotations
 
 import argparse
-import copy
 import importlib.util
 import inspect
 import json
@@ -58,8 +57,8 @@ import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
 from dspark_compile.session.tiers import Tier
-from common import (capture_graph, errors_vs_models, max_err_vs_hf, mix_lens, plot_step_ms,
-                    step_tiers, time_ms as _time_ms)
+from common import (capture_graph, errors_vs_float32, max_err_vs_hf, mix_lens,
+                    plot_step_ms, step_tiers, time_ms as _time_ms)
 
 PATTERN = ["linear_attention"] * 3 + ["full_attention"]
 QWEN3_NEXT_SMALL = dict(
@@ -360,26 +359,14 @@ def hf_row(model, s: Settings, bs: int) -> tuple[dict, list[str]]:
     return row, classes
 
 
-def attribute_errors(model, verifier, s: Settings) -> dict:
-    """Ours and HF's own forward, both in the model's dtype, against a float32 copy of the
-    model on the same rows: whether a bf16 difference from HF is ours or the dtype's."""
-    reference = copy.deepcopy(model).float()
-    errors = errors_vs_models(verifier, {"hf_float32": reference, "hf": model},
-                              s.model["vocab_size"], s.device, max_step_tokens=64)
-    del reference
-    if s.gpu:
-        torch.cuda.empty_cache()
-    print("max |x - y| of the logits:", errors, flush=True)
-    return errors
-
-
 def run(s: Settings, save, attribute: bool = False, check_only: bool = False) -> dict:
     model = build_model(s)
     params = sum(p.numel() for p in model.parameters())
     linear_params = params - model.model.embed_tokens.weight.numel()  # the LM head is read
     verifier, check = compile_and_check(model, s)
     if attribute:
-        check["errors_vs_float32"] = attribute_errors(model, verifier, s)
+        check["errors_vs_float32"] = errors_vs_float32(model, verifier, s.model["vocab_size"],
+                                                       s.device)
     if check_only:
         return {"params": params, **check, "results": {}}
     experts = hf_experts_path(model, s)  # after the check: HF's oracle ran its default
