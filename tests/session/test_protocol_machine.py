@@ -49,13 +49,16 @@ def key(layout: VerifyLayout) -> tuple:
 
 class ProtocolMachine(RuleBasedStateMachine):
     static = False
+    VOCAB = VOCAB
+    build = staticmethod(compiled)
+    """``(model, verifier)``: the model whose own forward every verified row must equal."""
     layouts = Bundle("layouts")
     stats: Counter = Counter()
     """Calls made, by outcome (the test checks the mix it covered)."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.model, self.verifier = compiled()
+        self.model, self.verifier = self.build()
         self.state = self.verifier.new_state(max_requests=MAX_R, max_context=MAX_CTX)
         self.other = self.verifier.new_state(max_requests=MAX_R, max_context=MAX_CTX)
         if self.static:
@@ -69,13 +72,20 @@ class ProtocolMachine(RuleBasedStateMachine):
 
     # ------------------------------------------------------------------ helpers
     def snapshot(self) -> list:
+        """The KV pools, a hybrid's conv / recurrent state and replay rings, the committed
+        lengths, and (last) the step ledger."""
+        linear = getattr(self.state, "linear", None)
+        own = [] if linear is None else [*linear.conv_states, *linear.recurrent_states,
+                                         *linear.rings.values()]
         return [t.clone() for kv in self.state.kv_caches for t in kv] + [
-            self.state.committed_lens.clone(), self.state.steps.snapshot()]
+            t.clone() for t in own] + [self.state.committed_lens.clone(),
+                                       self.state.steps.snapshot()]
 
     def assert_unchanged(self, before: list) -> None:
         after = self.snapshot()
         for a, b in zip(after[:-1], before[:-1]):
-            assert torch.equal(a, b), "a refused call changed the pools or committed lengths"
+            assert torch.equal(a, b), "a refused call changed the pools, the recurrent state " \
+                "or the committed lengths"
         assert after[-1] == before[-1], "a refused call changed the step ledger"
 
     def refused(self, call) -> None:
@@ -103,7 +113,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         layout = VerifyLayout.pack(np.array(lens, np.int32), ctx_buf, slot_buf)
         slot_buf[:] = data.draw(st.sampled_from([0, -1, MAX_R + 3]))  # the engine reuses them
         ctx_buf[:] = 0
-        tokens = [data.draw(st.lists(st.integers(0, VOCAB - 1), min_size=n, max_size=n))
+        tokens = [data.draw(st.lists(st.integers(0, self.VOCAB - 1), min_size=n, max_size=n))
                   for n in lens]
         self.tokens[id(layout)] = (layout, tokens)
         return layout
@@ -122,7 +132,7 @@ class ProtocolMachine(RuleBasedStateMachine):
         lens = [data.draw(st.integers(1, min(BLOCK, MAX_CTX - c))) for c in ctx]
         layout = VerifyLayout.pack(lens, ctx, slots)
         self.tokens[id(layout)] = (layout, [data.draw(st.lists(
-            st.integers(0, VOCAB - 1), min_size=n, max_size=n)) for n in lens])
+            st.integers(0, self.VOCAB - 1), min_size=n, max_size=n)) for n in lens])
         self.check_verify(layout, self.tokens[id(layout)][1])
         if data.draw(st.integers(0, 3)):
             acc = [data.draw(st.integers(1, n)) for n in lens]
@@ -151,7 +161,8 @@ class ProtocolMachine(RuleBasedStateMachine):
             return
         if fault in ("vocab", "negative"):
             ids = ids.clone()
-            ids[data.draw(st.integers(0, ids.numel() - 1))] = VOCAB if fault == "vocab" else -1
+            ids[data.draw(st.integers(0, ids.numel() - 1))] = \
+                self.VOCAB if fault == "vocab" else -1
         elif fault == "rows":
             ids = torch.cat([ids, ids[:1]])
         elif fault == "float":
