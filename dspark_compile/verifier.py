@@ -119,8 +119,10 @@ class Verifier:
         """Every model tensor the graphs bind, checked on each call (``session/weights.py``)."""
         vocab = gm.graph.find_nodes(op="output")[0].args[0].meta["val"].shape[1]
         embed = getattr(model, "get_input_embeddings", lambda: None)()
-        self.vocab_size = int(min(vocab, getattr(embed, "num_embeddings", vocab)))
-        """Token ids must lie in ``0..vocab_size-1``."""
+        self.vocab_size = int(getattr(embed, "num_embeddings", vocab))
+        """Token ids must lie in ``0..vocab_size-1``: the rows of the input embedding (the ids
+        the model can read; Mllama's are its logits' vocabulary plus 8 image tokens), or the
+        logits' vocabulary where the model has no embedding table to ask."""
         self.id_check = "host" if device.type == "cpu" else "device"
         """Where out-of-vocabulary ids are caught (``session/ids.py``): ``"host"``, before the
         forward (CPU ids); ``"device"``, clamped and flagged in the forward, refused at commit
