@@ -76,9 +76,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where HF's forward and the verifier run (default cpu, the "
                         "reference lowering; cuda: the Triton lowering, exact within "
                         "zoo.check.GPU_TOLERANCE)")
-    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="verify dtype (bfloat16: the float32 model cast, judged against "
-                        "its float32 forward relative to HF's own bfloat16 error)")
+    parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
+                        help="verify dtype (bfloat16, float16: the float32 model cast, judged "
+                        "against its float32 forward relative to HF's own error in that dtype)")
     parser.add_argument("--variants", action="store_true",
                         help="also check each selected model type under the config switches "
                         "of zoo/variants.py (biases, one KV head, scaled rotaries, windows, "

@@ -19,7 +19,8 @@ import torch
 
 from .tiny import _TOKEN_ID, _walk, tiny_config
 
-__all__ = ["STATUSES", "TOLERANCE", "GPU_TOLERANCE", "BF16_RATIO", "BF16_FLOOR", "DTYPES",
+__all__ = ["STATUSES", "TOLERANCE", "GPU_TOLERANCE", "BF16_RATIO", "BF16_FLOOR", "HALF_FLOOR",
+           "DTYPES",
            "Entry", "entries", "check", "classify", "tolerance"]
 
 STATUSES = ("exact", "refused", "wrong", "error", "skipped")
@@ -51,11 +52,13 @@ multiple of HF's own bfloat16 forward's on that row (plus :data:`BF16_FLOOR`). R
 activation fused in float32, another summation order) moves a bfloat16 logit by as much as HF's
 own rounding does; a wrong mask, a lost term or a misplaced head moves it by far more."""
 
-BF16_FLOOR = 1e-2
-"""Absolute slack of the bfloat16 judgement (logits of order 1 round to 2**-8 in bfloat16)."""
+HALF_FLOOR = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
+"""Absolute slack of a half-precision judgement: about 4 rounding steps of a logit of order 1
+(2**-8 in bfloat16, 2**-11 in float16)."""
+BF16_FLOOR = HALF_FLOOR[torch.bfloat16]
 
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-"""The zoo's verify dtypes."""
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""The zoo's verify dtypes; the half-precision ones are judged as :data:`BF16_RATIO` says."""
 
 SLOTS = (2, 0, 1)
 PROMPTS = (10, 7, 12)
@@ -228,15 +231,15 @@ PERTURB_TRIALS = 8
 """HF bfloat16 forwards :func:`_perturbed_errors` runs for a request with a row past the
 bound."""
 
-PERTURB_SCALE = 2.0 ** -8
-"""Relative noise on the embedding rows: bfloat16's rounding step."""
+PERTURB_SCALE = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
+"""Relative noise on the embedding rows: the half dtype's rounding step."""
 
 
 def _perturbed_errors(half, seq: torch.Tensor, n: int, want: torch.Tensor,
                       seed: int) -> torch.Tensor:
     """float64 ``[n]``: the largest error against ``want`` (float32 logits of ``seq``'s last
     ``n`` rows) of HF's bfloat16 forward over :data:`PERTURB_TRIALS` copies whose embedding rows
-    carry relative noise of :data:`PERTURB_SCALE`. A row only rounding at other points moves by
+    carry relative noise of the dtype's :data:`PERTURB_SCALE`. A row only rounding at other points moves by
     HF's usual bfloat16 error; a row near a discrete choice (two experts' scores within
     rounding) moves as far as a flipped choice does, in HF's own forward as in ours."""
     embed = half.get_input_embeddings().weight
@@ -247,7 +250,7 @@ def _perturbed_errors(half, seq: torch.Tensor, n: int, want: torch.Tensor,
         for _ in range(PERTURB_TRIALS):
             noise = torch.randn(saved.shape, generator=gen).to(saved.device, saved.dtype)
             with torch.no_grad():
-                embed.copy_(saved + saved * noise * PERTURB_SCALE)
+                embed.copy_(saved + saved * noise * PERTURB_SCALE[saved.dtype])
             diff = (_hf_logits(half, seq)[-n:].cpu() - want).abs().double().amax(-1)
             worst = torch.maximum(worst, torch.nan_to_num(diff, nan=0.0))
     finally:
@@ -280,8 +283,8 @@ def _reference_model(model_cls, config, impl: str, seed: int, result: Result, ph
 def check(entry: Entry, phase: Callable[[str], None] = lambda _: None,
           seed: int = 0, device: str = "cpu", dtype: str = "float32") -> Result:
     """Build, compile and verify ``entry`` on ``device`` (HF's forward and the verifier on the
-    same device: on a GPU the verifier's Triton lowering) in ``dtype`` (``"bfloat16"``: the
-    float32 model cast, judged by :data:`BF16_RATIO`); never raises once ``dtype`` is one of
+    same device: on a GPU the verifier's Triton lowering) in ``dtype`` (``"bfloat16"`` or
+    ``"float16"``: the float32 model cast, judged by :data:`BF16_RATIO`); never raises once ``dtype`` is one of
     :data:`DTYPES` (the outcome is the result)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; the zoo verifies in {sorted(DTYPES)}")
@@ -346,10 +349,10 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
     else:
         _skip(result, *failures[0])
 
-    half = None
+    half, half_dtype = None, DTYPES[dtype]
     if dtype != "float32":  # the same weights cast; float32 stays the judge
         try:
-            half = copy.deepcopy(model).to(DTYPES[dtype])
+            half = copy.deepcopy(model).to(half_dtype)
             _hf_logits(half, allowed[:4].to(device))
         except Exception as err:  # noqa: BLE001
             _skip(result, "HF forward", err)
@@ -395,7 +398,7 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
                     seq = torch.cat([seqs[i], new[i]]).to(device)
                     hf_err = row_errors(_hf_logits(half, seq)[-n:].cpu(), want)
                     hf_worst = max(hf_worst, float(hf_err.max()))
-                    bound = BF16_RATIO * hf_err + BF16_FLOOR
+                    bound = BF16_RATIO * hf_err + HALF_FLOOR[half_dtype]
                     beyond = ~(err <= bound)
                     if beyond.any():  # rows HF's own bfloat16 also moves that far: near ties
                         moved = _perturbed_errors(half, seq, n, want, seed)

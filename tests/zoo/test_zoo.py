@@ -181,18 +181,23 @@ def test_reference_logits_come_from_the_call_generate_makes():
     assert torch.equal(seen["mask"], torch.ones(1, 3, dtype=torch.int64))
 
 
-def test_bfloat16_checks_judge_against_float32_relative_to_hfs_own_rounding():
-    from dspark_compile.zoo.check import BF16_FLOOR, BF16_RATIO
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_checks_judge_against_float32_relative_to_hfs_own_rounding(dtype):
+    import torch
 
-    result = check(_entry("llama"), dtype="bfloat16")
+    from dspark_compile.zoo.check import BF16_RATIO, HALF_FLOOR
+
+    result = check(_entry("llama"), dtype=dtype)
     assert result.status == "exact", (result.reason, result.message[:300])
-    assert 0 < result.hf_error and result.max_error <= BF16_RATIO * result.hf_error + BF16_FLOOR
-    assert result.max_error > 1e-4  # it did run in bfloat16
+    floor = HALF_FLOOR[getattr(torch, dtype)]
+    assert 0 < result.hf_error and result.max_error <= BF16_RATIO * result.hf_error + floor
+    assert result.max_error > 1e-5  # it did run in half precision
     report = _report([_row("llama", "exact", err=4e-3)])
-    report.update(dtype="bfloat16", device="cuda")
-    assert "verified in bfloat16 on cuda" in markdown(report)
-    with pytest.raises(ValueError, match="dtype='float16'; the zoo verifies in"):
-        check(_entry("llama"), dtype="float16")
+    report.update(dtype=dtype, device="cuda")
+    assert f"verified in {dtype} on cuda" in markdown(report)
+    assert f"error on that row + {floor:g}" in markdown(report)
+    with pytest.raises(ValueError, match="dtype='float64'; the zoo verifies in"):
+        check(_entry("llama"), dtype="float64")
 
 
 def test_a_copy_outside_its_checkout_names_its_commit(monkeypatch):
@@ -202,9 +207,10 @@ def test_a_copy_outside_its_checkout_names_its_commit(monkeypatch):
     assert environment()["dspark_compile"] == "abc1234"
 
 
-def test_bfloat16_rows_off_everywhere_are_wrong_not_near_ties(monkeypatch):
-    """A verifier 5% off in its final norm is off on every row, and HF's own perturbed bfloat16
-    forward moves no row that far: wrong, with no row excused as a near-tie."""
+@pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
+def test_half_rows_off_everywhere_are_wrong_not_near_ties(monkeypatch, dtype):
+    """A verifier 5% off in its final norm is off on every row, and HF's own perturbed
+    half-precision forward moves no row that far: wrong, with no row excused as a near-tie."""
     import copy
     import sys
 
@@ -220,7 +226,7 @@ def test_bfloat16_rows_off_everywhere_are_wrong_not_near_ties(monkeypatch):
         return real(own, **kwargs)
 
     monkeypatch.setattr(verifier_module, "dspark_compile", skewed)
-    result = check(_entry("llama"), dtype="bfloat16")
+    result = check(_entry("llama"), dtype=dtype)
     assert result.status == "wrong" and result.tie_rows == 0
     assert result.off_rows == result.rows
 
