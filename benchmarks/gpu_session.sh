@@ -30,6 +30,9 @@
 #   zoo_gpu       zoo --device cuda                    (every architecture, Triton lowering, fp32)
 #   zoo_bf16      zoo --device cuda --dtype bfloat16   (the same in bf16: the fused skinny paths)
 #   zoo_variants  zoo --device cuda --variants over the families the README names
+#   zoo_fp16      zoo --device cuda --dtype float16    (float16 through the Triton lowering)
+#   moe_pdl       moe_layer.py --batch-sizes 64 256, then with --target pdl=false (is programmatic
+#                 dependent launch why the layer's graph replay is slower than its eager calls?)
 # The zoo jobs need DSPARK_COMMIT set where the tree is not a git checkout (a git archive).
 # One-off A/B and probe jobs are in git history. Each job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
@@ -79,6 +82,10 @@ job() {
         --out "$OUT/zoo_gpu.json" ;;
     zoo_bf16) python3 -m dspark_compile zoo --device cuda --dtype bfloat16 --jobs 14 \
         --timeout 150 --out "$OUT/zoo_gpu_bf16.json" ;;
+    zoo_fp16) python3 -m dspark_compile zoo --device cuda --dtype float16 --jobs 14 \
+        --timeout 150 --out "$OUT/zoo_gpu_fp16.json" ;;
+    moe_pdl) python3 benchmarks/moe_layer.py --batch-sizes 64 256 &&
+      python3 benchmarks/moe_layer.py --batch-sizes 64 256 --target pdl=false ;;
     zoo_variants) python3 -m dspark_compile zoo --device cuda --variants --jobs 14 --timeout 150 \
         --skip-unknown --only $ZOO_FAMILIES --out "$OUT/zoo_gpu_variants.json" ;;
     *) echo "unknown job $1"; return 2 ;;
