@@ -47,10 +47,20 @@ ORIGINAL_CONTEXT = 8
 """The original context of the scaled rotaries (the zoo's sequences run to 19 tokens)."""
 
 
+_TYPE_KEYS = frozenset({
+    "type", "rope_type", "factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim",
+    "low_freq_factor", "high_freq_factor", "attention_factor", "long_factor", "short_factor",
+    "long_mscale", "short_mscale", "truncate"})
+"""Rotary fields that belong to a scaling type: a variant replaces them with its own type's."""
+
+
 def _rope(base) -> dict:
-    """The rotary dict a variant starts from: the type's own theta (and partial factor)."""
-    base = base if isinstance(base, dict) and "rope_type" in base else {}
-    kept = {k: v for k, v in base.items() if k in ("rope_theta", "partial_rotary_factor")}
+    """The rotary dict a variant starts from: the model's own fields less its scaling type's
+    (theta, a partial factor, mRoPE sections, and fields the model reads outside the rotary,
+    as Ministral 3's Llama-4 attention scaling reads ``llama_4_scaling_beta`` and the original
+    context)."""
+    base = base if isinstance(base, dict) and ("rope_type" in base or "type" in base) else {}
+    kept = {k: v for k, v in base.items() if k not in _TYPE_KEYS}
     kept.setdefault("rope_theta", 10000.0)
     return kept
 
@@ -58,10 +68,13 @@ def _rope(base) -> dict:
 def _scaled_rope(value, kind: dict) -> dict:
     """The rotary field with ``kind`` (a scaled type) in it. A field keyed by layer type (Gemma 3
     and 4: ``{"sliding_attention": {...}, "full_attention": {...}}``) scales the full-attention
-    layers' rotary and keeps the others', as those checkpoints do."""
-    if isinstance(value, dict) and value and all(isinstance(v, dict) for v in value.values()):
-        scale = {"full_attention"} & set(value) or set(value)
-        return {layer: {**_rope(rope), **kind} if layer in scale else dict(rope)
+    layers' rotary and keeps the others', as those checkpoints do (where the full layers have
+    none, the others are scaled)."""
+    if isinstance(value, dict) and value and all(v is None or isinstance(v, dict)
+                                                 for v in value.values()):
+        rotated = {layer for layer, rope in value.items() if rope is not None}
+        scale = {"full_attention"} & rotated or rotated  # Beam's full layers have no rotary
+        return {layer: {**_rope(rope), **kind} if layer in scale else rope
                 for layer, rope in value.items()}
     return {**_rope(value), **kind}
 

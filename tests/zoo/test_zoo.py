@@ -132,18 +132,26 @@ def test_variants_set_the_switches_the_config_has():
     assert llama["rope_dynamic"]["max_position_embeddings"] == 8
     # GPT-2 has none of the rotary or attention-bias fields
     assert not {"rope_yarn", "bias", "mqa"} & {e.variant for e in chosen if e.model_type == "gpt2"}
+    # a scaled variant keeps the fields the model reads outside its rotary (Ministral 3's Llama-4
+    # attention scaling) and drops the old type's own
+    (yarn,) = [dict(e.overrides)["rope_parameters"] for e in variant_entries(
+        select(["ministral3"])) if e.variant == "rope_yarn"]
+    assert yarn["rope_type"] == "yarn" and "llama_4_scaling_beta" in yarn and "type" not in yarn
+    assert yarn["original_max_position_embeddings"] == 8
 
 
 @pytest.mark.parametrize("name,status", [("llama+mqa", "exact"), ("llama+rope_yarn", "exact"),
                                          ("llama+rope_dynamic", "refused"),
                                          ("gemma4_text+vocab131", "exact"),
                                          ("gemma3_text+rope_linear", "exact"),
-                                         ("mllama+vocab131", "exact")])
+                                         ("mllama+vocab131", "exact"),
+                                         ("beam+rope_linear", "exact")])
 def test_a_variant_checks_its_switch(name, status):
     """``gemma4_text+vocab131`` once lengthened the vocabulary and not Gemma 4's per-layer token
     table, so the check drew ids past that table's end and crashed (an ``error`` row); Gemma 3's
     rotary field is keyed by layer type, and a scaled variant once replaced it whole (HF's config
-    then failed: no check ran); Mllama embeds 8 image tokens past its logits' vocabulary, which
+    then failed: no check ran), and Beam's full-attention layers have none (``None`` in that
+    field); Mllama embeds 8 image tokens past its logits' vocabulary, which
     the verifier once refused as out of vocabulary (the check draws id 137 of 139 rows)."""
     from dspark_compile.zoo.variants import variant_entries
 
