@@ -83,6 +83,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also check each selected model type under the config switches "
                         "of zoo/variants.py (biases, one KV head, scaled rotaries, windows, "
                         "softcaps, ...)")
+    parser.add_argument("--variant", action="append", default=[], metavar="NAME",
+                        help="with --variants, only these variants (repeatable, e.g. --variant "
+                        "rope_yarn): the base checks and the other variants are left out")
     parser.add_argument("--skip-unknown", action="store_true",
                         help="leave out --only names this transformers lacks (one log line) "
                         "instead of refusing the run")
@@ -118,10 +121,15 @@ def main(args: argparse.Namespace) -> int:
 def _selected(args) -> list[Entry]:
     """The entries ``--only`` names, with their ``--variants``."""
     chosen = select(args.only, skip_unknown=getattr(args, "skip_unknown", False))
+    wanted = getattr(args, "variant", None) or []
+    if wanted and not getattr(args, "variants", False):
+        raise ValueError(f"--variant {' '.join(wanted)} needs --variants")
     if getattr(args, "variants", False):
         from .variants import variant_entries
 
         chosen = variant_entries(chosen)
+        if wanted:
+            chosen = [e for e in chosen if e.variant in wanted]
     return chosen
 
 

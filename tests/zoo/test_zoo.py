@@ -107,6 +107,11 @@ def test_cli_writes_markdown_and_readme_from_a_saved_report(tmp_path, capsys):
     assert "[docs/models.md](docs/models.md)" in readme.read_text()
     assert main(["zoo", "--list", "--only", "gpt2"]) == 0
     assert "GPT2LMHeadModel" in capsys.readouterr().out
+    assert main(["zoo", "--list", "--variants", "--variant", "rope_yarn", "--variant", "mqa",
+                 "--only", "llama", "gpt2"]) == 0  # GPT-2 has neither switch
+    assert capsys.readouterr().out.split()[::2] == ["llama+mqa", "llama+rope_yarn"]
+    with pytest.raises(ValueError, match="--variant rope_yarn needs --variants"):
+        main(["zoo", "--list", "--variant", "rope_yarn", "--only", "llama"])
 
 
 def test_gpu_runs_are_judged_by_the_gpu_bound_and_say_so():
