@@ -79,6 +79,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=("float32", "bfloat16", "float16"),
                         help="verify dtype (bfloat16, float16: the float32 model cast, judged "
                         "against its float32 forward relative to HF's own error in that dtype)")
+    parser.add_argument("--static", action="store_true",
+                        help="verify through the tier session (Verifier.capture: static buffers "
+                        "padded to each tier on the CPU, CUDA graphs on a GPU), so padded rows "
+                        "and slots are checked to change nothing")
     parser.add_argument("--variants", action="store_true",
                         help="also check each selected model type under the config switches "
                         "of zoo/variants.py (biases, one KV head, scaled rotaries, windows, "
@@ -148,7 +152,8 @@ def _run(args, rep) -> dict:
 
     head = {"environment": rep.environment(args.device), "jobs": args.jobs,
             "timeout": args.timeout, "only": args.only or [], "variants": bool(args.variants),
-            "device": args.device, "dtype": args.dtype, "tolerance": tolerance(args.device)}
+            "device": args.device, "dtype": args.dtype, "static": bool(args.static),
+            "tolerance": tolerance(args.device)}
     done: list[dict] = []
     saved = [time.perf_counter()]
 
@@ -166,7 +171,7 @@ def _run(args, rep) -> dict:
             saved[0] = time.perf_counter()
 
     results = run_checks(selected, jobs=args.jobs, timeout=args.timeout, on_result=show,
-                         device=args.device, dtype=args.dtype)
+                         device=args.device, dtype=args.dtype, static=args.static)
     if bar:
         bar.close()
     report = {**head, "wall_seconds": round(time.perf_counter() - start, 1),

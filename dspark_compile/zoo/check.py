@@ -281,17 +281,20 @@ def _reference_model(model_cls, config, impl: str, seed: int, result: Result, ph
 
 
 def check(entry: Entry, phase: Callable[[str], None] = lambda _: None,
-          seed: int = 0, device: str = "cpu", dtype: str = "float32") -> Result:
+          seed: int = 0, device: str = "cpu", dtype: str = "float32",
+          static: bool = False) -> Result:
     """Build, compile and verify ``entry`` on ``device`` (HF's forward and the verifier on the
     same device: on a GPU the verifier's Triton lowering) in ``dtype`` (``"bfloat16"`` or
-    ``"float16"``: the float32 model cast, judged by :data:`BF16_RATIO`); never raises once ``dtype`` is one of
-    :data:`DTYPES` (the outcome is the result)."""
+    ``"float16"``: the float32 model cast, judged by :data:`BF16_RATIO`); ``static``: through
+    the tier session (``Verifier.capture``: static buffers padded to each tier on the CPU, CUDA
+    graphs on a GPU; the prompts, past the largest tier, run without it). Never raises once
+    ``dtype`` is one of :data:`DTYPES` (the outcome is the result)."""
     if dtype not in DTYPES:
         raise ValueError(f"dtype={dtype!r}; the zoo verifies in {sorted(DTYPES)}")
     start = time.perf_counter()
     result = Result(entry.name, entry.model_type, entry.architecture, "skipped")
     try:
-        _run(entry, result, phase, seed, device, dtype)
+        _run(entry, result, phase, seed, device, dtype, static)
     except _Stop:
         pass
     result.seconds = round(time.perf_counter() - start, 2)
@@ -320,7 +323,7 @@ def _fail(result: Result, step: str, err: BaseException):
 
 
 def _run(entry: Entry, result: Result, phase, seed: int, device: str,
-         dtype: str = "float32") -> None:
+         dtype: str = "float32", static: bool = False) -> None:
     import transformers
 
     from ..layout import VerifyLayout
@@ -378,6 +381,8 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
 
     try:
         state = verifier.new_state(max_requests=max(SLOTS) + 1, max_context=64)
+        if static:
+            verifier.capture(state, progress=False)
         seqs = [torch.empty(0, dtype=torch.int64) for _ in SLOTS]
         steps = [(PROMPTS, PROMPTS)] + [tuple(r) for r in ROUNDS]
         for lens, accept in steps:

@@ -26,7 +26,7 @@ _PRELOAD = ["torch", "torch._dynamo", "torch.export", "sympy", "transformers",
 """Imported once by the fork server (imports only: no torch op runs before a fork)."""
 
 
-def _child(entry: Entry, conn, threads: int, device: str, dtype: str) -> None:
+def _child(entry: Entry, conn, threads: int, device: str, dtype: str, static: bool) -> None:
     import torch
     import transformers
 
@@ -34,7 +34,7 @@ def _child(entry: Entry, conn, threads: int, device: str, dtype: str) -> None:
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
     result = check(entry, phase=lambda step: conn.send(("phase", step)), device=device,
-                   dtype=dtype)
+                   dtype=dtype, static=static)
     conn.send(("result", result.to_json()))
     conn.close()
 
@@ -42,11 +42,12 @@ def _child(entry: Entry, conn, threads: int, device: str, dtype: str) -> None:
 def run_checks(selected: Iterable[Entry], jobs: int = 1, timeout: float = 300.0,
                on_result: Callable[[Result], None] = lambda _: None,
                preload: list[str] | None = None, device: str = "cpu",
-               dtype: str = "float32") -> list[Result]:
+               dtype: str = "float32", static: bool = False) -> list[Result]:
     """Check every entry, ``jobs`` at a time; results in the order of ``selected``.
     ``preload``: the modules the fork server imports (default :data:`_PRELOAD`; it takes
     effect only when this process starts its fork server, i.e. on the first call). ``device``,
-    ``dtype``: where and in what each check runs its model and verifier (``check``)."""
+    ``dtype``, ``static``: where, in what and how each check runs its model and verifier
+    (``check``)."""
     selected = list(selected)
     ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods()
                          else "spawn")
@@ -71,8 +72,8 @@ def run_checks(selected: Iterable[Entry], jobs: int = 1, timeout: float = 300.0,
         while pending and len(running) < max(1, jobs):
             index, entry = pending.popleft()
             parent, child = ctx.Pipe(duplex=False)
-            proc = ctx.Process(target=_child, args=(entry, child, threads, device, dtype),
-                               daemon=True)
+            proc = ctx.Process(target=_child, args=(entry, child, threads, device, dtype,
+                                                    static), daemon=True)
             proc.start()
             child.close()
             running[parent] = [proc, index, entry, time.monotonic(), "start"]

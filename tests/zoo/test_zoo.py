@@ -274,3 +274,23 @@ def test_a_stopped_run_keeps_the_rows_it_finished(tmp_path, monkeypatch):
     assert saved["partial"] == f"2 of {len(select(['llama', 'gpt2', 'qwen2']))} checks"
     assert [r["name"] for r in saved["rows"]] == ["llama", "gpt2"]
     assert saved["environment"]["dspark_compile"] and "gpu" not in saved["environment"]
+
+
+@pytest.mark.parametrize("name", ["qwen3_next", "gpt_oss"])
+def test_a_static_check_verifies_through_the_tier_session(name, monkeypatch):
+    """``static=True`` verifies through ``Verifier.capture``'s session (padded static buffers on
+    the CPU): the rounds run in tiers, with padded rows, and stay exact."""
+    from dspark_compile.session.graphs import TierGraphs
+
+    calls = []
+    real = TierGraphs.fill  # a tier's static buffers filled: the batch ran padded in that tier
+
+    def counted(self, tier, *args, **kwargs):
+        calls.append(tier)
+        return real(self, tier, *args, **kwargs)
+
+    monkeypatch.setattr(TierGraphs, "fill", counted)
+    result = check(_entry(name), static=True)
+    assert result.status == "exact", (result.reason, result.message[:300])
+    assert len(calls) >= len(ROUNDS), "the verify rounds went through the tier session"
+    assert any(t.tokens > sum(lens) for t, (lens, _) in zip(calls, ROUNDS)), "rows were padded"
