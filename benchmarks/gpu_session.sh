@@ -31,6 +31,8 @@
 #   zoo_bf16      zoo --device cuda --dtype bfloat16   (the same in bf16: the fused skinny paths)
 #   zoo_variants  zoo --device cuda --variants over the families the README names
 #   zoo_fp16      zoo --device cuda --dtype float16    (float16 through the Triton lowering)
+#   zoo_static    zoo --device cuda --dtype bfloat16 --static (every architecture in tier CUDA
+#                 graphs, padded rows included)
 #   moe_pdl       moe_layer.py --batch-sizes 64 256, then with --target pdl=false (is programmatic
 #                 dependent launch why the layer's graph replay is slower than its eager calls?)
 # The zoo jobs need DSPARK_COMMIT set where the tree is not a git checkout (a git archive).
@@ -84,6 +86,8 @@ job() {
         --timeout 150 --out "$OUT/zoo_gpu_bf16.json" ;;
     zoo_fp16) python3 -m dspark_compile zoo --device cuda --dtype float16 --jobs 14 \
         --timeout 150 --out "$OUT/zoo_gpu_fp16.json" ;;
+    zoo_static) python3 -m dspark_compile zoo --device cuda --dtype bfloat16 --static --jobs 14 \
+        --timeout 150 --out "$OUT/zoo_gpu_static.json" ;;
     moe_pdl) python3 benchmarks/moe_layer.py --batch-sizes 64 256 &&
       python3 benchmarks/moe_layer.py --batch-sizes 64 256 --target pdl=false ;;
     zoo_variants) python3 -m dspark_compile zoo --device cuda --variants --jobs 14 --timeout 150 \
