@@ -30,7 +30,11 @@ The variants, by name (applied only where the config has the field):
 - ``conv3``, ``conv2``: causal-conv windows of 3 and 2 (Mamba, Mamba-2, Gated DeltaNet, short
   conv; most checkpoints use 4, LFM2 3);
 - ``groups2``: two Mamba-2 B/C groups; ``gdn_key_heads1``: one Gated DeltaNet key head shared
-  by every value head.
+  by every value head;
+- ``top1``, ``norm_topk``, ``route_groups``, ``route_scale``: one expert a token, the top-k
+  weights' renormalisation flipped, DeepSeek's grouped routing (2 groups, the best one), a routed
+  scaling factor of 2.5 (0.5 where it is 2.5);
+- ``no_q_lora``: MLA without the query LoRA (DeepSeek-V2-Lite).
 """
 
 from __future__ import annotations
@@ -138,6 +142,28 @@ def _overrides(text: dict) -> list[tuple[str, tuple]]:
         out.append(("groups2", tuple((k, 2) for k in groups)))
     if isinstance(text.get("linear_num_key_heads"), int):
         out.append(("gdn_key_heads1", (("linear_num_key_heads", 1),)))
+    out += _moe_overrides(text)
+    if text.get("q_lora_rank"):  # DeepSeek-V2-Lite's MLA projects q without a LoRA
+        out.append(("no_q_lora", (("q_lora_rank", None),)))
+    return out
+
+
+def _moe_overrides(text: dict) -> list[tuple[str, tuple]]:
+    """Routing switches MoE checkpoints turn: one expert a token (Llama 4), the top-k weights
+    renormalised or not, DeepSeek's grouped routing (2 groups, the best 1), a routed scaling
+    factor."""
+    out = []
+    topk = next((k for k in ("num_experts_per_tok", "moe_topk") if isinstance(text.get(k), int)
+                 and text[k] > 1), None)
+    if topk is not None:
+        out.append(("top1", ((topk, 1),)))
+    if isinstance(text.get("norm_topk_prob"), bool):
+        out.append(("norm_topk", (("norm_topk_prob", not text["norm_topk_prob"]),)))
+    if "n_group" in text and "topk_group" in text:
+        out.append(("route_groups", (("n_group", 2), ("topk_group", 1))))
+    if isinstance(text.get("routed_scaling_factor"), (int, float)):
+        out.append(("route_scale", (("routed_scaling_factor", 2.5 if text[
+            "routed_scaling_factor"] != 2.5 else 0.5),)))
     return out
 
 

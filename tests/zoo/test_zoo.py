@@ -143,6 +143,13 @@ def test_variants_set_the_switches_the_config_has():
         select(["ministral3"])) if e.variant == "rope_yarn"]
     assert yarn["rope_type"] == "yarn" and "llama_4_scaling_beta" in yarn and "type" not in yarn
     assert yarn["original_max_position_embeddings"] == 8
+    # DeepSeek-V3's routing switches and MLA without the query LoRA; Llama has no experts
+    deepseek = {e.variant: dict(e.overrides) for e in variant_entries(select(["deepseek_v3"]))}
+    assert deepseek["top1"] == {"num_experts_per_tok": 1}
+    assert deepseek["route_groups"] == {"n_group": 2, "topk_group": 1}
+    assert deepseek["norm_topk"] == {"norm_topk_prob": False}
+    assert deepseek["no_q_lora"] == {"q_lora_rank": None}
+    assert not {"top1", "route_scale", "no_q_lora"} & set(llama)
 
 
 @pytest.mark.parametrize("name,status", [("llama+mqa", "exact"), ("llama+rope_yarn", "exact"),
