@@ -34,7 +34,10 @@ The variants, by name (applied only where the config has the field):
 - ``top1``, ``norm_topk``, ``route_groups``, ``route_scale``: one expert a token, the top-k
   weights' renormalisation flipped, DeepSeek's grouped routing (2 groups, the best one), a routed
   scaling factor of 2.5 (0.5 where it is 2.5);
-- ``no_q_lora``: MLA without the query LoRA (DeepSeek-V2-Lite).
+- ``no_q_lora``: MLA without the query LoRA (DeepSeek-V2-Lite);
+- ``multipliers``, ``qscale``, ``logit_scale``, ``<switch>_on`` / ``_off``: muP multipliers
+  (Granite, Falcon-H1) away from 1, Gemma's query scalar apart from the head dim, Cohere's logit
+  scale, and the q/k norm and attention-temperature switches flipped.
 """
 
 from __future__ import annotations
@@ -131,8 +134,10 @@ def _overrides(text: dict) -> list[tuple[str, tuple]]:
         out.append(("final_softcap", (("final_logit_softcapping", 3.0),)))
     if "attn_logit_softcapping" in text:
         out.append(("attn_softcap", (("attn_logit_softcapping", 2.0),)))
-    if "rms_norm_eps" in text:
-        out.append(("eps", (("rms_norm_eps", 1e-2),)))
+    eps = tuple((k, 1e-2) for k in ("rms_norm_eps", "layer_norm_eps")
+                if isinstance(text.get(k), float))
+    if eps:
+        out.append(("eps", eps))
     convs = [k for k in _CONV_WIDTHS if isinstance(text.get(k), int)]
     if convs:
         out.append(("conv3", tuple((k, 3) for k in convs)))
@@ -143,8 +148,47 @@ def _overrides(text: dict) -> list[tuple[str, tuple]]:
     if isinstance(text.get("linear_num_key_heads"), int):
         out.append(("gdn_key_heads1", (("linear_num_key_heads", 1),)))
     out += _moe_overrides(text)
+    out += _scale_overrides(text)
     if text.get("q_lora_rank"):  # DeepSeek-V2-Lite's MLA projects q without a LoRA
         out.append(("no_q_lora", (("q_lora_rank", None),)))
+    return out
+
+
+def _multiplier(step: int) -> float:
+    """The ``step``-th multiplier of a variant: 0.61, 0.67, ... never 1.0 (0.55 + 0.06 k)."""
+    return round(0.55 + 0.06 * step, 4)
+
+
+def _scale_overrides(text: dict) -> list[tuple[str, tuple]]:
+    """Scalings checkpoints set away from the defaults the tiny configs keep: Granite's and
+    Falcon-H1's muP multipliers (every ``*_multiplier`` / ``*_multipliers`` field and
+    ``logits_scaling``, each to its own value: at 1.0 a lost multiplier cannot show), Gemma's
+    ``query_pre_attn_scalar`` apart from the head dim, Cohere's ``logit_scale``, and the q/k norm
+    and Llama 4 attention-temperature switches flipped."""
+    out = []
+    mults, step = [], 0
+    for key in sorted(text):
+        value = text[key]
+        if key.endswith("multiplier") and isinstance(value, (int, float)) and \
+                not isinstance(value, bool):
+            step += 1
+            mults.append((key, _multiplier(step)))
+        elif key.endswith("multipliers") and isinstance(value, list) and value:
+            mults.append((key, [_multiplier(step + i + 1) for i in range(len(value))]))
+            step += len(value)
+    if isinstance(text.get("logits_scaling"), (int, float)):
+        mults.append(("logits_scaling", 4.0))
+    if mults:
+        out.append(("multipliers", tuple(mults)))
+    if isinstance(text.get("query_pre_attn_scalar"), (int, float)):
+        out.append(("qscale", (("query_pre_attn_scalar", 24),)))
+    if isinstance(text.get("logit_scale"), float):
+        out.append(("logit_scale", (("logit_scale", 0.25),)))
+    flips = tuple((k, not text[k]) for k in ("use_qk_norm", "qk_layernorm", "use_qk_layernorm",
+                                             "attn_temperature_tuning")
+                  if isinstance(text.get(k), bool))
+    for key, value in flips:
+        out.append((f"{key}_{'on' if value else 'off'}", ((key, value),)))
     return out
 
 

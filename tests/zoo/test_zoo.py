@@ -150,6 +150,12 @@ def test_variants_set_the_switches_the_config_has():
     assert deepseek["norm_topk"] == {"norm_topk_prob": False}
     assert deepseek["no_q_lora"] == {"q_lora_rank": None}
     assert not {"top1", "route_scale", "no_q_lora"} & set(llama)
+    # Falcon-H1's muP multipliers, each away from 1 and from the others
+    (mults,) = [dict(e.overrides) for e in variant_entries(select(["falcon_h1"]))
+                if e.variant == "multipliers"]
+    values = [v for x in mults.values() for v in (x if isinstance(x, list) else [x])]
+    assert len(mults["ssm_multipliers"]) == 5 and len(set(values)) == len(values)
+    assert 1.0 not in values
 
 
 @pytest.mark.parametrize("name,status", [("llama+mqa", "exact"), ("llama+rope_yarn", "exact"),
@@ -157,7 +163,8 @@ def test_variants_set_the_switches_the_config_has():
                                          ("gemma4_text+vocab131", "exact"),
                                          ("gemma3_text+rope_linear", "exact"),
                                          ("mllama+vocab131", "exact"),
-                                         ("beam+rope_linear", "exact")])
+                                         ("beam+rope_linear", "exact"),
+                                         ("granite+multipliers", "exact")])
 def test_a_variant_checks_its_switch(name, status):
     """``gemma4_text+vocab131`` once lengthened the vocabulary and not Gemma 4's per-layer token
     table, so the check drew ids past that table's end and crashed (an ``error`` row); Gemma 3's
