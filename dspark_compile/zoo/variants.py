@@ -31,9 +31,10 @@ The variants, by name (applied only where the config has the field):
   conv; most checkpoints use 4, LFM2 3);
 - ``groups2``: two Mamba-2 B/C groups; ``gdn_key_heads1``: one Gated DeltaNet key head shared
   by every value head;
-- ``top1``, ``norm_topk``, ``route_groups``, ``route_scale``: one expert a token, the top-k
-  weights' renormalisation flipped, DeepSeek's grouped routing (2 groups, the best one), a routed
-  scaling factor of 2.5 (0.5 where it is 2.5);
+- ``top1``, ``norm_topk``, ``route_groups``, ``group_limited``, ``shared2``, ``route_scale``:
+  one expert a token, the top-k weights' renormalisation flipped, DeepSeek-V3's grouped routing
+  (2 groups, the best one), DeepSeek-V2's group-limited greedy routing, two shared experts, a
+  routed scaling factor of 2.5 (0.5 where it is 2.5);
 - ``no_q_lora``: MLA without the query LoRA (DeepSeek-V2-Lite);
 - ``multipliers``, ``qscale``, ``logit_scale``, ``<switch>_on`` / ``_off``: muP multipliers
   (Granite, Falcon-H1) away from 1, Gemma's query scalar apart from the head dim, Cohere's logit
@@ -205,6 +206,13 @@ def _moe_overrides(text: dict) -> list[tuple[str, tuple]]:
         out.append(("norm_topk", (("norm_topk_prob", not text["norm_topk_prob"]),)))
     if "n_group" in text and "topk_group" in text:
         out.append(("route_groups", (("n_group", 2), ("topk_group", 1))))
+    if text.get("topk_method") == "greedy" and "n_group" in text:  # DeepSeek-V2's own routing
+        out.append(("group_limited", (("topk_method", "group_limited_greedy"), ("n_group", 2),
+                                      ("topk_group", 1))))
+    shared = next((k for k in ("n_shared_experts", "num_shared_experts")
+                   if isinstance(text.get(k), int)), None)
+    if shared is not None:  # DeepSeek-V2 has two shared experts
+        out.append(("shared2", ((shared, 2),)))
     if isinstance(text.get("routed_scaling_factor"), (int, float)):
         out.append(("route_scale", (("routed_scaling_factor", 2.5 if text[
             "routed_scaling_factor"] != 2.5 else 0.5),)))

@@ -149,6 +149,10 @@ def test_variants_set_the_switches_the_config_has():
     assert deepseek["route_groups"] == {"n_group": 2, "topk_group": 1}
     assert deepseek["norm_topk"] == {"norm_topk_prob": False}
     assert deepseek["no_q_lora"] == {"q_lora_rank": None}
+    assert deepseek["shared2"] == {"n_shared_experts": 2}
+    (v2,) = [dict(e.overrides) for e in variant_entries(select(["deepseek_v2"]))
+             if e.variant == "group_limited"]
+    assert v2 == {"topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1}
     assert not {"top1", "route_scale", "no_q_lora"} & set(llama)
     # Falcon-H1's muP multipliers, each away from 1 and from the others
     (mults,) = [dict(e.overrides) for e in variant_entries(select(["falcon_h1"]))
