@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..ops import experts as _experts_ops  # noqa: F401  (registers the dspark::experts_* ops)
-from .replaced import source_key, swapped_forward
+from .replaced import PLAIN_FLOATS, known_forward, swapped_forward
 
 __all__ = ["KNOWN_SOURCES", "dbrx_hooks"]
 
@@ -69,10 +69,9 @@ def dbrx_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
         yield
         return
     for m in found:
-        known = type(m) is DbrxExperts and type(m.mlp) is DbrxExpertGLU and all(
-            source_key(cls) in KNOWN_SOURCES[cls.__name__] for cls in (DbrxExperts, DbrxExpertGLU))
-        dtypes = {p.dtype for p in (m.mlp.w1, m.mlp.v1, m.mlp.w2)}
-        if not known or not dtypes <= {torch.float32, torch.float16, torch.bfloat16}:
+        known = known_forward(m, DbrxExperts, KNOWN_SOURCES["DbrxExperts"]) and \
+            known_forward(m.mlp, DbrxExpertGLU, KNOWN_SOURCES["DbrxExpertGLU"])
+        if not known or not {p.dtype for p in (m.mlp.w1, m.mlp.v1, m.mlp.w2)} <= PLAIN_FLOATS:
             raise NotImplementedError(
                 f"{type(m).__name__} {names.get(id(m), '?')!r}: DBRX's experts are captured "
                 "from DbrxExperts and DbrxExpertGLU's own forwards (transformers 5.24, 5.17) with "

@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .replaced import source_key
+from .replaced import known_forward
 
 __all__ = ["KNOWN_SOURCES", "temperature_hooks", "tuned_queries"]
 
@@ -47,7 +47,7 @@ def temperature_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]
     tuned = [m for m in model.modules() if isinstance(m, Llama4TextAttention)
              and getattr(m, "attn_temperature_tuning", False) and not getattr(m, "use_rope", True)]
     for m in tuned:
-        if type(m) is not Llama4TextAttention or source_key(type(m)) not in KNOWN_SOURCES:
+        if not known_forward(m, Llama4TextAttention, KNOWN_SOURCES):
             raise NotImplementedError(
                 f"{type(m).__name__} {names.get(id(m), '?')!r}: its attention temperature "
                 "tuning is captured from Llama4TextAttention's own forward (transformers 5.17 "

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..ops import experts as _experts_ops  # noqa: F401  (registers the dspark::experts_* ops)
-from .replaced import source_key, swapped_forward
+from .replaced import PLAIN_FLOATS, known_forward, swapped_forward
 
 __all__ = ["KNOWN_SOURCES", "longcat_hooks"]
 
@@ -71,12 +71,9 @@ def longcat_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
         yield
         return
     for m in found:
-        known = type(m) is LongcatFlashExperts and source_key(LongcatFlashExperts) in \
-            KNOWN_SOURCES and "forward" not in m.__dict__
         routed = m.num_routed_experts > 0 and m.gate_up_proj is not None
-        dtypes = {p.dtype for p in (m.gate_up_proj, m.down_proj)} if routed else set()
-        if not known or not routed or not dtypes <= {torch.float32, torch.float16,
-                                                     torch.bfloat16}:
+        if not known_forward(m, LongcatFlashExperts, KNOWN_SOURCES) or not routed or \
+                not {p.dtype for p in (m.gate_up_proj, m.down_proj)} <= PLAIN_FLOATS:
             raise NotImplementedError(
                 f"{type(m).__name__} {names.get(id(m), '?')!r}: LongCat-Flash's experts are "
                 "captured from LongcatFlashExperts' own forward (transformers 5.24, 5.17) with "

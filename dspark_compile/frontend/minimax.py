@@ -27,7 +27,7 @@ from typing import Iterator
 import torch
 import torch.nn.functional as F
 
-from .replaced import source_key, swapped_forward
+from .replaced import known_forward, swapped_forward
 from .recurrent import RecurrentLayers
 
 __all__ = ["KNOWN_SOURCES", "has_lightning", "lightning_hooks"]
@@ -92,8 +92,7 @@ def lightning_hooks(layers: RecurrentLayers) -> Iterator[None]:
         yield
         return
     for m in found:
-        if type(m) is not MiniMaxLightningAttention or \
-                source_key(MiniMaxLightningAttention) not in KNOWN_SOURCES:
+        if not known_forward(m, MiniMaxLightningAttention, KNOWN_SOURCES):
             raise NotImplementedError(
                 f"{layers.name(m)}: its lightning attention is captured from "
                 "MiniMaxLightningAttention's own forward (transformers 5.17 and 5.24) only, and "

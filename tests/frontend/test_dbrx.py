@@ -68,6 +68,17 @@ def test_changed_experts_forward_is_refused(monkeypatch):
         dspark_compile(tiny_dbrx())
 
 
+def test_a_forward_set_on_the_instance_is_refused():
+    """A forward set on one module (a hook library wraps instances so) would shadow the class
+    forward the capture swaps in: refused, naming that module."""
+    model = tiny_dbrx()
+    experts = model.transformer.blocks[1].ffn.experts
+    experts.forward = experts.forward  # the same code, now an instance attribute
+    with pytest.raises(NotImplementedError, match=r"DbrxExperts 'transformer.blocks.1.ffn."
+                                                  r"experts'.*refused rather than verified wrong"):
+        dspark_compile(model)
+
+
 @pytest.mark.gpu
 def test_float32_on_gpu_through_triton_matches_hf():
     """The experts through the Triton routing and grouped GEMMs, on the GPU."""
