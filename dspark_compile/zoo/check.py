@@ -19,8 +19,7 @@ import torch
 
 from .tiny import _TOKEN_ID, _walk, tiny_config
 
-__all__ = ["STATUSES", "TOLERANCE", "GPU_TOLERANCE", "BF16_RATIO", "BF16_FLOOR", "HALF_FLOOR",
-           "DTYPES",
+__all__ = ["STATUSES", "TOLERANCE", "GPU_TOLERANCE", "HALF_RATIO", "HALF_FLOOR", "DTYPES",
            "Entry", "entries", "check", "classify", "tolerance"]
 
 STATUSES = ("exact", "refused", "wrong", "error", "skipped")
@@ -45,20 +44,20 @@ def tolerance(device: str) -> float:
     return TOLERANCE if torch.device(device).type == "cpu" else GPU_TOLERANCE
 
 
-BF16_RATIO = 2.0
-"""A bfloat16 check (``dtype="bfloat16"``) verifies in bfloat16 and judges against the float32
-forward of the same weights: it is exact when every row's largest error is at most this
-multiple of HF's own bfloat16 forward's on that row (plus :data:`BF16_FLOOR`). Rounding at other points than HF (a norm or
-activation fused in float32, another summation order) moves a bfloat16 logit by as much as HF's
-own rounding does; a wrong mask, a lost term or a misplaced head moves it by far more."""
+HALF_RATIO = 2.0
+"""A half-precision check (``dtype="bfloat16"`` or ``"float16"``) verifies in that dtype and
+judges against the float32 forward of the same weights: it is exact when every row's largest
+error is at most this multiple of HF's own forward's in that dtype on that row (plus
+:data:`HALF_FLOOR`). Rounding at other points than HF (a norm or activation fused in float32,
+another summation order) moves a half-precision logit by as much as HF's own rounding does; a
+wrong mask, a lost term or a misplaced head moves it by far more."""
 
 HALF_FLOOR = {torch.bfloat16: 1e-2, torch.float16: 2e-3}
 """Absolute slack of a half-precision judgement: about 4 rounding steps of a logit of order 1
 (2**-8 in bfloat16, 2**-11 in float16)."""
-BF16_FLOOR = HALF_FLOOR[torch.bfloat16]
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-"""The zoo's verify dtypes; the half-precision ones are judged as :data:`BF16_RATIO` says."""
+"""The zoo's verify dtypes; the half-precision ones are judged as :data:`HALF_RATIO` says."""
 
 SLOTS = (2, 0, 1)
 PROMPTS = (10, 7, 12)
@@ -136,15 +135,15 @@ class Result:
     reference: str = ""
     """HF attention implementation of the reference forward."""
     tie_rows: int | None = None
-    """bfloat16 checks: rows past the bound that HF's own bfloat16 forward moves as far under
-    rounding-sized input noise (:func:`_perturbed_errors`): a near-tied discrete choice (an
-    expert), not counted in ``off_rows``."""
+    """Half-precision checks: rows past the bound that HF's own forward in that dtype moves as
+    far under rounding-sized input noise (:func:`_perturbed_errors`): a near-tied discrete
+    choice (an expert), not counted in ``off_rows``."""
     off_rows: int | None = None
-    """Verified rows beyond the bound (float32: :func:`tolerance`; bfloat16: that row's HF
-    bfloat16 error times :data:`BF16_RATIO` plus :data:`BF16_FLOOR`)."""
+    """Verified rows beyond the bound (float32: :func:`tolerance`; half precision: that row's HF
+    error in that dtype times :data:`HALF_RATIO` plus the dtype's :data:`HALF_FLOOR`)."""
     hf_error: float | None = None
-    """bfloat16 checks: the largest |HF's bfloat16 forward - its float32 forward| (``max_error``
-    is then the verifier's against the float32 forward)."""
+    """Half-precision checks: the largest |HF's forward in that dtype - its float32 forward|
+    (``max_error`` is then the verifier's against the float32 forward)."""
     message: str = ""
     """The whole exception text (refused / error rows)."""
     where: str = ""
@@ -228,7 +227,7 @@ def _hf_logits(model, seq: torch.Tensor) -> torch.Tensor:
 
 
 PERTURB_TRIALS = 8
-"""HF bfloat16 forwards :func:`_perturbed_errors` runs for a request with a row past the
+"""HF half-precision forwards :func:`_perturbed_errors` runs for a request with a row past the
 bound."""
 
 PERTURB_SCALE = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
@@ -238,10 +237,11 @@ PERTURB_SCALE = {torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 def _perturbed_errors(half, seq: torch.Tensor, n: int, want: torch.Tensor,
                       seed: int) -> torch.Tensor:
     """float64 ``[n]``: the largest error against ``want`` (float32 logits of ``seq``'s last
-    ``n`` rows) of HF's bfloat16 forward over :data:`PERTURB_TRIALS` copies whose embedding rows
-    carry relative noise of the dtype's :data:`PERTURB_SCALE`. A row only rounding at other points moves by
-    HF's usual bfloat16 error; a row near a discrete choice (two experts' scores within
-    rounding) moves as far as a flipped choice does, in HF's own forward as in ours."""
+    ``n`` rows) of HF's half-precision forward over :data:`PERTURB_TRIALS` copies whose
+    embedding rows carry relative noise of the dtype's :data:`PERTURB_SCALE`. A row only
+    rounding at other points moves by HF's usual error; a row near a discrete choice (two
+    experts' scores within rounding) moves as far as a flipped choice does, in HF's own forward
+    as in ours."""
     embed = half.get_input_embeddings().weight
     saved = embed.detach().clone()
     gen = torch.Generator().manual_seed(seed + 7)
@@ -285,7 +285,7 @@ def check(entry: Entry, phase: Callable[[str], None] = lambda _: None,
           static: bool = False) -> Result:
     """Build, compile and verify ``entry`` on ``device`` (HF's forward and the verifier on the
     same device: on a GPU the verifier's Triton lowering) in ``dtype`` (``"bfloat16"`` or
-    ``"float16"``: the float32 model cast, judged by :data:`BF16_RATIO`); ``static``: through
+    ``"float16"``: the float32 model cast, judged by :data:`HALF_RATIO`); ``static``: through
     the tier session (``Verifier.capture``: static buffers padded to each tier on the CPU, CUDA
     graphs on a GPU; the prompts, past the largest tier, run without it). Never raises once
     ``dtype`` is one of :data:`DTYPES` (the outcome is the result)."""
@@ -403,11 +403,11 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
                     seq = torch.cat([seqs[i], new[i]]).to(device)
                     hf_err = row_errors(_hf_logits(half, seq)[-n:].cpu(), want)
                     hf_worst = max(hf_worst, float(hf_err.max()))
-                    bound = BF16_RATIO * hf_err + HALF_FLOOR[half_dtype]
+                    bound = HALF_RATIO * hf_err + HALF_FLOOR[half_dtype]
                     beyond = ~(err <= bound)
-                    if beyond.any():  # rows HF's own bfloat16 also moves that far: near ties
+                    if beyond.any():  # rows HF's own half forward also moves that far: ties
                         moved = _perturbed_errors(half, seq, n, want, seed)
-                        tie = beyond & torch.isfinite(err) & (moved >= err / BF16_RATIO)
+                        tie = beyond & torch.isfinite(err) & (moved >= err / HALF_RATIO)
                         ties += int(tie.sum())
                         bound = torch.where(tie, err, bound)
                 worst = max(worst, float(err.max()))

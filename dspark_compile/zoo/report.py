@@ -11,7 +11,7 @@ import subprocess
 import textwrap
 from collections import Counter
 
-from .check import BF16_RATIO, DTYPES, HALF_FLOOR, STATUSES, TOLERANCE
+from .check import HALF_RATIO, DTYPES, HALF_FLOOR, STATUSES, TOLERANCE
 
 __all__ = ["BEGIN", "END", "environment", "counts", "table", "markdown", "readme_section",
            "update_readme", "save", "load"]
@@ -100,7 +100,7 @@ def _exact_rule(report: dict) -> str:
     if report.get("dtype", "float32") != "float32":
         floor = HALF_FLOOR[DTYPES[report["dtype"]]]
         return (f"- **exact**: verified in {report['dtype']} on {where}, every row's max "
-                f"\\|ragged − HF float32\\| ≤ {BF16_RATIO:g} × HF's own {report['dtype']} "
+                f"\\|ragged − HF float32\\| ≤ {HALF_RATIO:g} × HF's own {report['dtype']} "
                 f"error on that row + {floor:g}, or a near-tie: a row HF's own "
                 f"{report['dtype']} forward moves as far under rounding-sized input noise")
     return (f"- **exact**: max \\|ragged − HF\\| ≤ {report.get('tolerance', TOLERANCE):g} over "
@@ -133,8 +133,8 @@ def markdown(report: dict) -> str:
         "",
         "Usage: `python -m dspark_compile zoo [--only NAME ...] [--jobs N] [--timeout S] "
         "[--out zoo.json] [--markdown [docs/models.md]] [--update-readme [README.md]] "
-        "[--from zoo.json] [--device cuda] [--dtype bfloat16|float16] [--variants] [--skip-unknown] "
-        "[--list]` (each check runs in its own "
+        "[--from zoo.json] [--device cuda] [--dtype bfloat16|float16] [--static] "
+        "[--variants [--variant NAME ...]] [--skip-unknown] [--list]` (each check runs in its own "
         "process; `--from` rewrites the Markdown and the README from a saved report without "
         "running; `--device cuda` runs HF and the verifier's Triton lowering on a GPU; "
         "`--variants` adds each model type under the config switches of "

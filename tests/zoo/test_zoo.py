@@ -216,12 +216,12 @@ def test_reference_logits_come_from_the_call_generate_makes():
 def test_half_checks_judge_against_float32_relative_to_hfs_own_rounding(dtype):
     import torch
 
-    from dspark_compile.zoo.check import BF16_RATIO, HALF_FLOOR
+    from dspark_compile.zoo.check import HALF_RATIO, HALF_FLOOR
 
     result = check(_entry("llama"), dtype=dtype)
     assert result.status == "exact", (result.reason, result.message[:300])
     floor = HALF_FLOOR[getattr(torch, dtype)]
-    assert 0 < result.hf_error and result.max_error <= BF16_RATIO * result.hf_error + floor
+    assert 0 < result.hf_error and result.max_error <= HALF_RATIO * result.hf_error + floor
     assert result.max_error > 1e-5  # it did run in half precision
     report = _report([_row("llama", "exact", err=4e-3)])
     report.update(dtype=dtype, device="cuda")
