@@ -11,7 +11,7 @@ import subprocess
 import textwrap
 from collections import Counter
 
-from .check import HALF_RATIO, DTYPES, HALF_FLOOR, STATUSES, TOLERANCE
+from .check import DTYPES, HALF_FLOOR, HALF_RATIO, STATUSES, TOLERANCE
 
 __all__ = ["BEGIN", "END", "environment", "counts", "table", "markdown", "readme_section",
            "update_readme", "save", "load"]

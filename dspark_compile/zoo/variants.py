@@ -26,7 +26,7 @@ The variants, by name (applied only where the config has the field):
   which must be refused (its frequencies follow the batch's longest position);
 - ``window5``: a sliding window of 5 (switched on where the config has a switch);
 - ``final_softcap``, ``attn_softcap``: logit softcaps of 3 and 2;
-- ``eps``: an RMSNorm epsilon of 0.01 (a wrong epsilon shows at that size);
+- ``eps``: an RMSNorm or LayerNorm epsilon of 0.01 (a wrong epsilon shows at that size);
 - ``conv3``, ``conv2``: causal-conv windows of 3 and 2 (Mamba, Mamba-2, Gated DeltaNet, short
   conv; most checkpoints use 4, LFM2 3);
 - ``groups2``: two Mamba-2 B/C groups; ``gdn_key_heads1``: one Gated DeltaNet key head shared
