@@ -40,15 +40,18 @@
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
 # A job that runs past its limit is stopped and the next one starts.
 #
-# The tests need expecttest, which a bare GPU image may lack: put its wheel in .whl/ (ignored by
-# git), e.g. `python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12
-# --implementation cp --platform manylinux2014_x86_64 -d .whl expecttest==0.3.0`, and ship that
-# folder with the tree; the wheels found there are installed to /tmp/site first.
+# The tests need expecttest (and gpu_tests runs 4 workers with pytest-xdist), which a bare GPU
+# image may lack: put their wheels in .whl/ (ignored by git), e.g. `python3 -m pip download
+# --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform
+# manylinux2014_x86_64 -d .whl expecttest==0.3.0 pytest-xdist execnet`, and ship that folder
+# with the tree; the wheels found there are installed to /tmp/site first.
 set -u
 
 job() {
   case $1 in
-    gpu_tests) python3 -m pytest -q -m gpu tests -p no:cacheprovider -p no:logging ;;
+    gpu_tests)  # 4 workers, a file per worker, where pytest-xdist is there (.whl/ below)
+      if python3 -c "import xdist" 2>/dev/null; then set -- -n 4 --dist loadfile; else set --; fi
+      python3 -m pytest -q -m gpu tests -p no:cacheprovider -p no:logging "$@" ;;
     sanitizer) compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
         tests/test_gpu.py -k bitwise -p no:cacheprovider ;;
     v1_8) python3 benchmarks/verify_step.py --quick --bs 1 8 ;;
