@@ -656,6 +656,48 @@ def test_triton_channel_gates_match_reference_and_contain(name):
     assert torch.equal(states[0], states[1]) and torch.isfinite(states[1]).all()
 
 
+@needs_triton
+@pytest.mark.parametrize("channel_gates", [False, True])
+@pytest.mark.parametrize("regime", ["strong", "zero", "grow"])
+def test_triton_gdn_state_scale_folds_match_reference(channel_gates, regime):
+    """The kernels keep the decay in a per-program scale of the state tile and fold it into the
+    tile when it leaves ``[2^-40, 2^40]``. Decays of e^-5..e^-40 a row fold every row or two
+    (without the fold, ``k / scale`` overflows within a request), a decay of exactly 0
+    (``g = -inf``) folds at once, and growth (``g > 0``) folds upward; outputs and the committed
+    state must match the reference's direct ``S * exp(g)``."""
+    from dspark_compile.kernels.gdn import gated_delta_rule_commit_triton, gated_delta_rule_triton
+
+    layout = make_layout(*TRITON_LAYOUTS["long" if regime == "strong" else "mixed"], seed=11)
+    c = gdn_case(layout, 2, 4, 16, 32, seed=11, channel_gates=channel_gates)
+    gen = torch.Generator().manual_seed(12)
+    if regime == "strong":
+        c["g"] = -5.0 - 35.0 * torch.rand(c["g"].shape, generator=gen)
+    elif regime == "zero":
+        c["g"] = torch.where(torch.rand(c["g"].shape, generator=gen) < 0.3, -INF, c["g"])
+    else:  # e^2..e^4 a row: an 8-row request passes 2^40
+        c["g"] = 2.0 + 2.0 * torch.rand(c["g"].shape, generator=gen)
+    want, want_rings = run_gdn(c, layout)
+    got, rings = run_gdn(c, layout, impl=gated_delta_rule_triton)
+    assert torch.isfinite(want).all()
+    # a growing state's delta rule cancels (v - S^T k with S^T k large), which the reference
+    # rounds too: growth is judged against each row's largest value
+    close = _close_per_row if regime == "grow" else functools.partial(
+        torch.testing.assert_close, atol=2e-6, rtol=1e-5)
+    close(got, want)
+    acc = accepts(layout, seed=11)
+    want_state, state = c["recurrent_state"].clone(), c["recurrent_state"].clone()
+    OPS.gated_delta_rule_commit(want_state, *want_rings, layout.qsl, layout.slots, acc)
+    gated_delta_rule_commit_triton(state, *rings, layout.qsl, layout.slots, acc)
+    close(state, want_state)
+
+
+def _close_per_row(got: torch.Tensor, want: torch.Tensor, rtol: float = 1e-5, atol: float = 2e-6):
+    """Every element within ``rtol`` of its row's largest magnitude (last axis), plus ``atol``."""
+    bound = rtol * want.abs().amax(-1, keepdim=True) + atol
+    err = (got - want).abs()
+    assert bool((err <= bound).all()), f"worst error over bound: {float((err / bound).max()):.3g}"
+
+
 @pytest.mark.gpu
 def test_gpu_channel_gates_float32_matches_reference_closely():
     """Kimi Linear's shapes (32 heads, K = V = 128, one gate a key channel), float32, verify

@@ -225,6 +225,33 @@ def test_triton_matches_reference(name, h, g, n_state, p, bias, d, limits):
 
 
 @needs_triton
+@pytest.mark.parametrize("regime", ["strong", "zero"])
+def test_triton_state_scale_folds_match_reference(regime):
+    """The kernels keep ``exp(A dt)`` in a per-program scale of the state tile and fold it into
+    the tile when it leaves ``[2^-40, 2^40]``: time steps of 20-60 decay by e^-10 or more a row
+    (without the fold, ``x dt / scale`` overflows within a request), and a head whose decay
+    underflows to exactly 0 folds at once; outputs and the committed state must match the
+    reference's direct ``S * exp(A dt)``."""
+    kernels = _triton()
+    lens, pad = TRITON_LAYOUTS["long"]
+    layout = make_layout(lens, num_pad=pad, seed=13)
+    c = ssd_case(layout, seed=13)
+    gen = torch.Generator().manual_seed(14)
+    c["dt"] = 20.0 + 40.0 * torch.rand(c["dt"].shape, generator=gen)
+    if regime == "zero":
+        c["A"] = torch.tensor([-1e30, -1.0, -0.5, -1e30])
+    want, want_rings = run_ssd(c, layout)
+    got, got_rings = run_ssd(c, layout, impl=kernels.ssd_triton)
+    assert torch.isfinite(want).all()
+    torch.testing.assert_close(got, want, **TOL)
+    acc = accepts(layout, seed=13)
+    pools = [c["ssm_state"].clone() for _ in range(2)]
+    OPS.ssd_commit(pools[0], *want_rings, layout.qsl, layout.slots, acc)
+    kernels.ssd_commit_triton(pools[1], *got_rings, layout.qsl, layout.slots, acc)
+    torch.testing.assert_close(pools[1], pools[0], **TOL)
+
+
+@needs_triton
 def test_plan_puts_heads_first_past_the_grid_limit():
     """Past 65535 (head, channel block) programs (Falcon-Mamba-7B's 8192 x 16 one-element
     heads) they go on the grid's first axis; Mamba-2's shapes keep requests first."""
