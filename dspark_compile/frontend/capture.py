@@ -196,6 +196,78 @@ def _drop_empty_cats(gm: fx.GraphModule) -> None:
         gm.graph.erase_node(node)
 
 
+_COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.to.device,
+           torch.ops.aten.to.dtype_layout, torch.ops.aten.to.prim_Device)
+
+
+def _device_of(node) -> torch.device | None:
+    val = node.meta.get("val") if isinstance(node, fx.Node) else None
+    return val.device if isinstance(val, torch.Tensor) else None
+
+
+def _host_constant(node: fx.Node, memo: dict) -> bool:
+    """Whether ``node``'s value is the same on every call: no input, parameter or buffer behind
+    it (those are placeholders), no symbolic size, no random op."""
+    if node in memo:
+        return memo[node]
+    if node.op == "get_attr":  # a constant the model made (torch.tensor([...]))
+        ok = True
+    elif node.op != "call_function":
+        ok = False
+    else:
+        val = node.meta.get("val")
+        shaped = isinstance(val, torch.Tensor) and all(type(s) is int for s in val.shape)
+        seeded = isinstance(node.target, torch._ops.OpOverload) and \
+            torch.Tag.nondeterministic_seeded in node.target.tags
+        ok = shaped and not seeded and all(
+            _host_constant(a, memo) for a in node.all_input_nodes)
+        for a in (*node.args, *node.kwargs.values()):
+            if isinstance(a, (torch.SymInt, torch.SymFloat, torch.SymBool)):
+                ok = False
+    memo[node] = ok
+    return ok
+
+
+def _fold_host_constants(gm: fx.GraphModule) -> list[str]:
+    """A value the forward makes on the host and copies to the model's device on every call
+    (Phi-MoE computes its rotary frequencies with ``torch.arange`` on the CPU and moves them
+    with ``.to(x.device)``) is computed once here, by the same ops on the same device, and the
+    graph reads the copy as a constant. The per-call copy would be a host-to-device transfer
+    from pageable memory, which a CUDA graph cannot capture. Returns the constants' names."""
+    memo: dict = {}
+    values: dict = {}
+
+    def value(node):
+        if node not in values:
+            if node.op == "get_attr":
+                values[node] = getattr(gm, node.target)
+            else:
+                args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
+                values[node] = node.target(*args, **kwargs)
+        return values[node]
+
+    folded = []
+    for node in list(gm.graph.nodes):
+        if node.op != "call_function" or node.target not in _COPIES or not node.all_input_nodes:
+            continue
+        source = node.all_input_nodes[0]
+        if _device_of(source) == _device_of(node) or not _host_constant(node, memo):
+            continue
+        with torch.no_grad():
+            tensor = value(node)
+        name = f"_dspark_host_constant{len(folded)}"
+        gm.register_buffer(name, tensor)
+        with gm.graph.inserting_before(node):
+            const = gm.graph.get_attr(name)
+        const.meta = dict(node.meta)
+        node.replace_all_uses_with(const)
+        folded.append(name)
+    if folded:
+        gm.graph.eliminate_dead_code()
+        gm.recompile()
+    return folded
+
+
 def _check_no_pending(scope: CaptureScope) -> None:
     if scope.pending_compressed is not None:
         module = scope.pending_compressed[0]
@@ -302,6 +374,7 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     finally:
         model.train(was_training)
     _drop_empty_cats(gm)
+    _fold_host_constants(gm)
     gm.graph.eliminate_dead_code()
     name_placeholders(gm, specs)
     gm.recompile()
