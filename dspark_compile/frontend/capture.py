@@ -196,8 +196,13 @@ def _drop_empty_cats(gm: fx.GraphModule) -> None:
         gm.graph.erase_node(node)
 
 
-_COPIES = (torch.ops.aten._to_copy.default, torch.ops.aten.to.device,
-           torch.ops.aten.to.dtype_layout, torch.ops.aten.to.prim_Device)
+_MOVES = {torch.ops.aten.expand.default, torch.ops.aten.unsqueeze.default,
+          torch.ops.aten.view.default, torch.ops.aten._unsafe_view.default,
+          torch.ops.aten.reshape.default, torch.ops.aten.squeeze.dim,
+          torch.ops.aten.squeeze.dims, torch.ops.aten.permute.default,
+          torch.ops.aten.transpose.int, torch.ops.aten.slice.Tensor, torch.ops.aten.select.int,
+          torch.ops.aten.clone.default, torch.ops.aten.alias.default, torch.ops.aten.t.default}
+"""Ops that only place a tensor's values (no arithmetic): the same on any device."""
 
 
 def _device_of(node) -> torch.device | None:
@@ -228,14 +233,41 @@ def _host_constant(node: fx.Node, memo: dict) -> bool:
     return ok
 
 
-def _fold_host_constants(gm: fx.GraphModule) -> list[str]:
+def _moves_to_constant(source: fx.Node, memo: dict) -> tuple[fx.Node, list[fx.Node]] | None:
+    """``(constant, moves)``: the host constant that ``source`` is, or the one it is placed
+    from by ``_MOVES`` ops whose other arguments are sizes (an ``expand`` to the batch size:
+    transformers 5.17's Phi-MoE rotary); None if a value behind it varies."""
+    moves = []
+    while not _host_constant(source, memo):
+        if source.op != "call_function" or source.target not in _MOVES or \
+                not isinstance(source.args[0], fx.Node) or any(
+                    isinstance(n.meta.get("val"), torch.Tensor)
+                    for n in source.all_input_nodes if n is not source.args[0]):
+            return None
+        moves.append(source)
+        source = source.args[0]
+    return source, moves[::-1]
+
+
+def _fold_host_constants(gm: fx.GraphModule, mode: FakeTensorMode | None = None) -> list[str]:
     """A value the forward makes on the host and copies to the model's device on every call
     (Phi-MoE computes its rotary frequencies with ``torch.arange`` on the CPU and moves them
-    with ``.to(x.device)``) is computed once here, by the same ops on the same device, and the
-    graph reads the copy as a constant. The per-call copy would be a host-to-device transfer
-    from pageable memory, which a CUDA graph cannot capture. Returns the constants' names."""
+    with ``.to(x.device)``) is computed once here, by the same ops on the same device, moved
+    once, and read as a constant (lifted as ``torch.tensor([...])`` constants are). The
+    per-call copy would be a host-to-device transfer from pageable memory, which a CUDA graph
+    cannot capture. Ops that only place values (``_MOVES``: an expand to the batch size) between
+    the constant and the copy are replayed on the device copy; the copy keeps its dtype change.
+    ``mode``: the trace's fake mode (default: the placeholders'). Returns the constants' names."""
+    from torch._guards import detect_fake_mode
+
     memo: dict = {}
     values: dict = {}
+    if mode is None:
+        try:
+            mode = detect_fake_mode([n.meta.get("val") for n in gm.graph.nodes
+                                     if n.op == "placeholder"])
+        except AssertionError:  # values of several modes: new values are computed without one
+            mode = None
 
     def value(node):
         if node not in values:
@@ -248,19 +280,35 @@ def _fold_host_constants(gm: fx.GraphModule) -> list[str]:
 
     folded = []
     for node in list(gm.graph.nodes):
-        if node.op != "call_function" or node.target not in _COPIES or not node.all_input_nodes:
+        if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default or \
+                not isinstance(node.args[0], fx.Node):
             continue
-        source = node.all_input_nodes[0]
-        if _device_of(source) == _device_of(node) or not _host_constant(node, memo):
+        device = _device_of(node)
+        if device is None or _device_of(node.args[0]) == device:
             continue
+        found = _moves_to_constant(node.args[0], memo)
+        if found is None:
+            continue
+        constant, moves = found
         with torch.no_grad():
-            tensor = value(node)
+            tensor = value(constant).to(device)
         name = f"_dspark_host_constant{len(folded)}"
         gm.register_buffer(name, tensor)
-        with gm.graph.inserting_before(node):
-            const = gm.graph.get_attr(name)
-        const.meta = dict(node.meta)
-        node.replace_all_uses_with(const)
+        with gm.graph.inserting_before(node):  # read as torch.tensor([...]) constants are:
+            const = gm.graph.get_attr(name)    # a fake-mode retrace lifts it to a fake tensor
+            last = gm.graph.call_function(torch.ops.aten.lift_fresh_copy.default, (const,))
+            fake = mode.from_tensor(tensor) if mode is not None else tensor
+            last.meta = {**constant.meta, "val": fake}
+            for move in moves:
+                args = (last, *move.args[1:])
+                new = gm.graph.call_function(move.target, args, dict(move.kwargs))
+                with mode or contextlib.nullcontext():
+                    fake = move.target(*fx.node.map_arg(
+                        args, lambda n: n.meta["val"]), **move.kwargs)
+                new.meta = {**move.meta, "val": fake}
+                last = new
+        node.args = (last, *node.args[1:])
+        node.kwargs = {k: v for k, v in node.kwargs.items() if k != "device"}
         folded.append(name)
     if folded:
         gm.graph.eliminate_dead_code()
@@ -374,7 +422,7 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     finally:
         model.train(was_training)
     _drop_empty_cats(gm)
-    _fold_host_constants(gm)
+    _fold_host_constants(gm, mode)
     gm.graph.eliminate_dead_code()
     name_placeholders(gm, specs)
     gm.recompile()

@@ -7,23 +7,13 @@ Kernels first, then the launch plan and the host wrappers; the oracle is
 Forward (grid ``(R + 1, Hv * cdiv(V, BLOCK_V))``, from shapes only): one program per
 (request, value head, block of ``BLOCK_V`` value channels) holds its ``[K, BLOCK_V]`` slice of
 the fp32 state in registers and walks the request's rows in order (the recurrent form: at
-verify widths, T <= 16, the state read dominates)::
+verify widths, T <= 16, the state read dominates, and each row costs 3 K x BLOCK_V FMAs):
 
     k, q <- l2norm;  S <- S * exp(g);  delta = beta * (v - S^T k);  S <- S + k delta^T;
     out = S^T (q * scale)
 
 (with ``CHANNEL_GATES``, Kimi Linear's KDA, g is a ``[K]`` vector and row k of S decays by
 ``exp(g[k])``; the rings keep the vector).
-
-The tile is held in scaled form, ``S = s * T`` (``s`` a scalar, a ``[K]`` vector with channel
-gates), so the decay multiplies ``s`` and never the tile: ``S^T k = T^T (s k)``, ``S += k
-delta^T`` is ``T += (k / s) delta^T``, and ``out = S_dec^T q + delta (k . q)`` reduces the
-decayed tile beside ``kv_mem`` instead of the updated one after it. A row costs two reductions
-and one FMA per element instead of a multiply more. When ``s`` leaves ``[2^-40, 2^40]`` it is
-folded into the tile (one multiply pass, in a branch kept as one); the commit stores ``s * T``.
-Rounding differs from the reference's ``S * exp(g)`` order by a few ulp; the commit runs the
-forward's own arithmetic (the shared ``_decay`` and ``_delta_update``), so the committed state is
-the one the forward's later rows saw.
 
 Each value-channel block is independent (every reduction is over K), which is what lets a
 small batch spread over the GPU (see :func:`plan_gdn`). Each step issues the next row's loads
@@ -39,11 +29,12 @@ the replay rings; every channel block saves its slice of ``v``. Program row ``R`
 padding pseudo-request: it zeroes rows ``query_start_loc[R] .. N-1``. Empty requests exit.
 
 Commit (grid ``(R, Hv * cdiv(V, BLOCK_V))``): the same update, fed from the rings for the
-first ``clamp(accept_lens[i], 0, len_i)`` rows, then one store of ``s * T`` into the pool.
+first ``clamp(accept_lens[i], 0, len_i)`` rows, then one store of the tile into the pool. The
+update is the shared ``_delta_step``, so the committed state is the forward's own arithmetic.
 
 Registers (sm_90, K = V = 128, BLOCK_V = 32, bf16, one warp; ``cuobjdump --dump-resource-usage``
-of triton 3.9's cubin): forward 208 per thread and no stack (229 before the scaled form; its
-loop body 824 instructions on the path without a fold, 887 before). Token-serial by design: a long prefill runs ``len`` dependent steps per
+of triton 3.9's cubin): forward 229 per thread and no stack, commit 254 and 16 bytes of stack
+(the commit on one warp still measured faster: 105 / 209 against 123 / 229 us on 4). Token-serial by design: a long prefill runs ``len`` dependent steps per
 program (correct, not fast; a chunked kernel would be the prefill path).
 """
 
@@ -66,8 +57,6 @@ _NUM_WARPS = 1  # module docstring: the sweep's best at every tile
 _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on one warp of 32
 _MIN_BLOCK_V = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
-_SCALE_LO = tl.constexpr(2.0 ** -40)  # a state scale outside [LO, HI] is folded into the tile
-_SCALE_HI = tl.constexpr(2.0 ** 40)
 
 
 @triton.jit
@@ -77,47 +66,16 @@ def _l2norm(x):
 
 
 @triton.jit
-def _decay(state, scale, g, CHANNEL_GATES: tl.constexpr):
-    """The row's decay, applied to the state's scale only (the true state is
-    ``scale[:, None] * state``; ``scale`` is a scalar, or a ``[K_PAD]`` vector with
-    ``CHANNEL_GATES``). A scale that leaves ``[2^-40, 2^40]`` is folded into the tile first (one
-    pass, rare: strong decays over many rows), so ``k / scale`` in the update stays finite."""
-    scale = scale * tl.exp(g)
+def _delta_step(state, k, v, g, beta, CHANNEL_GATES: tl.constexpr):
+    """One gated delta-rule update of a ``[K_PAD, BLOCK_V]`` fp32 state tile (HF's op order);
+    g is a scalar, or a ``[K_PAD]`` vector with ``CHANNEL_GATES`` (row k decays by g[k])."""
     if CHANNEL_GATES:
-        fold = tl.max(((scale < _SCALE_LO) | (scale > _SCALE_HI)).to(tl.int32), 0) > 0
-        if fold:
-            # the barrier keeps this a branch: without it the compiler computes the product on
-            # every row and selects, which costs the pass the scale form saves
-            tl.debug_barrier()
-            state = state * scale[:, None]
-        scale = tl.where(fold, 1.0, scale)
+        state = state * tl.exp(g)[:, None]
     else:
-        fold = (scale < _SCALE_LO) | (scale > _SCALE_HI)
-        if fold:
-            tl.debug_barrier()
-            state = state * scale
-        scale = tl.where(fold, 1.0, scale)
-    return state, scale
-
-
-@triton.jit
-def _delta_update(state, scale, k, v, beta, CHANNEL_GATES: tl.constexpr):
-    """One gated delta-rule update of a decayed ``[K_PAD, BLOCK_V]`` tile in scaled form:
-    ``kv_mem = S^T k`` read as ``T^T (scale * k)``, ``delta = beta * (v - kv_mem)``, and
-    ``S += k delta^T`` as ``T += (k / scale) delta^T``: one FMA per element, the decay never
-    touching the tile. Returns the tile and ``delta``."""
-    kv_mem = tl.sum(state * (k * scale)[:, None], 0)  # [BLOCK_V]
+        state = state * tl.exp(g)
+    kv_mem = tl.sum(state * k[:, None], 0)  # [BLOCK_V]
     delta = (v - kv_mem) * beta
-    return state + (k * (1.0 / scale))[:, None] * delta[None, :], delta
-
-
-@triton.jit
-def _unit_scale(offs_k, CHANNEL_GATES: tl.constexpr):
-    """The state's scale before any row: 1 (a ``[K_PAD]`` vector with ``CHANNEL_GATES``)."""
-    if CHANNEL_GATES:
-        return offs_k.to(tl.float32) * 0.0 + 1.0
-    else:
-        return 1.0
+    return state + k[:, None] * delta[None, :]
 
 
 @triton.jit
@@ -215,7 +173,6 @@ def _gdn_forward_kernel(
                            stride_s_slot, stride_s_head, stride_s_k)
     k_head = head // (HV // HK)
     last = start + length - 1
-    row_scale = _unit_scale(offs_k, CHANNEL_GATES)
     q, k, v, g, beta = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start.to(tl.int64), head,
                                  k_head, offs_k, offs_v, k_ok, v_ok, stride_q_tok,
                                  stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
@@ -233,13 +190,8 @@ def _gdn_forward_kernel(
         if L2NORM:
             k = _l2norm(k)
             q = _l2norm(q)
-        q = q * scale
-        state, row_scale = _decay(state, row_scale, g, CHANNEL_GATES)
-        # out = S_new^T q = S_dec^T q + delta (k . q): read from the decayed tile before the
-        # update, beside kv_mem, so the two reductions go out together
-        out_dec = tl.sum(state * (q * row_scale)[:, None], 0)
-        state, delta = _delta_update(state, row_scale, k, v, beta, CHANNEL_GATES)
-        out = out_dec + delta * tl.sum(k * q, 0)  # [BLOCK_V]
+        state = _delta_step(state, k, v, g, beta, CHANNEL_GATES)
+        out = tl.sum(state * (q * scale)[:, None], 0)  # [BLOCK_V]
         tl.store(out_ptr + n * stride_out_tok + head * stride_out_head + offs_v,
                  out.to(out_ptr.dtype.element_ty), mask=v_ok)
         _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k,
@@ -289,20 +241,14 @@ def _gdn_commit_kernel(
     k, v, g, beta = _load_ring_row(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
                                    start.to(tl.int64), head, k_head, offs_k, offs_v, k_ok, v_ok,
                                    HK, HV, KD, VD, CHANNEL_GATES)
-    row_scale = _unit_scale(offs_k, CHANNEL_GATES)
     for t in range(accepted):
         n = (start + t).to(tl.int64)
         k_next, v_next, g_next, beta_next = _load_ring_row(  # prefetched, as in the forward
             ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
             tl.minimum(n + 1, last).to(tl.int64), head, k_head, offs_k, offs_v, k_ok, v_ok,
             HK, HV, KD, VD, CHANNEL_GATES)
-        state, row_scale = _decay(state, row_scale, g, CHANNEL_GATES)
-        state, _ = _delta_update(state, row_scale, k, v, beta, CHANNEL_GATES)
+        state = _delta_step(state, k, v, g, beta, CHANNEL_GATES)
         k, v, g, beta = k_next, v_next, g_next, beta_next
-    if CHANNEL_GATES:
-        state = state * row_scale[:, None]
-    else:
-        state = state * row_scale
     tl.debug_barrier()  # the whole tile is read before any warp writes it back
     tl.store(ptrs, state, mask=k_ok[:, None] & v_ok[None, :])
 

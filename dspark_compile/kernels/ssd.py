@@ -11,12 +11,15 @@ widths the state read dominates)::
     dt <- clamp(softplus(dt + dt_bias));  xdt = x * dt;  da = A * dt
     S  <- S * exp(da) + B (x) xdt;        out = S^T C + D * x
 
-The tile is held in scaled form, ``S = s * T``, as the GDN kernel holds its own
-(``kernels/gdn.py``: the decay multiplies the scalar ``s``; the update is ``T += B (x) (xdt /
-s)``, one FMA per element; ``out = s * T^T C``; ``s`` outside ``[2^-40, 2^40]`` is folded into
-the tile). On sm_90 (triton 3.9, Nemotron-H shapes, ``BLOCK_P`` 32) that took the forward's loop
-body from 653 instructions to 544 and its registers from 255 (16 bytes spilled) to 202, the
-commit's from 313 to 206.
+The tile is held in scaled form, ``S = s * T``: the decay multiplies the scalar ``s``, the
+update is ``T += B (x) (xdt / s)`` (one FMA per element), ``out = s * T^T C``, and ``s`` outside
+``[2^-40, 2^40]`` is folded into the tile (in a branch kept as one). Rounding differs from the
+reference's ``S * exp(da)`` order by a few ulp. On sm_90 (triton 3.9, Nemotron-H shapes,
+``BLOCK_P`` 32) that took the forward's loop body from 653 instructions to 544 and its registers
+from 255 (16 bytes spilled) to 202, the commit's from 313 to 206; on an H200 the forward and the
+commit both gained about 3% at bs 64 / 128, all 8 rows (docs/benchmarks.md). The same form in
+the GDN kernel cut its loop from 887 instructions to 824 and measured 3% slower there: those
+kernels are bound by the dependent chain of each row, not by their instruction count.
 
 Every reduction is over N, so channel blocks are independent, which is what lets a small
 batch spread over the GPU (:func:`plan_ssd`). The update itself is elementwise; only the output
@@ -50,7 +53,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gdn import _decay, _load_state, _zero_padding_rows  # shared tiles: same layout
+from .gdn import _load_state, _zero_padding_rows  # shared tiles: same layout
 from .launch import launch
 from ..ops.ssd_reference import check_ssd, check_ssd_commit
 from .device import device_sm_count
@@ -61,12 +64,29 @@ _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on
 _MIN_BLOCK_P = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
+_SCALE_LO = tl.constexpr(2.0 ** -40)  # a state scale outside [LO, HI] is folded into the tile
+_SCALE_HI = tl.constexpr(2.0 ** 40)
+
+
+@triton.jit
+def _decay(state, scale, da):
+    """The row's decay ``exp(da)``, applied to the state's scale only (the true state is
+    ``scale * state``). A scale that leaves ``[2^-40, 2^40]`` is folded into the tile first (one
+    pass, rare: strong decays over many rows), so ``xdt / scale`` in the update stays finite."""
+    scale = scale * tl.exp(da)
+    fold = (scale < _SCALE_LO) | (scale > _SCALE_HI)
+    if fold:
+        # the barrier keeps this a branch: without it the compiler computes the product on
+        # every row and selects, which costs the pass the scaled form saves
+        tl.debug_barrier()
+        state = state * scale
+    return state, tl.where(fold, 1.0, scale)
 
 
 @triton.jit
 def _ssd_update(state, scale, xdt, b):
     """One selective-state update of a decayed ``[N_PAD, BLOCK_P]`` tile in scaled form (the true
-    state is ``scale * state``, :func:`.gdn._decay`): ``S += b (x) xdt`` as
+    state is ``scale * state``, :func:`_decay`): ``S += b (x) xdt`` as
     ``T += b (x) (xdt / scale)``, one FMA per element."""
     return state + b[:, None] * (xdt * (1.0 / scale))[None, :]
 
@@ -132,7 +152,7 @@ def _ssd_forward_kernel(
     # HF adds dt_bias.to(dt.dtype): round it to dt's dtype first
     bias = tl.load(dt_bias_ptr + head).to(dt_ptr.dtype.element_ty).to(tl.float32)
     last = start + length - 1
-    scale = 1.0  # the state's scale (:func:`.gdn._decay`)
+    scale = 1.0  # the state's scale (:func:`_decay`)
     x, dt, b, c = _load_row(x_ptr, dt_ptr, b_ptr, c_ptr, start.to(tl.int64), head, group,
                             offs_n, offs_p, n_ok, p_ok, stride_x_tok, stride_x_head,
                             stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
@@ -149,7 +169,7 @@ def _ssd_forward_kernel(
                          dt_ptr.dtype.element_ty)
         xdt = x * dt
         da = a * dt
-        state, scale = _decay(state, scale, da, False)
+        state, scale = _decay(state, scale, da)
         state = _ssd_update(state, scale, xdt, b)
         out = tl.sum(state * c[:, None], 0) * scale  # [BLOCK_P]
         if HAS_D:
@@ -205,7 +225,7 @@ def _ssd_commit_kernel(
         xdt_next, b_next, da_next = _load_ring_row(  # prefetched, as in the forward
             ring_x_ptr, ring_b_ptr, ring_da_ptr, tl.minimum(n + 1, last).to(tl.int64), head,
             group, offs_n, offs_p, n_ok, p_ok, H, G, NS, P)
-        state, scale = _decay(state, scale, da, False)
+        state, scale = _decay(state, scale, da)
         state = _ssd_update(state, scale, xdt, b)
         xdt, b, da = xdt_next, b_next, da_next
     state = state * scale

@@ -659,12 +659,10 @@ def test_triton_channel_gates_match_reference_and_contain(name):
 @needs_triton
 @pytest.mark.parametrize("channel_gates", [False, True])
 @pytest.mark.parametrize("regime", ["strong", "zero", "grow"])
-def test_triton_gdn_state_scale_folds_match_reference(channel_gates, regime):
-    """The kernels keep the decay in a per-program scale of the state tile and fold it into the
-    tile when it leaves ``[2^-40, 2^40]``. Decays of e^-5..e^-40 a row fold every row or two
-    (without the fold, ``k / scale`` overflows within a request), a decay of exactly 0
-    (``g = -inf``) folds at once, and growth (``g > 0``) folds upward; outputs and the committed
-    state must match the reference's direct ``S * exp(g)``."""
+def test_triton_gdn_extreme_decays_match_reference(channel_gates, regime):
+    """Decays at the ends of their range: e^-5..e^-40 a row (a state that forgets within a row
+    or two), exactly 0 (``g = -inf``) and growth (``g > 0``); outputs and the committed state
+    must match the reference."""
     from dspark_compile.kernels.gdn import gated_delta_rule_commit_triton, gated_delta_rule_triton
 
     layout = make_layout(*TRITON_LAYOUTS["long" if regime == "strong" else "mixed"], seed=11)
