@@ -276,12 +276,15 @@ def assert_nan_drafts_contained(model, verifier, poison: int, slots, prompts, le
                                 seed: int = 0, capture: bool = False) -> None:
     """A token whose embedding row is NaN at every rejected draft position (``lens[i]`` drafts,
     ``accept[i]`` accepted): the accepted rows and the committed linear-layer state are
-    bit-identical to a clean run. ``capture``: the poisoned session runs through a captured
-    session's static-buffer commit (CPU, no graphs)."""
+    bit-identical to a clean run. ``capture``: both sessions run through a captured session's
+    static buffers and commit (CPU, no graphs): the same padded shapes, since a CPU BLAS may
+    round a row differently when the matrix around it has another row count (MKL on an AMD
+    EPYC does: ``x[:1] @ w`` is not ``(x[:9] @ w)[:1]`` bit for bit)."""
     gen = torch.Generator().manual_seed(seed)
     states = [verifier.new_state(max_requests=max(slots) + 1, max_context=64) for _ in range(2)]
     if capture:
-        verifier.capture(states[1], block=max(8, max(lens)), use_graphs=False)
+        for state in states:
+            verifier.capture(state, block=max(8, max(lens)), use_graphs=False)
     embed = model.get_input_embeddings().weight
     with torch.no_grad():
         saved = embed[poison].clone()
