@@ -20,6 +20,7 @@ constrains ``bs`` or ``T`` is an error: the graph would be valid only for the sa
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
 import traceback
 from dataclasses import dataclass
@@ -41,6 +42,8 @@ from .recurrent import check_linear_calls
 from .scope import CaptureScope, open_scope
 
 __all__ = ["CapturedGraph", "capture_dense", "SAMPLE_BS", "SAMPLE_T"]
+
+log = logging.getLogger("dspark_compile")
 
 SAMPLE_BS = 3
 SAMPLE_T = 5
@@ -249,6 +252,19 @@ def _moves_to_constant(source: fx.Node, memo: dict) -> tuple[fx.Node, list[fx.No
     return source, moves[::-1]
 
 
+def _evaluate(gm: fx.GraphModule, node: fx.Node, values: dict):
+    """The real value of host-constant ``node``: its ops run on the values they ran on while
+    traced (``values`` caches them)."""
+    if node not in values:
+        if node.op == "get_attr":
+            values[node] = getattr(gm, node.target)
+        else:
+            args, kwargs = fx.node.map_arg((node.args, node.kwargs),
+                                           lambda n: _evaluate(gm, n, values))
+            values[node] = node.target(*args, **kwargs)
+    return values[node]
+
+
 def _fold_host_constants(gm: fx.GraphModule, mode: FakeTensorMode | None = None) -> list[str]:
     """A value the forward makes on the host and copies to the model's device on every call
     (Phi-MoE computes its rotary frequencies with ``torch.arange`` on the CPU and moves them
@@ -269,15 +285,6 @@ def _fold_host_constants(gm: fx.GraphModule, mode: FakeTensorMode | None = None)
         except AssertionError:  # values of several modes: new values are computed without one
             mode = None
 
-    def value(node):
-        if node not in values:
-            if node.op == "get_attr":
-                values[node] = getattr(gm, node.target)
-            else:
-                args, kwargs = fx.node.map_arg((node.args, node.kwargs), value)
-                values[node] = node.target(*args, **kwargs)
-        return values[node]
-
     folded = []
     for node in list(gm.graph.nodes):
         if node.op != "call_function" or node.target is not torch.ops.aten._to_copy.default or \
@@ -290,8 +297,15 @@ def _fold_host_constants(gm: fx.GraphModule, mode: FakeTensorMode | None = None)
         if found is None:
             continue
         constant, moves = found
-        with torch.no_grad():
-            tensor = value(constant).to(device)
+        try:
+            with torch.no_grad():
+                tensor = _evaluate(gm, constant, values).to(device)
+        except Exception as err:  # noqa: BLE001 - the copy stays; said once, by name
+            log.warning("dspark_compile: the host value %s copied to %s on every call could not "
+                        "be computed once at capture (%s: %s); the copy stays in the graph, "
+                        "which a CUDA graph cannot capture", constant.name, device,
+                        type(err).__name__, err)
+            continue
         name = f"_dspark_host_constant{len(folded)}"
         gm.register_buffer(name, tensor)
         with gm.graph.inserting_before(node):  # read as torch.tensor([...]) constants are:

@@ -105,3 +105,23 @@ def test_gpu_phimoe_verifies_exact_in_tier_graphs():
     (entry,) = [e for e in select(["phimoe"]) if e.name == "phimoe"]
     result = check(entry, device="cuda", dtype="bfloat16", static=True)
     assert result.status == "exact", (result.status, result.reason, result.where)
+
+
+
+def test_a_host_value_that_cannot_be_computed_stays_and_is_logged(caplog, monkeypatch):
+    from dspark_compile.frontend import capture
+
+    gm = make_fx(_forward)(torch.empty(4, device="meta"))
+    evaluate = capture._evaluate
+
+    def failing(gm, node, values):  # the torch.tensor table's value cannot be had
+        if node.op == "get_attr":
+            raise RuntimeError("no host copy of this constant")
+        return evaluate(gm, node, values)
+
+    monkeypatch.setattr(capture, "_evaluate", failing)
+    with caplog.at_level("WARNING", logger="dspark_compile"):
+        assert _fold_host_constants(gm) == ["_dspark_host_constant0"]  # the arange one only
+    assert "copied to meta on every call could not be computed once at capture " \
+        "(RuntimeError: no host copy of this constant)" in caplog.text
+    assert len(_host_copies(gm)) == 2  # the table's copy stays, beside the random one
