@@ -29,7 +29,8 @@
 #                 and HF vs a float32 copy)
 #   zoo_gpu       zoo --device cuda                    (every architecture, Triton lowering, fp32)
 #   zoo_bf16      zoo --device cuda --dtype bfloat16   (the same in bf16: the fused skinny paths)
-#   zoo_variants  zoo --device cuda --variants over the families the README names
+#   zoo_variants  zoo --device cuda --variants over the families the README names (past 280 s:
+#                 zoo_variants_a and zoo_variants_b take its first and second 20 families)
 #   zoo_fp16      zoo --device cuda --dtype float16    (float16 through the Triton lowering)
 #   zoo_static    zoo --device cuda --dtype bfloat16 --static (every architecture in tier CUDA
 #                 graphs, padded rows included)
@@ -95,6 +96,12 @@ job() {
       python3 benchmarks/moe_layer.py --batch-sizes 64 256 --target pdl=false ;;
     zoo_variants) python3 -m dspark_compile zoo --device cuda --variants --jobs 14 --timeout 150 \
         --skip-unknown --only $ZOO_FAMILIES --out "$OUT/zoo_gpu_variants.json" ;;
+    zoo_variants_a|zoo_variants_b)
+      name=$1
+      if [ "$name" = zoo_variants_a ]; then families=$(printf '%s\n' $ZOO_FAMILIES | head -n 20)
+      else families=$(printf '%s\n' $ZOO_FAMILIES | tail -n +21); fi
+      python3 -m dspark_compile zoo --device cuda --variants --jobs 14 --timeout 150 \
+        --skip-unknown --only $families --out "$OUT/zoo_gpu_${name#zoo_}.json" ;;
     *) echo "unknown job $1"; return 2 ;;
   esac
 }
