@@ -59,11 +59,12 @@ def test_ragged_equals_hf_forward(compiled, slots, prompts):
     assert err < TOL, f"max |ragged - HF| = {err}"
 
 
-def test_nan_draft_cannot_reach_accepted_rows_or_state(compiled):
-    """Through the eager commit and a captured session's static-buffer commit alike."""
+@pytest.mark.parametrize("capture", [False, True])
+def test_nan_draft_cannot_reach_accepted_rows_or_state(compiled, capture):
+    """Through the eager commit and captured sessions' static-buffer commit alike."""
     model, verifier = compiled
     assert_nan_drafts_contained(model, verifier, POISON, [0, 1], [6, 5], [6, 3], [4, 1],
-                                seed=8, capture=True)
+                                seed=8, capture=capture)
 
 
 def test_changed_lightning_forward_is_refused(monkeypatch):
