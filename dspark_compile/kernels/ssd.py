@@ -14,12 +14,8 @@ widths the state read dominates)::
 The tile is held in scaled form, ``S = s * T``: the decay multiplies the scalar ``s``, the
 update is ``T += B (x) (xdt / s)`` (one FMA per element), ``out = s * T^T C``, and ``s`` outside
 ``[2^-40, 2^40]`` is folded into the tile (in a branch kept as one). Rounding differs from the
-reference's ``S * exp(da)`` order by a few ulp. On sm_90 (triton 3.9, Nemotron-H shapes,
-``BLOCK_P`` 32) that took the forward's loop body from 653 instructions to 544 and its registers
-from 255 (16 bytes spilled) to 202, the commit's from 313 to 206; on an H200 the forward and the
-commit both gained about 3% at bs 64 / 128, all 8 rows (docs/benchmarks.md). The same form in
-the GDN kernel cut its loop from 887 instructions to 824 and measured 3% slower there: those
-kernels are bound by the dependent chain of each row, not by their instruction count.
+reference's ``S * exp(da)`` order by a few ulp. docs/benchmarks.md has the instruction counts
+and timings; the GDN kernels keep the direct decay, which measured faster there.
 
 Every reduction is over N, so channel blocks are independent, which is what lets a small
 batch spread over the GPU (:func:`plan_ssd`). The update itself is elementwise; only the output
@@ -37,8 +33,7 @@ that dtype (a no-op in float32). Softplus is ``log(1 + exp(v))`` below 20 and ``
 
 Commit (grid ``(R, H * cdiv(P, BLOCK_P))``): the same update, fed from the rings for the first
 ``clamp(accept_lens[i], 0, len_i)`` rows, then one store of ``s * T`` into the pool. The update
-is the shared ``_decay`` and ``_ssd_update``, so the committed state is the forward's own
-arithmetic.
+is the shared ``_ssd_step``, so the committed state is the forward's own arithmetic.
 
 Token-serial by design, like the GDN kernel: a long prefill runs ``len`` dependent steps per
 program (correct, not fast; a chunked kernel would be the prefill path).
@@ -69,10 +64,12 @@ _SCALE_HI = tl.constexpr(2.0 ** 40)
 
 
 @triton.jit
-def _decay(state, scale, da):
-    """The row's decay ``exp(da)``, applied to the state's scale only (the true state is
-    ``scale * state``). A scale that leaves ``[2^-40, 2^40]`` is folded into the tile first (one
-    pass, rare: strong decays over many rows), so ``xdt / scale`` in the update stays finite."""
+def _ssd_step(state, scale, xdt, b, da):
+    """One selective-state update of a ``[N_PAD, BLOCK_P]`` tile in scaled form (the true state
+    is ``scale * state``): the decay ``exp(da)`` multiplies the scale only, then ``S += b (x)
+    xdt`` is ``T += b (x) (xdt / scale)``, one FMA per element. A scale that leaves ``[2^-40,
+    2^40]`` is folded into the tile first (one pass, rare: strong decays over many rows), so
+    ``xdt / scale`` stays finite. Returns the tile and its scale."""
     scale = scale * tl.exp(da)
     fold = (scale < _SCALE_LO) | (scale > _SCALE_HI)
     if fold:
@@ -80,15 +77,8 @@ def _decay(state, scale, da):
         # every row and selects, which costs the pass the scaled form saves
         tl.debug_barrier()
         state = state * scale
-    return state, tl.where(fold, 1.0, scale)
-
-
-@triton.jit
-def _ssd_update(state, scale, xdt, b):
-    """One selective-state update of a decayed ``[N_PAD, BLOCK_P]`` tile in scaled form (the true
-    state is ``scale * state``, :func:`_decay`): ``S += b (x) xdt`` as
-    ``T += b (x) (xdt / scale)``, one FMA per element."""
-    return state + b[:, None] * (xdt * (1.0 / scale))[None, :]
+    scale = tl.where(fold, 1.0, scale)
+    return state + b[:, None] * (xdt * (1.0 / scale))[None, :], scale
 
 
 @triton.jit
@@ -152,7 +142,7 @@ def _ssd_forward_kernel(
     # HF adds dt_bias.to(dt.dtype): round it to dt's dtype first
     bias = tl.load(dt_bias_ptr + head).to(dt_ptr.dtype.element_ty).to(tl.float32)
     last = start + length - 1
-    scale = 1.0  # the state's scale (:func:`_decay`)
+    scale = 1.0  # the state's scale (:func:`_ssd_step`)
     x, dt, b, c = _load_row(x_ptr, dt_ptr, b_ptr, c_ptr, start.to(tl.int64), head, group,
                             offs_n, offs_p, n_ok, p_ok, stride_x_tok, stride_x_head,
                             stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
@@ -169,8 +159,7 @@ def _ssd_forward_kernel(
                          dt_ptr.dtype.element_ty)
         xdt = x * dt
         da = a * dt
-        state, scale = _decay(state, scale, da)
-        state = _ssd_update(state, scale, xdt, b)
+        state, scale = _ssd_step(state, scale, xdt, b, da)
         out = tl.sum(state * c[:, None], 0) * scale  # [BLOCK_P]
         if HAS_D:
             out = out + d * x
@@ -225,8 +214,7 @@ def _ssd_commit_kernel(
         xdt_next, b_next, da_next = _load_ring_row(  # prefetched, as in the forward
             ring_x_ptr, ring_b_ptr, ring_da_ptr, tl.minimum(n + 1, last).to(tl.int64), head,
             group, offs_n, offs_p, n_ok, p_ok, H, G, NS, P)
-        state, scale = _decay(state, scale, da)
-        state = _ssd_update(state, scale, xdt, b)
+        state, scale = _ssd_step(state, scale, xdt, b, da)
         xdt, b, da = xdt_next, b_next, da_next
     state = state * scale
     tl.debug_barrier()  # the whole tile is read before any warp writes it back
