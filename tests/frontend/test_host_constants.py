@@ -42,7 +42,7 @@ def test_host_values_copied_to_the_device_become_constants():
     targets = _targets(gm)
     for gone in ("aten.arange.start_step", "aten.pow.Scalar"):
         assert gone not in targets
-    assert [c for c in _host_copies(gm)] == [
+    assert _host_copies(gm) == [
         n.format_node() for n in gm.graph.nodes if n.target is torch.ops.aten._to_copy.default
         and n.args[0].target is torch.ops.aten.rand.default]  # the random value's copy stays
     for name in ("_dspark_host_constant0", "_dspark_host_constant1"):
@@ -105,7 +105,6 @@ def test_gpu_phimoe_verifies_exact_in_tier_graphs():
     (entry,) = [e for e in select(["phimoe"]) if e.name == "phimoe"]
     result = check(entry, device="cuda", dtype="bfloat16", static=True)
     assert result.status == "exact", (result.status, result.reason, result.where)
-
 
 
 def test_a_host_value_that_cannot_be_computed_stays_and_is_logged(caplog, monkeypatch):
