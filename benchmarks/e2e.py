@@ -637,6 +637,12 @@ def parse_settings(argv=None) -> tuple[Settings, str]:
     parser.add_argument("--group-linears", choices=GROUP_LINEARS,
                         default="auto",
                         help="DSparkConfig(group_linears=...); not auto: the files get a suffix")
+    parser.add_argument("--output", type=int, default=None,
+                        help="tokens decoded per request (default 256; --quick 64); the files get "
+                             "a suffix")
+    parser.add_argument("--repeats", type=int, default=None,
+                        help="timed runs per mode, taken round the modes (default 3); the files "
+                             "get a suffix")
     parser.add_argument("--replay-rates", action="store_true",
                         help="price steps for the width policy and the planner by the SPS table "
                              "of graph replays alone (no loop overhead); the files get a suffix")
@@ -656,6 +662,11 @@ def parse_settings(argv=None) -> tuple[Settings, str]:
         changes.update(concurrency=tuple(args.concurrency),
                        name=changes.get("name", s.name) + "_c" + "_".join(
                            str(c) for c in args.concurrency))
+    for flag, value in (("output", args.output), ("repeats", args.repeats)):
+        if value is not None:
+            if value < 1:
+                parser.error(f"--{flag}={value}: it must be at least 1")
+            changes.update({flag: value, "name": changes.get("name", s.name) + f"_{flag}{value}"})
     if args.replay_rates:
         changes.update(step_overhead=False, name=changes.get("name", s.name) + "_replay_rates")
     return replace(s, **changes), args.out

@@ -221,3 +221,13 @@ def test_pack_and_emit_match_the_masked_versions(loop_host, width):
         for i in range(c):
             assert np.array_equal(run.tokens[i, :counts[i]], old_tokens[i, :counts[i]])
     assert run.verify_tokens == sum(n for n, _ in run.shapes) and run.steps == len(run.shapes)
+
+
+def test_output_and_repeats_flags_set_the_run_and_name_the_files(e2e):
+    s, _ = e2e.parse_settings(["--smoke", "--output", "40", "--repeats", "5"])
+    assert (s.output, s.repeats) == (40, 5)
+    assert s.name == "smoke_output40_repeats5"
+    default, _ = e2e.parse_settings(["--smoke"])
+    assert (default.output, default.repeats, default.name) == (16, 3, "smoke")
+    with pytest.raises(SystemExit):
+        e2e.parse_settings(["--smoke", "--repeats", "0"])

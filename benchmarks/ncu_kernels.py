@@ -1,0 +1,96 @@
+"""One launch of each kernel an open target is about, for Nsight Compute (``ncu``) to profile.
+
+Nothing is timed here: the script sets up the benchmarks' own shapes and calls each kernel once
+(after one warm-up call that compiles it), so that ``ncu --kernel-name ...`` reads the
+hardware counters of exactly those launches. Cases:
+
+- ``moe``: the grouped experts GEMMs of ``moe_layer.py`` (Qwen3-30B-A3B's experts, bf16, ragged
+  mean 3) at ``--bs``: routing, then the up launch (gate/up + SiLU) and the down launch;
+- ``gdn`` / ``ssd``: ``ssd_kernels.py``'s GDN and Mamba-2 verify forwards at ``--bs``, all 8
+  rows, then their commits;
+- ``skinny``: ``skinny_kernel.py``'s skinny matmul on the 1.1B model's gate+up and down weights
+  at 3 rows (bs 1, mean 3).
+
+    ncu --clock-control none --kernel-name regex:_experts_gemm --launch-skip 2 \\
+        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \\
+        python benchmarks/ncu_kernels.py moe --bs 256
+
+(``benchmarks/gpu_session.sh``'s ``ncu_*`` jobs run the profiles the docs cite.)
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from common import mix_lens
+
+WARMUP = 1
+"""Calls before the profiled one (each case's ncu line skips ``WARMUP * launches``)."""
+
+
+def moe(bs: int) -> None:
+    import moe_layer as ml
+    from dspark_compile.kernels import experts as kx
+
+    s = ml.SETTINGS
+    experts = ml.build(s, "cuda")
+    lens = mix_lens(bs, s["block"], s["mean_len"], s["seed"])
+    x, ids, weights, qsl = ml.routing(sum(lens), s, "cuda")
+    for _ in range(WARMUP + 1):
+        order, offsets = kx.experts_route_triton(ids, qsl, experts.num_experts)
+        h = kx.experts_up_triton(x, order, offsets, experts.gate_up_proj, None, False,
+                                 "silu_glu")
+        kx.experts_down_triton(h, order, offsets, weights, experts.down_proj, None, False)
+    torch.cuda.synchronize()
+
+
+def recurrent(kind: str, bs: int) -> None:
+    import ssd_kernels as sk
+    from hybrid_kernels import _gdn_args, gdn_inputs, layout  # noqa: F401
+
+    s = sk.SETTINGS
+    lens = [s["block"]] * bs
+    acc = torch.tensor(lens, dtype=torch.int32, device="cuda")
+    if kind == "gdn":
+        c = gdn_inputs(lens, s, "cuda", seed=bs)
+        for _ in range(WARMUP + 1):
+            sk.triton_gdn.gated_delta_rule_triton(*_gdn_args(c, s))
+            sk.triton_gdn.gated_delta_rule_commit_triton(c["state"], *c["rings"], c["qsl"],
+                                                         c["slots"], acc)
+    else:
+        c = sk.ssd_inputs(lens, s, "cuda", seed=bs)
+        for _ in range(WARMUP + 1):
+            sk.triton_ssd.ssd_triton(*sk._ssd_args(c))
+            sk.triton_ssd.ssd_commit_triton(c["state"], *c["rings"], c["qsl"], c["slots"], acc)
+    torch.cuda.synchronize()
+
+
+def skinny(rows: int) -> None:
+    from dspark_compile.kernels.skinny import skinny_linear_triton
+
+    for n, k in ((16384, 2048), (2048, 8192)):  # gate+up, down of the 1.1B model
+        w = torch.randn(n, k, device="cuda", dtype=torch.bfloat16) / k ** 0.5
+        x = torch.randn(rows, k, device="cuda", dtype=torch.bfloat16)
+        for _ in range(WARMUP + 1):
+            skinny_linear_triton(x, w)
+    torch.cuda.synchronize()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("case", choices=("moe", "gdn", "ssd", "skinny"))
+    ap.add_argument("--bs", type=int, default=64, help="batch size (skinny: rows)")
+    opts = ap.parse_args()
+    torch.set_grad_enabled(False)
+    if opts.case == "moe":
+        moe(opts.bs)
+    elif opts.case == "skinny":
+        skinny(opts.bs)
+    else:
+        recurrent(opts.case, opts.bs)
+
+
+if __name__ == "__main__":
+    main()
