@@ -14,10 +14,12 @@ alone (never from the routing), so a layer captures in a tier's CUDA graph with 
   one-hot ``[BLOCK_P, E_P2]`` tile and scatters pair ids to ``order``: a stable counting sort,
   equal to the reference's ``torch.sort(stable=True)``. Pairs routed nowhere (padding rows,
   ids outside ``[0, E)``) form one more bucket ``E``, last.
-- Grouped GEMM (one kernel for up and down): axis 0 enumerates row tiles of ``BLOCK_M`` pairs
-  of one bucket (bucket ``b`` owns tiles ``cum[b-1] .. cum[b]`` of the prefix sum of
-  ``cdiv(count_b, BLOCK_M)``, found by one compare-and-count over ``E_P2`` buckets); surplus
-  tiles exit. A tile gathers its pairs' rows (``x[p // K]`` for up, ``h[p]`` for down),
+- Grouped GEMM (one kernel for up and down): a 1-D grid of (row tile, column tile) programs,
+  row tile major, so the column tiles of one row tile run together (its rows stay in L2, its
+  expert's weight columns are read in address order) and the surplus row tiles, which exit at
+  once, come last instead of between every column tile's real ones. Row tiles hold ``BLOCK_M``
+  pairs of one bucket (bucket ``b`` owns tiles ``cum[b-1] .. cum[b]`` of the prefix sum of
+  ``cdiv(count_b, BLOCK_M)``, found by one compare-and-count over ``E_P2`` buckets). A tile gathers its pairs' rows (``x[p // K]`` for up, ``h[p]`` for down),
   streams its expert's weight columns ``[BLOCK_K, BLOCK_N]`` once (an expert with at most
   ``BLOCK_M`` pairs, every verify expert up to bs ~64, reads its weights exactly once; more
   pairs re-read them from L2, the tiles of one expert being adjacent in the grid), accumulates
@@ -162,19 +164,20 @@ def _gate(x, ACT: tl.constexpr):
 @triton.jit
 def _experts_gemm_kernel(a_ptr, order_ptr, offsets_ptr, w_ptr, bias_ptr, scale_ptr, out_ptr,
                          num_pairs, row_div, num_experts, n_out, k_dim, stride_am, stride_we,
-                         stride_wk, stride_wn, stride_be, stride_om,
+                         stride_wk, stride_wn, stride_be, stride_om, col_tiles,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          E_P2: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                          HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
                          PDL: tl.constexpr):
-    """One (row tile of one expert, column tile): ``rows @ W[e]`` (+ bias, gate or scale)."""
+    """One (row tile of one expert, column tile): ``rows @ W[e]`` (+ bias, gate or scale).
+    Programs go row tile by row tile (the column tiles of one row tile are adjacent)."""
     pdl_enter(PDL)
-    bucket, row0, end = _find_tile(offsets_ptr, tl.program_id(0), num_pairs, num_experts,
-                                   BLOCK_M, E_P2)
+    tile = tl.program_id(0) // col_tiles
+    bucket, row0, end = _find_tile(offsets_ptr, tile, num_pairs, num_experts, BLOCK_M, E_P2)
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = (rows < end) & (rows * 0 + bucket <= num_experts)  # vector masks only
     pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
-    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    cols = (tl.program_id(0) % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :]
     out_ok = row_ok[:, None] & col_ok[None, :]
@@ -264,9 +267,10 @@ def experts_route_triton(ids: torch.Tensor, query_start_loc: torch.Tensor | None
     ids = ids.contiguous()
     num_pairs = ids.numel()
     order = torch.empty(num_pairs, dtype=torch.int32, device=ids.device)
-    offsets = torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
     if num_pairs == 0:
-        return order, offsets
+        return order, torch.zeros(num_experts, dtype=torch.int32, device=ids.device)
+    # the placing launch's first block writes every entry: no fill launch
+    offsets = torch.empty(num_experts, dtype=torch.int32, device=ids.device)
     cfg, _ = device_target(ids.device)
     plan = plan_experts(num_pairs, num_experts)
     blocks = triton.cdiv(num_pairs, plan.block_p)
@@ -305,12 +309,12 @@ def _gemm(a, order, offsets, w, bias, scale, out, row_div: int, transposed: bool
     # weight element (e, k: input, n: output) at e*s0 + k*s_k + n*s_n
     s_k, s_n = (w.stride(1), w.stride(2)) if transposed else (w.stride(2), w.stride(1))
     pdl = use_pdl(a.device, cfg)
-    grid = (plan.max_tiles, triton.cdiv(n_out, block_n))
+    col_tiles = triton.cdiv(n_out, block_n)
     dummy = out
-    launch(_experts_gemm_kernel, grid, a, order, offsets, w,
+    launch(_experts_gemm_kernel, (plan.max_tiles * col_tiles,), a, order, offsets, w,
            bias if bias is not None else dummy, scale if scale is not None else dummy, out,
            num_pairs, row_div, num_experts, n_out, a.shape[1], a.stride(0), w.stride(0), s_k,
-           s_n, bias.stride(0) if bias is not None else 0, out.stride(0),
+           s_n, bias.stride(0) if bias is not None else 0, out.stride(0), col_tiles,
            BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=cfg.experts_block_k,
            E_P2=plan.e_p2, ACT=_ACT[activation], HAS_BIAS=bias is not None,
            HAS_SCALE=scale is not None, DOT_PRECISION=fp32_dot_precision(cfg), PDL=pdl,
