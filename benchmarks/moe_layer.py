@@ -196,7 +196,8 @@ TILES_UP = [(None, 64, 64, 4, 3), (None, 64, 64, 4, 4), (None, 64, 64, 4, 5),
 TILES_DOWN = [(None, 64, 64, 4, 3), (None, 64, 64, 4, 4), (None, 64, 64, 4, 5),
               (None, 64, 128, 4, 3), (None, 128, 64, 4, 3), (None, 128, 64, 8, 3),
               (None, 128, 128, 8, 3), (None, 256, 64, 8, 3), (32, 64, 64, 4, 3),
-              (32, 128, 64, 4, 3), (128, 128, 64, 8, 3)]
+              (32, 128, 64, 4, 3), (128, 128, 64, 8, 3), (None, 128, 64, 4, 4),
+              (None, 128, 32, 4, 4), (None, 256, 64, 4, 3)]
 
 
 @contextlib.contextmanager
@@ -230,7 +231,7 @@ def tile_sweep(bs: int, experts, s: dict, device: str) -> dict:
     scale = weights.reshape(-1).contiguous()
     want_down = torch.empty(order.shape[0], s["hidden"], dtype=h.dtype, device=device)
     kx._gemm(h, order, offsets, experts.down_proj, None, scale, want_down, 1, False, "none",
-             cfg, cfg.experts_down_block_n)
+             cfg, cfg.experts_down_block_n, cfg.experts_down_block_n_wide)
     share = dict(up=2 / 3, down=1 / 3)  # of the layer's weight bytes
     rows = []
     for proj, tiles in (("up", TILES_UP), ("down", TILES_DOWN)):

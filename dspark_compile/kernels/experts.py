@@ -300,12 +300,15 @@ def uses_grouped_mm(w: torch.Tensor, rows: torch.Tensor, cfg: TargetConfig) -> b
 
 
 def _gemm(a, order, offsets, w, bias, scale, out, row_div: int, transposed: bool,
-          activation: str, cfg: TargetConfig, block_n: int) -> None:
+          activation: str, cfg: TargetConfig, block_n: int,
+          wide_block_n: int | None = None) -> None:
     """Launch the grouped GEMM writing ``out [S, n_out]`` in pair order, ``block_n`` columns a
-    program."""
+    program (``wide_block_n`` where the plan's row tiles hold 64 pairs)."""
     num_pairs, num_experts = order.shape[0], w.shape[0]
     n_out = out.shape[1]
     plan = plan_experts(num_pairs, num_experts)
+    if wide_block_n is not None and plan.block_m >= 64:
+        block_n = wide_block_n
     # weight element (e, k: input, n: output) at e*s0 + k*s_k + n*s_n
     s_k, s_n = (w.stride(1), w.stride(2)) if transposed else (w.stride(2), w.stride(1))
     pdl = use_pdl(a.device, cfg)
@@ -357,7 +360,7 @@ def experts_down_triton(h: torch.Tensor, order: torch.Tensor, offsets: torch.Ten
         return _down_grouped_mm(h, order, offsets, weights, w, bias, transposed, dtype)
     scratch = torch.empty(order.shape[0], d, dtype=dtype, device=h.device)
     _gemm(h, order, offsets, w, bias, weights, scratch, 1, transposed, "none", cfg,
-          cfg.experts_down_block_n)
+          cfg.experts_down_block_n, cfg.experts_down_block_n_wide)
     pdl = use_pdl(h.device, cfg)
     block_d = min(256, triton.next_power_of_2(d))
     launch(_combine_kernel, (triton.cdiv(num_tokens, COMBINE_TOKENS), triton.cdiv(d, block_d)),

@@ -147,12 +147,18 @@ class TargetConfig:
     """The grouped GEMMs of ``dspark::experts_up`` / ``experts_down``: ``"triton"``
     (``kernels/experts.py``) or ``"grouped_mm"`` (the vendor ``torch._grouped_mm`` on rows
     gathered into expert order; bf16 with 16-byte row strides only, anything else takes Triton).
-    To be chosen by ``python benchmarks/moe_layer.py`` (it times both); not measured yet."""
+    Chosen by ``python benchmarks/moe_layer.py``, which times both; figures in
+    docs/benchmarks.md."""
     experts_block_n: int = 64
     """Output columns per program of the experts' grouped up GEMM (untuned)."""
     experts_down_block_n: int = 64
     """Output columns per program of the experts' grouped down GEMM (K is the expert width,
     short: wider tiles re-read each row tile's activations fewer times)."""
+    experts_down_block_n_wide: int = 128
+    """The same where row tiles hold 64 pairs (the plan's ``BLOCK_M`` 64: at 128 experts from
+    about bs 128, mean 3): a row tile's activations are re-read ``N / BLOCK_N`` times, as many
+    bytes as its expert's weights when ``BLOCK_N == BLOCK_M``. Chosen by ``python
+    benchmarks/moe_layer.py --tiles``; figures in docs/benchmarks.md."""
     experts_block_k: int = 64
     """K per iteration of the experts' grouped GEMM (untuned)."""
     experts_num_warps: int = 4

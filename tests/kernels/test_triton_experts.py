@@ -115,6 +115,28 @@ def test_down_equals_reference(transposed, with_bias, weights_dtype, dtype, tol)
     assert torch.equal(got[n - 3:], torch.zeros_like(got[n - 3:])), "padding comes out zero"
 
 
+@needs_kernel_device
+def test_down_with_64_pair_row_tiles_takes_the_wide_column_tile():
+    """Over 64 pairs an expert: the plan's 64-pair row tiles and the down GEMM's wide column
+    tile (``TargetConfig.experts_down_block_n_wide``), here with a partial last column tile."""
+    from dspark_compile.kernels.device import device_target
+    from dspark_compile.kernels.experts import experts_down_triton, plan_experts
+
+    n, k, e, d, i = 100, 4, 3, 200, 40
+    ids, qsl = _routing(n, k, e, seed=15, hot=True)
+    order, offsets = ref.route(ids, qsl, e)
+    cfg, _ = device_target(ids.device)
+    assert plan_experts(n * k, e).block_m == 64
+    assert d % cfg.experts_down_block_n_wide != 0 and cfg.experts_down_block_n_wide > 64
+    h = _tensor(n * k, i, dtype=torch.float32, seed=16)
+    weights = _tensor(n, k, dtype=torch.float32, seed=17).abs()
+    w = _tensor(e, d, i, dtype=torch.float32, seed=18, scale=i ** -0.5)
+    got = experts_down_triton(h, order, offsets, weights, w, None, False)
+    want = ref.down(h, order, offsets, weights, w, None, False)
+    torch.testing.assert_close(got, want, atol=FP32_TOL, rtol=FP32_TOL)
+    assert torch.equal(got[n - 3:], torch.zeros_like(got[n - 3:])), "padding comes out zero"
+
+
 def test_vendor_grouped_mm_path_equals_reference():
     """``torch._grouped_mm`` (CPU kernel here, bf16 CUTLASS on the GPU) on 16-byte rows."""
     from dspark_compile.kernels.experts import _down_grouped_mm, _up_grouped_mm
@@ -211,6 +233,11 @@ AOT_CASES = {  # case -> (kernel, pointer dtypes, constexprs)
                                   scale_ptr="fp32", out_ptr="fp32"),
                              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, E_P2=256, ACT=0,
                                   HAS_BIAS=True, HAS_SCALE=True, DOT_PRECISION="ieee")),
+    "down_bf16_wide": ("_experts_gemm_kernel",  # experts_down_block_n_wide's 64 x 128 tile
+                       dict(a_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", scale_ptr="bf16",
+                            out_ptr="bf16"),
+                       dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, E_P2=256, ACT=0,
+                            HAS_BIAS=False, HAS_SCALE=True, DOT_PRECISION="ieee")),
     "combine_bf16": ("_combine_kernel", dict(scratch_ptr="bf16", out_ptr="bf16"),
                      dict(TOP_K=8, BLOCK_T=8, BLOCK_D=256)),
 }
