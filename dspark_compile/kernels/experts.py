@@ -168,9 +168,11 @@ def _experts_gemm_kernel(a_ptr, order_ptr, offsets_ptr, w_ptr, bias_ptr, scale_p
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          E_P2: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                          HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         PDL: tl.constexpr):
+                         W_EVICT: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
     """One (row tile of one expert, column tile): ``rows @ W[e]`` (+ bias, gate or scale).
-    Programs go row tile by row tile (the column tiles of one row tile are adjacent)."""
+    Programs go row tile by row tile (the column tiles of one row tile are adjacent). Cache
+    hints: ``W_EVICT`` on the weight loads (read once), ``KEEP`` on the rows' loads and the
+    result's stores (re-read by the other column tiles, the next GEMM or the combine)."""
     pdl_enter(PDL)
     tile = tl.program_id(0) // col_tiles
     bucket, row0, end = _find_tile(offsets_ptr, tile, num_pairs, num_experts, BLOCK_M, E_P2)
@@ -192,13 +194,15 @@ def _experts_gemm_kernel(a_ptr, order_ptr, offsets_ptr, w_ptr, bias_ptr, scale_p
         for k0 in range(0, k_dim, BLOCK_K):
             ks = k0 + tl.arange(0, BLOCK_K)
             k_ok = ks < k_dim
-            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+            a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
+                        eviction_policy=KEEP)
             w_ok = k_ok[:, None] & col_ok[None, :]
-            w = tl.load(w_tile + ks[:, None] * stride_wk, mask=w_ok, other=0.0)
+            w = tl.load(w_tile + ks[:, None] * stride_wk, mask=w_ok, other=0.0,
+                        eviction_policy=W_EVICT)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
             if ACT != 0:  # the up half of the same columns: W[e, :, n_out + cols]
                 w2 = tl.load(w_tile + n_out * stride_wn + ks[:, None] * stride_wk, mask=w_ok,
-                             other=0.0)
+                             other=0.0, eviction_policy=W_EVICT)
                 acc_up = tl.dot(a, w2, acc_up, input_precision=DOT_PRECISION)
         if HAS_BIAS:
             b_ptr = bias_ptr + bucket.to(tl.int64) * stride_be + cols
@@ -209,12 +213,14 @@ def _experts_gemm_kernel(a_ptr, order_ptr, offsets_ptr, w_ptr, bias_ptr, scale_p
             acc = _gate(acc, ACT) * acc_up
         if HAS_SCALE:
             acc *= tl.load(scale_ptr + pair, mask=row_ok, other=0.0).to(tl.float32)[:, None]
-        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok)
+        tl.store(out_ptrs, acc.to(out_ptr.dtype.element_ty), mask=out_ok,
+                 eviction_policy=KEEP)
 
 
 @triton.jit
 def _combine_kernel(scratch_ptr, out_ptr, num_tokens, n_cols, TOP_K: tl.constexpr,
-                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, PDL: tl.constexpr):
+                    BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr, READ_EVICT: tl.constexpr,
+                    PDL: tl.constexpr):
     """``out[n] = sum_k scratch[n*K + k]`` in ``k`` order, fp32, one rounding. The loop over
     ``k`` is unrolled, so its ``K`` loads are in flight together; the adds keep their order."""
     pdl_enter(PDL)
@@ -224,8 +230,8 @@ def _combine_kernel(scratch_ptr, out_ptr, num_tokens, n_cols, TOP_K: tl.constexp
     acc = tl.zeros([BLOCK_T, BLOCK_D], dtype=tl.float32)
     for k in tl.static_range(TOP_K):
         rows = (t * TOP_K + k).to(tl.int64) * n_cols
-        acc += tl.load(scratch_ptr + rows[:, None] + d[None, :], mask=ok, other=0.0).to(
-            tl.float32)
+        acc += tl.load(scratch_ptr + rows[:, None] + d[None, :], mask=ok, other=0.0,
+                       eviction_policy=READ_EVICT).to(tl.float32)
     tl.store(out_ptr + t.to(tl.int64)[:, None] * n_cols + d[None, :],
              acc.to(out_ptr.dtype.element_ty), mask=ok)
 
@@ -320,7 +326,9 @@ def _gemm(a, order, offsets, w, bias, scale, out, row_div: int, transposed: bool
            s_n, bias.stride(0) if bias is not None else 0, out.stride(0), col_tiles,
            BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=cfg.experts_block_k,
            E_P2=plan.e_p2, ACT=_ACT[activation], HAS_BIAS=bias is not None,
-           HAS_SCALE=scale is not None, DOT_PRECISION=fp32_dot_precision(cfg), PDL=pdl,
+           HAS_SCALE=scale is not None, DOT_PRECISION=fp32_dot_precision(cfg),
+           W_EVICT="evict_first" if cfg.experts_cache_hints else "",
+           KEEP="evict_last" if cfg.experts_cache_hints else "", PDL=pdl,
            num_warps=cfg.experts_num_warps, num_stages=cfg.experts_num_stages,
            **pdl_options(pdl))
 
@@ -365,7 +373,7 @@ def experts_down_triton(h: torch.Tensor, order: torch.Tensor, offsets: torch.Ten
     block_d = min(256, triton.next_power_of_2(d))
     launch(_combine_kernel, (triton.cdiv(num_tokens, COMBINE_TOKENS), triton.cdiv(d, block_d)),
            scratch, out, num_tokens, d, TOP_K=top_k, BLOCK_T=COMBINE_TOKENS, BLOCK_D=block_d,
-           PDL=pdl, num_warps=4, **pdl_options(pdl))
+           READ_EVICT="evict_first" if cfg.experts_cache_hints else "", PDL=pdl, num_warps=4, **pdl_options(pdl))
     return out
 
 

@@ -159,6 +159,13 @@ class TargetConfig:
     about bs 128, mean 3): a row tile's activations are re-read ``N / BLOCK_N`` times, as many
     bytes as its expert's weights when ``BLOCK_N == BLOCK_M``. Chosen by ``python
     benchmarks/moe_layer.py --tiles``; figures in docs/benchmarks.md."""
+    experts_cache_hints: bool = True
+    """L2 eviction hints in the experts' kernels: weights ``evict_first`` (each is read once, and
+    a layer's stream of them would push out what is read again), the GEMMs' rows and results
+    ``evict_last`` (a row tile's rows are read by every column tile, the up GEMM's result by the
+    down GEMM, the down GEMM's by the combine), the combine's reads ``evict_first``. Chosen by
+    ``python benchmarks/moe_layer.py --target experts_cache_hints=false``; figures in
+    docs/benchmarks.md."""
     experts_block_k: int = 64
     """K per iteration of the experts' grouped GEMM (untuned)."""
     experts_num_warps: int = 4

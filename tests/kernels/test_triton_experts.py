@@ -227,19 +227,22 @@ AOT_CASES = {  # case -> (kernel, pointer dtypes, constexprs)
     "up_bf16_silu": ("_experts_gemm_kernel", dict(a_ptr="bf16", w_ptr="bf16", bias_ptr="bf16",
                                                   scale_ptr="bf16", out_ptr="bf16"),
                      dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, E_P2=256, ACT=1, HAS_BIAS=False,
-                          HAS_SCALE=False, DOT_PRECISION="ieee")),
+                          HAS_SCALE=False, DOT_PRECISION="ieee", W_EVICT="evict_first",
+                          KEEP="evict_last")),
     "down_bf16_bias_scale": ("_experts_gemm_kernel",
                              dict(a_ptr="bf16", w_ptr="bf16", bias_ptr="bf16",
                                   scale_ptr="fp32", out_ptr="fp32"),
                              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, E_P2=256, ACT=0,
-                                  HAS_BIAS=True, HAS_SCALE=True, DOT_PRECISION="ieee")),
+                                  HAS_BIAS=True, HAS_SCALE=True, DOT_PRECISION="ieee",
+                                  W_EVICT="evict_first", KEEP="evict_last")),
     "down_bf16_wide": ("_experts_gemm_kernel",  # experts_down_block_n_wide's 64 x 128 tile
                        dict(a_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", scale_ptr="bf16",
                             out_ptr="bf16"),
                        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, E_P2=256, ACT=0,
-                            HAS_BIAS=False, HAS_SCALE=True, DOT_PRECISION="ieee")),
+                            HAS_BIAS=False, HAS_SCALE=True, DOT_PRECISION="ieee",
+                            W_EVICT="", KEEP="")),
     "combine_bf16": ("_combine_kernel", dict(scratch_ptr="bf16", out_ptr="bf16"),
-                     dict(TOP_K=8, BLOCK_T=8, BLOCK_D=256)),
+                     dict(TOP_K=8, BLOCK_T=8, BLOCK_D=256, READ_EVICT="evict_first")),
 }
 
 
