@@ -406,6 +406,32 @@ class Decoder:
 
 
 # ---------------------------------------------------------------------- one concurrency
+def rank_cost_s(decoder: Decoder, drafter, c: int, calls: int = 31) -> float:
+    """Host seconds a ranked step costs the loop beyond the full block, for the planner's
+    ``PlannerConfig.rank_cost_s``: the median of ``calls`` rankings of the drafter's first
+    confidences (the flat rule off), plus what packing those ragged lengths takes beyond
+    packing the full block (medians). The verifier's own host work is not in it."""
+    rids, e = np.arange(c), np.ones(c, np.int64)
+    drafts, conf = drafter.draft(rids, e)
+    ranked = replace(decoder.planner, flat_tolerance=None, rank_cost_s=0.0)
+    tokens = np.zeros((c, decoder.s.gamma + 2), np.int64)
+    full = np.full(c, decoder.s.gamma + 1, np.int32)
+
+    def median_s(fn) -> float:
+        times = []
+        for _ in range(calls):
+            t0 = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    lens = plan_lengths(conf, decoder.rate, ranked)
+    plan = median_s(lambda: plan_lengths(conf, decoder.rate, ranked))
+    pack_ragged = median_s(lambda: decoder._pack(rids, e, lens, drafts, tokens))
+    pack_full = median_s(lambda: decoder._pack(rids, e, full, drafts, tokens))
+    return plan + max(0.0, pack_ragged - pack_full)
+
+
 def summarize(run: Run, got: np.ndarray, want: np.ndarray, tiers) -> dict:
     """The JSON row of one timed run (``got``/``want``: decoded tokens [c, output])."""
     tier_tokens = sum(select_tier(tiers, n, r).tokens for n, r in run.shapes)
@@ -443,6 +469,8 @@ def bench_concurrency(decoder: Decoder, prompts: torch.Tensor, s: Settings):
         overhead = min(max(0.0, probe[len(probe) // 2] / steps - replay_s), 0.5)
         decoder.rate = TierRate(decoder.table, decoder.tiers, decoder.state.max_requests,
                                 overhead)
+    rank_cost = rank_cost_s(decoder, drafter, c)
+    decoder.planner = replace(decoder.planner, rank_cost_s=rank_cost)
     modes = mode_names(s.gamma)
     for mode in modes:
         decoder.run(mode, first, drafter, s.warmup_output)
@@ -468,7 +496,8 @@ def bench_concurrency(decoder: Decoder, prompts: torch.Tensor, s: Settings):
     fixed = [m for m in rows if m.startswith("fixed_")] + ["static"]
     best = max(fixed, key=lambda m: rows[m]["tokens_per_s"])
     return {"modes": rows, "best_fixed": best, "drafter_mu": drafter.mu,
-            "step_overhead_ms": 1e3 * overhead, "overhead_probe_seconds": probe,
+            "step_overhead_ms": 1e3 * overhead, "rank_cost_ms": 1e3 * rank_cost,
+            "overhead_probe_seconds": probe,
             "overhead_probe_steps": steps}, outputs
 
 
@@ -580,9 +609,10 @@ MEASURED = ("tokens/s = requests x decoded tokens / (run seconds - draft seconds
 
 
 POLICIES = ("width: WidthPolicy over widths 1..gamma+1 (default knobs); planner: plan_lengths "
-            "with PlannerConfig(tiers=the captured tiers) (budget aligned up to the tier it "
-            "replays). Both read the SPS table through TierRate: the rate of the tier a step "
-            "of (B tokens, R requests) replays, not the table's floor to the point below B; "
+            "with PlannerConfig(tiers=the captured tiers, rank_cost_s=results[c].rank_cost_ms: "
+            "the host time of a ranking and of packing its ragged lengths, measured per "
+            "concurrency) (budget aligned up to the tier it replays). Both read the SPS table "
+            "through TierRate: the rate of the tier a step of (B tokens, R requests) replays, not the table's floor to the point below B; "
             "with step_overhead, a step costs 1 / SPS + the loop's own time per step outside "
             "the replay, measured on untimed no-speculation runs of the same concurrency "
             "(results[c].step_overhead_ms).")

@@ -72,6 +72,12 @@ class PlannerConfig:
     256); where the step cost is flat in tokens (small batches) the step is then the fixed full
     width's. None: always rank. Not used with ``threshold``, ``budget_frac`` or a lagged
     budget."""
+    rank_cost_s: float = 0.0
+    """Host seconds a ranked step costs beyond the full block (the ranking, and what the caller
+    measures of the ragged step's packing). With it the flat rule reads: verify every draft
+    when the most step time any budget could save, ``1 / SPS(R (gamma + 1)) - 1 / max SPS``
+    over ``R .. R (gamma + 1)`` tokens, is at most ``flat_tolerance`` of the full step plus
+    this cost: ranking cannot then pay for itself (0: the rule on rates alone)."""
 
     def __post_init__(self) -> None:
         fraction("PlannerConfig.min_survival", self.min_survival)
@@ -87,6 +93,10 @@ class PlannerConfig:
         object.__setattr__(self, "tiers", tuple(sorted(tuple(t) for t in self.tiers)))
         if self.flat_tolerance is not None:
             fraction("PlannerConfig.flat_tolerance", self.flat_tolerance)
+        if isinstance(self.rank_cost_s, bool) or not isinstance(self.rank_cost_s, (int, float)) \
+                or not math.isfinite(self.rank_cost_s) or self.rank_cost_s < 0:
+            raise ValueError(f"PlannerConfig.rank_cost_s={self.rank_cost_s!r} is not a finite "
+                             "number of seconds >= 0; pass the host time a ranked step adds")
         if not isinstance(self.budget_lag, int) or self.budget_lag < 0:
             raise ValueError(f"PlannerConfig.budget_lag={self.budget_lag!r} is not an int >= 0; "
                              "pass the number of steps the budget may lag")
@@ -262,7 +272,13 @@ def _flat(rate: StepRateModel | None, r: int, gamma: int, config: PlannerConfig)
             config.budget_frac is not None:
         return False
     rates = _rate_span(rate, r, r * gamma + 1, r)  # [R * gamma + 1]: B = R .. R (gamma + 1)
-    return bool(rates[-1] >= (1.0 - config.flat_tolerance) * rates.max())
+    return bool(flat_rule(rates[-1], rates.max(), config))
+
+
+def flat_rule(full, best, config: PlannerConfig):
+    """``PlannerConfig.rank_cost_s``'s rule on the step rate of the full block and the best
+    rate (float64 scalars or tensors; the device planner applies the same expression)."""
+    return 1.0 / full - 1.0 / best <= config.flat_tolerance / full + config.rank_cost_s
 
 
 def _plan(conf: np.ndarray, budget_conf: np.ndarray | None, rate: StepRateModel | None,

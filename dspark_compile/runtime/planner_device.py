@@ -41,7 +41,7 @@ import triton
 import triton.language as tl
 
 from ..kernels.targets import TargetConfig, target_for_device
-from .planner import PlannerConfig
+from .planner import PlannerConfig, flat_rule
 from .sps import StepRateModel
 
 __all__ = ["MAX_CANDIDATES", "plan_verify_device", "sps_tensor", "device_tiers",
@@ -319,7 +319,7 @@ def plan_verify_device(confidence: torch.Tensor, sps: torch.Tensor | None,
             config.budget_frac is None and budget_confidence is None:
         # the host's _flat on the same rates (B = R .. R (gamma + 1)), without a sync
         span = sps[r: r * (gamma + 1) + 1]
-        full = (span[-1] >= (1.0 - config.flat_tolerance) * span.max()) & (k >= 0)
+        full = flat_rule(span[-1], span.max(), config) & (k >= 0)
         lens = torch.where(full, torch.full_like(lens, gamma + 1), lens)
         k = torch.where(full, torch.full_like(k, r * gamma), k)
     return lens, k

@@ -44,6 +44,7 @@ def test_smoke_json_has_every_mode_and_concurrency(e2e, smoke):
         replay_s = 1 / float(rate.steps_per_second(torch.tensor([c]), c)[0])
         want = min(max(0.0, probe[len(probe) // 2] / s.output - replay_s), 0.5)
         assert saved["results"][str(c)]["step_overhead_ms"] == pytest.approx(1e3 * want)
+        assert 0.0 < row["rank_cost_ms"] < 1e3  # a ranking's host time, priced per c
     assert set(saved["results"]) == {"1", "4"}
     for c, row in saved["results"].items():
         c = int(c)

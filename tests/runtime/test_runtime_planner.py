@@ -178,6 +178,32 @@ def test_flat_step_cost_verifies_every_draft_without_ranking(monkeypatch):
         PlannerConfig(flat_tolerance=1.5)
 
 
+def test_rank_cost_turns_ranking_off_where_it_cannot_pay_for_itself(monkeypatch):
+    """With ``rank_cost_s``, a step cost that falls past the tolerance is still verified whole,
+    unranked, when the most step time a budget could save (1 / SPS(full) - 1 / max SPS) is
+    within the tolerance plus that cost; a steeper cost is ranked as before."""
+    from dspark_compile.runtime import planner as planner_module
+
+    conf = torch.tensor([[0.9, 1e-4, 1.0], [0.5, 1e-8, 1e-2]])
+    ranked = []
+    real_rank = planner_module._rank
+    monkeypatch.setattr(planner_module, "_rank", lambda c: ranked.append(1) or real_rank(c))
+    # 100 steps/s at 1 token, 92 at 8: the full step is 10.87 ms, the cheapest 10 ms, so a
+    # budget saves at most 0.87 ms; 5% of the full step is 0.54 ms
+    steep = SpsTable(META, (SpsEntry(1, 100.0), SpsEntry(8, 92.0)))
+    assert plan_verify(conf, steep).lens.tolist() != [4, 4] and ranked
+    ranked.clear()
+    cheap = plan_verify(conf, steep, PlannerConfig(rank_cost_s=0.4e-3))  # 0.54 + 0.4 >= 0.87
+    assert cheap.lens.tolist() == [4, 4] and cheap.num_draft_tokens == 6 and not ranked
+    costly = plan_verify(conf, steep, PlannerConfig(rank_cost_s=0.3e-3))  # 0.54 + 0.3 < 0.87
+    assert ranked and costly.lens.tolist() == plan_verify(conf, steep, RANK).lens.tolist()
+    assert plan_verify(conf, steep, PlannerConfig(rank_cost_s=1.0, flat_tolerance=None)) \
+        .lens.tolist() == costly.lens.tolist()  # no flat rule: always ranked
+    for bad in (-1e-3, float("nan"), float("inf"), True, "1"):
+        with pytest.raises(ValueError, match="rank_cost_s"):
+            PlannerConfig(rank_cost_s=bad)
+
+
 def test_small_survivals_are_not_candidates():
     conf = torch.tensor([[0.9, 1e-4, 1.0], [0.9, 1e-3, 1e-2]])  # 9e-5, 9e-5 / 9e-4, 9e-6
     flat = SpsTable(META, (SpsEntry(1, 10.0),))  # constant rate: Theta grows with every token

@@ -62,10 +62,10 @@ def _assert_same(conf, rate, config=PlannerConfig(), budget=None):
 
 
 @SETTINGS
-@given(cases(), st.sampled_from([1e-6, 1e-3, 1e-30]))
-def test_rate_mode_matches_the_host_bitwise(case, min_survival):
+@given(cases(), st.sampled_from([1e-6, 1e-3, 1e-30]), st.sampled_from([0.0, 1e-3, 0.05]))
+def test_rate_mode_matches_the_host_bitwise(case, min_survival, rank_cost_s):
     conf, table = case
-    _assert_same(conf, table, PlannerConfig(min_survival=min_survival))
+    _assert_same(conf, table, PlannerConfig(min_survival=min_survival, rank_cost_s=rank_cost_s))
 
 
 @settings(max_examples=25, deadline=None)

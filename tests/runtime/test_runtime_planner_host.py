@@ -69,7 +69,9 @@ def _reference_lens(conf: np.ndarray, rate, config: PlannerConfig, lagged=None) 
     if lagged is None and rate is not None and config.flat_tolerance is not None and \
             config.threshold is None and config.budget_frac is None:
         rates = [float(x) for x in rate.rate_span(r, r * gamma + 1, r)]  # B = r .. r (g + 1)
-        if rates[-1] >= (1.0 - config.flat_tolerance) * max(rates):
+        # the most step time a budget could save is within the tolerance plus ranking's cost
+        if 1.0 / rates[-1] - 1.0 / max(rates) <= config.flat_tolerance / rates[-1] + \
+                config.rank_cost_s:
             return [gamma + 1] * r  # a flat step cost: every draft, unranked
     ranked = _ranked(conf)
     candidates = sum(s >= config.min_survival for s, _, _ in ranked)
