@@ -44,7 +44,7 @@ import triton.language as tl
 
 from .device import device_target, fp32_dot_precision
 from .launch import launch
-from .pdl import pdl_enter, pdl_options, use_pdl
+from .pdl import pdl_enter, pdl_options, pdl_release, pdl_wait, use_pdl
 from .targets import TargetConfig
 from ..ops.experts import down_dtype
 from ..ops.experts_reference import ACTIVATIONS, activate, check_down, check_route, \
@@ -172,8 +172,9 @@ def _experts_gemm_kernel(a_ptr, order_ptr, offsets_ptr, w_ptr, bias_ptr, scale_p
     """One (row tile of one expert, column tile): ``rows @ W[e]`` (+ bias, gate or scale).
     Programs go row tile by row tile (the column tiles of one row tile are adjacent). Cache
     hints: ``W_EVICT`` on the weight loads (read once), ``KEEP`` on the rows' loads and the
-    result's stores (re-read by the other column tiles, the next GEMM or the combine)."""
-    pdl_enter(PDL)
+    result's stores (re-read by the other column tiles, the next GEMM or the combine). The
+    grid runs many waves, so the next launch is released after the K loop, not at the start."""
+    pdl_wait(PDL)
     tile = tl.program_id(0) // col_tiles
     bucket, row0, end = _find_tile(offsets_ptr, tile, num_pairs, num_experts, BLOCK_M, E_P2)
     rows = row0 + tl.arange(0, BLOCK_M)
@@ -204,6 +205,7 @@ def _experts_gemm_kernel(a_ptr, order_ptr, offsets_ptr, w_ptr, bias_ptr, scale_p
                 w2 = tl.load(w_tile + n_out * stride_wn + ks[:, None] * stride_wk, mask=w_ok,
                              other=0.0, eviction_policy=W_EVICT)
                 acc_up = tl.dot(a, w2, acc_up, input_precision=DOT_PRECISION)
+        pdl_release(PDL)
         if HAS_BIAS:
             b_ptr = bias_ptr + bucket.to(tl.int64) * stride_be + cols
             acc += tl.load(b_ptr, mask=col_ok, other=0.0).to(tl.float32)[None, :]

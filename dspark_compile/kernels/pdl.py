@@ -39,7 +39,7 @@ import triton.language as tl
 
 from .targets import TargetConfig
 
-__all__ = ["pdl_enter", "use_pdl", "pdl_options"]
+__all__ = ["pdl_enter", "pdl_wait", "pdl_release", "use_pdl", "pdl_options"]
 
 
 @triton.jit
@@ -48,6 +48,23 @@ def pdl_enter(PDL: tl.constexpr):
     ``PDL``)."""
     if PDL:
         tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+@triton.jit
+def pdl_wait(PDL: tl.constexpr):
+    """:func:`pdl_enter`'s wait alone, for a kernel that lets the next one be scheduled later
+    (:func:`pdl_release`)."""
+    if PDL:
+        tl.extra.cuda.gdc_wait()
+
+
+@triton.jit
+def pdl_release(PDL: tl.constexpr):
+    """Let the next kernel be scheduled once every program got here (or exited). A kernel of
+    many waves calls it near its end: released at the start, the next kernel's programs are
+    placed while waves remain and sit at their wait on the multiprocessors those waves need."""
+    if PDL:
         tl.extra.cuda.gdc_launch_dependents()
 
 
