@@ -406,14 +406,24 @@ class Decoder:
 
 
 # ---------------------------------------------------------------------- one concurrency
-def rank_cost_s(decoder: Decoder, drafter, c: int, calls: int = 31) -> float:
+def rank_cost_s(decoder: Decoder, first: np.ndarray, drafter, c: int,
+                output: int = 64, calls: int = 31) -> float:
     """Host seconds a ranked step costs the loop beyond the full block, for the planner's
-    ``PlannerConfig.rank_cost_s``: the median of ``calls`` rankings of the drafter's first
-    confidences (the flat rule off), plus what packing those ragged lengths takes beyond
-    packing the full block (medians). The verifier's own host work is not in it."""
+    ``PlannerConfig.rank_cost_s``: the planning time per step of an untimed planner run of
+    ``output`` tokens that ranks every step (the flat rule off; the loop's own arrays, so the
+    cache misses of a real step are in it, which a ranking of one array timed in a tight loop
+    leaves out: docs/benchmarks.md), plus what packing ragged lengths takes beyond packing
+    the full block (medians of ``calls``). The verifier's own host work is not in it."""
+    base = decoder.planner
+    decoder.planner = replace(base, flat_tolerance=None, rank_cost_s=0.0)
+    try:
+        run = decoder.run("planner", first, drafter, output)
+        lens = plan_lengths(drafter.draft(np.arange(c), np.ones(c, np.int64))[1], decoder.rate,
+                            decoder.planner)
+    finally:
+        decoder.planner = base
     rids, e = np.arange(c), np.ones(c, np.int64)
-    drafts, conf = drafter.draft(rids, e)
-    ranked = replace(decoder.planner, flat_tolerance=None, rank_cost_s=0.0)
+    drafts, _ = drafter.draft(rids, e)
     tokens = np.zeros((c, decoder.s.gamma + 2), np.int64)
     full = np.full(c, decoder.s.gamma + 1, np.int32)
 
@@ -425,11 +435,9 @@ def rank_cost_s(decoder: Decoder, drafter, c: int, calls: int = 31) -> float:
             times.append(time.perf_counter() - t0)
         return float(np.median(times))
 
-    lens = plan_lengths(conf, decoder.rate, ranked)
-    plan = median_s(lambda: plan_lengths(conf, decoder.rate, ranked))
     pack_ragged = median_s(lambda: decoder._pack(rids, e, lens, drafts, tokens))
     pack_full = median_s(lambda: decoder._pack(rids, e, full, drafts, tokens))
-    return plan + max(0.0, pack_ragged - pack_full)
+    return run.plan_seconds / max(1, run.steps) + max(0.0, pack_ragged - pack_full)
 
 
 def summarize(run: Run, got: np.ndarray, want: np.ndarray, tiers) -> dict:
@@ -469,7 +477,7 @@ def bench_concurrency(decoder: Decoder, prompts: torch.Tensor, s: Settings):
         overhead = min(max(0.0, probe[len(probe) // 2] / steps - replay_s), 0.5)
         decoder.rate = TierRate(decoder.table, decoder.tiers, decoder.state.max_requests,
                                 overhead)
-    rank_cost = rank_cost_s(decoder, drafter, c)
+    rank_cost = rank_cost_s(decoder, first, drafter, c, min(64, out))
     decoder.planner = replace(decoder.planner, rank_cost_s=rank_cost)
     modes = mode_names(s.gamma)
     for mode in modes:
@@ -610,8 +618,8 @@ MEASURED = ("tokens/s = requests x decoded tokens / (run seconds - draft seconds
 
 POLICIES = ("width: WidthPolicy over widths 1..gamma+1 (default knobs); planner: plan_lengths "
             "with PlannerConfig(tiers=the captured tiers, rank_cost_s=results[c].rank_cost_ms: "
-            "the host time of a ranking and of packing its ragged lengths, measured per "
-            "concurrency) (budget aligned up to the tier it replays). Both read the SPS table "
+            "the planning time per step of an untimed ranked run and the ragged packing's "
+            "extra time, measured per concurrency) (budget aligned up to the tier it replays). Both read the SPS table "
             "through TierRate: the rate of the tier a step of (B tokens, R requests) replays, not the table's floor to the point below B; "
             "with step_overhead, a step costs 1 / SPS + the loop's own time per step outside "
             "the replay, measured on untimed no-speculation runs of the same concurrency "
