@@ -36,6 +36,12 @@
 #                 graphs, padded rows included)
 #   moe_pdl       moe_layer.py --batch-sizes 64 256, then with --target pdl=false (is programmatic
 #                 dependent launch why the layer's graph replay is slower than its eager calls?)
+#   moe_hints     moe_layer.py --batch-sizes 8 64 256, then with --target experts_cache_hints=false
+#   e2e_long      e2e.py --concurrency 1 8 --output 1024 --repeats 5, default draft and
+#                 --mean-accepted 1.5 (runs long enough that a mode's repeats can be told apart)
+#   ncu           Nsight Compute counters of ncu_kernels.py's launches: the experts GEMMs at bs
+#                 256 and 64, the GDN and Mamba-2 forwards and commits at bs 64 all 8, the skinny
+#                 matmul at 3 rows (ncu_<case>.csv)
 # The zoo jobs need DSPARK_COMMIT set where the tree is not a git checkout (a git archive).
 # One-off A/B and probe jobs are in git history. Each job's output goes to
 # OUTDIR/res/<job>.log and its result files to OUTDIR/res/; OUTDIR/results.tgz holds them all.
@@ -94,6 +100,23 @@ job() {
         --timeout 150 --out "$OUT/zoo_gpu_static.json" ;;
     moe_pdl) python3 benchmarks/moe_layer.py --batch-sizes 64 256 &&
       python3 benchmarks/moe_layer.py --batch-sizes 64 256 --target pdl=false ;;
+    moe_hints) python3 benchmarks/moe_layer.py --batch-sizes 8 64 256 &&
+      python3 benchmarks/moe_layer.py --batch-sizes 8 64 256 --target experts_cache_hints=false ;;
+    e2e_long) python3 benchmarks/e2e.py --concurrency 1 8 --output 1024 --repeats 5 &&
+      python3 benchmarks/e2e.py --concurrency 1 8 --output 1024 --repeats 5 --mean-accepted 1.5 ;;
+    ncu)  # clocks left alone (the machine's notes); one process a case
+      sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats
+        --section Occupancy --section LaunchStats --section SchedulerStats"
+      for spec in "moe256 _experts_gemm|_combine 3 3 moe --bs 256" \
+          "moe64 _experts_gemm|_combine 3 3 moe --bs 64" "gdn64 _gdn_ 2 2 gdn --bs 64" \
+          "ssd64 _ssd_ 2 2 ssd --bs 64" "skinny3 _skinny_kernel 0 4 skinny --bs 3"; do
+        set -- $spec
+        name=$1 regex=$2 skip=$3 count=$4
+        shift 4
+        ncu --clock-control none --kernel-name "regex:$regex" --launch-skip "$skip" \
+          --launch-count "$count" $sections --csv --page details \
+          python3 benchmarks/ncu_kernels.py "$@" >"$OUT/ncu_$name.csv" || return 1
+      done ;;
     zoo_variants) python3 -m dspark_compile zoo --device cuda --variants --jobs 14 --timeout 150 \
         --skip-unknown --only $ZOO_FAMILIES --out "$OUT/zoo_gpu_variants.json" ;;
     zoo_variants_a|zoo_variants_b)

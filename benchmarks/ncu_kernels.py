@@ -5,17 +5,19 @@ Nothing is timed here: the script sets up the benchmarks' own shapes and calls e
 hardware counters of exactly those launches. Cases:
 
 - ``moe``: the grouped experts GEMMs of ``moe_layer.py`` (Qwen3-30B-A3B's experts, bf16, ragged
-  mean 3) at ``--bs``: routing, then the up launch (gate/up + SiLU) and the down launch;
+  mean 3) at ``--bs``: routing, then the up launch (gate/up + SiLU), the down launch and the
+  combine;
 - ``gdn`` / ``ssd``: ``ssd_kernels.py``'s GDN and Mamba-2 verify forwards at ``--bs``, all 8
   rows, then their commits;
 - ``skinny``: ``skinny_kernel.py``'s skinny matmul on the 1.1B model's gate+up and down weights
   at 3 rows (bs 1, mean 3).
 
-    ncu --clock-control none --kernel-name regex:_experts_gemm --launch-skip 2 \\
-        --section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats \\
+    ncu --clock-control none --kernel-name "regex:_experts_gemm|_combine" --launch-skip 3 \\
+        --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis \\
         python benchmarks/ncu_kernels.py moe --bs 256
 
-(``benchmarks/gpu_session.sh``'s ``ncu_*`` jobs run the profiles the docs cite.)
+(``benchmarks/gpu_session.sh``'s ``ncu`` job runs every case; docs/benchmarks.md has the
+figures.)
 """
 
 from __future__ import annotations

@@ -9,7 +9,9 @@ while the one before it in the stream still runs:
   kernel before it has finished and its writes are visible), then
   ``griddepcontrol.launch_dependents`` (the next PDL kernel may be scheduled once every program
   of this one has got here). Nothing a kernel reads or writes that another kernel touches comes
-  before the wait, so the stream's order is kept (one exception, next);
+  before the wait, so the stream's order is kept (one exception, next). A kernel of many waves
+  (the experts GEMM) waits first (:func:`pdl_wait`) and releases the next one only near its end
+  (:func:`pdl_release`), so that kernel's programs do not take places its own later waves need;
 - so when a PDL kernel starts, every launch before the one just before it has finished. The
   attention kernel uses that (``EARLY``, ``TargetConfig.attn_early_reads``): where the graph
   shows that the launch just before it cannot write them (``select.early_attention_reads``),
