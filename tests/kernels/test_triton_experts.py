@@ -116,7 +116,10 @@ def test_down_equals_reference(transposed, with_bias, weights_dtype, dtype, tol)
 
 
 @needs_kernel_device
-def test_down_with_64_pair_row_tiles_takes_the_wide_column_tile():
+@pytest.mark.parametrize("transposed,with_bias,dtype,tol", [
+    (False, False, torch.float32, FP32_TOL), (True, True, torch.float16, 3e-3)])
+def test_down_with_64_pair_row_tiles_takes_the_wide_column_tile(transposed, with_bias, dtype,
+                                                                 tol):
     """Over 64 pairs an expert: the plan's 64-pair row tiles and the down GEMM's wide column
     tile (``TargetConfig.experts_down_block_n_wide``), here with a partial last column tile."""
     from dspark_compile.kernels.device import device_target
@@ -128,12 +131,14 @@ def test_down_with_64_pair_row_tiles_takes_the_wide_column_tile():
     cfg, _ = device_target(ids.device)
     assert plan_experts(n * k, e).block_m == 64
     assert d % cfg.experts_down_block_n_wide != 0 and cfg.experts_down_block_n_wide > 64
-    h = _tensor(n * k, i, dtype=torch.float32, seed=16)
-    weights = _tensor(n, k, dtype=torch.float32, seed=17).abs()
-    w = _tensor(e, d, i, dtype=torch.float32, seed=18, scale=i ** -0.5)
-    got = experts_down_triton(h, order, offsets, weights, w, None, False)
-    want = ref.down(h, order, offsets, weights, w, None, False)
-    torch.testing.assert_close(got, want, atol=FP32_TOL, rtol=FP32_TOL)
+    h = _tensor(n * k, i, dtype=dtype, seed=16)
+    weights = _tensor(n, k, dtype=dtype, seed=17).abs()
+    w = _tensor(e, *((i, d) if transposed else (d, i)), dtype=dtype, seed=18, scale=i ** -0.5)
+    bias = _tensor(e, d, dtype=dtype, seed=19) if with_bias else None
+    got = experts_down_triton(h, order, offsets, weights, w, bias, transposed)
+    want = ref.down(h.float(), order, offsets, weights.float(), w.float(),
+                    None if bias is None else bias.float(), transposed)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
     assert torch.equal(got[n - 3:], torch.zeros_like(got[n - 3:])), "padding comes out zero"
 
 
