@@ -619,8 +619,9 @@ MEASURED = ("tokens/s = requests x decoded tokens / (run seconds - draft seconds
 POLICIES = ("width: WidthPolicy over widths 1..gamma+1 (default knobs); planner: plan_lengths "
             "with PlannerConfig(tiers=the captured tiers, rank_cost_s=results[c].rank_cost_ms: "
             "the planning time per step of an untimed ranked run and the ragged packing's "
-            "extra time, measured per concurrency) (budget aligned up to the tier it replays). Both read the SPS table "
-            "through TierRate: the rate of the tier a step of (B tokens, R requests) replays, not the table's floor to the point below B; "
+            "extra time, measured per concurrency) (budget aligned up to the tier it "
+            "replays). Both read the SPS table through TierRate: the rate of the tier a step "
+            "of (B tokens, R requests) replays, not the table's floor to the point below B; "
             "with step_overhead, a step costs 1 / SPS + the loop's own time per step outside "
             "the replay, measured on untimed no-speculation runs of the same concurrency "
             "(results[c].step_overhead_ms).")

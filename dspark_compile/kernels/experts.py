@@ -19,10 +19,11 @@ alone (never from the routing), so a layer captures in a tier's CUDA graph with 
   expert's weight columns are read in address order) and the surplus row tiles, which exit at
   once, come last instead of between every column tile's real ones. Row tiles hold ``BLOCK_M``
   pairs of one bucket (bucket ``b`` owns tiles ``cum[b-1] .. cum[b]`` of the prefix sum of
-  ``cdiv(count_b, BLOCK_M)``, found by one compare-and-count over ``E_P2`` buckets). A tile gathers its pairs' rows (``x[p // K]`` for up, ``h[p]`` for down),
-  streams its expert's weight columns ``[BLOCK_K, BLOCK_N]`` once (an expert with at most
-  ``BLOCK_M`` pairs, every verify expert up to bs ~64, reads its weights exactly once; more
-  pairs re-read them from L2, the tiles of one expert being adjacent in the grid), accumulates
+  ``cdiv(count_b, BLOCK_M)``, found by one compare-and-count over ``E_P2`` buckets). A tile
+  gathers its pairs' rows (``x[p // K]`` for up, ``h[p]`` for down), streams its expert's
+  weight columns ``[BLOCK_K, BLOCK_N]`` once (an expert with at most ``BLOCK_M`` pairs, every
+  verify expert up to bs ~64, reads its weights exactly once; more pairs re-read them from L2,
+  one expert's row tiles following each other in the grid), accumulates
   in fp32, adds the bias, applies the gate (``*_glu``: the gate and up halves of the same
   columns in two accumulators) or the routing weight (down), and stores one rounding to the
   pair's row. Tiles of bucket ``E`` store zeros, so every row of the result is written once.
@@ -375,7 +376,8 @@ def experts_down_triton(h: torch.Tensor, order: torch.Tensor, offsets: torch.Ten
     block_d = min(256, triton.next_power_of_2(d))
     launch(_combine_kernel, (triton.cdiv(num_tokens, COMBINE_TOKENS), triton.cdiv(d, block_d)),
            scratch, out, num_tokens, d, TOP_K=top_k, BLOCK_T=COMBINE_TOKENS, BLOCK_D=block_d,
-           READ_EVICT="evict_first" if cfg.experts_cache_hints else "", PDL=pdl, num_warps=4, **pdl_options(pdl))
+           READ_EVICT="evict_first" if cfg.experts_cache_hints else "", PDL=pdl, num_warps=4,
+           **pdl_options(pdl))
     return out
 
 
