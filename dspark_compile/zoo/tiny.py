@@ -99,14 +99,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_v4": {"compress_rates": {"compressed_sparse_attention": 2,
                                        "heavily_compressed_attention": 4},
                     "index_topk": 2},
-    # Qwen4-Exp's QSA indexer is all-or-nothing: every field set, one key head. Blocks of 2
-    # keys and a budget of 4 blocks, so the zoo's ~20-token sequences select.
     # DBRX's attention reads attn_config.rope_theta, which its default attention config lacks
     # (its model cannot build); DBRX's own values: theta 5e5, 8 KV heads (2 at tiny widths),
     # q/k/v clipped at 8
     "dbrx": {"attn_config": {"rope_theta": 500000.0, "kv_n_heads": 2, "clip_qkv": 8.0}},
     # dots.llm1's default config leaves its experts unset (its model cannot build)
     "dots1": {"n_routed_experts": 4, "num_experts_per_tok": 2, "n_shared_experts": 1},
+    # Qwen4-Exp's QSA indexer is all-or-nothing: every field set, one key head. Blocks of 2
+    # keys and a budget of 4 blocks, so the zoo's ~20-token sequences select.
     **{name: {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
               "indexer_budget": 4, "indexer_compress_ratio": 2}
        for name in ("qwen4_exp", "qwen4_exp_text")},
