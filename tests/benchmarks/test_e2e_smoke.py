@@ -45,6 +45,11 @@ def test_smoke_json_has_every_mode_and_concurrency(e2e, smoke):
         want = min(max(0.0, probe[len(probe) // 2] / s.output - replay_s), 0.5)
         assert saved["results"][str(c)]["step_overhead_ms"] == pytest.approx(1e3 * want)
         assert 0.0 < row["rank_cost_ms"] < 1e3  # a ranking's host time, priced per c
+        for mode in row["modes"].values():  # the runs in round order and by time
+            assert sorted(mode["tokens_per_s_rounds"]) == sorted(mode["tokens_per_s_runs"])
+        rounds = [row["modes"][m]["tokens_per_s_rounds"] for m in ("planner", row["best_fixed"])]
+        want = float(np.median([p / f for p, f in zip(*rounds)]))
+        assert row["targets"]["planner_over_best_fixed_paired"] == pytest.approx(want)
     assert set(saved["results"]) == {"1", "4"}
     for c, row in saved["results"].items():
         c = int(c)
@@ -65,7 +70,8 @@ def test_smoke_json_has_every_mode_and_concurrency(e2e, smoke):
         assert modes["static"]["mean_accepted"] > 0  # the drafts were verified and kept
         assert row["best_fixed"] in {"static", *(f"fixed_{w}" for w in range(2, s.gamma + 1))}
         assert set(row["targets"]) == {"planner_over_none", "planner_over_best_fixed",
-                                       "meets_none", "meets_best_fixed"}
+                                       "planner_over_best_fixed_paired", "meets_none",
+                                       "meets_best_fixed"}
     if importlib.util.find_spec("matplotlib") is None:
         assert saved["png"] is None
     else:
