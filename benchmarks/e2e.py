@@ -418,12 +418,11 @@ def rank_cost_s(decoder: Decoder, first: np.ndarray, drafter, c: int,
     decoder.planner = replace(base, flat_tolerance=None, rank_cost_s=0.0)
     try:
         run = decoder.run("planner", first, drafter, output)
-        lens = plan_lengths(drafter.draft(np.arange(c), np.ones(c, np.int64))[1], decoder.rate,
-                            decoder.planner)
     finally:
         decoder.planner = base
     rids, e = np.arange(c), np.ones(c, np.int64)
-    drafts, _ = drafter.draft(rids, e)
+    drafts, conf = drafter.draft(rids, e)
+    lens = plan_lengths(conf, decoder.rate, replace(base, flat_tolerance=None, rank_cost_s=0.0))
     tokens = np.zeros((c, decoder.s.gamma + 2), np.int64)
     full = np.full(c, decoder.s.gamma + 1, np.int32)
 

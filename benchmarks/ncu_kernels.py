@@ -50,7 +50,7 @@ def moe(bs: int) -> None:
 
 def recurrent(kind: str, bs: int) -> None:
     import ssd_kernels as sk
-    from hybrid_kernels import _gdn_args, gdn_inputs, layout  # noqa: F401
+    from hybrid_kernels import _gdn_args, gdn_inputs
 
     s = sk.SETTINGS
     lens = [s["block"]] * bs

@@ -308,6 +308,12 @@ def uses_grouped_mm(w: torch.Tensor, rows: torch.Tensor, cfg: TargetConfig) -> b
             and all(s % 8 == 0 for s in (*w.shape[1:], rows.shape[1])))
 
 
+def _hint(cfg: TargetConfig, policy: str) -> str:
+    """``policy`` as a load's or store's ``eviction_policy``; none without
+    ``TargetConfig.experts_cache_hints``."""
+    return policy if cfg.experts_cache_hints else ""
+
+
 def _gemm(a, order, offsets, w, bias, scale, out, row_div: int, transposed: bool,
           activation: str, cfg: TargetConfig, block_n: int,
           wide_block_n: int | None = None) -> None:
@@ -330,8 +336,7 @@ def _gemm(a, order, offsets, w, bias, scale, out, row_div: int, transposed: bool
            BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=cfg.experts_block_k,
            E_P2=plan.e_p2, ACT=_ACT[activation], HAS_BIAS=bias is not None,
            HAS_SCALE=scale is not None, DOT_PRECISION=fp32_dot_precision(cfg),
-           W_EVICT="evict_first" if cfg.experts_cache_hints else "",
-           KEEP="evict_last" if cfg.experts_cache_hints else "", PDL=pdl,
+           W_EVICT=_hint(cfg, "evict_first"), KEEP=_hint(cfg, "evict_last"), PDL=pdl,
            num_warps=cfg.experts_num_warps, num_stages=cfg.experts_num_stages,
            **pdl_options(pdl))
 
@@ -376,8 +381,7 @@ def experts_down_triton(h: torch.Tensor, order: torch.Tensor, offsets: torch.Ten
     block_d = min(256, triton.next_power_of_2(d))
     launch(_combine_kernel, (triton.cdiv(num_tokens, COMBINE_TOKENS), triton.cdiv(d, block_d)),
            scratch, out, num_tokens, d, TOP_K=top_k, BLOCK_T=COMBINE_TOKENS, BLOCK_D=block_d,
-           READ_EVICT="evict_first" if cfg.experts_cache_hints else "", PDL=pdl, num_warps=4,
-           **pdl_options(pdl))
+           READ_EVICT=_hint(cfg, "evict_first"), PDL=pdl, num_warps=4, **pdl_options(pdl))
     return out
 
 

@@ -48,9 +48,8 @@ __all__ = ["pdl_enter", "pdl_wait", "pdl_release", "use_pdl", "pdl_options"]
 def pdl_enter(PDL: tl.constexpr):
     """Wait for the kernel before this one, then let the next one be scheduled (no-op unless
     ``PDL``)."""
-    if PDL:
-        tl.extra.cuda.gdc_wait()
-        tl.extra.cuda.gdc_launch_dependents()
+    pdl_wait(PDL)
+    pdl_release(PDL)
 
 
 @triton.jit
