@@ -36,6 +36,8 @@
 #                 graphs, padded rows included)
 #   moe_pdl       moe_layer.py --batch-sizes 64 256, then with --target pdl=false (is programmatic
 #                 dependent launch why the layer's graph replay is slower than its eager calls?)
+#   moe_profile   moe_layer.py --profile --batch-sizes 64 256, with and without PDL (each kernel's
+#                 time and the gaps between kernels, eager and in graph replays)
 #   moe_hints     moe_layer.py --batch-sizes 8 64 256, then with --target experts_cache_hints=false
 #   e2e_long      e2e.py --concurrency 1 8 --output 1024 --repeats 5, default draft and
 #                 --mean-accepted 1.5 (runs long enough that a mode's repeats can be told apart)
@@ -100,6 +102,8 @@ job() {
         --timeout 150 --out "$OUT/zoo_gpu_static.json" ;;
     moe_pdl) python3 benchmarks/moe_layer.py --batch-sizes 64 256 &&
       python3 benchmarks/moe_layer.py --batch-sizes 64 256 --target pdl=false ;;
+    moe_profile) python3 benchmarks/moe_layer.py --profile --batch-sizes 64 256 &&
+      python3 benchmarks/moe_layer.py --profile --batch-sizes 64 256 --target pdl=false ;;
     moe_hints) python3 benchmarks/moe_layer.py --batch-sizes 8 64 256 &&
       python3 benchmarks/moe_layer.py --batch-sizes 8 64 256 --target experts_cache_hints=false ;;
     e2e_long) python3 benchmarks/e2e.py --concurrency 1 8 --output 1024 --repeats 5 &&

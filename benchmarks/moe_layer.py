@@ -24,7 +24,7 @@ should hold on this GPU.
 Usage: ``python benchmarks/moe_layer.py [--smoke] [--out DIR] [--batch-sizes 1 8 64 256]
 [--target experts_block_n=128 ...] [--tiles | --profile]``. ``--tiles``
 times each projection's GEMM alone under a list of tiles; ``--profile`` records each kernel's
-GPU time per call (torch.profiler). Writes ``moe_layer.json`` (``moe_layer_smoke.json``; a
+GPU time per call and the gaps between kernels, eager and in graph replays (torch.profiler). Writes ``moe_layer.json`` (``moe_layer_smoke.json``; a
 ``--target`` override adds a suffix) to ``--out``, else ``$OUT``, else ``benchmarks/results/``. ``--smoke`` runs tiny float32 shapes on the CPU under
 ``TRITON_INTERPRET=1`` (checks the script; the times mean nothing, and ``ours_grouped_mm``
 falls back to Triton there: the vendor GEMM is taken on CUDA devices only).
@@ -269,8 +269,35 @@ def tile_sweep(bs: int, experts, s: dict, device: str) -> dict:
                 plan_block_m=kx.plan_experts(ids.numel(), e).block_m, tiles=rows)
 
 
+def _kernel_spans(prof) -> list[tuple[str, float, float]]:
+    """``(name, start us, end us)`` of every GPU kernel a profile recorded, by start."""
+    spans = []
+    for evt in prof.events():
+        if "cuda" in str(getattr(evt, "device_type", "")).lower() and evt.time_range.end > 0:
+            spans.append((evt.name, evt.time_range.start, evt.time_range.end))
+    return sorted(spans, key=lambda s: s[1])
+
+
+def _timeline(spans: list, calls: int) -> dict:
+    """Per call: each kernel's GPU time, their sum (busy), first start to last end (span), and
+    the time between one kernel's end and the next one's start summed (gaps; an overlap counts
+    negative)."""
+    kernels: dict = {}
+    for name, start, end in spans:
+        k = kernels.setdefault(name, dict(us_per_call=0.0, launches_per_call=0.0))
+        k["us_per_call"] += (end - start) / calls
+        k["launches_per_call"] += 1 / calls
+    gaps = sum(b[1] - a[2] for a, b in zip(spans, spans[1:]))
+    return dict(kernels=kernels, busy_us_per_call=sum(e - s for _, s, e in spans) / calls,
+                span_us_per_call=(spans[-1][2] - spans[0][1]) / calls if spans else None,
+                gap_us_per_call=gaps / calls, kernels_seen=len(spans))
+
+
 def profile_bs(bs: int, experts, s: dict, device: str) -> dict:
-    """GPU time per call of each of our layer's kernels (torch.profiler over eager calls)."""
+    """Our layer's kernels on a GPU timeline (torch.profiler): each kernel's time per call, and
+    the gaps between kernels, over back-to-back eager calls and over CUDA-graph replays of the
+    same calls (a graph of ``graph_calls`` calls, replayed twice)."""
+    from common import graph_of
     from torch.profiler import ProfilerActivity, profile
 
     lens = mix_lens(bs, s["block"], s["mean_len"], s["seed"])
@@ -284,15 +311,21 @@ def profile_bs(bs: int, experts, s: dict, device: str) -> dict:
         for _ in range(calls):
             fn()
         torch.cuda.synchronize()
-    kernels = {}
-    for evt in prof.key_averages():
-        us = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0)
-        if us and evt.count:
-            kernels[evt.key] = dict(us_per_call=us / calls, launches_per_call=evt.count / calls)
-    row = dict(bs=bs, tokens=sum(lens), **floor_us(ids, s), kernels=kernels,
-               kernel_us_per_call=sum(k["us_per_call"] for k in kernels.values()))
-    print(f"bs {bs}: " + ", ".join(f"{name[:40]} {k['us_per_call']:.1f}"
-                                   for name, k in kernels.items()))
+    eager = _timeline(_kernel_spans(prof), calls)
+    graph = graph_of([fn], calls)
+    graph.replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            graph.replay()
+        torch.cuda.synchronize()
+    replays = _timeline(_kernel_spans(prof), 2 * calls)
+    row = dict(bs=bs, tokens=sum(lens), **floor_us(ids, s), eager=eager, graph=replays)
+    for kind, t in (("eager", eager), ("graph", replays)):
+        print(f"bs {bs} {kind}: busy {t['busy_us_per_call']:.1f} span "
+              f"{t['span_us_per_call'] or 0:.1f} gaps {t['gap_us_per_call']:.1f} us/call; " +
+              ", ".join(f"{name[:28]} {k['us_per_call']:.1f}"
+                        for name, k in t["kernels"].items()))
     return row
 
 
@@ -310,7 +343,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--graph-calls", type=int, default=None,
                     help="layer calls captured in one CUDA graph (default 20); files get a suffix")
     ap.add_argument("--profile", action="store_true",
-                    help="GPU time of each of our kernels per call (moe_layer_profile.json)")
+                    help="GPU time of each of our kernels per call and the gaps between them, eager "
+                    "and in graph replays (moe_layer_profile.json)")
     opts = ap.parse_args(argv)
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
     overrides, suffix, _ = target_overrides(opts.target)

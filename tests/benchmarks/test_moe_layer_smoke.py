@@ -26,3 +26,15 @@ def test_smoke_json_has_every_path(tmp_path):
         assert row["experts_kernel_pick"] in ("triton", "grouped_mm")
     assert saved["results"] == returned["results"]
     assert TARGETS == table, "the benchmark restores the target table"
+
+
+def test_timeline_sums_kernels_and_gaps():
+    moe_layer = load_benchmark("moe_layer")
+    # two calls of two kernels: a 1 us gap, an overlap of 0.5 us, then a 2 us gap
+    spans = [("a", 0.0, 3.0), ("b", 4.0, 6.0), ("a", 5.5, 8.5), ("b", 10.5, 12.5)]
+    t = moe_layer._timeline(spans, calls=2)
+    assert t["kernels"]["a"] == dict(us_per_call=3.0, launches_per_call=1.0)
+    assert t["kernels"]["b"] == dict(us_per_call=2.0, launches_per_call=1.0)
+    assert t["busy_us_per_call"] == 5.0 and t["span_us_per_call"] == 6.25
+    assert t["gap_us_per_call"] == (1.0 - 0.5 + 2.0) / 2 and t["kernels_seen"] == 4
+    assert moe_layer._timeline([], calls=1)["span_us_per_call"] is None
