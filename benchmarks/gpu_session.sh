@@ -38,9 +38,12 @@
 #                 dependent launch why the layer's graph replay is slower than its eager calls?)
 #   moe_profile   moe_layer.py --profile --batch-sizes 64 256, with and without PDL (each kernel's
 #                 time and the gaps between kernels, eager and in graph replays)
+#   moe_sustained moe_layer.py --sustained --batch-sizes 64 256 (each replay of a long run, with
+#                 the SM clock, power and throttle reasons)
 #   moe_hints     moe_layer.py --batch-sizes 8 64 256, then with --target experts_cache_hints=false
 #   e2e_long      e2e.py --concurrency 1 8 --output 1024 --repeats 5, default draft and
 #                 --mean-accepted 1.5 (runs long enough that a mode's repeats can be told apart)
+#   e2e_long_default  the same, default draft only
 #   ncu           Nsight Compute counters of ncu_kernels.py's launches: the experts GEMMs at bs
 #                 256 and 64, the GDN and Mamba-2 forwards and commits at bs 64 all 8, the skinny
 #                 matmul at 3 rows (ncu_<case>.csv)
@@ -104,10 +107,12 @@ job() {
       python3 benchmarks/moe_layer.py --batch-sizes 64 256 --target pdl=false ;;
     moe_profile) python3 benchmarks/moe_layer.py --profile --batch-sizes 64 256 &&
       python3 benchmarks/moe_layer.py --profile --batch-sizes 64 256 --target pdl=false ;;
+    moe_sustained) python3 benchmarks/moe_layer.py --sustained --batch-sizes 64 256 ;;
     moe_hints) python3 benchmarks/moe_layer.py --batch-sizes 8 64 256 &&
       python3 benchmarks/moe_layer.py --batch-sizes 8 64 256 --target experts_cache_hints=false ;;
     e2e_long) python3 benchmarks/e2e.py --concurrency 1 8 --output 1024 --repeats 5 &&
       python3 benchmarks/e2e.py --concurrency 1 8 --output 1024 --repeats 5 --mean-accepted 1.5 ;;
+    e2e_long_default) python3 benchmarks/e2e.py --concurrency 1 8 --output 1024 --repeats 5 ;;
     ncu)  # clocks left alone (the machine's notes); one process a case
       sections="--section SpeedOfLight --section MemoryWorkloadAnalysis --section WarpStateStats
         --section Occupancy --section LaunchStats --section SchedulerStats"

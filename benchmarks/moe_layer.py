@@ -22,12 +22,19 @@ names the faster of our two GEMM choices per ``bs``: what ``TargetConfig.experts
 should hold on this GPU.
 
 Usage: ``python benchmarks/moe_layer.py [--smoke] [--out DIR] [--batch-sizes 1 8 64 256]
-[--target experts_block_n=128 ...] [--tiles | --profile]``. ``--tiles``
-times each projection's GEMM alone under a list of tiles; ``--profile`` records each kernel's
-GPU time per call and the gaps between kernels, eager and in graph replays (torch.profiler). Writes ``moe_layer.json`` (``moe_layer_smoke.json``; a
-``--target`` override adds a suffix) to ``--out``, else ``$OUT``, else ``benchmarks/results/``. ``--smoke`` runs tiny float32 shapes on the CPU under
-``TRITON_INTERPRET=1`` (checks the script; the times mean nothing, and ``ours_grouped_mm``
-falls back to Triton there: the vendor GEMM is taken on CUDA devices only).
+[--target experts_block_n=128 ...] [--tiles | --profile | --sustained]``.
+
+- ``--tiles`` times each projection's GEMM alone under a list of tiles;
+- ``--profile`` records each kernel's GPU time per call and the gaps between kernels, eager and
+  in graph replays (torch.profiler);
+- ``--sustained`` times each graph replay of a long run alone, with the SM clock, power and
+  throttle reasons ``nvidia-smi`` reports meanwhile.
+
+Writes ``moe_layer.json`` (``moe_layer_smoke.json``; ``moe_layer_<mode>.json``; a ``--target``
+override adds a suffix) to ``--out``, else ``$OUT``, else ``benchmarks/results/``. ``--smoke``
+runs tiny float32 shapes on the CPU under ``TRITON_INTERPRET=1`` (checks the script; the times
+mean nothing, and ``ours_grouped_mm`` falls back to Triton there: the vendor GEMM is taken on
+CUDA devices only).
 """
 
 from __future__ import annotations
@@ -329,6 +336,96 @@ def profile_bs(bs: int, experts, s: dict, device: str) -> dict:
     return row
 
 
+SMI_FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
+
+
+def _smi_sampler(path: str):
+    """``nvidia-smi`` writing the clocks, power and throttle reasons to ``path`` every 20 ms
+    (None where it is not there)."""
+    import shutil
+    import subprocess
+
+    if shutil.which("nvidia-smi") is None:
+        return None
+    return subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader",
+                             "-lms", "20"], stdout=open(path, "w"), stderr=subprocess.DEVNULL)
+
+
+def _smi_rows(path: str) -> list[dict]:
+    rows = []
+    for line in open(path).read().splitlines():
+        parts = [p.strip() for p in line.split(",")]
+        if len(parts) != 6:
+            continue
+        def num(text):
+            try:
+                return float(text.split()[0])
+            except (ValueError, IndexError):
+                return None
+        rows.append(dict(t=parts[0], sm_mhz=num(parts[1]), mem_mhz=num(parts[2]),
+                         power_w=num(parts[3]), temp_c=num(parts[4]), throttle=parts[5]))
+    return rows
+
+
+def sustained_bs(bs: int, experts, s: dict, device: str, replays: int = 150,
+                 pause_s: float = 0.005) -> dict:
+    """Each replay of a graph of ``graph_calls`` layer calls timed alone, ``replays`` back to
+    back, then as many with the host idle ``pause_s`` between them; ``nvidia-smi`` samples the
+    SM clock, power and throttle reasons meanwhile. Does the layer slow down as a run goes on?"""
+    import tempfile
+    import time
+
+    from common import graph_of
+
+    lens = mix_lens(bs, s["block"], s["mean_len"], s["seed"])
+    x, ids, weights, qsl = routing(sum(lens), s, device)
+    fn = path_fn("ours_triton", experts, x, ids, weights, qsl)
+    calls = s["graph_calls"]
+    graph = graph_of([fn], calls)
+    graph.replay()
+    torch.cuda.synchronize()
+    time.sleep(1.0)  # start from a rested GPU
+    smi_path = tempfile.mktemp(suffix=".csv")
+    smi = _smi_sampler(smi_path)
+    time.sleep(0.2)
+    series = {}
+    for kind, pause in (("back_to_back", 0.0), ("paused", pause_s)):
+        ev = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
+        ev[0].record()
+        for i in range(replays):
+            graph.replay()
+            ev[i + 1].record()
+            if pause:
+                ev[i + 1].synchronize()
+                time.sleep(pause)
+        torch.cuda.synchronize()
+        us = [ev[i].elapsed_time(ev[i + 1]) * 1e3 / calls for i in range(replays)]
+        if pause:  # the first event of a paused replay is recorded after the host's sleep
+            us = us[1:]
+        series[kind] = us
+        time.sleep(0.5)
+    if smi is not None:
+        smi.terminate()
+        smi.wait()
+    smi_rows = _smi_rows(smi_path) if smi is not None else []
+    def med(v):
+        v = sorted(v)
+        return v[len(v) // 2]
+    row = dict(bs=bs, tokens=sum(lens), **floor_us(ids, s), replays=replays, pause_s=pause_s,
+               series_us_per_call=series, smi=smi_rows)
+    for kind, us in series.items():
+        row[kind] = dict(first3_us=med(us[:3]), last20_us=med(us[-20:]), median_us=med(us))
+        print(f"bs {bs} {kind}: first 3 {row[kind]['first3_us']:.1f} us/call, last 20 "
+              f"{row[kind]['last20_us']:.1f}, median {row[kind]['median_us']:.1f}")
+    clocks = [r["sm_mhz"] for r in smi_rows if r["sm_mhz"]]
+    power = [r["power_w"] for r in smi_rows if r["power_w"]]
+    if clocks:
+        print(f"bs {bs} SM clock {min(clocks):.0f}-{max(clocks):.0f} MHz, power "
+              f"{min(power):.0f}-{max(power):.0f} W, throttle reasons "
+              f"{sorted(set(r['throttle'] for r in smi_rows))}")
+    return row
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the interpreter")
@@ -342,6 +439,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="sweep each projection's tiles alone (moe_layer_tiles.json)")
     ap.add_argument("--graph-calls", type=int, default=None,
                     help="layer calls captured in one CUDA graph (default 20); files get a suffix")
+    ap.add_argument("--sustained", action="store_true",
+                    help="each graph replay timed alone over a long run, with the SM clock, "
+                    "power and throttle reasons (moe_layer_sustained.json)")
     ap.add_argument("--profile", action="store_true",
                     help="GPU time of each of our kernels per call and the gaps between them, eager "
                     "and in graph replays (moe_layer_profile.json)")
@@ -360,8 +460,9 @@ def main(argv: list[str] | None = None) -> dict:
                   environment=versions(gpu=device == "cuda"),
                   command="python benchmarks/moe_layer.py " + " ".join(argv or sys.argv[1:]),
                   results={})
-    if opts.tiles or opts.profile:
-        run, kind = (tile_sweep, "tiles") if opts.tiles else (profile_bs, "profile")
+    if opts.tiles or opts.profile or opts.sustained:
+        run, kind = ((tile_sweep, "tiles") if opts.tiles else (profile_bs, "profile")
+                     if opts.profile else (sustained_bs, "sustained"))
         report["results"] = {str(bs): run(bs, experts, s, device) for bs in s["batch_sizes"]}
         name = f"moe_layer_{kind}{'_smoke' if opts.smoke else ''}{suffix}.json"
         report["path"] = write_json(out_dir(opts.out), name, report)

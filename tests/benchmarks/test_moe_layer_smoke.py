@@ -38,3 +38,16 @@ def test_timeline_sums_kernels_and_gaps():
     assert t["busy_us_per_call"] == 5.0 and t["span_us_per_call"] == 6.25
     assert t["gap_us_per_call"] == (1.0 - 0.5 + 2.0) / 2 and t["kernels_seen"] == 4
     assert moe_layer._timeline([], calls=1)["span_us_per_call"] is None
+
+
+def test_smi_rows_parse_nvidia_smi_csv(tmp_path):
+    moe_layer = load_benchmark("moe_layer")
+    path = tmp_path / "smi.csv"
+    path.write_text("2026/12/02 16:50:01.123, 1980 MHz, 2619 MHz, 650.25 W, 51, 0x0000000000000000\n"
+                    "2026/12/02 16:50:01.143, 1755 MHz, 2619 MHz, 699.90 W, 53, 0x0000000000000004\n"
+                    "garbled line\n"
+                    "2026/12/02 16:50:01.163, [N/A], 2619 MHz, [N/A], 53, 0x0\n")
+    rows = moe_layer._smi_rows(str(path))
+    assert [r["sm_mhz"] for r in rows] == [1980.0, 1755.0, None]
+    assert rows[1]["power_w"] == 699.9 and rows[1]["temp_c"] == 53.0
+    assert rows[1]["throttle"] == "0x0000000000000004" and rows[2]["power_w"] is None
