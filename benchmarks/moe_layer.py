@@ -15,7 +15,9 @@ same for every path. Timed paths, each checked first against the float32 referen
 - ``hf_eager``: transformers' own loop over the hit experts (a host sync: eager only).
 
 Each is timed as back-to-back launches between CUDA events and, where it captures, as CUDA-graph
-replays (``common.time_calls``). The floor of a layer is the larger of the active experts'
+replays (``common.time_calls``), after ``rest_s`` of an idle GPU: a long run of any path reaches
+the board's power cap and lowers the SM clock (``--sustained`` shows it), and without the rest
+a path would inherit that from the one before it (HF's eager loop runs for seconds). The floor of a layer is the larger of the active experts'
 weight bytes at 4.8 TB/s and the GEMM flops (``2 * pairs * 3 * D * I``) at 790 TFLOP/s; a
 path's ``floor_share`` is floor / its best time (1.0: at the floor). ``experts_kernel_pick``
 names the faster of our two GEMM choices per ``bs``: what ``TargetConfig.experts_kernel``
@@ -44,6 +46,7 @@ import contextlib
 import dataclasses
 import os
 import sys
+import time
 
 if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel import
     os.environ["TRITON_INTERPRET"] = "1"
@@ -56,10 +59,11 @@ from dspark_compile.ops import experts_reference as ref  # noqa: E402
 
 SETTINGS = dict(name="full", experts=128, top_k=8, hidden=2048, intermediate=768,
                 batch_sizes=[1, 8, 64, 256], mean_len=3, block=BLOCK, dtype="bfloat16",
-                seed=0, eager_iters=100, graph_calls=20, graph_replays=10, atol=5e-2)
+                seed=0, eager_iters=100, graph_calls=20, graph_replays=10, atol=5e-2,
+                rest_s=1.0)
 SMOKE = dict(SETTINGS, name="smoke", experts=8, top_k=2, hidden=64, intermediate=32,
              batch_sizes=[3], dtype="float32", eager_iters=1, graph_calls=1,
-             graph_replays=1, atol=1e-4)
+             graph_replays=1, atol=1e-4, rest_s=0.0)
 PATHS = ("ours_triton", "ours_grouped_mm", "hf_grouped_mm", "hf_eager")
 
 
@@ -187,6 +191,9 @@ def run_bs(bs: int, experts, s: dict, device: str) -> dict:
         with use_kernel(kernel):
             fn = path_fn(path, experts, x, ids, weights, qsl)
             err = (fn().float() - want).abs().max().item()
+            if device == "cuda":
+                torch.cuda.synchronize()
+            time.sleep(s["rest_s"])  # each path from a rested GPU: none inherits a power cap
             times = time_path(fn, s, device, graph=path != "hf_eager")
         best = min(t for t in (times["eager_us"], times["graph_us"]) if t is not None)
         row[path] = dict(**times, best_us=best, max_err=err,
@@ -367,11 +374,47 @@ def _smi_rows(path: str) -> list[dict]:
     return rows
 
 
-def sustained_bs(bs: int, experts, s: dict, device: str, replays: int = 150,
+def _replay_series(graph, calls: int, replays: int, pause_s: float) -> list[float]:
+    """us per call of each of ``replays`` replays of ``graph`` (``calls`` calls), each between
+    its own two events; with ``pause_s``, the host waits for a replay and sleeps that long
+    before the next."""
+    import time
+
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
+    for i in range(replays):
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+        if pause_s:
+            ends[i].synchronize()
+            time.sleep(pause_s)
+    torch.cuda.synchronize()
+    return [a.elapsed_time(b) * 1e3 / calls for a, b in zip(starts, ends)]
+
+
+def _stream_fn(experts):
+    """One plain streaming read of every expert's weights (``hbm_read``'s kernel, 8 programs
+    a multiprocessor): what HBM gives the layer's bytes under the same conditions."""
+    from hbm_read import _read_kernel
+
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    bufs = [experts.gate_up_proj.reshape(-1), experts.down_proj.reshape(-1)]
+    out = torch.empty(8 * sms, dtype=torch.float32, device=bufs[0].device)
+
+    def fn():
+        for buf in bufs:
+            _read_kernel[(8 * sms,)](buf, out, buf.numel(), BLOCK=8192, num_warps=8)
+    return fn
+
+
+def sustained_bs(bs: int, experts, s: dict, device: str, replays: int = 600,
                  pause_s: float = 0.005) -> dict:
-    """Each replay of a graph of ``graph_calls`` layer calls timed alone, ``replays`` back to
-    back, then as many with the host idle ``pause_s`` between them; ``nvidia-smi`` samples the
-    SM clock, power and throttle reasons meanwhile. Does the layer slow down as a run goes on?"""
+    """Each replay of a graph of ``graph_calls`` layer calls timed alone over a long run (from a
+    GPU rested 2 s), then ``replays // 4`` with the host idle ``pause_s`` between replays, then
+    the same long run of a plain streaming read of every expert's weights (``_stream_fn``);
+    ``nvidia-smi`` samples the SM clock, power and throttle reasons meanwhile. Does the layer
+    slow down as a run goes on, and does HBM's own rate?"""
     import tempfile
     import time
 
@@ -379,50 +422,44 @@ def sustained_bs(bs: int, experts, s: dict, device: str, replays: int = 150,
 
     lens = mix_lens(bs, s["block"], s["mean_len"], s["seed"])
     x, ids, weights, qsl = routing(sum(lens), s, device)
-    fn = path_fn("ours_triton", experts, x, ids, weights, qsl)
+    floor = floor_us(ids, s)
     calls = s["graph_calls"]
-    graph = graph_of([fn], calls)
-    graph.replay()
+    graphs = dict(layer=graph_of([path_fn("ours_triton", experts, x, ids, weights, qsl)], calls),
+                  stream=graph_of([_stream_fn(experts)], calls))
+    for g in graphs.values():
+        g.replay()
     torch.cuda.synchronize()
-    time.sleep(1.0)  # start from a rested GPU
     smi_path = tempfile.mktemp(suffix=".csv")
     smi = _smi_sampler(smi_path)
-    time.sleep(0.2)
     series = {}
-    for kind, pause in (("back_to_back", 0.0), ("paused", pause_s)):
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(replays + 1)]
-        ev[0].record()
-        for i in range(replays):
-            graph.replay()
-            ev[i + 1].record()
-            if pause:
-                ev[i + 1].synchronize()
-                time.sleep(pause)
-        torch.cuda.synchronize()
-        us = [ev[i].elapsed_time(ev[i + 1]) * 1e3 / calls for i in range(replays)]
-        if pause:  # the first event of a paused replay is recorded after the host's sleep
-            us = us[1:]
-        series[kind] = us
-        time.sleep(0.5)
+    for name, pause, n in (("layer", 0.0, replays), ("layer_paused", pause_s, replays // 4),
+                           ("stream", 0.0, replays)):
+        time.sleep(2.0)  # every run from a rested GPU
+        series[name] = _replay_series(graphs[name.split("_")[0]], calls, n, pause)
     if smi is not None:
         smi.terminate()
         smi.wait()
     smi_rows = _smi_rows(smi_path) if smi is not None else []
+
     def med(v):
-        v = sorted(v)
-        return v[len(v) // 2]
-    row = dict(bs=bs, tokens=sum(lens), **floor_us(ids, s), replays=replays, pause_s=pause_s,
+        return sorted(v)[len(v) // 2]
+    row = dict(bs=bs, tokens=sum(lens), **floor, replays=replays, pause_s=pause_s,
                series_us_per_call=series, smi=smi_rows)
-    for kind, us in series.items():
-        row[kind] = dict(first3_us=med(us[:3]), last20_us=med(us[-20:]), median_us=med(us))
-        print(f"bs {bs} {kind}: first 3 {row[kind]['first3_us']:.1f} us/call, last 20 "
-              f"{row[kind]['last20_us']:.1f}, median {row[kind]['median_us']:.1f}")
+    for name, us in series.items():
+        row[name] = dict(first10_us=med(us[:10]), last50_us=med(us[-50:]), median_us=med(us))
+        print(f"bs {bs} {name}: first 10 {row[name]['first10_us']:.1f} us/call, last 50 "
+              f"{row[name]['last50_us']:.1f}, median {row[name]['median_us']:.1f}")
+    # the layer's share of what HBM streamed its weight bytes at, replay for replay position
+    row["layer_over_stream_last50"] = row["stream"]["last50_us"] / row["layer"]["last50_us"]
+    row["stream_tb_per_s_last50"] = floor["weight_bytes"] / row["stream"]["last50_us"] / 1e6
     clocks = [r["sm_mhz"] for r in smi_rows if r["sm_mhz"]]
     power = [r["power_w"] for r in smi_rows if r["power_w"]]
-    if clocks:
+    if clocks and power:
         print(f"bs {bs} SM clock {min(clocks):.0f}-{max(clocks):.0f} MHz, power "
               f"{min(power):.0f}-{max(power):.0f} W, throttle reasons "
               f"{sorted(set(r['throttle'] for r in smi_rows))}")
+    print(f"bs {bs}: stream of the weights at {row['stream_tb_per_s_last50']:.2f} TB/s over the "
+          f"last 50 replays; layer / stream {row['layer_over_stream_last50']:.3f}")
     return row
 
 
