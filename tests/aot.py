@@ -24,7 +24,8 @@ def compile_kernel(kernel, pointers: dict, constexprs: dict, target: str, option
                    scalars: dict | None = None, asm: dict | None = None) -> list[str]:
     """Compile one ``@triton.jit`` kernel for ``target``; returns the artifact kinds made.
 
-    ``pointers``: argument -> element type (``"bf16"``, ``"i32"``, ...); ``scalars``: argument ->
+    ``pointers``: argument -> element type (``"bf16"``, ``"i32"``, ...), or a tensor
+    descriptor's type (``"tensordesc<bf16[64,64]>"``: element type and block); ``scalars``: argument ->
     type for non-i32 scalars (``"fp32"``); every other argument is an i32 scalar. Pointers and
     strides are declared 16-aligned, as the JIT specialises them at real shapes. A kernel's
     ``PDL`` constexpr, unless given, is the target's ``pdl``. ``asm``, if given, receives the
@@ -40,10 +41,14 @@ def compile_kernel(kernel, pointers: dict, constexprs: dict, target: str, option
     scalars = scalars or {}
     if "PDL" in kernel.arg_names:  # launched with PDL where the target uses it, as at run time
         constexprs = {"PDL": TARGETS[target].pdl, **constexprs}
-    signature = {a: "constexpr" if a in constexprs else "*" + pointers[a] if a in pointers
+    def pointer(kind: str) -> str:  # "tensordesc<bf16[64,64]>": a tensor descriptor argument
+        return kind if kind.startswith("tensordesc") else "*" + kind
+
+    signature = {a: "constexpr" if a in constexprs else pointer(pointers[a]) if a in pointers
                  else scalars.get(a, "i32") for a in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
-             if a in pointers or a.startswith("stride_")}
+             if (a in pointers and not pointers[a].startswith("tensordesc"))
+             or a.startswith("stride_")}
     src = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
     compiled = triton.compile(src, target=gpu_target(target), options=options)
     if asm is not None:

@@ -169,12 +169,16 @@ def _experts_gemm_kernel(a_ptr, order_ptr, offsets_ptr, w_ptr, bias_ptr, scale_p
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          E_P2: tl.constexpr, ACT: tl.constexpr, HAS_BIAS: tl.constexpr,
                          HAS_SCALE: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                         W_EVICT: tl.constexpr, KEEP: tl.constexpr, PDL: tl.constexpr):
+                         W_EVICT: tl.constexpr, KEEP: tl.constexpr, W_DESC: tl.constexpr,
+                         PDL: tl.constexpr):
     """One (row tile of one expert, column tile): ``rows @ W[e]`` (+ bias, gate or scale).
     Programs go row tile by row tile (the column tiles of one row tile are adjacent). Cache
     hints: ``W_EVICT`` on the weight loads (read once), ``KEEP`` on the rows' loads and the
     result's stores (re-read by the other column tiles, the next GEMM or the combine). The
-    grid runs many waves, so the next launch is released after the K loop, not at the start."""
+    grid runs many waves, so the next launch is released after the K loop, not at the start.
+    ``W_DESC``: ``w_ptr`` is a tensor descriptor of the weights as ``[E * rows, K]`` (rows ``n``
+    of expert ``e`` at ``e * stride_we + n``; tiles ``[BLOCK_N, BLOCK_K]``, K past its end read
+    as zeros), and ``BLOCK_N`` divides ``n_out``: no tile crosses into the next half or expert."""
     pdl_wait(PDL)
     tile = tl.program_id(0) // col_tiles
     bucket, row0, end = _find_tile(offsets_ptr, tile, num_pairs, num_experts, BLOCK_M, E_P2)
@@ -190,7 +194,10 @@ def _experts_gemm_kernel(a_ptr, order_ptr, offsets_ptr, w_ptr, bias_ptr, scale_p
                  mask=out_ok)
     elif bucket < num_experts:
         a_rows = a_ptr + (pair // row_div).to(tl.int64)[:, None] * stride_am
-        w_tile = w_ptr + bucket.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+        w_tile = w_ptr
+        if not W_DESC:
+            w_tile = w_ptr + bucket.to(tl.int64) * stride_we + cols[None, :] * stride_wn
+        w_row = bucket * stride_we + (tl.program_id(0) % col_tiles) * BLOCK_N  # W_DESC only
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, k_dim, BLOCK_K):
@@ -199,12 +206,18 @@ def _experts_gemm_kernel(a_ptr, order_ptr, offsets_ptr, w_ptr, bias_ptr, scale_p
             a = tl.load(a_rows + ks[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0,
                         eviction_policy=KEEP)
             w_ok = k_ok[:, None] & col_ok[None, :]
-            w = tl.load(w_tile + ks[:, None] * stride_wk, mask=w_ok, other=0.0,
-                        eviction_policy=W_EVICT)
+            if W_DESC:
+                w = tl.trans(w_ptr.load([w_row, k0]))
+            else:
+                w = tl.load(w_tile + ks[:, None] * stride_wk, mask=w_ok, other=0.0,
+                            eviction_policy=W_EVICT)
             acc = tl.dot(a, w, acc, input_precision=DOT_PRECISION)
             if ACT != 0:  # the up half of the same columns: W[e, :, n_out + cols]
-                w2 = tl.load(w_tile + n_out * stride_wn + ks[:, None] * stride_wk, mask=w_ok,
-                             other=0.0, eviction_policy=W_EVICT)
+                if W_DESC:
+                    w2 = tl.trans(w_ptr.load([w_row + n_out, k0]))
+                else:
+                    w2 = tl.load(w_tile + n_out * stride_wn + ks[:, None] * stride_wk,
+                                 mask=w_ok, other=0.0, eviction_policy=W_EVICT)
                 acc_up = tl.dot(a, w2, acc_up, input_precision=DOT_PRECISION)
         pdl_release(PDL)
         if HAS_BIAS:
@@ -314,6 +327,19 @@ def _hint(cfg: TargetConfig, policy: str) -> str:
     return policy if cfg.experts_cache_hints else ""
 
 
+def _tma_weights(w: torch.Tensor, transposed: bool, n_out: int, block_n: int,
+                 cfg: TargetConfig) -> bool:
+    """Load the weight tiles through a tensor descriptor (TMA): the target asks for it
+    (``TargetConfig.experts_tma``) and the weights allow it: ``[E, rows, K]`` contiguous (not
+    ``transposed``), 16-byte aligned, ``K`` rows a multiple of 16 bytes, and
+    ``block_n`` dividing ``n_out`` (a tile never spans two halves or two experts). The kernel
+    is the same otherwise; the interpreter takes the descriptor too (the CPU tests)."""
+    if not cfg.experts_tma or transposed or not w.is_contiguous():
+        return False
+    return (w.data_ptr() % 16 == 0 and (w.shape[2] * w.element_size()) % 16 == 0
+            and n_out % block_n == 0)
+
+
 def _gemm(a, order, offsets, w, bias, scale, out, row_div: int, transposed: bool,
           activation: str, cfg: TargetConfig, block_n: int,
           wide_block_n: int | None = None) -> None:
@@ -329,15 +355,24 @@ def _gemm(a, order, offsets, w, bias, scale, out, row_div: int, transposed: bool
     pdl = use_pdl(a.device, cfg)
     col_tiles = triton.cdiv(n_out, block_n)
     dummy = out
-    launch(_experts_gemm_kernel, (plan.max_tiles * col_tiles,), a, order, offsets, w,
+    tma = _tma_weights(w, transposed, n_out, block_n, cfg)
+    w_arg, stride_we = (w, w.stride(0))
+    if tma:  # rows of expert e at e * w.shape[1] of a [E * rows, K] view
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        flat = w.reshape(-1, w.shape[2])
+        w_arg = TensorDescriptor(flat, list(flat.shape), list(flat.stride()),
+                                 [block_n, cfg.experts_block_k])
+        stride_we = w.shape[1]
+    launch(_experts_gemm_kernel, (plan.max_tiles * col_tiles,), a, order, offsets, w_arg,
            bias if bias is not None else dummy, scale if scale is not None else dummy, out,
-           num_pairs, row_div, num_experts, n_out, a.shape[1], a.stride(0), w.stride(0), s_k,
+           num_pairs, row_div, num_experts, n_out, a.shape[1], a.stride(0), stride_we, s_k,
            s_n, bias.stride(0) if bias is not None else 0, out.stride(0), col_tiles,
            BLOCK_M=plan.block_m, BLOCK_N=block_n, BLOCK_K=cfg.experts_block_k,
            E_P2=plan.e_p2, ACT=_ACT[activation], HAS_BIAS=bias is not None,
            HAS_SCALE=scale is not None, DOT_PRECISION=fp32_dot_precision(cfg),
-           W_EVICT=_hint(cfg, "evict_first"), KEEP=_hint(cfg, "evict_last"), PDL=pdl,
-           num_warps=cfg.experts_num_warps, num_stages=cfg.experts_num_stages,
+           W_EVICT=_hint(cfg, "evict_first"), KEEP=_hint(cfg, "evict_last"), W_DESC=tma,
+           PDL=pdl, num_warps=cfg.experts_num_warps, num_stages=cfg.experts_num_stages,
            **pdl_options(pdl))
 
 

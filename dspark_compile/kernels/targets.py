@@ -166,6 +166,9 @@ class TargetConfig:
     down GEMM, the down GEMM's by the combine), the combine's reads ``evict_first``. Chosen by
     ``python benchmarks/moe_layer.py --target experts_cache_hints=false``; figures in
     docs/benchmarks.md."""
+    experts_tma: bool = False
+    """Load the experts GEMMs' weight tiles through a tensor descriptor (TMA on sm_90) where
+    the weights allow it (``kernels/experts.py``, ``_tma_weights``)."""
     experts_block_k: int = 64
     """K per iteration of the experts' grouped GEMM (untuned)."""
     experts_num_warps: int = 4

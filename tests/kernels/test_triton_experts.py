@@ -142,6 +142,62 @@ def test_down_with_64_pair_row_tiles_takes_the_wide_column_tile(transposed, with
     assert torch.equal(got[n - 3:], torch.zeros_like(got[n - 3:])), "padding comes out zero"
 
 
+@needs_kernel_device
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, FP32_TOL), (torch.float16, 3e-3)])
+def test_weights_through_a_tensor_descriptor_equal_reference(dtype, tol, monkeypatch):
+    """``TargetConfig.experts_tma``: both GEMMs load weight tiles through a tensor descriptor
+    over ``[E * rows, K]`` (K = 40 < BLOCK_K: the descriptor reads zeros past its end; the up
+    GEMM's gate and up halves at their own rows; the down GEMM's 64-pair row tiles with the
+    wide column tile), against the reference and against the pointer loads bit for bit."""
+    import dataclasses
+
+    from dspark_compile.kernels import experts as kx
+
+    cfg, sms = kx.device_target(torch.device(_device()))
+    n, k, e, d, f = 100, 4, 3, 40, 128
+    ids, qsl = _routing(n, k, e, seed=21, hot=True)
+    order, offsets = ref.route(ids, qsl, e)
+    x = _tensor(n, d, dtype=dtype, seed=22)
+    w_up = _tensor(e, 2 * f, d, dtype=dtype, seed=23, scale=d ** -0.5)
+    w_down = _tensor(e, 2 * f, f, dtype=dtype, seed=24, scale=f ** -0.5)
+    weights = _tensor(n, k, dtype=dtype, seed=25).abs()
+    assert kx.plan_experts(n * k, e).block_m == 64
+
+    def layer(tma: bool):
+        picked = dataclasses.replace(cfg, experts_tma=tma)
+        monkeypatch.setattr(kx, "device_target", lambda device: (picked, sms))
+        assert kx._tma_weights(w_up, False, f, picked.experts_block_n, picked) == tma
+        assert kx._tma_weights(w_down, False, 2 * f, picked.experts_down_block_n_wide,
+                               picked) == tma
+        h = kx.experts_up_triton(x, order, offsets, w_up, None, False, "silu_glu")
+        return h, kx.experts_down_triton(h, order, offsets, weights, w_down, None, False)
+
+    h, got = layer(True)
+    want_h = ref.up(x.float(), order, offsets, w_up.float(), None, False, "silu_glu")
+    torch.testing.assert_close(h.float(), want_h, atol=tol, rtol=tol)
+    want = ref.down(h.float(), order, offsets, weights.float(), w_down.float(), None, False)
+    torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    h_ptr, got_ptr = layer(False)
+    assert torch.equal(h, h_ptr) and torch.equal(got, got_ptr), "same values as pointer loads"
+
+
+def test_tensor_descriptor_only_where_the_weights_allow_it():
+    import dataclasses
+
+    from dspark_compile.kernels import experts as kx
+    from dspark_compile.kernels.targets import TARGETS
+
+    cfg = dataclasses.replace(TARGETS["sm_90"], experts_tma=True)
+    w = torch.zeros(4, 128, 48, dtype=torch.bfloat16)
+    assert kx._tma_weights(w, False, 64, 64, cfg)
+    assert not kx._tma_weights(w, True, 64, 64, cfg), "transposed: K is not the inner dim"
+    assert not kx._tma_weights(w, False, 96, 64, cfg), "a column tile would cross into the up half"
+    assert not kx._tma_weights(w[:, :, :47], False, 64, 64, cfg), "not contiguous"
+    assert not kx._tma_weights(torch.zeros(4, 128, 12, dtype=torch.bfloat16), False, 64, 64,
+                               cfg), "K rows of 24 bytes: not a multiple of 16"
+    assert not kx._tma_weights(w, False, 64, 64, TARGETS["sm_90"]), "off unless asked"
+
+
 def test_vendor_grouped_mm_path_equals_reference():
     """``torch._grouped_mm`` (CPU kernel here, bf16 CUTLASS on the GPU) on 16-byte rows."""
     from dspark_compile.kernels.experts import _down_grouped_mm, _up_grouped_mm
@@ -193,16 +249,18 @@ def _experts(ids, weights, x, w_up, w_down, qsl):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernel", ["triton", "grouped_mm"])
+@pytest.mark.parametrize("kernel", ["triton", "triton_tma", "grouped_mm"])
 @pytest.mark.parametrize("n", [3, 24, 192, 768])
 def test_gpu_layer_equals_reference_and_replays_bitwise(n, kernel, monkeypatch):
-    """Both choices of ``TargetConfig.experts_kernel`` on the device's own target entry."""
+    """Both choices of ``TargetConfig.experts_kernel`` on the device's own target entry, and
+    the Triton GEMMs with ``experts_tma`` (weight tiles through tensor descriptors)."""
     import dataclasses
 
     from dspark_compile.kernels import experts as kx
 
     cfg, sms = kx.device_target(torch.device("cuda"))
-    picked = dataclasses.replace(cfg, experts_kernel=kernel)
+    picked = dataclasses.replace(cfg, experts_kernel=kernel.split("_tma")[0],
+                                 experts_tma=kernel.endswith("_tma"))
     monkeypatch.setattr(kx, "device_target", lambda device: (picked, sms))
     args = _layer(n)
     ids, weights, x, w_up, w_down, qsl = args
@@ -233,19 +291,25 @@ AOT_CASES = {  # case -> (kernel, pointer dtypes, constexprs)
                                                   scale_ptr="bf16", out_ptr="bf16"),
                      dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, E_P2=256, ACT=1, HAS_BIAS=False,
                           HAS_SCALE=False, DOT_PRECISION="ieee", W_EVICT="evict_first",
-                          KEEP="evict_last")),
+                          KEEP="evict_last", W_DESC=False)),
+    "up_bf16_silu_tma": ("_experts_gemm_kernel",  # TargetConfig.experts_tma
+                         dict(a_ptr="bf16", w_ptr="tensordesc<bf16[64,64]>", bias_ptr="bf16",
+                              scale_ptr="bf16", out_ptr="bf16"),
+                         dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, E_P2=256, ACT=1,
+                              HAS_BIAS=False, HAS_SCALE=False, DOT_PRECISION="ieee",
+                              W_EVICT="evict_first", KEEP="evict_last", W_DESC=True)),
     "down_bf16_bias_scale": ("_experts_gemm_kernel",
                              dict(a_ptr="bf16", w_ptr="bf16", bias_ptr="bf16",
                                   scale_ptr="fp32", out_ptr="fp32"),
                              dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, E_P2=256, ACT=0,
                                   HAS_BIAS=True, HAS_SCALE=True, DOT_PRECISION="ieee",
-                                  W_EVICT="evict_first", KEEP="evict_last")),
+                                  W_EVICT="evict_first", KEEP="evict_last", W_DESC=False)),
     "down_bf16_wide": ("_experts_gemm_kernel",  # experts_down_block_n_wide's 64 x 128 tile
                        dict(a_ptr="bf16", w_ptr="bf16", bias_ptr="bf16", scale_ptr="bf16",
                             out_ptr="bf16"),
                        dict(BLOCK_M=64, BLOCK_N=128, BLOCK_K=64, E_P2=256, ACT=0,
                             HAS_BIAS=False, HAS_SCALE=True, DOT_PRECISION="ieee",
-                            W_EVICT="", KEEP="")),
+                            W_EVICT="", KEEP="", W_DESC=False)),
     "combine_bf16": ("_combine_kernel", dict(scratch_ptr="bf16", out_ptr="bf16"),
                      dict(TOP_K=8, BLOCK_T=8, BLOCK_D=256, READ_EVICT="evict_first")),
 }
