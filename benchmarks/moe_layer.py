@@ -413,8 +413,10 @@ def sustained_bs(bs: int, experts, s: dict, device: str, replays: int = 600,
     """Each replay of a graph of ``graph_calls`` layer calls timed alone over a long run (from a
     GPU rested 2 s), then ``replays // 4`` with the host idle ``pause_s`` between replays, then
     the same long run of a plain streaming read of every expert's weights (``_stream_fn``);
-    ``nvidia-smi`` samples the SM clock, power and throttle reasons meanwhile. Does the layer
-    slow down as a run goes on, and does HBM's own rate?"""
+    ``nvidia-smi`` samples the SM clock, power and throttle reasons meanwhile; then, as
+    ``common.time_calls`` runs it, ``eager_iters`` eager calls before ``graph_replays`` replays
+    of the same graph, and of one captured after them. Does the layer slow down as a run goes
+    on, does HBM's own rate, and does an eager run before the replays slow them?"""
     import tempfile
     import time
 
@@ -424,8 +426,8 @@ def sustained_bs(bs: int, experts, s: dict, device: str, replays: int = 600,
     x, ids, weights, qsl = routing(sum(lens), s, device)
     floor = floor_us(ids, s)
     calls = s["graph_calls"]
-    graphs = dict(layer=graph_of([path_fn("ours_triton", experts, x, ids, weights, qsl)], calls),
-                  stream=graph_of([_stream_fn(experts)], calls))
+    fn = path_fn("ours_triton", experts, x, ids, weights, qsl)
+    graphs = dict(layer=graph_of([fn], calls), stream=graph_of([_stream_fn(experts)], calls))
     for g in graphs.values():
         g.replay()
     torch.cuda.synchronize()
@@ -436,6 +438,15 @@ def sustained_bs(bs: int, experts, s: dict, device: str, replays: int = 600,
                            ("stream", 0.0, replays)):
         time.sleep(2.0)  # every run from a rested GPU
         series[name] = _replay_series(graphs[name.split("_")[0]], calls, n, pause)
+    # as common.time_calls runs it: eager calls first, then the graph (the same one, or one
+    # captured after them), ``graph_replays`` replays
+    for name, fresh in (("layer_after_eager", False), ("layer_after_eager_new_graph", True)):
+        time.sleep(2.0)
+        for _ in range(s["eager_iters"]):
+            fn()
+        graph = graph_of([fn], calls) if fresh else graphs["layer"]
+        graph.replay()
+        series[name] = _replay_series(graph, calls, s["graph_replays"], 0.0)
     if smi is not None:
         smi.terminate()
         smi.wait()
