@@ -487,6 +487,9 @@ def main(argv: list[str] | None = None) -> dict:
                     help="sweep each projection's tiles alone (moe_layer_tiles.json)")
     ap.add_argument("--graph-calls", type=int, default=None,
                     help="layer calls captured in one CUDA graph (default 20); files get a suffix")
+    ap.add_argument("--rest", type=float, default=None,
+                    help="seconds of an idle GPU before each path is timed (default 1); files "
+                    "get a suffix")
     ap.add_argument("--sustained", action="store_true",
                     help="each graph replay timed alone over a long run, with the SM clock, "
                     "power and throttle reasons (moe_layer_sustained.json)")
@@ -498,6 +501,9 @@ def main(argv: list[str] | None = None) -> dict:
     overrides, suffix, _ = target_overrides(opts.target)
     if opts.batch_sizes:
         s = dict(s, batch_sizes=opts.batch_sizes)
+    if opts.rest is not None:
+        s = dict(s, rest_s=opts.rest)
+        suffix += f"_rest_{opts.rest:g}"
     if opts.graph_calls:
         s = dict(s, graph_calls=opts.graph_calls,
                  graph_replays=s["graph_replays"] * s["graph_calls"] // opts.graph_calls)

@@ -168,7 +168,9 @@ class TargetConfig:
     docs/benchmarks.md."""
     experts_tma: bool = False
     """Load the experts GEMMs' weight tiles through a tensor descriptor (TMA on sm_90) where
-    the weights allow it (``kernels/experts.py``, ``_tma_weights``)."""
+    the weights allow it (``kernels/experts.py``, ``_tma_weights``). On for sm_90, chosen by
+    ``python benchmarks/moe_layer.py [--sustained] --target experts_tma=true`` against the
+    default; figures in docs/tuning.md."""
     experts_block_k: int = 64
     """K per iteration of the experts' grouped GEMM (untuned)."""
     experts_num_warps: int = 4
@@ -202,7 +204,7 @@ TARGETS: dict[str, TargetConfig] = {
         attn_tile_n=32, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=3,
         attn_max_registers=128,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
-        default_sm_count=132, pdl=True, mid_split_k=4,
+        default_sm_count=132, pdl=True, mid_split_k=4, experts_tma=True,
     ),
     "gfx942": TargetConfig(
         name="gfx942", backend="hip", arch="gfx942", warp_size=64, fp32_dot_precision="ieee",

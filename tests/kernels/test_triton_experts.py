@@ -195,7 +195,9 @@ def test_tensor_descriptor_only_where_the_weights_allow_it():
     assert not kx._tma_weights(w[:, :, :47], False, 64, 64, cfg), "not contiguous"
     assert not kx._tma_weights(torch.zeros(4, 128, 12, dtype=torch.bfloat16), False, 64, 64,
                                cfg), "K rows of 24 bytes: not a multiple of 16"
-    assert not kx._tma_weights(w, False, 64, 64, TARGETS["sm_90"]), "off unless asked"
+    assert not kx._tma_weights(w, False, 64, 64, dataclasses.replace(cfg, experts_tma=False))
+    assert TARGETS["sm_90"].experts_tma and not TARGETS["sm_80"].experts_tma, "TMA: sm_90 on"
+    assert not any(TARGETS[t].experts_tma for t in ("gfx942", "gfx950"))
 
 
 def test_vendor_grouped_mm_path_equals_reference():
