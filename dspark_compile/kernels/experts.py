@@ -330,11 +330,17 @@ def _hint(cfg: TargetConfig, policy: str) -> str:
 def _tma_weights(w: torch.Tensor, transposed: bool, n_out: int, block_n: int,
                  cfg: TargetConfig) -> bool:
     """Load the weight tiles through a tensor descriptor (TMA): the target asks for it
-    (``TargetConfig.experts_tma``) and the weights allow it: ``[E, rows, K]`` contiguous (not
-    ``transposed``), 16-byte aligned, ``K`` rows a multiple of 16 bytes, and
-    ``block_n`` dividing ``n_out`` (a tile never spans two halves or two experts). The kernel
-    is the same otherwise; the interpreter takes the descriptor too (the CPU tests)."""
-    if not cfg.experts_tma or transposed or not w.is_contiguous():
+    (``TargetConfig.experts_tma``) and the weights allow it:
+
+    - 16-bit elements (bf16 is measured and tested on the GPU; fp16 moves the same bytes);
+      float32 keeps pointer loads;
+    - ``[E, rows, K]`` contiguous (not ``transposed``), 16-byte aligned, ``K`` rows a multiple
+      of 16 bytes;
+    - ``block_n`` dividing ``n_out``: a tile never spans two halves or two experts.
+
+    The kernel is the same otherwise; the interpreter takes the descriptor too (the CPU
+    tests)."""
+    if not cfg.experts_tma or transposed or not w.is_contiguous() or w.element_size() != 2:
         return False
     return (w.data_ptr() % 16 == 0 and (w.shape[2] * w.element_size()) % 16 == 0
             and n_out % block_n == 0)
