@@ -24,7 +24,11 @@ names the faster of our two GEMM choices per ``bs``: what ``TargetConfig.experts
 should hold on this GPU.
 
 Usage: ``python benchmarks/moe_layer.py [--smoke] [--out DIR] [--batch-sizes 1 8 64 256]
-[--target experts_block_n=128 ...] [--tiles | --profile | --sustained]``.
+[--target experts_block_n=128 ...] [--rest S] [--smi] [--tiles | --profile | --sustained]``.
+
+- ``--rest S``: seconds of an idle GPU before each path is timed (default 1);
+- ``--smi``: ``nvidia-smi`` samples the clocks and power through the run, as under
+  ``--sustained`` (the samples go into the JSON);
 
 - ``--tiles`` times each projection's GEMM alone under a list of tiles;
 - ``--profile`` records each kernel's GPU time per call and the gaps between kernels, eager and
@@ -490,6 +494,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rest", type=float, default=None,
                     help="seconds of an idle GPU before each path is timed (default 1); files "
                     "get a suffix")
+    ap.add_argument("--smi", action="store_true",
+                    help="sample nvidia-smi every 20 ms through the run, as --sustained does "
+                    "(moe_layer_smi.json): does the sampler change the graph figures?")
     ap.add_argument("--sustained", action="store_true",
                     help="each graph replay timed alone over a long run, with the SM clock, "
                     "power and throttle reasons (moe_layer_sustained.json)")
@@ -521,6 +528,12 @@ def main(argv: list[str] | None = None) -> dict:
         name = f"moe_layer_{kind}{'_smoke' if opts.smoke else ''}{suffix}.json"
         report["path"] = write_json(out_dir(opts.out), name, report)
         return report
+    smi_path = smi = None
+    if opts.smi and device == "cuda":  # does the sampler --sustained runs change the figures?
+        import tempfile
+
+        smi_path = tempfile.mktemp(suffix=".csv")
+        smi = _smi_sampler(smi_path)
     for bs in s["batch_sizes"]:
         report["results"][str(bs)] = row = run_bs(bs, experts, s, device)
         bad = [p for p in PATHS if row[p]["max_err"] > s["atol"]]
@@ -531,7 +544,11 @@ def main(argv: list[str] | None = None) -> dict:
               f"{row['floor_us']:8.1f} us ({row['floor_kind']})  " + "  ".join(
                   f"{p} {row[p]['best_us']:8.1f} us ({row[p]['floor_share']:.2f})"
                   for p in PATHS))
-    name = f"moe_layer{'_smoke' if opts.smoke else ''}{suffix}.json"
+    if smi is not None:
+        smi.terminate()
+        smi.wait()
+        report["smi"] = _smi_rows(smi_path)
+    name = f"moe_layer{'_smoke' if opts.smoke else ''}{suffix}{'_smi' if opts.smi else ''}.json"
     report["path"] = write_json(out_dir(opts.out), name, report)
     return report
 
