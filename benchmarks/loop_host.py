@@ -2,16 +2,19 @@
 
 The e2e loop (``e2e.Decoder._step``) is host-synchronous: everything it does on the host adds
 to every step. This times that host work on the CPU with e2e's own code, at R = 1, 8, 64, 256
-requests, gamma 7, for the static full block and the compact planner:
+requests, gamma 7, for the static full block, the compact planner and the width policy:
 
 - ``plan``: ``Decoder._lens`` (the planner: ``plan_lengths`` with ``PlannerConfig(tiers=...)``
-  and a ``TierRate`` over ``tier_set(256, 8)``; static: a constant array),
+  and a ``TierRate`` over ``tier_set(256, 8)``; static: a constant array; width:
+  ``WidthPolicy.choose`` over the same rate, every width 1..8 captured),
 - ``pack``: ``Decoder._pack`` (``VerifyLayout.pack`` and the packed token ids),
 - ``verify``: ``Verifier.__call__`` with a replay that does nothing (input and layout checks,
   the tier lookup, the static-buffer fill); ``check_layout`` and ``fill`` are timed again
   alone, as parts of it,
 - ``commit``: ``Verifier.commit`` (checks and the committed-length bookkeeping),
-- ``emit``: ``Decoder._emit`` (accepted tokens into the token table, counts, statistics).
+- ``emit``: ``Decoder._emit`` (accepted tokens into the token table, counts, statistics),
+- ``observe``: the width policy's ``observe`` of the step's acceptance histogram, as e2e.py
+  feeds it (nothing in the other modes).
 
 Not timed: drafting (a table lookup, subtracted in e2e.py too), the forward (no graph is
 replayed) and the accept kernel with its copy to the host (stubbed with the drafter's truth).
@@ -50,12 +53,13 @@ from dspark_compile import dspark_compile
 from dspark_compile.engine.drafter import SyntheticDrafter
 from dspark_compile.session import TierGraphs, VerifySession
 from dspark_compile.session.tiers import tier_set
-from dspark_compile.runtime import SpsEntry, SpsMetadata, SpsTable, TierRate
+from dspark_compile.runtime import (SpsEntry, SpsMetadata, SpsTable, TierRate, WidthPolicy,
+                                    WidthPolicyConfig)
 
 GAMMA = 7
 REQUESTS = (1, 8, 64, 256)
-MODES = ("static", "planner")
-PIECES = ("plan", "pack", "verify", "commit", "emit")
+MODES = ("static", "planner", "width")
+PIECES = ("plan", "pack", "verify", "commit", "emit", "observe")
 PARTS = ("check_layout", "fill")
 CONTEXT = 1024
 OVERHEAD_S = 0.8e-3
@@ -109,6 +113,8 @@ class Case:
         self.rids = np.arange(r)
         self.run = e2e.Run(np.zeros((r, REFERENCE_LEN + GAMMA + 2), np.int64))
         self.step = 0
+        self.policy = WidthPolicy(WidthPolicyConfig(GAMMA, tuple(range(1, GAMMA + 2))),
+                                  decoder.rate) if mode == "width" else None
 
     def time_step(self, times: dict[str, list[float]]) -> None:
         """One step, each piece timed alone; appends microseconds to ``times[piece]``."""
@@ -120,7 +126,7 @@ class Case:
         run.tokens[rids, e - 1] = self.reference[rids, e - 1]
         d.state.committed_lens[:r] = torch.from_numpy((CONTEXT + e - 1).astype(np.int32))
         drafts, conf = self.drafter.draft(rids, e)
-        lens = _timed(times, "plan", d._lens, self.mode, conf, r, None)
+        lens = _timed(times, "plan", d._lens, self.mode, conf, r, self.policy)
         layout, ids = _timed(times, "pack", d._pack, rids, e, lens, drafts, run.tokens)
         _timed(times, "verify", d.verifier, ids, layout, d.state)
         _timed(times, "check_layout", d.state.check_layout, layout, ids.numel())
@@ -129,6 +135,13 @@ class Case:
         acc, nxt = self.accept(drafts, e, lens)
         _timed(times, "commit", d.verifier.commit, layout, acc + 1, d.state)
         _timed(times, "emit", d._emit, rids, e, layout, drafts, acc, nxt, counts, run)
+        _timed(times, "observe", self.observe, lens, acc)
+
+    def observe(self, lens: np.ndarray, acc: np.ndarray) -> None:
+        """The width policy's read of the step's acceptance histogram, as e2e.py feeds it."""
+        if self.policy is not None:
+            self.policy.observe(int(lens[0]), torch.from_numpy(np.bincount(acc,
+                                                                           minlength=GAMMA + 1)))
 
     def accept(self, drafts: np.ndarray, e: np.ndarray, lens: np.ndarray):
         """What the greedy accept kernel would return: the drafts that match the reference, up
@@ -187,7 +200,7 @@ def main(argv=None) -> dict:
         "step_overhead_s": OVERHEAD_S, "table": "ms = 1.6 + 0.0085 B + 0.0075 R per tier",
         "drafter": "SyntheticDrafter(mean_accepted=3, concentration=2)"},
         "pieces": "median us per call; step = median of the per-step sum of plan, pack, "
-                  "verify, commit, emit (check_layout and fill are parts of verify)",
+                  "verify, commit, emit, observe (check_layout and fill are parts of verify)",
         "results": results}
     write_json(args.out, "loop_host.json", data)
     return data

@@ -16,6 +16,8 @@ been seen and every ``refresh_every``-th step after, so that no hazard goes stal
 
 from __future__ import annotations
 
+import itertools
+import math
 from collections import deque
 from dataclasses import dataclass
 
@@ -23,7 +25,7 @@ import numpy as np
 import torch
 
 from ._checks import fraction, positive_int
-from .sps import StepRateModel, check_rates
+from .sps import SpsTable, StepRateModel, TierRate, check_rates
 
 __all__ = ["WidthPolicyConfig", "WidthPolicy", "expected_tokens"]
 
@@ -86,6 +88,13 @@ def _expected(hazards: np.ndarray) -> np.ndarray:
     return out
 
 
+def _fixed_rates(rate: StepRateModel) -> bool:
+    """The model's rates cannot change after it is built (``SpsTable`` is frozen; ``TierRate``
+    fills its table once), so the policy may keep what it read. Another model is read every
+    step: an online estimator may move its rates."""
+    return type(rate) in (SpsTable, TierRate)
+
+
 class WidthPolicy:
     """Chooses the uniform verify width of each step from measured hazards and an SPS model."""
 
@@ -97,8 +106,11 @@ class WidthPolicy:
         self.width: int | None = None  # the policy's current choice (None before the first)
         self.steps = 0
         self._widths = np.array(config.widths, dtype=np.int64)
-        self._positions = np.arange(config.gamma)
+        self._reached, self._accepted = self.reached.numpy(), self.accepted.numpy()  # views
         self._pending: deque[tuple[int, torch.Tensor]] = deque()
+        # rates of a model whose rates never change (its type is known here), per batch size:
+        # read once, not a torch lookup a step
+        self._rates: dict[int, np.ndarray] | None = {} if _fixed_rates(rate) else None
 
     # ------------------------------------------------------------------ observations
     def observe(self, width: int, accept_hist: torch.Tensor) -> None:
@@ -120,30 +132,33 @@ class WidthPolicy:
             self._fold(*self._pending.popleft())
 
     def _fold(self, width: int, accept_hist: torch.Tensor) -> None:
-        """Decay the counts and add one step's reached / accepted drafts per position."""
-        hist = accept_hist.to("cpu", torch.float64).numpy()  # [gamma + 1]
-        if not np.isfinite(hist).all() or (hist < 0).any():
-            raise ValueError(f"WidthPolicy: accept_hist={hist.tolist()} has a negative or "
+        """Decay the counts and add one step's reached / accepted drafts per position. The
+        histogram has ``gamma + 1`` entries: plain Python over them costs less than NumPy's
+        per-call overhead on arrays this small."""
+        hist = accept_hist.tolist()  # [gamma + 1]
+        if not all(0 <= x < math.inf for x in hist):  # NaN fails both comparisons
+            raise ValueError(f"WidthPolicy: accept_hist={hist} has a negative or "
                              "non-finite count; the engine's histogram is corrupt")
-        if (hist[width:] != 0).any():
-            raise ValueError(f"WidthPolicy: accept_hist={hist.tolist()} counts more than "
+        if any(hist[width:]):
+            raise ValueError(f"WidthPolicy: accept_hist={hist} counts more than "
                              f"{width - 1} accepted drafts in a step of width {width}; pass "
                              "the width that step actually ran at")
-        tail = np.cumsum(hist[::-1])[::-1]  # [gamma + 1]: requests that accepted >= j
-        seen = self._positions < width - 1  # [gamma]: positions verified
+        tail = list(itertools.accumulate(reversed(hist)))[::-1]  # requests accepting >= j
+        seen = width - 1  # positions 0 .. width - 2 were verified
         decay = self.config.decay
-        reached, accepted = self.reached.numpy(), self.accepted.numpy()  # views: in place
+        reached, accepted = self._reached, self._accepted  # views of the tensors: in place
         reached *= decay
-        reached += np.where(seen, tail[:-1], 0.0)
         accepted *= decay
-        accepted += np.where(seen, tail[1:], 0.0)
+        if seen:
+            reached[:seen] += tail[:seen]
+            accepted[:seen] += tail[1:seen + 1]
 
     def hazards(self) -> torch.Tensor:
         """float64 [gamma]: accepted / reached per draft position; NaN where never reached."""
         return torch.from_numpy(self._hazards())
 
     def _hazards(self) -> np.ndarray:
-        reached, accepted = self.reached.numpy(), self.accepted.numpy()
+        reached, accepted = self._reached, self._accepted
         out = np.full(reached.size, np.nan)
         np.divide(accepted, reached, out=out, where=reached > 0)
         return out
@@ -156,9 +171,14 @@ class WidthPolicy:
             raise ValueError(f"WidthPolicy.scores: hazards {h.tolist()} are not all measured; "
                              "run the full width until every position has been reached")
         widths = self._widths  # [W]
-        rates = self.rate.steps_per_second(torch.from_numpy(widths * batch_size), batch_size)
-        rates = check_rates(f"{type(self.rate).__name__}.steps_per_second", rates, widths.size)
-        scores = batch_size * _expected(h)[widths - 1] * np.asarray(rates, dtype=np.float64)
+        rates = None if self._rates is None else self._rates.get(batch_size)
+        if rates is None:
+            rates = self.rate.steps_per_second(torch.from_numpy(widths * batch_size), batch_size)
+            rates = np.asarray(check_rates(f"{type(self.rate).__name__}.steps_per_second",
+                                           rates, widths.size), dtype=np.float64)
+            if self._rates is not None:
+                self._rates[batch_size] = rates
+        scores = batch_size * _expected(h)[widths - 1] * rates
         return dict(zip(self.config.widths, scores.tolist()))
 
     def choose(self, batch_size: int, *, full: bool = False) -> int:
@@ -171,7 +191,7 @@ class WidthPolicy:
             return cfg.gamma + 1
         if cfg.forced_width is not None:
             return cfg.forced_width
-        if not self.reached.numpy().min() > 0 or step % cfg.refresh_every == 0:
+        if not self._reached.min() > 0 or step % cfg.refresh_every == 0:
             return cfg.gamma + 1
         scores = self.scores(batch_size)
         best = max(cfg.widths, key=lambda w: (scores[w], -w))  # ties to the narrower width

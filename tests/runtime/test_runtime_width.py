@@ -179,3 +179,36 @@ def test_bad_observations_are_refused():
         policy.observe(8, torch.full((GAMMA + 1,), -1.0))
     with pytest.raises(ValueError, match="batch_size"):
         policy.choose(0)
+
+
+def test_rates_of_a_fixed_table_are_read_once_with_the_same_scores(monkeypatch):
+    """An ``SpsTable`` / ``TierRate`` never changes, so the policy keeps the rates it read per
+    batch size; its scores and choices are those of a policy that reads them every step."""
+    from dspark_compile.runtime import TierRate
+
+    table = _table_mi355x()
+    tiers = [(w * r, r) for r in (1, 2, 8, 64) for w in ALL_WIDTHS]
+    for rate in (table, TierRate(table, tiers, 64, step_overhead_s=0.0005)):
+        kept, fresh = _policy(rate), _policy(rate)
+        fresh._rates = None  # read every step
+        calls = []
+        original = type(rate).steps_per_second
+        monkeypatch.setattr(type(rate), "steps_per_second",
+                            lambda self, *a: calls.append(a[1]) or original(self, *a))
+        g = torch.Generator().manual_seed(0)
+        for step in range(40):
+            bs = (1, 2, 8, 64)[step % 4]
+            hazards = (torch.rand(GAMMA, generator=g) * 0.5 + 0.45).tolist()
+            for policy in (kept, fresh):
+                width = policy.choose(bs)
+                policy.observe(width, _hist(hazards, width))
+            if step > 1:
+                assert kept.scores(bs) == fresh.scores(bs)
+                assert kept.width == fresh.width
+        kept_calls = len(calls)
+        calls.clear()
+        kept.scores(8)
+        assert calls == [], "a kept table is not read again"
+        fresh.scores(8)
+        assert calls == [8] and kept_calls > 0
+        monkeypatch.undo()
