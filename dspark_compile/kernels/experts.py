@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .device import device_target, fp32_dot_precision
-from .launch import launch
+from .launch import launch, tensor_descriptor
 from .pdl import pdl_enter, pdl_options, pdl_release, pdl_wait, use_pdl
 from .targets import TargetConfig
 from ..ops.experts import down_dtype
@@ -185,7 +185,8 @@ def _experts_gemm_kernel(a_ptr, order_ptr, offsets_ptr, w_ptr, bias_ptr, scale_p
     rows = row0 + tl.arange(0, BLOCK_M)
     row_ok = (rows < end) & (rows * 0 + bucket <= num_experts)  # vector masks only
     pair = tl.load(order_ptr + rows, mask=row_ok, other=0)
-    cols = (tl.program_id(0) % col_tiles) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col0 = (tl.program_id(0) % col_tiles) * BLOCK_N
+    cols = col0 + tl.arange(0, BLOCK_N)
     col_ok = cols < n_out
     out_ptrs = out_ptr + pair[:, None].to(tl.int64) * stride_om + cols[None, :]
     out_ok = row_ok[:, None] & col_ok[None, :]
@@ -194,10 +195,10 @@ def _experts_gemm_kernel(a_ptr, order_ptr, offsets_ptr, w_ptr, bias_ptr, scale_p
                  mask=out_ok)
     elif bucket < num_experts:
         a_rows = a_ptr + (pair // row_div).to(tl.int64)[:, None] * stride_am
-        w_tile = w_ptr
-        if not W_DESC:
+        if W_DESC:  # the tile's first weight row in the [E * rows, K] view
+            w_row = bucket * stride_we + col0
+        else:
             w_tile = w_ptr + bucket.to(tl.int64) * stride_we + cols[None, :] * stride_wn
-        w_row = bucket * stride_we + (tl.program_id(0) % col_tiles) * BLOCK_N  # W_DESC only
         acc = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         acc_up = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
         for k0 in range(0, k_dim, BLOCK_K):
@@ -364,11 +365,7 @@ def _gemm(a, order, offsets, w, bias, scale, out, row_div: int, transposed: bool
     tma = _tma_weights(w, transposed, n_out, block_n, cfg)
     w_arg, stride_we = (w, w.stride(0))
     if tma:  # rows of expert e at e * w.shape[1] of a [E * rows, K] view
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        flat = w.reshape(-1, w.shape[2])
-        w_arg = TensorDescriptor(flat, list(flat.shape), list(flat.stride()),
-                                 [block_n, cfg.experts_block_k])
+        w_arg = tensor_descriptor(w.reshape(-1, w.shape[2]), [block_n, cfg.experts_block_k])
         stride_we = w.shape[1]
     launch(_experts_gemm_kernel, (plan.max_tiles * col_tiles,), a, order, offsets, w_arg,
            bias if bias is not None else dummy, scale if scale is not None else dummy, out,

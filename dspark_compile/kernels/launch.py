@@ -30,7 +30,7 @@ from typing import Iterator
 
 import torch
 
-__all__ = ["launch", "warming", "zeros_when_warming", "compile_ahead"]
+__all__ = ["launch", "warming", "zeros_when_warming", "compile_ahead", "tensor_descriptor"]
 
 _warming = False
 _warmed: set = set()
@@ -54,6 +54,14 @@ def launch(kernel, grid, *args, **kwargs) -> None:
     kernel.warmup(*args, grid=grid, **kwargs)
     if key is not None:
         _warmed.add(key)
+
+
+def tensor_descriptor(t: torch.Tensor, block: list[int]):
+    """A host tensor descriptor (TMA on sm_90) of the whole of ``t``, loading ``block`` tiles
+    (the skinny and experts kernels' weights)."""
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
 def _arg_key(v):

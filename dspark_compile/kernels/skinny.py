@@ -44,7 +44,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import launch, tensor_descriptor
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .targets import TargetConfig
 from .attention import split_counters
@@ -420,12 +420,6 @@ def _prologue_kernel(x_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, k, stride_xm, st
     tl.store(out_ptr + row * k + offs, a.to(ty), mask=ok)
 
 
-def _descriptor(w: torch.Tensor, block_n: int, block_k: int):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor(w, list(w.shape), list(w.stride()), [block_n, block_k])
-
-
 _NO_COUNTERS = "skinny_linear_triton: {why}; this launch leaves K whole (no split)"
 
 
@@ -561,7 +555,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     n_acc = 2 if glu_out else 1
     part = (x.new_empty((split * (n_acc * n_out + plan.grid[0]) * plan.block_m,),
                         dtype=torch.float32) if split > 1 else out)
-    w_arg = _descriptor(w, plan.block_n, plan.block_k) if plan.tma else w
+    w_arg = tensor_descriptor(w, [plan.block_n, plan.block_k]) if plan.tma else w
     launch(_skinny_kernel, plan.grid,
         x, w_arg, bias if bias is not None else x, gamma if gamma is not None else x,
         res_args[0], res_args[1], out, part, counters if counters is not None else out,
