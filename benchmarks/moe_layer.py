@@ -350,16 +350,29 @@ def profile_bs(bs: int, experts, s: dict, device: str) -> dict:
 SMI_FIELDS = "timestamp,clocks.sm,clocks.mem,power.draw,temperature.gpu,clocks_throttle_reasons.active"
 
 
-def _smi_sampler(path: str):
-    """``nvidia-smi`` writing the clocks, power and throttle reasons to ``path`` every 20 ms
-    (None where it is not there)."""
+@contextlib.contextmanager
+def _smi_sampling(enabled: bool = True):
+    """``nvidia-smi`` samples the clocks, power and throttle reasons every 20 ms while the
+    block runs; the list it yields holds them (``_smi_rows``) once the block ends (empty where
+    ``nvidia-smi`` is not there, or not ``enabled``)."""
     import shutil
     import subprocess
+    import tempfile
 
-    if shutil.which("nvidia-smi") is None:
-        return None
-    return subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}", "--format=csv,noheader",
-                             "-lms", "20"], stdout=open(path, "w"), stderr=subprocess.DEVNULL)
+    rows: list[dict] = []
+    if not enabled or shutil.which("nvidia-smi") is None:
+        yield rows
+        return
+    with tempfile.NamedTemporaryFile("w", suffix=".csv") as out:
+        proc = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_FIELDS}",
+                                 "--format=csv,noheader", "-lms", "20"], stdout=out,
+                                stderr=subprocess.DEVNULL)
+        try:
+            yield rows
+        finally:
+            proc.terminate()
+            proc.wait()
+            rows.extend(_smi_rows(out.name))
 
 
 def _smi_rows(path: str) -> list[dict]:
@@ -382,8 +395,6 @@ def _replay_series(graph, calls: int, replays: int, pause_s: float) -> list[floa
     """us per call of each of ``replays`` replays of ``graph`` (``calls`` calls), each between
     its own two events; with ``pause_s``, the host waits for a replay and sleeps that long
     before the next."""
-    import time
-
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(replays)]
     for i in range(replays):
@@ -421,9 +432,6 @@ def sustained_bs(bs: int, experts, s: dict, device: str, replays: int = 600,
     ``common.time_calls`` runs it, ``eager_iters`` eager calls before ``graph_replays`` replays
     of the same graph, and of one captured after them. Does the layer slow down as a run goes
     on, does HBM's own rate, and does an eager run before the replays slow them?"""
-    import tempfile
-    import time
-
     from common import graph_of
 
     lens = mix_lens(bs, s["block"], s["mean_len"], s["seed"])
@@ -435,26 +443,21 @@ def sustained_bs(bs: int, experts, s: dict, device: str, replays: int = 600,
     for g in graphs.values():
         g.replay()
     torch.cuda.synchronize()
-    smi_path = tempfile.mktemp(suffix=".csv")
-    smi = _smi_sampler(smi_path)
     series = {}
-    for name, pause, n in (("layer", 0.0, replays), ("layer_paused", pause_s, replays // 4),
-                           ("stream", 0.0, replays)):
-        time.sleep(2.0)  # every run from a rested GPU
-        series[name] = _replay_series(graphs[name.split("_")[0]], calls, n, pause)
-    # as common.time_calls runs it: eager calls first, then the graph (the same one, or one
-    # captured after them), ``graph_replays`` replays
-    for name, fresh in (("layer_after_eager", False), ("layer_after_eager_new_graph", True)):
-        time.sleep(2.0)
-        for _ in range(s["eager_iters"]):
-            fn()
-        graph = graph_of([fn], calls) if fresh else graphs["layer"]
-        graph.replay()
-        series[name] = _replay_series(graph, calls, s["graph_replays"], 0.0)
-    if smi is not None:
-        smi.terminate()
-        smi.wait()
-    smi_rows = _smi_rows(smi_path) if smi is not None else []
+    with _smi_sampling() as smi_rows:
+        for name, pause, n in (("layer", 0.0, replays), ("layer_paused", pause_s, replays // 4),
+                               ("stream", 0.0, replays)):
+            time.sleep(2.0)  # every run from a rested GPU
+            series[name] = _replay_series(graphs[name.split("_")[0]], calls, n, pause)
+        # as common.time_calls runs it: eager calls first, then the graph (the same one, or one
+        # captured after them), ``graph_replays`` replays
+        for name, fresh in (("layer_after_eager", False), ("layer_after_eager_new_graph", True)):
+            time.sleep(2.0)
+            for _ in range(s["eager_iters"]):
+                fn()
+            graph = graph_of([fn], calls) if fresh else graphs["layer"]
+            graph.replay()
+            series[name] = _replay_series(graph, calls, s["graph_replays"], 0.0)
 
     def med(v):
         return sorted(v)[len(v) // 2]
@@ -528,26 +531,20 @@ def main(argv: list[str] | None = None) -> dict:
         name = f"moe_layer_{kind}{'_smoke' if opts.smoke else ''}{suffix}.json"
         report["path"] = write_json(out_dir(opts.out), name, report)
         return report
-    smi_path = smi = None
-    if opts.smi and device == "cuda":  # does the sampler --sustained runs change the figures?
-        import tempfile
-
-        smi_path = tempfile.mktemp(suffix=".csv")
-        smi = _smi_sampler(smi_path)
-    for bs in s["batch_sizes"]:
-        report["results"][str(bs)] = row = run_bs(bs, experts, s, device)
-        bad = [p for p in PATHS if row[p]["max_err"] > s["atol"]]
-        if bad:
-            report["errors"] = f"bs {bs}: {bad} differ from the reference by more than " \
-                f"{s['atol']}"
-        print(f"bs {bs:>4} N {row['tokens']:>4} active {row['active_experts']:>3} floor "
-              f"{row['floor_us']:8.1f} us ({row['floor_kind']})  " + "  ".join(
-                  f"{p} {row[p]['best_us']:8.1f} us ({row[p]['floor_share']:.2f})"
-                  for p in PATHS))
-    if smi is not None:
-        smi.terminate()
-        smi.wait()
-        report["smi"] = _smi_rows(smi_path)
+    # --smi: does the sampler --sustained runs change the figures?
+    with _smi_sampling(opts.smi and device == "cuda") as smi:
+        for bs in s["batch_sizes"]:
+            report["results"][str(bs)] = row = run_bs(bs, experts, s, device)
+            bad = [p for p in PATHS if row[p]["max_err"] > s["atol"]]
+            if bad:
+                report["errors"] = f"bs {bs}: {bad} differ from the reference by more than " \
+                    f"{s['atol']}"
+            print(f"bs {bs:>4} N {row['tokens']:>4} active {row['active_experts']:>3} floor "
+                  f"{row['floor_us']:8.1f} us ({row['floor_kind']})  " + "  ".join(
+                      f"{p} {row[p]['best_us']:8.1f} us ({row[p]['floor_share']:.2f})"
+                      for p in PATHS))
+    if opts.smi:
+        report["smi"] = smi
     name = f"moe_layer{'_smoke' if opts.smoke else ''}{suffix}{'_smi' if opts.smi else ''}.json"
     report["path"] = write_json(out_dir(opts.out), name, report)
     return report

@@ -2,6 +2,8 @@
 reference and the JSON has every column the GPU run fills."""
 
 import json
+import os
+import time
 
 import torch
 
@@ -51,3 +53,28 @@ def test_smi_rows_parse_nvidia_smi_csv(tmp_path):
     assert [r["sm_mhz"] for r in rows] == [1980.0, 1755.0, None]
     assert rows[1]["power_w"] == 699.9 and rows[1]["temp_c"] == 53.0
     assert rows[1]["throttle"] == "0x0000000000000004" and rows[2]["power_w"] is None
+
+
+def test_smi_sampling_collects_what_nvidia_smi_prints(tmp_path, monkeypatch):
+    """The sampler runs ``nvidia-smi`` (here a stand-in script on PATH) for the block and
+    hands back its parsed lines; off, or without ``nvidia-smi``, the list stays empty."""
+    moe_layer = load_benchmark("moe_layer")
+    fake = tmp_path / "nvidia-smi"
+    fake.write_text("#!/bin/sh\n"
+                    "echo '2026/12/02 16:50:01.123, 1980 MHz, 2619 MHz, 650.25 W, 51, 0x0'\n"
+                    "echo '2026/12/02 16:50:01.143, 1305 MHz, 2619 MHz, 703.10 W, 53, 0x4'\n"
+                    "sleep 30\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    with moe_layer._smi_sampling() as rows:
+        time.sleep(1.0)  # let the script print before it is stopped
+        assert rows == [], "filled only once the block ends"
+    assert [r["sm_mhz"] for r in rows] == [1980.0, 1305.0]
+    assert rows[1]["power_w"] == 703.1 and rows[1]["throttle"] == "0x4"
+    with moe_layer._smi_sampling(enabled=False) as off:
+        pass
+    assert off == []
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    with moe_layer._smi_sampling() as missing:
+        pass
+    assert missing == []
