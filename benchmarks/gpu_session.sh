@@ -40,8 +40,11 @@
 #                 time and the gaps between kernels, eager and in graph replays)
 #   moe_sustained moe_layer.py --sustained --batch-sizes 64 256 (each replay of a long run, with
 #                 the SM clock, power and throttle reasons)
-#   moe_smi       moe_layer.py --batch-sizes 64 256, with and without --smi, then --sustained
-#                 (why moe_layer.py's graph figure sits 20-30 us above --sustained's replays)
+#   moe_gap       moe_layer.py --gap --batch-sizes 256 (the graph figure as time_calls takes it,
+#                 each replay alone, and captures after a large block was freed, interleaved)
+#   moe_layer     moe_layer.py --batch-sizes 1 8 64 256 (one MoE layer table)
+#   moe_tiles     moe_layer.py --tiles --batch-sizes 256 64 (each projection's tiles, TMA as the
+#                 target has it)
 #   moe_hints     moe_layer.py --batch-sizes 8 64 256, then with --target experts_cache_hints=false
 #   e2e_long      e2e.py --concurrency 1 8 --output 1024 --repeats 5, default draft and
 #                 --mean-accepted 1.5 (runs long enough that a mode's repeats can be told apart)
@@ -110,9 +113,9 @@ job() {
     moe_profile) python3 benchmarks/moe_layer.py --profile --batch-sizes 64 256 &&
       python3 benchmarks/moe_layer.py --profile --batch-sizes 64 256 --target pdl=false ;;
     moe_sustained) python3 benchmarks/moe_layer.py --sustained --batch-sizes 64 256 ;;
-    moe_smi) python3 benchmarks/moe_layer.py --batch-sizes 64 256 &&
-      python3 benchmarks/moe_layer.py --batch-sizes 64 256 --smi &&
-      python3 benchmarks/moe_layer.py --sustained --batch-sizes 64 256 ;;
+    moe_gap) python3 benchmarks/moe_layer.py --gap --batch-sizes 256 ;;
+    moe_layer) python3 benchmarks/moe_layer.py --batch-sizes 1 8 64 256 ;;
+    moe_tiles) python3 benchmarks/moe_layer.py --tiles --batch-sizes 256 64 ;;
     moe_hints) python3 benchmarks/moe_layer.py --batch-sizes 8 64 256 &&
       python3 benchmarks/moe_layer.py --batch-sizes 8 64 256 --target experts_cache_hints=false ;;
     e2e_long) python3 benchmarks/e2e.py --concurrency 1 8 --output 1024 --repeats 5 &&

@@ -24,7 +24,7 @@ names the faster of our two GEMM choices per ``bs``: what ``TargetConfig.experts
 should hold on this GPU.
 
 Usage: ``python benchmarks/moe_layer.py [--smoke] [--out DIR] [--batch-sizes 1 8 64 256]
-[--target experts_block_n=128 ...] [--rest S] [--smi] [--tiles | --profile | --sustained]``.
+[--target experts_block_n=128 ...] [--rest S] [--smi] [--tiles | --profile | --sustained | --gap]``.
 
 - ``--rest S``: seconds of an idle GPU before each path is timed (default 1);
 - ``--smi``: ``nvidia-smi`` samples the clocks and power through the run, as under
@@ -34,7 +34,9 @@ Usage: ``python benchmarks/moe_layer.py [--smoke] [--out DIR] [--batch-sizes 1 8
 - ``--profile`` records each kernel's GPU time per call and the gaps between kernels, eager and
   in graph replays (torch.profiler);
 - ``--sustained`` times each graph replay of a long run alone, with the SM clock, power and
-  throttle reasons ``nvidia-smi`` reports meanwhile.
+  throttle reasons ``nvidia-smi`` reports meanwhile;
+- ``--gap`` times the layer as the default mode does, with each replay between its own
+  events, and after the caching allocator's history changed, in interleaved rounds.
 
 Writes ``moe_layer.json`` (``moe_layer_smoke.json``; ``moe_layer_<mode>.json``; a ``--target``
 override adds a suffix) to ``--out``, else ``$OUT``, else ``benchmarks/results/``. ``--smoke``
@@ -150,6 +152,27 @@ def path_fn(path: str, experts, x, ids, weights, qsl):
 
 
 def reference(experts, x, ids, weights, qsl) -> torch.Tensor:
+    """The layer's rows in float32, expert by expert over the rows routed to it (HF's eager
+    loop, in float32): one expert's weights are converted at a time. ``ops/experts_reference``
+    gathers a float32 copy of each pair's weights instead, 115 GB at bs 256, and a graph
+    captured after that allocation replays 8% slower (``--gap``)."""
+    out = torch.zeros(x.shape[0], experts.down_proj.shape[1], dtype=torch.float32,
+                      device=x.device)
+    real = torch.arange(x.shape[0], device=x.device) < qsl[-1].to(torch.int64)
+    for e in torch.unique(ids).tolist():
+        token, slot = torch.nonzero((ids == e) & real[:, None], as_tuple=True)
+        if not token.numel():
+            continue
+        gate, up = (x[token].float() @ experts.gate_up_proj[e].float().T).chunk(2, dim=-1)
+        h = torch.nn.functional.silu(gate) * up
+        y = (h @ experts.down_proj[e].float().T) * weights[token, slot, None].float()
+        out.index_add_(0, token, y)
+    return out
+
+
+def gathered_reference(experts, x, ids, weights, qsl) -> torch.Tensor:
+    """The same rows through the library's oracle (``ops/experts_reference``): a float32 copy of
+    each pair's expert weights, gathered at once (what ``--gap`` runs before a capture)."""
     order, offsets = ref.route(ids, qsl, experts.num_experts)
     h = ref.up(x.float(), order, offsets, experts.gate_up_proj.float(), None, False,
                "silu_glu")
@@ -210,12 +233,15 @@ def run_bs(bs: int, experts, s: dict, device: str) -> dict:
 # (BLOCK_M or None for the plan's, BLOCK_N, BLOCK_K, warps, stages) of each projection's sweep
 TILES_UP = [(None, 64, 64, 4, 3), (None, 64, 64, 4, 4), (None, 64, 64, 4, 5),
             (None, 64, 128, 4, 3), (None, 64, 64, 8, 3), (None, 128, 64, 8, 3),
-            (None, 32, 64, 4, 4), (32, 64, 64, 4, 3), (32, 64, 64, 4, 4), (128, 64, 64, 8, 3)]
+            (None, 32, 64, 4, 4), (32, 64, 64, 4, 3), (32, 64, 64, 4, 4), (128, 64, 64, 8, 3),
+            (None, 128, 64, 8, 4), (None, 128, 64, 4, 3), (None, 64, 128, 8, 3),
+            (None, 128, 128, 8, 3)]
 TILES_DOWN = [(None, 64, 64, 4, 3), (None, 64, 64, 4, 4), (None, 64, 64, 4, 5),
               (None, 64, 128, 4, 3), (None, 128, 64, 4, 3), (None, 128, 64, 8, 3),
               (None, 128, 128, 8, 3), (None, 256, 64, 8, 3), (32, 64, 64, 4, 3),
               (32, 128, 64, 4, 3), (128, 128, 64, 8, 3), (None, 128, 64, 4, 4),
-              (None, 128, 32, 4, 4), (None, 256, 64, 4, 3)]
+              (None, 128, 32, 4, 4), (None, 256, 64, 4, 3), (None, 128, 64, 8, 4),
+              (None, 256, 64, 8, 4), (None, 128, 128, 4, 3), (None, 256, 128, 8, 3)]
 
 
 @contextlib.contextmanager
@@ -408,6 +434,17 @@ def _replay_series(graph, calls: int, replays: int, pause_s: float) -> list[floa
     return [a.elapsed_time(b) * 1e3 / calls for a, b in zip(starts, ends)]
 
 
+def _replay_window(graph, calls: int, replays: int) -> list[float]:
+    """us per call of ``replays`` back-to-back replays of ``graph`` between two events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(replays):
+        graph.replay()
+    end.record()
+    end.synchronize()
+    return [start.elapsed_time(end) * 1e3 / (calls * replays)]
+
+
 def _stream_fn(experts):
     """One plain streaming read of every expert's weights (``hbm_read``'s kernel, 8 programs
     a multiprocessor): what HBM gives the layer's bytes under the same conditions."""
@@ -481,6 +518,135 @@ def sustained_bs(bs: int, experts, s: dict, device: str, replays: int = 600,
     return row
 
 
+GAP_BLOCK_BYTES = 72 * 2**30
+"""The block ``--gap`` allocates and frees: about what bs 256's whole float32 reference keeps
+reserved (76.5 GiB)."""
+
+
+def gap_bs(bs: int, experts, s: dict, device: str, rounds: int = 2) -> dict:
+    """Why ``time_calls``' graph figure sat above ``--sustained``'s replays. In one process,
+    ``rounds`` times over, each after ``rest_s`` idle, the same layer call timed:
+
+    - as ``common.time_calls`` does (``window``: eager calls, a fresh capture, one window over
+      ``graph_replays`` replays) and with each replay between its own events (``one_by_one``);
+    - the graph captured before any variant ran, replayed alone (``first_graph``);
+    - each after ``gathered_reference`` ran (as ``run_bs`` ran it before timing until it took
+      ``reference``: its per-pair weight gathers reserve 76.5 GiB at bs 256), freed, with and
+      without ``torch.cuda.empty_cache()``;
+    - each after a ``GAP_BLOCK_BYTES`` block was allocated and freed to the caching allocator
+      (its next allocations land in it), held instead, or freed and taken back whole (nothing
+      lands in it), with the layer's eager calls in between or not.
+
+    Each row records the device's free bytes and the allocator's reserved bytes before its
+    timing. Last, each kernel's time (torch.profiler) in replays of the first graph and of one
+    captured after ``gathered_reference``."""
+    from common import graph_of
+
+    if device != "cuda":
+        raise SystemExit("--gap times CUDA graph replays: it needs a GPU")
+    lens = mix_lens(bs, s["block"], s["mean_len"], s["seed"])
+    x, ids, weights, qsl = routing(sum(lens), s, device)
+    fn = path_fn("ours_triton", experts, x, ids, weights, qsl)
+    calls, replays = s["graph_calls"], s["graph_replays"]
+    state: dict = {}
+
+    def measure(timer):
+        free, _ = torch.cuda.mem_get_info()
+        state.update(free_gb=free / 2**30, reserved_gb=torch.cuda.memory_reserved() / 2**30)
+        return timer()
+
+    def window():
+        return [time_calls([fn], s, device)["graph_us"]]
+
+    def one_by_one() -> list[float]:  # time_calls' steps, each replay timed alone
+        fn()
+        for _ in range(s["eager_iters"]):
+            fn()
+        graph = graph_of([fn], calls)
+        graph.replay()
+        return _replay_series(graph, calls, replays, 0.0)
+
+    def first_graph():
+        return _replay_window(first, calls, replays)
+
+    def after_reference(empty: bool):
+        def run():
+            want = gathered_reference(experts, x, ids, weights, qsl)
+            del want
+            if empty:
+                torch.cuda.empty_cache()
+            return measure(window)
+        return run
+
+    def after_block(then, keep: str = "freed", eager: bool = False):
+        def run():
+            block = torch.empty(GAP_BLOCK_BYTES, dtype=torch.uint8, device=device)
+            if keep != "held":
+                block = None  # freed, cached by the allocator: its next allocations land in it
+            if keep == "filled":  # taken back whole: nothing else lands in it
+                block = torch.empty(GAP_BLOCK_BYTES, dtype=torch.uint8, device=device)
+            if eager:
+                for _ in range(s["eager_iters"]):
+                    fn()
+            out = measure(then)
+            del block
+            torch.cuda.empty_cache()  # the next variant starts without the block
+            return out
+        return run
+
+    def after_empty_cache(then):
+        def run():
+            torch.cuda.empty_cache()
+            return measure(then)
+        return run
+
+    first = graph_of([fn], calls)
+    first.replay()
+    torch.cuda.synchronize()
+    variants = [("window", lambda: measure(window)), ("one_by_one", lambda: measure(one_by_one)),
+                ("first_graph", lambda: measure(first_graph)),
+                ("window_after_reference", after_reference(False)),
+                ("window_after_reference_empty_cache", after_reference(True)),
+                ("window_after_empty_cache", after_empty_cache(window)),
+                ("first_graph_after_reference", lambda: (gathered_reference(experts, x, ids, weights,
+                                                                   qsl), measure(first_graph))[1]),
+                ("window_after_block_freed", after_block(window)),
+                ("window_after_block_held", after_block(window, keep="held")),
+                ("window_after_block_filled", after_block(window, keep="filled")),
+                ("first_graph_after_block_freed", after_block(first_graph)),
+                ("first_graph_after_block_freed_and_eager", after_block(first_graph, eager=True)),
+                ("first_graph_after_empty_cache", after_empty_cache(first_graph))]
+    rows = []
+    for r in range(rounds):
+        for name, run in variants:
+            torch.cuda.synchronize()
+            time.sleep(s["rest_s"])
+            us = run()
+            rows.append(dict(round=r, variant=name, us_per_call=us, mean_us=sum(us) / len(us),
+                             **state))
+            print(f"bs {bs} round {r} {name:>40}: {rows[-1]['mean_us']:.1f} us/call (free "
+                  f"{state['free_gb']:.1f} GiB, reserved {state['reserved_gb']:.1f} GiB) " +
+                  " ".join(f"{u:.1f}" for u in us))
+    # each kernel's time in replays of the first graph and of one captured after the gathers
+    from torch.profiler import ProfilerActivity, profile
+
+    gathered_reference(experts, x, ids, weights, qsl)
+    after = graph_of([fn], calls)
+    timelines = {}
+    for name, graph in (("first_graph", first), ("graph_after_reference", after)):
+        graph.replay()
+        torch.cuda.synchronize()
+        time.sleep(s["rest_s"])
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            for _ in range(2):
+                graph.replay()
+            torch.cuda.synchronize()
+        timelines[name] = t = _timeline(_kernel_spans(prof), 2 * calls)
+        print(f"bs {bs} {name}: span {t['span_us_per_call'] or 0:.1f} us/call; " + ", ".join(
+            f"{k[:28]} {v['us_per_call']:.1f}" for k, v in t["kernels"].items()))
+    return dict(bs=bs, tokens=sum(lens), **floor_us(ids, s), rows=rows, profile=timelines)
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the interpreter")
@@ -503,6 +669,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--sustained", action="store_true",
                     help="each graph replay timed alone over a long run, with the SM clock, "
                     "power and throttle reasons (moe_layer_sustained.json)")
+    ap.add_argument("--gap", action="store_true",
+                    help="the graph figure as time_calls takes it, against each replay timed alone "
+                    "and after the allocator's history changed (moe_layer_gap.json)")
     ap.add_argument("--profile", action="store_true",
                     help="GPU time of each of our kernels per call and the gaps between them, eager "
                     "and in graph replays (moe_layer_profile.json)")
@@ -524,9 +693,13 @@ def main(argv: list[str] | None = None) -> dict:
                   environment=versions(gpu=device == "cuda"),
                   command="python benchmarks/moe_layer.py " + " ".join(argv or sys.argv[1:]),
                   results={})
-    if opts.tiles or opts.profile or opts.sustained:
-        run, kind = ((tile_sweep, "tiles") if opts.tiles else (profile_bs, "profile")
-                     if opts.profile else (sustained_bs, "sustained"))
+    modes = dict(tiles=tile_sweep, profile=profile_bs, sustained=sustained_bs, gap=gap_bs)
+    chosen = [kind for kind in modes if getattr(opts, kind)]
+    if len(chosen) > 1:
+        raise SystemExit(f"--{' and --'.join(chosen)}: choose one mode")
+    if chosen:
+        kind = chosen[0]
+        run = modes[kind]
         report["results"] = {str(bs): run(bs, experts, s, device) for bs in s["batch_sizes"]}
         name = f"moe_layer_{kind}{'_smoke' if opts.smoke else ''}{suffix}.json"
         report["path"] = write_json(out_dir(opts.out), name, report)

@@ -78,3 +78,19 @@ def test_smi_sampling_collects_what_nvidia_smi_prints(tmp_path, monkeypatch):
     with moe_layer._smi_sampling() as missing:
         pass
     assert missing == []
+
+
+def test_expert_loop_reference_matches_the_oracle():
+    """The benchmark's check (expert by expert, float32) against the library's oracle (a
+    float32 copy of each pair's weights), with and without padding rows past
+    ``query_start_loc``."""
+    moe_layer = load_benchmark("moe_layer")
+    s = dict(moe_layer.SMOKE, experts=6, top_k=3)
+    experts = moe_layer.build(s, "cpu")
+    x, ids, weights, qsl = moe_layer.routing(29, s, "cpu")
+    for bound in (qsl, torch.tensor([0, 17], dtype=torch.int32)):
+        want = moe_layer.gathered_reference(experts, x, ids, weights, bound)
+        got = moe_layer.reference(experts, x, ids, weights, bound)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        if int(bound[-1]) < x.shape[0]:
+            assert got[int(bound[-1]):].abs().max() == 0
