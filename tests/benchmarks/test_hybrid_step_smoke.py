@@ -98,3 +98,12 @@ def test_smoke_moe_variants_match_hf_and_count_active_experts(hybrid_step, varia
     every = hybrid_step.replace(s, model={**s.model, "num_experts": 0})  # no expert discount
     one = hybrid_step.floor_ms(s, saved["linear_params"], 1, 1)
     assert one < hybrid_step.floor_ms(every, saved["linear_params"], 1, 1)
+
+
+def test_smoke_check_last_checks_after_the_timings(hybrid_step, tmp_path):
+    """``--check-last`` times first and checks against HF at the end (its own file)."""
+    hybrid_step.main(["--smoke", "--variant", "a3b", "--check-last", "--out", str(tmp_path)])
+    saved = json.loads((tmp_path / "hybrid_step_a3b_smoke_check_last.json").read_text())
+    assert saved["check_last"] is True and "partial" not in saved
+    assert saved["max_abs_err_vs_hf"] <= TOL and saved["check_seconds"] > 0
+    assert set(saved["results"]) == {str(bs) for bs in saved["settings"]["batches"]}
