@@ -4,8 +4,8 @@ The layer is Qwen3-30B-A3B's experts (128 experts, top 8, hidden 2048, expert in
 SwiGLU), bf16, random weights; ``bs`` requests of a fixed-seed ragged length mix with mean
 exactly 3 (``common.mix_lens``, lengths 1..8), so ``N = 3 * bs`` token rows and ``8 N``
 (token, expert) pairs. Routing is each token's top 8 of a random router over random rows, the
-same for every path. Timed paths, each checked first against the float32 reference
-(``ops/experts_reference.py`` on the bf16 values):
+same for every path. Timed paths, each checked first against a float32 reference on the bf16
+values (``reference``: expert by expert, held to ``ops/experts_reference.py`` by a CPU test):
 
 - ``ours_triton``: ``dspark::experts_route / experts_up / experts_down`` lowered to Triton
   (``kernels/experts.py``; the target entry's ``experts_kernel="triton"``);
