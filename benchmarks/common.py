@@ -21,7 +21,7 @@ import time
 
 import torch
 
-__all__ = ["time_calls", "graph_of", "graph_us", "time_ms", "capture_graph", "mix_lens",
+__all__ = ["time_calls", "graph_of", "graph_us", "replay_us", "time_ms", "capture_graph", "mix_lens",
            "plot_step_ms", "max_err_vs_hf", "errors_vs_models", "variant_suffix", "variant_flags", "target_overrides",
            "add_variant_args", "apply_variant", "LLAMA_1B", "CONTEXT", "PAGE", "BLOCK",
            "HBM_BYTES_PER_S", "BF16_FLOPS", "llama_config", "build_model", "fill_context",
@@ -354,13 +354,18 @@ def graph_us(fns: list, reps: int, replays: int = 10) -> float:
     graph = graph_of(fns, reps * len(fns))
     graph.replay()
     torch.cuda.synchronize()
+    return replay_us(graph, replays) / (reps * len(fns))
+
+
+def replay_us(graph, replays: int) -> float:
+    """us per replay of ``replays`` back-to-back replays of ``graph`` between two events."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     for _ in range(replays):
         graph.replay()
     end.record()
     end.synchronize()
-    return start.elapsed_time(end) * 1e3 / (replays * reps * len(fns))
+    return start.elapsed_time(end) * 1e3 / replays
 
 
 def time_calls(fns: list, s: dict, device: str) -> dict:

@@ -59,7 +59,7 @@ if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel 
 
 import torch  # noqa: E402
 from common import (BF16_FLOPS, BLOCK, HBM_BYTES_PER_S, mix_lens, out_dir,  # noqa: E402
-                    target_overrides, time_calls, versions, write_json)
+                    replay_us, target_overrides, time_calls, versions, write_json)
 
 from dspark_compile.ops import experts_reference as ref  # noqa: E402
 
@@ -434,17 +434,6 @@ def _replay_series(graph, calls: int, replays: int, pause_s: float) -> list[floa
     return [a.elapsed_time(b) * 1e3 / calls for a, b in zip(starts, ends)]
 
 
-def _replay_window(graph, calls: int, replays: int) -> list[float]:
-    """us per call of ``replays`` back-to-back replays of ``graph`` between two events."""
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(replays):
-        graph.replay()
-    end.record()
-    end.synchronize()
-    return [start.elapsed_time(end) * 1e3 / (calls * replays)]
-
-
 def _stream_fn(experts):
     """One plain streaming read of every expert's weights (``hbm_read``'s kernel, 8 programs
     a multiprocessor): what HBM gives the layer's bytes under the same conditions."""
@@ -566,8 +555,8 @@ def gap_bs(bs: int, experts, s: dict, device: str, rounds: int = 2) -> dict:
         graph.replay()
         return _replay_series(graph, calls, replays, 0.0)
 
-    def first_graph():
-        return _replay_window(first, calls, replays)
+    def first_graph():  # back-to-back replays between two events
+        return [replay_us(first, replays) / calls]
 
     def after_reference(empty: bool):
         def run():
