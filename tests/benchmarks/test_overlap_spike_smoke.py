@@ -17,7 +17,11 @@ def test_smoke_runs_both_halves(tmp_path):
         assert (row["tokens_a"], row["tokens_b"]) == (sum(lens[:bs // 2]), sum(lens[bs // 2:]))
 
 
-def test_together_enqueues_every_part_after_the_current_work():
+def test_together_enqueues_every_part_after_the_current_work(monkeypatch):
+    import contextlib
+
+    import torch
+
     spike = load_benchmark("overlap_spike")
     calls = []
 
@@ -26,19 +30,11 @@ def test_together_enqueues_every_part_after_the_current_work():
             self.name = name
 
         def wait_stream(self, other):
-            calls.append((self.name, "waits", getattr(other, "name", "here")))
+            calls.append((self.name, "waits", other.name))
 
-    import contextlib
-
-    import torch
-    here = Stream("here")
-    a, b = Stream("a"), Stream("b")
-    orig_current, orig_stream = torch.cuda.current_stream, torch.cuda.stream
-    torch.cuda.current_stream = lambda: here
-    torch.cuda.stream = lambda s: contextlib.nullcontext()
-    try:
-        spike._together([(a, lambda: calls.append("run a")), (b, lambda: calls.append("run b"))])()
-    finally:
-        torch.cuda.current_stream, torch.cuda.stream = orig_current, orig_stream
+    here, a, b = Stream("here"), Stream("a"), Stream("b")
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda: here)
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: contextlib.nullcontext())
+    spike._together([(a, lambda: calls.append("run a")), (b, lambda: calls.append("run b"))])()
     assert calls == [("a", "waits", "here"), ("b", "waits", "here"), "run a", "run b",
                      ("here", "waits", "a"), ("here", "waits", "b")]
