@@ -97,7 +97,7 @@ job() {
     ssm_step) python3 benchmarks/ssm_step.py ;;
     ssd_forms) python3 benchmarks/ssd_kernels.py --forms rows chunk ;;
     ssd_chunk_sweep) python3 benchmarks/ssd_kernels.py --bs 64 128 --forms chunk --sweep \
-        --sweep-blocks 16 32 64 --sweep-warps 2 4 8 ;;
+        --sweep-blocks 16 32 64 --sweep-warps 1 2 4 ;;
     ssd_tests)
       if python3 -c "import xdist" 2>/dev/null; then set -- -n 4 --dist loadfile; else set --; fi
       python3 -m pytest -q -m gpu tests/ops/test_linear_ops.py tests/ops/test_ssd_ops.py \

@@ -1,7 +1,7 @@
 """Triton pieces shared by the chunk forms of the GDN and SSD verify forwards.
 
-A chunk form handles up to ``BLOCK_T`` rows of one request at once, from the state before
-them, with tensor-core products in place of the token-serial walk. Both recurrences decay the
+A chunk form handles a request of up to ``BLOCK_T`` rows at once, from the state before them,
+with tensor-core products in place of the token-serial walk. Both recurrences decay the
 state by a per-row factor ``exp(l_t)`` (``l_t`` the row's log decay), so row ``t`` sees the
 state of the chunk's start through ``exp(l_1 + .. + l_t)`` and an earlier row ``i``'s update
 through ``exp(l_{i+1} + .. + l_t)``. Those sums are taken directly over masked rows, never as
@@ -24,20 +24,28 @@ import triton.language as tl
 @triton.jit
 def chunk_decays(logd, BLOCK_T: tl.constexpr):
     """From a ``[BLOCK_T]`` vector of per-row log decays (0 on rows past the request):
-    ``ratio[t, i] = exp(sum_{i < m <= t} logd[m])`` for ``i <= t`` (0 above the diagonal),
-    ``start[t] = exp(sum_{m <= t} logd[m])`` (the chunk start's weight in row t) and
-    ``tail[i] = exp(sum_{m > i} logd[m])`` (row i's weight in the state after the chunk)."""
+    ``ratio[t, i] = exp(sum_{i < m <= t} logd[m])`` for ``i <= t`` (0 above the diagonal)
+    and ``start[t] = exp(sum_{m <= t} logd[m])`` (the chunk start's weight in row t).
+
+    The window sums are one float32 product, ``(upto * logd) @ after``, of 0/1 masks with the
+    log decays (``upto[t, m] = m <= t``, ``after[m, i] = m > i``): each sum is its own terms
+    only, never a difference of prefix sums. A ``-inf`` log decay is taken as ``-1e30`` (its
+    exponential is still 0) so that the zeros of the masks multiply finite values."""
     offs = tl.arange(0, BLOCK_T)
-    t3 = offs[:, None, None]
-    i3 = offs[None, :, None]
-    m3 = offs[None, None, :]
-    between = (m3 > i3) & (m3 <= t3)
-    sums = tl.sum(tl.where(between, logd[None, None, :], 0.0), 2)
-    lower = offs[:, None] >= offs[None, :]
-    ratio = tl.where(lower, tl.exp(sums), 0.0)
-    start = tl.exp(tl.sum(tl.where(offs[None, :] <= offs[:, None], logd[None, :], 0.0), 1))
-    tail = tl.exp(tl.sum(tl.where(offs[None, :] > offs[:, None], logd[None, :], 0.0), 1))
-    return ratio, start, tail
+    logd = tl.maximum(logd, -1e30)
+    upto = offs[None, :] <= offs[:, None]  # [t, m]
+    after = offs[:, None] > offs[None, :]  # [m, i]
+    windows = tl.where(upto, logd[None, :], 0.0)
+    sums = tl.dot(windows, tl.where(after, 1.0, 0.0), input_precision="ieee")
+    ratio = tl.where(offs[:, None] >= offs[None, :], tl.exp(sums), 0.0)
+    return ratio, tl.exp(tl.sum(windows, 1))
+
+
+@triton.jit
+def halves(x, BLOCK_T: tl.constexpr, WIDTH: tl.constexpr):
+    """The first and last ``BLOCK_T`` rows of a ``[2 BLOCK_T, WIDTH]`` tile."""
+    pair = tl.permute(tl.reshape(x, [2, BLOCK_T, WIDTH]), (1, 2, 0))
+    return tl.split(pair)
 
 
 @triton.jit
@@ -47,17 +55,14 @@ def non_finite(x):
 
 
 @triton.jit
-def first_bad_row(bad, dead, BLOCK_T: tl.constexpr):
-    """The first row flagged in ``bad`` (``BLOCK_T`` if none; 0 if an earlier chunk of the
-    request already had one, ``dead``)."""
+def first_bad_row(bad, BLOCK_T: tl.constexpr):
+    """The first row flagged in ``bad`` (``BLOCK_T`` if none)."""
     offs = tl.arange(0, BLOCK_T)
-    first = tl.min(tl.where(bad, offs, BLOCK_T), 0)
-    return tl.where(dead, 0, first)
+    return tl.min(tl.where(bad, offs, BLOCK_T), 0)
 
 
 @triton.jit
-def unit_lower_inverse(a, BLOCK_T: tl.constexpr, LOG2_T: tl.constexpr,
-                       PRECISION: tl.constexpr):
+def unit_lower_inverse(a, BLOCK_T: tl.constexpr, LOG2_T: tl.constexpr):
     """``(I + a)^-1`` for a strictly lower triangular ``[BLOCK_T, BLOCK_T]`` ``a``: ``a`` is
     nilpotent (``a^BLOCK_T = 0``), so the inverse is ``(I - a)(I + a^2)(I + a^4)...``, the
     product of ``LOG2_T`` factors; every product is lower triangular, so rows never see later
@@ -67,8 +72,8 @@ def unit_lower_inverse(a, BLOCK_T: tl.constexpr, LOG2_T: tl.constexpr,
     inv = eye - a
     power = a
     for _ in tl.static_range(LOG2_T - 1):
-        power = tl.dot(power, power, input_precision=PRECISION)
-        inv = tl.dot(inv, eye + power, input_precision=PRECISION)
+        power = tl.dot(power, power, input_precision="ieee")
+        inv = tl.dot(inv, eye + power, input_precision="ieee")
     return inv
 
 

@@ -47,7 +47,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk import chunk_decays, first_bad_row, log2_rows, non_finite, \
+from .chunk import chunk_decays, first_bad_row, halves, log2_rows, non_finite, \
     unit_lower_inverse
 from .launch import launch
 from ..ops.linear_attention_reference import check_gdn, check_gdn_commit
@@ -60,7 +60,8 @@ _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on
 _MIN_BLOCK_V = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
 _CHUNK_ROWS = 16  # rows per tensor-core step of the chunk form: tl.dot's smallest M
-_CHUNK_WARPS = 4
+_CHUNK_WARPS = 2  # the products' 2 BLOCK_T rows: 16 a warp
+_CHUNK_BLOCK_K = 32  # K per product step of the chunk form
 
 
 @triton.jit
@@ -147,31 +148,14 @@ def _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, head, k_head, offs_k, off
 
 
 @triton.jit
-def _gdn_forward_kernel(
-        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
-        slots_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_tokens,
-        num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-        stride_v_tok, stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
-        stride_out_tok, stride_out_head, stride_s_slot, stride_s_head, stride_s_k,
-        HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
-        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
-        PAD_ROWS: tl.constexpr, CHANNEL_GATES: tl.constexpr):
-    """One (request, value head, value-channel block): the request's rows, in order."""
-    req = tl.program_id(0)
-    head = tl.program_id(1) // NUM_VB
-    vb = tl.program_id(1) % NUM_VB
-    offs_k = tl.arange(0, K_PAD)
-    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok = offs_k < KD
-    v_ok = offs_v < VD
-    start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, v_ok, stride_out_tok,
-                           stride_out_head, BLOCK_V, PAD_ROWS)
-        return
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if length <= 0:
-        return
+def _walk_rows(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, ring_k_ptr,
+               ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_slots, req, start, length, head,
+               vb, offs_k, offs_v, k_ok, v_ok, stride_q_tok, stride_q_head, stride_k_tok,
+               stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_g_head,
+               stride_beta_tok, stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
+               stride_s_k, HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr,
+               VD: tl.constexpr, L2NORM: tl.constexpr, CHANNEL_GATES: tl.constexpr):
+    """The row-by-row form over one request's rows (``length >= 1``), from its pool slot."""
     slot = tl.load(slots_ptr + req).to(tl.int64)
     _, state = _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok,
                            stride_s_slot, stride_s_head, stride_s_k)
@@ -203,6 +187,42 @@ def _gdn_forward_kernel(
         q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
 
 
+
+
+@triton.jit
+def _gdn_forward_kernel(
+        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
+        slots_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_tokens,
+        num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+        stride_v_tok, stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
+        stride_out_tok, stride_out_head, stride_s_slot, stride_s_head, stride_s_k,
+        HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
+        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
+        PAD_ROWS: tl.constexpr, CHANNEL_GATES: tl.constexpr):
+    """One (request, value head, value-channel block): the request's rows, in order."""
+    req = tl.program_id(0)
+    head = tl.program_id(1) // NUM_VB
+    vb = tl.program_id(1) % NUM_VB
+    offs_k = tl.arange(0, K_PAD)
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = offs_k < KD
+    v_ok = offs_v < VD
+    start = tl.load(query_start_loc_ptr + req)
+    if req == num_requests:
+        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, v_ok, stride_out_tok,
+                           stride_out_head, BLOCK_V, PAD_ROWS)
+        return
+    length = tl.load(query_start_loc_ptr + req + 1) - start
+    if length <= 0:
+        return
+    _walk_rows(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, ring_k_ptr,
+               ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_slots, req, start, length, head,
+               vb, offs_k, offs_v, k_ok, v_ok, stride_q_tok, stride_q_head, stride_k_tok,
+               stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_g_head,
+               stride_beta_tok, stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
+               stride_s_k, HK, HV, KD, VD, L2NORM, CHANNEL_GATES)
+
+
 @triton.jit
 def _gdn_chunk_forward_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
@@ -213,9 +233,10 @@ def _gdn_chunk_forward_kernel(
         HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
         K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
         PAD_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, LOG2_T: tl.constexpr,
-        PRECISION: tl.constexpr):
-    """One (request, value head, value-channel block): ``BLOCK_T`` rows at a time from the
-    state before them (module docstring, "Chunk form"). Scalar gates only."""
+        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """One (request, value head, value-channel block): a request of up to ``BLOCK_T`` rows all
+    at once from the state before them (module docstring, "Chunk form"); a longer one row by
+    row. Scalar gates only."""
     req = tl.program_id(0)
     head = tl.program_id(1) // NUM_VB
     vb = tl.program_id(1) % NUM_VB
@@ -232,69 +253,96 @@ def _gdn_chunk_forward_kernel(
     length = tl.load(query_start_loc_ptr + req + 1) - start
     if length <= 0:
         return
+    if length > BLOCK_T:  # a prefill: its state would have to pass between chunks
+        _walk_rows(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr,
+                   ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_slots, req,
+                   start, length, head, vb, offs_k, offs_v, k_ok, v_ok, stride_q_tok,
+                   stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
+                   stride_g_tok, stride_g_head, stride_beta_tok, stride_out_tok,
+                   stride_out_head, stride_s_slot, stride_s_head, stride_s_k, HK, HV, KD, VD,
+                   L2NORM, False)
+        return
     slot = tl.load(slots_ptr + req).to(tl.int64)
-    _, state = _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok,
-                           stride_s_slot, stride_s_head, stride_s_k)
     k_head = head // (HV // HK)
-    lower = offs_t[:, None] >= offs_t[None, :]
+    n = (start + offs_t).to(tl.int64)
+    r_ok = offs_t < length
+    vv_ok = r_ok[:, None] & v_ok[None, :]
+    # q's rows over k's, as one [2 BLOCK_T, K] operand: each product has M = 2 BLOCK_T, so its
+    # rows split over the program's warps instead of every warp computing all of them
+    offs_s = tl.arange(0, 2 * BLOCK_T)
+    n_s = (start + offs_s % BLOCK_T).to(tl.int64)
+    s_ok = (offs_s % BLOCK_T) < length
+    stacked = tl.where(offs_s < BLOCK_T,
+                       q_ptr + n_s * stride_q_tok + k_head * stride_q_head,
+                       k_ptr + n_s * stride_k_tok + k_head * stride_k_head)
+    k_rows = k_ptr + n * stride_k_tok + k_head * stride_k_head
+    # raw products over K, a slice at a time; the norms scale their rows afterwards, and a
+    # non-finite row only reaches its own row (and column) of them
+    prod_s = tl.zeros([2 * BLOCK_T, BLOCK_V], tl.float32)  # [q; k] S0
+    prod_k = tl.zeros([2 * BLOCK_T, BLOCK_T], tl.float32)  # [q; k] k^T
+    sumsq = tl.zeros([2 * BLOCK_T], tl.float32)
+    for k0 in range(0, K_PAD, BLOCK_K):
+        offs_c = k0 + tl.arange(0, BLOCK_K)
+        c_ok = offs_c < KD
+        x = tl.load(stacked[:, None] + offs_c[None, :], mask=s_ok[:, None] & c_ok[None, :],
+                    other=0.0).to(tl.float32)
+        kt = tl.load(k_rows[:, None] + offs_c[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                     other=0.0).to(tl.float32)
+        _, st = _load_state(state_ptr, slot, num_slots, head, offs_c, offs_v, c_ok, v_ok,
+                            stride_s_slot, stride_s_head, stride_s_k)
+        prod_s = tl.dot(x, st, prod_s, input_precision=PRECISION)
+        prod_k = tl.dot(x, tl.trans(kt), prod_k, input_precision=PRECISION)
+        sumsq += tl.sum(x * x, 1)
+    qs, ks = halves(prod_s, BLOCK_T, BLOCK_V)
+    qk, kk = halves(prod_k, BLOCK_T, BLOCK_T)
+    qq_sum, kk_sum = halves(sumsq[:, None], BLOCK_T, 1)
+    qq_sum = tl.reshape(qq_sum, [BLOCK_T])
+    kk_sum = tl.reshape(kk_sum, [BLOCK_T])
+    v = tl.load(v_ptr + n[:, None] * stride_v_tok + head * stride_v_head + offs_v[None, :],
+                mask=vv_ok, other=0.0).to(tl.float32)
+    g = tl.load(g_ptr + n * stride_g_tok + head, mask=r_ok, other=0.0).to(tl.float32)
+    beta = tl.load(beta_ptr + n * stride_beta_tok + head, mask=r_ok, other=0.0).to(tl.float32)
+    k_scale = tl.full([BLOCK_T], 1.0, tl.float32)
+    q_scale = tl.full([BLOCK_T], 1.0, tl.float32)
+    if L2NORM:
+        k_scale = tl.rsqrt(kk_sum + 1e-6)
+        q_scale = tl.rsqrt(qq_sum + 1e-6)
+    # the replay inputs, as the row-by-row form saves them (_save_ring's writers)
+    if (head % (HV // HK) == 0) & (vb == 0):
+        for k0 in range(0, K_PAD, BLOCK_K):
+            offs_c = k0 + tl.arange(0, BLOCK_K)
+            rc_ok = r_ok[:, None] & (offs_c < KD)[None, :]
+            kt = tl.load(k_rows[:, None] + offs_c[None, :], mask=rc_ok, other=0.0)
+            tl.store(ring_k_ptr + (n[:, None] * HK + k_head) * KD + offs_c[None, :],
+                     kt.to(tl.float32) * k_scale[:, None], mask=rc_ok)
+    tl.store(ring_v_ptr + (n[:, None] * HV + head) * VD + offs_v[None, :], v, mask=vv_ok)
+    if vb == 0:
+        tl.store(ring_g_ptr + n * HV + head, g, mask=r_ok)
+        tl.store(ring_beta_ptr + n * HV + head, beta, mask=r_ok)
+    # rows from the first non-finite one on are zeroed (chunk.py); g = -inf is a decay to 0
+    bad = non_finite(kk_sum + qq_sum + tl.sum(v * v, 1) + beta) | (g != g) | \
+        (g == float("inf"))
+    live = offs_t < first_bad_row(bad & r_ok, BLOCK_T)
+    both = live[:, None] & live[None, :]
+    q_scale = q_scale * scale
+    qs = tl.where(live[:, None], qs * q_scale[:, None], 0.0)
+    ks = tl.where(live[:, None], ks * k_scale[:, None], 0.0)
+    qk = tl.where(both, qk * q_scale[:, None] * k_scale[None, :], 0.0)
+    kk = tl.where(both, kk * k_scale[:, None] * k_scale[None, :], 0.0)
+    v = tl.where(live[:, None], v, 0.0)
+    beta = tl.where(live, beta, 0.0)
+    ratio, decay0 = chunk_decays(tl.where(live, g, 0.0), BLOCK_T)
+    # delta_t = beta_t (v_t - decay0_t S0^T k_t - sum_{i<t} ratio[t,i] (k_t . k_i) delta_i)
     strict = offs_t[:, None] > offs_t[None, :]
-    dead = offs_t * 0 > 0  # a non-finite row in an earlier chunk of this request
-    for c0 in range(0, length, BLOCK_T):
-        n = (start + c0 + offs_t).to(tl.int64)
-        r_ok = (c0 + offs_t) < length
-        kq_ok = r_ok[:, None] & k_ok[None, :]
-        vv_ok = r_ok[:, None] & v_ok[None, :]
-        k = tl.load(k_ptr + n[:, None] * stride_k_tok + k_head * stride_k_head
-                    + offs_k[None, :], mask=kq_ok, other=0.0).to(tl.float32)
-        q = tl.load(q_ptr + n[:, None] * stride_q_tok + k_head * stride_q_head
-                    + offs_k[None, :], mask=kq_ok, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + n[:, None] * stride_v_tok + head * stride_v_head
-                    + offs_v[None, :], mask=vv_ok, other=0.0).to(tl.float32)
-        g = tl.load(g_ptr + n * stride_g_tok + head, mask=r_ok, other=0.0).to(tl.float32)
-        beta = tl.load(beta_ptr + n * stride_beta_tok + head, mask=r_ok,
-                       other=0.0).to(tl.float32)
-        kk_sum = tl.sum(k * k, 1)
-        qq_sum = tl.sum(q * q, 1)
-        if L2NORM:
-            k = k * tl.rsqrt(kk_sum + 1e-6)[:, None]
-            q = q * tl.rsqrt(qq_sum + 1e-6)[:, None]
-        # the replay inputs, as the row-by-row kernel saves them (_save_ring's writers)
-        if (head % (HV // HK) == 0) & (vb == 0):
-            tl.store(ring_k_ptr + (n[:, None] * HK + k_head) * KD + offs_k[None, :], k,
-                     mask=kq_ok)
-        tl.store(ring_v_ptr + (n[:, None] * HV + head) * VD + offs_v[None, :], v, mask=vv_ok)
-        if vb == 0:
-            tl.store(ring_g_ptr + n * HV + head, g, mask=r_ok)
-            tl.store(ring_beta_ptr + n * HV + head, beta, mask=r_ok)
-        # rows from the first non-finite one on are zeroed (chunk.py); g = -inf is a decay to 0
-        bad = non_finite(kk_sum + qq_sum + tl.sum(v * v, 1) + beta) | (g != g) | \
-            (g == float("inf"))
-        first = first_bad_row(bad & r_ok, tl.max(dead.to(tl.int32), 0) > 0, BLOCK_T)
-        live = offs_t < first
-        dead = dead | (first < BLOCK_T)
-        k = tl.where(live[:, None], k, 0.0)
-        q = tl.where(live[:, None], q * scale, 0.0)
-        v = tl.where(live[:, None], v, 0.0)
-        beta = tl.where(live, beta, 0.0)
-        g = tl.where(live, g, 0.0)
-        ratio, decay0, tail = chunk_decays(g, BLOCK_T)
-        kk = tl.dot(k, tl.trans(k), input_precision=PRECISION)
-        qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-        ks = tl.dot(k, state, input_precision=PRECISION)  # [BLOCK_T, BLOCK_V]
-        qs = tl.dot(q, state, input_precision=PRECISION)
-        # delta_t = beta_t (v_t - decay0_t S0^T k_t - sum_{i<t} ratio[t,i] (k_t . k_i) delta_i)
-        a = tl.where(strict, beta[:, None] * ratio * kk, 0.0)
-        rhs = beta[:, None] * (v - decay0[:, None] * ks)
-        delta = tl.dot(unit_lower_inverse(a, BLOCK_T, LOG2_T, PRECISION), rhs,
-                       input_precision=PRECISION)
-        attn = tl.where(lower, ratio * qk, 0.0)
-        out = decay0[:, None] * qs + tl.dot(attn, delta, input_precision=PRECISION)
-        out = tl.where(live[:, None], out, float("nan"))
-        tl.store(out_ptr + n[:, None] * stride_out_tok + head * stride_out_head
-                 + offs_v[None, :], out.to(out_ptr.dtype.element_ty), mask=vv_ok)
-        if c0 + BLOCK_T < length:  # the state after this chunk, for the next
-            state = state * tl.sum(tl.where(offs_t == BLOCK_T - 1, decay0, 0.0), 0) \
-                + tl.dot(tl.trans(k * tail[:, None]), delta, input_precision=PRECISION)
+    a = tl.where(strict, beta[:, None] * ratio * kk, 0.0)
+    rhs = beta[:, None] * (v - decay0[:, None] * ks)
+    delta = tl.dot(unit_lower_inverse(a, BLOCK_T, LOG2_T), rhs, input_precision="ieee")
+    lower = offs_t[:, None] >= offs_t[None, :]
+    out = decay0[:, None] * qs + tl.dot(tl.where(lower, ratio * qk, 0.0), delta,
+                                        input_precision="ieee")
+    out = tl.where(live[:, None], out, float("nan"))
+    tl.store(out_ptr + n[:, None] * stride_out_tok + head * stride_out_head + offs_v[None, :],
+             out.to(out_ptr.dtype.element_ty), mask=vv_ok)
 
 
 @triton.jit
@@ -426,7 +474,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
     if plan.chunk_rows:
         launch(_gdn_chunk_forward_kernel, (r + 1, hv * plan.num_vb), *args, **shape,
                BLOCK_T=plan.chunk_rows, LOG2_T=log2_rows(plan.chunk_rows),
-               PRECISION=plan.precision)
+               BLOCK_K=min(_CHUNK_BLOCK_K, plan.k_pad), PRECISION=plan.precision)
     else:
         launch(_gdn_forward_kernel, (r + 1, hv * plan.num_vb), *args, **shape,
                CHANNEL_GATES=gates)

@@ -60,7 +60,8 @@ _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on
 _MIN_BLOCK_P = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
 _CHUNK_ROWS = 16  # rows per tensor-core step of the chunk form: tl.dot's smallest M
-_CHUNK_WARPS = 4
+_CHUNK_WARPS = 1  # the products' BLOCK_T rows: one warp's tile
+_CHUNK_BLOCK_N = 32  # N per product step of the chunk form
 _COMMIT_WARPS = 1  # SsdPlan.num_warps: one warp is the row-by-row kernels' best
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 _SCALE_LO = tl.constexpr(2.0 ** -40)  # a state scale outside [LO, HI] is folded into the tile
@@ -111,32 +112,15 @@ def _load_row(x_ptr, dt_ptr, b_ptr, c_ptr, n, head, group, offs_n, offs_p, n_ok,
 
 
 @triton.jit
-def _ssd_forward_kernel(
-        out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
-        query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
-        num_tokens, num_requests, num_slots, stride_x_tok, stride_x_head, stride_dt_tok,
-        stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
-        stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
-        G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
-        BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
-        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
-        HEADS_FIRST: tl.constexpr):
-    """One (request, head, channel block): the request's rows, in order."""
-    req = tl.program_id(1 if HEADS_FIRST else 0)
-    head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
-    pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
-    offs_n = tl.arange(0, N_PAD)
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    n_ok = offs_n < NS
-    p_ok = offs_p < P
-    start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
-                           stride_out_head, BLOCK_P, PAD_ROWS)
-        return
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if length <= 0:
-        return
+def _walk_rows(out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
+               slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max, num_slots, req,
+               start, length, head, pb, offs_n, offs_p, n_ok, p_ok, stride_x_tok,
+               stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
+               stride_c_group, stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
+               stride_s_n, H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr,
+               P: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+               SOFTPLUS: tl.constexpr):
+    """The row-by-row form over one request's rows (``length >= 1``), from its pool slot."""
     slot = tl.load(slots_ptr + req).to(tl.int64)
     _, state = _load_state(state_ptr, slot, num_slots, head, offs_n, offs_p, n_ok, p_ok,
                            stride_s_slot, stride_s_head, stride_s_n)
@@ -177,6 +161,43 @@ def _ssd_forward_kernel(
         x, dt, b, c = x_next, dt_next, b_next, c_next
 
 
+
+
+@triton.jit
+def _ssd_forward_kernel(
+        out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
+        query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
+        num_tokens, num_requests, num_slots, stride_x_tok, stride_x_head, stride_dt_tok,
+        stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
+        stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
+        G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
+        BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
+        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
+        HEADS_FIRST: tl.constexpr):
+    """One (request, head, channel block): the request's rows, in order."""
+    req = tl.program_id(1 if HEADS_FIRST else 0)
+    head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
+    pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
+    offs_n = tl.arange(0, N_PAD)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n_ok = offs_n < NS
+    p_ok = offs_p < P
+    start = tl.load(query_start_loc_ptr + req)
+    if req == num_requests:
+        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
+                           stride_out_head, BLOCK_P, PAD_ROWS)
+        return
+    length = tl.load(query_start_loc_ptr + req + 1) - start
+    if length <= 0:
+        return
+    _walk_rows(out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
+               slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max, num_slots, req,
+               start, length, head, pb, offs_n, offs_p, n_ok, p_ok, stride_x_tok,
+               stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
+               stride_c_group, stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
+               stride_s_n, H, G, NS, P, HAS_D, HAS_DT_BIAS, SOFTPLUS)
+
+
 @triton.jit
 def _ssd_chunk_forward_kernel(
         out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
@@ -187,9 +208,10 @@ def _ssd_chunk_forward_kernel(
         G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
         BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
         HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
-        HEADS_FIRST: tl.constexpr, BLOCK_T: tl.constexpr, PRECISION: tl.constexpr):
-    """One (request, head, channel block): ``BLOCK_T`` rows at a time from the state before
-    them (module docstring, "Chunk form")."""
+        HEADS_FIRST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr):
+    """One (request, head, channel block): a request of up to ``BLOCK_T`` rows all at once
+    from the state before them (module docstring, "Chunk form"); a longer one row by row."""
     req = tl.program_id(1 if HEADS_FIRST else 0)
     head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
     pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
@@ -206,61 +228,68 @@ def _ssd_chunk_forward_kernel(
     length = tl.load(query_start_loc_ptr + req + 1) - start
     if length <= 0:
         return
+    if length > BLOCK_T:  # a prefill: its state would have to pass between chunks
+        _walk_rows(out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
+                   slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max, num_slots,
+                   req, start, length, head, pb, offs_n, offs_p, n_ok, p_ok, stride_x_tok,
+                   stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
+                   stride_c_group, stride_out_tok, stride_out_head, stride_s_slot,
+                   stride_s_head, stride_s_n, H, G, NS, P, HAS_D, HAS_DT_BIAS, SOFTPLUS)
+        return
     slot = tl.load(slots_ptr + req).to(tl.int64)
-    _, state = _load_state(state_ptr, slot, num_slots, head, offs_n, offs_p, n_ok, p_ok,
-                           stride_s_slot, stride_s_head, stride_s_n)
     group = head // (H // G)
+    n = (start + offs_t).to(tl.int64)
+    r_ok = offs_t < length
+    xp_ok = r_ok[:, None] & p_ok[None, :]
+    b_rows = b_ptr + n * stride_b_tok + group * stride_b_group
+    c_rows = c_ptr + n * stride_c_tok + group * stride_c_group
+    # raw products over N, a slice at a time; a non-finite row only reaches its own row (and
+    # column) of them
+    cs = tl.zeros([BLOCK_T, BLOCK_P], tl.float32)  # C S0
+    cb = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)  # C B^T
+    sumsq = tl.zeros([BLOCK_T], tl.float32)
+    for n0 in range(0, N_PAD, BLOCK_N):
+        offs_c = n0 + tl.arange(0, BLOCK_N)
+        c_ok = offs_c < NS
+        rc_ok = r_ok[:, None] & c_ok[None, :]
+        c = tl.load(c_rows[:, None] + offs_c[None, :], mask=rc_ok, other=0.0).to(tl.float32)
+        b = tl.load(b_rows[:, None] + offs_c[None, :], mask=rc_ok, other=0.0).to(tl.float32)
+        _, st = _load_state(state_ptr, slot, num_slots, head, offs_c, offs_p, c_ok, p_ok,
+                            stride_s_slot, stride_s_head, stride_s_n)
+        cs = tl.dot(c, st, cs, input_precision=PRECISION)
+        cb = tl.dot(c, tl.trans(b), cb, input_precision=PRECISION)
+        sumsq += tl.sum(c * c + b * b, 1)
+        if (pb == 0) & (head % (H // G) == 0):  # B's ring, by the group's first head
+            tl.store(ring_b_ptr + (n[:, None] * G + group) * NS + offs_c[None, :], b,
+                     mask=rc_ok)
     a = tl.load(a_ptr + head).to(tl.float32)
     d = tl.load(d_ptr + head).to(tl.float32)  # read only with HAS_D (else A's address)
     bias = tl.load(dt_bias_ptr + head).to(dt_ptr.dtype.element_ty).to(tl.float32)
-    lower = offs_t[:, None] >= offs_t[None, :]
-    dead = offs_t * 0 > 0  # a non-finite row in an earlier chunk of this request
-    for c0 in range(0, length, BLOCK_T):
-        n = (start + c0 + offs_t).to(tl.int64)
-        r_ok = (c0 + offs_t) < length
-        bn_ok = r_ok[:, None] & n_ok[None, :]
-        xp_ok = r_ok[:, None] & p_ok[None, :]
-        x = tl.load(x_ptr + n[:, None] * stride_x_tok + head * stride_x_head + offs_p[None, :],
-                    mask=xp_ok, other=0.0).to(tl.float32)
-        dt = tl.load(dt_ptr + n * stride_dt_tok + head, mask=r_ok, other=0.0).to(tl.float32)
-        b = tl.load(b_ptr + n[:, None] * stride_b_tok + group * stride_b_group
-                    + offs_n[None, :], mask=bn_ok, other=0.0).to(tl.float32)
-        c = tl.load(c_ptr + n[:, None] * stride_c_tok + group * stride_c_group
-                    + offs_n[None, :], mask=bn_ok, other=0.0).to(tl.float32)
-        dt = _process_dt(dt, bias, HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max,
-                         dt_ptr.dtype.element_ty)
-        xdt = x * dt[:, None]
-        da = tl.where(r_ok, a * dt, 0.0)
-        # the replay inputs, as the row-by-row kernel saves them
-        tl.store(ring_x_ptr + (n[:, None] * H + head) * P + offs_p[None, :], xdt, mask=xp_ok)
-        if pb == 0:
-            tl.store(ring_da_ptr + n * H + head, da, mask=r_ok)
-            if head % (H // G) == 0:
-                tl.store(ring_b_ptr + (n[:, None] * G + group) * NS + offs_n[None, :], b,
-                         mask=bn_ok)
-        # rows from the first non-finite one on are zeroed (chunk.py)
-        bad = non_finite(tl.sum(x * x, 1) + tl.sum(b * b, 1) + tl.sum(c * c, 1) + dt + da)
-        first = first_bad_row(bad & r_ok, tl.max(dead.to(tl.int32), 0) > 0, BLOCK_T)
-        live = offs_t < first
-        dead = dead | (first < BLOCK_T)
-        x = tl.where(live[:, None], x, 0.0)
-        xdt = tl.where(live[:, None], xdt, 0.0)
-        b = tl.where(live[:, None], b, 0.0)
-        c = tl.where(live[:, None], c, 0.0)
-        da = tl.where(live, da, 0.0)
-        ratio, decay0, tail = chunk_decays(da, BLOCK_T)
-        cs = tl.dot(c, state, input_precision=PRECISION)  # [BLOCK_T, BLOCK_P]
-        cb = tl.dot(c, tl.trans(b), input_precision=PRECISION)
-        out = decay0[:, None] * cs + tl.dot(tl.where(lower, ratio * cb, 0.0), xdt,
-                                            input_precision=PRECISION)
-        if HAS_D:
-            out = out + d * x
-        out = tl.where(live[:, None], out, float("nan"))
-        tl.store(out_ptr + n[:, None] * stride_out_tok + head * stride_out_head
-                 + offs_p[None, :], out, mask=xp_ok)
-        if c0 + BLOCK_T < length:  # the state after this chunk, for the next
-            state = state * tl.sum(tl.where(offs_t == BLOCK_T - 1, decay0, 0.0), 0) \
-                + tl.dot(tl.trans(b * tail[:, None]), xdt, input_precision=PRECISION)
+    x = tl.load(x_ptr + n[:, None] * stride_x_tok + head * stride_x_head + offs_p[None, :],
+                mask=xp_ok, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + n * stride_dt_tok + head, mask=r_ok, other=0.0).to(tl.float32)
+    dt = _process_dt(dt, bias, HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max, dt_ptr.dtype.element_ty)
+    xdt = x * dt[:, None]
+    da = tl.where(r_ok, a * dt, 0.0)
+    # the replay inputs, as the row-by-row form saves them
+    tl.store(ring_x_ptr + (n[:, None] * H + head) * P + offs_p[None, :], xdt, mask=xp_ok)
+    if pb == 0:
+        tl.store(ring_da_ptr + n * H + head, da, mask=r_ok)
+    # rows from the first non-finite one on are zeroed (chunk.py)
+    bad = non_finite(tl.sum(x * x, 1) + sumsq + dt + da)
+    live = offs_t < first_bad_row(bad & r_ok, BLOCK_T)
+    cs = tl.where(live[:, None], cs, 0.0)
+    x = tl.where(live[:, None], x, 0.0)
+    xdt = tl.where(live[:, None], xdt, 0.0)
+    ratio, decay0 = chunk_decays(tl.where(live, da, 0.0), BLOCK_T)
+    lower = (offs_t[:, None] >= offs_t[None, :]) & live[:, None] & live[None, :]
+    out = decay0[:, None] * cs + tl.dot(tl.where(lower, ratio * cb, 0.0), xdt,
+                                        input_precision="ieee")
+    if HAS_D:
+        out = out + d * x
+    out = tl.where(live[:, None], out, float("nan"))
+    tl.store(out_ptr + n[:, None] * stride_out_tok + head * stride_out_head + offs_p[None, :],
+             out, mask=xp_ok)
 
 
 @triton.jit
@@ -402,7 +431,7 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
     if plan.chunk_rows:
         log2_rows(plan.chunk_rows)  # a power of two >= 16, or a ValueError
         launch(_ssd_chunk_forward_kernel, grid, *args, **shape, BLOCK_T=plan.chunk_rows,
-               PRECISION=plan.precision)
+               BLOCK_N=min(_CHUNK_BLOCK_N, plan.n_pad), PRECISION=plan.precision)
     else:
         launch(_ssd_forward_kernel, grid, *args, **shape)
     return out

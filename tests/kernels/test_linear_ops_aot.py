@@ -48,7 +48,7 @@ CASES = {
                                 "state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
                                 "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", **_LAYOUT},
                                {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16, "BLOCK_T": 16,
-                                "LOG2_T": 4}),
+                                "LOG2_T": 4, "BLOCK_K": 32}),
     "gdn_commit": ("gdn", "_gdn_commit_kernel",
                    {"state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
                     "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", "accept_lens_ptr": "i32",

@@ -451,15 +451,16 @@ def test_triton_containment_and_shape_errors():
 @needs_triton
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy, on the poisoned rows
 @pytest.mark.parametrize("form", ["rows", "chunk"])
-def test_triton_gdn_contains_poison_across_chunks(form):
-    """Requests of 17 to 40 rows, poisoned from a row in their first, second or third 16-row
-    chunk (and one poisoned only in g, with -inf: a legal full decay): accepted rows bit for
-    bit, later rows NaN or poisoned, committed states equal."""
+def test_triton_gdn_contains_poison_long_and_short(form):
+    """Requests of 40 and 17 rows (walked row by row in either form) and of 12 and 16 (the
+    chunk form's products), poisoned from a rejected row on (and once only in g, with -inf: a
+    legal full decay): accepted rows bit for bit, rejected rows not finite, committed states
+    equal."""
     from dspark_compile.kernels.gdn import (gated_delta_rule_commit_triton,
                                                     gated_delta_rule_triton)
 
-    layout = make_layout([40, 17, 33, 20], num_pad=2, seed=8)
-    acc = torch.tensor([37, 3, 20, 16], dtype=torch.int32)
+    layout = make_layout([40, 17, 12, 16], num_pad=2, seed=8)
+    acc = torch.tensor([37, 3, 5, 9], dtype=torch.int32)
     plan = _gdn_plan(form, 16, 16, 32)
     c = gdn_case(layout, 2, 4, 16, 32, seed=8)
     d = {**c, **{n: _poison(c[n], layout, acc) for n in ("q", "k", "v", "g", "beta")}}

@@ -261,8 +261,8 @@ def _chunk_plan(kernels, n_pad: int, block_p: int, p: int, chunk: bool = True):
 @pytest.mark.parametrize("name", ["mixed", "prefill", "long"])
 @pytest.mark.parametrize("regime", ["plain", "strong", "zero", "no_d_limits"])
 def test_triton_chunk_form_matches_reference(name, regime):
-    """The chunk form (N and channel blocks of 16 or more; "long" carries the state over
-    several 16-row chunks) against the reference: ordinary time steps, time steps of 20-60
+    """The chunk form (N and channel blocks of 16 or more; "long" has requests past 16 rows,
+    which it walks row by row) against the reference: ordinary time steps, time steps of 20-60
     (decays of e^-10 and more a row), a head whose decay underflows to exactly 0, and no D
     with clamped time steps. Outputs, rings and the committed state."""
     kernels = _triton()
@@ -302,12 +302,13 @@ def test_triton_chunk_form_matches_reference(name, regime):
 @needs_triton
 @pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy, on the poisoned rows
 @pytest.mark.parametrize("chunk", [False, True])
-def test_triton_contains_poison_across_chunks(chunk):
-    """Requests of 17 to 40 rows poisoned from a row in their first, second or third 16-row
-    chunk: accepted rows bit for bit, rejected rows not finite, committed states equal."""
+def test_triton_contains_poison_long_and_short(chunk):
+    """Requests of 40 and 17 rows (walked row by row in either form) and of 12 and 16 (the
+    chunk form's products), poisoned from a rejected row on: accepted rows bit for bit,
+    rejected rows not finite, committed states equal."""
     kernels = _triton()
-    layout = make_layout([40, 17, 33, 20], num_pad=2, seed=23)
-    acc = torch.tensor([37, 3, 20, 16], dtype=torch.int32)
+    layout = make_layout([40, 17, 12, 16], num_pad=2, seed=23)
+    acc = torch.tensor([37, 3, 5, 9], dtype=torch.int32)
     c = ssd_case(layout, h=4, g=2, n_state=16, p=16, seed=23)
     d = {**c, **{n: _poison(c[n], layout, acc) for n in ("x", "dt", "B", "C")}}
     plan = _chunk_plan(kernels, 16, 16, 16, chunk)
