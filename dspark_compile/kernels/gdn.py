@@ -61,6 +61,7 @@ _MIN_BLOCK_V = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
 _CHUNK_ROWS = 16  # rows per tensor-core step of the chunk form: tl.dot's smallest M
 _CHUNK_WARPS = 2  # the products' 2 BLOCK_T rows: 16 a warp
+_PROBE_STAGE = 3
 _CHUNK_BLOCK_K = 32  # K per product step of the chunk form
 
 
@@ -233,7 +234,7 @@ def _gdn_chunk_forward_kernel(
         HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
         K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
         PAD_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, LOG2_T: tl.constexpr,
-        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+        BLOCK_K: tl.constexpr, PRECISION: tl.constexpr, STAGE: tl.constexpr = 3):
     """One (request, value head, value-channel block): a request of up to ``BLOCK_T`` rows all
     at once from the state before them (module docstring, "Chunk form"); a longer one row by
     row. Scalar gates only."""
@@ -294,6 +295,10 @@ def _gdn_chunk_forward_kernel(
         prod_k = tl.dot(x, tl.trans(kt), prod_k, input_precision=PRECISION)
         sumsq += tl.sum(x * x, 1)
     qs, ks = halves(prod_s, BLOCK_T, BLOCK_V)
+    if STAGE == 1:  # probe: the products alone
+        tl.store(out_ptr + n[:, None] * stride_out_tok + head * stride_out_head
+                 + offs_v[None, :], (qs + ks).to(out_ptr.dtype.element_ty), mask=vv_ok)
+        return
     qk, kk = halves(prod_k, BLOCK_T, BLOCK_T)
     qq_sum, kk_sum = halves(sumsq[:, None], BLOCK_T, 1)
     qq_sum = tl.reshape(qq_sum, [BLOCK_T])
@@ -336,7 +341,10 @@ def _gdn_chunk_forward_kernel(
     strict = offs_t[:, None] > offs_t[None, :]
     a = tl.where(strict, beta[:, None] * ratio * kk, 0.0)
     rhs = beta[:, None] * (v - decay0[:, None] * ks)
-    delta = tl.dot(unit_lower_inverse(a, BLOCK_T, LOG2_T), rhs, input_precision="ieee")
+    if STAGE == 2:  # probe: no solve
+        delta = rhs + a.sum(1)[:, None]
+    else:
+        delta = tl.dot(unit_lower_inverse(a, BLOCK_T, LOG2_T), rhs, input_precision="ieee")
     lower = offs_t[:, None] >= offs_t[None, :]
     out = decay0[:, None] * qs + tl.dot(tl.where(lower, ratio * qk, 0.0), delta,
                                         input_precision="ieee")
@@ -474,7 +482,8 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
     if plan.chunk_rows:
         launch(_gdn_chunk_forward_kernel, (r + 1, hv * plan.num_vb), *args, **shape,
                BLOCK_T=plan.chunk_rows, LOG2_T=log2_rows(plan.chunk_rows),
-               BLOCK_K=min(_CHUNK_BLOCK_K, plan.k_pad), PRECISION=plan.precision)
+               BLOCK_K=min(_CHUNK_BLOCK_K, plan.k_pad), PRECISION=plan.precision,
+               STAGE=_PROBE_STAGE)
     else:
         launch(_gdn_forward_kernel, (r + 1, hv * plan.num_vb), *args, **shape,
                CHANNEL_GATES=gates)
