@@ -48,16 +48,21 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk import chunk_decays, first_bad_row, log2_rows, non_finite
 from .gdn import _load_state, _zero_padding_rows  # shared tiles: same layout
 from .launch import launch
 from ..ops.ssd_reference import check_ssd, check_ssd_commit
-from .device import device_sm_count
+from .device import device_sm_count, device_target
 
 __all__ = ["SsdPlan", "plan_ssd", "ssd_triton", "ssd_commit_triton"]
 
 _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on one warp
 _MIN_BLOCK_P = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
+_CHUNK_ROWS = 16  # rows per tensor-core step of the chunk form: tl.dot's smallest M
+_CHUNK_WARPS = 1  # the products' BLOCK_T rows: one warp's tile
+_CHUNK_BLOCK_N = 32  # N per product step of the chunk form
+_COMMIT_WARPS = 1  # SsdPlan.num_warps: one warp is the row-by-row kernels' best
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 _SCALE_LO = tl.constexpr(2.0 ** -40)  # a state scale outside [LO, HI] is folded into the tile
 _SCALE_HI = tl.constexpr(2.0 ** 40)
@@ -107,32 +112,15 @@ def _load_row(x_ptr, dt_ptr, b_ptr, c_ptr, n, head, group, offs_n, offs_p, n_ok,
 
 
 @triton.jit
-def _ssd_forward_kernel(
-        out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
-        query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
-        num_tokens, num_requests, num_slots, stride_x_tok, stride_x_head, stride_dt_tok,
-        stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
-        stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
-        G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
-        BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
-        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
-        HEADS_FIRST: tl.constexpr):
-    """One (request, head, channel block): the request's rows, in order."""
-    req = tl.program_id(1 if HEADS_FIRST else 0)
-    head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
-    pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
-    offs_n = tl.arange(0, N_PAD)
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    n_ok = offs_n < NS
-    p_ok = offs_p < P
-    start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
-                           stride_out_head, BLOCK_P, PAD_ROWS)
-        return
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if length <= 0:
-        return
+def _walk_rows(out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
+               slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max, num_slots, req,
+               start, length, head, pb, offs_n, offs_p, n_ok, p_ok, stride_x_tok,
+               stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
+               stride_c_group, stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
+               stride_s_n, H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr,
+               P: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+               SOFTPLUS: tl.constexpr):
+    """The row-by-row form over one request's rows (``length >= 1``), from its pool slot."""
     slot = tl.load(slots_ptr + req).to(tl.int64)
     _, state = _load_state(state_ptr, slot, num_slots, head, offs_n, offs_p, n_ok, p_ok,
                            stride_s_slot, stride_s_head, stride_s_n)
@@ -171,6 +159,137 @@ def _ssd_forward_kernel(
             if head % (H // G) == 0:
                 tl.store(ring_b_ptr + (n * G + group) * NS + offs_n, b, mask=n_ok)
         x, dt, b, c = x_next, dt_next, b_next, c_next
+
+
+
+
+@triton.jit
+def _ssd_forward_kernel(
+        out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
+        query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
+        num_tokens, num_requests, num_slots, stride_x_tok, stride_x_head, stride_dt_tok,
+        stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
+        stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
+        G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
+        BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
+        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
+        HEADS_FIRST: tl.constexpr):
+    """One (request, head, channel block): the request's rows, in order."""
+    req = tl.program_id(1 if HEADS_FIRST else 0)
+    head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
+    pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
+    offs_n = tl.arange(0, N_PAD)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n_ok = offs_n < NS
+    p_ok = offs_p < P
+    start = tl.load(query_start_loc_ptr + req)
+    if req == num_requests:
+        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
+                           stride_out_head, BLOCK_P, PAD_ROWS)
+        return
+    length = tl.load(query_start_loc_ptr + req + 1) - start
+    if length <= 0:
+        return
+    _walk_rows(out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
+               slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max, num_slots, req,
+               start, length, head, pb, offs_n, offs_p, n_ok, p_ok, stride_x_tok,
+               stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
+               stride_c_group, stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
+               stride_s_n, H, G, NS, P, HAS_D, HAS_DT_BIAS, SOFTPLUS)
+
+
+@triton.jit
+def _ssd_chunk_forward_kernel(
+        out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
+        query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
+        num_tokens, num_requests, num_slots, stride_x_tok, stride_x_head, stride_dt_tok,
+        stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
+        stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
+        G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
+        BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
+        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
+        HEADS_FIRST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+        PRECISION: tl.constexpr):
+    """One (request, head, channel block): a request of up to ``BLOCK_T`` rows all at once
+    from the state before them (module docstring, "Chunk form"); a longer one row by row."""
+    req = tl.program_id(1 if HEADS_FIRST else 0)
+    head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
+    pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
+    offs_n = tl.arange(0, N_PAD)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    offs_t = tl.arange(0, BLOCK_T)
+    n_ok = offs_n < NS
+    p_ok = offs_p < P
+    start = tl.load(query_start_loc_ptr + req)
+    if req == num_requests:
+        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
+                           stride_out_head, BLOCK_P, PAD_ROWS)
+        return
+    length = tl.load(query_start_loc_ptr + req + 1) - start
+    if length <= 0:
+        return
+    if length > BLOCK_T:  # a prefill: its state would have to pass between chunks
+        _walk_rows(out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
+                   slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max, num_slots,
+                   req, start, length, head, pb, offs_n, offs_p, n_ok, p_ok, stride_x_tok,
+                   stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
+                   stride_c_group, stride_out_tok, stride_out_head, stride_s_slot,
+                   stride_s_head, stride_s_n, H, G, NS, P, HAS_D, HAS_DT_BIAS, SOFTPLUS)
+        return
+    slot = tl.load(slots_ptr + req).to(tl.int64)
+    group = head // (H // G)
+    n = (start + offs_t).to(tl.int64)
+    r_ok = offs_t < length
+    xp_ok = r_ok[:, None] & p_ok[None, :]
+    b_rows = b_ptr + n * stride_b_tok + group * stride_b_group
+    c_rows = c_ptr + n * stride_c_tok + group * stride_c_group
+    # raw products over N, a slice at a time; a non-finite row only reaches its own row (and
+    # column) of them
+    cs = tl.zeros([BLOCK_T, BLOCK_P], tl.float32)  # C S0
+    cb = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)  # C B^T
+    sumsq = tl.zeros([BLOCK_T], tl.float32)
+    for n0 in range(0, N_PAD, BLOCK_N):
+        offs_c = n0 + tl.arange(0, BLOCK_N)
+        c_ok = offs_c < NS
+        rc_ok = r_ok[:, None] & c_ok[None, :]
+        c = tl.load(c_rows[:, None] + offs_c[None, :], mask=rc_ok, other=0.0).to(tl.float32)
+        b = tl.load(b_rows[:, None] + offs_c[None, :], mask=rc_ok, other=0.0).to(tl.float32)
+        _, st = _load_state(state_ptr, slot, num_slots, head, offs_c, offs_p, c_ok, p_ok,
+                            stride_s_slot, stride_s_head, stride_s_n)
+        cs = tl.dot(c, st, cs, input_precision=PRECISION)
+        cb = tl.dot(c, tl.trans(b), cb, input_precision=PRECISION)
+        sumsq += tl.sum(c * c + b * b, 1)
+        if (pb == 0) & (head % (H // G) == 0):  # B's ring, by the group's first head
+            tl.store(ring_b_ptr + (n[:, None] * G + group) * NS + offs_c[None, :], b,
+                     mask=rc_ok)
+    a = tl.load(a_ptr + head).to(tl.float32)
+    d = tl.load(d_ptr + head).to(tl.float32)  # read only with HAS_D (else A's address)
+    bias = tl.load(dt_bias_ptr + head).to(dt_ptr.dtype.element_ty).to(tl.float32)
+    x = tl.load(x_ptr + n[:, None] * stride_x_tok + head * stride_x_head + offs_p[None, :],
+                mask=xp_ok, other=0.0).to(tl.float32)
+    dt = tl.load(dt_ptr + n * stride_dt_tok + head, mask=r_ok, other=0.0).to(tl.float32)
+    dt = _process_dt(dt, bias, HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max, dt_ptr.dtype.element_ty)
+    xdt = x * dt[:, None]
+    da = tl.where(r_ok, a * dt, 0.0)
+    # the replay inputs, as the row-by-row form saves them
+    tl.store(ring_x_ptr + (n[:, None] * H + head) * P + offs_p[None, :], xdt, mask=xp_ok)
+    if pb == 0:
+        tl.store(ring_da_ptr + n * H + head, da, mask=r_ok)
+    # rows from the first non-finite one on are zeroed (chunk.py)
+    bad = non_finite(tl.sum(x * x, 1) + sumsq + dt + da)
+    live = offs_t < first_bad_row(bad & r_ok, BLOCK_T)
+    cs = tl.where(live[:, None], cs, 0.0)
+    x = tl.where(live[:, None], x, 0.0)
+    xdt = tl.where(live[:, None], xdt, 0.0)
+    ratio, decay0 = chunk_decays(tl.where(live, da, 0.0), BLOCK_T)
+    lower = (offs_t[:, None] >= offs_t[None, :]) & live[:, None] & live[None, :]
+    out = decay0[:, None] * cs + tl.dot(tl.where(lower, ratio * cb, 0.0), xdt,
+                                        input_precision="ieee")
+    if HAS_D:
+        out = out + d * x
+    out = tl.where(live[:, None], out, float("nan"))
+    tl.store(out_ptr + n[:, None] * stride_out_tok + head * stride_out_head + offs_p[None, :],
+             out, mask=xp_ok)
 
 
 @triton.jit
@@ -236,6 +355,11 @@ class SsdPlan:
     (``ssd_kernels_ssd_sweep.json``) at ``BLOCK_P`` 32, all 8 rows, bs 64 / 128: the forward
     150 / 280 us on one warp against 228 / 450 on four, the commit 188 / 375 on either (the GDN
     kernels' finding: every reduction over N stays in the warp)."""
+    chunk_rows: int = 0
+    """The forward's form: 0 walks the rows one by one; a power of two >= 16 takes that many
+    rows at a time through tensor-core products (the commit stays row by row, one warp)."""
+    precision: str = "ieee"
+    """``tl.dot``'s input precision in the chunk form (:func:`chunk.dot_precision`)."""
     heads_first: bool = False
     """The grid's first axis enumerates (head, channel block) and its second the requests: for
     more than ``_MAX_GRID_Y`` of them (a Mamba-1 mixer runs ``d_inner * d_state`` one-element
@@ -244,10 +368,12 @@ class SsdPlan:
 
 @functools.lru_cache(maxsize=1024)
 def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
-             sm_count: int) -> SsdPlan:
+             sm_count: int, precision: str = "ieee") -> SsdPlan:
     """``BLOCK_P`` from host ints: at most ``_MAX_TILE / N_PAD`` channels (32 at N = 128, so the
     state slice stays in registers), halved (down to 16) while ``R * H * P / BLOCK_P``
-    programs are fewer than two per multiprocessor (the GDN kernel's rule)."""
+    programs are fewer than two per multiprocessor (the GDN kernel's rule). The forward takes
+    the chunk form (``_CHUNK_ROWS`` rows, ``_CHUNK_WARPS`` warps) where its products fit: N and
+    ``BLOCK_P`` of at least 16 (a Mamba-1 mixer's one-channel heads walk row by row)."""
     n_pad = triton.next_power_of_2(max(state_dim, 1))
     p_pad = triton.next_power_of_2(max(head_dim, 1))
     block_p = min(p_pad, max(_MIN_BLOCK_P, _MAX_TILE // n_pad))
@@ -255,7 +381,11 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
             max(num_requests, 1) * num_heads * triton.cdiv(head_dim, block_p) < 2 * sm_count:
         block_p //= 2
     num_pb = triton.cdiv(head_dim, block_p)
-    return SsdPlan(n_pad, block_p, num_pb, heads_first=num_heads * num_pb > _MAX_GRID_Y)
+    heads_first = num_heads * num_pb > _MAX_GRID_Y
+    if n_pad >= 16 and block_p >= 16:
+        return SsdPlan(n_pad, block_p, num_pb, _CHUNK_WARPS, _CHUNK_ROWS, precision,
+                       heads_first)
+    return SsdPlan(n_pad, block_p, num_pb, heads_first=heads_first)
 
 
 def _grid(requests: int, head_blocks: int, heads_first: bool) -> tuple[int, int]:
@@ -285,18 +415,25 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
     out = torch.empty((n, h, p), dtype=torch.float32, device=x.device)
     if n == 0 or p == 0:
         return out
-    plan = plan or plan_ssd(r, h, n_state, p, device_sm_count(x.device))
+    plan = plan or plan_ssd(r, h, n_state, p, device_sm_count(x.device),
+                            device_target(x.device)[0].state_dot_precision)
     st = ssm_state
     grid = _grid(r + 1, h * plan.num_pb, plan.heads_first)
-    launch(_ssd_forward_kernel, grid,
-           out, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, st,
-           query_start_loc, slots, ring_x, ring_b, ring_da, float(dt_min), float(dt_max), n, r,
-           st.shape[0], x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
-           C.stride(0), C.stride(1), out.stride(0), out.stride(1), st.stride(0), st.stride(1),
-           st.stride(2), H=h, G=g, NS=n_state, P=p, N_PAD=plan.n_pad, BLOCK_P=plan.block_p,
-           NUM_PB=plan.num_pb, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
-           SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, HEADS_FIRST=plan.heads_first,
-           num_warps=plan.num_warps)
+    args = (out, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, st,
+            query_start_loc, slots, ring_x, ring_b, ring_da, float(dt_min), float(dt_max), n, r,
+            st.shape[0], x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
+            C.stride(0), C.stride(1), out.stride(0), out.stride(1), st.stride(0), st.stride(1),
+            st.stride(2))
+    shape = dict(H=h, G=g, NS=n_state, P=p, N_PAD=plan.n_pad, BLOCK_P=plan.block_p,
+                 NUM_PB=plan.num_pb, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
+                 SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, HEADS_FIRST=plan.heads_first,
+                 num_warps=plan.num_warps)
+    if plan.chunk_rows:
+        log2_rows(plan.chunk_rows)  # a power of two >= 16, or a ValueError
+        launch(_ssd_chunk_forward_kernel, grid, *args, **shape, BLOCK_T=plan.chunk_rows,
+               BLOCK_N=min(_CHUNK_BLOCK_N, plan.n_pad), PRECISION=plan.precision)
+    else:
+        launch(_ssd_forward_kernel, grid, *args, **shape)
     return out
 
 
@@ -315,4 +452,5 @@ def ssd_commit_triton(ssm_state, ring_x, ring_b, ring_da, query_start_loc, slots
            st, ring_x, ring_b, ring_da, query_start_loc, slots, accept_lens, st.shape[0],
            st.stride(0), st.stride(1), st.stride(2), H=h, G=ring_b.shape[1], NS=n_state, P=p,
            N_PAD=plan.n_pad, BLOCK_P=plan.block_p, NUM_PB=plan.num_pb,
-           HEADS_FIRST=plan.heads_first, num_warps=plan.num_warps)
+           HEADS_FIRST=plan.heads_first,
+           num_warps=_COMMIT_WARPS if plan.chunk_rows else plan.num_warps)

@@ -25,6 +25,14 @@ CASES = {
                           "dt_bias_ptr": "fp32", "state_ptr": "fp32", **_RINGS, **_LAYOUT},
                          {**_SHAPE, "HAS_D": True, "HAS_DT_BIAS": True, "SOFTPLUS": True,
                           "PAD_ROWS": 16, "HEADS_FIRST": False}),
+    "ssd_chunk_forward_bf16": ("_ssd_chunk_forward_kernel",
+                               {"out_ptr": "fp32", "x_ptr": "bf16", "dt_ptr": "bf16",
+                                "a_ptr": "fp32", "b_ptr": "bf16", "c_ptr": "bf16",
+                                "d_ptr": "fp32", "dt_bias_ptr": "fp32", "state_ptr": "fp32",
+                                **_RINGS, **_LAYOUT},
+                               {**_SHAPE, "HAS_D": True, "HAS_DT_BIAS": True, "SOFTPLUS": True,
+                                "PAD_ROWS": 16, "HEADS_FIRST": False, "BLOCK_T": 16,
+                                "BLOCK_N": 32}),
     "ssd_commit": ("_ssd_commit_kernel",
                    {"state_ptr": "fp32", **_RINGS, "accept_lens_ptr": "i32", **_LAYOUT},
                    {**_SHAPE, "HEADS_FIRST": False}),
@@ -46,17 +54,20 @@ CASES = {
 def _compile_all() -> dict:
     """Compile every case for every target; return ``{case: {target: [artifact kinds]}}``."""
     from dspark_compile.kernels import ssd
-
-    warps = ssd.SsdPlan.num_warps  # the launches' default
+    from dspark_compile.kernels.targets import TARGETS
 
     result: dict = {}
     for case, (attr, pointers, constexprs) in CASES.items():
         kernel = getattr(ssd, attr)
         missing = (set(pointers) | set(constexprs)) - set(kernel.arg_names)
         assert not missing, f"{case}: {attr} has no arguments {sorted(missing)}"
+        # the launches' warps: the chunk form's, or the row-by-row kernels' default
+        chunk = "PRECISION" in kernel.arg_names
+        warps = ssd._CHUNK_WARPS if chunk else ssd.SsdPlan.num_warps
         for name in TARGET_NAMES:
+            extra = {"PRECISION": TARGETS[name].state_dot_precision} if chunk else {}
             result.setdefault(case, {})[name] = compile_kernel(
-                kernel, pointers, constexprs, name, {"num_warps": warps},
+                kernel, pointers, {**constexprs, **extra}, name, {"num_warps": warps},
                 scalars={"dt_min": "fp32", "dt_max": "fp32"})
     return result
 
