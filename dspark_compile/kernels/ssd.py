@@ -62,6 +62,8 @@ _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
 _CHUNK_ROWS = 16  # rows per tensor-core step of the chunk form: tl.dot's smallest M
 _CHUNK_WARPS = 1  # the products' BLOCK_T rows: one warp's tile
 _CHUNK_BLOCK_N = 32  # N per product step of the chunk form
+_PREP_WARPS = 4
+_CHUNK_BLOCK_P = 64
 _COMMIT_WARPS = 1  # SsdPlan.num_warps: one warp is the row-by-row kernels' best
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 _SCALE_LO = tl.constexpr(2.0 ** -40)  # a state scale outside [LO, HI] is folded into the tile
@@ -199,19 +201,78 @@ def _ssd_forward_kernel(
 
 
 @triton.jit
+def _ssd_chunk_prep_kernel(
+        x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, dt_bias_ptr, query_start_loc_ptr, ring_x_ptr,
+        ring_b_ptr, ring_da_ptr, mats_ptr, vecs_ptr, dt_min, dt_max, stride_x_tok,
+        stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
+        stride_c_group, H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr,
+        N_PAD: tl.constexpr, P_PAD: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
+        SOFTPLUS: tl.constexpr, HEADS_FIRST: tl.constexpr, BLOCK_T: tl.constexpr):
+    """One (request, head) of up to ``BLOCK_T`` rows: everything of the chunk form that does
+    not depend on the head channel (module docstring, "Chunk form"). Writes the replay rings,
+    the decayed causal ``C B^T diag(dt)`` and two row vectors (the chunk start's weight in each
+    row, the live rows) for ``_ssd_chunk_forward_kernel``."""
+    req = tl.program_id(1 if HEADS_FIRST else 0)
+    head = tl.program_id(0 if HEADS_FIRST else 1)
+    start = tl.load(query_start_loc_ptr + req)
+    length = tl.load(query_start_loc_ptr + req + 1) - start
+    if (length <= 0) | (length > BLOCK_T):
+        return  # an empty request, or one the forward walks row by row
+    offs_t = tl.arange(0, BLOCK_T)
+    offs_n = tl.arange(0, N_PAD)
+    offs_p = tl.arange(0, P_PAD)
+    group = head // (H // G)
+    n = (start + offs_t).to(tl.int64)
+    r_ok = offs_t < length
+    bn_ok = r_ok[:, None] & (offs_n < NS)[None, :]
+    xp_ok = r_ok[:, None] & (offs_p < P)[None, :]
+    x = tl.load(x_ptr + n[:, None] * stride_x_tok + head * stride_x_head + offs_p[None, :],
+                mask=xp_ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + n[:, None] * stride_b_tok + group * stride_b_group + offs_n[None, :],
+                mask=bn_ok, other=0.0).to(tl.float32)
+    c = tl.load(c_ptr + n[:, None] * stride_c_tok + group * stride_c_group + offs_n[None, :],
+                mask=bn_ok, other=0.0).to(tl.float32)
+    a = tl.load(a_ptr + head).to(tl.float32)
+    bias = tl.load(dt_bias_ptr + head).to(dt_ptr.dtype.element_ty).to(tl.float32)
+    dt = tl.load(dt_ptr + n * stride_dt_tok + head, mask=r_ok, other=0.0).to(tl.float32)
+    dt = _process_dt(dt, bias, HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max, dt_ptr.dtype.element_ty)
+    da = tl.where(r_ok, a * dt, 0.0)
+    # the replay inputs, as the row-by-row form saves them
+    tl.store(ring_x_ptr + (n[:, None] * H + head) * P + offs_p[None, :], x * dt[:, None],
+             mask=xp_ok)
+    tl.store(ring_da_ptr + n * H + head, da, mask=r_ok)
+    if head % (H // G) == 0:
+        tl.store(ring_b_ptr + (n[:, None] * G + group) * NS + offs_n[None, :], b, mask=bn_ok)
+    # rows from the first non-finite one on are zeroed (chunk.py)
+    bad = non_finite(tl.sum(x * x, 1) + tl.sum(b * b, 1) + tl.sum(c * c, 1) + dt + da)
+    live = offs_t < first_bad_row(bad & r_ok, BLOCK_T)
+    cb = tl.dot(tl.where(live[:, None], c, 0.0), tl.trans(tl.where(live[:, None], b, 0.0)),
+                input_precision="ieee")
+    ratio, decay0 = chunk_decays(tl.where(live, da, 0.0), BLOCK_T)
+    causal = (offs_t[:, None] >= offs_t[None, :]) & live[:, None] & live[None, :]
+    causal = tl.where(causal, ratio * cb * dt[None, :], 0.0)
+    row = (req * H + head).to(tl.int64)
+    tl.store(mats_ptr + row * (BLOCK_T * BLOCK_T) + offs_t[:, None] * BLOCK_T
+             + offs_t[None, :], causal)
+    tl.store(vecs_ptr + row * (2 * BLOCK_T) + offs_t, tl.where(live, decay0, 0.0))
+    tl.store(vecs_ptr + row * (2 * BLOCK_T) + BLOCK_T + offs_t, live.to(tl.float32))
+
+
+@triton.jit
 def _ssd_chunk_forward_kernel(
         out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
         query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
         num_tokens, num_requests, num_slots, stride_x_tok, stride_x_head, stride_dt_tok,
         stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
-        stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
-        G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
-        BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
+        stride_out_head, stride_s_slot, stride_s_head, stride_s_n, mats_ptr, vecs_ptr,
+        H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr,
+        N_PAD: tl.constexpr, BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
         HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
         HEADS_FIRST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-        PRECISION: tl.constexpr):
+        NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, WALK_P: tl.constexpr):
     """One (request, head, channel block): a request of up to ``BLOCK_T`` rows all at once
-    from the state before them (module docstring, "Chunk form"); a longer one row by row."""
+    from the state before them, with what ``_ssd_chunk_prep_kernel`` left for it (module
+    docstring, "Chunk form"); a longer one row by row."""
     req = tl.program_id(1 if HEADS_FIRST else 0)
     head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
     pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
@@ -228,65 +289,46 @@ def _ssd_chunk_forward_kernel(
     length = tl.load(query_start_loc_ptr + req + 1) - start
     if length <= 0:
         return
-    if length > BLOCK_T:  # a prefill: its state would have to pass between chunks
-        _walk_rows(out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
-                   slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max, num_slots,
-                   req, start, length, head, pb, offs_n, offs_p, n_ok, p_ok, stride_x_tok,
-                   stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
-                   stride_c_group, stride_out_tok, stride_out_head, stride_s_slot,
-                   stride_s_head, stride_s_n, H, G, NS, P, HAS_D, HAS_DT_BIAS, SOFTPLUS)
+    if length > BLOCK_T:
+        # a prefill (its state would have to pass between chunks): row by row, 16 channels at
+        # a time, so that this path's state tile stays as small as the chunk path's operands
+        for p0 in range(0, BLOCK_P, WALK_P):
+            offs_w = pb * BLOCK_P + p0 + tl.arange(0, WALK_P)
+            _walk_rows(out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr,
+                       state_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min,
+                       dt_max, num_slots, req, start, length, head, pb + p0, offs_n, offs_w,
+                       n_ok, offs_w < P, stride_x_tok, stride_x_head, stride_dt_tok,
+                       stride_b_tok, stride_b_group, stride_c_tok, stride_c_group,
+                       stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
+                       stride_s_n, H, G, NS, P, HAS_D, HAS_DT_BIAS, SOFTPLUS)
         return
     slot = tl.load(slots_ptr + req).to(tl.int64)
     group = head // (H // G)
     n = (start + offs_t).to(tl.int64)
     r_ok = offs_t < length
     xp_ok = r_ok[:, None] & p_ok[None, :]
-    b_rows = b_ptr + n * stride_b_tok + group * stride_b_group
     c_rows = c_ptr + n * stride_c_tok + group * stride_c_group
-    # raw products over N, a slice at a time; a non-finite row only reaches its own row (and
-    # column) of them
-    cs = tl.zeros([BLOCK_T, BLOCK_P], tl.float32)  # C S0
-    cb = tl.zeros([BLOCK_T, BLOCK_T], tl.float32)  # C B^T
-    sumsq = tl.zeros([BLOCK_T], tl.float32)
-    for n0 in range(0, N_PAD, BLOCK_N):
+    cs = tl.zeros([BLOCK_T, BLOCK_P], tl.float32)  # C S0, raw: a non-finite row stays in its own
+    for n0 in tl.range(0, N_PAD, BLOCK_N, num_stages=NUM_STAGES):
         offs_c = n0 + tl.arange(0, BLOCK_N)
         c_ok = offs_c < NS
-        rc_ok = r_ok[:, None] & c_ok[None, :]
-        c = tl.load(c_rows[:, None] + offs_c[None, :], mask=rc_ok, other=0.0).to(tl.float32)
-        b = tl.load(b_rows[:, None] + offs_c[None, :], mask=rc_ok, other=0.0).to(tl.float32)
+        c = tl.load(c_rows[:, None] + offs_c[None, :], mask=r_ok[:, None] & c_ok[None, :],
+                    other=0.0)
         _, st = _load_state(state_ptr, slot, num_slots, head, offs_c, offs_p, c_ok, p_ok,
                             stride_s_slot, stride_s_head, stride_s_n)
-        cs = tl.dot(c, st, cs, input_precision=PRECISION)
-        cb = tl.dot(c, tl.trans(b), cb, input_precision=PRECISION)
-        sumsq += tl.sum(c * c + b * b, 1)
-        if (pb == 0) & (head % (H // G) == 0):  # B's ring, by the group's first head
-            tl.store(ring_b_ptr + (n[:, None] * G + group) * NS + offs_c[None, :], b,
-                     mask=rc_ok)
-    a = tl.load(a_ptr + head).to(tl.float32)
-    d = tl.load(d_ptr + head).to(tl.float32)  # read only with HAS_D (else A's address)
-    bias = tl.load(dt_bias_ptr + head).to(dt_ptr.dtype.element_ty).to(tl.float32)
+        cs = tl.dot(c.to(tl.float32), st, cs, input_precision=PRECISION)
+    row = (req * H + head).to(tl.int64)
+    causal = tl.load(mats_ptr + row * (BLOCK_T * BLOCK_T) + offs_t[:, None] * BLOCK_T
+                     + offs_t[None, :])
+    decay0 = tl.load(vecs_ptr + row * (2 * BLOCK_T) + offs_t)
+    live = tl.load(vecs_ptr + row * (2 * BLOCK_T) + BLOCK_T + offs_t) > 0.0
     x = tl.load(x_ptr + n[:, None] * stride_x_tok + head * stride_x_head + offs_p[None, :],
                 mask=xp_ok, other=0.0).to(tl.float32)
-    dt = tl.load(dt_ptr + n * stride_dt_tok + head, mask=r_ok, other=0.0).to(tl.float32)
-    dt = _process_dt(dt, bias, HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max, dt_ptr.dtype.element_ty)
-    xdt = x * dt[:, None]
-    da = tl.where(r_ok, a * dt, 0.0)
-    # the replay inputs, as the row-by-row form saves them
-    tl.store(ring_x_ptr + (n[:, None] * H + head) * P + offs_p[None, :], xdt, mask=xp_ok)
-    if pb == 0:
-        tl.store(ring_da_ptr + n * H + head, da, mask=r_ok)
-    # rows from the first non-finite one on are zeroed (chunk.py)
-    bad = non_finite(tl.sum(x * x, 1) + sumsq + dt + da)
-    live = offs_t < first_bad_row(bad & r_ok, BLOCK_T)
-    cs = tl.where(live[:, None], cs, 0.0)
     x = tl.where(live[:, None], x, 0.0)
-    xdt = tl.where(live[:, None], xdt, 0.0)
-    ratio, decay0 = chunk_decays(tl.where(live, da, 0.0), BLOCK_T)
-    lower = (offs_t[:, None] >= offs_t[None, :]) & live[:, None] & live[None, :]
-    out = decay0[:, None] * cs + tl.dot(tl.where(lower, ratio * cb, 0.0), xdt,
-                                        input_precision="ieee")
+    out = tl.where(live[:, None], decay0[:, None] * cs, 0.0) + \
+        tl.dot(causal, x, input_precision="ieee")
     if HAS_D:
-        out = out + d * x
+        out = out + tl.load(d_ptr + head).to(tl.float32) * x
     out = tl.where(live[:, None], out, float("nan"))
     tl.store(out_ptr + n[:, None] * stride_out_tok + head * stride_out_head + offs_p[None, :],
              out, mask=xp_ok)
@@ -359,7 +401,10 @@ class SsdPlan:
     """The forward's form: 0 walks the rows one by one; a power of two >= 16 takes that many
     rows at a time through tensor-core products (the commit stays row by row, one warp)."""
     precision: str = "ieee"
-    """``tl.dot``'s input precision in the chunk form (:func:`chunk.dot_precision`)."""
+    """``tl.dot``'s input precision of the chunk form's products on the state
+    (``TargetConfig.state_dot_precision``)."""
+    num_stages: int = 3
+    """Software-pipeline depth of the chunk form's loop over N."""
     heads_first: bool = False
     """The grid's first axis enumerates (head, channel block) and its second the requests: for
     more than ``_MAX_GRID_Y`` of them (a Mamba-1 mixer runs ``d_inner * d_state`` one-element
@@ -382,9 +427,14 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
         block_p //= 2
     num_pb = triton.cdiv(head_dim, block_p)
     heads_first = num_heads * num_pb > _MAX_GRID_Y
-    if n_pad >= 16 and block_p >= 16:
-        return SsdPlan(n_pad, block_p, num_pb, _CHUNK_WARPS, _CHUNK_ROWS, precision,
-                       heads_first)
+    if n_pad >= 16 and p_pad >= 16:
+        chunk_p = min(p_pad, _CHUNK_BLOCK_P)
+        while chunk_p > _MIN_BLOCK_P and \
+                max(num_requests, 1) * num_heads * triton.cdiv(head_dim, chunk_p) < 2 * sm_count:
+            chunk_p //= 2
+        num_pb = triton.cdiv(head_dim, chunk_p)
+        return SsdPlan(n_pad, chunk_p, num_pb, _CHUNK_WARPS, _CHUNK_ROWS, precision,
+                       heads_first=num_heads * num_pb > _MAX_GRID_Y)
     return SsdPlan(n_pad, block_p, num_pb, heads_first=heads_first)
 
 
@@ -429,9 +479,21 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
                  SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, HEADS_FIRST=plan.heads_first,
                  num_warps=plan.num_warps)
     if plan.chunk_rows:
-        log2_rows(plan.chunk_rows)  # a power of two >= 16, or a ValueError
-        launch(_ssd_chunk_forward_kernel, grid, *args, **shape, BLOCK_T=plan.chunk_rows,
-               BLOCK_N=min(_CHUNK_BLOCK_N, plan.n_pad), PRECISION=plan.precision)
+        t = plan.chunk_rows
+        log2_rows(t)  # a power of two >= 16, or a ValueError
+        mats = torch.empty((max(r, 1) * h, t, t), dtype=torch.float32, device=x.device)
+        vecs = torch.empty((max(r, 1) * h, 2, t), dtype=torch.float32, device=x.device)
+        if r:
+            launch(_ssd_chunk_prep_kernel, _grid(r, h, plan.heads_first), x, dt, A, B, C,
+                   A if dt_bias is None else dt_bias, query_start_loc, ring_x, ring_b, ring_da,
+                   mats, vecs, float(dt_min), float(dt_max), x.stride(0), x.stride(1),
+                   dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1), H=h, G=g,
+                   NS=n_state, P=p, N_PAD=plan.n_pad, P_PAD=triton.next_power_of_2(p),
+                   HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
+                   HEADS_FIRST=plan.heads_first, BLOCK_T=t, num_warps=_PREP_WARPS)
+        launch(_ssd_chunk_forward_kernel, grid, *args, mats, vecs, **shape, BLOCK_T=t,
+               BLOCK_N=min(_CHUNK_BLOCK_N, plan.n_pad), NUM_STAGES=plan.num_stages,
+               PRECISION=plan.precision, WALK_P=min(_MIN_BLOCK_P, plan.block_p))
     else:
         launch(_ssd_forward_kernel, grid, *args, **shape)
     return out
