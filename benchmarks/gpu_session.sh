@@ -19,10 +19,6 @@
 #   jit_parallel  jit_parallel.py                      (parallel Triton JIT row)
 #   attention     attention_kernel.py                  (the attention kernel alone)
 #   ssd_kernels   ssd_kernels.py --sweep               (Mamba-2 and GDN verify ops vs state floor)
-#   ssd_forms     ssd_kernels.py --forms rows chunk    (both forward forms on the same inputs)
-#   ssd_chunk_sweep  ssd_kernels.py --bs 64 128 --forms chunk --sweep (the chunk form's blocks
-#                 and warps)
-#   ssd_tests     pytest -m gpu on the GDN and Mamba-2 ops and hybrids (both forward forms)
 #   ssm_step      ssm_step.py                          (Nemotron-H-like verify step vs HF dense)
 #   dsv4_step     dsv4_step.py                         (DeepSeek-V4-shaped verify step vs HF)
 #   dsv4_attr     dsv4_step.py --bs 1 --attribute      (its bf16 logits: ours and HF vs float32)
@@ -95,14 +91,6 @@ job() {
     attention) python3 benchmarks/attention_kernel.py ;;
     ssd_kernels) python3 benchmarks/ssd_kernels.py --sweep ;;
     ssm_step) python3 benchmarks/ssm_step.py ;;
-    ssd_forms) python3 benchmarks/ssd_kernels.py --forms rows chunk ;;
-    ssd_chunk_sweep) python3 benchmarks/ssd_kernels.py --bs 64 128 --forms chunk --sweep \
-        --sweep-blocks 32 64 128 --sweep-warps 1 2 4 --kernels ${SWEEP_KERNELS:-ssd gdn} ;;
-    ssd_tests)
-      if python3 -c "import xdist" 2>/dev/null; then set -- -n 4 --dist loadfile; else set --; fi
-      python3 -m pytest -q -m gpu tests/ops/test_linear_ops.py tests/ops/test_ssd_ops.py \
-        tests/kernels/test_ssd_gpu.py tests/test_gpu.py -k "hybrid or compile_ahead or gdn or ssd \
-        or mamba or conv or opcheck or graph_replays or channel" -p no:cacheprovider -p no:logging "$@" ;;
     dsv4_step) python3 benchmarks/dsv4_step.py ;;
     dsv4_attr) python3 benchmarks/dsv4_step.py --bs 1 --attribute ;;
     dsv4_tests) python3 -m pytest -q -m gpu -p no:logging -p no:cacheprovider \

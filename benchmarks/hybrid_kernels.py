@@ -41,7 +41,6 @@ from dspark_compile.ops import linear_attention as linear_ops  # noqa: E402
 from dspark_compile.ops import linear_attention_reference as ref  # noqa: E402
 from dspark_compile.kernels import conv as triton_conv  # noqa: E402
 from dspark_compile.kernels import gdn as triton_gdn  # noqa: E402
-from dspark_compile.kernels.device import device_target  # noqa: E402
 
 SETTINGS = dict(conv_dim=10240, width=4, conv_batch_sizes=[1, 64, 128], gdn_batch_sizes=[1, 8,
                 128], num_k_heads=16, num_v_heads=32, k_dim=128, v_dim=128, verify_len=8,
@@ -201,9 +200,8 @@ def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
     acc = torch.tensor(lens, dtype=torch.int32, device=device)
     commit = [lambda c=c: triton_gdn.gated_delta_rule_commit_triton(
         c["state"], *c["rings"], c["qsl"], c["slots"], acc) for c in sets]
-    dev = torch.device(device)
-    used = plan or triton_gdn.plan_gdn(bs, hv, kd, vd, triton_conv.device_sm_count(dev),
-                                       precision=device_target(dev)[0].state_dot_precision)
+    used = plan or triton_gdn.plan_gdn(bs, hv, kd, vd, triton_conv.device_sm_count(
+        torch.device(device)))
     return dict(kernel="gdn", bs=bs, lengths="mix1-8" if mix else "all8", num_tokens=sum(lens),
                 copies=len(sets), max_abs_err=err, plan=dataclasses.asdict(used),
                 **_rates(floor, time_calls(fns, s, device), s),

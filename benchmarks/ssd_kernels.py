@@ -10,13 +10,11 @@ forward writes no state) at 4.8 TB/s; the share of it is ``floor / best time``. 
 Every case is first checked against the pure-torch reference (float32 copies), then timed as
 back-to-back launches between two CUDA events and as CUDA-graph replays, cycling over enough
 copies of the inputs that the state comes from HBM, not the 50 MB L2 (``common.time_calls``).
-``--forms rows chunk`` times each case in both forward forms on the same inputs (row by row
-on one warp; 16 rows at a time through tensor-core products, the default where it fits).
-``--sweep`` also times every channel block (``BLOCK_P`` / ``BLOCK_V``) and warp count of each
-form at each batch size, all 8 rows.
+``--sweep`` also times every channel block (``BLOCK_P`` / ``BLOCK_V``) and warp count at each
+batch size, all 8 rows.
 
-Usage: ``python benchmarks/ssd_kernels.py [--forms rows chunk] [--sweep] [--smoke] [--bs 64
-128] [--kernels gdn] [--sweep-warps 1 2 4 8]``. Writes ``ssd_kernels.json`` to ``$OUT`` if set, else to
+Usage: ``python benchmarks/ssd_kernels.py [--sweep] [--smoke] [--bs 64 128] [--kernels gdn]
+[--sweep-warps 1 2 4 8]``. Writes ``ssd_kernels.json`` to ``$OUT`` if set, else to
 ``benchmarks/results/`` (after every row). The GDN inputs and their check are
 ``hybrid_kernels.py``'s. ``--smoke`` runs tiny shapes on the CPU under
 ``TRITON_INTERPRET=1`` (checks the script, times nothing real).
@@ -42,7 +40,7 @@ from hybrid_kernels import (_copies, _gdn_args, check_gdn, gdn_inputs,  # noqa: 
 
 from dspark_compile.kernels import gdn as triton_gdn  # noqa: E402
 from dspark_compile.kernels import ssd as triton_ssd  # noqa: E402
-from dspark_compile.kernels.device import device_sm_count, device_target  # noqa: E402
+from dspark_compile.kernels.device import device_sm_count  # noqa: E402
 from dspark_compile.ops import ssd as ssd_ops  # noqa: E402
 from dspark_compile.ops import ssd_reference as ssd_ref  # noqa: E402
 
@@ -52,14 +50,9 @@ SETTINGS = dict(batch_sizes=[1, 8, 64, 128], block=8, mean_len=3, dtype="bfloat1
                 hbm_bytes_per_s=4.8e12, rotate_bytes=256e6, eager_iters=200, graph_calls=32,
                 graph_replays=20, sweep_blocks=[16, 32, 64], sweep_warps=[1, 2, 4, 8])
 SMOKE = dict(SETTINGS, batch_sizes=[1, 3], dtype="float32", ssd_heads=4, ssd_groups=2,
-             ssd_state=16, ssd_head_dim=24, num_k_heads=2, num_v_heads=4, k_dim=16,
+             ssd_state=8, ssd_head_dim=24, num_k_heads=2, num_v_heads=4, k_dim=16,
              v_dim=16, rotate_bytes=0, eager_iters=2, graph_calls=1, graph_replays=1,
              sweep_blocks=[16], sweep_warps=[4])
-
-
-def _precision(device: str) -> str:
-    """The chunk forms' product precision on ``device`` (what the launches default to)."""
-    return device_target(torch.device(device))[0].state_dot_precision
 
 
 def lengths(bs: int, mix: bool, s: dict) -> list[int]:
@@ -129,8 +122,7 @@ def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
     acc = torch.tensor(lens, dtype=torch.int32, device=device)
     commit = [lambda c=c: triton_ssd.ssd_commit_triton(
         c["state"], *c["rings"], c["qsl"], c["slots"], acc, plan=plan) for c in sets]
-    used = plan or triton_ssd.plan_ssd(bs, h, ns, p, device_sm_count(torch.device(device)),
-                                       _precision(device))
+    used = plan or triton_ssd.plan_ssd(bs, h, ns, p, device_sm_count(torch.device(device)))
     return dict(kernel="ssd", bs=bs, lengths="mix_mean3" if mix else "all8",
                 num_tokens=sum(lens), copies=len(sets), max_abs_err=err,
                 plan=dataclasses.asdict(used), **_rates(floor, time_calls(fns, s, device), s),
@@ -149,59 +141,39 @@ def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
     acc = torch.tensor(lens, dtype=torch.int32, device=device)
     commit = [lambda c=c: triton_gdn.gated_delta_rule_commit_triton(
         c["state"], *c["rings"], c["qsl"], c["slots"], acc, plan=plan) for c in sets]
-    used = plan or triton_gdn.plan_gdn(bs, hv, kd, vd, device_sm_count(torch.device(device)),
-                                       precision=_precision(device))
+    used = plan or triton_gdn.plan_gdn(bs, hv, kd, vd, device_sm_count(torch.device(device)))
     return dict(kernel="gdn", bs=bs, lengths="mix_mean3" if mix else "all8",
                 num_tokens=sum(lens), copies=len(sets), max_abs_err=err,
                 plan=dataclasses.asdict(used), **_rates(floor, time_calls(fns, s, device), s),
                 commit=_rates(2 * floor, time_calls(commit, s, device), s))
 
 
-def form_plan(kernel: str, form: str, bs: int, s: dict, device: str, block: int | None = None,
-              warps: int | None = None):
-    """The default plan of a kernel at ``bs`` in one forward form, its channel block and warp
-    count replaced where given."""
-    sm = device_sm_count(torch.device(device))
-    prec = _precision(device)
-    if kernel == "gdn":
-        plan = triton_gdn.plan_gdn(bs, s["num_v_heads"], s["k_dim"], s["v_dim"], sm,
-                                   precision=prec)
-        size, field, count = s["v_dim"], "block_v", "num_vb"
-    else:
-        plan = triton_ssd.plan_ssd(bs, s["ssd_heads"], s["ssd_state"], s["ssd_head_dim"], sm,
-                                   prec)
-        size, field, count = s["ssd_head_dim"], "block_p", "num_pb"
-    if form == "rows":
-        plan = dataclasses.replace(plan, chunk_rows=0, num_warps=1)
-    elif not plan.chunk_rows:
-        raise ValueError(f"{kernel} at these shapes has no chunk form")
-    if block:
-        plan = dataclasses.replace(plan, **{field: block, count: -(-size // block)})
-    if warps:
-        plan = dataclasses.replace(plan, num_warps=warps)
-    return plan
-
-
-def sweep(s: dict, device: str, kernels: tuple[str, ...], forms: tuple[str, ...],
-          emit) -> None:
-    """Every channel block and warp count of the kernels' forms at each batch size, all 8
-    rows."""
-    cases = {"gdn": gdn_case, "ssd": ssd_case}
+def sweep(s: dict, device: str, kernels: tuple[str, ...], emit) -> None:
+    """Every channel block and warp count of the kernels at each batch size, all 8 rows."""
+    ns, kd = s["ssd_state"], s["k_dim"]
+    n_pad, k_pad = 1 << (ns - 1).bit_length(), 1 << (kd - 1).bit_length()
     for bs in s["batch_sizes"]:
-        for name in kernels:
-            for form in forms:
-                for block in s["sweep_blocks"]:
-                    for warps in s["sweep_warps"]:
-                        plan = form_plan(name, form, bs, s, device, block, warps)
-                        r = cases[name](bs, False, s, device, plan)
-                        emit(dict(kernel=name, form=form, bs=bs, block=block,
-                                  num_warps=warps, best_us=r["best_us"],
-                                  floor_pct=r["floor_pct"], commit_us=r["commit"]["best_us"]))
+        for block_v in s["sweep_blocks"] if "gdn" in kernels else ():
+            for warps in s["sweep_warps"]:
+                plan = triton_gdn.GdnPlan(k_pad, block_v, -(-s["v_dim"] // block_v),
+                                          warps)
+                r = gdn_case(bs, False, s, device, plan)
+                emit(dict(kernel="gdn", bs=bs, block_v=block_v, num_warps=warps,
+                          best_us=r["best_us"], floor_pct=r["floor_pct"],
+                          commit_us=r["commit"]["best_us"]))
+        for block_p in s["sweep_blocks"] if "ssd" in kernels else ():
+            for warps in s["sweep_warps"]:
+                plan = triton_ssd.SsdPlan(n_pad, block_p, -(-s["ssd_head_dim"] // block_p),
+                                          warps)
+                r = ssd_case(bs, False, s, device, plan)
+                emit(dict(kernel="ssd", bs=bs, block_p=block_p, num_warps=warps,
+                          best_us=r["best_us"], floor_pct=r["floor_pct"],
+                          commit_us=r["commit"]["best_us"]))
 
 
 def _row(r: dict) -> str:
     c = r["commit"]
-    return (f"{r['kernel']:>6} {r.get('form', ''):>5} {r['bs']:>4} {r['lengths']:>9} {r['eager_us']:>9.1f} "
+    return (f"{r['kernel']:>6} {r['bs']:>4} {r['lengths']:>9} {r['eager_us']:>9.1f} "
             f"{r['graph_us'] or 0:>9.1f} {r['floor_us']:>8.2f} {r['floor_pct']:>6} "
             f"{c['best_us']:>9.1f} {c['floor_pct']:>7}")
 
@@ -213,14 +185,10 @@ def main() -> None:
     ap.add_argument("--bs", type=int, nargs="+", help="batch sizes (default: 1 8 64 128)")
     ap.add_argument("--kernels", nargs="+", choices=("ssd", "gdn"), default=("ssd", "gdn"))
     ap.add_argument("--sweep-warps", type=int, nargs="+", help="warp counts of the sweep")
-    ap.add_argument("--sweep-blocks", type=int, nargs="+", help="channel blocks of the sweep")
-    ap.add_argument("--forms", nargs="+", choices=("rows", "chunk"),
-                    help="forward forms, each timed on the same inputs (default: the plan's)")
     opts = ap.parse_args()
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
     s = dict(s, **({"batch_sizes": opts.bs} if opts.bs else {}),
-             **({"sweep_warps": opts.sweep_warps} if opts.sweep_warps else {}),
-             **({"sweep_blocks": opts.sweep_blocks} if opts.sweep_blocks else {}))
+             **({"sweep_warps": opts.sweep_warps} if opts.sweep_warps else {}))
     import transformers
     import triton
     report = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
@@ -233,18 +201,15 @@ def main() -> None:
     def save() -> None:  # after every row: a run stopped by its time limit keeps what it did
         (out_dir / "ssd_kernels.json").write_text(json.dumps(report, indent=1))
 
-    print(f"{'kernel':>6} {'form':>5} {'bs':>4} {'lens':>9} {'eager us':>9} {'graph us':>9} "
+    print(f"{'kernel':>6} {'bs':>4} {'lens':>9} {'eager us':>9} {'graph us':>9} "
           f"{'floor us':>8} {'floor%':>6} {'commit us':>9} {'commit%':>7}", flush=True)
     cases = {"ssd": ssd_case, "gdn": gdn_case}
     for bs in s["batch_sizes"]:
         for mix in (True, False):
             for name in opts.kernels:
-                for form in opts.forms or (None,):
-                    plan = form and form_plan(name, form, bs, s, device)
-                    report["results"].append(dict(cases[name](bs, mix, s, device, plan),
-                                                  form=form or "default"))
-                    print(_row(report["results"][-1]), flush=True)
-                    save()
+                report["results"].append(cases[name](bs, mix, s, device))
+                print(_row(report["results"][-1]), flush=True)
+                save()
     if opts.sweep:
         report["sweep"] = []
 
@@ -253,7 +218,7 @@ def main() -> None:
             print(row, flush=True)
             save()
 
-        sweep(s, device, tuple(opts.kernels), tuple(opts.forms or ("chunk",)), emit)
+        sweep(s, device, tuple(opts.kernels), emit)
     del report["partial"]
     save()
 

@@ -198,9 +198,8 @@ def test_compile_ahead_compiles_every_tier_kernel_and_touches_no_state(monkeypat
     before = [t.clone() for t in pools]
     assert verifier.capture(state, block=8, progress=False).ahead_seconds > 0
     ahead = {name for name, warm in compiles if warm}
-    # K = V = 16: the GDN forward takes its chunk form
     assert {"_metadata_kernel", "_ragged_attention_kernel", "_causal_conv1d_kernel",
-            "_gdn_chunk_prep_kernel", "_gdn_chunk_forward_kernel", "_gdn_commit_kernel", "_conv_commit_kernel"} <= ahead
+            "_gdn_forward_kernel", "_gdn_commit_kernel", "_conv_commit_kernel"} <= ahead
     assert [name for name, warm in compiles if not warm] == []
     for a, b in zip(before, pools):
         assert torch.equal(a, b)

@@ -47,11 +47,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk import chunk_decays, first_bad_row, halves, log2_rows, non_finite, \
-    unit_lower_inverse
 from .launch import launch
 from ..ops.linear_attention_reference import check_gdn, check_gdn_commit
-from .device import device_sm_count, device_target
+from .device import device_sm_count
 
 __all__ = ["GdnPlan", "plan_gdn", "gated_delta_rule_triton", "gated_delta_rule_commit_triton"]
 
@@ -59,11 +57,6 @@ _NUM_WARPS = 1  # module docstring: the sweep's best at every tile
 _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on one warp of 32
 _MIN_BLOCK_V = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
-_CHUNK_ROWS = 16  # rows per tensor-core step of the chunk form: tl.dot's smallest M
-_CHUNK_WARPS = 2  # the products' 2 BLOCK_T rows: 16 a warp
-_CHUNK_BLOCK_K = 32  # K per product step of the chunk form
-_CHUNK_BLOCK_V = 64
-_PREP_WARPS = 4
 
 
 @triton.jit
@@ -150,14 +143,31 @@ def _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, head, k_head, offs_k, off
 
 
 @triton.jit
-def _walk_rows(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, ring_k_ptr,
-               ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_slots, req, start, length, head,
-               vb, offs_k, offs_v, k_ok, v_ok, stride_q_tok, stride_q_head, stride_k_tok,
-               stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_g_head,
-               stride_beta_tok, stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
-               stride_s_k, HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr,
-               VD: tl.constexpr, L2NORM: tl.constexpr, CHANNEL_GATES: tl.constexpr):
-    """The row-by-row form over one request's rows (``length >= 1``), from its pool slot."""
+def _gdn_forward_kernel(
+        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
+        slots_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_tokens,
+        num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+        stride_v_tok, stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
+        stride_out_tok, stride_out_head, stride_s_slot, stride_s_head, stride_s_k,
+        HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
+        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
+        PAD_ROWS: tl.constexpr, CHANNEL_GATES: tl.constexpr):
+    """One (request, value head, value-channel block): the request's rows, in order."""
+    req = tl.program_id(0)
+    head = tl.program_id(1) // NUM_VB
+    vb = tl.program_id(1) % NUM_VB
+    offs_k = tl.arange(0, K_PAD)
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    k_ok = offs_k < KD
+    v_ok = offs_v < VD
+    start = tl.load(query_start_loc_ptr + req)
+    if req == num_requests:
+        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, v_ok, stride_out_tok,
+                           stride_out_head, BLOCK_V, PAD_ROWS)
+        return
+    length = tl.load(query_start_loc_ptr + req + 1) - start
+    if length <= 0:
+        return
     slot = tl.load(slots_ptr + req).to(tl.int64)
     _, state = _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok,
                            stride_s_slot, stride_s_head, stride_s_k)
@@ -187,205 +197,6 @@ def _walk_rows(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_p
         _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k,
                    v, g, beta, offs_k, offs_v, k_ok, v_ok, HK, HV, KD, VD, CHANNEL_GATES)
         q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
-
-
-
-
-@triton.jit
-def _gdn_forward_kernel(
-        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
-        slots_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_tokens,
-        num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-        stride_v_tok, stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
-        stride_out_tok, stride_out_head, stride_s_slot, stride_s_head, stride_s_k,
-        HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
-        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
-        PAD_ROWS: tl.constexpr, CHANNEL_GATES: tl.constexpr):
-    """One (request, value head, value-channel block): the request's rows, in order."""
-    req = tl.program_id(0)
-    head = tl.program_id(1) // NUM_VB
-    vb = tl.program_id(1) % NUM_VB
-    offs_k = tl.arange(0, K_PAD)
-    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    k_ok = offs_k < KD
-    v_ok = offs_v < VD
-    start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, v_ok, stride_out_tok,
-                           stride_out_head, BLOCK_V, PAD_ROWS)
-        return
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if length <= 0:
-        return
-    _walk_rows(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr, ring_k_ptr,
-               ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_slots, req, start, length, head,
-               vb, offs_k, offs_v, k_ok, v_ok, stride_q_tok, stride_q_head, stride_k_tok,
-               stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_g_head,
-               stride_beta_tok, stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
-               stride_s_k, HK, HV, KD, VD, L2NORM, CHANNEL_GATES)
-
-
-@triton.jit
-def _gdn_chunk_prep_kernel(
-        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, query_start_loc_ptr, ring_k_ptr, ring_v_ptr,
-        ring_g_ptr, ring_beta_ptr, mats_ptr, vecs_ptr, scale, stride_q_tok, stride_q_head,
-        stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_g_head,
-        stride_beta_tok, HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr,
-        VD: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr, L2NORM: tl.constexpr,
-        BLOCK_T: tl.constexpr, LOG2_T: tl.constexpr):
-    """One (request, value head) of up to ``BLOCK_T`` rows: everything of the chunk form that
-    does not depend on the value channel (module docstring, "Chunk form"). Writes the replay
-    rings, the two ``[BLOCK_T, BLOCK_T]`` matrices (the solve times ``diag(beta)``, and the
-    decayed causal ``q k^T``) and three row vectors (the weights of ``k S0`` and ``q S0`` in
-    raw, unnormalized products, and the live rows) for ``_gdn_chunk_forward_kernel``."""
-    req = tl.program_id(0)
-    head = tl.program_id(1)
-    start = tl.load(query_start_loc_ptr + req)
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if (length <= 0) | (length > BLOCK_T):
-        return  # an empty request, or one the forward walks row by row
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_k = tl.arange(0, K_PAD)
-    offs_v = tl.arange(0, V_PAD)
-    k_ok = offs_k < KD
-    v_ok = offs_v < VD
-    k_head = head // (HV // HK)
-    n = (start + offs_t).to(tl.int64)
-    r_ok = offs_t < length
-    kq_ok = r_ok[:, None] & k_ok[None, :]
-    vv_ok = r_ok[:, None] & v_ok[None, :]
-    k = tl.load(k_ptr + n[:, None] * stride_k_tok + k_head * stride_k_head + offs_k[None, :],
-                mask=kq_ok, other=0.0).to(tl.float32)
-    q = tl.load(q_ptr + n[:, None] * stride_q_tok + k_head * stride_q_head + offs_k[None, :],
-                mask=kq_ok, other=0.0).to(tl.float32)
-    v = tl.load(v_ptr + n[:, None] * stride_v_tok + head * stride_v_head + offs_v[None, :],
-                mask=vv_ok, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + n * stride_g_tok + head, mask=r_ok, other=0.0).to(tl.float32)
-    beta = tl.load(beta_ptr + n * stride_beta_tok + head, mask=r_ok, other=0.0).to(tl.float32)
-    kk_sum = tl.sum(k * k, 1)
-    qq_sum = tl.sum(q * q, 1)
-    k_scale = tl.full([BLOCK_T], 1.0, tl.float32)
-    q_scale = tl.full([BLOCK_T], 1.0, tl.float32)
-    if L2NORM:
-        k_scale = tl.rsqrt(kk_sum + 1e-6)
-        q_scale = tl.rsqrt(qq_sum + 1e-6)
-    # the replay inputs, as the row-by-row form saves them
-    if head % (HV // HK) == 0:
-        tl.store(ring_k_ptr + (n[:, None] * HK + k_head) * KD + offs_k[None, :],
-                 k * k_scale[:, None], mask=kq_ok)
-    tl.store(ring_v_ptr + (n[:, None] * HV + head) * VD + offs_v[None, :], v, mask=vv_ok)
-    tl.store(ring_g_ptr + n * HV + head, g, mask=r_ok)
-    tl.store(ring_beta_ptr + n * HV + head, beta, mask=r_ok)
-    # rows from the first non-finite one on are zeroed (chunk.py); g = -inf is a decay to 0
-    bad = non_finite(kk_sum + qq_sum + tl.sum(v * v, 1) + beta) | (g != g) | \
-        (g == float("inf"))
-    live = offs_t < first_bad_row(bad & r_ok, BLOCK_T)
-    kn = tl.where(live[:, None], k * k_scale[:, None], 0.0)
-    qn = tl.where(live[:, None], q * (q_scale * scale)[:, None], 0.0)
-    kk = tl.dot(kn, tl.trans(kn), input_precision="ieee")
-    qk = tl.dot(qn, tl.trans(kn), input_precision="ieee")
-    beta = tl.where(live, beta, 0.0)
-    ratio, decay0 = chunk_decays(tl.where(live, g, 0.0), BLOCK_T)
-    # delta = (I + A)^-1 diag(beta) (v - decay0 S0^T k), A[t, i] = beta_t ratio[t, i] k_t . k_i
-    strict = offs_t[:, None] > offs_t[None, :]
-    solve = unit_lower_inverse(tl.where(strict, beta[:, None] * ratio * kk, 0.0), BLOCK_T,
-                               LOG2_T) * beta[None, :]
-    causal = tl.where(offs_t[:, None] >= offs_t[None, :], ratio * qk, 0.0)
-    base = mats_ptr + (req * HV + head).to(tl.int64) * (2 * BLOCK_T * BLOCK_T)
-    tile = offs_t[:, None] * BLOCK_T + offs_t[None, :]
-    tl.store(base + tile, solve)
-    tl.store(base + BLOCK_T * BLOCK_T + tile, causal)
-    vbase = vecs_ptr + (req * HV + head).to(tl.int64) * (3 * BLOCK_T)
-    tl.store(vbase + offs_t, tl.where(live, decay0 * k_scale, 0.0))
-    tl.store(vbase + BLOCK_T + offs_t, tl.where(live, decay0 * q_scale * scale, 0.0))
-    tl.store(vbase + 2 * BLOCK_T + offs_t, live.to(tl.float32))
-
-
-@triton.jit
-def _gdn_chunk_forward_kernel(
-        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
-        slots_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_tokens,
-        num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-        stride_v_tok, stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
-        stride_out_tok, stride_out_head, stride_s_slot, stride_s_head, stride_s_k,
-        mats_ptr, vecs_ptr,
-        HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
-        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
-        PAD_ROWS: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
-        NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, WALK_V: tl.constexpr):
-    """One (request, value head, value-channel block): a request of up to ``BLOCK_T`` rows all
-    at once from the state before them, with what ``_gdn_chunk_prep_kernel`` left for it
-    (module docstring, "Chunk form"); a longer one row by row. Scalar gates only."""
-    req = tl.program_id(0)
-    head = tl.program_id(1) // NUM_VB
-    vb = tl.program_id(1) % NUM_VB
-    offs_k = tl.arange(0, K_PAD)
-    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    offs_t = tl.arange(0, BLOCK_T)
-    k_ok = offs_k < KD
-    v_ok = offs_v < VD
-    start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, v_ok, stride_out_tok,
-                           stride_out_head, BLOCK_V, PAD_ROWS)
-        return
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if length <= 0:
-        return
-    if length > BLOCK_T:
-        # a prefill (its state would have to pass between chunks): row by row, 16 channels at
-        # a time, so that this path's state tile stays as small as the chunk path's operands
-        for v0 in range(0, BLOCK_V, WALK_V):
-            offs_w = vb * BLOCK_V + v0 + tl.arange(0, WALK_V)
-            _walk_rows(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, slots_ptr,
-                       ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_slots,
-                       req, start, length, head, vb + v0, offs_k, offs_w, k_ok, offs_w < VD,
-                       stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
-                       stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
-                       stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
-                       stride_s_k, HK, HV, KD, VD, L2NORM, False)
-        return
-    slot = tl.load(slots_ptr + req).to(tl.int64)
-    k_head = head // (HV // HK)
-    n = (start + offs_t).to(tl.int64)
-    r_ok = offs_t < length
-    vv_ok = r_ok[:, None] & v_ok[None, :]
-    # q's rows over k's, as one [2 BLOCK_T, K] operand: the product has M = 2 BLOCK_T, so its
-    # rows split over the program's warps instead of every warp computing all of them; raw
-    # (unnormalized) rows, weighted after the product, so a non-finite row stays in its own
-    offs_s = tl.arange(0, 2 * BLOCK_T)
-    n_s = (start + offs_s % BLOCK_T).to(tl.int64)
-    s_ok = (offs_s % BLOCK_T) < length
-    stacked = tl.where(offs_s < BLOCK_T,
-                       q_ptr + n_s * stride_q_tok + k_head * stride_q_head,
-                       k_ptr + n_s * stride_k_tok + k_head * stride_k_head)
-    prod = tl.zeros([2 * BLOCK_T, BLOCK_V], tl.float32)  # [q; k] S0
-    for k0 in tl.range(0, K_PAD, BLOCK_K, num_stages=NUM_STAGES):
-        offs_c = k0 + tl.arange(0, BLOCK_K)
-        c_ok = offs_c < KD
-        x = tl.load(stacked[:, None] + offs_c[None, :], mask=s_ok[:, None] & c_ok[None, :],
-                    other=0.0)
-        _, st = _load_state(state_ptr, slot, num_slots, head, offs_c, offs_v, c_ok, v_ok,
-                            stride_s_slot, stride_s_head, stride_s_k)
-        prod = tl.dot(x.to(tl.float32), st, prod, input_precision=PRECISION)
-    qs, ks = halves(prod, BLOCK_T, BLOCK_V)
-    base = mats_ptr + (req * HV + head).to(tl.int64) * (2 * BLOCK_T * BLOCK_T)
-    tile = offs_t[:, None] * BLOCK_T + offs_t[None, :]
-    solve = tl.load(base + tile)
-    causal = tl.load(base + BLOCK_T * BLOCK_T + tile)
-    vbase = vecs_ptr + (req * HV + head).to(tl.int64) * (3 * BLOCK_T)
-    k_weight = tl.load(vbase + offs_t)
-    q_weight = tl.load(vbase + BLOCK_T + offs_t)
-    live = tl.load(vbase + 2 * BLOCK_T + offs_t) > 0.0
-    v = tl.load(v_ptr + n[:, None] * stride_v_tok + head * stride_v_head + offs_v[None, :],
-                mask=vv_ok, other=0.0).to(tl.float32)
-    rhs = tl.where(live[:, None], v - k_weight[:, None] * ks, 0.0)
-    delta = tl.dot(solve, rhs, input_precision="ieee")
-    out = tl.where(live[:, None], q_weight[:, None] * qs, 0.0) + \
-        tl.dot(causal, delta, input_precision="ieee")
-    out = tl.where(live[:, None], out, float("nan"))
-    tl.store(out_ptr + n[:, None] * stride_out_tok + head * stride_out_head + offs_v[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=vv_ok)
 
 
 @triton.jit
@@ -453,40 +264,22 @@ class GdnPlan:
     num_vb: int
     """Value-channel blocks per head: ``cdiv(V, block_v)``."""
     num_warps: int = _NUM_WARPS
-    """Warps per forward program (``benchmarks/ssd_kernels.py --sweep`` times 1 to 8); the
-    commit runs on as many, or on one beside a chunk-form forward."""
-    chunk_rows: int = 0
-    """The forward's form: 0 walks the rows one by one; a power of two >= 16 takes that many
-    rows at a time through tensor-core products (scalar gates only)."""
-    precision: str = "ieee"
-    """``tl.dot``'s input precision of the chunk form's products on the state
-    (``TargetConfig.state_dot_precision``)."""
-    num_stages: int = 3
-    """Software-pipeline depth of the chunk form's loop over K."""
+    """Warps per program (``benchmarks/ssd_kernels.py --sweep`` times 1 to 8)."""
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_gdn(num_requests: int, num_v_heads: int, k_dim: int, v_dim: int,
-             sm_count: int, channel_gates: bool = False, precision: str = "ieee") -> GdnPlan:
+             sm_count: int) -> GdnPlan:
     """``BLOCK_V`` from host ints: at most ``_MAX_TILE / K_PAD`` channels (32 at K = 128, so
     the state slice stays in registers), halved (down to 16) while ``R * Hv * V / BLOCK_V``
     programs are fewer than two per multiprocessor. At 32 value heads, V = 128 on an H200 (132
-    SMs): bs 1 runs 256 programs of 16 channels, bs >= 8 programs of 32. The forward takes the
-    chunk form (``_CHUNK_ROWS`` rows, ``_CHUNK_WARPS`` warps) where its products fit: scalar
-    gates, K and ``BLOCK_V`` of at least 16."""
+    SMs): bs 1 runs 256 programs of 16 channels, bs >= 8 programs of 32."""
     k_pad = triton.next_power_of_2(max(k_dim, 1))
     v_pad = triton.next_power_of_2(max(v_dim, 1))
     block_v = min(v_pad, max(_MIN_BLOCK_V, _MAX_TILE // k_pad))
     while block_v > _MIN_BLOCK_V and \
             max(num_requests, 1) * num_v_heads * triton.cdiv(v_dim, block_v) < 2 * sm_count:
         block_v //= 2
-    if not channel_gates and k_pad >= 16 and v_pad >= 16:
-        chunk_v = min(v_pad, _CHUNK_BLOCK_V)
-        while chunk_v > _MIN_BLOCK_V and \
-                max(num_requests, 1) * num_v_heads * triton.cdiv(v_dim, chunk_v) < 2 * sm_count:
-            chunk_v //= 2
-        return GdnPlan(k_pad, chunk_v, triton.cdiv(v_dim, chunk_v), _CHUNK_WARPS, _CHUNK_ROWS,
-                       precision)
     return GdnPlan(k_pad, block_v, triton.cdiv(v_dim, block_v))
 
 
@@ -507,38 +300,15 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
     out = torch.empty((n, hv, vd), dtype=q.dtype, device=q.device)
     if n == 0 or vd == 0:
         return out
-    gates = g.dim() == 3
-    plan = plan or plan_gdn(r, hv, kd, vd, device_sm_count(q.device), gates,
-                            device_target(q.device)[0].state_dot_precision)
-    if plan.chunk_rows and gates:
-        raise ValueError(f"GdnPlan.chunk_rows = {plan.chunk_rows}: the chunk form takes one "
-                         "gate a head (g [N, Hv]); g has one a key channel, use chunk_rows = 0")
+    plan = plan or plan_gdn(r, hv, kd, vd, device_sm_count(q.device))
     st = recurrent_state
-    args = (out, q, k, v, g, beta, st, query_start_loc, slots, ring_k, ring_v, ring_g, ring_beta,
-            float(scale), n, r, st.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-            v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), out.stride(0),
-            out.stride(1), st.stride(0), st.stride(1), st.stride(2))
-    shape = dict(HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad, BLOCK_V=plan.block_v,
-                 NUM_VB=plan.num_vb, L2NORM=use_qk_l2norm, PAD_ROWS=_PAD_ROWS,
-                 num_warps=plan.num_warps)
-    if plan.chunk_rows:
-        t = plan.chunk_rows
-        mats = torch.empty((max(r, 1) * hv, 2, t, t), dtype=torch.float32, device=q.device)
-        vecs = torch.empty((max(r, 1) * hv, 3, t), dtype=torch.float32, device=q.device)
-        if r:
-            launch(_gdn_chunk_prep_kernel, (r, hv), q, k, v, g, beta, query_start_loc, ring_k,
-                   ring_v, ring_g, ring_beta, mats, vecs, float(scale), q.stride(0),
-                   q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
-                   g.stride(1), beta.stride(0), HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad,
-                   V_PAD=triton.next_power_of_2(vd), L2NORM=use_qk_l2norm, BLOCK_T=t,
-                   LOG2_T=log2_rows(t), num_warps=_PREP_WARPS)
-        launch(_gdn_chunk_forward_kernel, (r + 1, hv * plan.num_vb), *args, mats, vecs,
-               **shape, BLOCK_T=t, BLOCK_K=min(_CHUNK_BLOCK_K, plan.k_pad),
-               NUM_STAGES=plan.num_stages, PRECISION=plan.precision,
-               WALK_V=min(_MIN_BLOCK_V, plan.block_v))
-    else:
-        launch(_gdn_forward_kernel, (r + 1, hv * plan.num_vb), *args, **shape,
-               CHANNEL_GATES=gates)
+    launch(_gdn_forward_kernel, (r + 1, hv * plan.num_vb),
+        out, q, k, v, g, beta, st, query_start_loc, slots, ring_k, ring_v, ring_g, ring_beta,
+        float(scale), n, r, st.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
+        v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), out.stride(0),
+        out.stride(1), st.stride(0), st.stride(1), st.stride(2), HK=hk, HV=hv, KD=kd, VD=vd,
+        K_PAD=plan.k_pad, BLOCK_V=plan.block_v, NUM_VB=plan.num_vb, L2NORM=use_qk_l2norm,
+        PAD_ROWS=_PAD_ROWS, CHANNEL_GATES=g.dim() == 3, num_warps=plan.num_warps)
     return out
 
 
@@ -559,5 +329,4 @@ def gated_delta_rule_commit_triton(recurrent_state, ring_k, ring_v, ring_g, ring
         st, ring_k, ring_v, ring_g, ring_beta, query_start_loc, slots, accept_lens,
         st.shape[0], st.stride(0), st.stride(1), st.stride(2), HK=ring_k.shape[1], HV=hv,
         KD=kd, VD=vd, K_PAD=plan.k_pad, BLOCK_V=plan.block_v, NUM_VB=plan.num_vb,
-        CHANNEL_GATES=ring_g.dim() == 3,
-        num_warps=_NUM_WARPS if plan.chunk_rows else plan.num_warps)
+        CHANNEL_GATES=ring_g.dim() == 3, num_warps=plan.num_warps)

@@ -48,23 +48,16 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk import chunk_decays, first_bad_row, log2_rows, non_finite
 from .gdn import _load_state, _zero_padding_rows  # shared tiles: same layout
 from .launch import launch
 from ..ops.ssd_reference import check_ssd, check_ssd_commit
-from .device import device_sm_count, device_target
+from .device import device_sm_count
 
 __all__ = ["SsdPlan", "plan_ssd", "ssd_triton", "ssd_commit_triton"]
 
 _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on one warp
 _MIN_BLOCK_P = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
-_CHUNK_ROWS = 16  # rows per tensor-core step of the chunk form: tl.dot's smallest M
-_CHUNK_WARPS = 1  # the products' BLOCK_T rows: one warp's tile
-_CHUNK_BLOCK_N = 32  # N per product step of the chunk form
-_PREP_WARPS = 4
-_CHUNK_BLOCK_P = 64
-_COMMIT_WARPS = 1  # SsdPlan.num_warps: one warp is the row-by-row kernels' best
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 _SCALE_LO = tl.constexpr(2.0 ** -40)  # a state scale outside [LO, HI] is folded into the tile
 _SCALE_HI = tl.constexpr(2.0 ** 40)
@@ -114,15 +107,32 @@ def _load_row(x_ptr, dt_ptr, b_ptr, c_ptr, n, head, group, offs_n, offs_p, n_ok,
 
 
 @triton.jit
-def _walk_rows(out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
-               slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max, num_slots, req,
-               start, length, head, pb, offs_n, offs_p, n_ok, p_ok, stride_x_tok,
-               stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
-               stride_c_group, stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
-               stride_s_n, H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr,
-               P: tl.constexpr, HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-               SOFTPLUS: tl.constexpr):
-    """The row-by-row form over one request's rows (``length >= 1``), from its pool slot."""
+def _ssd_forward_kernel(
+        out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
+        query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
+        num_tokens, num_requests, num_slots, stride_x_tok, stride_x_head, stride_dt_tok,
+        stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
+        stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
+        G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
+        BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
+        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
+        HEADS_FIRST: tl.constexpr):
+    """One (request, head, channel block): the request's rows, in order."""
+    req = tl.program_id(1 if HEADS_FIRST else 0)
+    head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
+    pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
+    offs_n = tl.arange(0, N_PAD)
+    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
+    n_ok = offs_n < NS
+    p_ok = offs_p < P
+    start = tl.load(query_start_loc_ptr + req)
+    if req == num_requests:
+        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
+                           stride_out_head, BLOCK_P, PAD_ROWS)
+        return
+    length = tl.load(query_start_loc_ptr + req + 1) - start
+    if length <= 0:
+        return
     slot = tl.load(slots_ptr + req).to(tl.int64)
     _, state = _load_state(state_ptr, slot, num_slots, head, offs_n, offs_p, n_ok, p_ok,
                            stride_s_slot, stride_s_head, stride_s_n)
@@ -161,177 +171,6 @@ def _walk_rows(out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, 
             if head % (H // G) == 0:
                 tl.store(ring_b_ptr + (n * G + group) * NS + offs_n, b, mask=n_ok)
         x, dt, b, c = x_next, dt_next, b_next, c_next
-
-
-
-
-@triton.jit
-def _ssd_forward_kernel(
-        out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
-        query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
-        num_tokens, num_requests, num_slots, stride_x_tok, stride_x_head, stride_dt_tok,
-        stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
-        stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
-        G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
-        BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
-        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
-        HEADS_FIRST: tl.constexpr):
-    """One (request, head, channel block): the request's rows, in order."""
-    req = tl.program_id(1 if HEADS_FIRST else 0)
-    head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
-    pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
-    offs_n = tl.arange(0, N_PAD)
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    n_ok = offs_n < NS
-    p_ok = offs_p < P
-    start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
-                           stride_out_head, BLOCK_P, PAD_ROWS)
-        return
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if length <= 0:
-        return
-    _walk_rows(out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
-               slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max, num_slots, req,
-               start, length, head, pb, offs_n, offs_p, n_ok, p_ok, stride_x_tok,
-               stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
-               stride_c_group, stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
-               stride_s_n, H, G, NS, P, HAS_D, HAS_DT_BIAS, SOFTPLUS)
-
-
-@triton.jit
-def _ssd_chunk_prep_kernel(
-        x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, dt_bias_ptr, query_start_loc_ptr, ring_x_ptr,
-        ring_b_ptr, ring_da_ptr, mats_ptr, vecs_ptr, dt_min, dt_max, stride_x_tok,
-        stride_x_head, stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
-        stride_c_group, H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr,
-        N_PAD: tl.constexpr, P_PAD: tl.constexpr, HAS_DT_BIAS: tl.constexpr,
-        SOFTPLUS: tl.constexpr, HEADS_FIRST: tl.constexpr, BLOCK_T: tl.constexpr):
-    """One (request, head) of up to ``BLOCK_T`` rows: everything of the chunk form that does
-    not depend on the head channel (module docstring, "Chunk form"). Writes the replay rings,
-    the decayed causal ``C B^T diag(dt)`` and two row vectors (the chunk start's weight in each
-    row, the live rows) for ``_ssd_chunk_forward_kernel``."""
-    req = tl.program_id(1 if HEADS_FIRST else 0)
-    head = tl.program_id(0 if HEADS_FIRST else 1)
-    start = tl.load(query_start_loc_ptr + req)
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if (length <= 0) | (length > BLOCK_T):
-        return  # an empty request, or one the forward walks row by row
-    offs_t = tl.arange(0, BLOCK_T)
-    offs_n = tl.arange(0, N_PAD)
-    offs_p = tl.arange(0, P_PAD)
-    group = head // (H // G)
-    n = (start + offs_t).to(tl.int64)
-    r_ok = offs_t < length
-    bn_ok = r_ok[:, None] & (offs_n < NS)[None, :]
-    xp_ok = r_ok[:, None] & (offs_p < P)[None, :]
-    x = tl.load(x_ptr + n[:, None] * stride_x_tok + head * stride_x_head + offs_p[None, :],
-                mask=xp_ok, other=0.0).to(tl.float32)
-    b = tl.load(b_ptr + n[:, None] * stride_b_tok + group * stride_b_group + offs_n[None, :],
-                mask=bn_ok, other=0.0).to(tl.float32)
-    c = tl.load(c_ptr + n[:, None] * stride_c_tok + group * stride_c_group + offs_n[None, :],
-                mask=bn_ok, other=0.0).to(tl.float32)
-    a = tl.load(a_ptr + head).to(tl.float32)
-    bias = tl.load(dt_bias_ptr + head).to(dt_ptr.dtype.element_ty).to(tl.float32)
-    dt = tl.load(dt_ptr + n * stride_dt_tok + head, mask=r_ok, other=0.0).to(tl.float32)
-    dt = _process_dt(dt, bias, HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max, dt_ptr.dtype.element_ty)
-    da = tl.where(r_ok, a * dt, 0.0)
-    # the replay inputs, as the row-by-row form saves them
-    tl.store(ring_x_ptr + (n[:, None] * H + head) * P + offs_p[None, :], x * dt[:, None],
-             mask=xp_ok)
-    tl.store(ring_da_ptr + n * H + head, da, mask=r_ok)
-    if head % (H // G) == 0:
-        tl.store(ring_b_ptr + (n[:, None] * G + group) * NS + offs_n[None, :], b, mask=bn_ok)
-    # rows from the first non-finite one on are zeroed (chunk.py)
-    bad = non_finite(tl.sum(x * x, 1) + tl.sum(b * b, 1) + tl.sum(c * c, 1) + dt + da)
-    live = offs_t < first_bad_row(bad & r_ok, BLOCK_T)
-    cb = tl.dot(tl.where(live[:, None], c, 0.0), tl.trans(tl.where(live[:, None], b, 0.0)),
-                input_precision="ieee")
-    ratio, decay0 = chunk_decays(tl.where(live, da, 0.0), BLOCK_T)
-    causal = (offs_t[:, None] >= offs_t[None, :]) & live[:, None] & live[None, :]
-    causal = tl.where(causal, ratio * cb * dt[None, :], 0.0)
-    row = (req * H + head).to(tl.int64)
-    tl.store(mats_ptr + row * (BLOCK_T * BLOCK_T) + offs_t[:, None] * BLOCK_T
-             + offs_t[None, :], causal)
-    tl.store(vecs_ptr + row * (2 * BLOCK_T) + offs_t, tl.where(live, decay0, 0.0))
-    tl.store(vecs_ptr + row * (2 * BLOCK_T) + BLOCK_T + offs_t, live.to(tl.float32))
-
-
-@triton.jit
-def _ssd_chunk_forward_kernel(
-        out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
-        query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
-        num_tokens, num_requests, num_slots, stride_x_tok, stride_x_head, stride_dt_tok,
-        stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
-        stride_out_head, stride_s_slot, stride_s_head, stride_s_n, mats_ptr, vecs_ptr,
-        H: tl.constexpr, G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr,
-        N_PAD: tl.constexpr, BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
-        HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
-        HEADS_FIRST: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
-        NUM_STAGES: tl.constexpr, PRECISION: tl.constexpr, WALK_P: tl.constexpr):
-    """One (request, head, channel block): a request of up to ``BLOCK_T`` rows all at once
-    from the state before them, with what ``_ssd_chunk_prep_kernel`` left for it (module
-    docstring, "Chunk form"); a longer one row by row."""
-    req = tl.program_id(1 if HEADS_FIRST else 0)
-    head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
-    pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
-    offs_n = tl.arange(0, N_PAD)
-    offs_p = pb * BLOCK_P + tl.arange(0, BLOCK_P)
-    offs_t = tl.arange(0, BLOCK_T)
-    n_ok = offs_n < NS
-    p_ok = offs_p < P
-    start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
-                           stride_out_head, BLOCK_P, PAD_ROWS)
-        return
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if length <= 0:
-        return
-    if length > BLOCK_T:
-        # a prefill (its state would have to pass between chunks): row by row, 16 channels at
-        # a time, so that this path's state tile stays as small as the chunk path's operands
-        for p0 in range(0, BLOCK_P, WALK_P):
-            offs_w = pb * BLOCK_P + p0 + tl.arange(0, WALK_P)
-            _walk_rows(out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr,
-                       state_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min,
-                       dt_max, num_slots, req, start, length, head, pb + p0, offs_n, offs_w,
-                       n_ok, offs_w < P, stride_x_tok, stride_x_head, stride_dt_tok,
-                       stride_b_tok, stride_b_group, stride_c_tok, stride_c_group,
-                       stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
-                       stride_s_n, H, G, NS, P, HAS_D, HAS_DT_BIAS, SOFTPLUS)
-        return
-    slot = tl.load(slots_ptr + req).to(tl.int64)
-    group = head // (H // G)
-    n = (start + offs_t).to(tl.int64)
-    r_ok = offs_t < length
-    xp_ok = r_ok[:, None] & p_ok[None, :]
-    c_rows = c_ptr + n * stride_c_tok + group * stride_c_group
-    cs = tl.zeros([BLOCK_T, BLOCK_P], tl.float32)  # C S0, raw: a non-finite row stays in its own
-    for n0 in tl.range(0, N_PAD, BLOCK_N, num_stages=NUM_STAGES):
-        offs_c = n0 + tl.arange(0, BLOCK_N)
-        c_ok = offs_c < NS
-        c = tl.load(c_rows[:, None] + offs_c[None, :], mask=r_ok[:, None] & c_ok[None, :],
-                    other=0.0)
-        _, st = _load_state(state_ptr, slot, num_slots, head, offs_c, offs_p, c_ok, p_ok,
-                            stride_s_slot, stride_s_head, stride_s_n)
-        cs = tl.dot(c.to(tl.float32), st, cs, input_precision=PRECISION)
-    row = (req * H + head).to(tl.int64)
-    causal = tl.load(mats_ptr + row * (BLOCK_T * BLOCK_T) + offs_t[:, None] * BLOCK_T
-                     + offs_t[None, :])
-    decay0 = tl.load(vecs_ptr + row * (2 * BLOCK_T) + offs_t)
-    live = tl.load(vecs_ptr + row * (2 * BLOCK_T) + BLOCK_T + offs_t) > 0.0
-    x = tl.load(x_ptr + n[:, None] * stride_x_tok + head * stride_x_head + offs_p[None, :],
-                mask=xp_ok, other=0.0).to(tl.float32)
-    x = tl.where(live[:, None], x, 0.0)
-    out = tl.where(live[:, None], decay0[:, None] * cs, 0.0) + \
-        tl.dot(causal, x, input_precision="ieee")
-    if HAS_D:
-        out = out + tl.load(d_ptr + head).to(tl.float32) * x
-    out = tl.where(live[:, None], out, float("nan"))
-    tl.store(out_ptr + n[:, None] * stride_out_tok + head * stride_out_head + offs_p[None, :],
-             out, mask=xp_ok)
 
 
 @triton.jit
@@ -397,14 +236,6 @@ class SsdPlan:
     (``ssd_kernels_ssd_sweep.json``) at ``BLOCK_P`` 32, all 8 rows, bs 64 / 128: the forward
     150 / 280 us on one warp against 228 / 450 on four, the commit 188 / 375 on either (the GDN
     kernels' finding: every reduction over N stays in the warp)."""
-    chunk_rows: int = 0
-    """The forward's form: 0 walks the rows one by one; a power of two >= 16 takes that many
-    rows at a time through tensor-core products (the commit stays row by row, one warp)."""
-    precision: str = "ieee"
-    """``tl.dot``'s input precision of the chunk form's products on the state
-    (``TargetConfig.state_dot_precision``)."""
-    num_stages: int = 3
-    """Software-pipeline depth of the chunk form's loop over N."""
     heads_first: bool = False
     """The grid's first axis enumerates (head, channel block) and its second the requests: for
     more than ``_MAX_GRID_Y`` of them (a Mamba-1 mixer runs ``d_inner * d_state`` one-element
@@ -413,12 +244,10 @@ class SsdPlan:
 
 @functools.lru_cache(maxsize=1024)
 def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
-             sm_count: int, precision: str = "ieee") -> SsdPlan:
+             sm_count: int) -> SsdPlan:
     """``BLOCK_P`` from host ints: at most ``_MAX_TILE / N_PAD`` channels (32 at N = 128, so the
     state slice stays in registers), halved (down to 16) while ``R * H * P / BLOCK_P``
-    programs are fewer than two per multiprocessor (the GDN kernel's rule). The forward takes
-    the chunk form (``_CHUNK_ROWS`` rows, ``_CHUNK_WARPS`` warps) where its products fit: N and
-    ``BLOCK_P`` of at least 16 (a Mamba-1 mixer's one-channel heads walk row by row)."""
+    programs are fewer than two per multiprocessor (the GDN kernel's rule)."""
     n_pad = triton.next_power_of_2(max(state_dim, 1))
     p_pad = triton.next_power_of_2(max(head_dim, 1))
     block_p = min(p_pad, max(_MIN_BLOCK_P, _MAX_TILE // n_pad))
@@ -426,16 +255,7 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
             max(num_requests, 1) * num_heads * triton.cdiv(head_dim, block_p) < 2 * sm_count:
         block_p //= 2
     num_pb = triton.cdiv(head_dim, block_p)
-    heads_first = num_heads * num_pb > _MAX_GRID_Y
-    if n_pad >= 16 and p_pad >= 16:
-        chunk_p = min(p_pad, _CHUNK_BLOCK_P)
-        while chunk_p > _MIN_BLOCK_P and \
-                max(num_requests, 1) * num_heads * triton.cdiv(head_dim, chunk_p) < 2 * sm_count:
-            chunk_p //= 2
-        num_pb = triton.cdiv(head_dim, chunk_p)
-        return SsdPlan(n_pad, chunk_p, num_pb, _CHUNK_WARPS, _CHUNK_ROWS, precision,
-                       heads_first=num_heads * num_pb > _MAX_GRID_Y)
-    return SsdPlan(n_pad, block_p, num_pb, heads_first=heads_first)
+    return SsdPlan(n_pad, block_p, num_pb, heads_first=num_heads * num_pb > _MAX_GRID_Y)
 
 
 def _grid(requests: int, head_blocks: int, heads_first: bool) -> tuple[int, int]:
@@ -465,37 +285,18 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
     out = torch.empty((n, h, p), dtype=torch.float32, device=x.device)
     if n == 0 or p == 0:
         return out
-    plan = plan or plan_ssd(r, h, n_state, p, device_sm_count(x.device),
-                            device_target(x.device)[0].state_dot_precision)
+    plan = plan or plan_ssd(r, h, n_state, p, device_sm_count(x.device))
     st = ssm_state
     grid = _grid(r + 1, h * plan.num_pb, plan.heads_first)
-    args = (out, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, st,
-            query_start_loc, slots, ring_x, ring_b, ring_da, float(dt_min), float(dt_max), n, r,
-            st.shape[0], x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
-            C.stride(0), C.stride(1), out.stride(0), out.stride(1), st.stride(0), st.stride(1),
-            st.stride(2))
-    shape = dict(H=h, G=g, NS=n_state, P=p, N_PAD=plan.n_pad, BLOCK_P=plan.block_p,
-                 NUM_PB=plan.num_pb, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
-                 SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, HEADS_FIRST=plan.heads_first,
-                 num_warps=plan.num_warps)
-    if plan.chunk_rows:
-        t = plan.chunk_rows
-        log2_rows(t)  # a power of two >= 16, or a ValueError
-        mats = torch.empty((max(r, 1) * h, t, t), dtype=torch.float32, device=x.device)
-        vecs = torch.empty((max(r, 1) * h, 2, t), dtype=torch.float32, device=x.device)
-        if r:
-            launch(_ssd_chunk_prep_kernel, _grid(r, h, plan.heads_first), x, dt, A, B, C,
-                   A if dt_bias is None else dt_bias, query_start_loc, ring_x, ring_b, ring_da,
-                   mats, vecs, float(dt_min), float(dt_max), x.stride(0), x.stride(1),
-                   dt.stride(0), B.stride(0), B.stride(1), C.stride(0), C.stride(1), H=h, G=g,
-                   NS=n_state, P=p, N_PAD=plan.n_pad, P_PAD=triton.next_power_of_2(p),
-                   HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus),
-                   HEADS_FIRST=plan.heads_first, BLOCK_T=t, num_warps=_PREP_WARPS)
-        launch(_ssd_chunk_forward_kernel, grid, *args, mats, vecs, **shape, BLOCK_T=t,
-               BLOCK_N=min(_CHUNK_BLOCK_N, plan.n_pad), NUM_STAGES=plan.num_stages,
-               PRECISION=plan.precision, WALK_P=min(_MIN_BLOCK_P, plan.block_p))
-    else:
-        launch(_ssd_forward_kernel, grid, *args, **shape)
+    launch(_ssd_forward_kernel, grid,
+           out, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, st,
+           query_start_loc, slots, ring_x, ring_b, ring_da, float(dt_min), float(dt_max), n, r,
+           st.shape[0], x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
+           C.stride(0), C.stride(1), out.stride(0), out.stride(1), st.stride(0), st.stride(1),
+           st.stride(2), H=h, G=g, NS=n_state, P=p, N_PAD=plan.n_pad, BLOCK_P=plan.block_p,
+           NUM_PB=plan.num_pb, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
+           SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, HEADS_FIRST=plan.heads_first,
+           num_warps=plan.num_warps)
     return out
 
 
@@ -514,5 +315,4 @@ def ssd_commit_triton(ssm_state, ring_x, ring_b, ring_da, query_start_loc, slots
            st, ring_x, ring_b, ring_da, query_start_loc, slots, accept_lens, st.shape[0],
            st.stride(0), st.stride(1), st.stride(2), H=h, G=ring_b.shape[1], NS=n_state, P=p,
            N_PAD=plan.n_pad, BLOCK_P=plan.block_p, NUM_PB=plan.num_pb,
-           HEADS_FIRST=plan.heads_first,
-           num_warps=_COMMIT_WARPS if plan.chunk_rows else plan.num_warps)
+           HEADS_FIRST=plan.heads_first, num_warps=plan.num_warps)

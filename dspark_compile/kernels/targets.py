@@ -38,11 +38,6 @@ class TargetConfig:
     fp32_dot_precision: str
     """``input_precision`` of ``tl.dot`` on float32 operands where torch allows TF32 matmuls
     (``device.fp32_dot_precision``; IEEE otherwise). AMD has no TF32 (``ieee``)."""
-    state_dot_precision: str
-    """``input_precision`` of the chunk forms' products on the fp32 recurrent state
-    (``kernels/chunk.py``), which must keep float32 accuracy whatever torch allows its own
-    matmuls: three TF32 products, each operand split into a TF32 part and its remainder
-    (``tf32x3``), on NVIDIA; IEEE float32 on AMD, whose Triton takes no TF32 split."""
     attn_tile_n: int
     """Keys per iteration of the attention loop (a multiple of the page size is not needed)."""
     attn_max_block_m: int
@@ -199,7 +194,6 @@ class TargetConfig:
 TARGETS: dict[str, TargetConfig] = {
     "sm_80": TargetConfig(
         name="sm_80", backend="cuda", arch=80, warp_size=32, fp32_dot_precision="tf32",
-        state_dot_precision="tf32x3",
         attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
         attn_max_registers=128,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
@@ -207,7 +201,6 @@ TARGETS: dict[str, TargetConfig] = {
     ),
     "sm_90": TargetConfig(
         name="sm_90", backend="cuda", arch=90, warp_size=32, fp32_dot_precision="tf32",
-        state_dot_precision="tf32x3",
         attn_tile_n=32, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=3,
         attn_max_registers=128,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
@@ -215,7 +208,6 @@ TARGETS: dict[str, TargetConfig] = {
     ),
     "gfx942": TargetConfig(
         name="gfx942", backend="hip", arch="gfx942", warp_size=64, fp32_dot_precision="ieee",
-        state_dot_precision="ieee",
         attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
         attn_max_registers=None,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
@@ -223,7 +215,6 @@ TARGETS: dict[str, TargetConfig] = {
     ),
     "gfx950": TargetConfig(
         name="gfx950", backend="hip", arch="gfx950", warp_size=64, fp32_dot_precision="ieee",
-        state_dot_precision="ieee",
         attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
         attn_max_registers=None,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,

@@ -42,21 +42,6 @@ CASES = {
                           "ring_beta_ptr": "fp32", **_LAYOUT},
                          {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16,
                           "CHANNEL_GATES": False}),
-    "gdn_chunk_forward_bf16": ("gdn", "_gdn_chunk_forward_kernel",
-                               {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16",
-                                "v_ptr": "bf16", "g_ptr": "fp32", "beta_ptr": "bf16",
-                                "state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
-                                "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", "mats_ptr": "fp32",
-                                "vecs_ptr": "fp32", **_LAYOUT},
-                               {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16, "BLOCK_T": 16,
-                                "BLOCK_K": 32, "NUM_STAGES": 3, "WALK_V": 16}),
-    "gdn_chunk_prep_bf16": ("gdn", "_gdn_chunk_prep_kernel",
-                            {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16", "g_ptr": "fp32",
-                             "beta_ptr": "bf16", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
-                             "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", "mats_ptr": "fp32",
-                             "vecs_ptr": "fp32", "query_start_loc_ptr": "i32"},
-                            {"HK": 16, "HV": 32, "KD": 128, "VD": 128, "K_PAD": 128,
-                             "V_PAD": 128, "L2NORM": True, "BLOCK_T": 16, "LOG2_T": 4}),
     "gdn_commit": ("gdn", "_gdn_commit_kernel",
                    {"state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
                     "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", "accept_lens_ptr": "i32",
@@ -82,23 +67,17 @@ def _compile_all() -> dict:
     """Compile every case for every target; return ``{case: {target: [artifact kinds]}}``."""
     import importlib
 
-    from dspark_compile.kernels.targets import TARGETS
-
     result: dict = {}
     for case, (module, attr, pointers, constexprs) in CASES.items():
         kernel = getattr(importlib.import_module(f"dspark_compile.kernels.{module}"), attr)
         missing = (set(pointers) | set(constexprs)) - set(kernel.arg_names)
         assert not missing, f"{case}: {attr} has no arguments {sorted(missing)}"
-        # the warps the launches use: the GDN chunk form's or row-by-row default, 4 for the
-        # conv kernels
-        gdn = importlib.import_module("dspark_compile.kernels.gdn")
-        chunk = "PRECISION" in kernel.arg_names
-        warps = (gdn._PREP_WARPS if "prep" in attr else gdn._CHUNK_WARPS if chunk
-                 else gdn._NUM_WARPS) if module == "gdn" else 4
+        # the warps the launches use: the GDN plan's default, 4 for the conv kernels
+        warps = importlib.import_module("dspark_compile.kernels.gdn")._NUM_WARPS \
+            if module == "gdn" else 4
         for name in TARGET_NAMES:
-            extra = {"PRECISION": TARGETS[name].state_dot_precision} if chunk else {}
             result.setdefault(case, {})[name] = compile_kernel(
-                kernel, pointers, {**constexprs, **extra}, name, {"num_warps": warps},
+                kernel, pointers, constexprs, name, {"num_warps": warps},
                 scalars={"scale": "fp32"})
     return result
 

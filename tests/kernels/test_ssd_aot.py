@@ -25,21 +25,6 @@ CASES = {
                           "dt_bias_ptr": "fp32", "state_ptr": "fp32", **_RINGS, **_LAYOUT},
                          {**_SHAPE, "HAS_D": True, "HAS_DT_BIAS": True, "SOFTPLUS": True,
                           "PAD_ROWS": 16, "HEADS_FIRST": False}),
-    "ssd_chunk_forward_bf16": ("_ssd_chunk_forward_kernel",
-                               {"out_ptr": "fp32", "x_ptr": "bf16", "dt_ptr": "bf16",
-                                "a_ptr": "fp32", "b_ptr": "bf16", "c_ptr": "bf16",
-                                "d_ptr": "fp32", "dt_bias_ptr": "fp32", "state_ptr": "fp32",
-                                "mats_ptr": "fp32", "vecs_ptr": "fp32", **_RINGS, **_LAYOUT},
-                               {**_SHAPE, "HAS_D": True, "HAS_DT_BIAS": True, "SOFTPLUS": True,
-                                "PAD_ROWS": 16, "HEADS_FIRST": False, "BLOCK_T": 16,
-                                "BLOCK_N": 32, "NUM_STAGES": 3, "WALK_P": 16}),
-    "ssd_chunk_prep_bf16": ("_ssd_chunk_prep_kernel",
-                            {"x_ptr": "bf16", "dt_ptr": "bf16", "a_ptr": "fp32", "b_ptr": "bf16",
-                             "c_ptr": "bf16", "dt_bias_ptr": "fp32", "mats_ptr": "fp32",
-                             "vecs_ptr": "fp32", **_RINGS, "query_start_loc_ptr": "i32"},
-                            {"H": 128, "G": 8, "NS": 128, "P": 64, "N_PAD": 128, "P_PAD": 64,
-                             "HAS_DT_BIAS": True, "SOFTPLUS": True, "HEADS_FIRST": False,
-                             "BLOCK_T": 16}),
     "ssd_commit": ("_ssd_commit_kernel",
                    {"state_ptr": "fp32", **_RINGS, "accept_lens_ptr": "i32", **_LAYOUT},
                    {**_SHAPE, "HEADS_FIRST": False}),
@@ -61,21 +46,17 @@ CASES = {
 def _compile_all() -> dict:
     """Compile every case for every target; return ``{case: {target: [artifact kinds]}}``."""
     from dspark_compile.kernels import ssd
-    from dspark_compile.kernels.targets import TARGETS
+
+    warps = ssd.SsdPlan.num_warps  # the launches' default
 
     result: dict = {}
     for case, (attr, pointers, constexprs) in CASES.items():
         kernel = getattr(ssd, attr)
         missing = (set(pointers) | set(constexprs)) - set(kernel.arg_names)
         assert not missing, f"{case}: {attr} has no arguments {sorted(missing)}"
-        # the launches' warps: the chunk form's, or the row-by-row kernels' default
-        chunk = "PRECISION" in kernel.arg_names
-        warps = ssd._PREP_WARPS if "prep" in attr else ssd._CHUNK_WARPS if chunk \
-            else ssd.SsdPlan.num_warps
         for name in TARGET_NAMES:
-            extra = {"PRECISION": TARGETS[name].state_dot_precision} if chunk else {}
             result.setdefault(case, {})[name] = compile_kernel(
-                kernel, pointers, {**constexprs, **extra}, name, {"num_warps": warps},
+                kernel, pointers, constexprs, name, {"num_warps": warps},
                 scalars={"dt_min": "fp32", "dt_max": "fp32"})
     return result
 

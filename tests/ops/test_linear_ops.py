@@ -372,30 +372,18 @@ def test_triton_conv_matches_reference(name, dim, width, activation, bias, tiles
     assert torch.equal(pool, want_state)
 
 
-def _gdn_plan(form: str, k_pad: int, block_v: int, vd: int):
-    """A GDN plan of the given forward form: rows one by one, or chunks of 16 rows."""
-    from dspark_compile.kernels.gdn import GdnPlan
-
-    chunk = dict(num_warps=4, chunk_rows=16) if form == "chunk" else {}
-    return GdnPlan(k_pad, block_v, -(-vd // block_v), **chunk)
-
-
 @needs_triton
-@pytest.mark.parametrize("form", ["rows", "chunk"])
 @pytest.mark.parametrize("name, hk, hv, kd, vd, l2, block_v", [
     ("mixed", 2, 4, 16, 32, True, None), ("empty_ends", 3, 3, 24, 20, False, None),
     ("full", 1, 2, 32, 48, True, 16), ("long", 2, 2, 16, 16, True, None)])
-def test_triton_gdn_matches_reference(name, hk, hv, kd, vd, l2, block_v, form):
-    """Both forward forms (the plan's default picks the chunk form here) against the reference;
-    "long" runs several 16-row chunks a request."""
-    from dspark_compile.kernels.gdn import (gated_delta_rule_commit_triton,
+def test_triton_gdn_matches_reference(name, hk, hv, kd, vd, l2, block_v):
+    from dspark_compile.kernels.gdn import (GdnPlan, gated_delta_rule_commit_triton,
                                                     gated_delta_rule_triton)
 
     layout = make_layout(*TRITON_LAYOUTS[name], seed=kd)
     c = gdn_case(layout, hk, hv, kd, vd, seed=kd)
     want, want_rings = run_gdn(c, layout, l2)
-    k_pad = 1 << (kd - 1).bit_length()
-    plan = _gdn_plan(form, k_pad, block_v or min(32, 1 << (vd - 1).bit_length()), vd)
+    plan = None if block_v is None else GdnPlan(32, block_v, -(-vd // block_v))
     t = {**c, **{n: _strided(c[n]) for n in ("q", "k", "v", "g", "beta")}}
     got, rings = run_gdn(t, layout, l2, impl=gated_delta_rule_triton, plan=plan)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
@@ -439,44 +427,10 @@ def test_triton_containment_and_shape_errors():
     with pytest.raises(ValueError, match="2 <= width <= 4"):
         causal_conv1d_triton(c["v"][:, 0], torch.zeros(16, 5), None, torch.zeros(3, 16, 4),
                              layout.qsl, layout.slots, torch.zeros(9, 16), "silu")
-    with pytest.raises(ValueError, match="GdnPlan.chunk_rows = 16: the chunk form takes one"):
-        kda = gdn_case(layout, 1, 2, 16, 16, seed=5, channel_gates=True)
-        run_gdn(kda, layout, impl=gated_delta_rule_triton, plan=_gdn_plan("chunk", 16, 16, 16))
     with pytest.raises(ValueError, match="recurrent_state has dtype"):
         gated_delta_rule_triton(c["q"], c["k"], c["v"], c["g"], c["beta"],
                                 c["recurrent_state"].double(), layout.qsl, layout.slots,
                                 *clean[1], 0.25, True)
-
-
-@needs_triton
-@pytest.mark.filterwarnings("ignore:invalid value encountered")  # numpy, on the poisoned rows
-@pytest.mark.parametrize("form", ["rows", "chunk"])
-def test_triton_gdn_contains_poison_long_and_short(form):
-    """Requests of 40 and 17 rows (walked row by row in either form) and of 12 and 16 (the
-    chunk form's products), poisoned from a rejected row on (and once only in g, with -inf: a
-    legal full decay): accepted rows bit for bit, rejected rows not finite, committed states
-    equal."""
-    from dspark_compile.kernels.gdn import (gated_delta_rule_commit_triton,
-                                                    gated_delta_rule_triton)
-
-    layout = make_layout([40, 17, 12, 16], num_pad=2, seed=8)
-    acc = torch.tensor([37, 3, 5, 9], dtype=torch.int32)
-    plan = _gdn_plan(form, 16, 16, 32)
-    c = gdn_case(layout, 2, 4, 16, 32, seed=8)
-    d = {**c, **{n: _poison(c[n], layout, acc) for n in ("q", "k", "v", "g", "beta")}}
-    clean = run_gdn(c, layout, impl=gated_delta_rule_triton, plan=plan)
-    dirty = run_gdn(d, layout, impl=gated_delta_rule_triton, plan=plan)
-    _check_containment(layout, acc, clean, dirty)
-    for i, a in enumerate(acc.tolist()):  # a rejected row's output is not finite
-        assert not torch.isfinite(dirty[0][layout.rows(i)][a:]).all(dim=(1, 2)).any()
-    states = [c["recurrent_state"].clone() for _ in range(2)]
-    for st_, (_, rings) in zip(states, (clean, dirty)):
-        gated_delta_rule_commit_triton(st_, *rings, layout.qsl, layout.slots, acc, plan=plan)
-    assert torch.equal(states[0], states[1]) and torch.isfinite(states[1]).all()
-    only_g = {**c, "g": _poison(c["g"], layout, acc, values=(-INF,))}
-    got = run_gdn(only_g, layout, impl=gated_delta_rule_triton, plan=plan)[0]
-    want = run_gdn(only_g, layout)[0]
-    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
 
 
 # ------------------------------------------------------------------ GPU, real shapes
@@ -582,26 +536,14 @@ def test_gpu_cuda_graph_replays_another_layout():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("form", ["rows", "chunk"])
 @pytest.mark.parametrize("lens", [[3, 1, 8, 2, 5, 1, 7, 4] * 4, [40, 3, 16, 17]])
-def test_gpu_gdn_float32_matches_reference_closely(lens, form):
-    """float32 at Qwen3-Next's shapes, verify widths and prefill lengths, both forward forms
-    (the chunk form, the default here, through three TF32 products): to float32 rounding of the
-    reference."""
-    import dataclasses
-
-    from dspark_compile.kernels.device import device_target
-    from dspark_compile.kernels.gdn import gated_delta_rule_triton, plan_gdn
-
+def test_gpu_gdn_float32_matches_reference_closely(lens):
+    """float32 at Qwen3-Next's shapes, verify widths and prefill lengths: to float32 rounding
+    of the reference."""
     layout = make_layout(lens, num_pad=3, seed=9, device="cuda")
     c = gdn_case(layout, 16, 32, 128, 128, seed=9, device="cuda")
-    cfg, sm = device_target(torch.device("cuda"))
-    plan = plan_gdn(len(lens), 32, 128, 128, sm, precision=cfg.state_dot_precision)
-    assert plan.chunk_rows == 16
-    if form == "rows":
-        plan = dataclasses.replace(plan, chunk_rows=0, num_warps=1)
     want, want_rings = run_gdn(c, layout)
-    got, rings = run_gdn(c, layout, impl=gated_delta_rule_triton, plan=plan)
+    got, rings = run_gdn(c, layout, impl=OPS.gated_delta_rule_triton)
     torch.testing.assert_close(got, want, atol=2e-5, rtol=2e-5)
     for r, w in zip(rings, want_rings):
         torch.testing.assert_close(r, w, atol=1e-6, rtol=1e-6)
