@@ -48,10 +48,13 @@ _HIDDEN = ("hidden_size", "n_embd", "n_embed", "d_model", "dim", "model_dim", "e
 it stays that multiple (Zamba's attention width is twice the hidden size)."""
 _LAYERS = {"num_hidden_layers", "n_layer", "n_layers", "num_layers", "decoder_layers",
            "num_decoder_layers", "encoder_layers", "num_encoder_layers", "num_layers_per_stack"}
-_HEADS = {"num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads",
+_HEADS = ("num_attention_heads", "n_head", "n_heads", "num_heads", "attention_heads",
           "decoder_attention_heads", "encoder_attention_heads", "num_decoder_attention_heads",
           "num_encoder_attention_heads", "swa_num_attention_heads", "index_n_heads",
-          "indexer_n_heads", "linear_num_value_heads", "linear_num_heads"}
+          "indexer_n_heads", "linear_num_value_heads", "linear_num_heads")
+"""Head counts, the main attention's first: the first one a config has is its query heads (a
+tuple, so that choice never depends on the interpreter's string hashing: DeepSeek-V3.2 has both
+``num_attention_heads`` and its indexer's ``index_n_heads``)."""
 _KV_HEADS = {"num_key_value_heads", "n_kv_heads", "num_kv_heads", "multi_query_group_num",
              "num_query_groups", "swa_num_key_value_heads", "indexer_kv_heads",
              "linear_num_key_heads"}

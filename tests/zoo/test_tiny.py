@@ -1,7 +1,13 @@
 """The zoo's tiny configs: sizes by name rules, special token ids inside the vocabulary, every
-layer kind of the default config present, rotary parameters kept consistent."""
+layer kind of the default config present, rotary parameters kept consistent, the same configs
+in every process."""
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 
 import pytest
 import transformers as T
@@ -92,6 +98,44 @@ def test_mla_ranks_are_small_and_kv_heads_follow_the_query_heads():
     assert (config.q_lora_rank, config.kv_lora_rank) == (SIZES["rank"], SIZES["rank"])
     assert config.qk_rope_head_dim == SIZES["rope_head_dim"]
     assert config.num_key_value_heads == config.num_attention_heads
+
+
+def test_mla_with_an_indexer_keeps_kv_heads_with_the_query_heads():
+    """DeepSeek-V3.2 has both ``num_attention_heads`` and its indexer's ``index_n_heads``: the
+    query heads decide (a KV count of 2 against 4 query heads breaks HF's own forward)."""
+    config = tiny_config("deepseek_v32", T.DeepseekV32ForCausalLM).config
+    assert config.num_key_value_heads == config.num_attention_heads == SIZES["heads"]
+
+
+_EVERY_CONFIG = """
+import json, transformers
+from dspark_compile.zoo.check import entries
+from dspark_compile.zoo.tiny import tiny_config
+out = {}
+for e in entries():
+    try:
+        t = tiny_config(e.model_type, getattr(transformers, e.architecture), dict(e.overrides))
+        out[e.name] = sorted((k, repr(v)) for k, v in t.changed.items())
+    except Exception as err:
+        out[e.name] = type(err).__name__
+print(json.dumps(out))
+"""
+
+
+def test_every_zoo_config_is_the_same_under_any_string_hashing():
+    """Every zoo entry's tiny config, built in four processes whose string hashes differ
+    (``PYTHONHASHSEED`` 0 to 3: they iterate sets of field names in different orders), is
+    the same: a zoo row cannot change from one run to the next."""
+    procs = [subprocess.Popen([sys.executable, "-c", _EVERY_CONFIG], text=True,
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              env={**os.environ, "PYTHONHASHSEED": seed})
+             for seed in ("0", "1", "2", "3")]
+    outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
+    assert all(p.returncode == 0 for p in procs)
+    assert len(outs[0]) > 100
+    differ = sorted({name for name in outs[0] for out in outs[1:]
+                     if outs[0][name] != out.get(name)})
+    assert not differ, f"tiny configs that depend on string hashing: {differ}"
 
 
 def test_rope_parameters_follow_the_head_dim():
