@@ -21,8 +21,8 @@ import time
 
 import torch
 
-__all__ = ["time_calls", "graph_of", "graph_us", "replay_us", "time_ms", "capture_graph", "mix_lens",
-           "plot_step_ms", "max_err_vs_hf", "errors_vs_models", "variant_suffix", "variant_flags", "target_overrides",
+__all__ = ["time_calls", "graph_of", "graph_us", "replay_us", "time_ms", "capture_graph",
+           "mix_lens", "plot_step_ms", "max_err_vs_hf", "errors_vs_models", "variant_suffix", "variant_flags", "target_overrides",
            "add_variant_args", "apply_variant", "LLAMA_1B", "CONTEXT", "PAGE", "BLOCK",
            "HBM_BYTES_PER_S", "BF16_FLOPS", "llama_config", "build_model", "fill_context",
            "versions", "cpu_name", "out_dir", "write_json"]
@@ -239,18 +239,10 @@ def errors_vs_float32(model, verifier, vocab: int, device) -> dict:
 
 def capture_graph(step) -> tuple:
     """``(graph, None)``: ``step`` captured in a CUDA graph after a warm-up call on a side
-    stream; ``(None, error)`` if it cannot be captured (the error goes into the JSON, never
-    hidden)."""
+    stream (:func:`graph_of`); ``(None, error)`` if it cannot be captured (the error goes into
+    the JSON, never hidden)."""
     try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, stream=side):  # the warm-up's stream: see graph_of
-            step()
-        return graph, None
+        return graph_of([step], 1), None
     except Exception as err:  # noqa: BLE001 - reported by the caller
         torch.cuda.synchronize()
         return None, f"{type(err).__name__}: {err}"[:300]
@@ -328,12 +320,13 @@ def step_tiers(batches, widths) -> tuple:
     return tuple(sorted({Tier(max(2, w * bs), bs) for bs in batches for w in widths}))
 
 
-def graph_of(fns: list, calls: int):
+def graph_of(fns: list, calls: int, stream=None):
     """A CUDA graph of ``calls`` calls cycling ``fns``, captured after one warm-up call of each
-    on a side stream, on that same stream: a split launch's counters are made per stream by
-    its first call outside a capture (``triton_attention.split_counters``), so a capture on another
-    stream would run every split kernel unsplit (and log it)."""
-    side = torch.cuda.Stream()
+    on a side stream (``stream``, or a new one), on that same stream: a split launch's counters
+    are made per stream by its first call outside a capture
+    (``triton_attention.split_counters``), so a capture on another stream would run every
+    split kernel unsplit (and log it)."""
+    side = stream or torch.cuda.Stream()
     side.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(side):
         for f in fns:

@@ -36,8 +36,8 @@ if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel 
 
 import torch  # noqa: E402
 from attention_kernel import build_layer, call_args  # noqa: E402
-from common import LLAMA_1B, BLOCK, CONTEXT, PAGE, mix_lens, out_dir, versions, \
-    write_json  # noqa: E402
+from common import LLAMA_1B, BLOCK, CONTEXT, PAGE, graph_of, mix_lens, out_dir, \
+    versions, write_json  # noqa: E402
 from dspark_compile.kernels.attention import ragged_attention_triton  # noqa: E402
 
 SETTINGS = dict(name="full", layers=LLAMA_1B["num_hidden_layers"],
@@ -112,17 +112,6 @@ def _ms(launch, repeats: int) -> float:
     return statistics.median(times)
 
 
-def _on(stream, fn):
-    """Run ``fn`` on ``stream`` after the current stream's work; the current stream waits."""
-    def launch():
-        here = torch.cuda.current_stream()
-        stream.wait_stream(here)
-        with torch.cuda.stream(stream):
-            fn()
-        here.wait_stream(stream)
-    return launch
-
-
 def _together(pairs):
     """Every ``(stream, fn)`` enqueued at once after the current stream's work."""
     def launch():
@@ -152,16 +141,14 @@ def green_stream(num_sms: int):
         return None, None, f"{type(err).__name__}: {err}"[:300]
 
 
+def _on(stream, fn):
+    """Run ``fn`` on ``stream`` after the current stream's work; the current stream waits."""
+    return _together([(stream, fn)])
+
+
 def _graph(fn, stream):
-    """A CUDA graph of ``fn`` captured on ``stream`` (after one warm-up call there)."""
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph, stream=stream):
-        fn()
-    return graph
+    """A CUDA graph of ``fn`` captured on ``stream``, after one warm-up call there."""
+    return graph_of([fn], 1, stream)
 
 
 def run_bs(bs: int, s: dict, device: str) -> dict:

@@ -127,11 +127,14 @@ def test_every_zoo_config_is_the_same_under_any_string_hashing():
     (``PYTHONHASHSEED`` 0 to 3: they iterate sets of field names in different orders), is
     the same: a zoo row cannot change from one run to the next."""
     procs = [subprocess.Popen([sys.executable, "-c", _EVERY_CONFIG], text=True,
-                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env={**os.environ, "PYTHONHASHSEED": seed})
              for seed in ("0", "1", "2", "3")]
-    outs = [json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1]) for p in procs]
-    assert all(p.returncode == 0 for p in procs)
+    outs = []
+    for proc in procs:
+        stdout, stderr = proc.communicate(timeout=600)
+        assert proc.returncode == 0, stderr[-3000:]
+        outs.append(json.loads(stdout.strip().splitlines()[-1]))
     assert len(outs[0]) > 100
     differ = sorted({name for name in outs[0] for out in outs[1:]
                      if outs[0][name] != out.get(name)})
