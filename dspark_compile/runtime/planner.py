@@ -141,6 +141,18 @@ class VerifyPlan:
 def _host_confidence(confidence, name: str = "confidence") -> np.ndarray:
     """float32 [gamma, R] position-major NumPy copy of ``confidence [R, gamma]`` (a tensor or a
     NumPy array of real numbers), validated."""
+    return _position_major(_checked_host(confidence, name))
+
+
+def _position_major(host: np.ndarray) -> np.ndarray:
+    """float32 [gamma, R] copy of a checked ``[R, gamma]``: transposed, and -0.0 turned into
+    +0.0 (whose bits would sort as a negative key) by adding +0.0, in one pass."""
+    return np.add(host.T, np.float32(0.0), order="C")
+
+
+def _checked_host(confidence, name: str) -> np.ndarray:
+    """``confidence [R, gamma]`` as a validated float32 NumPy array on the host (the array
+    itself when it is one in float32): what the planner reads, before any ranking."""
     if isinstance(confidence, np.ndarray):
         if confidence.dtype.kind not in "fiu":
             raise ValueError(f"{name} has dtype {confidence.dtype}; it must be real numbers "
@@ -162,14 +174,13 @@ def _host_confidence(confidence, name: str = "confidence") -> np.ndarray:
         if tensor.dtype not in (torch.float32, torch.float64):
             tensor = tensor.float()
         host = tensor.numpy()
-    # One pass: transpose to position-major, cast, and turn -0.0 into +0.0 (whose bits would
-    # sort as a negative key) by adding +0.0.
-    conf = np.add(host.T, np.float32(0.0), dtype=np.float32, order="C")  # [gamma, R]
-    if not (conf.min() >= 0.0 and conf.max() <= 1.0):  # NaN fails both comparisons
-        j, r = np.argwhere(~((conf >= 0.0) & (conf <= 1.0)))[0]
-        raise ValueError(f"{name}[{r}, {j}]={conf[j, r]} is not a probability in [0, 1]; "
+    if host.dtype != np.float32:
+        host = host.astype(np.float32)
+    if not (host.min() >= 0.0 and host.max() <= 1.0):  # NaN fails both comparisons
+        r, j = np.argwhere(~((host >= 0.0) & (host <= 1.0)))[0]
+        raise ValueError(f"{name}[{r}, {j}]={host[r, j]} is not a probability in [0, 1]; "
                          "calibrate or clamp the draft's confidence")
-    return conf
+    return host
 
 
 def survival(confidence: torch.Tensor) -> torch.Tensor:
@@ -288,6 +299,13 @@ def _plan(conf: np.ndarray, budget_conf: np.ndarray | None, rate: StepRateModel 
     gamma, r = conf.shape
     if budget_conf is None and _flat(rate, r, gamma, config):
         return np.full(r, gamma + 1, dtype=np.int32), r * gamma
+    return _plan_ranked(conf, budget_conf, rate, config)
+
+
+def _plan_ranked(conf: np.ndarray, budget_conf: np.ndarray | None,
+                 rate: StepRateModel | None, config: PlannerConfig) -> tuple[np.ndarray, int]:
+    """:func:`_plan` past the flat rule: rank the drafts and take the budget's best."""
+    gamma, r = conf.shape
     keys = _rank(conf)  # [R * gamma]
     candidates = _at_least(keys, config._min_survival_key)
     if budget_conf is None:
@@ -319,8 +337,13 @@ def plan_lengths(confidence, rate: StepRateModel | None, config: PlannerConfig =
 def _plan_inputs(confidence, rate: StepRateModel | None, config: PlannerConfig,
                  budget_confidence) -> tuple[np.ndarray, int]:
     """``_plan`` of validated host copies of the confidences (lengths, K)."""
-    lagged = None if budget_confidence is None else _host_confidence(
-        budget_confidence, "budget_confidence")
+    if budget_confidence is None:
+        host = _checked_host(confidence, "confidence")
+        r, gamma = host.shape
+        if _flat(rate, r, gamma, config):  # every draft verified: no ranking, no copy
+            return np.full(r, gamma + 1, dtype=np.int32), r * gamma
+        return _plan_ranked(_position_major(host), None, rate, config)
+    lagged = _host_confidence(budget_confidence, "budget_confidence")
     return _plan(_host_confidence(confidence), lagged, rate, config)
 
 

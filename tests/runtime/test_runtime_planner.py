@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 import pytest
 import torch
 from hypothesis import given, settings
@@ -16,6 +18,7 @@ from dspark_compile.runtime import (
     SpsEntry,
     SpsMetadata,
     SpsTable,
+    plan_lengths,
     plan_verify,
     survival,
 )
@@ -176,6 +179,33 @@ def test_flat_step_cost_verifies_every_draft_without_ranking(monkeypatch):
         assert plan_verify(conf, flat, config).lens.tolist() != [4, 4]  # their own rules
     with pytest.raises(ValueError, match="flat_tolerance"):
         PlannerConfig(flat_tolerance=1.5)
+
+
+def test_flat_step_still_refuses_bad_confidence_and_never_transposes(monkeypatch):
+    """The flat rule's shortcut reads no confidence, but it is checked all the same: a NaN, a
+    value past 1 or a bad shape is refused by name, through plan_lengths and plan_verify alike;
+    a good one is never copied to the ranking's position-major layout."""
+    from dspark_compile.runtime import planner as planner_module
+
+    flat = SpsTable(META, (SpsEntry(1, 100.0), SpsEntry(8, 96.0)))
+    copies = []
+    real = planner_module._position_major
+    monkeypatch.setattr(planner_module, "_position_major",
+                        lambda h: copies.append(1) or real(h))
+    good = np.array([[0.9, 0.2, 1.0], [0.5, 0.0, -0.0]], np.float32)
+    assert plan_lengths(good, flat).tolist() == [4, 4] and not copies
+    for bad, match in ((np.float32("nan"), r"confidence\[1, 2\]=nan"),
+                       (1.5, r"confidence\[1, 2\]=1.5")):
+        conf = good.copy()
+        conf[1, 2] = bad
+        for plan in (plan_lengths, lambda c, r: plan_verify(torch.from_numpy(c), r)):
+            with pytest.raises(ValueError, match=match):
+                plan(conf, flat)
+    with pytest.raises(ValueError, match=r"shape \(3,\)"):
+        plan_lengths(good[0], flat)
+    # float64 rounds to float32 first, as the ranking reads it: 1 + 1e-12 is 1.0
+    assert plan_lengths(good.astype(np.float64) + np.array([[0, 0, 1e-12], [0, 0, 0]]),
+                        flat).tolist() == [4, 4]
 
 
 def test_rank_cost_turns_ranking_off_where_it_cannot_pay_for_itself(monkeypatch):
