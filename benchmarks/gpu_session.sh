@@ -19,6 +19,8 @@
 #   jit_parallel  jit_parallel.py                      (parallel Triton JIT row)
 #   attention     attention_kernel.py                  (the attention kernel alone)
 #   ssd_kernels   ssd_kernels.py --sweep               (Mamba-2 and GDN verify ops vs state floor)
+#   persistent_spike  persistent_spike.py              (the bs-1 matmul chain: launches, one
+#                 persistent launch with grid barriers, a plain read of the same bytes)
 #   ssm_step      ssm_step.py                          (Nemotron-H-like verify step vs HF dense)
 #   dsv4_step     dsv4_step.py                         (DeepSeek-V4-shaped verify step vs HF)
 #   dsv4_attr     dsv4_step.py --bs 1 --attribute      (its bf16 logits: ours and HF vs float32)
@@ -90,6 +92,7 @@ job() {
     jit_parallel) python3 benchmarks/jit_parallel.py ;;
     attention) python3 benchmarks/attention_kernel.py ;;
     ssd_kernels) python3 benchmarks/ssd_kernels.py --sweep ;;
+    persistent_spike) python3 benchmarks/persistent_spike.py ;;
     ssm_step) python3 benchmarks/ssm_step.py ;;
     dsv4_step) python3 benchmarks/dsv4_step.py ;;
     dsv4_attr) python3 benchmarks/dsv4_step.py --bs 1 --attribute ;;
