@@ -47,6 +47,12 @@ BLOCK_M = tl.constexpr(ROWS_PAD)
 LAYER = ((4096, 2048), (2048, 2048), (16384, 2048), (2048, 8192))  # (N, K): qkv, o, gate+up, down
 LM_HEAD = (32000, 2048)
 SPIN_MAX = 1 << 18
+SKINNY_SWEEP = [dict(num_warps=8), dict(num_warps=8, block_k=256, num_stages=4),
+                dict(num_warps=8, block_n=128), dict(num_warps=4, block_k=256, num_stages=4),
+                dict(num_warps=2), dict(num_warps=8, block_n=128, block_k=256, num_stages=3),
+                dict(num_warps=4, block_n=128), dict(num_warps=4, num_stages=8),
+                dict(num_warps=4, tma=True)]
+"""``--skinny-sweep``: ``skinny_linear_triton`` tile overrides (every matmul of the chain)."""
 
 
 @triton.jit
@@ -316,6 +322,8 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=3)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--skinny-sweep", action="store_true",
+                    help="only the launch chain, under each of SKINNY_SWEEP's tile overrides")
     opts = ap.parse_args()
     if opts.smoke:
         smoke()
@@ -379,16 +387,23 @@ def main() -> None:
             lambda g=sms * per_sm, w=warps: _read_kernel[(g,)](chain.w, sink, chain.w.numel(),
                                                                  BLOCK=16384, num_warps=w))))
 
-    def skinny_chain() -> None:
+    def skinny_chain(**overrides) -> torch.Tensor:
         a = x
         for i, (n, k) in enumerate(chain.shapes):
             a = a.reshape(-1)[:opts.rows * k].view(opts.rows, k)
-            a = skinny_linear_triton(a, chain.weight(i), weight_settled=True)[0]
-        skinny_chain.out = a
+            a = skinny_linear_triton(a, chain.weight(i), weight_settled=True, **overrides)[0]
+        return a
 
-    skinny_chain()
-    err = _rel_err(skinny_chain.out, want[:opts.rows])
-    emit(dict(kind="skinny", ms=timed(skinny_chain), rel_err=err))
+    for overrides in [{}] + (SKINNY_SWEEP if opts.skinny_sweep else []):
+        try:
+            err = _rel_err(skinny_chain(**overrides), want[:opts.rows])
+        except triton.runtime.errors.OutOfResources as e:  # a tile the sweep asks for
+            emit(dict(kind="skinny", overrides=overrides, error=str(e), ms=float("inf")))
+            continue
+        emit(dict(kind="skinny", overrides=overrides, rel_err=err,
+                  ms=timed(lambda o=overrides: skinny_chain(**o))))
+    if opts.skinny_sweep:
+        return
     gemv = min(opts.rows, 4)
     for per_sm, block_n, block_k, warps, stages, flat, rows in (
             (1, 32, 256, 4, 4, False, 0), (1, 32, 256, 4, 4, True, 0),
