@@ -74,7 +74,7 @@ from dspark_compile.engine.accept import (PreDrawnNoise, SamplingParams, accept,
                                           accept_reference)
 from dspark_compile.engine.drafter import SyntheticDrafter
 from dspark_compile.session.tiers import select_tier, tier_set
-from dspark_compile.runtime import (PlannerConfig, TierRate, WidthPolicy,
+from dspark_compile.runtime import (Planner, PlannerConfig, TierRate, WidthPolicy,
                                     WidthPolicyConfig, plan_lengths)
 from dspark_compile.runtime.profiler import profile_sps
 from common import LLAMA_1B, build_model, variant_suffix, versions, write_json
@@ -325,7 +325,8 @@ class Decoder:
         counts = np.ones(c, np.int64)  # tokens emitted per request; the last one is the anchor
         self.state.committed_lens[:c] = self.s.context  # back to the prefilled prompt
         policy = WidthPolicy(WidthPolicyConfig(g, tuple(range(1, g + 2))), self.rate) \
-            if mode == "width" else None
+            if mode == "width" else Planner(self.rate, self.planner) if mode == "planner" \
+            else None
         stop = start_clock(self.dev)
         while (rids := np.flatnonzero(counts < 1 + output)).size:
             self._step(mode, rids, counts, drafter, policy, run)
@@ -335,7 +336,7 @@ class Decoder:
     def _lens(self, mode: str, conf, r: int, policy) -> np.ndarray:
         g = self.s.gamma
         if mode == "planner":
-            return plan_lengths(conf, self.rate, self.planner)  # NumPy in and out
+            return policy.lengths(conf)  # NumPy in and out; the Planner's state
         width = {"none": 1, "static": g + 1}.get(mode) or \
             (policy.choose(r) if mode == "width" else int(mode.removeprefix("fixed_")))
         return np.full(r, width, np.int32)
@@ -363,7 +364,7 @@ class Decoder:
             run.verify_gpu_seconds += self._events[0].elapsed_time(self._events[1]) / 1e3
         self.verifier.commit(layout, acc + 1, self.state)  # int64 NumPy, taken as it is
         self._emit(rids, e, layout, drafts, acc, nxt, counts, run)
-        if policy is not None:
+        if mode == "width":
             t0 = time.perf_counter()
             policy.observe(int(lens[0]), torch.from_numpy(np.bincount(acc, minlength=g + 1)))
             run.plan_seconds += time.perf_counter() - t0
@@ -415,14 +416,15 @@ def rank_cost_s(decoder: Decoder, first: np.ndarray, drafter, c: int,
     leaves out: docs/benchmarks.md), plus what packing ragged lengths takes beyond packing
     the full block (medians of ``calls``). The verifier's own host work is not in it."""
     base = decoder.planner
-    decoder.planner = replace(base, flat_tolerance=None, rank_cost_s=0.0)
+    decoder.planner = replace(base, flat_tolerance=None, rank_cost_s=0.0, quiet_steps=0)
     try:
         run = decoder.run("planner", first, drafter, output)
     finally:
         decoder.planner = base
     rids, e = np.arange(c), np.ones(c, np.int64)
     drafts, conf = drafter.draft(rids, e)
-    lens = plan_lengths(conf, decoder.rate, replace(base, flat_tolerance=None, rank_cost_s=0.0))
+    lens = plan_lengths(conf, decoder.rate, replace(base, flat_tolerance=None, rank_cost_s=0.0,
+                                                    quiet_steps=0))
     tokens = np.zeros((c, decoder.s.gamma + 2), np.int64)
     full = np.full(c, decoder.s.gamma + 1, np.int32)
 
@@ -626,8 +628,9 @@ MEASURED = ("tokens/s = requests x decoded tokens / (run seconds - draft seconds
             "per step (sum of lens); mean_tier_tokens_per_step: tokens of the tier replayed.")
 
 
-POLICIES = ("width: WidthPolicy over widths 1..gamma+1 (default knobs); planner: plan_lengths "
-            "with PlannerConfig(tiers=the captured tiers, rank_cost_s=results[c].rank_cost_ms: "
+POLICIES = ("width: WidthPolicy over widths 1..gamma+1 (default knobs); planner: "
+            "Planner.lengths (one Planner a run: PlannerConfig.quiet_steps's state) with "
+            "PlannerConfig(tiers=the captured tiers, rank_cost_s=results[c].rank_cost_ms: "
             "the planning time per step of an untimed ranked run and the ragged packing's "
             "extra time, measured per concurrency) (budget aligned up to the tier it "
             "replays). Both read the SPS table through TierRate: the rate of the tier a step "

@@ -53,7 +53,7 @@ from dspark_compile import dspark_compile
 from dspark_compile.engine.drafter import SyntheticDrafter
 from dspark_compile.session import TierGraphs, VerifySession
 from dspark_compile.session.tiers import tier_set
-from dspark_compile.runtime import (SpsEntry, SpsMetadata, SpsTable, TierRate, WidthPolicy,
+from dspark_compile.runtime import (Planner, SpsEntry, SpsMetadata, SpsTable, TierRate, WidthPolicy,
                                     WidthPolicyConfig)
 
 GAMMA = 7
@@ -114,7 +114,8 @@ class Case:
         self.run = e2e.Run(np.zeros((r, REFERENCE_LEN + GAMMA + 2), np.int64))
         self.step = 0
         self.policy = WidthPolicy(WidthPolicyConfig(GAMMA, tuple(range(1, GAMMA + 2))),
-                                  decoder.rate) if mode == "width" else None
+                                  decoder.rate) if mode == "width" else \
+            Planner(decoder.rate, decoder.planner) if mode == "planner" else None
 
     def time_step(self, times: dict[str, list[float]]) -> None:
         """One step, each piece timed alone; appends microseconds to ``times[piece]``."""
@@ -139,7 +140,7 @@ class Case:
 
     def observe(self, lens: np.ndarray, acc: np.ndarray) -> None:
         """The width policy's read of the step's acceptance histogram, as e2e.py feeds it."""
-        if self.policy is not None:
+        if self.mode == "width":
             self.policy.observe(int(lens[0]), torch.from_numpy(np.bincount(acc,
                                                                            minlength=GAMMA + 1)))
 

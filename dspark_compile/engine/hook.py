@@ -22,7 +22,7 @@ import numpy as np
 import torch
 
 from ..layout import VerifyLayout
-from ..runtime import PlannerConfig, StepRateModel, plan_verify
+from ..runtime import Planner, PlannerConfig, StepRateModel
 
 __all__ = ["VerifyHook", "DSparkHook"]
 
@@ -51,6 +51,7 @@ class DSparkHook:
             raise ValueError(f"DSparkHook: gamma={gamma!r}; it must be an int >= 1")
         self.verifier, self.gamma, self.rate, self.planner = verifier, gamma, rate, planner
         self.state = verifier.new_state(max_requests=max_requests, max_context=max_context)
+        self._planner = Planner(rate, planner)  # PlannerConfig.quiet_steps's state
 
     def capture(self) -> list:
         """Capture tier graphs for up to ``gamma + 1`` tokens per request (GPU); on the CPU the
@@ -68,7 +69,9 @@ class DSparkHook:
                              f"it must be [R, gamma={self.gamma}]")
         if isinstance(confidence, torch.Tensor):
             confidence = confidence.float().cpu()
-        return plan_verify(confidence, self.rate, self.planner).lens
+        if self._planner.rate is not self.rate or self._planner.config is not self.planner:
+            self._planner = Planner(self.rate, self.planner)  # the caller swapped either
+        return self._planner(confidence).lens
 
     def verify(self, input_ids: torch.Tensor, layout: VerifyLayout) -> torch.Tensor:
         """Logits ``[N, V]`` of the packed step (writes provisional KV)."""

@@ -11,7 +11,7 @@ drafts in the cache. Modes:
 ``static``   every request verifies the whole block (``gamma + 1``)
 ``fixed``    every request verifies ``fixed_width``
 ``width``    one uniform width per step from :class:`WidthPolicy` (measured hazards, SPS)
-``planner``  ragged lengths from :func:`plan_verify` (draft confidence, SPS)
+``planner``  ragged lengths from a :class:`Planner` (draft confidence, SPS)
 
 With greedy acceptance the emitted tokens are exactly plain greedy decoding of the target, in
 every mode (the tests hold it to that). New requests are prefilled in packed forwards of their
@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..layout import VerifyLayout
-from ..runtime import PlannerConfig, StepRateModel, WidthPolicy, WidthPolicyConfig, plan_verify
+from ..runtime import Planner, PlannerConfig, StepRateModel, WidthPolicy, WidthPolicyConfig
 from .accept import PreDrawnNoise, SamplingParams, accept, accept_reference
 from .drafter import Drafter
 
@@ -126,6 +126,7 @@ class ReferenceEngine:
         self.width_policy = WidthPolicy(WidthPolicyConfig(
             gamma=config.gamma, widths=tuple(range(1, config.gamma + 2))), rate) \
             if config.mode == "width" else None
+        self.planner = Planner(rate, config.planner)  # PlannerConfig.quiet_steps's state
         self.free_slots = deque(range(max_requests))
         self.queue: deque[_Request] = deque()
         self.running: list[_Request] = []
@@ -230,7 +231,9 @@ class ReferenceEngine:
             return [cfg.fixed_width] * r
         if cfg.mode == "width":
             return [self.width_policy.choose(r)] * r
-        return plan_verify(confidence, self.rate, cfg.planner).lens.tolist()
+        if self.planner.rate is not self.rate or self.planner.config is not cfg.planner:
+            self.planner = Planner(self.rate, cfg.planner)  # the caller swapped either
+        return self.planner(confidence).lens.tolist()
 
     def step(self) -> StepReport | None:
         """Admit, draft, plan, verify, accept, commit; None when nothing is left to run."""

@@ -78,6 +78,17 @@ class PlannerConfig:
     when the most step time any budget could save, ``1 / SPS(R (gamma + 1)) - 1 / max SPS``
     over ``R .. R (gamma + 1)`` tokens, is at most ``flat_tolerance`` of the full step plus
     this cost: ranking cannot then pay for itself (0: the rule on rates alone)."""
+    quiet_steps: int = 8
+    """Steps that :class:`Planner` verifies whole, unranked, after a ranked step whose best
+    budget was predicted to save no more than the flat rule's margin (``flat_tolerance`` of the
+    full step plus ``rank_cost_s``) over verifying every candidate. The flat rule bounds what
+    any budget could save by the rates alone; this reads what the ranking actually found, so
+    where it keeps finding too little to pay for itself (a draft that is right about most of its
+    tokens, a step cost that rises in steps of a tier) it is paid for once every
+    ``quiet_steps + 1`` steps instead of every step. Then it ranks again. 0: rank every step.
+    Where the flat rule applies only (a rate model, no ``threshold``, ``budget_frac`` or lagged
+    budget); the stateless :func:`plan_verify`, :func:`plan_lengths` and the device planner
+    rank every step."""
 
     def __post_init__(self) -> None:
         fraction("PlannerConfig.min_survival", self.min_survival)
@@ -97,6 +108,11 @@ class PlannerConfig:
                 or not math.isfinite(self.rank_cost_s) or self.rank_cost_s < 0:
             raise ValueError(f"PlannerConfig.rank_cost_s={self.rank_cost_s!r} is not a finite "
                              "number of seconds >= 0; pass the host time a ranked step adds")
+        if isinstance(self.quiet_steps, bool) or not isinstance(self.quiet_steps, int) or \
+                self.quiet_steps < 0:
+            raise ValueError(f"PlannerConfig.quiet_steps={self.quiet_steps!r} is not an int >= 0; "
+                             "pass how many steps to verify whole after a ranking that did not "
+                             "pay (0: rank every step)")
         if not isinstance(self.budget_lag, int) or self.budget_lag < 0:
             raise ValueError(f"PlannerConfig.budget_lag={self.budget_lag!r} is not an int >= 0; "
                              "pass the number of steps the budget may lag")
@@ -244,9 +260,11 @@ def _rate_span(rate: StepRateModel, first_tokens: int, count: int, requests: int
 
 
 def _budget(keys: np.ndarray, r: int, rate: StepRateModel | None, config: PlannerConfig,
-            candidates: int | None = None) -> int:
+            candidates: int | None = None, unpaid: list | None = None) -> int:
     """K for the ranked keys of ``r`` requests (before cap and alignment); ``candidates``: the
-    keys' count of survivals >= ``min_survival`` when the caller has it."""
+    keys' count of survivals >= ``min_survival`` when the caller has it. ``unpaid``, if given,
+    gets whether the best budget's predicted saving over verifying every candidate is within
+    the flat rule's margin (``PlannerConfig.quiet_steps``), when the rates were read."""
     if config.threshold is not None:
         return _at_least(keys, config._threshold_key)
     if rate is None:
@@ -260,7 +278,15 @@ def _budget(keys: np.ndarray, r: int, rate: StepRateModel | None, config: Planne
     theta += r
     theta *= rates[1:]  # [n]: Theta(k) = (P_k + R) * SPS(R + k), k = 1..n
     best = int(theta.argmax())  # first maximum: ties go to the smallest k
-    return best + 1 if theta[best] > r * rates[0] else 0
+    k = best + 1 if theta[best] > r * rates[0] else 0
+    if unpaid is not None and config.flat_tolerance is not None:
+        # the best step's expected tokens, made at the every-candidate rate instead: the time
+        # that step saves (seconds), against the flat rule's margin
+        best_theta = float(theta[best]) if k else r * float(rates[0])
+        tokens = best_theta / float(rates[k])
+        saved = tokens / float(theta[-1]) - tokens / best_theta
+        unpaid.append(saved <= config.flat_tolerance / float(rates[n]) + config.rank_cost_s)
+    return k
 
 
 def _cap_and_align(k: int, candidates: int, r: int, gamma: int, config: PlannerConfig) -> int:
@@ -303,13 +329,15 @@ def _plan(conf: np.ndarray, budget_conf: np.ndarray | None, rate: StepRateModel 
 
 
 def _plan_ranked(conf: np.ndarray, budget_conf: np.ndarray | None,
-                 rate: StepRateModel | None, config: PlannerConfig) -> tuple[np.ndarray, int]:
-    """:func:`_plan` past the flat rule: rank the drafts and take the budget's best."""
+                 rate: StepRateModel | None, config: PlannerConfig,
+                 unpaid: list | None = None) -> tuple[np.ndarray, int]:
+    """:func:`_plan` past the flat rule: rank the drafts and take the budget's best
+    (``unpaid``: :func:`_budget`'s)."""
     gamma, r = conf.shape
     keys = _rank(conf)  # [R * gamma]
     candidates = _at_least(keys, config._min_survival_key)
     if budget_conf is None:
-        k = _budget(keys, r, rate, config, candidates)
+        k = _budget(keys, r, rate, config, candidates, unpaid)
     else:
         if budget_conf.shape[0] != gamma:
             raise ValueError(f"budget confidence has gamma={budget_conf.shape[0]} but the "
@@ -362,21 +390,46 @@ def plan_verify(confidence: torch.Tensor, rate: StepRateModel | None,
 
 
 class Planner:
-    """Stateful wrapper of :func:`plan_verify` that keeps the last ``budget_lag`` confidences."""
+    """Stateful wrapper of :func:`plan_verify`: keeps the last ``budget_lag`` confidences, and
+    the steps left to verify whole after a ranking that did not pay
+    (``PlannerConfig.quiet_steps``)."""
 
     def __init__(self, rate: StepRateModel | None, config: PlannerConfig = PlannerConfig()):
         self.rate = rate
         self.config = config
         self._history: deque[np.ndarray] = deque(maxlen=config.budget_lag + 1)
+        self._quiet = 0  # steps left to verify whole, unranked
+        c = config
+        self._may_quiet = (rate is not None and c.quiet_steps > 0 and c.budget_lag == 0 and
+                           c.flat_tolerance is not None and c.threshold is None and
+                           c.budget_frac is None)
 
     def __call__(self, confidence: torch.Tensor) -> VerifyPlan:
         """Plan this step; the budget uses the confidence of ``budget_lag`` steps ago (the
         oldest one held during the first steps)."""
-        conf = _host_confidence(confidence)
-        if self.config.budget_lag == 0:
-            lens, k = _plan(conf, None, self.rate, self.config)
-        else:
+        lens, k = self._step(confidence)
+        return VerifyPlan(lens=torch.from_numpy(lens), num_draft_tokens=k)
+
+    def lengths(self, confidence) -> np.ndarray:
+        """This step's lengths as an int32 NumPy array [R] (:func:`plan_lengths`'s form, for a
+        host loop in NumPy), with the same state as ``__call__``."""
+        return self._step(confidence)[0]
+
+    def _step(self, confidence) -> tuple[np.ndarray, int]:
+        if self.config.budget_lag:
+            conf = _host_confidence(confidence)
             self._history.append(conf)  # a fresh array: later steps cannot change it
             lagged = self._history[0]
-            lens, k = _plan(conf, None if lagged is conf else lagged, self.rate, self.config)
-        return VerifyPlan(lens=torch.from_numpy(lens), num_draft_tokens=k)
+            return _plan(conf, None if lagged is conf else lagged, self.rate, self.config)
+        host = _checked_host(confidence, "confidence")  # checked on quiet steps too
+        r, gamma = host.shape
+        if self._quiet:
+            self._quiet -= 1
+            return np.full(r, gamma + 1, dtype=np.int32), r * gamma
+        if _flat(self.rate, r, gamma, self.config):
+            return np.full(r, gamma + 1, dtype=np.int32), r * gamma
+        unpaid = [] if self._may_quiet else None
+        lens, k = _plan_ranked(_position_major(host), None, self.rate, self.config, unpaid)
+        if unpaid and unpaid[0]:
+            self._quiet = self.config.quiet_steps
+        return lens, k

@@ -208,6 +208,75 @@ def test_flat_step_still_refuses_bad_confidence_and_never_transposes(monkeypatch
                         flat).tolist() == [4, 4]
 
 
+def _counting_rank(monkeypatch) -> list:
+    from dspark_compile.runtime import planner as planner_module
+
+    ranked = []
+    real = planner_module._rank
+    monkeypatch.setattr(planner_module, "_rank", lambda c: ranked.append(1) or real(c))
+    return ranked
+
+
+def test_planner_goes_quiet_after_a_ranking_that_did_not_pay(monkeypatch):
+    """A rate that falls past the flat rule's tolerance, with drafts sure enough that the best
+    budget is every candidate: the ranking saved nothing, so Planner verifies the next
+    quiet_steps steps whole without ranking (the confidences still checked), then ranks again.
+    plan_verify, stateless, ranks every step."""
+    ranked = _counting_rank(monkeypatch)
+    table = SpsTable(META, (SpsEntry(1, 100.0), SpsEntry(4, 100.0), SpsEntry(8, 90.0)))
+    sure = np.full((1, 7), 0.99, np.float32)
+    planner = Planner(table, PlannerConfig(quiet_steps=3))
+    assert planner.lengths(sure).tolist() == [8] and len(ranked) == 1  # ranked: all of them
+    with pytest.raises(ValueError, match="not a probability"):  # checked while quiet too
+        planner.lengths(np.full((1, 7), 1.5, np.float32))
+    for _ in range(3):
+        assert planner.lengths(sure).tolist() == [8]
+    assert len(ranked) == 1  # three quiet steps
+    assert planner.lengths(sure).tolist() == [8] and len(ranked) == 2  # then ranked again
+    planner = Planner(table, PlannerConfig(quiet_steps=3))
+    for _ in range(5):
+        assert planner(torch.from_numpy(sure)).lens.tolist() == [8]
+    assert len(ranked) == 4  # steps 1 and 5 of this one
+    ranked.clear()
+    for _ in range(3):
+        assert plan_verify(torch.from_numpy(sure), table).lens.tolist() == [8]
+    assert len(ranked) == 3
+    ranked.clear()
+    planner = Planner(table, PlannerConfig(quiet_steps=0))
+    for _ in range(3):
+        planner.lengths(sure)
+    assert len(ranked) == 3
+
+
+def test_planner_keeps_ranking_where_the_ranking_pays(monkeypatch):
+    """Unsure drafts on a steep rate: the best budget (no draft) beats verifying them all by far
+    more than the margin, so every step is ranked and trimmed (to the last draft the 100-SPS
+    part of the table still takes); a hard cap (budget_frac) or a
+    threshold never goes quiet either."""
+    ranked = _counting_rank(monkeypatch)
+    steep = SpsTable(META, (SpsEntry(1, 100.0), SpsEntry(8, 50.0)))
+    unsure = np.full((2, 7), 0.1, np.float32)
+    planner = Planner(steep, PlannerConfig(quiet_steps=3))
+    for _ in range(4):
+        assert planner.lengths(unsure).tolist() == [4, 3]  # B = 7 of 16
+    assert len(ranked) == 4
+    sure = np.full((2, 7), 0.99, np.float32)
+    table = SpsTable(META, (SpsEntry(1, 100.0), SpsEntry(8, 100.0), SpsEntry(16, 90.0)))
+    for config in (PlannerConfig(quiet_steps=3, budget_frac=1.0),
+                   PlannerConfig(quiet_steps=3, threshold=0.5)):
+        ranked.clear()
+        planner = Planner(table, config)
+        for _ in range(3):
+            planner.lengths(sure)
+        assert len(ranked) == 3, config
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, "8"])
+def test_quiet_steps_refuses_what_is_not_a_count(bad):
+    with pytest.raises(ValueError, match="quiet_steps"):
+        PlannerConfig(quiet_steps=bad)
+
+
 def test_rank_cost_turns_ranking_off_where_it_cannot_pay_for_itself(monkeypatch):
     """With ``rank_cost_s``, a step cost that falls past the tolerance is still verified whole,
     unranked, when the most step time a budget could save (1 / SPS(full) - 1 / max SPS) is
