@@ -4,8 +4,9 @@ The e2e loop (``e2e.Decoder._step``) is host-synchronous: everything it does on 
 to every step. This times that host work on the CPU with e2e's own code, at R = 1, 8, 64, 256
 requests, gamma 7, for the static full block, the compact planner and the width policy:
 
-- ``plan``: ``Decoder._lens`` (the planner: ``plan_lengths`` with ``PlannerConfig(tiers=...)``
-  and a ``TierRate`` over ``tier_set(256, 8)``; static: a constant array; width:
+- ``plan``: ``Decoder._lens`` (the planner: one ``Planner``'s ``lengths`` with
+  ``PlannerConfig(tiers=...)``, quiet steps included, and a ``TierRate`` over
+  ``tier_set(256, 8)``; static: a constant array; width:
   ``WidthPolicy.choose`` over the same rate, every width 1..8 captured),
 - ``pack``: ``Decoder._pack`` (``VerifyLayout.pack`` and the packed token ids),
 - ``verify``: ``Verifier.__call__`` with a replay that does nothing (input and layout checks,
