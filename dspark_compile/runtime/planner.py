@@ -318,14 +318,29 @@ def flat_rule(full, best, config: PlannerConfig):
     return 1.0 / full - 1.0 / best <= config.flat_tolerance / full + config.rank_cost_s
 
 
+def _full(r: int, gamma: int) -> tuple[np.ndarray, int]:
+    """Every draft verified: lengths ``gamma + 1`` and K = ``R * gamma``."""
+    return np.full(r, gamma + 1, dtype=np.int32), r * gamma
+
+
 def _plan(conf: np.ndarray, budget_conf: np.ndarray | None, rate: StepRateModel | None,
           config: PlannerConfig) -> tuple[np.ndarray, int]:
     """Lengths (int32 [R]) and K from position-major host confidences ``conf [gamma, R]`` (and
     a lagged one)."""
     gamma, r = conf.shape
     if budget_conf is None and _flat(rate, r, gamma, config):
-        return np.full(r, gamma + 1, dtype=np.int32), r * gamma
+        return _full(r, gamma)
     return _plan_ranked(conf, budget_conf, rate, config)
+
+
+def _plan_checked(host: np.ndarray, rate: StepRateModel | None, config: PlannerConfig,
+                  unpaid: list | None = None) -> tuple[np.ndarray, int]:
+    """:func:`_plan` of a checked ``[R, gamma]`` confidence with no lagged one: under the flat
+    rule no ranking and no copy; else ranked (``unpaid``: :func:`_budget`'s)."""
+    r, gamma = host.shape
+    if _flat(rate, r, gamma, config):
+        return _full(r, gamma)
+    return _plan_ranked(_position_major(host), None, rate, config, unpaid)
 
 
 def _plan_ranked(conf: np.ndarray, budget_conf: np.ndarray | None,
@@ -366,11 +381,7 @@ def _plan_inputs(confidence, rate: StepRateModel | None, config: PlannerConfig,
                  budget_confidence) -> tuple[np.ndarray, int]:
     """``_plan`` of validated host copies of the confidences (lengths, K)."""
     if budget_confidence is None:
-        host = _checked_host(confidence, "confidence")
-        r, gamma = host.shape
-        if _flat(rate, r, gamma, config):  # every draft verified: no ranking, no copy
-            return np.full(r, gamma + 1, dtype=np.int32), r * gamma
-        return _plan_ranked(_position_major(host), None, rate, config)
+        return _plan_checked(_checked_host(confidence, "confidence"), rate, config)
     lagged = _host_confidence(budget_confidence, "budget_confidence")
     return _plan(_host_confidence(confidence), lagged, rate, config)
 
@@ -422,14 +433,11 @@ class Planner:
             lagged = self._history[0]
             return _plan(conf, None if lagged is conf else lagged, self.rate, self.config)
         host = _checked_host(confidence, "confidence")  # checked on quiet steps too
-        r, gamma = host.shape
         if self._quiet:
             self._quiet -= 1
-            return np.full(r, gamma + 1, dtype=np.int32), r * gamma
-        if _flat(self.rate, r, gamma, self.config):
-            return np.full(r, gamma + 1, dtype=np.int32), r * gamma
+            return _full(*host.shape)
         unpaid = [] if self._may_quiet else None
-        lens, k = _plan_ranked(_position_major(host), None, self.rate, self.config, unpaid)
+        lens, k = _plan_checked(host, self.rate, self.config, unpaid)
         if unpaid and unpaid[0]:
             self._quiet = self.config.quiet_steps
         return lens, k
