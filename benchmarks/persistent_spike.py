@@ -22,7 +22,7 @@ verify step.
 
     python benchmarks/persistent_spike.py [--rows 3] [--smoke]
 
-``--smoke`` runs two small phases on the CPU under ``TRITON_INTERPRET=1`` with one program (its
+``--smoke`` runs three small phases on the CPU under ``TRITON_INTERPRET=1`` with one program (its
 barriers pass trivially) against the torch chain. Writes ``persistent_spike.json`` to ``$OUT`` or
 ``benchmarks/results/``.
 """
@@ -47,6 +47,7 @@ BLOCK_M = tl.constexpr(ROWS_PAD)
 LAYER = ((4096, 2048), (2048, 2048), (16384, 2048), (2048, 8192))  # (N, K): qkv, o, gate+up, down
 LM_HEAD = (32000, 2048)
 SPIN_MAX = 1 << 18
+TIMING = dict(eager_iters=3, graph_calls=1, graph_replays=20)  # common.time_calls's settings
 SKINNY_SWEEP = [dict(num_warps=8), dict(num_warps=8, block_k=256, num_stages=4),
                 dict(num_warps=8, block_n=128), dict(num_warps=4, block_k=256, num_stages=4),
                 dict(num_warps=2), dict(num_warps=8, block_n=128, block_k=256, num_stages=3),
@@ -216,15 +217,16 @@ def _chain_kernel(w_ptr, act_ptr, tab_ptr, counter_ptr, err_ptr, num_phases,
             first += nprog
         if (not FLAT) & (GEMV_ROWS == 0):
             for t in range(first, tiles, nprog):
-                    _tile(w_ptr, act_ptr, w_off, in_off, out_off, t, n, k, 0,
+                _tile(w_ptr, act_ptr, w_off, in_off, out_off, t, n, k, 0,
                       tl.zeros([BLOCK_N, BLOCK_M], tl.float32), BLOCK_N, BLOCK_K)
         if BARRIER:
             tl.debug_barrier()  # every thread's stores issued before the arrival
             tl.atomic_add(counter_ptr, 1, sem="release")
 
 
-def phases(layers: int, lm_head: bool = True) -> list[tuple[int, int]]:
-    return [*LAYER] * layers + ([LM_HEAD] if lm_head else [])
+def phases(layers: int) -> list[tuple[int, int]]:
+    """The chain's (N, K): ``layers`` times the layer's four matmuls, then the LM head."""
+    return [*LAYER] * layers + [LM_HEAD]
 
 
 class Chain:
@@ -329,7 +331,7 @@ def main() -> None:
         smoke()
         return
     sys.path.insert(0, str(Path(__file__).parent))
-    from common import graph_of
+    from common import time_calls
     from hbm_read import _read_kernel
 
     from dspark_compile.kernels.skinny import skinny_linear_triton
@@ -346,17 +348,9 @@ def main() -> None:
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out_dir.mkdir(parents=True, exist_ok=True)
 
-    def timed(fn, replays: int = 20) -> float:
-        graph = graph_of([fn], 1)
-        graph.replay()
-        torch.cuda.synchronize()
-        ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
-        ev[0].record()
-        for _ in range(replays):
-            graph.replay()
-        ev[1].record()
-        ev[1].synchronize()
-        return ev[0].elapsed_time(ev[1]) / replays
+    def timed(fn) -> float:
+        """ms a call, CUDA-graph replays (``common.time_calls``)."""
+        return time_calls([fn], TIMING, dev)["graph_us"] / 1e3
 
     def emit(row: dict) -> None:
         row["tb_per_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
