@@ -1,0 +1,202 @@
+"""Probe: does the skinny matmul's weight stream at 3 rows run faster when each program's weight
+bytes are one contiguous run (tile-packed weights) instead of ``BLOCK_K``-wide slices of
+``BLOCK_N`` rows ``K`` apart (the row-major ``[N, K]`` weight)?
+
+``persistent_spike.py`` found the bs-1 chain's tensor-core matmul streaming at 3.1 TB/s with
+nothing to wait for, against 4.6 for a plain read of the same bytes. A row-major tile
+``[BLOCK_N, BLOCK_K]`` reads ``BLOCK_N`` runs of ``2 * BLOCK_K`` bytes, each in another DRAM
+row; the plain read takes long contiguous runs. Packed here: the ``[N, K]`` weight stored as
+``[N / BLOCK_N, K / BLOCK_K, BLOCK_N, BLOCK_K]``, so a column tile's whole K stream is one run
+of ``2 * BLOCK_N * K`` bytes.
+
+Measured, one process, CUDA-graph replays over the chain of ``persistent_spike.py`` (16 layers
+of q+k+v, o, gate+up, down, then the LM head; 2.14 GB of bf16 weights), ms a chain:
+- ``read``: ``hbm_read.py``'s streaming kernel over the same bytes (the ceiling);
+- ``skinny``: ``skinny_linear_triton`` a matmul (today's lowering), with the plan's tiles and
+  with longer row-major runs (``SKINNY_TILES``);
+- ``stream``: this file's kernel, persistent programs taking column tiles of every matmul in
+  turn with the dependency between matmuls dropped (the stream rate alone), row-major and
+  packed, over a few tiles and programs a multiprocessor.
+Each stream form is also run once as a valid chain with one program against the torch chain
+(``--smoke`` does that on the CPU, under the interpreter, in float16).
+
+    python benchmarks/packed_weights.py [--rows 3] [--smoke]
+
+Writes ``packed_weights.json`` to ``$OUT`` or ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+if "--smoke" in sys.argv:  # read when @triton.jit decorates
+    os.environ["TRITON_INTERPRET"] = "1"
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from persistent_spike import BLOCK_M, ROWS_PAD, TIMING, Chain, _rel_err, phases  # noqa: E402
+
+CONFIGS = (  # (BLOCK_N, BLOCK_K, warps, stages, programs a multiprocessor)
+    (64, 128, 4, 5, 1), (64, 128, 4, 4, 2), (32, 256, 4, 4, 1), (32, 256, 4, 3, 2),
+    (16, 512, 4, 3, 1), (16, 512, 4, 3, 2), (128, 128, 8, 4, 1), (64, 256, 4, 3, 1))
+SKINNY_TILES = ({}, dict(block_n=16, block_k=512, num_stages=3),
+                dict(block_n=32, block_k=256, num_stages=4),
+                dict(block_n=32, block_k=512, num_stages=3),
+                dict(block_n=16, block_k=1024, num_stages=2))
+"""``skinny_linear_triton`` tile overrides for every matmul of the chain (``{}``: the plan's)."""
+
+
+@triton.jit
+def _stream_kernel(w_ptr, act_ptr, tab_ptr, num_phases, BLOCK_N: tl.constexpr,
+                   BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
+    """Every phase of the table in turn, no barrier; program ``pid`` takes column tiles ``pid,
+    pid + programs, ...`` of ``act_out[BLOCK_M, n] = act_in[BLOCK_M, k] @ w[n, k].T``. With
+    ``PACKED`` the phase's weight is ``[n / BLOCK_N, k / BLOCK_K, BLOCK_N, BLOCK_K]``."""
+    pid = tl.program_id(0)
+    nprog = tl.num_programs(0)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_m = tl.arange(0, BLOCK_M)
+    for p in range(num_phases):
+        # multiples of 256 (Chain checks): the loads are 16-byte vectors, as the pipeliner needs
+        w_off = tl.multiple_of(tl.load(tab_ptr + p * 5), 256)
+        n = tl.multiple_of(tl.load(tab_ptr + p * 5 + 1).to(tl.int32), 256)
+        k = tl.multiple_of(tl.load(tab_ptr + p * 5 + 2).to(tl.int32), 256)
+        in_off = tl.multiple_of(tl.load(tab_ptr + p * 5 + 3), 256)
+        out_off = tl.multiple_of(tl.load(tab_ptr + p * 5 + 4), 256)
+        for t in range(pid, n // BLOCK_N, nprog):
+            if PACKED:
+                w_ptrs = (w_ptr + w_off + t * BLOCK_N * k  # < 2^31: the LM head is 65M
+                          + offs_n[:, None] * BLOCK_K + offs_k[None, :])
+                w_step = BLOCK_N * BLOCK_K
+            else:
+                w_ptrs = (w_ptr + w_off + (t * BLOCK_N + offs_n)[:, None].to(tl.int64) * k
+                          + offs_k[None, :])
+                w_step = BLOCK_K
+            x_ptrs = act_ptr + in_off + offs_m[None, :] * k + offs_k[:, None]
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+            for _ in range(0, k, BLOCK_K):
+                acc = tl.dot(tl.load(w_ptrs), tl.load(x_ptrs, cache_modifier=".cg"), acc)
+                w_ptrs += w_step
+                x_ptrs += BLOCK_K
+            out = act_ptr + out_off + offs_m[None, :] * n + (t * BLOCK_N + offs_n)[:, None]
+            tl.store(out, acc.to(act_ptr.dtype.element_ty))
+
+
+def pack(w: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
+    """``[N, K]`` -> ``[N / BLOCK_N, K / BLOCK_K, BLOCK_N, BLOCK_K]``, flat."""
+    n, k = w.shape
+    return w.view(n // block_n, block_n, k // block_k, block_k).permute(0, 2, 1, 3).reshape(-1)
+
+
+class PackedChain(Chain):
+    """``Chain`` with a second weight buffer, every phase packed for ``(block_n, block_k)``."""
+
+    def packed(self, block_n: int, block_k: int) -> torch.Tensor:
+        out = torch.empty_like(self.w)
+        for i, off in enumerate(self.w_offs):
+            w = self.weight(i)
+            out[off:off + w.numel()] = pack(w, block_n, block_k)
+        return out
+
+    def stream(self, w: torch.Tensor, programs: int, block_n: int, block_k: int, packed: bool,
+               num_warps: int = 4, num_stages: int = 3) -> None:
+        _stream_kernel[(programs,)](w, self.act, self.tab, len(self.shapes), BLOCK_N=block_n,
+                                    BLOCK_K=block_k, PACKED=packed, num_warps=num_warps,
+                                    num_stages=num_stages)
+
+
+def smoke() -> None:
+    # float16: the CPU interpreter's bf16 dot is wrong (triton 3.9)
+    chain = PackedChain([(256, 256), (512, 256), (256, 512)], "cpu", dtype=torch.float16)
+    x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.float16)
+    want = chain.reference(x)
+    for block_n, block_k in ((64, 64), (16, 256)):
+        for packed in (False, True):
+            chain.set_input(x)
+            w = chain.packed(block_n, block_k) if packed else chain.w
+            chain.stream(w, 1, block_n, block_k, packed)
+            err = _rel_err(chain.output(), want)
+            assert err < 2e-2, f"packed={packed} {block_n}x{block_k}: relative error {err}"
+            print(f"smoke packed={packed} {block_n}x{block_k}: relative error {err:.2e}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--smoke", action="store_true")
+    opts = ap.parse_args()
+    if opts.smoke:
+        smoke()
+        return
+    from common import time_calls
+    from hbm_read import _read_kernel
+
+    from dspark_compile.kernels.skinny import skinny_linear_triton
+
+    dev = "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    chain = PackedChain(phases(opts.layers), dev)
+    x = torch.randn(opts.rows, chain.shapes[0][1], device=dev).to(torch.bfloat16)
+    want = chain.reference(x)
+    nbytes = chain.w.numel() * 2
+    report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=triton.__version__, command=" ".join(sys.argv), rows=opts.rows,
+                  layers=opts.layers, weight_bytes=nbytes, sms=sms, timing=TIMING, results=[])
+    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out_dir.mkdir(parents=True, exist_ok=True)
+
+    def timed(fn) -> float:
+        return time_calls([fn], TIMING, dev)["graph_us"] / 1e3
+
+    def emit(row: dict) -> None:
+        row["tb_per_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
+        report["results"].append(row)
+        print(json.dumps(row), flush=True)
+        (out_dir / "packed_weights.json").write_text(json.dumps(report, indent=1))
+
+    sink = torch.empty(sms * 8, device=dev, dtype=torch.float32)
+    emit(dict(kind="read", ms=timed(lambda: _read_kernel[(2 * sms,)](
+        chain.w, sink, chain.w.numel(), BLOCK=16384, num_warps=8))))
+
+    def skinny_chain(**overrides) -> torch.Tensor:
+        a = x
+        for i, (n, k) in enumerate(chain.shapes):
+            a = a.reshape(-1)[:opts.rows * k].view(opts.rows, k)
+            a = skinny_linear_triton(a, chain.weight(i), weight_settled=True, **overrides)[0]
+        return a
+
+    for o in SKINNY_TILES:
+        try:
+            err = _rel_err(skinny_chain(**o), want[:opts.rows])
+        except triton.runtime.errors.OutOfResources as e:
+            emit(dict(kind="skinny", overrides=o, error=str(e), ms=float("inf")))
+            continue
+        emit(dict(kind="skinny", overrides=o, rel_err=err,
+                  ms=timed(lambda o=o: skinny_chain(**o))))
+    for block_n, block_k, warps, stages, per_sm in CONFIGS:
+        wp = chain.packed(block_n, block_k)
+        for packed in (False, True):
+            w = wp if packed else chain.w
+            chain.set_input(x)  # one program: the phases run in order, a valid chain
+            chain.stream(w, 1, block_n, block_k, packed, warps, stages)
+            err = _rel_err(chain.output()[:opts.rows], want[:opts.rows])
+            chain.set_input(x)
+            emit(dict(kind="stream", packed=packed, block_n=block_n, block_k=block_k,
+                      warps=warps, stages=stages, programs=per_sm * sms, rel_err=err,
+                      ms=timed(lambda w=w, p=packed: chain.stream(
+                          w, per_sm * sms, block_n, block_k, p, warps, stages))))
+        del wp
+
+
+if __name__ == "__main__":
+    main()
