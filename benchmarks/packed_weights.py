@@ -28,7 +28,6 @@ Writes ``packed_weights.json`` to ``$OUT`` or ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 from pathlib import Path
@@ -42,7 +41,7 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from persistent_spike import BLOCK_M, ROWS_PAD, TIMING, Chain, _rel_err, phases  # noqa: E402
+from persistent_spike import BLOCK_M, Chain, ChainRun, _phase, _rel_err  # noqa: E402
 
 CONFIGS = (  # (BLOCK_N, BLOCK_K, warps, stages, programs a multiprocessor)
     (64, 128, 4, 5, 1), (64, 128, 4, 4, 2), (32, 256, 4, 4, 1), (32, 256, 4, 3, 2),
@@ -66,12 +65,7 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, num_phases, BLOCK_N: tl.constexpr,
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     for p in range(num_phases):
-        # multiples of 256 (Chain checks): the loads are 16-byte vectors, as the pipeliner needs
-        w_off = tl.multiple_of(tl.load(tab_ptr + p * 5), 256)
-        n = tl.multiple_of(tl.load(tab_ptr + p * 5 + 1).to(tl.int32), 256)
-        k = tl.multiple_of(tl.load(tab_ptr + p * 5 + 2).to(tl.int32), 256)
-        in_off = tl.multiple_of(tl.load(tab_ptr + p * 5 + 3), 256)
-        out_off = tl.multiple_of(tl.load(tab_ptr + p * 5 + 4), 256)
+        w_off, n, k, in_off, out_off = _phase(tab_ptr, p)
         for t in range(pid, n // BLOCK_N, nprog):
             if PACKED:
                 w_ptrs = (w_ptr + w_off + t * BLOCK_N * k  # < 2^31: the LM head is 65M
@@ -138,51 +132,11 @@ def main() -> None:
     if opts.smoke:
         smoke()
         return
-    from common import time_calls
-    from hbm_read import _read_kernel
-
-    from dspark_compile.kernels.skinny import skinny_linear_triton
-
-    dev = "cuda"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    chain = PackedChain(phases(opts.layers), dev)
-    x = torch.randn(opts.rows, chain.shapes[0][1], device=dev).to(torch.bfloat16)
-    want = chain.reference(x)
-    nbytes = chain.w.numel() * 2
-    report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, command=" ".join(sys.argv), rows=opts.rows,
-                  layers=opts.layers, weight_bytes=nbytes, sms=sms, timing=TIMING, results=[])
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    def timed(fn) -> float:
-        return time_calls([fn], TIMING, dev)["graph_us"] / 1e3
-
-    def emit(row: dict) -> None:
-        row["tb_per_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
-        report["results"].append(row)
-        print(json.dumps(row), flush=True)
-        (out_dir / "packed_weights.json").write_text(json.dumps(report, indent=1))
-
-    sink = torch.empty(sms * 8, device=dev, dtype=torch.float32)
-    emit(dict(kind="read", ms=timed(lambda: _read_kernel[(2 * sms,)](
-        chain.w, sink, chain.w.numel(), BLOCK=16384, num_warps=8))))
-
-    def skinny_chain(**overrides) -> torch.Tensor:
-        a = x
-        for i, (n, k) in enumerate(chain.shapes):
-            a = a.reshape(-1)[:opts.rows * k].view(opts.rows, k)
-            a = skinny_linear_triton(a, chain.weight(i), weight_settled=True, **overrides)[0]
-        return a
-
-    for o in SKINNY_TILES:
-        try:
-            err = _rel_err(skinny_chain(**o), want[:opts.rows])
-        except triton.runtime.errors.OutOfResources as e:
-            emit(dict(kind="skinny", overrides=o, error=str(e), ms=float("inf")))
-            continue
-        emit(dict(kind="skinny", overrides=o, rel_err=err,
-                  ms=timed(lambda o=o: skinny_chain(**o))))
+    run = ChainRun(opts, "packed_weights", PackedChain)
+    chain, x, want, sms = run.chain, run.x, run.want, run.sms
+    run.read(2, 8)
+    for overrides in SKINNY_TILES:
+        run.skinny(overrides)
     for block_n, block_k, warps, stages, per_sm in CONFIGS:
         wp = chain.packed(block_n, block_k)
         for packed in (False, True):
@@ -191,10 +145,10 @@ def main() -> None:
             chain.stream(w, 1, block_n, block_k, packed, warps, stages)
             err = _rel_err(chain.output()[:opts.rows], want[:opts.rows])
             chain.set_input(x)
-            emit(dict(kind="stream", packed=packed, block_n=block_n, block_k=block_k,
-                      warps=warps, stages=stages, programs=per_sm * sms, rel_err=err,
-                      ms=timed(lambda w=w, p=packed: chain.stream(
-                          w, per_sm * sms, block_n, block_k, p, warps, stages))))
+            run.emit(dict(kind="stream", packed=packed, block_n=block_n, block_k=block_k,
+                          warps=warps, stages=stages, programs=per_sm * sms, rel_err=err,
+                          ms=run.timed(lambda w=w, p=packed: chain.stream(
+                              w, per_sm * sms, block_n, block_k, p, warps, stages))))
         del wp
 
 

@@ -71,6 +71,19 @@ def _wait(counter_ptr, target, err_ptr, SPIN: tl.constexpr):
 
 
 @triton.jit
+def _phase(tab_ptr, p):
+    """Phase ``p``'s row of the table: ``(w_off, n, k, in_off, out_off)``. Its values are
+    multiples of 256 (``Chain`` checks); said so, the loads are 16-byte vectors, which the
+    pipeliner needs for its asynchronous copies."""
+    w_off = tl.multiple_of(tl.load(tab_ptr + p * 5), 256)
+    n = tl.multiple_of(tl.load(tab_ptr + p * 5 + 1).to(tl.int32), 256)
+    k = tl.multiple_of(tl.load(tab_ptr + p * 5 + 2).to(tl.int32), 256)
+    in_off = tl.multiple_of(tl.load(tab_ptr + p * 5 + 3), 256)
+    out_off = tl.multiple_of(tl.load(tab_ptr + p * 5 + 4), 256)
+    return w_off, n, k, in_off, out_off
+
+
+@triton.jit
 def _tile(w_ptr, act_ptr, w_off, in_off, out_off, t, n, k, k_start, acc, BLOCK_N: tl.constexpr,
           BLOCK_K: tl.constexpr):
     """Column tile ``t`` of ``act_out[BLOCK_M, n] = act_in[BLOCK_M, k] @ w[n, k].T``: K from
@@ -182,13 +195,7 @@ def _chain_kernel(w_ptr, act_ptr, tab_ptr, counter_ptr, err_ptr, num_phases,
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     for p in range(num_phases):
-        # the table's values are multiples of 256 (the host checks): said so, the loads are
-        # 16-byte vectors, which the pipeliner needs for its asynchronous copies
-        w_off = tl.multiple_of(tl.load(tab_ptr + p * 5), 256)
-        n = tl.multiple_of(tl.load(tab_ptr + p * 5 + 1).to(tl.int32), 256)
-        k = tl.multiple_of(tl.load(tab_ptr + p * 5 + 2).to(tl.int32), 256)
-        in_off = tl.multiple_of(tl.load(tab_ptr + p * 5 + 3), 256)
-        out_off = tl.multiple_of(tl.load(tab_ptr + p * 5 + 4), 256)
+        w_off, n, k, in_off, out_off = _phase(tab_ptr, p)
         tiles = n // BLOCK_N
         first = pid
         rows = (first * BLOCK_N + offs_n).to(tl.int64)
@@ -319,6 +326,74 @@ def smoke() -> None:
         print(f"smoke gemv block_k={block_k}: relative error {err:.2e}")
 
 
+class ChainRun:
+    """One GPU run over the chain: its weights (``chain_cls``), a random input of ``opts.rows``
+    rows and the torch chain's output for it, and the report (``name``.json under ``$OUT`` or
+    ``benchmarks/results/``, rewritten at each row)."""
+
+    def __init__(self, opts, name: str, chain_cls=Chain) -> None:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from common import time_calls
+
+        self.dev = "cuda"
+        self.rows = opts.rows
+        self.sms = torch.cuda.get_device_properties(0).multi_processor_count
+        self.chain = chain_cls(phases(opts.layers), self.dev)
+        self.x = torch.randn(opts.rows, self.chain.shapes[0][1],
+                             device=self.dev).to(torch.bfloat16)
+        self.want = self.chain.reference(self.x)
+        self.nbytes = self.chain.w.numel() * 2
+        self.report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__, command=" ".join(sys.argv),
+                           rows=opts.rows, layers=opts.layers, weight_bytes=self.nbytes,
+                           sms=self.sms, timing=TIMING, results=[])
+        out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self.path = out_dir / f"{name}.json"
+        self._time_calls = time_calls
+
+    def timed(self, fn) -> float:
+        """ms a call, CUDA-graph replays (``common.time_calls``)."""
+        return self._time_calls([fn], TIMING, self.dev)["graph_us"] / 1e3
+
+    def emit(self, row: dict) -> None:
+        row["tb_per_s"] = self.nbytes / (row["ms"] * 1e-3) / 1e12
+        self.report["results"].append(row)
+        print(json.dumps(row), flush=True)
+        self.path.write_text(json.dumps(self.report, indent=1))
+
+    def read(self, per_sm: int, warps: int) -> None:
+        """A ``read`` row: ``hbm_read.py``'s streaming kernel over the chain's weight bytes."""
+        from hbm_read import _read_kernel
+
+        sink = torch.empty(self.sms * per_sm, device=self.dev, dtype=torch.float32)
+        w = self.chain.w
+        self.emit(dict(kind="read", programs=self.sms * per_sm, warps=warps, ms=self.timed(
+            lambda: _read_kernel[(self.sms * per_sm,)](w, sink, w.numel(), BLOCK=16384,
+                                                       num_warps=warps))))
+
+    def skinny_chain(self, **overrides) -> torch.Tensor:
+        """The chain as one ``skinny_linear_triton`` launch a matmul (today's lowering)."""
+        from dspark_compile.kernels.skinny import skinny_linear_triton
+
+        a = self.x
+        for i, (n, k) in enumerate(self.chain.shapes):
+            a = a.reshape(-1)[:self.rows * k].view(self.rows, k)
+            a = skinny_linear_triton(a, self.chain.weight(i), weight_settled=True,
+                                     **overrides)[0]
+        return a
+
+    def skinny(self, overrides: dict) -> None:
+        """A ``skinny`` row: the launch chain under tile ``overrides`` (``{}``: the plan's)."""
+        try:
+            err = _rel_err(self.skinny_chain(**overrides), self.want[:self.rows])
+        except triton.runtime.errors.OutOfResources as e:  # a tile the sweep asks for
+            self.emit(dict(kind="skinny", overrides=overrides, error=str(e), ms=float("inf")))
+            return
+        self.emit(dict(kind="skinny", overrides=overrides, rel_err=err,
+                       ms=self.timed(lambda: self.skinny_chain(**overrides))))
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--rows", type=int, default=3)
@@ -330,34 +405,8 @@ def main() -> None:
     if opts.smoke:
         smoke()
         return
-    sys.path.insert(0, str(Path(__file__).parent))
-    from common import time_calls
-    from hbm_read import _read_kernel
-
-    from dspark_compile.kernels.skinny import skinny_linear_triton
-
-    dev = "cuda"
-    sms = torch.cuda.get_device_properties(0).multi_processor_count
-    chain = Chain(phases(opts.layers), dev)
-    x = torch.randn(opts.rows, chain.shapes[0][1], device=dev).to(torch.bfloat16)
-    want = chain.reference(x)
-    nbytes = chain.w.numel() * 2
-    report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, command=" ".join(sys.argv), rows=opts.rows,
-                  layers=opts.layers, weight_bytes=nbytes, sms=sms, results=[])
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-    out_dir.mkdir(parents=True, exist_ok=True)
-
-    def timed(fn) -> float:
-        """ms a call, CUDA-graph replays (``common.time_calls``)."""
-        return time_calls([fn], TIMING, dev)["graph_us"] / 1e3
-
-    def emit(row: dict) -> None:
-        row["tb_per_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
-        report["results"].append(row)
-        print(json.dumps(row), flush=True)
-        (out_dir / "persistent_spike.json").write_text(json.dumps(report, indent=1))
-
+    run = ChainRun(opts, "persistent_spike", Chain)
+    chain, x, want, sms, emit, timed = run.chain, run.x, run.want, run.sms, run.emit, run.timed
     props = torch.cuda.get_device_properties(0)
 
     def resident(block_n, block_k, warps, stages, flat, rows) -> int:
@@ -375,27 +424,10 @@ def main() -> None:
                    getattr(props, "shared_memory_per_multiprocessor", 228 * 1024) // smem,
                    64 // warps)
 
-    sink = torch.empty(sms * 8, device=dev, dtype=torch.float32)
     for per_sm, warps in ((2, 8), (4, 16)):
-        emit(dict(kind="read", programs=sms * per_sm, warps=warps, ms=timed(
-            lambda g=sms * per_sm, w=warps: _read_kernel[(g,)](chain.w, sink, chain.w.numel(),
-                                                                 BLOCK=16384, num_warps=w))))
-
-    def skinny_chain(**overrides) -> torch.Tensor:
-        a = x
-        for i, (n, k) in enumerate(chain.shapes):
-            a = a.reshape(-1)[:opts.rows * k].view(opts.rows, k)
-            a = skinny_linear_triton(a, chain.weight(i), weight_settled=True, **overrides)[0]
-        return a
-
+        run.read(per_sm, warps)
     for overrides in [{}] + (SKINNY_SWEEP if opts.skinny_sweep else []):
-        try:
-            err = _rel_err(skinny_chain(**overrides), want[:opts.rows])
-        except triton.runtime.errors.OutOfResources as e:  # a tile the sweep asks for
-            emit(dict(kind="skinny", overrides=overrides, error=str(e), ms=float("inf")))
-            continue
-        emit(dict(kind="skinny", overrides=overrides, rel_err=err,
-                  ms=timed(lambda o=overrides: skinny_chain(**o))))
+        run.skinny(overrides)
     if opts.skinny_sweep:
         return
     gemv = min(opts.rows, 4)
