@@ -16,7 +16,9 @@ of q+k+v, o, gate+up, down, then the LM head; 2.14 GB of bf16 weights), ms a cha
   with longer row-major runs (``SKINNY_TILES``);
 - ``stream``: this file's kernel, persistent programs taking column tiles of every matmul in
   turn with the dependency between matmuls dropped (the stream rate alone), row-major and
-  packed, over a few tiles and programs a multiprocessor.
+  packed, over a few tiles and programs a multiprocessor;
+- ``stream_no_x``: the same kernel with ones for the activation tile (no loads but the weights'):
+  how much the activation loads every program makes from L2 cost.
 Each stream form is also run once as a valid chain with one program against the torch chain
 (``--smoke`` does that on the CPU, under the interpreter, in float16).
 
@@ -55,10 +57,12 @@ SKINNY_TILES = ({}, dict(block_n=16, block_k=512, num_stages=3),
 
 @triton.jit
 def _stream_kernel(w_ptr, act_ptr, tab_ptr, num_phases, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PACKED: tl.constexpr):
+                   BLOCK_K: tl.constexpr, PACKED: tl.constexpr, X_LOAD: tl.constexpr = True):
     """Every phase of the table in turn, no barrier; program ``pid`` takes column tiles ``pid,
     pid + programs, ...`` of ``act_out[BLOCK_M, n] = act_in[BLOCK_M, k] @ w[n, k].T``. With
-    ``PACKED`` the phase's weight is ``[n / BLOCK_N, k / BLOCK_K, BLOCK_N, BLOCK_K]``."""
+    ``PACKED`` the phase's weight is ``[n / BLOCK_N, k / BLOCK_K, BLOCK_N, BLOCK_K]``. Without
+    ``X_LOAD`` the activation tile is ones made in registers, not loaded (not a valid product:
+    the weight stream alone, without the activations every program reads from L2)."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_n = tl.arange(0, BLOCK_N)
@@ -78,7 +82,11 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, num_phases, BLOCK_N: tl.constexpr,
             x_ptrs = act_ptr + in_off + offs_m[None, :] * k + offs_k[:, None]
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
             for _ in range(0, k, BLOCK_K):
-                acc = tl.dot(tl.load(w_ptrs), tl.load(x_ptrs, cache_modifier=".cg"), acc)
+                if X_LOAD:
+                    xt = tl.load(x_ptrs, cache_modifier=".cg")
+                else:
+                    xt = tl.full([BLOCK_K, BLOCK_M], 1.0, act_ptr.dtype.element_ty)
+                acc = tl.dot(tl.load(w_ptrs), xt, acc)
                 w_ptrs += w_step
                 x_ptrs += BLOCK_K
             out = act_ptr + out_off + offs_m[None, :] * n + (t * BLOCK_N + offs_n)[:, None]
@@ -102,10 +110,10 @@ class PackedChain(Chain):
         return out
 
     def stream(self, w: torch.Tensor, programs: int, block_n: int, block_k: int, packed: bool,
-               num_warps: int = 4, num_stages: int = 3) -> None:
+               num_warps: int = 4, num_stages: int = 3, x_load: bool = True) -> None:
         _stream_kernel[(programs,)](w, self.act, self.tab, len(self.shapes), BLOCK_N=block_n,
-                                    BLOCK_K=block_k, PACKED=packed, num_warps=num_warps,
-                                    num_stages=num_stages)
+                                    BLOCK_K=block_k, PACKED=packed, X_LOAD=x_load,
+                                    num_warps=num_warps, num_stages=num_stages)
 
 
 def smoke() -> None:
@@ -121,6 +129,10 @@ def smoke() -> None:
             err = _rel_err(chain.output(), want)
             assert err < 2e-2, f"packed={packed} {block_n}x{block_k}: relative error {err}"
             print(f"smoke packed={packed} {block_n}x{block_k}: relative error {err:.2e}")
+    one = PackedChain([(256, 256)], "cpu", dtype=torch.float16)  # no activation loads: ones
+    one.stream(one.packed(64, 64), 1, 64, 64, True, x_load=False)
+    err = _rel_err(one.output()[0], one.weight(0).float().sum(1))
+    assert err < 2e-2, f"x_load=False: relative error {err}"
 
 
 def main() -> None:
@@ -149,6 +161,13 @@ def main() -> None:
                           warps=warps, stages=stages, programs=per_sm * sms, rel_err=err,
                           ms=run.timed(lambda w=w, p=packed: chain.stream(
                               w, per_sm * sms, block_n, block_k, p, warps, stages))))
+            if (block_n, block_k, warps, stages, per_sm) in CONFIGS[:3]:
+                run.emit(dict(kind="stream_no_x", packed=packed, block_n=block_n,
+                              block_k=block_k, warps=warps, stages=stages,
+                              programs=per_sm * sms, ms=run.timed(
+                                  lambda w=w, p=packed: chain.stream(
+                                      w, per_sm * sms, block_n, block_k, p, warps, stages,
+                                      x_load=False))))
         del wp
 
 
