@@ -1,28 +1,29 @@
-"""Probe: does the skinny matmul's weight stream at 3 rows run faster when each program's weight
-bytes are one contiguous run (tile-packed weights) instead of ``BLOCK_K``-wide slices of
-``BLOCK_N`` rows ``K`` apart (the row-major ``[N, K]`` weight)?
+"""Probe: where the skinny matmul's weight stream at 3 rows loses against a plain read. The
+weight layout (row-major, or packed so a program's bytes are contiguous), the activation
+loads, the pipeline depth, or how the work falls on the programs and launches?
 
-``persistent_spike.py`` found the bs-1 chain's tensor-core matmul streaming at 3.1 TB/s with
-nothing to wait for, against 4.6 for a plain read of the same bytes. A row-major tile
-``[BLOCK_N, BLOCK_K]`` reads ``BLOCK_N`` runs of ``2 * BLOCK_K`` bytes, each in another DRAM
-row; the plain read takes long contiguous runs. Packed here: the ``[N, K]`` weight stored as
-``[N / BLOCK_N, K / BLOCK_K, BLOCK_N, BLOCK_K]``, so a column tile's whole K stream is one run
-of ``2 * BLOCK_N * K`` bytes.
+Layouts of the stream kernel (``pack``): 0, the row-major ``[N, K]`` weight (a ``[BLOCK_N,
+BLOCK_K]`` tile is ``BLOCK_N`` runs of ``2 * BLOCK_K`` bytes, ``K`` apart); 1, ``[N / BLOCK_N, K /
+BLOCK_K, BLOCK_N, BLOCK_K]`` (a column tile's whole K stream one run); 2, ``[K / BLOCK_K, N /
+BLOCK_N, BLOCK_N, BLOCK_K]`` (programs in step read neighbouring tiles, as a plain read's do).
 
-Measured, one process, CUDA-graph replays over the chain of ``persistent_spike.py`` (16 layers
-of q+k+v, o, gate+up, down, then the LM head; 2.14 GB of bf16 weights), ms a chain:
+Measured, one process, CUDA-graph replays over a chain of matmuls (by default the 1.1B model's of
+``persistent_spike.py``: 16 layers of q+k+v, o, gate+up, down, then the LM head, 2.14 GB of
+bf16 weights; ``--shapes`` gives others), ms a chain:
 - ``read``: ``hbm_read.py``'s streaming kernel over the same bytes (the ceiling);
 - ``skinny``: ``skinny_linear_triton`` a matmul (today's lowering), with the plan's tiles and
-  with longer row-major runs (``SKINNY_TILES``);
+  with the overrides of ``SKINNY_TILES`` (or ``--skinny``);
 - ``stream``: this file's kernel, persistent programs taking column tiles of every matmul in
-  turn with the dependency between matmuls dropped (the stream rate alone), row-major and
-  packed, over a few tiles and programs a multiprocessor;
+  turn with the dependency between matmuls dropped (the stream rate alone), in each layout,
+  over ``CONFIGS`` (or ``--configs``: row-major only);
 - ``stream_no_x``: the same kernel with ones for the activation tile (no loads but the weights'):
   how much the activation loads every program makes from L2 cost.
 Each stream form is also run once as a valid chain with one program against the torch chain
-(``--smoke`` does that on the CPU, under the interpreter, in float16).
+(``--smoke`` does that on the CPU, under the interpreter, in float16). A chain's shapes must
+let each matmul read its input from the last one's output (K <= the previous N).
 
-    python benchmarks/packed_weights.py [--rows 3] [--smoke]
+    python benchmarks/packed_weights.py [--rows 3] [--quick] [--configs N,K,W,S,P ...]
+        [--shapes NxK[*R] ...] [--skinny KEY=V,... ...] [--smoke]
 
 Writes ``packed_weights.json`` to ``$OUT`` or ``benchmarks/results/``.
 """
@@ -71,7 +72,11 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, num_phases, BLOCK_N: tl.constexpr,
     for p in range(num_phases):
         w_off, n, k, in_off, out_off = _phase(tab_ptr, p)
         for t in range(pid, n // BLOCK_N, nprog):
-            if PACKED:
+            if PACKED == 2:  # K-step-major: a K step's tiles of every column tile side by side
+                w_ptrs = (w_ptr + w_off + t * BLOCK_N * BLOCK_K
+                          + offs_n[:, None] * BLOCK_K + offs_k[None, :])
+                w_step = n * BLOCK_K
+            elif PACKED == 1:
                 w_ptrs = (w_ptr + w_off + t * BLOCK_N * k  # < 2^31: the LM head is 65M
                           + offs_n[:, None] * BLOCK_K + offs_k[None, :])
                 w_step = BLOCK_N * BLOCK_K
@@ -93,23 +98,28 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, num_phases, BLOCK_N: tl.constexpr,
             tl.store(out, acc.to(act_ptr.dtype.element_ty))
 
 
-def pack(w: torch.Tensor, block_n: int, block_k: int) -> torch.Tensor:
-    """``[N, K]`` -> ``[N / BLOCK_N, K / BLOCK_K, BLOCK_N, BLOCK_K]``, flat."""
+def pack(w: torch.Tensor, block_n: int, block_k: int, layout: int = 1) -> torch.Tensor:
+    """``[N, K]`` -> ``[N / BLOCK_N, K / BLOCK_K, BLOCK_N, BLOCK_K]`` (``layout`` 1: a column
+    tile's K stream contiguous) or ``[K / BLOCK_K, N / BLOCK_N, BLOCK_N, BLOCK_K]`` (2: a K
+    step's tiles contiguous, so programs in step read neighbouring bytes, as a plain read's
+    programs do), flat."""
     n, k = w.shape
-    return w.view(n // block_n, block_n, k // block_k, block_k).permute(0, 2, 1, 3).reshape(-1)
+    tiles = w.view(n // block_n, block_n, k // block_k, block_k)
+    order = (0, 2, 1, 3) if layout == 1 else (2, 0, 1, 3)
+    return tiles.permute(*order).reshape(-1)
 
 
 class PackedChain(Chain):
     """``Chain`` with a second weight buffer, every phase packed for ``(block_n, block_k)``."""
 
-    def packed(self, block_n: int, block_k: int) -> torch.Tensor:
+    def packed(self, block_n: int, block_k: int, layout: int = 1) -> torch.Tensor:
         out = torch.empty_like(self.w)
         for i, off in enumerate(self.w_offs):
             w = self.weight(i)
-            out[off:off + w.numel()] = pack(w, block_n, block_k)
+            out[off:off + w.numel()] = pack(w, block_n, block_k, layout)
         return out
 
-    def stream(self, w: torch.Tensor, programs: int, block_n: int, block_k: int, packed: bool,
+    def stream(self, w: torch.Tensor, programs: int, block_n: int, block_k: int, packed: int,
                num_warps: int = 4, num_stages: int = 3, x_load: bool = True) -> None:
         _stream_kernel[(programs,)](w, self.act, self.tab, len(self.shapes), BLOCK_N=block_n,
                                     BLOCK_K=block_k, PACKED=packed, X_LOAD=x_load,
@@ -122,9 +132,9 @@ def smoke() -> None:
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.float16)
     want = chain.reference(x)
     for block_n, block_k in ((64, 64), (16, 256)):
-        for packed in (False, True):
+        for packed in (0, 1, 2):
             chain.set_input(x)
-            w = chain.packed(block_n, block_k) if packed else chain.w
+            w = chain.packed(block_n, block_k, packed) if packed else chain.w
             chain.stream(w, 1, block_n, block_k, packed)
             err = _rel_err(chain.output(), want)
             assert err < 2e-2, f"packed={packed} {block_n}x{block_k}: relative error {err}"
@@ -140,19 +150,38 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=3)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--smoke", action="store_true")
+    ap.add_argument("--quick", action="store_true",
+                    help="the plan's skinny tiles and the first three stream configurations only")
+    ap.add_argument("--configs", nargs="+", metavar="N,K,WARPS,STAGES,PER_SM",
+                    help="stream configurations instead of CONFIGS (BLOCK_N, BLOCK_K, warps, "
+                         "stages, programs a multiprocessor), row-major only")
+    ap.add_argument("--skinny", nargs="+", metavar="KEY=V,...", default=None,
+                    help="skinny_linear_triton overrides instead of SKINNY_TILES "
+                         "(e.g. block_n=16,split_k=1); with it, no stream rows")
+    ap.add_argument("--shapes", nargs="+", metavar="NxK[*R]",
+                    help="the chain's matmuls instead of the model's (R repeats of N x K)")
     opts = ap.parse_args()
+    if opts.shapes:
+        opts.shapes = [tuple(int(v) for v in s.split("*")[0].split("x"))
+                       for s in opts.shapes for _ in range(int((s.split("*") + ["1"])[1]))]
     if opts.smoke:
         smoke()
         return
     run = ChainRun(opts, "packed_weights", PackedChain)
     chain, x, want, sms = run.chain, run.x, run.want, run.sms
     run.read(2, 8)
-    for overrides in SKINNY_TILES:
+    if opts.skinny is not None:
+        for o in [{}] + [dict((kv.split("=")[0], int(kv.split("=")[1])) for kv in arg.split(","))
+                         for arg in opts.skinny]:
+            run.skinny(o)
+        return
+    for overrides in SKINNY_TILES[:1] if opts.quick or opts.configs else SKINNY_TILES:
         run.skinny(overrides)
-    for block_n, block_k, warps, stages, per_sm in CONFIGS:
-        wp = chain.packed(block_n, block_k)
-        for packed in (False, True):
-            w = wp if packed else chain.w
+    configs = [tuple(int(v) for v in c.split(",")) for c in opts.configs or ()]
+    for block_n, block_k, warps, stages, per_sm in configs or (
+            CONFIGS[:3] if opts.quick else CONFIGS):
+        for packed in (0,) if configs else (0, 1, 2):
+            w = chain.packed(block_n, block_k, packed) if packed else chain.w
             chain.set_input(x)  # one program: the phases run in order, a valid chain
             chain.stream(w, 1, block_n, block_k, packed, warps, stages)
             err = _rel_err(chain.output()[:opts.rows], want[:opts.rows])
@@ -168,7 +197,7 @@ def main() -> None:
                                   lambda w=w, p=packed: chain.stream(
                                       w, per_sm * sms, block_n, block_k, p, warps, stages,
                                       x_load=False))))
-        del wp
+            del w
 
 
 if __name__ == "__main__":

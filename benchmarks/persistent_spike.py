@@ -327,8 +327,8 @@ def smoke() -> None:
 
 
 class ChainRun:
-    """One GPU run over the chain: its weights (``chain_cls``), a random input of ``opts.rows``
-    rows and the torch chain's output for it, and the report (``name``.json under ``$OUT`` or
+    """One GPU run over the chain (``opts.shapes``' (N, K) if given, else ``phases(opts.layers)``):
+    its weights (``chain_cls``), a random input of ``opts.rows`` rows and the torch chain's output for it, and the report (``name``.json under ``$OUT`` or
     ``benchmarks/results/``, rewritten at each row)."""
 
     def __init__(self, opts, name: str, chain_cls=Chain) -> None:
@@ -338,7 +338,7 @@ class ChainRun:
         self.dev = "cuda"
         self.rows = opts.rows
         self.sms = torch.cuda.get_device_properties(0).multi_processor_count
-        self.chain = chain_cls(phases(opts.layers), self.dev)
+        self.chain = chain_cls(getattr(opts, "shapes", None) or phases(opts.layers), self.dev)
         self.x = torch.randn(opts.rows, self.chain.shapes[0][1],
                              device=self.dev).to(torch.bfloat16)
         self.want = self.chain.reference(self.x)
