@@ -235,10 +235,9 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     which may stay in registers) and are transposed once after the loop. ``PDL``: launched
     with programmatic dependent launch (``kernels/pdl.py``). ``ROT_D`` > 0: the output's
     first ``rot_cols`` columns are heads of ``ROT_D`` (``BLOCK_N`` a multiple of it), rotated
-    in the epilogue with ``cos``/``sin [M, ROT_D]``. ``EARLY_W`` (0, 1 or 2): that many of the
-    split's first weight tiles (and their up rows' with ``EPI_GLU``) are loaded before the PDL
-    wait (the caller vouches the launch before does not write ``w``), and their K steps run
-    before the loop over the rest."""
+    in the epilogue with ``cos``/``sin [M, ROT_D]``. ``EARLY_W``: the first weight tile(s) are
+    loaded before the PDL wait (the caller vouches the launch before does not write ``w``)
+    and their K step runs before the loop over the rest."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -252,14 +251,9 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
         w_ptrs = w_ptr  # unused: the descriptor loads by coordinates
     else:
         w_ptrs = w_ptr + offs_n[:, None].to(tl.int64) * k + (k_lo + offs_k)[None, :]
-    if EARLY_W >= 1:  # weights: written by no launch of a step, so read before the wait
+    if EARLY_W:  # weights: written by no launch of a step, so read before the wait
         wt0, wu0 = _w_tiles(w_ptr, w_ptrs, tile * BLOCK_N, k_lo, n, k, n_ok,
                             k_lo + offs_k < k_hi, EVEN_N, EVEN_K, W_DESC, EPI_GLU)
-    if EARLY_W >= 2:  # the second tile masked to the split: it may hold only one
-        k1_ok = k_lo + BLOCK_K + offs_k < k_hi
-        w1_ptrs = w_ptrs if W_DESC else w_ptrs + BLOCK_K
-        wt1, wu1 = _w_tiles(w_ptr, w1_ptrs, tile * BLOCK_N, k_lo + BLOCK_K, n, k, n_ok, k1_ok,
-                            EVEN_N, False, W_DESC, EPI_GLU)
     pdl_enter(PDL)
     rows = offs_m[None, :].to(tl.int64)
     x_ptrs = x_ptr + rows * stride_xm + (k_lo + offs_k)[:, None]
@@ -279,7 +273,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
         nxt_a = tl.zeros([BLOCK_K, BLOCK_M], x_ptr.dtype.element_ty)
         nxt_b = nxt_a
     k_start = k_lo
-    if EARLY_W >= 1:  # the first weight tile was loaded before the wait: its step comes first
+    if EARLY_W:  # the first weight tile was loaded before the wait: its step comes first
         acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs = _k_step(
             wt0, wu0, acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs, gamma_ptr,
             k_lo, k_hi, offs_k, m_ok, glu_offset, tile, x_ptr.dtype.element_ty, BLOCK_K, PRO,
@@ -287,15 +281,6 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
         if not W_DESC:
             w_ptrs += BLOCK_K
         k_start = k_lo + BLOCK_K
-    if EARLY_W >= 2:
-        if k_start < k_hi:  # the split holds a second tile
-            acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs = _k_step(
-                wt1, wu1, acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs, gamma_ptr,
-                k_start, k_hi, offs_k, m_ok, glu_offset, tile, x_ptr.dtype.element_ty,
-                BLOCK_K, PRO, HAS_RES, EVEN_K, EPI_GLU, SWAP)
-            if not W_DESC:
-                w_ptrs += BLOCK_K
-            k_start += BLOCK_K
     for k0 in range(k_start, k_hi, BLOCK_K):
         wt, wu = _w_tiles(w_ptr, w_ptrs, tile * BLOCK_N, k0, n, k, n_ok, k0 + offs_k < k_hi,
                           EVEN_N, EVEN_K, W_DESC, EPI_GLU)
@@ -518,10 +503,9 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     rotary kernel after the matmul).
     ``weight_settled``: the caller vouches that the launch just before this one does not
     write ``w`` (``lower`` sets it from the graph, ``select.settled_weight``); up to
-    ``cfg.skinny_early_w_max_m`` rows the first ``cfg.skinny_early_tiles`` weight tiles are then
-    loaded before the PDL wait. ``overrides`` (``block_n``, ``block_k``, ``split_k``,
-    ``num_warps``, ``num_stages``, ``tma``, ``swap``, ``early_tiles``) are for the benchmarks'
-    sweeps. No host sync; CUDA-graph safe (a split
+    ``cfg.skinny_early_w_max_m`` rows the first weight tile is then loaded before the PDL wait.
+    ``overrides`` (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``,
+    ``tma``, ``swap``) are for the benchmark's sweep. No host sync; CUDA-graph safe (a split
     launch takes its counters from the buffer of the current stream, made outside any capture
     by the first call)."""
     _check(x, w, bias, gamma, residual, glu, glu_out)
@@ -560,10 +544,6 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
             torch.add(x, residual, out=h)
         return out, h
     head_d, rot_d = rot_d, rot_d if m >= cfg.skinny_rope_min_m else 0  # rot_d: the epilogue's
-    early_tiles = overrides.pop("early_tiles", cfg.skinny_early_tiles)
-    if early_tiles not in (0, 1, 2):
-        _fail(f"early_tiles={early_tiles!r}; the kernel loads 0, 1 or 2 weight tiles before "
-              "its PDL wait")
     plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, rms=pro == 2, rot_d=rot_d,
                        **overrides)
     split = plan.split_k
@@ -587,7 +567,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         EVEN_N=n_out % plan.block_n == 0,
         EVEN_K=k % plan.k_per_split == 0 and plan.k_per_split % plan.block_k == 0,
         W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, ROT_D=rot_d,
-        EARLY_W=early_tiles if weight_settled and m <= cfg.skinny_early_w_max_m else 0,
+        EARLY_W=weight_settled and m <= cfg.skinny_early_w_max_m,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_options(pdl),
         **LAUNCH_OPTIONS)
     if head_d and not rot_d:  # fewer rows than skinny_rope_min_m: the rotary kernel after

@@ -127,10 +127,6 @@ class TargetConfig:
     (``passes/lower.py``'s ``settled_weight``) loads its first weight tile(s) before its PDL
     wait (0: never). Chosen by ``python benchmarks/verify_step.py --quick --target
     skinny_early_w_max_m=0`` against the default; figures in docs/tuning.md."""
-    skinny_early_tiles: int = 1
-    """How many weight tiles such a launch loads before its PDL wait (0, 1 or 2; registers hold
-    them). Chosen by ``python benchmarks/verify_step.py --quick --target skinny_early_tiles=N``;
-    figures in docs/tuning.md."""
     mid_split_k: int = 1
     """K chunks of a matmul past ``skinny_max_m`` rows (up to ``mid_split_max_m``) whose K is at
     least ``mid_split_min_ratio`` times its N (the MLP's down projection): one batched cuBLAS
@@ -184,9 +180,6 @@ class TargetConfig:
         if self.experts_kernel not in ("triton", "grouped_mm"):
             raise ValueError(f"TargetConfig.experts_kernel={self.experts_kernel!r}; it must be "
                              "'triton' or 'grouped_mm'")
-        if self.skinny_early_tiles not in (0, 1, 2):
-            raise ValueError(f"TargetConfig.skinny_early_tiles={self.skinny_early_tiles!r}; the "
-                             "skinny kernel loads 0, 1 or 2 weight tiles before its PDL wait")
         if self.skinny_max_m > SKINNY_MAX_ROWS:
             raise ValueError(f"TargetConfig.skinny_max_m={self.skinny_max_m}; the skinny "
                              f"kernel's largest row tile holds {SKINNY_MAX_ROWS} rows, so it "

@@ -124,29 +124,18 @@ def test_descriptor_and_swapped_dot_variants(mode, variant, dtype) -> None:
 @pytest.mark.parametrize("over", [dict(block_k=64, block_n=16, split_k=3),  # uneven splits
                                   dict(block_k=64, block_n=16, swap=True),
                                   dict(block_k=64, block_n=16, tma=True)])
-@pytest.mark.parametrize("early", (1, 2))
-def test_first_weight_tile_loaded_early_gives_the_same_bits(mode, over, early) -> None:
-    """``weight_settled`` (the first one or two weight tiles loaded before the PDL wait, their
-    K steps peeled off the loop) gives the loop's result bit for bit; K 300 leaves the last of
-    3 splits one tile, so the second early tile is not stepped there."""
+def test_first_weight_tile_loaded_early_gives_the_same_bits(mode, over) -> None:
+    """``weight_settled`` (the first weight tiles loaded before the PDL wait, their K step
+    peeled off the loop) gives the loop's result bit for bit."""
     from dspark_compile.kernels.targets import TARGETS
     from dspark_compile.kernels.skinny import skinny_linear_triton
 
-    cfg = dataclasses.replace(TARGETS["sm_90"], skinny_early_w_max_m=16,
-                              skinny_early_tiles=early)
+    cfg = dataclasses.replace(TARGETS["sm_90"], skinny_early_w_max_m=16)
     for glu_out in (False, True):
-        for k in (328, 300):
-            args = _case(5, 48, k, mode, glu_out, torch.float16, seed=4)
-            got = skinny_linear_triton(**args, config=cfg, weight_settled=True, **over)
-            want = skinny_linear_triton(**args, config=cfg, **over)
-            assert all(torch.equal(a, b) for a, b in zip(got, want))
-
-
-def test_early_tiles_refuses_counts_the_kernel_has_no_form_for() -> None:
-    from dspark_compile.kernels.targets import TARGETS
-
-    with pytest.raises(ValueError, match="skinny_early_tiles=3"):
-        dataclasses.replace(TARGETS["sm_90"], skinny_early_tiles=3)
+        args = _case(5, 48, 328, mode, glu_out, torch.float16, seed=4)
+        got = skinny_linear_triton(**args, config=cfg, weight_settled=True, **over)
+        want = skinny_linear_triton(**args, config=cfg, **over)
+        assert all(torch.equal(a, b) for a, b in zip(got, want))
 
 
 @needs_kernel_device
@@ -432,10 +421,6 @@ AOT_CASES = {  # case -> constexprs (the base's, changed where named)
     "rms_res_glu_split_early": {**_AOT_BASE, "BLOCK_M": 32, "SPLIT_K": 4, "PRO": 2,
                                 "HAS_RES": True, "EVEN_N": False, "EVEN_K": False,
                                 "EPI_GLU": True, "EARLY_W": True},
-    # two of them (``TargetConfig.skinny_early_tiles`` = 2)
-    "rms_res_glu_split_early2": {**_AOT_BASE, "BLOCK_M": 32, "SPLIT_K": 4, "PRO": 2,
-                                 "HAS_RES": True, "EVEN_N": False, "EVEN_K": False,
-                                 "EPI_GLU": True, "EARLY_W": 2},
 }
 
 
@@ -448,13 +433,11 @@ def _compile_all() -> dict:
     pointers.update(part_ptr="fp32", counter_ptr="i32")
     out: dict = {}
     early_asm: dict = {}
-    early2_asm: dict = {}
     for case, consts in AOT_CASES.items():
         for target in TARGET_NAMES:
             cfg = TARGETS[target]
             opts = {"num_warps": cfg.skinny_num_warps, "num_stages": 4}
-            asm = None if target != "sm_90" else {"rms_res_glu_split_early": early_asm,
-                                                  "rms_res_glu_split_early2": early2_asm}.get(case)
+            asm = early_asm if (case, target) == ("rms_res_glu_split_early", "sm_90") else None
             out.setdefault(case, {})[target] = compile_kernel(
                 kernel, pointers, consts, target, opts, scalars={"eps": "fp32"}, asm=asm)
     out["pipelined_shared_bytes"] = _pipelined_shared(kernel, pointers)
@@ -474,9 +457,6 @@ def _compile_all() -> dict:
         "cp.async.c")}
     out["pdl_ptx_early"] = {op: early_asm["ptx"].find(op) for op in (
         "griddepcontrol.wait", "ld.global", "st.global", "atom.global")}
-    out["loads_before_wait"] = {  # early tiles: 1, 2
-        n: a["ptx"][:a["ptx"].find("griddepcontrol.wait")].count("ld.global")
-        for n, a in ((1, early_asm), (2, early2_asm))}
     pro = triton_skinny._prologue_kernel
     pointers = {a: "bf16" for a in pro.arg_names if a.endswith("_ptr")}
     for target in TARGET_NAMES:
@@ -520,12 +500,6 @@ def test_sm90_build_with_a_settled_weight_loads_it_before_the_wait(compiled: dic
     at = compiled["pdl_ptx_early"]
     assert min(at.values()) >= 0, at
     assert at["ld.global"] < at["griddepcontrol.wait"] < min(at["st.global"], at["atom.global"])
-
-
-def test_two_early_tiles_issue_more_loads_before_the_wait(compiled: dict) -> None:
-    """``EARLY_W`` = 2: the second weight tile's loads (gate and up) come before the wait too."""
-    loads = compiled["loads_before_wait"]
-    assert loads["2"] > loads["1"] > 0, loads
 
 
 def test_fp16_rotation_rounds_each_product(compiled: dict) -> None:
