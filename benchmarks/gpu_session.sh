@@ -21,6 +21,8 @@
 #   ssd_kernels   ssd_kernels.py --sweep               (Mamba-2 and GDN verify ops vs state floor)
 #   persistent_spike  persistent_spike.py              (the bs-1 matmul chain: launches, one
 #                 persistent launch with grid barriers, a plain read of the same bytes)
+#   packed_weights  packed_weights.py --shapes 8448x2048*64 --configs ... (the 16-row matmul
+#                 stream with equal work a program, against the skinny launches and a plain read)
 #   ssm_step      ssm_step.py                          (Nemotron-H-like verify step vs HF dense)
 #   dsv4_step     dsv4_step.py                         (DeepSeek-V4-shaped verify step vs HF)
 #   dsv4_attr     dsv4_step.py --bs 1 --attribute      (its bf16 logits: ours and HF vs float32)
@@ -93,6 +95,8 @@ job() {
     attention) python3 benchmarks/attention_kernel.py ;;
     ssd_kernels) python3 benchmarks/ssd_kernels.py --sweep ;;
     persistent_spike) python3 benchmarks/persistent_spike.py ;;
+    packed_weights) python3 benchmarks/packed_weights.py --shapes '8448x2048*64' \
+        --configs 64,128,4,5,1 32,256,4,6,1 64,128,4,5,2 ;;
     ssm_step) python3 benchmarks/ssm_step.py ;;
     dsv4_step) python3 benchmarks/dsv4_step.py ;;
     dsv4_attr) python3 benchmarks/dsv4_step.py --bs 1 --attribute ;;
