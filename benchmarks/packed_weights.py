@@ -30,7 +30,6 @@ Writes ``packed_weights.json`` to ``$OUT`` or ``benchmarks/results/``.
 
 from __future__ import annotations
 
-import argparse
 import os
 import sys
 from pathlib import Path
@@ -44,7 +43,8 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 import triton.language as tl  # noqa: E402
 
-from persistent_spike import BLOCK_M, Chain, ChainRun, _phase, _rel_err  # noqa: E402
+from persistent_spike import (BLOCK_M, Chain, ChainRun, _phase, _rel_err,  # noqa: E402
+                              chain_args)
 
 CONFIGS = (  # (BLOCK_N, BLOCK_K, warps, stages, programs a multiprocessor)
     (64, 128, 4, 5, 1), (64, 128, 4, 4, 2), (32, 256, 4, 4, 1), (32, 256, 4, 3, 2),
@@ -146,10 +146,7 @@ def smoke() -> None:
 
 
 def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--rows", type=int, default=3)
-    ap.add_argument("--layers", type=int, default=16)
-    ap.add_argument("--smoke", action="store_true")
+    ap = chain_args(__doc__)
     ap.add_argument("--quick", action="store_true",
                     help="the plan's skinny tiles and the first three stream configurations only")
     ap.add_argument("--configs", nargs="+", metavar="N,K,WARPS,STAGES,PER_SM",

@@ -394,11 +394,17 @@ class ChainRun:
                        ms=self.timed(lambda: self.skinny_chain(**overrides))))
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def chain_args(doc: str) -> argparse.ArgumentParser:
+    """The chain scripts' common options: ``--rows``, ``--layers``, ``--smoke``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--rows", type=int, default=3)
     ap.add_argument("--layers", type=int, default=16)
     ap.add_argument("--smoke", action="store_true")
+    return ap
+
+
+def main() -> None:
+    ap = chain_args(__doc__)
     ap.add_argument("--skinny-sweep", action="store_true",
                     help="only the launch chain, under each of SKINNY_SWEEP's tile overrides")
     opts = ap.parse_args()
