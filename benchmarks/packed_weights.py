@@ -16,6 +16,8 @@ bf16 weights; ``--shapes`` gives others), ms a chain:
 - ``stream``: this file's kernel, persistent programs taking column tiles of every matmul in
   turn with the dependency between matmuls dropped (the stream rate alone), in each layout,
   over ``CONFIGS`` (or ``--configs``: row-major only);
+- ``stream_rotated`` (``--rotate``): the row-major stream with the tiles dealt on across
+  matmuls (``ROTATE``), so that each program gets about the chain's tiles over the programs;
 - ``stream_no_x``: the same kernel with ones for the activation tile (no loads but the weights'):
   how much the activation loads every program makes from L2 cost.
 Each stream form is also run once as a valid chain with one program against the torch chain
@@ -23,7 +25,7 @@ Each stream form is also run once as a valid chain with one program against the 
 let each matmul read its input from the last one's output (K <= the previous N).
 
     python benchmarks/packed_weights.py [--rows 3] [--quick] [--configs N,K,W,S,P ...]
-        [--shapes NxK[*R] ...] [--skinny KEY=V,... ...] [--smoke]
+        [--shapes NxK[*R] ...] [--skinny KEY=V,... ...] [--rotate] [--smoke]
 
 Writes ``packed_weights.json`` to ``$OUT`` or ``benchmarks/results/``.
 """
@@ -58,9 +60,13 @@ SKINNY_TILES = ({}, dict(block_n=16, block_k=512, num_stages=3),
 
 @triton.jit
 def _stream_kernel(w_ptr, act_ptr, tab_ptr, num_phases, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PACKED: tl.constexpr, X_LOAD: tl.constexpr = True):
+                   BLOCK_K: tl.constexpr, PACKED: tl.constexpr, X_LOAD: tl.constexpr = True,
+                   ROTATE: tl.constexpr = False):
     """Every phase of the table in turn, no barrier; program ``pid`` takes column tiles ``pid,
     pid + programs, ...`` of ``act_out[BLOCK_M, n] = act_in[BLOCK_M, k] @ w[n, k].T``. With
+    ``ROTATE`` the tiles are dealt on from where the last phase's stopped (the chain's tiles
+    numbered in order, program ``pid`` takes those equal to it modulo the programs), so a
+    matmul of fewer tiles than programs does not fall on the same programs every time. With
     ``PACKED`` the phase's weight is ``[n / BLOCK_N, k / BLOCK_K, BLOCK_N, BLOCK_K]``. Without
     ``X_LOAD`` the activation tile is ones made in registers, not loaded (not a valid product:
     the weight stream alone, without the activations every program reads from L2)."""
@@ -69,9 +75,14 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, num_phases, BLOCK_N: tl.constexpr,
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
+    dealt = 0  # tiles of the phases before, modulo the programs
     for p in range(num_phases):
         w_off, n, k, in_off, out_off = _phase(tab_ptr, p)
-        for t in range(pid, n // BLOCK_N, nprog):
+        first = pid
+        if ROTATE:
+            first = (pid - dealt + nprog) % nprog
+            dealt = (dealt + n // BLOCK_N) % nprog
+        for t in range(first, n // BLOCK_N, nprog):
             if PACKED == 2:  # K-step-major: a K step's tiles of every column tile side by side
                 w_ptrs = (w_ptr + w_off + t * BLOCK_N * BLOCK_K
                           + offs_n[:, None] * BLOCK_K + offs_k[None, :])
@@ -120,10 +131,11 @@ class PackedChain(Chain):
         return out
 
     def stream(self, w: torch.Tensor, programs: int, block_n: int, block_k: int, packed: int,
-               num_warps: int = 4, num_stages: int = 3, x_load: bool = True) -> None:
+               num_warps: int = 4, num_stages: int = 3, x_load: bool = True,
+               rotate: bool = False) -> None:
         _stream_kernel[(programs,)](w, self.act, self.tab, len(self.shapes), BLOCK_N=block_n,
                                     BLOCK_K=block_k, PACKED=packed, X_LOAD=x_load,
-                                    num_warps=num_warps, num_stages=num_stages)
+                                    ROTATE=rotate, num_warps=num_warps, num_stages=num_stages)
 
 
 def smoke() -> None:
@@ -139,6 +151,21 @@ def smoke() -> None:
             err = _rel_err(chain.output(), want)
             assert err < 2e-2, f"packed={packed} {block_n}x{block_k}: relative error {err}"
             print(f"smoke packed={packed} {block_n}x{block_k}: relative error {err:.2e}")
+    # ROTATE deals every tile of every phase to exactly one of 3 programs. The interpreter runs
+    # them one after another, so a later phase may read an input not yet written: without the
+    # activation loads every tile's output is its weight rows' sums whatever the order, and a
+    # tile no program took keeps the NaN it starts with.
+    dealt = PackedChain([(256, 256), (512, 256), (256, 512), (512, 256)], "cpu",
+                        dtype=torch.float16)
+    dealt.act.fill_(float("nan"))
+    dealt.stream(dealt.w, 3, 64, 64, 0, x_load=False, rotate=True)
+    half = dealt.half
+    for i in (2, 3):  # the last phase to write each half of the ping-pong buffer
+        n = dealt.shapes[i][0]
+        got = dealt.act[((i + 1) % 2) * half:][:n].float()
+        want = dealt.weight(i).float().sum(1)
+        assert _rel_err(got, want) < 2e-2, f"rotate: phase {i} missed tiles or summed wrong"
+    print("smoke rotate: every tile dealt once")
     one = PackedChain([(256, 256)], "cpu", dtype=torch.float16)  # no activation loads: ones
     one.stream(one.packed(64, 64), 1, 64, 64, True, x_load=False)
     err = _rel_err(one.output()[0], one.weight(0).float().sum(1))
@@ -155,6 +182,8 @@ def main() -> None:
     ap.add_argument("--skinny", nargs="+", metavar="KEY=V,...", default=None,
                     help="skinny_linear_triton overrides instead of SKINNY_TILES "
                          "(e.g. block_n=16,split_k=1); with it, no stream rows")
+    ap.add_argument("--rotate", action="store_true",
+                    help="also time each row-major configuration with ROTATE (stream_rotated)")
     ap.add_argument("--shapes", nargs="+", metavar="NxK[*R]",
                     help="the chain's matmuls instead of the model's (R repeats of N x K)")
     opts = ap.parse_args()
@@ -187,6 +216,12 @@ def main() -> None:
                           warps=warps, stages=stages, programs=per_sm * sms, rel_err=err,
                           ms=run.timed(lambda w=w, p=packed: chain.stream(
                               w, per_sm * sms, block_n, block_k, p, warps, stages))))
+            if opts.rotate and not packed:
+                run.emit(dict(kind="stream_rotated", packed=packed, block_n=block_n,
+                              block_k=block_k, warps=warps, stages=stages,
+                              programs=per_sm * sms, ms=run.timed(
+                                  lambda w=w: chain.stream(w, per_sm * sms, block_n, block_k, 0,
+                                                           warps, stages, rotate=True))))
             if (block_n, block_k, warps, stages, per_sm) in CONFIGS[:3]:
                 run.emit(dict(kind="stream_no_x", packed=packed, block_n=block_n,
                               block_k=block_k, warps=warps, stages=stages,

@@ -1,6 +1,7 @@
 """benchmarks/packed_weights.py on the CPU (Triton interpreter, one program, so the phases run
-in order): the stream kernel equals the torch chain with row-major and with tile-packed
-weights, and the packing puts each (column tile, K step) tile in one contiguous run."""
+in order): the stream kernel equals the torch chain in each weight layout, its ROTATE form deals
+every tile of every phase to one of several programs, and the packing puts each (column tile,
+K step) tile in one contiguous run."""
 
 import torch
 
