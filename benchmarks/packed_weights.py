@@ -32,7 +32,9 @@ Writes ``packed_weights.json`` to ``$OUT`` or ``benchmarks/results/``.
 
 from __future__ import annotations
 
+import argparse
 import os
+import re
 import sys
 from pathlib import Path
 
@@ -172,6 +174,15 @@ def smoke() -> None:
     assert err < 2e-2, f"x_load=False: relative error {err}"
 
 
+def shape_arg(text: str) -> list[tuple[int, int]]:
+    """``--shapes``' ``NxK`` or ``NxK*R``: R copies of (N, K)."""
+    m = re.fullmatch(r"(\d+)x(\d+)(?:\*(\d+))?", text)
+    if m is None or not int(m[1]) or not int(m[2]) or m[3] is not None and not int(m[3]):
+        raise argparse.ArgumentTypeError(f"{text!r}: a shape is NxK or NxK*R, positive integers "
+                                         "(e.g. 2048x2048*128)")
+    return [(int(m[1]), int(m[2]))] * int(m[3] or 1)
+
+
 def main() -> None:
     ap = chain_args(__doc__)
     ap.add_argument("--quick", action="store_true",
@@ -184,12 +195,11 @@ def main() -> None:
                          "(e.g. block_n=16,split_k=1); with it, no stream rows")
     ap.add_argument("--rotate", action="store_true",
                     help="also time each row-major configuration with ROTATE (stream_rotated)")
-    ap.add_argument("--shapes", nargs="+", metavar="NxK[*R]",
+    ap.add_argument("--shapes", nargs="+", metavar="NxK[*R]", type=shape_arg,
                     help="the chain's matmuls instead of the model's (R repeats of N x K)")
     opts = ap.parse_args()
     if opts.shapes:
-        opts.shapes = [tuple(int(v) for v in s.split("*")[0].split("x"))
-                       for s in opts.shapes for _ in range(int((s.split("*") + ["1"])[1]))]
+        opts.shapes = [shape for shapes in opts.shapes for shape in shapes]
     if opts.smoke:
         smoke()
         return

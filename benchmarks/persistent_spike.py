@@ -241,6 +241,11 @@ class Chain:
 
     def __init__(self, shapes: list[tuple[int, int]], device: str, seed: int = 0,
                  dtype: torch.dtype = torch.bfloat16) -> None:
+        for i in range(1, len(shapes)):
+            if shapes[i][1] > shapes[i - 1][0]:
+                raise ValueError(f"phase {i} is N x K = {shapes[i][0]} x {shapes[i][1]} after "
+                                 f"N = {shapes[i - 1][0]}: a phase reads its input from the last "
+                                 "one's output, so its K may not exceed that N")
         g = torch.Generator(device).manual_seed(seed)
         self.shapes = shapes
         sizes = [n * k for n, k in shapes]
@@ -327,8 +332,9 @@ def smoke() -> None:
 
 
 class ChainRun:
-    """One GPU run over the chain (``opts.shapes``' (N, K) if given, else ``phases(opts.layers)``):
-    its weights (``chain_cls``), a random input of ``opts.rows`` rows and the torch chain's output for it, and the report (``name``.json under ``$OUT`` or
+    """One GPU run over the chain (``opts.shapes``' (N, K) if given, else
+    ``phases(opts.layers)``): its weights (``chain_cls``), a random input of ``opts.rows`` rows
+    and the torch chain's output for it, and the report (``name``.json under ``$OUT`` or
     ``benchmarks/results/``, rewritten at each row)."""
 
     def __init__(self, opts, name: str, chain_cls=Chain) -> None:

@@ -21,3 +21,16 @@ def test_pack_makes_each_tile_one_contiguous_run():
         for kb in range(3):
             run = flat[(t * 3 + kb) * 16 * 32:(t * 3 + kb + 1) * 16 * 32]
             assert torch.equal(run.view(16, 32), w[t * 16:(t + 1) * 16, kb * 32:(kb + 1) * 32])
+
+
+def test_shapes_argument_repeats_and_refuses_malformed_shapes():
+    import argparse
+
+    import pytest
+
+    probe = load_benchmark("packed_weights")
+    assert probe.shape_arg("2048x512*3") == [(2048, 512)] * 3
+    assert probe.shape_arg("64x256") == [(64, 256)]
+    for bad in ("12x", "0x256", "64x256*0", "64*256"):
+        with pytest.raises(argparse.ArgumentTypeError, match="NxK or NxK\\*R"):
+            probe.shape_arg(bad)

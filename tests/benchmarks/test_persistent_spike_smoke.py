@@ -23,3 +23,9 @@ def test_chain_reads_each_phase_from_the_last_output():
     chain = spike.Chain([(512, 256), (256, 512)], "cpu", dtype=torch.float16)
     assert chain.tab[1, 3].item() == chain.tab[0, 4].item()  # phase 1 reads what 0 wrote
     assert chain.tab[0, 3].item() != chain.tab[0, 4].item()  # and never its own input
+
+
+def test_chain_refuses_a_phase_wider_than_the_last_output():
+    spike = load_benchmark("persistent_spike")
+    with pytest.raises(ValueError, match="phase 1 is N x K = 256 x 768 after N = 512"):
+        spike.Chain([(512, 256), (256, 768)], "cpu", dtype=torch.float16)
