@@ -69,8 +69,7 @@ class DSparkHook:
                              f"it must be [R, gamma={self.gamma}]")
         if isinstance(confidence, torch.Tensor):
             confidence = confidence.float().cpu()
-        if self._planner.rate is not self.rate or self._planner.config is not self.planner:
-            self._planner = Planner(self.rate, self.planner)  # the caller swapped either
+        self._planner = self._planner.follow(self.rate, self.planner)  # a swap: a fresh one
         return self._planner(confidence).lens
 
     def verify(self, input_ids: torch.Tensor, layout: VerifyLayout) -> torch.Tensor:

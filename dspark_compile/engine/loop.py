@@ -231,8 +231,7 @@ class ReferenceEngine:
             return [cfg.fixed_width] * r
         if cfg.mode == "width":
             return [self.width_policy.choose(r)] * r
-        if self.planner.rate is not self.rate or self.planner.config is not cfg.planner:
-            self.planner = Planner(self.rate, cfg.planner)  # the caller swapped either
+        self.planner = self.planner.follow(self.rate, cfg.planner)  # a swap: a fresh one
         return self.planner(confidence).lens.tolist()
 
     def step(self) -> StepReport | None:

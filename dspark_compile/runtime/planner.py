@@ -415,6 +415,13 @@ class Planner:
                            c.flat_tolerance is not None and c.threshold is None and
                            c.budget_frac is None)
 
+    def follow(self, rate: StepRateModel | None, config: PlannerConfig) -> "Planner":
+        """This planner while it plans with ``rate`` and ``config`` (the same objects), else a
+        fresh one for them: for a caller whose rate or config may be swapped between steps."""
+        if self.rate is rate and self.config is config:
+            return self
+        return Planner(rate, config)
+
     def __call__(self, confidence: torch.Tensor) -> VerifyPlan:
         """Plan this step; the budget uses the confidence of ``budget_lag`` steps ago (the
         oldest one held during the first steps)."""

@@ -402,3 +402,20 @@ def test_bad_config_is_refused(kwargs, match):
 def test_budget_confidence_of_another_drafter_is_refused():
     with pytest.raises(ValueError, match="gamma=4"):
         plan_verify(torch.full((2, 4), 0.5), None, budget_confidence=torch.full((2, 3), 0.5))
+
+
+def test_follow_keeps_the_planner_for_the_same_rate_and_config_only():
+    """``Planner.follow``: the same rate and config objects keep the planner (and its quiet
+    steps); a swapped rate or config gets a fresh one built from it."""
+    meta = SpsMetadata(gpu="test", model="test")
+    rate = SpsTable(meta, (SpsEntry(1, 100.0), SpsEntry(4, 90.0)))
+    config = PlannerConfig(quiet_steps=2)
+    planner = Planner(rate, config)
+    planner._quiet = 2
+    assert planner.follow(rate, config) is planner and planner._quiet == 2
+    other_rate = SpsTable(meta, (SpsEntry(1, 100.0), SpsEntry(4, 10.0)))
+    fresh = planner.follow(other_rate, config)
+    assert fresh is not planner and fresh.rate is other_rate and fresh._quiet == 0
+    other_config = PlannerConfig(quiet_steps=2)  # equal, but another object: the caller swapped
+    fresh = planner.follow(rate, other_config)
+    assert fresh is not planner and fresh.config is other_config and fresh._quiet == 0
