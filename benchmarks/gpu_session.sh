@@ -28,6 +28,9 @@
 #   dsv4_attr     dsv4_step.py --bs 1 --attribute      (its bf16 logits: ours and HF vs float32)
 #   dsv4_tests    pytest -m gpu on DeepSeek-V4 (kernels, float32 exactness, tier-graph replay)
 #   e2e_small     e2e.py --concurrency 1 8, default draft and --mean-accepted 1.5 (planner at c <= 8)
+#   e2e_256       e2e.py --concurrency 256 --repeats 5, default draft and --mean-accepted 1.5
+#   packed_rotate packed_weights.py --quick --rotate (the model chain's stream, tiles dealt on
+#                 across matmuls)
 #   moe_steps     hybrid_step.py --variant a3b, then --variant moe (MoE verify steps vs HF)
 #   moe_attr      hybrid_step.py --variant moe --attribute --check-only (its bf16 logits: ours
 #                 and HF vs a float32 copy)
@@ -95,6 +98,9 @@ job() {
     attention) python3 benchmarks/attention_kernel.py ;;
     ssd_kernels) python3 benchmarks/ssd_kernels.py --sweep ;;
     persistent_spike) python3 benchmarks/persistent_spike.py ;;
+    packed_rotate) python3 benchmarks/packed_weights.py --quick --rotate ;;
+    e2e_256) python3 benchmarks/e2e.py --concurrency 256 --repeats 5 &&
+      python3 benchmarks/e2e.py --concurrency 256 --repeats 5 --mean-accepted 1.5 ;;
     packed_weights) python3 benchmarks/packed_weights.py --shapes '8448x2048*64' \
         --configs 64,128,4,5,1 32,256,4,6,1 64,128,4,5,2 ;;
     ssm_step) python3 benchmarks/ssm_step.py ;;
