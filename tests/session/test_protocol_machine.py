@@ -11,7 +11,9 @@ calls must be refused:
   committed lengths and the step ledger bitwise unchanged;
 - every accepted verify returns, per request, the plain decoder's own forward over that
   request's committed tokens plus the new ones;
-- every accepted commit keeps exactly the drawn prefix (the committed lengths follow the model).
+- every accepted commit keeps exactly the drawn prefix (the committed lengths follow the model);
+- a hybrid model's state commits only its last forward (its replay rings hold one forward's
+  rows): after a forward of other slots, an earlier layout's commit is refused.
 
 One machine starts eager, one with a captured session (the static, padded path); both capture
 and drop along the way. Derandomized for CI; about 4500 steps each (~10 s apiece on one thread).
@@ -188,6 +190,9 @@ class ProtocolMachine(RuleBasedStateMachine):
             torch.testing.assert_close(logits[qsl[i]:qsl[i + 1]], want, rtol=1e-4, atol=1e-4)
         for s in slots.tolist():
             self.written[s] = key(layout)
+        if self.state.linear is not None:  # a hybrid's replay rings hold this forward's rows
+            for s in set(self.written) - set(slots.tolist()):  # others: committable no more
+                self.written[s] = None
 
     def verify_elsewhere(self, layout, ids, tokens):
         """A verify on the other state changes nothing here (its commit here is refused later,
