@@ -10,7 +10,10 @@ hardware counters of exactly those launches. Cases:
 - ``gdn`` / ``ssd``: ``ssd_kernels.py``'s GDN and Mamba-2 verify forwards at ``--bs``, all 8
   rows, then their commits;
 - ``skinny``: ``skinny_kernel.py``'s skinny matmul on the 1.1B model's gate+up and down weights
-  at 3 rows (bs 1, mean 3).
+  at 3 rows (bs 1, mean 3);
+- ``stream``: ``packed_weights.py``'s free stream over ``--repeats`` copies of one ``--shape``
+  (``N x K``), 64 x 128 tiles, 5 stages, one program a multiprocessor, ``--rotate`` to deal the
+  tiles on across matmuls.
 
     ncu --clock-control none --kernel-name "regex:_experts_gemm|_combine" --launch-skip 3 \\
         --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis \\
@@ -80,16 +83,31 @@ def skinny(rows: int) -> None:
     torch.cuda.synchronize()
 
 
+def stream(shape: str, repeats: int, rotate: bool) -> None:
+    from packed_weights import PackedChain, shape_arg
+
+    chain = PackedChain(shape_arg(f"{shape}*{repeats}"), "cuda")
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for _ in range(WARMUP + 1):
+        chain.stream(chain.w, sms, 64, 128, 0, 4, 5, rotate=rotate)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("case", choices=("moe", "gdn", "ssd", "skinny"))
+    ap.add_argument("case", choices=("moe", "gdn", "ssd", "skinny", "stream"))
     ap.add_argument("--bs", type=int, default=64, help="batch size (skinny: rows)")
+    ap.add_argument("--shape", default="2048x2048", help="stream: one matmul's N x K")
+    ap.add_argument("--repeats", type=int, default=128, help="stream: matmuls in the chain")
+    ap.add_argument("--rotate", action="store_true", help="stream: ROTATE")
     opts = ap.parse_args()
     torch.set_grad_enabled(False)
     if opts.case == "moe":
         moe(opts.bs)
     elif opts.case == "skinny":
         skinny(opts.bs)
+    elif opts.case == "stream":
+        stream(opts.shape, opts.repeats, opts.rotate)
     else:
         recurrent(opts.case, opts.bs)
 

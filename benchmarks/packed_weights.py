@@ -61,9 +61,9 @@ SKINNY_TILES = ({}, dict(block_n=16, block_k=512, num_stages=3),
 
 
 @triton.jit
-def _stream_kernel(w_ptr, act_ptr, tab_ptr, num_phases, BLOCK_N: tl.constexpr,
+def _stream_kernel(w_ptr, act_ptr, tab_ptr, owner_ptr, num_phases, BLOCK_N: tl.constexpr,
                    BLOCK_K: tl.constexpr, PACKED: tl.constexpr, X_LOAD: tl.constexpr = True,
-                   ROTATE: tl.constexpr = False):
+                   ROTATE: tl.constexpr = False, RECORD: tl.constexpr = False):
     """Every phase of the table in turn, no barrier; program ``pid`` takes column tiles ``pid,
     pid + programs, ...`` of ``act_out[BLOCK_M, n] = act_in[BLOCK_M, k] @ w[n, k].T``. With
     ``ROTATE`` the tiles are dealt on from where the last phase's stopped (the chain's tiles
@@ -71,13 +71,16 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, num_phases, BLOCK_N: tl.constexpr,
     matmul of fewer tiles than programs does not fall on the same programs every time. With
     ``PACKED`` the phase's weight is ``[n / BLOCK_N, k / BLOCK_K, BLOCK_N, BLOCK_K]``. Without
     ``X_LOAD`` the activation tile is ones made in registers, not loaded (not a valid product:
-    the weight stream alone, without the activations every program reads from L2)."""
+    the weight stream alone, without the activations every program reads from L2). With
+    ``RECORD`` each program writes its id at ``owner_ptr[tile]`` (the chain's tiles numbered in
+    order), so the dealing compiled for the device can be checked against the rule."""
     pid = tl.program_id(0)
     nprog = tl.num_programs(0)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
     dealt = 0  # tiles of the phases before, modulo the programs
+    base = 0  # tiles of the phases before
     for p in range(num_phases):
         w_off, n, k, in_off, out_off = _phase(tab_ptr, p)
         first = pid
@@ -85,6 +88,8 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, num_phases, BLOCK_N: tl.constexpr,
             first = (pid - dealt + nprog) % nprog
             dealt = (dealt + n // BLOCK_N) % nprog
         for t in range(first, n // BLOCK_N, nprog):
+            if RECORD:
+                tl.store(owner_ptr + base + t, pid)
             if PACKED == 2:  # K-step-major: a K step's tiles of every column tile side by side
                 w_ptrs = (w_ptr + w_off + t * BLOCK_N * BLOCK_K
                           + offs_n[:, None] * BLOCK_K + offs_k[None, :])
@@ -109,6 +114,7 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, num_phases, BLOCK_N: tl.constexpr,
                 x_ptrs += BLOCK_K
             out = act_ptr + out_off + offs_m[None, :] * n + (t * BLOCK_N + offs_n)[:, None]
             tl.store(out, acc.to(act_ptr.dtype.element_ty))
+        base += n // BLOCK_N
 
 
 def pack(w: torch.Tensor, block_n: int, block_k: int, layout: int = 1) -> torch.Tensor:
@@ -134,10 +140,40 @@ class PackedChain(Chain):
 
     def stream(self, w: torch.Tensor, programs: int, block_n: int, block_k: int, packed: int,
                num_warps: int = 4, num_stages: int = 3, x_load: bool = True,
-               rotate: bool = False) -> None:
-        _stream_kernel[(programs,)](w, self.act, self.tab, len(self.shapes), BLOCK_N=block_n,
-                                    BLOCK_K=block_k, PACKED=packed, X_LOAD=x_load,
-                                    ROTATE=rotate, num_warps=num_warps, num_stages=num_stages)
+               rotate: bool = False, owner: torch.Tensor | None = None) -> None:
+        """One stream launch; ``owner`` (int32, a slot per tile of the chain) records which
+        program took each tile."""
+        _stream_kernel[(programs,)](w, self.act, self.tab,
+                                    self.counter if owner is None else owner,
+                                    len(self.shapes), BLOCK_N=block_n, BLOCK_K=block_k,
+                                    PACKED=packed, X_LOAD=x_load, ROTATE=rotate,
+                                    RECORD=owner is not None, num_warps=num_warps,
+                                    num_stages=num_stages)
+
+    def dealing(self, programs: int, block_n: int, rotate: bool) -> torch.Tensor:
+        """The program each tile of the chain goes to under the stream's rule (tiles numbered
+        in order): ``t + dealt`` modulo the programs with ``ROTATE``, ``t`` without."""
+        owners, dealt = [], 0
+        for n, _ in self.shapes:
+            tiles = torch.arange(n // block_n)
+            owners.append((tiles + (dealt if rotate else 0)) % programs)
+            dealt = (dealt + n // block_n) % programs
+        return torch.cat(owners).to(torch.int32)
+
+    def check_dealing(self, w: torch.Tensor, programs: int, block_n: int, block_k: int,
+                      rotate: bool, **launch) -> tuple[int, int]:
+        """Run the stream once recording owners; raise unless every tile went where the rule
+        says. Returns the fewest and most tiles a program took."""
+        want = self.dealing(programs, block_n, rotate)
+        owner = torch.full_like(want, -1, device=self.act.device)
+        self.stream(w, programs, block_n, block_k, 0, rotate=rotate, owner=owner, **launch)
+        got = owner.cpu()
+        if not torch.equal(got, want):
+            bad = int((got != want).nonzero()[0, 0])
+            raise RuntimeError(f"stream dealing (rotate={rotate}): tile {bad} went to program "
+                               f"{int(got[bad])}, the rule gives {int(want[bad])}")
+        counts = torch.bincount(want.long(), minlength=programs)
+        return int(counts.min()), int(counts.max())
 
 
 def smoke() -> None:
@@ -161,6 +197,8 @@ def smoke() -> None:
                         dtype=torch.float16)
     dealt.act.fill_(float("nan"))
     dealt.stream(dealt.w, 3, 64, 64, 0, x_load=False, rotate=True)
+    for rotate in (False, True):  # each tile's program, recorded, is the rule's
+        dealt.check_dealing(dealt.w, 3, 64, 64, rotate, x_load=False)
     half = dealt.half
     for i in (2, 3):  # the last phase to write each half of the ping-pong buffer
         n = dealt.shapes[i][0]
@@ -227,9 +265,12 @@ def main() -> None:
                           ms=run.timed(lambda w=w, p=packed: chain.stream(
                               w, per_sm * sms, block_n, block_k, p, warps, stages))))
             if opts.rotate and not packed:
+                fewest, most = chain.check_dealing(w, per_sm * sms, block_n, block_k, True,
+                                                   num_warps=warps, num_stages=stages)
                 run.emit(dict(kind="stream_rotated", packed=packed, block_n=block_n,
                               block_k=block_k, warps=warps, stages=stages,
-                              programs=per_sm * sms, ms=run.timed(
+                              programs=per_sm * sms, tiles_per_program=[fewest, most],
+                              ms=run.timed(
                                   lambda w=w: chain.stream(w, per_sm * sms, block_n, block_k, 0,
                                                            warps, stages, rotate=True))))
             if (block_n, block_k, warps, stages, per_sm) in CONFIGS[:3]:
