@@ -19,13 +19,16 @@ bf16 weights; ``--shapes`` gives others), ms a chain:
 - ``stream_rotated`` (``--rotate``): the row-major stream with the tiles dealt on across
   matmuls (``ROTATE``), so that each program gets about the chain's tiles over the programs;
 - ``stream_no_x``: the same kernel with ones for the activation tile (no loads but the weights'):
-  how much the activation loads every program makes from L2 cost.
+  how much the activation loads every program makes from L2 cost;
+- ``stream_clocks`` (``--clocks``): one launch of each row-major stream (and, with ``--rotate``,
+  rotated) with every program's start and end on the GPU's timer: how unequal the programs'
+  run times are (``program_summary``).
 Each stream form is also run once as a valid chain with one program against the torch chain
 (``--smoke`` does that on the CPU, under the interpreter, in float16). A chain's shapes must
 let each matmul read its input from the last one's output (K <= the previous N).
 
     python benchmarks/packed_weights.py [--rows 3] [--quick] [--configs N,K,W,S,P ...]
-        [--shapes NxK[*R] ...] [--skinny KEY=V,... ...] [--rotate] [--smoke]
+        [--shapes NxK[*R] ...] [--skinny KEY=V,... ...] [--rotate] [--clocks] [--smoke]
 
 Writes ``packed_weights.json`` to ``$OUT`` or ``benchmarks/results/``.
 """
@@ -61,9 +64,10 @@ SKINNY_TILES = ({}, dict(block_n=16, block_k=512, num_stages=3),
 
 
 @triton.jit
-def _stream_kernel(w_ptr, act_ptr, tab_ptr, owner_ptr, num_phases, BLOCK_N: tl.constexpr,
-                   BLOCK_K: tl.constexpr, PACKED: tl.constexpr, X_LOAD: tl.constexpr = True,
-                   ROTATE: tl.constexpr = False, RECORD: tl.constexpr = False):
+def _stream_kernel(w_ptr, act_ptr, tab_ptr, owner_ptr, clock_ptr, num_phases,
+                   BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
+                   X_LOAD: tl.constexpr = True, ROTATE: tl.constexpr = False,
+                   RECORD: tl.constexpr = False, CLOCKS: tl.constexpr = False):
     """Every phase of the table in turn, no barrier; program ``pid`` takes column tiles ``pid,
     pid + programs, ...`` of ``act_out[BLOCK_M, n] = act_in[BLOCK_M, k] @ w[n, k].T``. With
     ``ROTATE`` the tiles are dealt on from where the last phase's stopped (the chain's tiles
@@ -73,8 +77,12 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, owner_ptr, num_phases, BLOCK_N: tl.c
     ``X_LOAD`` the activation tile is ones made in registers, not loaded (not a valid product:
     the weight stream alone, without the activations every program reads from L2). With
     ``RECORD`` each program writes its id at ``owner_ptr[tile]`` (the chain's tiles numbered in
-    order), so the dealing compiled for the device can be checked against the rule."""
+    order), so the dealing compiled for the device can be checked against the rule. With
+    ``CLOCKS`` (CUDA only, not the interpreter) each program writes ``clock_ptr[3 * pid ...]``:
+    its start and end on the GPU's global timer (ns) and the multiprocessor it ran on."""
     pid = tl.program_id(0)
+    if CLOCKS:
+        t0 = tl.extra.cuda.globaltimer()
     nprog = tl.num_programs(0)
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
@@ -115,6 +123,23 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, owner_ptr, num_phases, BLOCK_N: tl.c
             out = act_ptr + out_off + offs_m[None, :] * n + (t * BLOCK_N + offs_n)[:, None]
             tl.store(out, acc.to(act_ptr.dtype.element_ty))
         base += n // BLOCK_N
+    if CLOCKS:
+        tl.store(clock_ptr + 3 * pid, t0)
+        tl.store(clock_ptr + 3 * pid + 1, tl.extra.cuda.globaltimer())
+        tl.store(clock_ptr + 3 * pid + 2, tl.extra.cuda.smid().to(tl.int64))
+
+
+def program_summary(clocks: torch.Tensor) -> dict:
+    """``clocks [programs, 3]`` (start ns, end ns, multiprocessor) -> per-program run times (us):
+    fewest, median, most, the busy share of the span, and the five slowest as ``(program,
+    multiprocessor, us)``."""
+    start, end, sm = clocks[:, 0], clocks[:, 1], clocks[:, 2]
+    us = (end - start).double() / 1e3
+    span = float(end.max() - start.min()) / 1e3
+    slow = us.argsort(descending=True)[:5].tolist()
+    return {"span_us": span, "min_us": float(us.min()), "median_us": float(us.median()),
+            "max_us": float(us.max()), "busy_share": float(us.sum()) / (span * len(us)),
+            "slowest": [(p, int(sm[p]), round(float(us[p]), 1)) for p in slow]}
 
 
 def pack(w: torch.Tensor, block_n: int, block_k: int, layout: int = 1) -> torch.Tensor:
@@ -140,15 +165,27 @@ class PackedChain(Chain):
 
     def stream(self, w: torch.Tensor, programs: int, block_n: int, block_k: int, packed: int,
                num_warps: int = 4, num_stages: int = 3, x_load: bool = True,
-               rotate: bool = False, owner: torch.Tensor | None = None) -> None:
+               rotate: bool = False, owner: torch.Tensor | None = None,
+               clocks: torch.Tensor | None = None) -> None:
         """One stream launch; ``owner`` (int32, a slot per tile of the chain) records which
-        program took each tile."""
+        program took each tile, ``clocks`` (int64 ``[programs, 3]``) each program's start,
+        end (ns) and multiprocessor."""
         _stream_kernel[(programs,)](w, self.act, self.tab,
                                     self.counter if owner is None else owner,
+                                    self.err if clocks is None else clocks,
                                     len(self.shapes), BLOCK_N=block_n, BLOCK_K=block_k,
                                     PACKED=packed, X_LOAD=x_load, ROTATE=rotate,
-                                    RECORD=owner is not None, num_warps=num_warps,
-                                    num_stages=num_stages)
+                                    RECORD=owner is not None, CLOCKS=clocks is not None,
+                                    num_warps=num_warps, num_stages=num_stages)
+
+    def program_times(self, w: torch.Tensor, programs: int, block_n: int, block_k: int,
+                      rotate: bool, **launch) -> dict:
+        """One stream launch with every program's clocks: how long each ran (us), the share of
+        the launch's span they were busy (the multiprocessors' active share when one program
+        runs on each), and the slowest programs with their multiprocessors."""
+        clocks = torch.zeros(programs, 3, dtype=torch.int64, device=self.act.device)
+        self.stream(w, programs, block_n, block_k, 0, rotate=rotate, clocks=clocks, **launch)
+        return program_summary(clocks.cpu())
 
     def dealing(self, programs: int, block_n: int, rotate: bool) -> torch.Tensor:
         """The program each tile of the chain goes to under the stream's rule (tiles numbered
@@ -233,6 +270,9 @@ def main() -> None:
                          "(e.g. block_n=16,split_k=1); with it, no stream rows")
     ap.add_argument("--rotate", action="store_true",
                     help="also time each row-major configuration with ROTATE (stream_rotated)")
+    ap.add_argument("--clocks", action="store_true",
+                    help="also record each program's start and end in one launch of each "
+                         "row-major stream (and rotated one): stream_clocks rows")
     ap.add_argument("--shapes", nargs="+", metavar="NxK[*R]", type=shape_arg,
                     help="the chain's matmuls instead of the model's (R repeats of N x K)")
     opts = ap.parse_args()
@@ -273,6 +313,14 @@ def main() -> None:
                               ms=run.timed(
                                   lambda w=w: chain.stream(w, per_sm * sms, block_n, block_k, 0,
                                                            warps, stages, rotate=True))))
+            for rotate in (False, True) if opts.clocks and not packed else ():
+                if rotate and not opts.rotate:
+                    continue
+                run.emit(dict(kind="stream_clocks", rotate=rotate, block_n=block_n,
+                              block_k=block_k, warps=warps, stages=stages,
+                              programs=per_sm * sms, **chain.program_times(
+                                  w, per_sm * sms, block_n, block_k, rotate,
+                                  num_warps=warps, num_stages=stages)))
             if (block_n, block_k, warps, stages, per_sm) in CONFIGS[:3]:
                 run.emit(dict(kind="stream_no_x", packed=packed, block_n=block_n,
                               block_k=block_k, warps=warps, stages=stages,
