@@ -349,6 +349,9 @@ class SkinnyPlan:
     must be a multiple of 16 bytes, so only when ``K % 8 == 0``)."""
     swap: bool
     """Activation tile as the dot's first operand (``TargetConfig.skinny_swap``)."""
+    early_w: bool = False
+    """The first weight tile is loaded before the PDL wait (``EARLY_W``): asked for, and its
+    extra buffer fits (``plan_skinny``)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -357,7 +360,8 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
                 split_k: int | None = None, num_warps: int | None = None,
                 num_stages: int | None = None, tma: bool | None = None,
                 glu_out: bool = False, swap: bool | None = None,
-                rms: bool = False, rot_d: int = 0) -> SkinnyPlan:
+                rms: bool = False, rot_d: int = 0, staged_x: bool = False,
+                early_w: bool = False) -> SkinnyPlan:
     """``BLOCK_M``: the smallest of 16 / 32 / 64 holding ``m``; ``BLOCK_N``, ``BLOCK_K``, warps
     and stages from ``cfg`` (stages cut while the pipeline would take more than
     ``cfg.skinny_max_smem``; ``glu_out`` streams two weight tiles an iteration). Split-K (a
@@ -365,8 +369,13 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
     keeping at least ``cfg.skinny_min_split_k`` of K per split. An RMSNorm prologue (``rms``)
     without ``glu_out`` whose column tiles alone reach ``skinny_min_programs`` (no split: the
     LM head) takes ``cfg.skinny_rms_block_k`` and ``skinny_rms_num_stages``. A rotary epilogue
-    over heads of ``rot_d`` makes ``BLOCK_N`` a multiple of ``rot_d`` (whole heads a tile). The
-    keyword arguments override a choice (the benchmark's sweep)."""
+    over heads of ``rot_d`` makes ``BLOCK_N`` a multiple of ``rot_d`` (whole heads a tile).
+    ``early_w`` asks for the first weight tile before the PDL wait; with ``staged_x`` (no
+    prologue: the activation tiles are pipelined through shared memory with the weight's) that
+    build holds one stage more than the pipeline's (sm_90 builds of triton 3.6 and 3.9: 278,528
+    bytes at 256-column tiles and 3 stages, past the H200's 232,448), so it is kept only where
+    that fits ``cfg.max_shared``. The other keyword arguments override a choice (the
+    benchmark's sweep)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     block_n = block_n or cfg.skinny_block_n
     if rot_d:
@@ -377,8 +386,10 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
     block_k = block_k or cfg.skinny_block_k
     num_stages = num_stages or cfg.skinny_num_stages
     w_rows = 2 * block_n if glu_out else block_n
-    while num_stages > 2 and (w_rows + block_m) * block_k * 2 * num_stages > cfg.skinny_max_smem:
+    stage_bytes = (w_rows + block_m) * block_k * 2
+    while num_stages > 2 and stage_bytes * num_stages > cfg.skinny_max_smem:
         num_stages -= 1
+    early_w = early_w and not (staged_x and stage_bytes * (num_stages + 1) > cfg.max_shared)
     tiles = -(-n // block_n)
     if split_k is None:
         split_k = 1
@@ -390,7 +401,7 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
     return SkinnyPlan(block_m, block_n, block_k, split_k, k_per_split, (tiles, split_k),
                       num_warps or cfg.skinny_num_warps, num_stages,
                       (cfg.skinny_tma if tma is None else tma) and k % 8 == 0,
-                      cfg.skinny_swap if swap is None else swap)
+                      cfg.skinny_swap if swap is None else swap, early_w)
 
 
 @triton.jit
@@ -544,13 +555,15 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
             torch.add(x, residual, out=h)
         return out, h
     head_d, rot_d = rot_d, rot_d if m >= cfg.skinny_rope_min_m else 0  # rot_d: the epilogue's
+    early = weight_settled and m <= cfg.skinny_early_w_max_m
     plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, rms=pro == 2, rot_d=rot_d,
-                       **overrides)
+                       staged_x=pro == 0, early_w=early, **overrides)
     split = plan.split_k
     counters = split_counters(x.device, plan.grid[0], _NO_COUNTERS) if split > 1 else None
     if split > 1 and counters is None:  # logged once by split_counters
         plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, rms=pro == 2,
-                           rot_d=rot_d, **{**overrides, "split_k": 1})
+                           rot_d=rot_d, staged_x=pro == 0, early_w=early,
+                           **{**overrides, "split_k": 1})
         split = 1
     n_acc = 2 if glu_out else 1
     part = (x.new_empty((split * (n_acc * n_out + plan.grid[0]) * plan.block_m,),
@@ -567,7 +580,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         EVEN_N=n_out % plan.block_n == 0,
         EVEN_K=k % plan.k_per_split == 0 and plan.k_per_split % plan.block_k == 0,
         W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, ROT_D=rot_d,
-        EARLY_W=weight_settled and m <= cfg.skinny_early_w_max_m,
+        EARLY_W=plan.early_w,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_options(pdl),
         **LAUNCH_OPTIONS)
     if head_d and not rot_d:  # fewer rows than skinny_rope_min_m: the rotary kernel after

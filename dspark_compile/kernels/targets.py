@@ -113,6 +113,11 @@ class TargetConfig:
     docs/tuning.md."""
     skinny_max_smem: int = 210 * 1024
     """Shared memory the skinny kernel's pipeline may take (its stages are cut to fit)."""
+    max_shared: int = 227 * 1024
+    """Shared memory (LDS on AMD) one program may take at most: the opt-in 227 KB of sm_90,
+    163 KB of sm_80, 64 / 160 KB of gfx942 / gfx950; a launch that asks for more fails. The
+    skinny kernel's early weight tile is kept only where its extra buffer fits under it
+    (``plan_skinny``)."""
     skinny_swap: bool = False
     """The skinny kernel's dot takes the activation tile as its first operand (``a @ w.T``
     tiles; the first operand may stay in registers) instead of the weight tile."""
@@ -197,7 +202,7 @@ TARGETS: dict[str, TargetConfig] = {
         attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
         attn_max_registers=128,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
-        default_sm_count=108,
+        default_sm_count=108, max_shared=163 * 1024,
     ),
     "sm_90": TargetConfig(
         name="sm_90", backend="cuda", arch=90, warp_size=32, fp32_dot_precision="tf32",
@@ -211,14 +216,14 @@ TARGETS: dict[str, TargetConfig] = {
         attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
         attn_max_registers=None,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
-        default_sm_count=304, attn_fold_reduce=False,
+        default_sm_count=304, attn_fold_reduce=False, max_shared=64 * 1024,
     ),
     "gfx950": TargetConfig(
         name="gfx950", backend="hip", arch="gfx950", warp_size=64, fp32_dot_precision="ieee",
         attn_tile_n=64, attn_max_block_m=64, attn_num_warps=4, attn_num_stages=2,
         attn_max_registers=None,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
-        default_sm_count=256, attn_fold_reduce=False,
+        default_sm_count=256, attn_fold_reduce=False, max_shared=160 * 1024,
     ),
 }
 """Every supported target, by name."""

@@ -441,6 +441,8 @@ def _compile_all() -> dict:
             out.setdefault(case, {})[target] = compile_kernel(
                 kernel, pointers, consts, target, opts, scalars={"eps": "fp32"}, asm=asm)
     out["pipelined_shared_bytes"] = _pipelined_shared(kernel, pointers)
+    out["plan_shared_bytes"] = {case: _plan_shared(kernel, pointers, *args)
+                                for case, args in PLAN_CASES.items()}
     asm = {}
     compile_kernel(kernel, {**pointers, **{a: "fp16" for a in pointers if pointers[a] == "bf16"}},
                    AOT_CASES["rms_res_rope_split"], "sm_90",
@@ -464,6 +466,45 @@ def _compile_all() -> dict:
             pro, pointers, dict(PRO=2, HAS_RES=True, BLOCK_K=2048), target, {"num_warps": 4},
             scalars={"eps": "fp32"})
     return out
+
+
+PLAN_CASES = {  # case -> (m, n, k, prologue, residual, glu_out, rot_d): launches the lowering makes
+    # q/k/v of heads of 256 with no norm before it (a plain or LayerNorm input), early tile asked
+    "qkv_rot256_plain_m3": (3, 10752, 3584, 0, True, False, 256),
+    "qkv_rot128_plain_m3": (3, 12288, 4096, 0, True, False, 128),
+    "gate_up_plain_m3": (3, 16384, 4096, 0, True, True, 0),
+    "gate_up_plain_m24": (24, 16384, 4096, 0, True, True, 0),
+    "qkv_rot256_rms_m3": (3, 10752, 3584, 2, True, False, 256),
+    "gate_up_rms_m24": (24, 16384, 4096, 2, True, True, 0),
+}
+
+
+def _plan_shared(kernel, pointers: dict, m: int, n: int, k: int, pro: int, res: bool,
+                 glu_out: bool, rot_d: int) -> int:
+    """Shared memory of the sm_90 build of the launch ``skinny_linear_triton`` makes for these
+    shapes (its plan, the early tile as the plan keeps it), with the JIT's divisibility."""
+    import triton
+    from triton.compiler import ASTSource
+
+    from dspark_compile.kernels import skinny as triton_skinny
+    from dspark_compile.kernels.skinny import plan_skinny
+    from dspark_compile.kernels.targets import TARGETS, gpu_target
+
+    cfg = TARGETS["sm_90"]
+    plan = plan_skinny(m, n, k, cfg, 132, glu_out=glu_out, rms=pro == 2, rot_d=rot_d,
+                       staged_x=pro == 0, early_w=m <= cfg.skinny_early_w_max_m)
+    consts = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
+                  SPLIT_K=plan.split_k, PRO=pro, HAS_BIAS=False, HAS_RES=res, EVEN_N=True,
+                  EVEN_K=True, W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=True,
+                  ROT_D=rot_d, EARLY_W=plan.early_w)
+    signature = {a: "constexpr" if a in consts else "*" + pointers[a] if a in pointers
+                 else "fp32" if a == "eps" else "i32" for a in kernel.arg_names}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+             if a in pointers or a.startswith("stride_") or a in ("n", "k", "k_per_split")}
+    src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=gpu_target("sm_90"),
+                          options={"num_warps": plan.num_warps, "num_stages": plan.num_stages,
+                                   **triton_skinny.LAUNCH_OPTIONS}).metadata.shared
 
 
 def _pipelined_shared(kernel, pointers: dict) -> int:
@@ -508,6 +549,33 @@ def test_fp16_rotation_rounds_each_product(compiled: dict) -> None:
     fewer than the reference's, one ulp off on the H200)."""
     ops = compiled["rope_fp16_ptx"]
     assert ops[r"\bfma\.\S*f16"] == 0 and ops[r"\bmul\.rn\.f16"] > 0, ops
+
+
+def test_every_planned_launch_fits_the_h200s_shared_memory(compiled: dict) -> None:
+    """The plans' sm_90 builds ask for at most ``max_shared`` (a launch asking more fails with
+    OutOfResources). Without a prologue the early tile costs a buffer of one more stage: at
+    256-column tiles that build asked 278,528 bytes, so the plan drops the early tile there."""
+    from dspark_compile.kernels.targets import TARGETS
+
+    limit = TARGETS["sm_90"].max_shared
+    sizes = compiled["plan_shared_bytes"]
+    assert all(b <= limit for b in sizes.values()), sizes
+
+
+def test_plan_keeps_the_early_tile_only_where_its_buffer_fits() -> None:
+    from dspark_compile.kernels.skinny import plan_skinny
+    from dspark_compile.kernels.targets import TARGETS
+
+    cfg = TARGETS["sm_90"]
+    # no prologue, heads of 256: 3 stages of (256 + 16) x 128 tiles, one more would pass 227 KB
+    plain = plan_skinny(3, 10752, 3584, cfg, 132, rot_d=256, staged_x=True, early_w=True)
+    assert plain.block_n == 256 and plain.num_stages == 3 and not plain.early_w
+    # with the norm in the prologue the activation tiles are not staged: the tile stays early
+    assert plan_skinny(3, 10752, 3584, cfg, 132, rms=True, rot_d=256, early_w=True).early_w
+    # gate/up without a prologue: 6 buffers of (128 + 16) x 128 fit (221,184 bytes)
+    assert plan_skinny(3, 16384, 4096, cfg, 132, glu_out=True, staged_x=True,
+                       early_w=True).early_w
+    assert not plan_skinny(3, 16384, 4096, cfg, 132, glu_out=True, staged_x=True).early_w
 
 
 def test_k_loop_is_software_pipelined(compiled: dict) -> None:
