@@ -482,13 +482,10 @@ PLAN_CASES = {  # case -> (m, n, k, prologue, residual, glu_out, rot_d): launche
 def _plan_shared(kernel, pointers: dict, m: int, n: int, k: int, pro: int, res: bool,
                  glu_out: bool, rot_d: int) -> int:
     """Shared memory of the sm_90 build of the launch ``skinny_linear_triton`` makes for these
-    shapes (its plan, the early tile as the plan keeps it), with the JIT's divisibility."""
-    import triton
-    from triton.compiler import ASTSource
-
+    shapes (its plan, the early tile as the plan keeps it)."""
     from dspark_compile.kernels import skinny as triton_skinny
     from dspark_compile.kernels.skinny import plan_skinny
-    from dspark_compile.kernels.targets import TARGETS, gpu_target
+    from dspark_compile.kernels.targets import TARGETS
 
     cfg = TARGETS["sm_90"]
     plan = plan_skinny(m, n, k, cfg, 132, glu_out=glu_out, rms=pro == 2, rot_d=rot_d,
@@ -497,32 +494,32 @@ def _plan_shared(kernel, pointers: dict, m: int, n: int, k: int, pro: int, res: 
                   SPLIT_K=plan.split_k, PRO=pro, HAS_BIAS=False, HAS_RES=res, EVEN_N=True,
                   EVEN_K=True, W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=True,
                   ROT_D=rot_d, EARLY_W=plan.early_w)
-    signature = {a: "constexpr" if a in consts else "*" + pointers[a] if a in pointers
-                 else "fp32" if a == "eps" else "i32" for a in kernel.arg_names}
-    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
-             if a in pointers or a.startswith("stride_") or a in ("n", "k", "k_per_split")}
-    src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=gpu_target("sm_90"),
-                          options={"num_warps": plan.num_warps, "num_stages": plan.num_stages,
-                                   **triton_skinny.LAUNCH_OPTIONS}).metadata.shared
+    return _sm90_shared(kernel, pointers, consts, {
+        "num_warps": plan.num_warps, "num_stages": plan.num_stages,
+        **triton_skinny.LAUNCH_OPTIONS})
 
 
 def _pipelined_shared(kernel, pointers: dict) -> int:
-    """Shared memory of the sm_90 build with the divisibility the JIT gives K = 2048 (K, N and
-    the split length multiples of 16): a pipelined loop holds all its stages there."""
+    """Shared memory of the sm_90 build at K = 2048: a pipelined loop holds all its stages
+    there."""
+    return _sm90_shared(kernel, pointers, dict(AOT_CASES["plain_m16"], PDL=True),
+                        {"num_warps": 4, "num_stages": 5})
+
+
+def _sm90_shared(kernel, pointers: dict, consts: dict, options: dict) -> int:
+    """Shared memory of the sm_90 build with the divisibility the JIT gives real shapes (K, N
+    and the split length multiples of 16)."""
     import triton
     from triton.compiler import ASTSource
 
     from dspark_compile.kernels.targets import gpu_target
 
-    consts = dict(AOT_CASES["plain_m16"], PDL=True)
     signature = {a: "constexpr" if a in consts else "*" + pointers[a] if a in pointers
                  else "fp32" if a == "eps" else "i32" for a in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
              if a in pointers or a.startswith("stride_") or a in ("n", "k", "k_per_split")}
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=gpu_target("sm_90"),
-                          options={"num_warps": 4, "num_stages": 5}).metadata.shared
+    return triton.compile(src, target=gpu_target("sm_90"), options=options).metadata.shared
 
 
 def test_sm90_build_waits_then_reads(compiled: dict) -> None:
