@@ -234,14 +234,14 @@ def smoke() -> None:
                         dtype=torch.float16)
     dealt.act.fill_(float("nan"))
     dealt.stream(dealt.w, 3, 64, 64, 0, x_load=False, rotate=True)
-    for rotate in (False, True):  # each tile's program, recorded, is the rule's
-        dealt.check_dealing(dealt.w, 3, 64, 64, rotate, x_load=False)
     half = dealt.half
     for i in (2, 3):  # the last phase to write each half of the ping-pong buffer
         n = dealt.shapes[i][0]
         got = dealt.act[((i + 1) % 2) * half:][:n].float()
         want = dealt.weight(i).float().sum(1)
         assert _rel_err(got, want) < 2e-2, f"rotate: phase {i} missed tiles or summed wrong"
+    for rotate in (False, True):  # each tile's program, recorded, is the rule's
+        dealt.check_dealing(dealt.w, 3, 64, 64, rotate, x_load=False)
     print("smoke rotate: every tile dealt once")
     one = PackedChain([(256, 256)], "cpu", dtype=torch.float16)  # no activation loads: ones
     one.stream(one.packed(64, 64), 1, 64, 64, True, x_load=False)
@@ -313,9 +313,8 @@ def main() -> None:
                               ms=run.timed(
                                   lambda w=w: chain.stream(w, per_sm * sms, block_n, block_k, 0,
                                                            warps, stages, rotate=True))))
-            for rotate in (False, True) if opts.clocks and not packed else ():
-                if rotate and not opts.rotate:
-                    continue
+            for rotate in ((False, True) if opts.rotate else (False,)) \
+                    if opts.clocks and not packed else ():
                 run.emit(dict(kind="stream_clocks", rotate=rotate, block_n=block_n,
                               block_k=block_k, warps=warps, stages=stages,
                               programs=per_sm * sms, **chain.program_times(
