@@ -14,6 +14,7 @@
 #   compile_cold  compile_time.py --label cold         (empty Inductor/Triton caches)
 #   compile_warm  compile_time.py --label warm         (the caches compile_cold filled)
 #   profile_step  profile_step.py --bs 64 256          (step profile row)
+#   profile_small profile_step.py --bs 1 8             (the small-batch steps' exposed time a kind)
 #   step_bound    step_bound.py                        (step bound row)
 #   splitk_op     splitk_bmm.py --op                   (down projection over K chunks row)
 #   jit_parallel  jit_parallel.py                      (parallel Triton JIT row)
@@ -31,6 +32,8 @@
 #   e2e_256       e2e.py --concurrency 256 --repeats 5, default draft and --mean-accepted 1.5
 #   packed_rotate packed_weights.py --quick --rotate (the model chain's stream, tiles dealt on
 #                 across matmuls)
+#   stream_clocks packed_weights.py --shapes '2048x2048*128' --rotate --clocks (each program's
+#                 start, end and multiprocessor in the o-shaped stream)
 #   moe_steps     hybrid_step.py --variant a3b, then --variant moe (MoE verify steps vs HF)
 #   moe_attr      hybrid_step.py --variant moe --attribute --check-only (its bf16 logits: ours
 #                 and HF vs a float32 copy)
@@ -92,6 +95,7 @@ job() {
         TRITON_CACHE_DIR=/tmp/dspark_cold_cache/triton \
         python3 benchmarks/compile_time.py --label warm ;;
     profile_step) python3 benchmarks/profile_step.py --bs 64 256 ;;
+    profile_small) python3 benchmarks/profile_step.py --bs 1 8 ;;
     step_bound) python3 benchmarks/step_bound.py ;;
     splitk_op) python3 benchmarks/splitk_bmm.py --op ;;
     jit_parallel) python3 benchmarks/jit_parallel.py ;;
@@ -99,6 +103,8 @@ job() {
     ssd_kernels) python3 benchmarks/ssd_kernels.py --sweep ;;
     persistent_spike) python3 benchmarks/persistent_spike.py ;;
     packed_rotate) python3 benchmarks/packed_weights.py --quick --rotate ;;
+    stream_clocks) python3 benchmarks/packed_weights.py --shapes '2048x2048*128' \
+        --configs 64,128,4,5,1 --rotate --clocks ;;
     e2e_256) python3 benchmarks/e2e.py --concurrency 256 --repeats 5 &&
       python3 benchmarks/e2e.py --concurrency 256 --repeats 5 --mean-accepted 1.5 ;;
     packed_weights) python3 benchmarks/packed_weights.py --shapes '8448x2048*64' \

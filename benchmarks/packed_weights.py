@@ -64,7 +64,7 @@ SKINNY_TILES = ({}, dict(block_n=16, block_k=512, num_stages=3),
 
 
 @triton.jit
-def _stream_kernel(w_ptr, act_ptr, tab_ptr, owner_ptr, clock_ptr, num_phases,
+def _stream_kernel(w_ptr, act_ptr, tab_ptr, cols_ptr, owner_ptr, clock_ptr, num_phases,
                    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, PACKED: tl.constexpr,
                    X_LOAD: tl.constexpr = True, ROTATE: tl.constexpr = False,
                    RECORD: tl.constexpr = False, CLOCKS: tl.constexpr = False):
@@ -72,7 +72,10 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, owner_ptr, clock_ptr, num_phases,
     pid + programs, ...`` of ``act_out[BLOCK_M, n] = act_in[BLOCK_M, k] @ w[n, k].T``. With
     ``ROTATE`` the tiles are dealt on from where the last phase's stopped (the chain's tiles
     numbered in order, program ``pid`` takes those equal to it modulo the programs), so a
-    matmul of fewer tiles than programs does not fall on the same programs every time. With
+    matmul of fewer tiles than programs does not fall on the same programs every time
+    (``cols_ptr[p]``: the columns of the phases before ``p``; read, not carried through the
+    phase loop: triton 3.5-3.7 drop a carried value that only sets an inner loop's bounds,
+    ``tests/aot.py``'s ``bound_only_carries``). With
     ``PACKED`` the phase's weight is ``[n / BLOCK_N, k / BLOCK_K, BLOCK_N, BLOCK_K]``. Without
     ``X_LOAD`` the activation tile is ones made in registers, not loaded (not a valid product:
     the weight stream alone, without the activations every program reads from L2). With
@@ -87,14 +90,12 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, owner_ptr, clock_ptr, num_phases,
     offs_n = tl.arange(0, BLOCK_N)
     offs_k = tl.arange(0, BLOCK_K)
     offs_m = tl.arange(0, BLOCK_M)
-    dealt = 0  # tiles of the phases before, modulo the programs
-    base = 0  # tiles of the phases before
     for p in range(num_phases):
         w_off, n, k, in_off, out_off = _phase(tab_ptr, p)
+        base = tl.load(cols_ptr + p).to(tl.int32) // BLOCK_N  # tiles of the phases before
         first = pid
         if ROTATE:
-            first = (pid - dealt + nprog) % nprog
-            dealt = (dealt + n // BLOCK_N) % nprog
+            first = (pid - base % nprog + nprog) % nprog
         for t in range(first, n // BLOCK_N, nprog):
             if RECORD:
                 tl.store(owner_ptr + base + t, pid)
@@ -122,7 +123,6 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, owner_ptr, clock_ptr, num_phases,
                 x_ptrs += BLOCK_K
             out = act_ptr + out_off + offs_m[None, :] * n + (t * BLOCK_N + offs_n)[:, None]
             tl.store(out, acc.to(act_ptr.dtype.element_ty))
-        base += n // BLOCK_N
     if CLOCKS:
         tl.store(clock_ptr + 3 * pid, t0)
         tl.store(clock_ptr + 3 * pid + 1, tl.extra.cuda.globaltimer())
@@ -154,7 +154,13 @@ def pack(w: torch.Tensor, block_n: int, block_k: int, layout: int = 1) -> torch.
 
 
 class PackedChain(Chain):
-    """``Chain`` with a second weight buffer, every phase packed for ``(block_n, block_k)``."""
+    """``Chain`` with a second weight buffer, every phase packed for ``(block_n, block_k)``, and
+    each phase's first column in the chain (``cols``)."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        widths = torch.tensor([0] + [n for n, _ in self.shapes[:-1]], dtype=torch.int64)
+        self.cols = widths.cumsum(0).to(self.act.device)
 
     def packed(self, block_n: int, block_k: int, layout: int = 1) -> torch.Tensor:
         out = torch.empty_like(self.w)
@@ -170,7 +176,7 @@ class PackedChain(Chain):
         """One stream launch; ``owner`` (int32, a slot per tile of the chain) records which
         program took each tile, ``clocks`` (int64 ``[programs, 3]``) each program's start,
         end (ns) and multiprocessor."""
-        _stream_kernel[(programs,)](w, self.act, self.tab,
+        _stream_kernel[(programs,)](w, self.act, self.tab, self.cols,
                                     self.counter if owner is None else owner,
                                     self.err if clocks is None else clocks,
                                     len(self.shapes), BLOCK_N=block_n, BLOCK_K=block_k,
