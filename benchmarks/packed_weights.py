@@ -130,14 +130,15 @@ def _stream_kernel(w_ptr, act_ptr, tab_ptr, cols_ptr, owner_ptr, clock_ptr, num_
 
 
 def program_summary(clocks: torch.Tensor) -> dict:
-    """``clocks [programs, 3]`` (start ns, end ns, multiprocessor) -> per-program run times (us):
-    fewest, median, most, the busy share of the span, and the five slowest as ``(program,
-    multiprocessor, us)``."""
+    """``clocks [programs, 3]`` (start ns, end ns, multiprocessor) -> the launch's span (``ms``,
+    as every row has, and ``span_us``), per-program run times (us): fewest, median, most, the
+    busy share of the span, and the five slowest as ``(program, multiprocessor, us)``."""
     start, end, sm = clocks[:, 0], clocks[:, 1], clocks[:, 2]
     us = (end - start).double() / 1e3
     span = float(end.max() - start.min()) / 1e3
     slow = us.argsort(descending=True)[:5].tolist()
-    return {"span_us": span, "min_us": float(us.min()), "median_us": float(us.median()),
+    return {"ms": span / 1e3, "span_us": span, "min_us": float(us.min()),
+            "median_us": float(us.median()),
             "max_us": float(us.max()), "busy_share": float(us.sum()) / (span * len(us)),
             "slowest": [(p, int(sm[p]), round(float(us[p]), 1)) for p in slow]}
 

@@ -42,6 +42,7 @@ def test_program_summary_reads_the_clocks():
     clocks = torch.tensor([[0, 10_000, 4], [0, 40_000, 7], [5_000, 20_000, 4]])
     got = probe.program_summary(clocks)
     assert got["span_us"] == 40.0 and got["min_us"] == 10.0 and got["max_us"] == 40.0
+    assert got["ms"] == 0.04  # the span: every row the probe emits has its ms
     assert got["median_us"] == 15.0
     assert abs(got["busy_share"] - 65.0 / 120.0) < 1e-9
     assert got["slowest"][0] == (1, 7, 40.0) and len(got["slowest"]) == 3
