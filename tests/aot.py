@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import subprocess
 import sys
 from pathlib import Path
@@ -52,91 +51,14 @@ def compile_kernel(kernel, pointers: dict, constexprs: dict, target: str, option
              or a.startswith("stride_")}
     src = ASTSource(fn=kernel, signature=signature, constexprs=dict(constexprs), attrs=attrs)
     compiled = triton.compile(src, target=gpu_target(target), options=options)
+    from dspark_compile.kernels.ir_check import bound_only_carries
+
     hazards = bound_only_carries(compiled.asm["ttir"])
     assert not hazards, (f"{kernel.__name__} for {target}: a loop-carried scalar reaches nothing "
                          f"but an inner loop's bounds, which triton 3.5-3.7 drop: {hazards}")
     if asm is not None:
         asm.update(compiled.asm)
     return sorted(kind for kind, blob in compiled.asm.items() if blob)
-
-
-_NAME = r"%[A-Za-z0-9_.$-]+(?:#\d+)?"
-_FOR = re.compile(r"^\s*(?:(%[A-Za-z0-9_.$-]+)(?::(\d+))? = )?scf\.for (%[\w.$-]+) = (" + _NAME
-                  + r") to (" + _NAME + r") step (" + _NAME + r")(?:\s+iter_args\((.*?)\))?"
-                  r"(?:\s*->\s*\((.*?)\))?\s*:")
-_RESULTS = re.compile(r"^\s*%[A-Za-z0-9_.$-]+(?::\d+)?(?:, %[A-Za-z0-9_.$-]+(?::\d+)?)* = ")
-
-
-def _top_level(text: str) -> list[str]:
-    """``text`` split at the commas outside any brackets."""
-    parts, depth, cur = [], 0, ""
-    for ch in text:
-        depth += (ch in "<([{") - (ch in ">)]}")
-        if ch == "," and depth == 0:
-            parts.append(cur.strip())
-            cur = ""
-        else:
-            cur += ch
-    return parts + [cur.strip()] if cur.strip() else parts
-
-
-def bound_only_carries(ttir: str) -> list[str]:
-    """The scalar loop-carried values of ``ttir`` (Triton IR text, before the GPU passes) whose
-    only reads in the loop are the bounds of an inner ``scf.for`` (through any arithmetic) and
-    whose final value nothing reads after the loop.
-
-    Triton 3.5.1, 3.6.0 (the H200's) and 3.7.1 drop such a value in
-    ``tritongpu-remove-layout-conversions``: the inner loop runs from the value's initial one on
-    every iteration (``for p: for t in range(pid - d, n, nprog): ...; d += n`` compiles as
-    ``range(pid, n, nprog)``, a silent wrong result). 3.8.0 and 3.9.0 keep it. A read anywhere
-    else (a store, an address, a branch, another loop's initial value, or the final value after
-    the loop) keeps it in all of them. The IR checked is the one before the GPU passes, so the
-    check finds the pattern whatever triton compiles it."""
-    lines = [line.split(" loc(")[0] for line in ir_lines(ttir)]
-    uses: dict[str, list[int]] = {}
-    for i, line in enumerate(lines):
-        rhs = line.split(" = ", 1)[1] if _RESULTS.match(line) else line
-        for name in set(re.findall(_NAME, rhs)):
-            uses.setdefault(name, []).append(i)
-    found = []
-    for i, line in enumerate(lines):
-        loop = _FOR.match(line)
-        if not loop or not loop.group(7):
-            continue
-        result, count = loop.group(1), loop.group(2)
-        carried = [arg.split(" = ")[0] for arg in _top_level(loop.group(7))]
-        for j, (arg, kind) in enumerate(zip(carried, _top_level(loop.group(8) or ""))):
-            final = (f"{result}#{j}" if count else result) if result else None
-            if "tensor" in kind or "ptr" in kind or (final and uses.get(final)):
-                continue
-            seen, work, bound, other = {arg}, [arg], False, False
-            while work:
-                value = work.pop()
-                for k in uses.get(value, ()):
-                    use = lines[k]
-                    inner = _FOR.match(use)
-                    if inner:
-                        bound |= value in inner.group(4, 5, 6)
-                        inits = [a.split(" = ")[1] for a in _top_level(inner.group(7) or "")]
-                        other |= value in inits
-                    elif "scf.yield" in use:
-                        continue
-                    elif _RESULTS.match(use):
-                        for name in re.findall(r"%[A-Za-z0-9_.$-]+(?=(?::\d+)?(?:,| =))",
-                                               use.split(" = ")[0] + " ="):
-                            if name not in seen:
-                                seen.add(name)
-                                work.append(name)
-                    else:
-                        other = True
-            if bound and not other:
-                found.append(f"{arg} of line {i + 1}: {line.strip()[:100]}")
-    return found
-
-
-def ir_lines(ir: str) -> list[str]:
-    """``ir``'s lines without its location table."""
-    return [line for line in ir.splitlines() if not line.startswith("#loc")]
 
 
 def _env() -> dict:

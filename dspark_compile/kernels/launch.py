@@ -30,8 +30,13 @@ from typing import Iterator
 
 import torch
 
+from .ir_check import check_compiled, triton_drops_bound_only_carries
+
 __all__ = ["launch", "warming", "zeros_when_warming", "compile_ahead", "tensor_descriptor"]
 
+_CHECK_IR = triton_drops_bound_only_carries()
+"""Check each kernel Triton compiles for a construct this Triton compiles wrong
+(:mod:`.ir_check`): Triton older than 3.8."""
 _warming = False
 _warmed: set = set()
 """Inside :func:`compile_ahead`: the :func:`_launch_key` of every launch warmed up so far."""
@@ -44,9 +49,14 @@ def warming() -> bool:
 
 def launch(kernel, grid, *args, **kwargs) -> None:
     """``kernel[grid](*args, **kwargs)``; inside :func:`compile_ahead` only its compile, once
-    per :func:`_launch_key` (a forward makes the same launch once per layer)."""
+    per :func:`_launch_key` (a forward makes the same launch once per layer). Under a Triton
+    older than 3.8, each compiled kernel's IR is checked once (:func:`.ir_check.check_compiled`)
+    and one that Triton compiles wrong raises: inside a CUDA-graph capture before it ever runs,
+    eagerly after its first launch, before the forward returns."""
     if not _warming:
-        kernel[grid](*args, **kwargs)
+        compiled = kernel[grid](*args, **kwargs)
+        if _CHECK_IR and compiled is not None:
+            check_compiled(compiled)
         return
     key = _launch_key(kernel, args, kwargs)
     if key is not None and key in _warmed:
