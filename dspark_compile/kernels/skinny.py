@@ -363,8 +363,9 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
                 rms: bool = False, rot_d: int = 0, staged_x: bool = False,
                 early_w: bool = False) -> SkinnyPlan:
     """``BLOCK_M``: the smallest of 16 / 32 / 64 holding ``m``; ``BLOCK_N``, ``BLOCK_K``, warps
-    and stages from ``cfg`` (stages cut while the pipeline would take more than
-    ``cfg.skinny_max_smem``; ``glu_out`` streams two weight tiles an iteration). Split-K (a
+    and stages from ``cfg`` (``BLOCK_K`` halved, unless given, until two stages fit, then stages
+    cut while the pipeline would take more than ``cfg.skinny_max_smem`` or ``cfg.max_shared``;
+    ``glu_out`` streams two weight tiles an iteration). Split-K (a
     power of two) while the column tiles x splits are fewer than ``cfg.skinny_min_programs``,
     keeping at least ``cfg.skinny_min_split_k`` of K per split. An RMSNorm prologue (``rms``)
     without ``glu_out`` whose column tiles alone reach ``skinny_min_programs`` (no split: the
@@ -377,6 +378,7 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
     that fits ``cfg.max_shared``. The other keyword arguments override a choice (the
     benchmark's sweep)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
+    k_given = block_k is not None
     block_n = block_n or cfg.skinny_block_n
     if rot_d:
         block_n = -(-block_n // rot_d) * rot_d
@@ -386,8 +388,11 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
     block_k = block_k or cfg.skinny_block_k
     num_stages = num_stages or cfg.skinny_num_stages
     w_rows = 2 * block_n if glu_out else block_n
+    budget = min(cfg.skinny_max_smem, cfg.max_shared)
+    while not k_given and block_k > 32 and (w_rows + block_m) * block_k * 2 * 2 > budget:
+        block_k //= 2  # two stages must fit (gfx942's 64 KB: 128-column tiles take K 64)
     stage_bytes = (w_rows + block_m) * block_k * 2
-    while num_stages > 2 and stage_bytes * num_stages > cfg.skinny_max_smem:
+    while num_stages > 2 and stage_bytes * num_stages > budget:
         num_stages -= 1
     early_w = early_w and not (staged_x and stage_bytes * (num_stages + 1) > cfg.max_shared)
     tiles = -(-n // block_n)

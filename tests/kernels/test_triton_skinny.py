@@ -441,8 +441,9 @@ def _compile_all() -> dict:
             out.setdefault(case, {})[target] = compile_kernel(
                 kernel, pointers, consts, target, opts, scalars={"eps": "fp32"}, asm=asm)
     out["pipelined_shared_bytes"] = _pipelined_shared(kernel, pointers)
-    out["plan_shared_bytes"] = {case: _plan_shared(kernel, pointers, *args)
-                                for case, args in PLAN_CASES.items()}
+    out["plan_shared_bytes"] = {target: {case: _plan_shared(kernel, pointers, target, *args)
+                                         for case, args in PLAN_CASES.items()}
+                                for target in TARGET_NAMES}
     asm = {}
     compile_kernel(kernel, {**pointers, **{a: "fp16" for a in pointers if pointers[a] == "bf16"}},
                    AOT_CASES["rms_res_rope_split"], "sm_90",
@@ -479,36 +480,36 @@ PLAN_CASES = {  # case -> (m, n, k, prologue, residual, glu_out, rot_d): launche
 }
 
 
-def _plan_shared(kernel, pointers: dict, m: int, n: int, k: int, pro: int, res: bool,
-                 glu_out: bool, rot_d: int) -> int:
-    """Shared memory of the sm_90 build of the launch ``skinny_linear_triton`` makes for these
-    shapes (its plan, the early tile as the plan keeps it)."""
+def _plan_shared(kernel, pointers: dict, target: str, m: int, n: int, k: int, pro: int,
+                 res: bool, glu_out: bool, rot_d: int) -> int:
+    """Shared memory (LDS on AMD) of ``target``'s build of the launch ``skinny_linear_triton``
+    makes for these shapes (its plan, the early tile as the plan keeps it)."""
     from dspark_compile.kernels import skinny as triton_skinny
     from dspark_compile.kernels.skinny import plan_skinny
     from dspark_compile.kernels.targets import TARGETS
 
-    cfg = TARGETS["sm_90"]
-    plan = plan_skinny(m, n, k, cfg, 132, glu_out=glu_out, rms=pro == 2, rot_d=rot_d,
-                       staged_x=pro == 0, early_w=m <= cfg.skinny_early_w_max_m)
+    cfg = TARGETS[target]
+    plan = plan_skinny(m, n, k, cfg, cfg.default_sm_count, glu_out=glu_out, rms=pro == 2,
+                       rot_d=rot_d, staged_x=pro == 0, early_w=m <= cfg.skinny_early_w_max_m)
     consts = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
                   SPLIT_K=plan.split_k, PRO=pro, HAS_BIAS=False, HAS_RES=res, EVEN_N=True,
-                  EVEN_K=True, W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=True,
+                  EVEN_K=True, W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=cfg.pdl,
                   ROT_D=rot_d, EARLY_W=plan.early_w)
-    return _sm90_shared(kernel, pointers, consts, {
+    return _shared(kernel, pointers, consts, {
         "num_warps": plan.num_warps, "num_stages": plan.num_stages,
-        **triton_skinny.LAUNCH_OPTIONS})
+        **triton_skinny.LAUNCH_OPTIONS}, target)
 
 
 def _pipelined_shared(kernel, pointers: dict) -> int:
     """Shared memory of the sm_90 build at K = 2048: a pipelined loop holds all its stages
     there."""
-    return _sm90_shared(kernel, pointers, dict(AOT_CASES["plain_m16"], PDL=True),
+    return _shared(kernel, pointers, dict(AOT_CASES["plain_m16"], PDL=True),
                         {"num_warps": 4, "num_stages": 5})
 
 
-def _sm90_shared(kernel, pointers: dict, consts: dict, options: dict) -> int:
-    """Shared memory of the sm_90 build with the divisibility the JIT gives real shapes (K, N
-    and the split length multiples of 16)."""
+def _shared(kernel, pointers: dict, consts: dict, options: dict, target: str = "sm_90") -> int:
+    """Shared memory of ``target``'s build with the divisibility the JIT gives real shapes (K,
+    N and the split length multiples of 16)."""
     import triton
     from triton.compiler import ASTSource
 
@@ -519,7 +520,7 @@ def _sm90_shared(kernel, pointers: dict, consts: dict, options: dict) -> int:
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
              if a in pointers or a.startswith("stride_") or a in ("n", "k", "k_per_split")}
     src = ASTSource(fn=kernel, signature=signature, constexprs=consts, attrs=attrs)
-    return triton.compile(src, target=gpu_target("sm_90"), options=options).metadata.shared
+    return triton.compile(src, target=gpu_target(target), options=options).metadata.shared
 
 
 def test_sm90_build_waits_then_reads(compiled: dict) -> None:
@@ -548,14 +549,17 @@ def test_fp16_rotation_rounds_each_product(compiled: dict) -> None:
     assert ops[r"\bfma\.\S*f16"] == 0 and ops[r"\bmul\.rn\.f16"] > 0, ops
 
 
-def test_every_planned_launch_fits_the_h200s_shared_memory(compiled: dict) -> None:
-    """The plans' sm_90 builds ask for at most ``max_shared`` (a launch asking more fails with
-    OutOfResources). Without a prologue the early tile costs a buffer of one more stage: at
-    256-column tiles that build asked 278,528 bytes, so the plan drops the early tile there."""
+@pytest.mark.parametrize("target", TARGET_NAMES)
+def test_every_planned_launch_fits_the_targets_shared_memory(compiled: dict, target: str) -> None:
+    """The plans' builds ask for at most the target's ``max_shared`` (a launch asking more fails
+    with OutOfResources). On sm_90, without a prologue the early tile costs a buffer of one more
+    stage: at 256-column tiles that build asked 278,528 bytes, so the plan drops the early tile
+    there. On AMD the 210 KB pipeline budget asked 135-164 KB of gfx942's 64 KB and 175-215 KB
+    of gfx950's 160 KB, so those entries' budgets are their LDS and the plan cuts ``BLOCK_K``."""
     from dspark_compile.kernels.targets import TARGETS
 
-    limit = TARGETS["sm_90"].max_shared
-    sizes = compiled["plan_shared_bytes"]
+    limit = TARGETS[target].max_shared
+    sizes = compiled["plan_shared_bytes"][target]
     assert all(b <= limit for b in sizes.values()), sizes
 
 
@@ -573,6 +577,23 @@ def test_plan_keeps_the_early_tile_only_where_its_buffer_fits() -> None:
     assert plan_skinny(3, 16384, 4096, cfg, 132, glu_out=True, staged_x=True,
                        early_w=True).early_w
     assert not plan_skinny(3, 16384, 4096, cfg, 132, glu_out=True, staged_x=True).early_w
+
+
+def test_plan_cuts_the_k_tile_to_fit_a_small_lds() -> None:
+    from dspark_compile.kernels.skinny import plan_skinny
+    from dspark_compile.kernels.targets import TARGETS
+
+    cfg = TARGETS["gfx942"]  # 64 KB: two stages of (2 x 64 + 16) x 128 do not fit, x 64 do
+    plan = plan_skinny(3, 16384, 4096, cfg, 304, glu_out=True, staged_x=True)
+    assert plan.block_k == 64 and (2 * 64 + 16) * 64 * 2 * plan.num_stages <= 64 * 1024
+    assert plan.k_per_split % plan.block_k == 0
+    # heads of 256 in the epilogue: whole heads a tile, so the K tile goes down to 32
+    assert plan_skinny(3, 10752, 3584, cfg, 304, rot_d=256, staged_x=True).block_k == 32
+    # a K tile asked for is kept (the benchmark's sweep); only the stages are cut
+    asked = plan_skinny(3, 16384, 4096, cfg, 304, glu_out=True, block_k=128)
+    assert asked.block_k == 128 and asked.num_stages == 2
+    # sm_90 plans keep the table's tile
+    assert plan_skinny(3, 16384, 4096, TARGETS["sm_90"], 132, glu_out=True).block_k == 128
 
 
 def test_k_loop_is_software_pipelined(compiled: dict) -> None:
