@@ -77,7 +77,7 @@ def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg,
                   FOLD=plan.num_splits > 1, MAX_SPLITS=_max_splits(plan.num_splits),
                   UPCAST=False,
                   DOT_PRECISION=cfg.fp32_dot_precision, EARLY=False)
-    options = {"num_warps": plan.num_warps, "num_stages": cfg.attn_num_stages}
+    options = {"num_warps": plan.num_warps, "num_stages": plan.num_stages}
     if plan.max_registers is not None and cfg.backend == "cuda":
         options["maxnreg"] = plan.max_registers
     return pointers, consts, options
