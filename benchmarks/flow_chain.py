@@ -173,7 +173,7 @@ def smoke() -> None:
                       dtype=torch.float16)
     x = torch.randn(3, 256, generator=torch.Generator().manual_seed(0)).to(torch.float16)
     want = chain.reference(x)
-    for programs, block_n, block_k in ((1, 64, 128), (16, 64, 128), (8, 32, 128)):
+    for programs, block_n, block_k in ((1, 64, 128), (16, 64, 128)):
         # programs: the split rule's target; one program runs the units (the waits pass)
         chain.plan(programs, block_n, block_k)
         splits = chain.units[:, 3]
