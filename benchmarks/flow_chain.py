@@ -187,37 +187,41 @@ def smoke() -> None:
               f"error {err:.2e}")
 
 
+def measure(run: ChainRun, block_n: int, block_k: int, warps: int, stages: int) -> None:
+    """The flow rows of one configuration: a valid chain without and with ``L2`` (checked
+    against the torch chain), then without the waits."""
+    chain, rows = run.chain, run.rows
+    chain.plan(run.sms, block_n, block_k)
+    base = dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages, programs=run.sms,
+                units=chain.units.shape[0], most_splits=int(chain.units[:, 3].max()))
+    for dep, l2 in ((True, False), (True, True), (False, False)):
+        def go(dep=dep, l2=l2):
+            chain.flow(run.sms, block_n, block_k, dep, l2, warps, stages, rows)
+        chain.set_input(run.x)
+        chain.err.zero_()
+        go()
+        row = dict(kind="flow" if dep else "flow_free", l2=l2, **base)
+        if dep:
+            row["rel_err"] = _rel_err(chain.output()[:rows], run.want[:rows])
+            row["spin_timeout"] = bool(chain.err.item())
+        chain.set_input(run.x)
+        row["ms"] = run.timed(go)
+        run.emit(row)
+
+
 def main() -> None:
     ap = chain_args(__doc__)
     ap.add_argument("--configs", nargs="+", metavar="N,K,WARPS,STAGES",
                     help="flow configurations instead of CONFIGS")
     opts = ap.parse_args()
     if opts.smoke:
-        smoke()
-        return
+        return smoke()
     run = ChainRun(opts, "flow_chain", FlowChain)
-    chain, x, want, sms = run.chain, run.x, run.want, run.sms
-    run.read(2, 8)
+    run.read(2, 8)  # the ceiling, then today's launches, in the same run
     run.skinny({})
-    configs = [tuple(int(v) for v in c.split(",")) for c in opts.configs] if opts.configs \
-        else CONFIGS
-    for block_n, block_k, warps, stages in configs:
-        chain.plan(sms, block_n, block_k)
-        base = dict(block_n=block_n, block_k=block_k, warps=warps, stages=stages, programs=sms,
-                    units=chain.units.shape[0], most_splits=int(chain.units[:, 3].max()))
-        for dep, l2 in ((True, False), (True, True), (False, False)):
-            def go(dep=dep, l2=l2):
-                chain.flow(sms, block_n, block_k, dep, l2, warps, stages, opts.rows)
-            chain.set_input(x)
-            chain.err.zero_()
-            go()
-            row = dict(kind="flow" if dep else "flow_free", l2=l2, **base)
-            if dep:
-                row["rel_err"] = _rel_err(chain.output()[:opts.rows], want[:opts.rows])
-                row["spin_timeout"] = bool(chain.err.item())
-            chain.set_input(x)
-            row["ms"] = run.timed(go)
-            run.emit(row)
+    for config in ([tuple(int(v) for v in c.split(",")) for c in opts.configs]
+                   if opts.configs else CONFIGS):
+        measure(run, *config)
 
 
 if __name__ == "__main__":
