@@ -50,7 +50,7 @@ from persistent_spike import (BLOCK_M, SPIN_MAX, Chain, ChainRun, _phase, _rel_e
 
 CONFIGS = ((64, 128, 4, 4), (64, 128, 4, 5), (32, 256, 4, 4))
 """(BLOCK_N, BLOCK_K, warps, stages) of the flow kernel."""
-UNIT_COLS = 6
+UNIT_COLS = tl.constexpr(6)
 """Columns of a unit's row in the unit table: phase, tile, split, splits, the tile's counter,
 the column tiles of the phase before."""
 
@@ -80,7 +80,7 @@ def _flow_kernel(w_ptr, act_ptr, tab_ptr, unit_ptr, ready_ptr, part_ptr, count_p
     offs_m = tl.arange(0, BLOCK_M)
     for g in range(pid, num_units, nprog):
         g64 = g + tl.zeros((), tl.int64)  # (the interpreter's g is a Python int)
-        row = unit_ptr + g64 * 6
+        row = unit_ptr + g64 * UNIT_COLS
         phase = tl.load(row)
         tile = tl.load(row + 1)
         split = tl.load(row + 2)
@@ -143,7 +143,7 @@ def unit_table(shapes: list[tuple[int, int]], programs: int, block_n: int,
             rows += [(p, t, s, splits, tile_id + t, prev_tiles) for s in range(splits)]
         tile_id += tiles
         prev_tiles = tiles
-    return torch.tensor(rows, dtype=torch.int32)
+    return torch.tensor(rows, dtype=torch.int32).view(-1, UNIT_COLS.value)
 
 
 class FlowChain(Chain):

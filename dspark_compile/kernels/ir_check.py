@@ -44,15 +44,9 @@ def _top_level(text: str) -> list[str]:
 def bound_only_carries(ttir: str) -> list[str]:
     """The scalar loop-carried values of ``ttir`` (Triton IR text, before the GPU passes) whose
     only reads in the loop are the bounds of an inner ``scf.for`` (through any arithmetic) and
-    whose final value nothing reads after the loop.
-
-    Triton 3.5.1, 3.6.0 (the H200's) and 3.7.1 drop such a value in
-    ``tritongpu-remove-layout-conversions``: the inner loop runs from the value's initial one on
-    every iteration (``for p: for t in range(pid - d, n, nprog): ...; d += n`` compiles as
-    ``range(pid, n, nprog)``, a silent wrong result). 3.8.0 and 3.9.0 keep it. A read anywhere
-    else (a store, an address, a branch, another loop's initial value, or the final value after
-    the loop) keeps it in all of them. The IR checked is the one before the GPU passes, so the
-    check finds the pattern whatever triton compiles it."""
+    whose final value nothing reads after the loop (the module docstring says why). A read
+    anywhere else (a store, an address, a branch, another loop's initial value, or the final
+    value after the loop) keeps such a value in every Triton, so it is not reported."""
     lines = [line.split(" loc(")[0] for line in ttir.splitlines() if not line.startswith("#loc")]
     uses: dict[str, list[int]] = {}
     for i, line in enumerate(lines):

@@ -113,8 +113,8 @@ class TargetConfig:
     docs/tuning.md."""
     skinny_max_smem: int = 210 * 1024
     """Shared memory the skinny kernel's pipeline may take, counted as stages x (weight + row
-    tile) (its K tile and stages are cut to fit, and never past ``max_shared``). The AMD
-    entries' are below their LDS: gfx950's builds hold about 5 KB past that count."""
+    tile) (its K tile and stages are cut to fit, and never past ``max_shared``). gfx950's is
+    below its LDS: its builds hold about 5 KB past that count."""
     max_shared: int = 227 * 1024
     """Shared memory (LDS on AMD) one program may take at most: the opt-in 227 KB of sm_90,
     163 KB of sm_80, 64 / 160 KB of gfx942 / gfx950; a launch that asks for more fails. The
@@ -219,7 +219,6 @@ TARGETS: dict[str, TargetConfig] = {
         attn_max_registers=None,
         reduce_num_warps=4, split_min_keys=128, split_max=16, split_waves=2,
         default_sm_count=304, attn_fold_reduce=False, max_shared=64 * 1024,
-        skinny_max_smem=64 * 1024,
     ),
     "gfx950": TargetConfig(
         name="gfx950", backend="hip", arch="gfx950", warp_size=64, fp32_dot_precision="ieee",

@@ -17,7 +17,7 @@ def test_unit_table_splits_small_phases_in_whole_k_steps():
     probe = load_benchmark("flow_chain")
     shapes = [(4096, 2048), (2048, 2048), (16384, 2048), (2048, 8192)]
     units = probe.unit_table(shapes, 132, 64, 128)
-    assert units.shape[1] == probe.UNIT_COLS
+    assert units.shape[1] == probe.UNIT_COLS.value == 6
     for p, (n, k) in enumerate(shapes):
         rows = units[units[:, 0] == p]
         splits = int(rows[0, 3])
