@@ -22,3 +22,20 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+@pytest.fixture
+def fixed_draws(monkeypatch):
+    """Makes a derandomized hypothesis run draw the same in every process.
+
+    Hypothesis mixes literals found in every local module imported so far into its draws, and
+    caches the mix process-wide, so one seed drew differently after other tests had run in the
+    same worker (a state machine's call mix moved by a third). Under this fixture it draws
+    from its own built-in constants only. The names patched are hypothesis internals: if they
+    move, ``monkeypatch`` raises here rather than letting the draws drift again.
+    """
+    from hypothesis.internal.conjecture import providers
+    from hypothesis.internal.constants_ast import Constants
+
+    monkeypatch.setattr(providers, "_get_local_constants", Constants)
+    monkeypatch.setattr(providers, "CONSTANTS_CACHE", type(providers.CONSTANTS_CACHE)(1024))

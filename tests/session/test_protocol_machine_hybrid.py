@@ -58,7 +58,7 @@ class Mamba2Machine(ProtocolMachine):
 
 @pytest.mark.parametrize("machine", [GdnMachine, StaticGdnMachine, Mamba2Machine],
                          ids=["gdn-eager", "gdn-static", "mamba2-eager"])
-def test_protocol_state_machine_on_a_hybrid(machine, one_thread):
+def test_protocol_state_machine_on_a_hybrid(machine, one_thread, fixed_draws):
     machine.stats.clear()
     _, verifier = machine.build()
     assert verifier.new_state(max_requests=1, max_context=8).linear is not None, \
