@@ -123,13 +123,14 @@ print(json.dumps(out))
 
 
 def test_every_zoo_config_is_the_same_under_any_string_hashing():
-    """Every zoo entry's tiny config, built in four processes whose string hashes differ
-    (``PYTHONHASHSEED`` 0 to 3: they iterate sets of field names in different orders), is
-    the same: a zoo row cannot change from one run to the next."""
+    """Every zoo entry's tiny config, built in two processes whose string hashes differ
+    (``PYTHONHASHSEED`` 0 and 1: they iterate sets of field names in different orders), is
+    the same: a zoo row cannot change from one run to the next. (Two processes of ~30 s each,
+    one per CI core; four doubled the suite's slowest test.)"""
     procs = [subprocess.Popen([sys.executable, "-c", _EVERY_CONFIG], text=True,
                               stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                               env={**os.environ, "PYTHONHASHSEED": seed})
-             for seed in ("0", "1", "2", "3")]
+             for seed in ("0", "1")]
     outs = []
     for proc in procs:
         stdout, stderr = proc.communicate(timeout=600)
