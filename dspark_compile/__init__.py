@@ -4,10 +4,10 @@ from .config import DSparkConfig
 from .layout import VerifyLayout
 from .passes import EnsureError, RefusedOp
 from .state import VerifierState
-from .verifier import (ConcurrentUseError, ProtocolError, StaleWeightsError, TokenIdError,
-                       Verifier, dspark_compile)
+from .verifier import (ConcurrentUseError, HookedModelError, ProtocolError, StaleWeightsError,
+                       TokenIdError, Verifier, dspark_compile)
 
 __all__ = ["dspark_compile", "DSparkConfig", "Verifier", "VerifyLayout", "VerifierState",
            "RefusedOp", "EnsureError", "ProtocolError", "TokenIdError", "StaleWeightsError",
-           "ConcurrentUseError"]
+           "HookedModelError", "ConcurrentUseError"]
 __version__ = "0.1.0"

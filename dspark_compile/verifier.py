@@ -8,9 +8,10 @@
 
 The protocol is checked on every call, before anything launches or moves: a refused call raises
 a ``ValueError`` (or a subclass: ``ProtocolError``, a call out of order; ``TokenIdError``, an id
-outside the vocabulary) or one of two ``RuntimeError`` subclasses (``StaleWeightsError``, the
-model's weights replaced or moved since the build; ``ConcurrentUseError``, a second thread on a
-captured state), and leaves the state as it was.
+outside the vocabulary) or a ``RuntimeError`` subclass (``StaleWeightsError``, the model's
+weights replaced or moved since the build; ``HookedModelError``, a forward hook registered on
+it since; ``ConcurrentUseError``, a second thread on a captured state), and leaves the state as
+it was.
 """
 
 from __future__ import annotations
@@ -32,8 +33,8 @@ from .passes import PassContext, PassResult, run_pipeline
 from .passes.concat_linear import stack_weights
 from .passes.lower import reference_only_ops
 from .passes.inductor import compile_rest
-from .session import (ConcurrentUseError, StaleWeightsError, Tier, TierGraphs, VerifySession,
-                      WeightBinding, tier_set)
+from .session import (ConcurrentUseError, HookedModelError, StaleWeightsError, Tier, TierGraphs,
+                      VerifySession, WeightBinding, refuse_hooks, tier_set)
 from .session.ids import DeviceIdGuard, TokenIdError, check_ids_host
 from .session.inputs import check_input_ids, check_mrope_inputs
 from .specs import RingSpec
@@ -41,6 +42,7 @@ from .state import LinearPools, ProtocolError, VerifierState
 from .state.checks import positive_size
 
 __all__ = ["Verifier", "dspark_compile", "ProtocolError", "TokenIdError", "StaleWeightsError",
+           "HookedModelError",
            "ConcurrentUseError"]
 
 
@@ -49,9 +51,10 @@ def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
     """Capture ``model``'s dense verify forward and rewrite it into a packed-ragged one.
 
     Raises ``RefusedOp`` (a ``RuntimeError``) naming the op and its source line if the model
-    mixes tokens in a way no pass can rewrite.
+    mixes tokens in a way no pass can rewrite, ``HookedModelError`` if it runs forward hooks.
     """
     config = (config or DSparkConfig()).with_overrides(**overrides)
+    refuse_hooks(model)
     adapter = adapter_for(model)
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     if param is None:

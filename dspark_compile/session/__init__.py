@@ -3,7 +3,7 @@
 from .graphs import TierGraphs, TierReport
 from .session import ConcurrentUseError, VerifySession
 from .tiers import Tier, tier_set
-from .weights import StaleWeightsError, WeightBinding
+from .weights import HookedModelError, StaleWeightsError, WeightBinding, refuse_hooks
 
 __all__ = ["VerifySession", "ConcurrentUseError", "TierGraphs", "TierReport", "Tier", "tier_set",
-           "WeightBinding", "StaleWeightsError"]
+           "WeightBinding", "StaleWeightsError", "HookedModelError", "refuse_hooks"]

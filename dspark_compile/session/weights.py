@@ -18,6 +18,18 @@ Three ways an engine can change weights under a built verifier, and what each ne
   the 16-layer 1.1B benchmark model).
 
 A refusal is ``StaleWeightsError`` naming the tensor; ``dspark_compile(model)`` again rebinds.
+
+Forward hooks change what a module computes without touching its weights. The verifier is the
+model's forward captured once: a hook present at the build would be traced in with whatever
+it closes over frozen (a steering vector scaled by a Python float, say), and one added later
+would be missed, so the verify would no longer be the model's forward. ``dspark_compile``
+refuses a model with forward hooks or pre-hooks (its own modules' or torch's global ones) with
+``HookedModelError`` naming each; on every call the binding reads torch's hook-handle counter
+(``RemovableHandle.next_id``, bumped by any hook registered anywhere) and, when it moved,
+walks the model once and refuses a hook found on it. One hook is known inert and passes:
+transformers' output recorder (``output_capturing_hook``), which a forward asked for hidden
+states or attentions installs on the layers for good and which only appends to a list while
+such a forward runs.
 Not seen: writes to a module's ``_parameters`` dict itself, which bypass ``__setattr__`` (as
 ``model.to()`` does only under ``torch.__future__.set_overwrite_module_params_on_conversion``).
 """
@@ -28,12 +40,62 @@ import weakref
 
 import torch
 from torch import nn
+from torch.nn.modules import module as nn_module
+from torch.utils.hooks import RemovableHandle
 
-__all__ = ["WeightBinding", "StaleWeightsError"]
+__all__ = ["WeightBinding", "StaleWeightsError", "HookedModelError", "forward_hooks",
+           "refuse_hooks"]
 
 
 class StaleWeightsError(RuntimeError):
     """The model's weights are no longer the tensors the verifier's graphs bind."""
+
+
+class HookedModelError(NotImplementedError):
+    """The model runs forward hooks, which a verifier captured from its forward cannot follow."""
+
+
+_INERT_HOOKS = {("transformers.utils.output_capturing", "output_capturing_hook")}
+"""(module, function name) of hooks that change no value (module docstring)."""
+
+
+def _inert(hook) -> bool:
+    return (getattr(hook, "__module__", None), getattr(hook, "__name__", None)) in _INERT_HOOKS
+
+
+def _hook_name(hook) -> str:
+    code = getattr(hook, "__code__", None)
+    name = getattr(hook, "__qualname__", None) or type(hook).__qualname__
+    return f"{name} ({code.co_filename}:{code.co_firstlineno})" if code is not None else name
+
+
+def forward_hooks(model: nn.Module) -> list[str]:
+    """Every forward hook and pre-hook a call of ``model`` would run, but the known inert ones,
+    one line each: where it is registered (a module path, or torch's global hooks) and the
+    hook's name and source line."""
+    found = [f"torch's global {kind} {_hook_name(h)}"
+             for kind, hooks in (("forward pre-hook", nn_module._global_forward_pre_hooks),
+                                 ("forward hook", nn_module._global_forward_hooks))
+             for h in hooks.values() if not _inert(h)]
+    for path, module in model.named_modules():
+        for kind, hooks in (("forward pre-hook", module._forward_pre_hooks),
+                            ("forward hook", module._forward_hooks)):
+            found += [f"{path or type(model).__name__}'s {kind} {_hook_name(h)}"
+                      for h in hooks.values() if not _inert(h)]
+    return found
+
+
+def refuse_hooks(model: nn.Module) -> None:
+    """Raise ``HookedModelError`` if calling ``model`` would run a forward hook (build time)."""
+    found = forward_hooks(model)
+    if found:
+        raise HookedModelError(
+            f"dspark_compile: {type(model).__name__} has {len(found)} forward hook(s): "
+            f"{'; '.join(found[:4])}{'; ...' if len(found) > 4 else ''}. The verifier is the "
+            "model's forward captured once, so a hook would be frozen as it computes now (with "
+            "any Python state it reads) and one changed or added later missed: the model is "
+            "refused rather than verified wrong. Remove the hooks before dspark_compile (a "
+            "fixed change can live in the module's own forward, with its tensors as buffers)")
 
 
 def _named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -65,9 +127,13 @@ class WeightBinding:
                          nn_module.register_module_buffer_registration_hook(hook),
                          nn_module.register_module_module_registration_hook(hook)]
         weakref.finalize(self, _remove, list(self._handles))
+        self._hook_mark = RemovableHandle.next_id  # after the registrations above
 
     def check(self) -> None:
-        """Raise ``StaleWeightsError`` if a bound tensor was replaced or its storage moved."""
+        """Raise ``StaleWeightsError`` if a bound tensor was replaced or its storage moved,
+        ``HookedModelError`` if the model gained a forward hook."""
+        if RemovableHandle.next_id != self._hook_mark:
+            self._check_hooks()
         if self._changes != self._seen:
             self._check_names()
         if list(map(torch.Tensor.data_ptr, self._tensors)) != self._ptrs:
@@ -99,6 +165,20 @@ class WeightBinding:
                     "param.copy_) or call dspark_compile(model) again")
         self._modules = {id(m) for m in self.model.modules()}
         self._seen = seen
+
+
+    def _check_hooks(self) -> None:
+        """One walk of the model, after a hook was registered somewhere in the process."""
+        mark = RemovableHandle.next_id
+        found = forward_hooks(self.model)
+        if found:
+            raise HookedModelError(
+                f"dspark_compile: {'; '.join(found[:4])}{'; ...' if len(found) > 4 else ''} "
+                "registered since this verifier was built; the verifier's graphs are the "
+                "model's forward without it, so a verify would differ from the model. Remove "
+                "the hook, or fold the change into the model and call dspark_compile(model) "
+                "again")
+        self._hook_mark = mark
 
 
 def _remove(handles) -> None:

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from dspark_compile.session import ConcurrentUseError, StaleWeightsError
+from dspark_compile.session import ConcurrentUseError, HookedModelError, StaleWeightsError
 from dspark_compile.session.ids import TokenIdError
 from dspark_compile.state import ProtocolError
 from helpers import full_logits, tiny_llama
@@ -84,6 +84,98 @@ def test_in_place_updates_and_unrelated_modules_are_served(llama):
     finally:
         with torch.no_grad():
             up.div_(2.0)
+
+
+# ---------------------------------------------------------------------------- forward hooks
+def _steer(vector):
+    def steer(module, args, out):
+        return (out[0] + vector,) + tuple(out[1:]) if isinstance(out, tuple) else out + vector
+    return steer
+
+
+@pytest.mark.parametrize("register, match", [
+    (lambda m: m.model.layers[0].register_forward_hook(_steer(torch.ones(64))),
+     r"model\.layers\.0's forward hook .*steer \(.*test_misuse\.py:\d+\)"),
+    (lambda m: m.model.norm.register_forward_pre_hook(lambda mod, args, kw: None,
+                                                      with_kwargs=True),
+     r"model\.norm's forward pre-hook .*<lambda>"),
+    (lambda m: m.register_forward_hook(lambda mod, args, out: out),
+     r"LlamaForCausalLM's forward hook"),
+    (lambda m: torch.nn.modules.module.register_module_forward_hook(lambda mod, a, out: out),
+     r"torch's global forward hook"),
+])
+def test_a_model_with_forward_hooks_is_refused_naming_each(register, match):
+    """A hook would be traced in as it computes at the build (its closure frozen) and a later
+    change to it missed: refused by name before anything is captured, compiled once removed."""
+    model = tiny_llama(seed=5, layers=1)
+    handle = register(model)
+    try:
+        with pytest.raises(HookedModelError, match=match):
+            dspark_compile(model)
+    finally:
+        handle.remove()
+    verifier = dspark_compile(model)
+    seq = tokens(3)
+    torch.testing.assert_close(
+        verifier(seq, VerifyLayout.pack([3], [0], [0]),
+                 verifier.new_state(max_requests=1, max_context=8)),
+        full_logits(model, seq), rtol=1e-4, atol=1e-4)
+
+
+def test_transformers_output_recorders_are_served():
+    """A forward asked for hidden states leaves transformers' output recorders on the layers for
+    good (they only append to a list during such a forward): compiled, and served after one
+    is added under a built verifier."""
+    model = tiny_llama(seed=6, layers=1)
+    seq = tokens(3)
+    verifier = dspark_compile(model)
+    state = verifier.new_state(max_requests=1, max_context=8)
+    layout = VerifyLayout.pack([3], [0], [0])
+    with torch.no_grad():
+        hidden = model(seq[None], output_hidden_states=True).hidden_states
+    assert len(hidden) == 2
+    assert any(m._forward_hooks for m in model.modules()), "no recorder installed"
+    torch.testing.assert_close(verifier(seq, layout, state), full_logits(model, seq),
+                               rtol=1e-4, atol=1e-4)
+    again = dspark_compile(model)
+    torch.testing.assert_close(again(seq, layout, again.new_state(max_requests=1, max_context=8)),
+                               full_logits(model, seq), rtol=1e-4, atol=1e-4)
+
+
+def test_a_hook_registered_after_the_build_is_refused_on_the_next_call(llama):
+    """A steering hook added to a built verifier's model changes the model's output but not the
+    captured graphs: the next call (and a session capture) refuses naming it, and nothing
+    registered elsewhere (another module's hook, a tensor hook) is mistaken for it. Verify calls
+    register no hooks themselves, so the per-call check stays one counter read."""
+    from torch.utils.hooks import RemovableHandle
+
+    model, verifier = llama
+    state = verifier.new_state(max_requests=2, max_context=16)
+    seq = tokens(4)
+    layout = VerifyLayout.pack([4], [0], [0])
+    mark = RemovableHandle.next_id
+    verifier(seq, layout, state)
+    verifier(seq, layout, state)
+    assert RemovableHandle.next_id == mark, "a verify call registered a hook"
+
+    other = torch.nn.Linear(3, 3)
+    elsewhere = [other.register_forward_hook(lambda m, a, o: o),
+                 torch.zeros(2, requires_grad=True).register_hook(lambda g: g)]
+    want = full_logits(model, seq)
+    torch.testing.assert_close(verifier(seq, layout, state), want, rtol=1e-4, atol=1e-4)
+    handle = model.model.layers[1].mlp.register_forward_hook(_steer(0.5))
+    try:
+        assert (full_logits(model, seq) - want).abs().max() > 1e-2  # the hook matters
+        with pytest.raises(HookedModelError, match=r"model\.layers\.1\.mlp's forward hook "
+                                                   r".*steer .*registered since"):
+            verifier(seq, layout, state)
+        with pytest.raises(HookedModelError, match="dspark_compile\\(model\\) again"):
+            verifier.capture(state, progress=False)
+    finally:
+        handle.remove()
+        for h in elsewhere:
+            h.remove()
+    torch.testing.assert_close(verifier(seq, layout, state), want, rtol=1e-4, atol=1e-4)
 
 
 # --------------------------------------------------------------------------------- threads
