@@ -31,6 +31,9 @@ transformers = pytest.importorskip("transformers")
 if not hasattr(transformers, "DeepseekV4ForCausalLM"):
     pytest.skip("this transformers has no DeepSeek-V4", allow_module_level=True)
 
+# one worker runs the module, so the cached compiles below are built once (not once per worker)
+pytestmark = pytest.mark.xdist_group("deepseek_v4")
+
 HCA, CSA, SWA = "heavily_compressed_attention", "compressed_sparse_attention", "sliding_attention"
 VOCAB = 96
 
