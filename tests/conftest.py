@@ -14,8 +14,29 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 
+HEAVY_FIRST = ("frontend/test_deepseek_v4.py", "zoo/test_zoo.py", "passes/test_fuse_linear.py",
+               "passes/test_concat_linear.py", "frontend/test_decoder_families.py",
+               "zoo/test_tiny.py", "session/test_protocol_machine_hybrid.py",
+               "frontend/test_mrope.py", "frontend/test_mamba_hybrids.py")
+"""Modules of a minute or more of CPU on the 2-core CI machine (``--durations=0``), sent to the
+workers first so that the run does not end on one of them while the other worker idles."""
+
+
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
 def pytest_collection_modifyitems(config, items):
-    """GPU tests skip cleanly without a GPU (and are deselected by default: -m 'not gpu')."""
+    """GPU tests skip cleanly without a GPU (and are deselected by default: -m 'not gpu').
+
+    Under ``--dist loadgroup`` every test without an ``xdist_group`` of its own joins its
+    module's group: a module runs in one worker, so its module fixtures and cached compiles
+    are built once a run, not once per worker. The heavy modules go first."""
+    if getattr(config.option, "loadgroup", False):  # xdist sets it for --dist loadgroup
+        for item in items:
+            if item.get_closest_marker("xdist_group") is None:
+                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
+        heavy = {name: i for i, name in enumerate(HEAVY_FIRST)}
+        rank = {id(item): heavy.get(item.nodeid.split("::")[0].removeprefix("tests/"),
+                                    len(heavy)) for item in items}
+        items.sort(key=lambda item: rank[id(item)])  # stable: collection order otherwise
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA or ROCm device")
