@@ -42,8 +42,7 @@ from .state import LinearPools, ProtocolError, VerifierState
 from .state.checks import positive_size
 
 __all__ = ["Verifier", "dspark_compile", "ProtocolError", "TokenIdError", "StaleWeightsError",
-           "HookedModelError",
-           "ConcurrentUseError"]
+           "HookedModelError", "ConcurrentUseError"]
 
 
 def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,

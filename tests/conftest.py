@@ -30,12 +30,13 @@ def pytest_collection_modifyitems(config, items):
     module's group: a module runs in one worker, so its module fixtures and cached compiles
     are built once a run, not once per worker. The heavy modules go first."""
     if getattr(config.option, "loadgroup", False):  # xdist sets it for --dist loadgroup
+        heavy = {f"tests/{name}": i for i, name in enumerate(HEAVY_FIRST)}
+        rank = {}
         for item in items:
+            module = item.nodeid.split("::")[0]
+            rank[id(item)] = heavy.get(module, len(heavy))
             if item.get_closest_marker("xdist_group") is None:
-                item.add_marker(pytest.mark.xdist_group(item.nodeid.split("::")[0]))
-        heavy = {name: i for i, name in enumerate(HEAVY_FIRST)}
-        rank = {id(item): heavy.get(item.nodeid.split("::")[0].removeprefix("tests/"),
-                                    len(heavy)) for item in items}
+                item.add_marker(pytest.mark.xdist_group(module))
         items.sort(key=lambda item: rank[id(item)])  # stable: collection order otherwise
     if torch.cuda.is_available():
         return

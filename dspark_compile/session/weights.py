@@ -19,6 +19,9 @@ Three ways an engine can change weights under a built verifier, and what each ne
 
 A refusal is ``StaleWeightsError`` naming the tensor; ``dspark_compile(model)`` again rebinds.
 
+Not seen: writes to a module's ``_parameters`` dict itself, which bypass ``__setattr__`` (as
+``model.to()`` does only under ``torch.__future__.set_overwrite_module_params_on_conversion``).
+
 Forward hooks change what a module computes without touching its weights. The verifier is the
 model's forward captured once: a hook present at the build would be traced in with whatever
 it closes over frozen (a steering vector scaled by a Python float, say), and one added later
@@ -30,8 +33,6 @@ walks the model once and refuses a hook found on it. One hook is known inert and
 transformers' output recorder (``output_capturing_hook``), which a forward asked for hidden
 states or attentions installs on the layers for good and which only appends to a list while
 such a forward runs.
-Not seen: writes to a module's ``_parameters`` dict itself, which bypass ``__setattr__`` (as
-``model.to()`` does only under ``torch.__future__.set_overwrite_module_params_on_conversion``).
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ class StaleWeightsError(RuntimeError):
     """The model's weights are no longer the tensors the verifier's graphs bind."""
 
 
-class HookedModelError(NotImplementedError):
+class HookedModelError(RuntimeError):
     """The model runs forward hooks, which a verifier captured from its forward cannot follow."""
 
 
@@ -85,13 +86,17 @@ def forward_hooks(model: nn.Module) -> list[str]:
     return found
 
 
+def _listed(found: list[str]) -> str:
+    return "; ".join(found[:4]) + ("; ..." if len(found) > 4 else "")
+
+
 def refuse_hooks(model: nn.Module) -> None:
     """Raise ``HookedModelError`` if calling ``model`` would run a forward hook (build time)."""
     found = forward_hooks(model)
     if found:
         raise HookedModelError(
             f"dspark_compile: {type(model).__name__} has {len(found)} forward hook(s): "
-            f"{'; '.join(found[:4])}{'; ...' if len(found) > 4 else ''}. The verifier is the "
+            f"{_listed(found)}. The verifier is the "
             "model's forward captured once, so a hook would be frozen as it computes now (with "
             "any Python state it reads) and one changed or added later missed: the model is "
             "refused rather than verified wrong. Remove the hooks before dspark_compile (a "
@@ -166,14 +171,13 @@ class WeightBinding:
         self._modules = {id(m) for m in self.model.modules()}
         self._seen = seen
 
-
     def _check_hooks(self) -> None:
         """One walk of the model, after a hook was registered somewhere in the process."""
         mark = RemovableHandle.next_id
         found = forward_hooks(self.model)
         if found:
             raise HookedModelError(
-                f"dspark_compile: {'; '.join(found[:4])}{'; ...' if len(found) > 4 else ''} "
+                f"dspark_compile: {_listed(found)} "
                 "registered since this verifier was built; the verifier's graphs are the "
                 "model's forward without it, so a verify would differ from the model. Remove "
                 "the hook, or fold the change into the model and call dspark_compile(model) "

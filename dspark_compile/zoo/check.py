@@ -192,17 +192,19 @@ def _frames(err: BaseException) -> tuple[str, str]:
 
 def classify(err: BaseException) -> tuple[str, str, str]:
     """``(status, reason, where)`` of an exception raised by ``dspark_compile``, ``new_state``,
-    a verify or a commit. ``refused``: a :class:`~dspark_compile.RefusedOp`, or a
+    a verify or a commit. ``refused``: a :class:`~dspark_compile.RefusedOp` or
+    :class:`~dspark_compile.HookedModelError`, or a
     NotImplementedError / TypeError / ValueError raised by the library's own code (not one that
     escaped from torch or transformers through it); everything else is ``error``."""
     from ..passes import RefusedOp
+    from ..session import HookedModelError
 
     inner, ours = _frames(err)
     where = inner if not ours or ours == inner else f"{inner} (via {ours})"
     message = _first_line(str(err)) or type(err).__name__
     own = bool(inner) and inner.startswith("dspark_compile/") and \
         not inner.startswith("dspark_compile/zoo/")
-    if isinstance(err, RefusedOp) or (isinstance(err, _REFUSALS) and own):
+    if isinstance(err, (RefusedOp, HookedModelError)) or (isinstance(err, _REFUSALS) and own):
         return "refused", message, where
     return "error", f"{type(err).__name__}: {message}", where
 

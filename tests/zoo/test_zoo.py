@@ -61,6 +61,18 @@ def test_refusal_is_the_library_raising_not_an_escaping_exception():
     assert status == "error" and reason.startswith("ValueError: invalid literal")
 
 
+def test_a_hooked_model_is_refused_not_an_error():
+    from dspark_compile import HookedModelError, dspark_compile
+    from helpers import tiny_llama
+
+    model = tiny_llama(layers=1)
+    model.model.norm.register_forward_hook(lambda mod, args, out: out * 2)
+    with pytest.raises(HookedModelError) as hooked:
+        dspark_compile(model)
+    status, reason, _ = classify(hooked.value)
+    assert status == "refused" and "model.norm's forward hook" in reason
+
+
 def test_runner_kills_a_check_past_its_time_limit():
     from dspark_compile.zoo.runner import run_checks
 
