@@ -20,9 +20,6 @@
 #   jit_parallel  jit_parallel.py                      (parallel Triton JIT row)
 #   attention     attention_kernel.py                  (the attention kernel alone)
 #   ssd_kernels   ssd_kernels.py --sweep               (Mamba-2 and GDN verify ops vs state floor)
-#   gdn_forms     ssd_kernels.py --kernels gdn --gdn-plans ... (the GDN forward's block form
-#                 against the row form and other tiles, same inputs)
-#   linear_tests  pytest -m gpu on the linear-attention ops and Kimi Linear
 #   persistent_spike  persistent_spike.py              (the bs-1 matmul chain: launches, one
 #                 persistent launch with grid barriers, a plain read of the same bytes)
 #   packed_weights  packed_weights.py --shapes 8448x2048*64 --configs ... (the 16-row matmul
@@ -87,10 +84,6 @@ job() {
     sanitizer) compute-sanitizer --tool memcheck --error-exitcode 1 python3 -m pytest -q -m gpu \
         tests/test_gpu.py -k bitwise -p no:cacheprovider ;;
     v1_8) python3 benchmarks/verify_step.py --quick --bs 1 8 ;;
-    gdn_forms) python3 benchmarks/ssd_kernels.py --kernels gdn --gdn-plans 32,1,32,0,16 \
-        16,1,16,0,16 128,1,16,8,16 128,2,16,8,16 128,1,16,8,32 64,1,16,8,16 32,1,16,8,16 ;;
-    linear_tests) python3 -m pytest -q -m gpu tests/ops/test_linear_ops.py \
-        tests/frontend/test_kimi_linear.py -p no:cacheprovider ;;
     v64_256) python3 benchmarks/verify_step.py --quick --bs 64 256 ;;
     hybrid_step) python3 benchmarks/hybrid_step.py ;;
     e2e) python3 benchmarks/e2e.py ;;

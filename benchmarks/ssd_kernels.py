@@ -13,12 +13,8 @@ copies of the inputs that the state comes from HBM, not the 50 MB L2 (``common.t
 ``--sweep`` also times every channel block (``BLOCK_P`` / ``BLOCK_V``) and warp count at each
 batch size, all 8 rows.
 
-``--gdn-plans BLOCK_V,WARPS,ROW_V,BLOCK_T,K_CHUNK ...`` times each GDN plan on the same inputs
-as the default one (``BLOCK_T`` 0: the row form alone, as before the block form), all batch
-sizes and both length mixes.
-
 Usage: ``python benchmarks/ssd_kernels.py [--sweep] [--smoke] [--bs 64 128] [--kernels gdn]
-[--sweep-warps 1 2 4 8] [--gdn-plans 32,1,32,0,16 128,1,16,8,16]``. Writes ``ssd_kernels.json`` to ``$OUT`` if set, else to
+[--sweep-warps 1 2 4 8]``. Writes ``ssd_kernels.json`` to ``$OUT`` if set, else to
 ``benchmarks/results/`` (after every row). The GDN inputs and their check are
 ``hybrid_kernels.py``'s. ``--smoke`` runs tiny shapes on the CPU under
 ``TRITON_INTERPRET=1`` (checks the script, times nothing real).
@@ -152,14 +148,6 @@ def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
                 commit=_rates(2 * floor, time_calls(commit, s, device), s))
 
 
-def gdn_plan(text: str, s: dict):
-    """``BLOCK_V,WARPS,ROW_V,BLOCK_T,K_CHUNK`` -> a ``GdnPlan`` at the settings' K and V."""
-    block_v, warps, row_v, block_t, k_chunk = (int(x) for x in text.split(","))
-    k_pad = 1 << (s["k_dim"] - 1).bit_length()
-    return triton_gdn.GdnPlan(k_pad, block_v, -(-s["v_dim"] // block_v), warps, row_v=row_v,
-                              block_t=block_t, k_chunk=k_chunk)
-
-
 def sweep(s: dict, device: str, kernels: tuple[str, ...], emit) -> None:
     """Every channel block and warp count of the kernels at each batch size, all 8 rows."""
     ns, kd = s["ssd_state"], s["k_dim"]
@@ -197,8 +185,6 @@ def main() -> None:
     ap.add_argument("--bs", type=int, nargs="+", help="batch sizes (default: 1 8 64 128)")
     ap.add_argument("--kernels", nargs="+", choices=("ssd", "gdn"), default=("ssd", "gdn"))
     ap.add_argument("--sweep-warps", type=int, nargs="+", help="warp counts of the sweep")
-    ap.add_argument("--gdn-plans", nargs="+", default=(),
-                    help="GDN plans timed beside the default: BLOCK_V,WARPS,ROW_V,BLOCK_T,K_CHUNK")
     opts = ap.parse_args()
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
     s = dict(s, **({"batch_sizes": opts.bs} if opts.bs else {}),
@@ -218,18 +204,12 @@ def main() -> None:
     print(f"{'kernel':>6} {'bs':>4} {'lens':>9} {'eager us':>9} {'graph us':>9} "
           f"{'floor us':>8} {'floor%':>6} {'commit us':>9} {'commit%':>7}", flush=True)
     cases = {"ssd": ssd_case, "gdn": gdn_case}
-    plans = [gdn_plan(text, s) for text in opts.gdn_plans]
     for bs in s["batch_sizes"]:
         for mix in (True, False):
             for name in opts.kernels:
                 report["results"].append(cases[name](bs, mix, s, device))
                 print(_row(report["results"][-1]), flush=True)
                 save()
-                for plan in plans if name == "gdn" else ():
-                    report["results"].append(gdn_case(bs, mix, s, device, plan))
-                    print(_row(report["results"][-1]), "plan", opts.gdn_plans[plans.index(plan)],
-                          flush=True)
-                    save()
     if opts.sweep:
         report["sweep"] = []
 

@@ -57,8 +57,6 @@ _NUM_WARPS = 1  # module docstring: the sweep's best at every tile
 _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on one warp of 32
 _MIN_BLOCK_V = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
-_MAX_BLOCK_V = 128  # channels of one block-form program
-_BLOCK_T = 8  # rows of the block form: a DSpark verify block
 
 
 @triton.jit
@@ -106,16 +104,15 @@ def _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok, st
 
 
 @triton.jit
-def _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, writer, k, v,
-               g, beta, offs_k, offs_v, k_ok, v_ok, HK: tl.constexpr, HV: tl.constexpr,
+def _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k, v, g,
+               beta, offs_k, offs_v, k_ok, v_ok, HK: tl.constexpr, HV: tl.constexpr,
                KD: tl.constexpr, VD: tl.constexpr, CHANNEL_GATES: tl.constexpr):
-    """Row ``n``'s replay inputs: one writer per key head (its first value head, channel block
-    0) for the normalized key, per value head (block 0: ``writer``) for g and beta, per block
-    for v."""
-    if (head % (HV // HK) == 0) & writer:
+    """Row ``n``'s replay inputs: one writer per key head (its first value head, block 0) for
+    the normalized key, per value head (block 0) for g and beta, per block for v."""
+    if (head % (HV // HK) == 0) & (vb == 0):
         tl.store(ring_k_ptr + (n * HK + k_head) * KD + offs_k, k, mask=k_ok)
     tl.store(ring_v_ptr + (n * HV + head) * VD + offs_v, v, mask=v_ok)
-    if writer:
+    if vb == 0:
         if CHANNEL_GATES:
             tl.store(ring_g_ptr + (n * HV + head) * KD + offs_k, g, mask=k_ok)
         else:
@@ -146,20 +143,35 @@ def _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, head, k_head, offs_k, off
 
 
 @triton.jit
-def _gdn_walk(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ring_k_ptr, ring_v_ptr,
-              ring_g_ptr, ring_beta_ptr, start, length, slot, num_slots, head, k_head, writer,
-              offs_v, scale, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-              stride_v_tok, stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
-              stride_out_tok, stride_out_head, stride_s_slot, stride_s_head, stride_s_k,
-              HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
-              K_PAD: tl.constexpr, L2NORM: tl.constexpr, CHANNEL_GATES: tl.constexpr):
-    """The row form: one channel slice ``offs_v`` of the state in registers, the request's rows
-    in order; ``writer`` (0 / 1) is the channel block that saves g, beta and the key."""
+def _gdn_forward_kernel(
+        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
+        slots_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_tokens,
+        num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+        stride_v_tok, stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
+        stride_out_tok, stride_out_head, stride_s_slot, stride_s_head, stride_s_k,
+        HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
+        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
+        PAD_ROWS: tl.constexpr, CHANNEL_GATES: tl.constexpr):
+    """One (request, value head, value-channel block): the request's rows, in order."""
+    req = tl.program_id(0)
+    head = tl.program_id(1) // NUM_VB
+    vb = tl.program_id(1) % NUM_VB
     offs_k = tl.arange(0, K_PAD)
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = offs_k < KD
     v_ok = offs_v < VD
+    start = tl.load(query_start_loc_ptr + req)
+    if req == num_requests:
+        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, v_ok, stride_out_tok,
+                           stride_out_head, BLOCK_V, PAD_ROWS)
+        return
+    length = tl.load(query_start_loc_ptr + req + 1) - start
+    if length <= 0:
+        return
+    slot = tl.load(slots_ptr + req).to(tl.int64)
     _, state = _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok,
                            stride_s_slot, stride_s_head, stride_s_k)
+    k_head = head // (HV // HK)
     last = start + length - 1
     q, k, v, g, beta = _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, start.to(tl.int64), head,
                                  k_head, offs_k, offs_v, k_ok, v_ok, stride_q_tok,
@@ -182,209 +194,9 @@ def _gdn_walk(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ring_k_p
         out = tl.sum(state * (q * scale)[:, None], 0)  # [BLOCK_V]
         tl.store(out_ptr + n * stride_out_tok + head * stride_out_head + offs_v,
                  out.to(out_ptr.dtype.element_ty), mask=v_ok)
-        _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, writer,
-                   k, v, g, beta, offs_k, offs_v, k_ok, v_ok, HK, HV, KD, VD, CHANNEL_GATES)
+        _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k,
+                   v, g, beta, offs_k, offs_v, k_ok, v_ok, HK, HV, KD, VD, CHANNEL_GATES)
         q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
-
-
-@triton.jit
-def _row_select(m, t, offs):
-    """Row ``t`` of a ``[T, X]`` tile, as a ``[X]`` vector (a select: no NaN crosses rows)."""
-    return tl.sum(tl.where((offs == t)[:, None], m, 0.0), 0)
-
-
-@triton.jit
-def _rows_of(m, offs_r, offs_t, first):
-    """Rows ``first .. first + T - 1`` of a ``[2T, X]`` tile, as ``[T, X]`` (selects)."""
-    sel = offs_r[None, :, None] == (offs_t + first)[:, None, None]
-    return tl.sum(tl.where(sel, m[None, :, :], 0.0), 1)
-
-
-@triton.jit
-def _cols_of(m, offs_r, offs_t, first):
-    """Columns ``first .. first + T - 1`` of a ``[T, 2T]`` tile, as ``[T, T]`` (selects)."""
-    sel = offs_r[None, None, :] == (offs_t + first)[None, :, None]
-    return tl.sum(tl.where(sel, m[:, None, :], 0.0), 2)
-
-
-@triton.jit
-def _spread(m, offs_r, offs_t):
-    """A ``[T, T]`` tile as the first ``T`` columns of a ``[T, 2T]`` one (the rest zeros)."""
-    sel = offs_r[None, :, None] == offs_t[None, None, :]
-    return tl.sum(tl.where(sel, m[:, None, :], 0.0), 2)
-
-
-@triton.jit
-def _gdn_block(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ring_k_ptr, ring_v_ptr,
-               ring_g_ptr, ring_beta_ptr, start, length, slot, num_slots, head, k_head, vb,
-               scale, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
-               stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok, stride_out_tok,
-               stride_out_head, stride_s_slot, stride_s_head, stride_s_k,
-               HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
-               K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, T: tl.constexpr,
-               KC: tl.constexpr, PROBE: tl.constexpr = 0):
-    """The block form (module docstring): a request of at most ``T`` rows from the state
-    before it, which is read once and never updated; l2-normalized keys, scalar gates."""
-    f32: tl.constexpr = tl.float32
-    offs_t = tl.arange(0, T)
-    offs_c = tl.arange(0, KC)
-    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    v_ok = offs_v < VD
-    rows = start.to(tl.int64) + offs_t
-    in_req = offs_t < length
-    # the keys and queries stacked: row r < T is key t = r, row r >= T query t = r - T (every
-    # product below has K >= 16, as triton 3.6 asks of float32 dots)
-    offs_r = tl.arange(0, 2 * T)
-    r_t = offs_r % T
-    r_rows = start.to(tl.int64) + r_t
-    x_rows = tl.where(offs_r < T, k_ptr + r_rows * stride_k_tok + k_head * stride_k_head,
-                      q_ptr + r_rows * stride_q_tok + k_head * stride_q_head)
-    # Gram products of the raw rows: gram[i, j] = x_i . x_j
-    if PROBE == 4:
-        gram = tl.zeros([2 * T, 2 * T], f32)
-        for k0 in range(0, K_PAD, KC):
-            kk = k0 + offs_c
-            x_g = tl.load(x_rows[:, None] + kk[None, :],
-                          mask=(r_t < length)[:, None] & (kk < KD)[None, :], other=0.0).to(f32)
-            gram = tl.dot(x_g, tl.trans(x_g), gram, input_precision="ieee")
-    else:
-        offs_k = tl.arange(0, K_PAD)
-        in_r = r_t < length
-        k_in = offs_k < KD
-        x_all = tl.load(x_rows[:, None] + offs_k[None, :], mask=in_r[:, None] & k_in[None, :],
-                        other=0.0).to(f32)
-        x_all_t = tl.load(x_rows[None, :] + offs_k[:, None], mask=k_in[:, None] & in_r[None, :],
-                          other=0.0).to(f32)
-        gram = tl.dot(x_all, x_all_t, input_precision="ieee")
-    tt = offs_t[:, None]
-    ss = offs_t[None, :]
-    gk_rows = _rows_of(gram, offs_r, offs_t, 0)  # [T, 2T]: key rows
-    gq_rows = _rows_of(gram, offs_r, offs_t, T)  # [T, 2T]: query rows
-    gkk = _cols_of(gk_rows, offs_r, offs_t, 0)  # [T, T]: k_t . k_s
-    gqk = _cols_of(gq_rows, offs_r, offs_t, 0)  # [T, T]: q_t . k_s
-    nk = tl.sum(tl.where(tt == ss, gkk, 0.0), 1)
-    nq = tl.sum(tl.where(tt == ss, _cols_of(gq_rows, offs_r, offs_t, T), 0.0), 1)
-    g = tl.load(g_ptr + rows * stride_g_tok + head, mask=in_req, other=0.0).to(f32)
-    beta = tl.load(beta_ptr + rows * stride_beta_tok + head, mask=in_req, other=0.0).to(f32)
-    # rows from the request's first unusable one on (NaN / Inf in k, q or beta, NaN or +Inf
-    # in g) are dropped: every later product then sees finite zeros, never 0 * NaN
-    fine = in_req & (nk == nk) & (nk < float("inf")) & (nq == nq) & (nq < float("inf")) \
-        & (g == g) & (g < float("inf")) & (beta == beta) & (tl.abs(beta) < float("inf"))
-    ok = tl.sum(tl.where((ss <= tt) & (fine[None, :] == 0), 1, 0), 1) == 0
-    ok_r = tl.sum(tl.where((r_t[:, None] == ss) & ok[None, :], 1, 0), 1) > 0  # [2T]
-    rk = tl.where(ok, tl.rsqrt(nk + 1e-6), 0.0)
-    rq = tl.where(ok, tl.rsqrt(nq + 1e-6) * scale, 0.0)
-    pair = ok[:, None] & ok[None, :]
-    akk = tl.where(pair, gkk * (rk[:, None] * rk[None, :]), 0.0)
-    aqk = tl.where(pair, gqk * (rq[:, None] * rk[None, :]), 0.0)
-    g = tl.where(ok, g, 0.0)
-    beta = tl.where(ok, beta, 0.0)
-    # decays as sums of log gates over windows (s, t] (never a difference: -inf gives 0)
-    ii = offs_t[None, None, :]
-    win = tl.sum(tl.where((ii > ss[:, :, None]) & (ii <= tt[:, :, None]), g[None, None, :], 0.0), 2)
-    dec = tl.exp(win)
-    decay = tl.exp(tl.sum(tl.where(ss <= tt, g[None, :], 0.0), 1))  # [T]: exp(g_1 + .. + g_t)
-    mk = tl.where(ss < tt, dec * akk, 0.0)
-    mq = tl.where(ss <= tt, dec * aqk, 0.0)
-    # delta = (I + diag(beta) mk)^-1 diag(beta) (v - decay * S0^T k): the unit lower
-    # triangular inverse by forward substitution, row by row
-    lower = beta[:, None] * mk
-    inv = tl.zeros([T, T], f32)
-    for t in tl.static_range(T if (PROBE == 0) or (PROBE == 4) else 0):
-        l_t = _row_select(lower, t, offs_t)  # [T] over u
-        row = tl.where(offs_t == t, 1.0, 0.0) - tl.sum(l_t[:, None] * inv, 0)
-        inv = tl.where(tt == t, row[None, :], inv)
-    # out = diag(decay * rq) Q S0 - C diag(decay * rk) K S0 + C v, C = mq inv diag(beta);
-    # as [T, 2T] weights of the stacked rows: w = [-C diag(decay * rk) | diag(decay * rq)]
-    c = tl.sum(mq[:, :, None] * inv[None, :, :], 1) * beta[None, :]
-    w = _spread(-c * (decay * rk)[None, :], offs_r, offs_t) \
-        + tl.where(offs_r[None, :] == tt + T, (decay * rq)[:, None], 0.0)
-    v = tl.load(v_ptr + r_rows[:, None] * stride_v_tok + head * stride_v_head + offs_v[None, :],
-                mask=((offs_r < T) & (r_t < length))[:, None] & v_ok[None, :], other=0.0)
-    vz = tl.where((ok_r & (offs_r < T))[:, None] & (v == v) & (tl.abs(v) < float("inf")), v, 0.0)
-    acc = tl.dot(_spread(c, offs_r, offs_t), vz.to(f32), input_precision="ieee")
-    slot_c = offs_c.to(tl.int64) * 0 + slot
-    s_ok = (slot_c >= 0) & (slot_c < num_slots)
-    s_base = state_ptr + slot * stride_s_slot + head * stride_s_head
-    for k0 in range(0, K_PAD, KC):
-        kk = k0 + offs_c
-        kc_ok = kk < KD
-        x = tl.load(x_rows[:, None] + kk[None, :], mask=ok_r[:, None] & kc_ok[None, :],
-                    other=0.0).to(f32)
-        s_t = tl.load(s_base + kk[:, None] * stride_s_k + offs_v[None, :],
-                      mask=(s_ok & kc_ok)[:, None] & v_ok[None, :], other=0.0)
-        if PROBE == 3:
-            acc = tl.dot(_rows_of(x, offs_r, offs_t, 0), s_t, acc, input_precision="ieee")
-        else:
-            acc = tl.dot(tl.dot(w, x, input_precision="ieee"), s_t, acc, input_precision="ieee")
-    tl.store(out_ptr + rows[:, None] * stride_out_tok + head * stride_out_head + offs_v[None, :],
-             acc.to(out_ptr.dtype.element_ty), mask=in_req[:, None] & v_ok[None, :])
-    # the replay rings: v by every channel block, g and beta by block 0, the normalized key
-    # (the row form's own l2norm, so the commit replays the same bits) by one program a key head
-    tl.store(ring_v_ptr + (r_rows[:, None] * HV + head) * VD + offs_v[None, :], v,
-             mask=((offs_r < T) & (r_t < length))[:, None] & v_ok[None, :])
-    if vb == 0:
-        tl.store(ring_g_ptr + rows * HV + head,
-                 tl.load(g_ptr + rows * stride_g_tok + head, mask=in_req, other=0.0), mask=in_req)
-        tl.store(ring_beta_ptr + rows * HV + head,
-                 tl.load(beta_ptr + rows * stride_beta_tok + head, mask=in_req, other=0.0),
-                 mask=in_req)
-        if head % (HV // HK) == 0:
-            offs_k = tl.arange(0, K_PAD)
-            k_ok = offs_k < KD
-            for j in range(length):
-                n = start.to(tl.int64) + j
-                kr = tl.load(k_ptr + n * stride_k_tok + k_head * stride_k_head + offs_k,
-                             mask=k_ok, other=0.0).to(f32)
-                tl.store(ring_k_ptr + (n * HK + k_head) * KD + offs_k, _l2norm(kr), mask=k_ok)
-
-
-@triton.jit
-def _gdn_forward_kernel(
-        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
-        slots_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_tokens,
-        num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-        stride_v_tok, stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
-        stride_out_tok, stride_out_head, stride_s_slot, stride_s_head, stride_s_k,
-        HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
-        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, ROW_V: tl.constexpr,
-        BLOCK_T: tl.constexpr, KC: tl.constexpr, L2NORM: tl.constexpr, PAD_ROWS: tl.constexpr,
-        CHANNEL_GATES: tl.constexpr, PROBE: tl.constexpr):
-    """One (request, value head, value-channel block): the block form for a request of at
-    most ``BLOCK_T`` rows (0: never), else the row form over slices of ``ROW_V`` channels."""
-    req = tl.program_id(0)
-    head = tl.program_id(1) // NUM_VB
-    vb = tl.program_id(1) % NUM_VB
-    start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, vb * BLOCK_V + tl.arange(0, BLOCK_V),
-                           vb * BLOCK_V + tl.arange(0, BLOCK_V) < VD, stride_out_tok,
-                           stride_out_head, BLOCK_V, PAD_ROWS)
-        return
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if length <= 0:
-        return
-    slot = tl.load(slots_ptr + req).to(tl.int64)
-    k_head = head // (HV // HK)
-    if BLOCK_T > 0:
-        if length <= BLOCK_T:
-            _gdn_block(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ring_k_ptr,
-                       ring_v_ptr, ring_g_ptr, ring_beta_ptr, start, length, slot, num_slots,
-                       head, k_head, vb, scale, stride_q_tok, stride_q_head, stride_k_tok,
-                       stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_g_head,
-                       stride_beta_tok, stride_out_tok, stride_out_head, stride_s_slot,
-                       stride_s_head, stride_s_k, HK, HV, KD, VD, K_PAD, BLOCK_V, BLOCK_T, KC,
-                       PROBE)
-            return
-    for sb in tl.static_range(BLOCK_V // ROW_V):
-        _gdn_walk(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ring_k_ptr,
-                  ring_v_ptr, ring_g_ptr, ring_beta_ptr, start, length, slot, num_slots, head,
-                  k_head, vb * BLOCK_V + sb * ROW_V == 0,
-                  vb * BLOCK_V + sb * ROW_V + tl.arange(0, ROW_V), scale, stride_q_tok,
-                  stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head,
-                  stride_g_tok, stride_g_head, stride_beta_tok, stride_out_tok, stride_out_head,
-                  stride_s_slot, stride_s_head, stride_s_k, HK, HV, KD, VD, K_PAD, L2NORM,
-                  CHANNEL_GATES)
 
 
 @triton.jit
@@ -453,33 +265,22 @@ class GdnPlan:
     """Value-channel blocks per head: ``cdiv(V, block_v)``."""
     num_warps: int = _NUM_WARPS
     """Warps per program (``benchmarks/ssd_kernels.py --sweep`` times 1 to 8)."""
-    row_v: int = 0
-    """Channels the row form holds in registers at a time (0: ``block_v``); ``block_v`` is a
-    multiple of it."""
-    block_t: int = 0
-    """Rows of the block form: requests of at most this many rows take it (0: the row form
-    only). Only the forward with l2-normalized keys and scalar gates has it."""
-    k_chunk: int = 16
-    """K rows of the state (and key columns) per step of the block form's loops."""
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_gdn(num_requests: int, num_v_heads: int, k_dim: int, v_dim: int,
              sm_count: int) -> GdnPlan:
-    """Channels a program: the whole head (up to 128) for the block form, halved (down to 16)
-    while ``R * Hv * V / block_v`` programs are fewer than two per multiprocessor; the row form
-    walks them ``_MAX_TILE / K_PAD`` channels at a time (32 at K = 128, so the state slice
-    stays in registers). At 32 value heads, V = 128 on an H200 (132 SMs): bs 1 runs 256
-    programs of 16 channels, bs 8 512 of 64, bs >= 64 one program a (request, head)."""
+    """``BLOCK_V`` from host ints: at most ``_MAX_TILE / K_PAD`` channels (32 at K = 128, so
+    the state slice stays in registers), halved (down to 16) while ``R * Hv * V / BLOCK_V``
+    programs are fewer than two per multiprocessor. At 32 value heads, V = 128 on an H200 (132
+    SMs): bs 1 runs 256 programs of 16 channels, bs >= 8 programs of 32."""
     k_pad = triton.next_power_of_2(max(k_dim, 1))
     v_pad = triton.next_power_of_2(max(v_dim, 1))
-    row_v = min(v_pad, max(_MIN_BLOCK_V, _MAX_TILE // k_pad))
-    block_v = min(v_pad, _MAX_BLOCK_V)
+    block_v = min(v_pad, max(_MIN_BLOCK_V, _MAX_TILE // k_pad))
     while block_v > _MIN_BLOCK_V and \
             max(num_requests, 1) * num_v_heads * triton.cdiv(v_dim, block_v) < 2 * sm_count:
         block_v //= 2
-    return GdnPlan(k_pad, block_v, triton.cdiv(v_dim, block_v), row_v=min(row_v, block_v),
-                   block_t=_BLOCK_T)
+    return GdnPlan(k_pad, block_v, triton.cdiv(v_dim, block_v))
 
 
 def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, slots, ring_k,
@@ -506,11 +307,8 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
         float(scale), n, r, st.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
         v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), out.stride(0),
         out.stride(1), st.stride(0), st.stride(1), st.stride(2), HK=hk, HV=hv, KD=kd, VD=vd,
-        K_PAD=plan.k_pad, BLOCK_V=plan.block_v, NUM_VB=plan.num_vb,
-        ROW_V=plan.row_v or plan.block_v,
-        BLOCK_T=plan.block_t if use_qk_l2norm and g.dim() == 2 else 0, KC=plan.k_chunk,
-        L2NORM=use_qk_l2norm, PAD_ROWS=_PAD_ROWS, CHANNEL_GATES=g.dim() == 3,
-        PROBE=int(__import__("os").environ.get("GDN_PROBE", "0")), num_warps=plan.num_warps)
+        K_PAD=plan.k_pad, BLOCK_V=plan.block_v, NUM_VB=plan.num_vb, L2NORM=use_qk_l2norm,
+        PAD_ROWS=_PAD_ROWS, CHANNEL_GATES=g.dim() == 3, num_warps=plan.num_warps)
     return out
 
 
@@ -527,10 +325,8 @@ def gated_delta_rule_commit_triton(recurrent_state, ring_k, ring_v, ring_g, ring
     if r == 0 or vd == 0:
         return
     plan = plan or plan_gdn(r, hv, kd, vd, device_sm_count(st.device))
-    block_v = plan.row_v or plan.block_v  # the commit holds its slice in registers
-    num_vb = triton.cdiv(vd, block_v)
-    launch(_gdn_commit_kernel, (r, hv * num_vb),
+    launch(_gdn_commit_kernel, (r, hv * plan.num_vb),
         st, ring_k, ring_v, ring_g, ring_beta, query_start_loc, slots, accept_lens,
         st.shape[0], st.stride(0), st.stride(1), st.stride(2), HK=ring_k.shape[1], HV=hv,
-        KD=kd, VD=vd, K_PAD=plan.k_pad, BLOCK_V=block_v, NUM_VB=num_vb,
+        KD=kd, VD=vd, K_PAD=plan.k_pad, BLOCK_V=plan.block_v, NUM_VB=plan.num_vb,
         CHANNEL_GATES=ring_g.dim() == 3, num_warps=plan.num_warps)
