@@ -6,7 +6,8 @@ timed beside the library's row form on the same inputs (graph replays and back-t
 launches, us): A alone, B alone, A then B, and variants: ``gram16`` (A takes the stacked
 [16, 16] Gram and cuts its blocks out by selects), ``inv_product`` (the unit-triangular inverse
 as ``(I - N)(I + N^2)(I + N^4)`` instead of forward substitution), channel blocks, warps and K
-chunks. No rings are written (a spike); rows from a request's first non-finite one on are
+chunks, ``one_shot`` (A loads the rows whole, once: its Gram products and ``W X`` each one
+product over all of K, no loop). No rings are written (a spike); rows from a request's first non-finite one on are
 dropped before any product, as in the reverted block form.
 
 Usage: ``python benchmarks/gdn_split_spike.py [BS ...]`` (an H200; default bs 8 64 128); writes ``gdn_split_spike.json`` to
@@ -66,7 +67,7 @@ def _mix_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, scale,
                 stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_g_tok,
                 stride_beta_tok, HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr,
                 K_PAD: tl.constexpr, T: tl.constexpr, KC: tl.constexpr,
-                GRAM16: tl.constexpr, INV_PRODUCT: tl.constexpr):
+                GRAM16: tl.constexpr, INV_PRODUCT: tl.constexpr, ONE_SHOT: tl.constexpr):
     req = tl.program_id(0)
     head = tl.program_id(1)
     f32: tl.constexpr = tl.float32
@@ -99,6 +100,16 @@ def _mix_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, scale,
         gkk = _cols_of(gk_rows, offs_r, offs_t, 0)  # [T, T]: k_t . k_s
         gqk = _cols_of(gq_rows, offs_r, offs_t, 0)  # [T, T]: q_t . k_s
         nq = tl.sum(tl.where(tt == ss, _cols_of(gq_rows, offs_r, offs_t, T), 0.0), 1)
+    elif ONE_SHOT:  # the rows loaded once, whole: two [T, T] products over all of K
+        offs_k = tl.arange(0, K_PAD)
+        m = in_req[:, None] & (offs_k < KD)[None, :]
+        xk_all = tl.load(k_ptr + rows[:, None] * stride_k_tok + k_head * stride_k_head
+                         + offs_k[None, :], mask=m, other=0.0).to(f32)
+        xq_all = tl.load(q_ptr + rows[:, None] * stride_q_tok + k_head * stride_q_head
+                         + offs_k[None, :], mask=m, other=0.0).to(f32)
+        gkk = tl.dot(xk_all, tl.trans(xk_all), input_precision="ieee")
+        gqk = tl.dot(xq_all, tl.trans(xk_all), input_precision="ieee")
+        nq = tl.sum(xq_all * xq_all, 1)
     else:  # two [T, T] products and the queries' norms, no selects
         gkk = tl.zeros([T, T], f32)
         gqk = tl.zeros([T, T], f32)
@@ -155,13 +166,20 @@ def _mix_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, scale,
     w = _spread(-c * (decay * rk)[None, :], offs_r, offs_t) \
         + tl.where(offs_r[None, :] == tt + T, (decay * rq)[:, None], 0.0)
     unit = (req * HV + head).to(tl.int64)
-    for k0 in range(0, K_PAD, KC):
-        kk = k0 + offs_c
-        kc_ok = kk < KD
-        x = tl.load(x_rows[:, None] + kk[None, :], mask=ok_r[:, None] & kc_ok[None, :],
-                    other=0.0).to(f32)
-        tl.store(xs_ptr + (unit * T + offs_t[:, None]) * K_PAD + kk[None, :],
-                 tl.dot(w, x, input_precision="ieee"))
+    if ONE_SHOT:  # the stacked rows from the loaded ones: [k rows; q rows], dropped rows 0
+        stacked = tl.reshape(tl.permute(tl.join(tl.where(ok[:, None], xk_all, 0.0),
+                                                tl.where(ok[:, None], xq_all, 0.0)),
+                                        (2, 0, 1)), (2 * T, K_PAD))
+        tl.store(xs_ptr + (unit * T + offs_t[:, None]) * K_PAD + offs_k[None, :],
+                 tl.dot(w, stacked, input_precision="ieee"))
+    else:
+        for k0 in range(0, K_PAD, KC):
+            kk = k0 + offs_c
+            kc_ok = kk < KD
+            x = tl.load(x_rows[:, None] + kk[None, :], mask=ok_r[:, None] & kc_ok[None, :],
+                        other=0.0).to(f32)
+            tl.store(xs_ptr + (unit * T + offs_t[:, None]) * K_PAD + kk[None, :],
+                     tl.dot(w, x, input_precision="ieee"))
     tl.store(cs_ptr + (unit * T + offs_t[:, None]) * (2 * T) + offs_r[None, :],
              _spread(c, offs_r, offs_t))
 
@@ -208,7 +226,7 @@ def _stream_kernel(out_ptr, v_ptr, state_ptr, qsl_ptr, slots_ptr, xs_ptr, cs_ptr
 
 
 def split_forward(c, s, block_v=128, warps_a=1, warps_b=1, kc=16, parts="ab", gram16=False,
-                  inv_product=False):
+                  inv_product=False, one_shot=False):
     q, k, v, g, beta, st, qsl = c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["qsl"]
     r, (n, hk, kd), (hv, vd) = qsl.shape[0] - 1, k.shape, v.shape[1:]
     k_pad = triton.next_power_of_2(kd)
@@ -221,6 +239,7 @@ def split_forward(c, s, block_v=128, warps_a=1, warps_b=1, kc=16, parts="ab", gr
         _mix_kernel[(r, hv)](q, k, g, beta, qsl, xs, cs, s["k_dim"] ** -0.5, q.stride(0),
                              q.stride(1), k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
                              HK=hk, HV=hv, KD=kd, K_PAD=k_pad, T=8, KC=kc, GRAM16=gram16, INV_PRODUCT=inv_product,
+                             ONE_SHOT=one_shot,
                              num_warps=warps_a)
     if "b" in parts:
         nvb = triton.cdiv(vd, block_v)
@@ -253,8 +272,14 @@ def main():
             cases.append(("split gram16", dict(gram16=True), "ab"))
             cases.append(("split inv product", dict(inv_product=True), "ab"))
             cases.append(("split inv product bv64", dict(inv_product=True, block_v=64), "ab"))
+            cases.append(("split one shot", dict(one_shot=True), "ab"))
+            cases.append(("split one shot 2 warps", dict(one_shot=True, warps_a=2), "ab"))
+            cases.append(("split one shot 4 warps", dict(one_shot=True, warps_a=4), "ab"))
             cases += [("A alone", dict(), "a"), ("A alone gram16", dict(gram16=True), "a"),
                       ("A alone inv product", dict(inv_product=True), "a"),
+                      ("A alone one shot", dict(one_shot=True), "a"),
+                      ("A alone one shot 2 warps", dict(one_shot=True, warps_a=2), "a"),
+                      ("A alone one shot 4 warps", dict(one_shot=True, warps_a=4), "a"),
                       ("A alone 2 warps", dict(warps_a=2), "a"),
                       ("A alone kc32", dict(kc=32), "a"), ("B alone", dict(), "b"),
                       ("B alone bv64", dict(block_v=64), "b")]

@@ -8,7 +8,8 @@ import torch
 from helpers import load_benchmark
 
 NAN, INF = float("nan"), float("inf")
-VARIANTS = [dict(), dict(gram16=True), dict(inv_product=True), dict(block_v=16, kc=32)]
+VARIANTS = [dict(), dict(gram16=True), dict(inv_product=True), dict(block_v=16, kc=32),
+            dict(one_shot=True)]
 
 
 def _case(lens, seed=1):
@@ -34,7 +35,8 @@ def test_split_matches_reference(kw, lens):
 
 
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
-def test_rejected_rows_never_reach_accepted_rows():
+@pytest.mark.parametrize("kw", VARIANTS, ids=lambda kw: ",".join(kw) or "default")
+def test_rejected_rows_never_reach_accepted_rows(kw):
     spike = load_benchmark("gdn_split_spike")
     lens, accepted = [6, 3, 8], [2, 3, 5]
     s, c, _ = _case(lens, seed=4)
@@ -45,8 +47,8 @@ def test_rejected_rows_never_reach_accepted_rows():
             for name, value in zip(("q", "k", "v", "g", "beta"), (NAN, INF, -INF, NAN, INF)):
                 dirty[name][start + j] = value
         start += n
-    clean_out = spike.split_forward(c, s).clone()
-    dirty_out = spike.split_forward(dirty, s)
+    clean_out = spike.split_forward(c, s, **kw).clone()
+    dirty_out = spike.split_forward(dirty, s, **kw)
     start = 0
     for n, a in zip(lens, accepted):
         assert torch.equal(dirty_out[start:start + a], clean_out[start:start + a])
