@@ -7,8 +7,11 @@ launches, us): A alone, B alone, A then B, and variants: ``gram16`` (A takes the
 [16, 16] Gram and cuts its blocks out by selects), ``inv_product`` (the unit-triangular inverse
 as ``(I - N)(I + N^2)(I + N^4)`` instead of forward substitution), channel blocks, warps and K
 chunks, ``one_shot`` (A loads the rows whole, once: its Gram products and ``W X`` each one
-product over all of K, no loop). No rings are written (a spike); rows from a request's first non-finite one on are
+product over all of K, no loop), ``pair`` (A a program for the two value heads of a key head: their Gram products
+once, their two chains of 8 x 8 algebra side by side). No rings are written (a spike); rows from a request's first non-finite one on are
 dropped before any product, as in the reverted block form.
+
+``SPIKE_CASES="rows;split pair"`` times only the named cases.
 
 Usage: ``python benchmarks/gdn_split_spike.py [BS ...]`` (an H200; default bs 8 64 128); writes ``gdn_split_spike.json`` to
 ``$OUT`` or ``benchmarks/results/``."""
@@ -60,6 +63,55 @@ def _spread(m, offs_r, offs_t):
 def _mm(a, b):
     """``a @ b`` of two small tiles, as a broadcast sum."""
     return tl.sum(a[:, :, None] * b[None, :, :], 1)
+
+
+@triton.jit
+def _weights(gkk, gqk, nk, nq, g, beta, in_req, scale, offs_t, offs_r, r_t, T: tl.constexpr,
+             INV_PRODUCT: tl.constexpr):
+    """A value head's ``W`` ([T, 2T]) and ``C`` ([T, T]) from its rows' Gram products, gates
+    and betas; ``ok_r``: the stacked rows kept."""
+    f32: tl.constexpr = tl.float32
+    tt = offs_t[:, None]
+    ss = offs_t[None, :]
+    # rows from the request's first unusable one on (NaN / Inf in k, q or beta, NaN or +Inf
+    # in g) are dropped: every later product then sees finite zeros, never 0 * NaN
+    fine = in_req & (nk == nk) & (nk < float("inf")) & (nq == nq) & (nq < float("inf")) \
+        & (g == g) & (g < float("inf")) & (beta == beta) & (tl.abs(beta) < float("inf"))
+    ok = tl.sum(tl.where((ss <= tt) & (fine[None, :] == 0), 1, 0), 1) == 0
+    ok_r = tl.sum(tl.where((r_t[:, None] == ss) & ok[None, :], 1, 0), 1) > 0  # [2T]
+    rk = tl.where(ok, tl.rsqrt(nk + 1e-6), 0.0)
+    rq = tl.where(ok, tl.rsqrt(nq + 1e-6) * scale, 0.0)
+    pair = ok[:, None] & ok[None, :]
+    akk = tl.where(pair, gkk * (rk[:, None] * rk[None, :]), 0.0)
+    aqk = tl.where(pair, gqk * (rq[:, None] * rk[None, :]), 0.0)
+    g = tl.where(ok, g, 0.0)
+    beta = tl.where(ok, beta, 0.0)
+    # decays as sums of log gates over windows (s, t] (never a difference: -inf gives 0)
+    ii = offs_t[None, None, :]
+    win = tl.sum(tl.where((ii > ss[:, :, None]) & (ii <= tt[:, :, None]), g[None, None, :], 0.0), 2)
+    dec = tl.exp(win)
+    decay = tl.exp(tl.sum(tl.where(ss <= tt, g[None, :], 0.0), 1))  # [T]: exp(g_1 + .. + g_t)
+    mk = tl.where(ss < tt, dec * akk, 0.0)
+    mq = tl.where(ss <= tt, dec * aqk, 0.0)
+    # delta = (I + diag(beta) mk)^-1 diag(beta) (v - decay * S0^T k): the unit lower
+    # triangular inverse by forward substitution, row by row
+    lower = beta[:, None] * mk
+    if INV_PRODUCT:  # (I + N)^-1 = (I - N)(I + N^2)(I + N^4): N is strictly lower, N^8 = 0
+        eye = tl.where(tt == ss, 1.0, 0.0)
+        n2 = _mm(lower, lower)
+        inv = _mm(_mm(eye - lower, eye + n2), eye + _mm(n2, n2))
+    else:
+        inv = tl.zeros([T, T], f32)
+        for t in tl.static_range(T):
+            l_t = _row_select(lower, t, offs_t)  # [T] over u
+            row = tl.where(offs_t == t, 1.0, 0.0) - tl.sum(l_t[:, None] * inv, 0)
+            inv = tl.where(tt == t, row[None, :], inv)
+    # out = diag(decay * rq) Q S0 - C diag(decay * rk) K S0 + C v, C = mq inv diag(beta);
+    # as [T, 2T] weights of the stacked rows: w = [-C diag(decay * rk) | diag(decay * rq)]
+    c = tl.sum(mq[:, :, None] * inv[None, :, :], 1) * beta[None, :]
+    w = _spread(-c * (decay * rk)[None, :], offs_r, offs_t) \
+        + tl.where(offs_r[None, :] == tt + T, (decay * rq)[:, None], 0.0)
+    return w, c, ok_r, ok
 
 
 @triton.jit
@@ -127,44 +179,8 @@ def _mix_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, scale,
     nk = tl.sum(tl.where(tt == ss, gkk, 0.0), 1)
     g = tl.load(g_ptr + rows * stride_g_tok + head, mask=in_req, other=0.0).to(f32)
     beta = tl.load(beta_ptr + rows * stride_beta_tok + head, mask=in_req, other=0.0).to(f32)
-    # rows from the request's first unusable one on (NaN / Inf in k, q or beta, NaN or +Inf
-    # in g) are dropped: every later product then sees finite zeros, never 0 * NaN
-    fine = in_req & (nk == nk) & (nk < float("inf")) & (nq == nq) & (nq < float("inf")) \
-        & (g == g) & (g < float("inf")) & (beta == beta) & (tl.abs(beta) < float("inf"))
-    ok = tl.sum(tl.where((ss <= tt) & (fine[None, :] == 0), 1, 0), 1) == 0
-    ok_r = tl.sum(tl.where((r_t[:, None] == ss) & ok[None, :], 1, 0), 1) > 0  # [2T]
-    rk = tl.where(ok, tl.rsqrt(nk + 1e-6), 0.0)
-    rq = tl.where(ok, tl.rsqrt(nq + 1e-6) * scale, 0.0)
-    pair = ok[:, None] & ok[None, :]
-    akk = tl.where(pair, gkk * (rk[:, None] * rk[None, :]), 0.0)
-    aqk = tl.where(pair, gqk * (rq[:, None] * rk[None, :]), 0.0)
-    g = tl.where(ok, g, 0.0)
-    beta = tl.where(ok, beta, 0.0)
-    # decays as sums of log gates over windows (s, t] (never a difference: -inf gives 0)
-    ii = offs_t[None, None, :]
-    win = tl.sum(tl.where((ii > ss[:, :, None]) & (ii <= tt[:, :, None]), g[None, None, :], 0.0), 2)
-    dec = tl.exp(win)
-    decay = tl.exp(tl.sum(tl.where(ss <= tt, g[None, :], 0.0), 1))  # [T]: exp(g_1 + .. + g_t)
-    mk = tl.where(ss < tt, dec * akk, 0.0)
-    mq = tl.where(ss <= tt, dec * aqk, 0.0)
-    # delta = (I + diag(beta) mk)^-1 diag(beta) (v - decay * S0^T k): the unit lower
-    # triangular inverse by forward substitution, row by row
-    lower = beta[:, None] * mk
-    if INV_PRODUCT:  # (I + N)^-1 = (I - N)(I + N^2)(I + N^4): N is strictly lower, N^8 = 0
-        eye = tl.where(tt == ss, 1.0, 0.0)
-        n2 = _mm(lower, lower)
-        inv = _mm(_mm(eye - lower, eye + n2), eye + _mm(n2, n2))
-    else:
-        inv = tl.zeros([T, T], f32)
-        for t in tl.static_range(T):
-            l_t = _row_select(lower, t, offs_t)  # [T] over u
-            row = tl.where(offs_t == t, 1.0, 0.0) - tl.sum(l_t[:, None] * inv, 0)
-            inv = tl.where(tt == t, row[None, :], inv)
-    # out = diag(decay * rq) Q S0 - C diag(decay * rk) K S0 + C v, C = mq inv diag(beta);
-    # as [T, 2T] weights of the stacked rows: w = [-C diag(decay * rk) | diag(decay * rq)]
-    c = tl.sum(mq[:, :, None] * inv[None, :, :], 1) * beta[None, :]
-    w = _spread(-c * (decay * rk)[None, :], offs_r, offs_t) \
-        + tl.where(offs_r[None, :] == tt + T, (decay * rq)[:, None], 0.0)
+    w, c, ok_r, ok = _weights(gkk, gqk, nk, nq, g, beta, in_req, scale, offs_t, offs_r, r_t, T,
+                              INV_PRODUCT)
     unit = (req * HV + head).to(tl.int64)
     if ONE_SHOT:  # the stacked rows from the loaded ones: [k rows; q rows], dropped rows 0
         stacked = tl.reshape(tl.permute(tl.join(tl.where(ok[:, None], xk_all, 0.0),
@@ -182,6 +198,71 @@ def _mix_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, scale,
                      tl.dot(w, x, input_precision="ieee"))
     tl.store(cs_ptr + (unit * T + offs_t[:, None]) * (2 * T) + offs_r[None, :],
              _spread(c, offs_r, offs_t))
+
+
+@triton.jit
+def _mix_pair_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, scale,
+                     stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_g_tok,
+                     stride_beta_tok, HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr,
+                     K_PAD: tl.constexpr, T: tl.constexpr, KC: tl.constexpr,
+                     INV_PRODUCT: tl.constexpr):
+    """Launch A for the two value heads of one key head (``HV == 2 HK``): their Gram products
+    once, their two independent chains of 8 x 8 algebra in one program."""
+    req = tl.program_id(0)
+    k_head = tl.program_id(1)
+    f32: tl.constexpr = tl.float32
+    start = tl.load(qsl_ptr + req)
+    length = tl.load(qsl_ptr + req + 1) - start
+    if length <= 0:
+        return
+    offs_t = tl.arange(0, T)
+    offs_c = tl.arange(0, KC)
+    rows = start.to(tl.int64) + offs_t
+    in_req = offs_t < length
+    offs_r = tl.arange(0, 2 * T)
+    r_t = offs_r % T
+    r_rows = start.to(tl.int64) + r_t
+    x_rows = tl.where(offs_r < T, k_ptr + r_rows * stride_k_tok + k_head * stride_k_head,
+                      q_ptr + r_rows * stride_q_tok + k_head * stride_q_head)
+    tt = offs_t[:, None]
+    ss = offs_t[None, :]
+    gkk = tl.zeros([T, T], f32)
+    gqk = tl.zeros([T, T], f32)
+    nq = tl.zeros([T], f32)
+    k_ptrs = k_ptr + rows * stride_k_tok + k_head * stride_k_head
+    q_ptrs = q_ptr + rows * stride_q_tok + k_head * stride_q_head
+    for k0 in range(0, K_PAD, KC):
+        kk = k0 + offs_c
+        m = in_req[:, None] & (kk < KD)[None, :]
+        xk = tl.load(k_ptrs[:, None] + kk[None, :], mask=m, other=0.0).to(f32)
+        xq = tl.load(q_ptrs[:, None] + kk[None, :], mask=m, other=0.0).to(f32)
+        gkk = tl.dot(xk, tl.trans(xk), gkk, input_precision="ieee")
+        gqk = tl.dot(xq, tl.trans(xk), gqk, input_precision="ieee")
+        nq += tl.sum(xq * xq, 1)
+    nk = tl.sum(tl.where(tt == ss, gkk, 0.0), 1)
+    h0 = 2 * k_head
+    g0 = tl.load(g_ptr + rows * stride_g_tok + h0, mask=in_req, other=0.0).to(f32)
+    b0 = tl.load(beta_ptr + rows * stride_beta_tok + h0, mask=in_req, other=0.0).to(f32)
+    g1 = tl.load(g_ptr + rows * stride_g_tok + h0 + 1, mask=in_req, other=0.0).to(f32)
+    b1 = tl.load(beta_ptr + rows * stride_beta_tok + h0 + 1, mask=in_req, other=0.0).to(f32)
+    w0, c0, ok0, _ = _weights(gkk, gqk, nk, nq, g0, b0, in_req, scale, offs_t, offs_r, r_t, T,
+                              INV_PRODUCT)
+    w1, c1, ok1, _ = _weights(gkk, gqk, nk, nq, g1, b1, in_req, scale, offs_t, offs_r, r_t, T,
+                              INV_PRODUCT)
+    unit0 = (req * HV + h0).to(tl.int64)
+    unit1 = unit0 + 1
+    for k0 in range(0, K_PAD, KC):
+        kk = k0 + offs_c
+        x = tl.load(x_rows[:, None] + kk[None, :],
+                    mask=(r_t < length)[:, None] & (kk < KD)[None, :], other=0.0).to(f32)
+        tl.store(xs_ptr + (unit0 * T + offs_t[:, None]) * K_PAD + kk[None, :],
+                 tl.dot(w0, tl.where(ok0[:, None], x, 0.0), input_precision="ieee"))
+        tl.store(xs_ptr + (unit1 * T + offs_t[:, None]) * K_PAD + kk[None, :],
+                 tl.dot(w1, tl.where(ok1[:, None], x, 0.0), input_precision="ieee"))
+    tl.store(cs_ptr + (unit0 * T + offs_t[:, None]) * (2 * T) + offs_r[None, :],
+             _spread(c0, offs_r, offs_t))
+    tl.store(cs_ptr + (unit1 * T + offs_t[:, None]) * (2 * T) + offs_r[None, :],
+             _spread(c1, offs_r, offs_t))
 
 
 @triton.jit
@@ -226,7 +307,7 @@ def _stream_kernel(out_ptr, v_ptr, state_ptr, qsl_ptr, slots_ptr, xs_ptr, cs_ptr
 
 
 def split_forward(c, s, block_v=128, warps_a=1, warps_b=1, kc=16, parts="ab", gram16=False,
-                  inv_product=False, one_shot=False):
+                  inv_product=False, one_shot=False, pair=False):
     q, k, v, g, beta, st, qsl = c["q"], c["k"], c["v"], c["g"], c["beta"], c["state"], c["qsl"]
     r, (n, hk, kd), (hv, vd) = qsl.shape[0] - 1, k.shape, v.shape[1:]
     k_pad = triton.next_power_of_2(kd)
@@ -235,7 +316,13 @@ def split_forward(c, s, block_v=128, warps_a=1, warps_b=1, kc=16, parts="ab", gr
                         torch.empty(r * hv * 8 * 16, device=q.device),
                         torch.empty(n, hv, vd, dtype=q.dtype, device=q.device))
     xs, cs, out = c["scratch"]
-    if "a" in parts:
+    if "a" in parts and pair:
+        assert hv == 2 * hk, "pair: two value heads a key head"
+        _mix_pair_kernel[(r, hk)](q, k, g, beta, qsl, xs, cs, s["k_dim"] ** -0.5, q.stride(0),
+                                  q.stride(1), k.stride(0), k.stride(1), g.stride(0),
+                                  beta.stride(0), HK=hk, HV=hv, KD=kd, K_PAD=k_pad, T=8, KC=kc,
+                                  INV_PRODUCT=inv_product, num_warps=warps_a)
+    elif "a" in parts:
         _mix_kernel[(r, hv)](q, k, g, beta, qsl, xs, cs, s["k_dim"] ** -0.5, q.stride(0),
                              q.stride(1), k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
                              HK=hk, HV=hv, KD=kd, K_PAD=k_pad, T=8, KC=kc, GRAM16=gram16, INV_PRODUCT=inv_product,
@@ -272,18 +359,23 @@ def main():
             cases.append(("split gram16", dict(gram16=True), "ab"))
             cases.append(("split inv product", dict(inv_product=True), "ab"))
             cases.append(("split inv product bv64", dict(inv_product=True, block_v=64), "ab"))
+            cases.append(("split pair", dict(pair=True), "ab"))
+            cases.append(("split pair bv64", dict(pair=True, block_v=64), "ab"))
             cases.append(("split one shot", dict(one_shot=True), "ab"))
             cases.append(("split one shot 2 warps", dict(one_shot=True, warps_a=2), "ab"))
             cases.append(("split one shot 4 warps", dict(one_shot=True, warps_a=4), "ab"))
             cases += [("A alone", dict(), "a"), ("A alone gram16", dict(gram16=True), "a"),
                       ("A alone inv product", dict(inv_product=True), "a"),
+                      ("A alone pair", dict(pair=True), "a"),
+                      ("A alone pair 2 warps", dict(pair=True, warps_a=2), "a"),
                       ("A alone one shot", dict(one_shot=True), "a"),
                       ("A alone one shot 2 warps", dict(one_shot=True, warps_a=2), "a"),
                       ("A alone one shot 4 warps", dict(one_shot=True, warps_a=4), "a"),
                       ("A alone 2 warps", dict(warps_a=2), "a"),
                       ("A alone kc32", dict(kc=32), "a"), ("B alone", dict(), "b"),
                       ("B alone bv64", dict(block_v=64), "b")]
-            for name, kw, parts in cases:
+            only = os.environ.get("SPIKE_CASES")  # e.g. "rows;A alone": only these
+            for name, kw, parts in [x for x in cases if not only or x[0] in only.split(";")]:
                 if parts is None:
                     fns = [lambda c=c: triton_gdn.gated_delta_rule_triton(*_gdn_args(c, s))
                            for c in sets]

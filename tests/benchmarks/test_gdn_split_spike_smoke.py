@@ -9,7 +9,7 @@ from helpers import load_benchmark
 
 NAN, INF = float("nan"), float("inf")
 VARIANTS = [dict(), dict(gram16=True), dict(inv_product=True), dict(block_v=16, kc=32),
-            dict(one_shot=True)]
+            dict(one_shot=True), dict(pair=True)]
 
 
 def _case(lens, seed=1):
