@@ -1,20 +1,27 @@
-"""Spike (issue 25): the GDN block form split in two launches. Launch A, one program a
-(request, value head), does everything that depends on the rows alone (the Gram products, the
-decays, the unit-triangular inverse) and writes the mixed rows ``W X`` ([8, K]) and ``C``;
-launch B streams the state once: ``out = (W X) S0 + C v``. Checked against the reference op,
-timed beside the library's row form on the same inputs (graph replays and back-to-back
-launches, us): A alone, B alone, A then B, and variants: ``gram16`` (A takes the stacked
-[16, 16] Gram and cuts its blocks out by selects), ``inv_product`` (the unit-triangular inverse
-as ``(I - N)(I + N^2)(I + N^4)`` instead of forward substitution), channel blocks, warps and K
-chunks, ``one_shot`` (A loads the rows whole, once: its Gram products and ``W X`` each one
-product over all of K, no loop), ``pair`` (A a program for the two value heads of a key head: their Gram products
-once, their two chains of 8 x 8 algebra side by side). No rings are written (a spike); rows from a request's first non-finite one on are
-dropped before any product, as in the reverted block form.
+"""Spike (issue 25): the GDN block form split in two launches.
+
+Launch A, one program a (request, value head), does everything that depends on the rows alone
+(the Gram products, the decays, the unit-triangular inverse) and writes the mixed rows ``W X``
+([8, K]) and ``C``; launch B streams the state once: ``out = (W X) S0 + C v``. No rings are
+written (a spike). Rows from a request's first non-finite one on are dropped before any
+product, as in the reverted block form (git history).
+
+Each case is checked against the reference op, then timed beside the library's row form on the
+same inputs (graph replays and back-to-back launches, us): A alone, B alone, A then B, and the
+variants:
+- ``gram16``: A takes the stacked [16, 16] Gram and cuts its blocks out by selects;
+- ``inv_product``: the unit-triangular inverse as ``(I - N)(I + N^2)(I + N^4)``, not forward
+  substitution;
+- ``one_shot``: A loads the rows whole, once; its Gram products and ``W X`` are each one
+  product over all of K, no loop;
+- ``pair``: one A program for the two value heads of a key head: their Gram products once,
+  their two chains of 8 x 8 algebra side by side;
+- channel blocks, warps and K chunks.
 
 ``SPIKE_CASES="rows;split pair"`` times only the named cases.
 
-Usage: ``python benchmarks/gdn_split_spike.py [BS ...]`` (an H200; default bs 8 64 128); writes ``gdn_split_spike.json`` to
-``$OUT`` or ``benchmarks/results/``."""
+Usage: ``python benchmarks/gdn_split_spike.py [BS ...]`` (an H200; default bs 8 64 128); writes
+``gdn_split_spike.json`` to ``$OUT`` or ``benchmarks/results/``."""
 import json
 import os
 import sys
@@ -56,7 +63,6 @@ def _spread(m, offs_r, offs_t):
     """A ``[T, T]`` tile as the first ``T`` columns of a ``[T, 2T]`` one (the rest zeros)."""
     sel = offs_r[None, :, None] == offs_t[None, None, :]
     return tl.sum(tl.where(sel, m[:, None, :], 0.0), 2)
-
 
 
 @triton.jit
@@ -325,9 +331,8 @@ def split_forward(c, s, block_v=128, warps_a=1, warps_b=1, kc=16, parts="ab", gr
     elif "a" in parts:
         _mix_kernel[(r, hv)](q, k, g, beta, qsl, xs, cs, s["k_dim"] ** -0.5, q.stride(0),
                              q.stride(1), k.stride(0), k.stride(1), g.stride(0), beta.stride(0),
-                             HK=hk, HV=hv, KD=kd, K_PAD=k_pad, T=8, KC=kc, GRAM16=gram16, INV_PRODUCT=inv_product,
-                             ONE_SHOT=one_shot,
-                             num_warps=warps_a)
+                             HK=hk, HV=hv, KD=kd, K_PAD=k_pad, T=8, KC=kc, GRAM16=gram16,
+                             INV_PRODUCT=inv_product, ONE_SHOT=one_shot, num_warps=warps_a)
     if "b" in parts:
         nvb = triton.cdiv(vd, block_v)
         _stream_kernel[(r, hv * nvb)](out, v, st, qsl, c["slots"], xs, cs, v.stride(0),
