@@ -66,6 +66,40 @@ def _spread(m, offs_r, offs_t):
 
 
 @triton.jit
+def _stacked_rows(k_ptr, q_ptr, start, k_head, stride_k_tok, stride_k_head, stride_q_tok,
+                  stride_q_head, T: tl.constexpr):
+    """The keys and queries stacked: row ``r < T`` is key ``r``, row ``r >= T`` query
+    ``r - T``; ``(offs_r, r % T, row pointers)``."""
+    offs_r = tl.arange(0, 2 * T)
+    r_t = offs_r % T
+    r_rows = start.to(tl.int64) + r_t
+    x_rows = tl.where(offs_r < T, k_ptr + r_rows * stride_k_tok + k_head * stride_k_head,
+                      q_ptr + r_rows * stride_q_tok + k_head * stride_q_head)
+    return offs_r, r_t, x_rows
+
+
+@triton.jit
+def _gram(k_ptrs, q_ptrs, in_req, K_PAD: tl.constexpr, KD: tl.constexpr, T: tl.constexpr,
+          KC: tl.constexpr):
+    """``k_t . k_s``, ``q_t . k_s`` ([T, T]) and ``|q_t|^2`` of the raw rows at ``k_ptrs`` and
+    ``q_ptrs``, K in chunks of ``KC``."""
+    f32: tl.constexpr = tl.float32
+    offs_c = tl.arange(0, KC)
+    gkk = tl.zeros([T, T], f32)
+    gqk = tl.zeros([T, T], f32)
+    nq = tl.zeros([T], f32)
+    for k0 in range(0, K_PAD, KC):
+        kk = k0 + offs_c
+        m = in_req[:, None] & (kk < KD)[None, :]
+        xk = tl.load(k_ptrs[:, None] + kk[None, :], mask=m, other=0.0).to(f32)
+        xq = tl.load(q_ptrs[:, None] + kk[None, :], mask=m, other=0.0).to(f32)
+        gkk = tl.dot(xk, tl.trans(xk), gkk, input_precision="ieee")
+        gqk = tl.dot(xq, tl.trans(xk), gqk, input_precision="ieee")
+        nq += tl.sum(xq * xq, 1)
+    return gkk, gqk, nq
+
+
+@triton.jit
 def _mm(a, b):
     """``a @ b`` of two small tiles, as a broadcast sum."""
     return tl.sum(a[:, :, None] * b[None, :, :], 1)
@@ -138,11 +172,8 @@ def _mix_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, scale,
     offs_c = tl.arange(0, KC)
     rows = start.to(tl.int64) + offs_t
     in_req = offs_t < length
-    offs_r = tl.arange(0, 2 * T)
-    r_t = offs_r % T
-    r_rows = start.to(tl.int64) + r_t
-    x_rows = tl.where(offs_r < T, k_ptr + r_rows * stride_k_tok + k_head * stride_k_head,
-                      q_ptr + r_rows * stride_q_tok + k_head * stride_q_head)
+    offs_r, r_t, x_rows = _stacked_rows(k_ptr, q_ptr, start, k_head, stride_k_tok,
+                                        stride_k_head, stride_q_tok, stride_q_head, T)
     # Gram products of the raw rows: gkk[t, s] = k_t . k_s, gqk[t, s] = q_t . k_s
     tt = offs_t[:, None]
     ss = offs_t[None, :]
@@ -169,19 +200,9 @@ def _mix_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, scale,
         gqk = tl.dot(xq_all, tl.trans(xk_all), input_precision="ieee")
         nq = tl.sum(xq_all * xq_all, 1)
     else:  # two [T, T] products and the queries' norms, no selects
-        gkk = tl.zeros([T, T], f32)
-        gqk = tl.zeros([T, T], f32)
-        nq = tl.zeros([T], f32)
-        k_ptrs = k_ptr + rows * stride_k_tok + k_head * stride_k_head
-        q_ptrs = q_ptr + rows * stride_q_tok + k_head * stride_q_head
-        for k0 in range(0, K_PAD, KC):
-            kk = k0 + offs_c
-            m = in_req[:, None] & (kk < KD)[None, :]
-            xk = tl.load(k_ptrs[:, None] + kk[None, :], mask=m, other=0.0).to(f32)
-            xq = tl.load(q_ptrs[:, None] + kk[None, :], mask=m, other=0.0).to(f32)
-            gkk = tl.dot(xk, tl.trans(xk), gkk, input_precision="ieee")
-            gqk = tl.dot(xq, tl.trans(xk), gqk, input_precision="ieee")
-            nq += tl.sum(xq * xq, 1)
+        gkk, gqk, nq = _gram(k_ptr + rows * stride_k_tok + k_head * stride_k_head,
+                             q_ptr + rows * stride_q_tok + k_head * stride_q_head, in_req,
+                             K_PAD, KD, T, KC)
     nk = tl.sum(tl.where(tt == ss, gkk, 0.0), 1)
     g = tl.load(g_ptr + rows * stride_g_tok + head, mask=in_req, other=0.0).to(f32)
     beta = tl.load(beta_ptr + rows * stride_beta_tok + head, mask=in_req, other=0.0).to(f32)
@@ -225,26 +246,13 @@ def _mix_pair_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, sca
     offs_c = tl.arange(0, KC)
     rows = start.to(tl.int64) + offs_t
     in_req = offs_t < length
-    offs_r = tl.arange(0, 2 * T)
-    r_t = offs_r % T
-    r_rows = start.to(tl.int64) + r_t
-    x_rows = tl.where(offs_r < T, k_ptr + r_rows * stride_k_tok + k_head * stride_k_head,
-                      q_ptr + r_rows * stride_q_tok + k_head * stride_q_head)
+    offs_r, r_t, x_rows = _stacked_rows(k_ptr, q_ptr, start, k_head, stride_k_tok,
+                                        stride_k_head, stride_q_tok, stride_q_head, T)
     tt = offs_t[:, None]
     ss = offs_t[None, :]
-    gkk = tl.zeros([T, T], f32)
-    gqk = tl.zeros([T, T], f32)
-    nq = tl.zeros([T], f32)
-    k_ptrs = k_ptr + rows * stride_k_tok + k_head * stride_k_head
-    q_ptrs = q_ptr + rows * stride_q_tok + k_head * stride_q_head
-    for k0 in range(0, K_PAD, KC):
-        kk = k0 + offs_c
-        m = in_req[:, None] & (kk < KD)[None, :]
-        xk = tl.load(k_ptrs[:, None] + kk[None, :], mask=m, other=0.0).to(f32)
-        xq = tl.load(q_ptrs[:, None] + kk[None, :], mask=m, other=0.0).to(f32)
-        gkk = tl.dot(xk, tl.trans(xk), gkk, input_precision="ieee")
-        gqk = tl.dot(xq, tl.trans(xk), gqk, input_precision="ieee")
-        nq += tl.sum(xq * xq, 1)
+    gkk, gqk, nq = _gram(k_ptr + rows * stride_k_tok + k_head * stride_k_head,
+                         q_ptr + rows * stride_q_tok + k_head * stride_q_head, in_req, K_PAD,
+                         KD, T, KC)
     nk = tl.sum(tl.where(tt == ss, gkk, 0.0), 1)
     h0 = 2 * k_head
     g0 = tl.load(g_ptr + rows * stride_g_tok + h0, mask=in_req, other=0.0).to(f32)
