@@ -66,23 +66,25 @@ def _spread(m, offs_r, offs_t):
 
 
 @triton.jit
-def _stacked_rows(k_ptr, q_ptr, start, k_head, stride_k_tok, stride_k_head, stride_q_tok,
-                  stride_q_head, T: tl.constexpr):
-    """The keys and queries stacked: row ``r < T`` is key ``r``, row ``r >= T`` query
-    ``r - T``; ``(offs_r, r % T, row pointers)``."""
+def _request_rows(k_ptr, q_ptr, start, length, k_head, stride_k_tok, stride_k_head,
+                  stride_q_tok, stride_q_head, T: tl.constexpr):
+    """A request's rows: ``(offs_t, rows, in_req)`` and the keys and queries stacked, row
+    ``r < T`` key ``r`` and row ``r >= T`` query ``r - T``: ``(offs_r, r % T, row pointers)``."""
+    offs_t = tl.arange(0, T)
+    rows = start.to(tl.int64) + offs_t
     offs_r = tl.arange(0, 2 * T)
     r_t = offs_r % T
     r_rows = start.to(tl.int64) + r_t
     x_rows = tl.where(offs_r < T, k_ptr + r_rows * stride_k_tok + k_head * stride_k_head,
                       q_ptr + r_rows * stride_q_tok + k_head * stride_q_head)
-    return offs_r, r_t, x_rows
+    return offs_t, rows, offs_t < length, offs_r, r_t, x_rows
 
 
 @triton.jit
 def _gram(k_ptrs, q_ptrs, in_req, K_PAD: tl.constexpr, KD: tl.constexpr, T: tl.constexpr,
           KC: tl.constexpr):
-    """``k_t . k_s``, ``q_t . k_s`` ([T, T]) and ``|q_t|^2`` of the raw rows at ``k_ptrs`` and
-    ``q_ptrs``, K in chunks of ``KC``."""
+    """``k_t . k_s``, ``q_t . k_s`` ([T, T]), ``|k_t|^2`` and ``|q_t|^2`` of the raw rows at
+    ``k_ptrs`` and ``q_ptrs``, K in chunks of ``KC``."""
     f32: tl.constexpr = tl.float32
     offs_c = tl.arange(0, KC)
     gkk = tl.zeros([T, T], f32)
@@ -96,7 +98,8 @@ def _gram(k_ptrs, q_ptrs, in_req, K_PAD: tl.constexpr, KD: tl.constexpr, T: tl.c
         gkk = tl.dot(xk, tl.trans(xk), gkk, input_precision="ieee")
         gqk = tl.dot(xq, tl.trans(xk), gqk, input_precision="ieee")
         nq += tl.sum(xq * xq, 1)
-    return gkk, gqk, nq
+    offs_t = tl.arange(0, T)
+    return gkk, gqk, tl.sum(tl.where(offs_t[:, None] == offs_t[None, :], gkk, 0.0), 1), nq
 
 
 @triton.jit
@@ -168,12 +171,10 @@ def _mix_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, scale,
     if length <= 0:
         return
     k_head = head // (HV // HK)
-    offs_t = tl.arange(0, T)
+    offs_t, rows, in_req, offs_r, r_t, x_rows = _request_rows(
+        k_ptr, q_ptr, start, length, k_head, stride_k_tok, stride_k_head, stride_q_tok,
+        stride_q_head, T)
     offs_c = tl.arange(0, KC)
-    rows = start.to(tl.int64) + offs_t
-    in_req = offs_t < length
-    offs_r, r_t, x_rows = _stacked_rows(k_ptr, q_ptr, start, k_head, stride_k_tok,
-                                        stride_k_head, stride_q_tok, stride_q_head, T)
     # Gram products of the raw rows: gkk[t, s] = k_t . k_s, gqk[t, s] = q_t . k_s
     tt = offs_t[:, None]
     ss = offs_t[None, :]
@@ -188,6 +189,7 @@ def _mix_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, scale,
         gq_rows = _rows_of(gram, offs_r, offs_t, T)  # [T, 2T]: query rows
         gkk = _cols_of(gk_rows, offs_r, offs_t, 0)  # [T, T]: k_t . k_s
         gqk = _cols_of(gq_rows, offs_r, offs_t, 0)  # [T, T]: q_t . k_s
+        nk = tl.sum(tl.where(tt == ss, gkk, 0.0), 1)
         nq = tl.sum(tl.where(tt == ss, _cols_of(gq_rows, offs_r, offs_t, T), 0.0), 1)
     elif ONE_SHOT:  # the rows loaded once, whole: two [T, T] products over all of K
         offs_k = tl.arange(0, K_PAD)
@@ -198,12 +200,12 @@ def _mix_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, scale,
                          + offs_k[None, :], mask=m, other=0.0).to(f32)
         gkk = tl.dot(xk_all, tl.trans(xk_all), input_precision="ieee")
         gqk = tl.dot(xq_all, tl.trans(xk_all), input_precision="ieee")
+        nk = tl.sum(tl.where(tt == ss, gkk, 0.0), 1)
         nq = tl.sum(xq_all * xq_all, 1)
     else:  # two [T, T] products and the queries' norms, no selects
-        gkk, gqk, nq = _gram(k_ptr + rows * stride_k_tok + k_head * stride_k_head,
-                             q_ptr + rows * stride_q_tok + k_head * stride_q_head, in_req,
-                             K_PAD, KD, T, KC)
-    nk = tl.sum(tl.where(tt == ss, gkk, 0.0), 1)
+        gkk, gqk, nk, nq = _gram(k_ptr + rows * stride_k_tok + k_head * stride_k_head,
+                                 q_ptr + rows * stride_q_tok + k_head * stride_q_head, in_req,
+                                 K_PAD, KD, T, KC)
     g = tl.load(g_ptr + rows * stride_g_tok + head, mask=in_req, other=0.0).to(f32)
     beta = tl.load(beta_ptr + rows * stride_beta_tok + head, mask=in_req, other=0.0).to(f32)
     w, c, ok_r, ok = _weights(gkk, gqk, nk, nq, g, beta, in_req, scale, offs_t, offs_r, r_t, T,
@@ -242,18 +244,13 @@ def _mix_pair_kernel(q_ptr, k_ptr, g_ptr, beta_ptr, qsl_ptr, xs_ptr, cs_ptr, sca
     length = tl.load(qsl_ptr + req + 1) - start
     if length <= 0:
         return
-    offs_t = tl.arange(0, T)
+    offs_t, rows, in_req, offs_r, r_t, x_rows = _request_rows(
+        k_ptr, q_ptr, start, length, k_head, stride_k_tok, stride_k_head, stride_q_tok,
+        stride_q_head, T)
     offs_c = tl.arange(0, KC)
-    rows = start.to(tl.int64) + offs_t
-    in_req = offs_t < length
-    offs_r, r_t, x_rows = _stacked_rows(k_ptr, q_ptr, start, k_head, stride_k_tok,
-                                        stride_k_head, stride_q_tok, stride_q_head, T)
-    tt = offs_t[:, None]
-    ss = offs_t[None, :]
-    gkk, gqk, nq = _gram(k_ptr + rows * stride_k_tok + k_head * stride_k_head,
-                         q_ptr + rows * stride_q_tok + k_head * stride_q_head, in_req, K_PAD,
-                         KD, T, KC)
-    nk = tl.sum(tl.where(tt == ss, gkk, 0.0), 1)
+    gkk, gqk, nk, nq = _gram(k_ptr + rows * stride_k_tok + k_head * stride_k_head,
+                             q_ptr + rows * stride_q_tok + k_head * stride_q_head, in_req,
+                             K_PAD, KD, T, KC)
     h0 = 2 * k_head
     g0 = tl.load(g_ptr + rows * stride_g_tok + h0, mask=in_req, other=0.0).to(f32)
     b0 = tl.load(beta_ptr + rows * stride_beta_tok + h0, mask=in_req, other=0.0).to(f32)
