@@ -25,6 +25,13 @@
 #   packed_weights  packed_weights.py --shapes 8448x2048*64 --configs ... (the 16-row matmul
 #                 stream with equal work a program, against the skinny launches and a plain read)
 #   ssm_step      ssm_step.py                          (Nemotron-H-like verify step vs HF dense)
+#   ssd_tests     pytest -m gpu tests/kernels/test_ssd_gpu.py (the Mamba-2 op, families, replays)
+#   ssd_forms     ssd_kernels.py --kernels ssd --ssd-plans ... (the SSD forward's row walk against
+#                 its block form, in its own launch or not, its channel blocks, warps and shortest
+#                 request at bs 64 / 128; then the row walk and the default plan at bs 1 / 8)
+#   gdn_split     gdn_split_spike.py 64 128 over the row form, the split, its pair variant
+#   ssd_probe     ssd_block_probe.py 64 128 (the Mamba-2 block form's state stream alone, its tiles
+#                 and pipelining depths, beside the op's two forms)
 #   dsv4_step     dsv4_step.py                         (DeepSeek-V4-shaped verify step vs HF)
 #   dsv4_attr     dsv4_step.py --bs 1 --attribute      (its bf16 logits: ours and HF vs float32)
 #   dsv4_tests    pytest -m gpu on DeepSeek-V4 (kernels, float32 exactness, tier-graph replay)
@@ -113,6 +120,17 @@ job() {
     packed_weights) python3 benchmarks/packed_weights.py --shapes '8448x2048*64' \
         --configs 64,128,4,5,1 32,256,4,6,1 64,128,4,5,2 ;;
     ssm_step) python3 benchmarks/ssm_step.py ;;
+    ssd_tests) python3 -m pytest -q -m gpu tests/kernels/test_ssd_gpu.py -p no:cacheprovider ;;
+    ssd_forms)  # the SSD forward's row walk against its block form, then the block form's knobs
+      python3 benchmarks/ssd_kernels.py --kernels ssd --bs 64 128 --ssd-plans rows block \
+          block:from1 block:from4 block:from8 block:bp32 block:bw2 block:from1:one \
+        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_block_plans.json" \
+        && python3 benchmarks/ssd_kernels.py --kernels ssd --bs 1 8 --ssd-plans rows block \
+          block:from1 \
+        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_forms_small.json" ;;
+    ssd_probe) python3 benchmarks/ssd_block_probe.py 64 128 ;;
+    gdn_split) SPIKE_CASES="rows;split bv128 wb1 kc16;split pair;A alone;A alone pair;B alone" \
+      python3 benchmarks/gdn_split_spike.py 64 128 ;;
     dsv4_step) python3 benchmarks/dsv4_step.py ;;
     dsv4_attr) python3 benchmarks/dsv4_step.py --bs 1 --attribute ;;
     dsv4_tests) python3 -m pytest -q -m gpu -p no:logging -p no:cacheprovider \

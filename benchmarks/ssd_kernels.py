@@ -13,9 +13,12 @@ copies of the inputs that the state comes from HBM, not the 50 MB L2 (``common.t
 ``--sweep`` also times every channel block (``BLOCK_P`` / ``BLOCK_V``) and warp count at each
 batch size, all 8 rows.
 
+``--ssd-plans rows block block:from1`` times the SSD forward (and commit) under each named
+plan on the same inputs (:func:`ssd_plan`): the row walk against the block form.
+
 Usage: ``python benchmarks/ssd_kernels.py [--sweep] [--smoke] [--bs 64 128] [--kernels gdn]
-[--sweep-warps 1 2 4 8]``. Writes ``ssd_kernels.json`` to ``$OUT`` if set, else to
-``benchmarks/results/`` (after every row). The GDN inputs and their check are
+[--sweep-warps 1 2 4 8] [--ssd-plans rows block]``. Writes ``ssd_kernels.json`` to ``$OUT`` if
+set, else to ``benchmarks/results/`` (after every row). The GDN inputs and their check are
 ``hybrid_kernels.py``'s. ``--smoke`` runs tiny shapes on the CPU under
 ``TRITON_INTERPRET=1`` (checks the script, times nothing real).
 """
@@ -129,6 +132,40 @@ def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
                 commit=_rates(2 * floor, time_calls(commit, s, device), s))
 
 
+_PLAN_FIELDS = {"p": "block_p", "w": "num_warps", "n": "block_n", "from": "block_from",
+                "bp": "block_form_p", "bw": "block_form_warps"}
+
+
+def ssd_plan(spec: str, bs: int, s: dict, device: str):
+    """A named SSD plan: ``rows`` or ``default`` (``plan_ssd``'s: every request walks its rows),
+    or ``block`` (``plan_ssd(..., block_form=True)``) with changes, e.g.
+    ``block:p64:w2:n32:from3:bp64:bw2:one`` (the row walk's channel block and warps, state rows
+    a block-form step, the shortest request in block form, the block form's own channel block
+    and warps, both forms in one launch)."""
+    p = s["ssd_head_dim"]
+    base = triton_ssd.plan_ssd(bs, s["ssd_heads"], s["ssd_state"], p,
+                               device_sm_count(torch.device(device)), block_form=True)
+    if spec in ("rows", "default"):
+        return dataclasses.replace(base, block_rows=0)
+    name, *changes = spec.split(":")
+    if name != "block":
+        raise ValueError(f"--ssd-plans: {spec!r} is not rows, default or block[:p..][:w..][:n..]"
+                         "[:from..][:bp..][:bw..][:one]")
+    fields = {}
+    for change in changes:
+        if change == "one":
+            fields["block_launch"] = False
+            continue
+        key = change.rstrip("0123456789")
+        if key not in _PLAN_FIELDS or key == change:
+            raise ValueError(f"--ssd-plans: {change!r} in {spec!r}: a change is 'one' or one "
+                             f"of {sorted(_PLAN_FIELDS)} followed by a number")
+        fields[_PLAN_FIELDS[key]] = int(change[len(key):])
+    if "block_p" in fields:
+        fields["num_pb"] = -(-p // fields["block_p"])
+    return dataclasses.replace(base, **fields)
+
+
 # ---------------------------------------------------------------------- GDN
 def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
     lens = lengths(bs, mix, s)
@@ -185,6 +222,9 @@ def main() -> None:
     ap.add_argument("--bs", type=int, nargs="+", help="batch sizes (default: 1 8 64 128)")
     ap.add_argument("--kernels", nargs="+", choices=("ssd", "gdn"), default=("ssd", "gdn"))
     ap.add_argument("--sweep-warps", type=int, nargs="+", help="warp counts of the sweep")
+    ap.add_argument("--ssd-plans", nargs="+", metavar="SPEC",
+                    help="time the SSD forward under each named plan side by side (rows, "
+                         "default, block:p64:w2:n32:from3; see ssd_plan) instead of the default")
     opts = ap.parse_args()
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
     s = dict(s, **({"batch_sizes": opts.bs} if opts.bs else {}),
@@ -207,9 +247,12 @@ def main() -> None:
     for bs in s["batch_sizes"]:
         for mix in (True, False):
             for name in opts.kernels:
-                report["results"].append(cases[name](bs, mix, s, device))
-                print(_row(report["results"][-1]), flush=True)
-                save()
+                for spec in (opts.ssd_plans or [None]) if name == "ssd" else [None]:
+                    plan = spec and ssd_plan(spec, bs, s, device)
+                    report["results"].append(dict(cases[name](bs, mix, s, device, plan),
+                                                  **({"form": spec} if spec else {})))
+                    print(_row(report["results"][-1]), spec or "", flush=True)
+                    save()
     if opts.sweep:
         report["sweep"] = []
 

@@ -3,10 +3,9 @@
 Kernels first, then the launch plan and the host wrappers; the oracle is
 :mod:`dspark_compile.ops.ssd_reference`, schemas and the ring layout are in ``ops/ssd.py``.
 
-Forward (grid ``(R + 1, H * cdiv(P, BLOCK_P))``, from shapes only): one program per
+Forward, row walk (grid ``(R + 1, H * cdiv(P, BLOCK_P))``, from shapes only): one program per
 (request, head, block of ``BLOCK_P`` head channels) holds its ``[N, BLOCK_P]`` slice of the
-fp32 state in registers and walks the request's rows in order (the recurrent form: at verify
-widths the state read dominates)::
+fp32 state in registers and walks the request's rows in order (the recurrent form)::
 
     dt <- clamp(softplus(dt + dt_bias));  xdt = x * dt;  da = A * dt
     S  <- S * exp(da) + B (x) xdt;        out = S^T C + D * x
@@ -20,12 +19,21 @@ and timings; the GDN kernels keep the direct decay, which measured faster there.
 Every reduction is over N, so channel blocks are independent, which is what lets a small
 batch spread over the GPU (:func:`plan_ssd`). The update itself is elementwise; only the output
 reduces (over N). Each step issues the next row's loads before its own arithmetic (the last row
-reloads itself), so their latency overlaps the update instead of adding to the serial chain. The pool is only read; the state never leaves
-registers. A row only ever sees earlier rows of its own request, so a NaN or Inf in a rejected
-draft reaches that row's and later rows' outputs only: there is no causal mask term to get
-wrong. Ring writers: every channel block its slice of ``x * dt``; channel block 0 of each head
-``A * dt``; block 0 of the first head of each group that group's B. Program row ``R`` is the
-padding pseudo-request: it zeroes rows ``query_start_loc[R] .. N-1``. Empty requests exit.
+reloads itself), so their latency overlaps the update instead of adding to the serial chain.
+The pool is only read; the state never leaves registers. A row only ever sees earlier rows of
+its own request, so a NaN or Inf in a rejected draft reaches that row's and later rows' outputs
+only: there is no causal mask term to get wrong. Ring writers: every channel block its slice of
+``x * dt``; channel block 0 of each head ``A * dt``; block 0 of the first head of each group that
+group's B. Program row ``R`` is the padding pseudo-request: it zeroes rows
+``query_start_loc[R] .. N-1``. Empty requests exit.
+
+Forward, block form (``SsdPlan.block_rows``; off unless ``plan_ssd(..., block_form=True)``):
+a request of ``block_from..block_rows`` rows is taken at once from the state before it,
+``out = diag(exp(cum)) C S0 + L (x * dt) + D x`` (:func:`_ssd_block`), the state streamed once
+through float32 FMA dots, one multiply-add per state element per row against the walk's three.
+By default in a launch of its own before the walk's (``ROLE`` 1, then 2 for the other
+requests), so each kernel's registers fit its one form. Its containment rule differs from the
+walk's and is in :func:`_ssd_block`.
 
 dt is rounded to its own dtype after the bias and after the softplus, as HF computes it in
 that dtype (a no-op in float32). Softplus is ``log(1 + exp(v))`` below 20 and ``v`` above
@@ -33,7 +41,8 @@ that dtype (a no-op in float32). Softplus is ``log(1 + exp(v))`` below 20 and ``
 
 Commit (grid ``(R, H * cdiv(P, BLOCK_P))``): the same update, fed from the rings for the first
 ``clamp(accept_lens[i], 0, len_i)`` rows, then one store of ``s * T`` into the pool. The update
-is the shared ``_ssd_step``, so the committed state is the forward's own arithmetic.
+is the shared ``_ssd_step``, so the committed state is the row walk's own arithmetic (the block
+form's outputs agree with it to float32 rounding).
 
 Token-serial by design, like the GDN kernel: a long prefill runs ``len`` dependent steps per
 program (correct, not fast; a chunked kernel would be the prefill path).
@@ -58,6 +67,9 @@ __all__ = ["SsdPlan", "plan_ssd", "ssd_triton", "ssd_commit_triton"]
 _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on one warp
 _MIN_BLOCK_P = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
+_BLOCK_ROWS = 8  # requests up to this many rows take the block form (the verify widths)
+_BLOCK_FROM = 6  # ... and at least this many (shorter ones walk their rows faster)
+_BLOCK_FORM_P = 64  # head channels a block-form program streams, at most
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 _SCALE_LO = tl.constexpr(2.0 ** -40)  # a state scale outside [LO, HI] is folded into the tile
 _SCALE_HI = tl.constexpr(2.0 ** 40)
@@ -107,6 +119,92 @@ def _load_row(x_ptr, dt_ptr, b_ptr, c_ptr, n, head, group, offs_n, offs_p, n_ok,
 
 
 @triton.jit
+def _ssd_block(out_ptr, x_ptr, dt_ptr, b_ptr, c_ptr, state_ptr, ring_x_ptr, ring_b_ptr,
+               ring_da_ptr, start, length, slot, num_slots, head, group, pb, a, d, bias, dt_min,
+               dt_max, offs_p, p_ok, stride_x_tok, stride_x_head, stride_dt_tok, stride_b_tok,
+               stride_b_group, stride_c_tok, stride_c_group, stride_out_tok, stride_out_head,
+               stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr, G: tl.constexpr,
+               NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr, BLOCK_P: tl.constexpr,
+               HAS_D: tl.constexpr, HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr,
+               T: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A request of at most ``T`` rows from the state before it (the block form)::
+
+        out = diag(exp(cum)) C S0 + L (x * dt) + D x,   L[t, s] = [s <= t] exp(win(s, t)) C_t . B_s
+
+    with ``cum_t`` the sum of ``A dt`` over rows ``0..t`` and ``win(s, t)`` over ``s < i <= t``
+    (sums over windows, never a difference of prefix sums, so a ``-inf`` decay gives 0). The state
+    is streamed once, ``BLOCK_N`` of its N rows at a time, through float32 FMA dots (one
+    multiply-add per state element per row); the Gram ``C B^T`` rides in the same loop.
+
+    Containment: C and B only reach a row's own and later outputs through the dots and the
+    select that builds ``L``; ``x * dt`` is the one operand a product mixes across rows, so a
+    non-finite element is replaced by 0 before it, and the block's outputs from the first row
+    with a non-finite ``x * dt`` on are set to NaN (the row form gives NaN or Inf in that row's
+    non-finite channels from there on)."""
+    f32: tl.constexpr = tl.float32
+    offs_t = tl.arange(0, T)
+    in_req = offs_t < length
+    rows = start.to(tl.int64) + offs_t
+    tt = offs_t[:, None]
+    ss = offs_t[None, :]
+    dt = tl.load(dt_ptr + rows * stride_dt_tok + head, mask=in_req, other=0.0).to(f32)
+    dt = _process_dt(dt, bias, HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max, dt_ptr.dtype.element_ty)
+    da = tl.where(in_req, a * dt, 0.0)
+    writes_b = (pb == 0) & (head % (H // G) == 0)
+    if pb == 0:
+        tl.store(ring_da_ptr + rows * H + head, da, mask=in_req)
+    offs_c = tl.arange(0, BLOCK_N)
+    s_base = state_ptr + slot * stride_s_slot + head * stride_s_head
+    if writes_b:  # one program a group, before the stream (after it, it costs registers)
+        for n0 in range(0, N_PAD, BLOCK_N):
+            nn = n0 + offs_c
+            rn_ok = in_req[:, None] & (nn < NS)[None, :]
+            b = tl.load(b_ptr + rows[:, None] * stride_b_tok + group * stride_b_group
+                        + nn[None, :], mask=rn_ok, other=0.0).to(f32)
+            tl.store(ring_b_ptr + (rows[:, None] * G + group) * NS + nn[None, :], b, mask=rn_ok)
+    acc = tl.zeros([T, BLOCK_P], f32)
+    cb = tl.zeros([T, T], f32)
+    for n0 in range(0, N_PAD, BLOCK_N):
+        nn = n0 + offs_c
+        n_ok = nn < NS
+        rn_ok = in_req[:, None] & n_ok[None, :]
+        c = tl.load(c_ptr + rows[:, None] * stride_c_tok + group * stride_c_group + nn[None, :],
+                    mask=rn_ok, other=0.0).to(f32)
+        b = tl.load(b_ptr + rows[:, None] * stride_b_tok + group * stride_b_group + nn[None, :],
+                    mask=rn_ok, other=0.0).to(f32)
+        slot_n = nn.to(tl.int64) * 0 + slot  # a vector: the interpreter rejects scalar masks
+        s_ok = n_ok & (slot_n >= 0) & (slot_n < num_slots)
+        s0 = tl.load(s_base + nn[:, None] * stride_s_n + offs_p[None, :],
+                     mask=s_ok[:, None] & p_ok[None, :], other=0.0).to(f32)
+        acc = tl.dot(c, s0, acc, input_precision="ieee")
+        cb = tl.dot(c, tl.trans(b), cb, input_precision="ieee")
+    # x after the stream: its tiles are not live across the loop (registers)
+    rp_ok = in_req[:, None] & p_ok[None, :]
+    x = tl.load(x_ptr + rows[:, None] * stride_x_tok + head * stride_x_head + offs_p[None, :],
+                mask=rp_ok, other=0.0).to(f32)
+    xdt = x * dt[:, None]
+    tl.store(ring_x_ptr + (rows[:, None] * H + head) * P + offs_p[None, :], xdt, mask=rp_ok)
+    ii = offs_t[None, None, :]
+    win = tl.sum(tl.where((ii > ss[:, :, None]) & (ii <= tt[:, :, None]), da[None, None, :],
+                          0.0), 2)
+    cum = tl.sum(tl.where(ss <= tt, da[None, :], 0.0), 1)
+    lmat = tl.where(ss <= tt, cb * tl.exp(win), 0.0)
+    finite = (xdt == xdt) & (tl.abs(xdt) < float("inf"))
+    # [T, 2T] @ [2T, BLOCK_P], the second halves zeros: triton 3.6's fp32 dots need K >= 16
+    l2 = tl.reshape(tl.permute(tl.join(lmat, tl.zeros([T, T], f32)), (0, 2, 1)), (T, 2 * T))
+    x2 = tl.reshape(tl.permute(tl.join(tl.where(finite, xdt, 0.0), tl.zeros([T, BLOCK_P], f32)),
+                               (2, 0, 1)), (2 * T, BLOCK_P))
+    out = acc * tl.exp(cum)[:, None] + tl.dot(l2, x2, input_precision="ieee")
+    if HAS_D:
+        out = out + d * x
+    bad = tl.max(tl.where(finite, 0, 1), 1)  # [T]: a row with a non-finite x * dt
+    first_bad = tl.min(tl.where(bad > 0, offs_t, T), 0)
+    out = tl.where((offs_t >= first_bad)[:, None], float("nan"), out)
+    tl.store(out_ptr + rows[:, None] * stride_out_tok + head * stride_out_head + offs_p[None, :],
+             out, mask=rp_ok)
+
+
+@triton.jit
 def _ssd_forward_kernel(
         out_ptr, x_ptr, dt_ptr, a_ptr, b_ptr, c_ptr, d_ptr, dt_bias_ptr, state_ptr,
         query_start_loc_ptr, slots_ptr, ring_x_ptr, ring_b_ptr, ring_da_ptr, dt_min, dt_max,
@@ -116,8 +214,12 @@ def _ssd_forward_kernel(
         G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, N_PAD: tl.constexpr,
         BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
         HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
-        HEADS_FIRST: tl.constexpr):
-    """One (request, head, channel block): the request's rows, in order."""
+        HEADS_FIRST: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_FROM: tl.constexpr,
+        BLOCK_N: tl.constexpr, ROLE: tl.constexpr):
+    """One (request, head, channel block): the block form for ``BLOCK_FROM..BLOCK_ROWS`` rows
+    (``BLOCK_ROWS`` 0: never), else the request's rows in order. ``ROLE`` 0 takes both forms in
+    one launch; 1 only the block form's requests (the others exit; no padding program), 2 only
+    the others (its registers then never hold the block form's tiles)."""
     req = tl.program_id(1 if HEADS_FIRST else 0)
     head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
     pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
@@ -126,21 +228,57 @@ def _ssd_forward_kernel(
     n_ok = offs_n < NS
     p_ok = offs_p < P
     start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
-                           stride_out_head, BLOCK_P, PAD_ROWS)
-        return
+    if ROLE != 1:
+        if req == num_requests:
+            _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
+                               stride_out_head, BLOCK_P, PAD_ROWS)
+            return
     length = tl.load(query_start_loc_ptr + req + 1) - start
     if length <= 0:
         return
+    in_block = (length >= BLOCK_FROM) & (length <= BLOCK_ROWS)
+    if ROLE == 1:
+        if (length < BLOCK_FROM) | (length > BLOCK_ROWS):
+            return
+    if ROLE == 2:
+        if in_block:
+            return
     slot = tl.load(slots_ptr + req).to(tl.int64)
-    _, state = _load_state(state_ptr, slot, num_slots, head, offs_n, offs_p, n_ok, p_ok,
-                           stride_s_slot, stride_s_head, stride_s_n)
     group = head // (H // G)
     a = tl.load(a_ptr + head).to(tl.float32)
     d = tl.load(d_ptr + head).to(tl.float32)  # read only with HAS_D (else A's address)
     # HF adds dt_bias.to(dt.dtype): round it to dt's dtype first
     bias = tl.load(dt_bias_ptr + head).to(dt_ptr.dtype.element_ty).to(tl.float32)
+    if (BLOCK_ROWS > 0) & (ROLE != 2):  # constexprs first: else the block form is not built
+        if in_block:
+            _ssd_block(out_ptr, x_ptr, dt_ptr, b_ptr, c_ptr, state_ptr, ring_x_ptr, ring_b_ptr,
+                       ring_da_ptr, start, length, slot, num_slots, head, group, pb, a, d, bias,
+                       dt_min, dt_max, offs_p, p_ok, stride_x_tok, stride_x_head, stride_dt_tok,
+                       stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
+                       stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H, G, NS, P,
+                       N_PAD, BLOCK_P, HAS_D, HAS_DT_BIAS, SOFTPLUS, BLOCK_ROWS, BLOCK_N)
+            return
+    if ROLE == 1:
+        return
+    _ssd_rows(out_ptr, x_ptr, dt_ptr, b_ptr, c_ptr, state_ptr, ring_x_ptr, ring_b_ptr,
+              ring_da_ptr, start, length, slot, num_slots, head, group, pb, a, d, bias, dt_min,
+              dt_max, offs_n, offs_p, n_ok, p_ok, stride_x_tok, stride_x_head, stride_dt_tok,
+              stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
+              stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H, G, NS, P, HAS_D,
+              HAS_DT_BIAS, SOFTPLUS)
+
+
+@triton.jit
+def _ssd_rows(out_ptr, x_ptr, dt_ptr, b_ptr, c_ptr, state_ptr, ring_x_ptr, ring_b_ptr,
+              ring_da_ptr, start, length, slot, num_slots, head, group, pb, a, d, bias, dt_min,
+              dt_max, offs_n, offs_p, n_ok, p_ok, stride_x_tok, stride_x_head, stride_dt_tok,
+              stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
+              stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H: tl.constexpr,
+              G: tl.constexpr, NS: tl.constexpr, P: tl.constexpr, HAS_D: tl.constexpr,
+              HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr):
+    """The request's rows in order, its state slice in registers (the recurrent form)."""
+    _, state = _load_state(state_ptr, slot, num_slots, head, offs_n, offs_p, n_ok, p_ok,
+                           stride_s_slot, stride_s_head, stride_s_n)
     last = start + length - 1
     scale = 1.0  # the state's scale (:func:`_ssd_step`)
     x, dt, b, c = _load_row(x_ptr, dt_ptr, b_ptr, c_ptr, start.to(tl.int64), head, group,
@@ -240,14 +378,35 @@ class SsdPlan:
     """The grid's first axis enumerates (head, channel block) and its second the requests: for
     more than ``_MAX_GRID_Y`` of them (a Mamba-1 mixer runs ``d_inner * d_state`` one-element
     heads, ``frontend/mamba.py``), which CUDA's second grid axis cannot hold."""
+    block_rows: int = 0
+    """The forward takes requests of ``block_from..block_rows`` rows in the block form
+    (:func:`_ssd_block`: the state streamed once through float32 dots, no row-serial chain);
+    0: every request walks its rows. A power of two, at most 16."""
+    block_from: int = 1
+    """The shortest request the block form takes (shorter ones walk their rows)."""
+    block_n: int = 16
+    """State rows (of N) a block-form step streams; at least 16 (triton 3.6's float32 dots)."""
+    block_launch: bool = True
+    """The block form in a launch of its own, before the row walk's: each kernel is then built
+    for one form, so the block form's programs are not sized by the row walk's registers."""
+    block_form_p: int = 0
+    """Head channels a block-form program takes in its own launch (0: ``block_p``)."""
+    block_form_warps: int = 0
+    """Warps of a block-form program in its own launch (0: ``num_warps``)."""
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
-             sm_count: int) -> SsdPlan:
+             sm_count: int, block_form: bool = False) -> SsdPlan:
     """``BLOCK_P`` from host ints: at most ``_MAX_TILE / N_PAD`` channels (32 at N = 128, so the
     state slice stays in registers), halved (down to 16) while ``R * H * P / BLOCK_P``
-    programs are fewer than two per multiprocessor (the GDN kernel's rule)."""
+    programs are fewer than two per multiprocessor (the GDN kernel's rule).
+
+    ``block_form``: requests of ``_BLOCK_FROM..._BLOCK_ROWS`` rows take the block form, in a
+    launch of its own, where a channel block has at least 16 channels (its float32 dots;
+    narrower heads, Mamba-1's one-element ones, walk their rows). Off by default: on the H200 it
+    is faster with all 8 rows at bs >= 8 and slower at bs 1 and with ragged mean-3 widths
+    (docs/benchmarks.md, ``ssd_kernels.py --ssd-plans``)."""
     n_pad = triton.next_power_of_2(max(state_dim, 1))
     p_pad = triton.next_power_of_2(max(head_dim, 1))
     block_p = min(p_pad, max(_MIN_BLOCK_P, _MAX_TILE // n_pad))
@@ -255,7 +414,15 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
             max(num_requests, 1) * num_heads * triton.cdiv(head_dim, block_p) < 2 * sm_count:
         block_p //= 2
     num_pb = triton.cdiv(head_dim, block_p)
-    return SsdPlan(n_pad, block_p, num_pb, heads_first=num_heads * num_pb > _MAX_GRID_Y)
+    # the block form streams its slice instead of holding it: up to 64 channels, by the same
+    # halving rule
+    form_p = min(p_pad, _BLOCK_FORM_P)
+    while form_p > _MIN_BLOCK_P and \
+            max(num_requests, 1) * num_heads * triton.cdiv(head_dim, form_p) < 2 * sm_count:
+        form_p //= 2
+    return SsdPlan(n_pad, block_p, num_pb, heads_first=num_heads * num_pb > _MAX_GRID_Y,
+                   block_rows=_BLOCK_ROWS if block_form and block_p >= _MIN_BLOCK_P else 0,
+                   block_from=_BLOCK_FROM, block_form_p=form_p)
 
 
 def _grid(requests: int, head_blocks: int, heads_first: bool) -> tuple[int, int]:
@@ -274,8 +441,9 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
                plan: SsdPlan | None = None) -> torch.Tensor:
     """Triton ``dspark::ssd``: same arguments and result as the reference.
 
-    One launch, no host sync (CUDA-graph safe); ``plan`` overrides the tiles. Returns
-    ``[N, H, P]`` float32; the pool is only read, the rings get the replay inputs.
+    One launch (two with ``plan.block_launch``), no host sync (CUDA-graph safe); ``plan``
+    overrides the tiles. Returns ``[N, H, P]`` float32; the pool is only read, the rings get the
+    replay inputs.
     """
     check_ssd(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots,
               (ring_x, ring_b, ring_da), dt_softplus, dt_min, dt_max)
@@ -287,16 +455,26 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
         return out
     plan = plan or plan_ssd(r, h, n_state, p, device_sm_count(x.device))
     st = ssm_state
-    grid = _grid(r + 1, h * plan.num_pb, plan.heads_first)
-    launch(_ssd_forward_kernel, grid,
-           out, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, st,
-           query_start_loc, slots, ring_x, ring_b, ring_da, float(dt_min), float(dt_max), n, r,
-           st.shape[0], x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
-           C.stride(0), C.stride(1), out.stride(0), out.stride(1), st.stride(0), st.stride(1),
-           st.stride(2), H=h, G=g, NS=n_state, P=p, N_PAD=plan.n_pad, BLOCK_P=plan.block_p,
-           NUM_PB=plan.num_pb, HAS_D=D is not None, HAS_DT_BIAS=dt_bias is not None,
-           SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS, HEADS_FIRST=plan.heads_first,
-           num_warps=plan.num_warps)
+    args = (out, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, st,
+            query_start_loc, slots, ring_x, ring_b, ring_da, float(dt_min), float(dt_max), n, r,
+            st.shape[0], x.stride(0), x.stride(1), dt.stride(0), B.stride(0), B.stride(1),
+            C.stride(0), C.stride(1), out.stride(0), out.stride(1), st.stride(0), st.stride(1),
+            st.stride(2))
+    shape = dict(H=h, G=g, NS=n_state, P=p, N_PAD=plan.n_pad, HAS_D=D is not None,
+                 HAS_DT_BIAS=dt_bias is not None, SOFTPLUS=bool(dt_softplus), PAD_ROWS=_PAD_ROWS,
+                 HEADS_FIRST=plan.heads_first, BLOCK_ROWS=plan.block_rows,
+                 BLOCK_FROM=plan.block_from, BLOCK_N=plan.block_n)
+    role = 0
+    if plan.block_rows and plan.block_launch:
+        block_p = plan.block_form_p or plan.block_p
+        num_pb = triton.cdiv(p, block_p)
+        launch(_ssd_forward_kernel, _grid(r, h * num_pb, plan.heads_first), *args,
+               BLOCK_P=block_p, NUM_PB=num_pb, ROLE=1,
+               num_warps=plan.block_form_warps or plan.num_warps, **shape)
+        role = 2
+    launch(_ssd_forward_kernel, _grid(r + 1, h * plan.num_pb, plan.heads_first), *args,
+           BLOCK_P=plan.block_p, NUM_PB=plan.num_pb, ROLE=role, num_warps=plan.num_warps,
+           **shape)
     return out
 
 

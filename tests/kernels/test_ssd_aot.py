@@ -1,5 +1,5 @@
 """The Mamba-2 (SSD) forward and commit kernels compile ahead of time for cuda:90, hip:gfx942
-and gfx950.
+and gfx950 (the Nemotron-H forward with its block form for verify widths).
 
 Same harness as ``test_linear_ops_aot.py`` (a subprocess without ``TRITON_INTERPRET``, one JSON
 line). Shapes are Nemotron-H's (128 heads of P = 64, 8 groups of N = 128) in bf16 with the fp32
@@ -18,13 +18,17 @@ _RINGS = {"ring_x_ptr": "fp32", "ring_b_ptr": "fp32", "ring_da_ptr": "fp32"}
 _SHAPE = {"H": 128, "G": 8, "NS": 128, "P": 64, "N_PAD": 128, "BLOCK_P": 32, "NUM_PB": 2}
 
 
+_FORWARD = {"out_ptr": "fp32", "x_ptr": "bf16", "dt_ptr": "bf16", "a_ptr": "fp32",
+            "b_ptr": "bf16", "c_ptr": "bf16", "d_ptr": "fp32", "dt_bias_ptr": "fp32",
+            "state_ptr": "fp32", **_RINGS, **_LAYOUT}
+_NEMOTRON = {**_SHAPE, "HAS_D": True, "HAS_DT_BIAS": True, "SOFTPLUS": True, "PAD_ROWS": 16,
+             "HEADS_FIRST": False, "BLOCK_ROWS": 8, "BLOCK_FROM": 1, "BLOCK_N": 16}
+
 CASES = {
-    "ssd_forward_bf16": ("_ssd_forward_kernel",
-                         {"out_ptr": "fp32", "x_ptr": "bf16", "dt_ptr": "bf16", "a_ptr": "fp32",
-                          "b_ptr": "bf16", "c_ptr": "bf16", "d_ptr": "fp32",
-                          "dt_bias_ptr": "fp32", "state_ptr": "fp32", **_RINGS, **_LAYOUT},
-                         {**_SHAPE, "HAS_D": True, "HAS_DT_BIAS": True, "SOFTPLUS": True,
-                          "PAD_ROWS": 16, "HEADS_FIRST": False}),
+    # the block form's own launch, the row walk's after it, and both forms in one launch
+    "ssd_forward_block_bf16": ("_ssd_forward_kernel", _FORWARD, {**_NEMOTRON, "ROLE": 1}),
+    "ssd_forward_rows_bf16": ("_ssd_forward_kernel", _FORWARD, {**_NEMOTRON, "ROLE": 2}),
+    "ssd_forward_bf16": ("_ssd_forward_kernel", _FORWARD, {**_NEMOTRON, "ROLE": 0}),
     "ssd_commit": ("_ssd_commit_kernel",
                    {"state_ptr": "fp32", **_RINGS, "accept_lens_ptr": "i32", **_LAYOUT},
                    {**_SHAPE, "HEADS_FIRST": False}),
@@ -35,7 +39,8 @@ CASES = {
                              "dt_bias_ptr": "fp32", "state_ptr": "fp32", **_RINGS, **_LAYOUT},
                             {"H": 131072, "G": 16, "NS": 1, "P": 1, "N_PAD": 1, "BLOCK_P": 1,
                              "NUM_PB": 1, "HAS_D": False, "HAS_DT_BIAS": True,
-                             "SOFTPLUS": True, "PAD_ROWS": 16, "HEADS_FIRST": True}),
+                             "SOFTPLUS": True, "PAD_ROWS": 16, "HEADS_FIRST": True,
+                             "BLOCK_ROWS": 0, "BLOCK_FROM": 1, "BLOCK_N": 16, "ROLE": 0}),
     "mamba1_commit": ("_ssd_commit_kernel",
                       {"state_ptr": "fp32", **_RINGS, "accept_lens_ptr": "i32", **_LAYOUT},
                       {"H": 131072, "G": 16, "NS": 1, "P": 1, "N_PAD": 1, "BLOCK_P": 1,

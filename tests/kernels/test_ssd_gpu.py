@@ -119,3 +119,48 @@ def test_ssd_float32_matches_reference_closely(lens):
         outs.append(impl(c["x"], c["dt"], c["A"], c["B"], c["C"], c["D"], c["dt_bias"],
                          c["state"], c["qsl"], c["slots"], *r, True, 0.0, float("inf")))
     torch.testing.assert_close(outs[1], outs[0], atol=5e-5, rtol=2e-5)
+
+
+@pytest.mark.parametrize("block_rows", [0, 8])
+def test_ssd_contains_rejected_rows_at_nemotron_shapes(block_rows):
+    """bf16 at Nemotron-H's shapes, the row walk and the block form: NaN / Inf in every
+    rejected row of x, dt, B and C leave the accepted rows and the committed states bit for
+    bit, and the block form's outputs agree with the row walk's."""
+    import dataclasses
+
+    from dspark_compile.kernels import ssd as triton_ssd
+
+    lens = [8, 3, 5, 1, 8, 2, 7, 4] * 4
+    c = _case(lens, seed=9)
+    h, p = c["x"].shape[1:]
+    g, n_state = c["B"].shape[1:]
+    acc = [1 + (i * 5) % n for i, n in enumerate(lens)]
+    dirty = dict(c)
+    for name in ("x", "dt", "B", "C"):
+        t = c[name].clone()
+        for i, (n, a) in enumerate(zip(lens, acc)):
+            s = int(c["qsl"][i])
+            for j in range(a, n):
+                t[s + j] = (float("nan"), float("inf"), -float("inf"))[(i + j) % 3]
+        dirty[name] = t
+    base = triton_ssd.plan_ssd(len(lens), h, n_state, p, torch.cuda.get_device_properties(
+        0).multi_processor_count)
+    plans = [dataclasses.replace(base, block_rows=0),
+             dataclasses.replace(base, block_rows=8, block_from=1)]
+    plan = plans[block_rows > 0]
+    outs, pools = [], []
+    for case, use in ((c, plan), (dirty, plan), (c, plans[0])):
+        r = ssd_ops.ssd_ring(c["x"].shape[0], h, g, n_state, p, "cuda")
+        outs.append(triton_ssd.ssd_triton(case["x"], case["dt"], case["A"], case["B"], case["C"],
+                                          case["D"], case["dt_bias"], case["state"], case["qsl"],
+                                          case["slots"], *r, True, 0.0, float("inf"), plan=use))
+        pool = c["state"].clone()
+        triton_ssd.ssd_commit_triton(pool, *r, c["qsl"], c["slots"], torch.tensor(
+            acc, dtype=torch.int32, device="cuda"), plan=use)
+        pools.append(pool)
+    for i, a in enumerate(acc):
+        s = int(c["qsl"][i])
+        assert torch.equal(outs[1][s:s + a], outs[0][s:s + a]), f"request {i}"
+    assert torch.equal(pools[1], pools[0])
+    real = sum(lens)
+    torch.testing.assert_close(outs[0][:real], outs[2][:real], atol=2e-3, rtol=2e-3)

@@ -225,29 +225,81 @@ def test_triton_matches_reference(name, h, g, n_state, p, bias, d, limits):
 
 
 @needs_triton
+@pytest.mark.parametrize("name", ["mixed", "long", "full"])
+@pytest.mark.parametrize("h, g, n_state, p, bias, d, limits, block_from, own_launch", [
+    (2, 1, 40, 33, True, True, (0.0, INF), 1, True),
+    (3, 1, 5, 20, False, False, (0.001, 0.5), 2, False)])
+def test_triton_block_form_matches_reference(name, h, g, n_state, p, bias, d, limits,
+                                             block_from, own_launch):
+    """The block form (requests of ``block_from..8`` rows from the state before them, the state
+    streamed in 16-row steps: N = 40 ends inside a step, N = 5 inside the first; P = 33 over three
+    channel blocks) beside the row walk of longer and shorter requests, in a launch of its own or
+    in the row walk's: outputs, rings and the committed state against the reference."""
+    import dataclasses
+
+    kernels = _triton()
+    lens, pad = TRITON_LAYOUTS[name]
+    layout = make_layout(lens, num_pad=pad, seed=n_state)
+    c = ssd_case(layout, h=h, g=g, n_state=n_state, p=p, seed=n_state, bias=bias, d=d)
+    plan = dataclasses.replace(kernels.plan_ssd(len(lens), h, n_state, p, 132, block_form=True),
+                               block_p=16, num_pb=-(-p // 16), block_rows=8, block_from=block_from,
+                               block_launch=own_launch)
+    want, want_rings = run_ssd(c, layout, limits=limits)
+    got, got_rings = run_ssd(c, layout, limits=limits, impl=lambda *a: kernels.ssd_triton(
+        *a, plan=plan))
+    torch.testing.assert_close(got, want, **TOL)
+    assert torch.equal(got[sum(lens):], torch.zeros_like(got[sum(lens):]))
+    for a, b in zip(got_rings, want_rings):
+        torch.testing.assert_close(a, b, **TOL)
+    acc = accepts(layout, seed=p)
+    pools = [c["ssm_state"].clone() for _ in range(2)]
+    OPS.ssd_commit(pools[0], *want_rings, layout.qsl, layout.slots, acc)
+    kernels.ssd_commit_triton(pools[1], *got_rings, layout.qsl, layout.slots, acc, plan=plan)
+    torch.testing.assert_close(pools[1], pools[0], **TOL)
+
+
+def test_plan_takes_the_block_form_only_when_asked_and_with_16_channels_a_program():
+    from dspark_compile.kernels import ssd as kernels
+
+    assert kernels.plan_ssd(64, 128, 128, 64, 132).block_rows == 0  # the row walk by default
+    block = kernels.plan_ssd(64, 128, 128, 64, 132, block_form=True)  # Nemotron-H
+    assert (block.block_rows, block.block_form_p, block.block_launch) == (8, 64, True)
+    assert kernels.plan_ssd(1, 128, 128, 64, 132, block_form=True).block_form_p == 16  # bs 1
+    assert kernels.plan_ssd(1, 4, 8, 16, 132, block_form=True).block_rows == 8  # tiny hybrids
+    assert kernels.plan_ssd(4, 8192 * 16, 1, 1, 132, block_form=True).block_rows == 0  # Mamba-1
+    assert kernels.plan_ssd(4, 4, 8, 6, 132, block_form=True).block_rows == 0
+
+
+@needs_triton
 @pytest.mark.parametrize("regime", ["strong", "zero"])
-def test_triton_state_scale_folds_match_reference(regime):
+@pytest.mark.parametrize("form", ["rows", "block"])
+def test_triton_state_scale_folds_match_reference(regime, form):
     """The kernels keep ``exp(A dt)`` in a per-program scale of the state tile and fold it into
     the tile when it leaves ``[2^-40, 2^40]``: time steps of 20-60 decay by e^-10 or more a row
     (without the fold, ``x dt / scale`` overflows within a request), and a head whose decay
     underflows to exactly 0 folds at once; outputs and the committed state must match the
-    reference's direct ``S * exp(A dt)``."""
+    reference's direct ``S * exp(A dt)``. The block form (verify widths) meets the same decays
+    as sums of ``A dt`` over windows."""
+    import dataclasses
+
     kernels = _triton()
-    lens, pad = TRITON_LAYOUTS["long"]
+    lens, pad = TRITON_LAYOUTS["long" if form == "rows" else "mixed"]
     layout = make_layout(lens, num_pad=pad, seed=13)
     c = ssd_case(layout, seed=13)
+    plan = dataclasses.replace(kernels.plan_ssd(len(lens), 4, 8, 6, 132), block_p=16, num_pb=1,
+                               block_rows=8 if form == "block" else 0, block_from=1)
     gen = torch.Generator().manual_seed(14)
     c["dt"] = 20.0 + 40.0 * torch.rand(c["dt"].shape, generator=gen)
     if regime == "zero":
         c["A"] = torch.tensor([-1e30, -1.0, -0.5, -1e30])
     want, want_rings = run_ssd(c, layout)
-    got, got_rings = run_ssd(c, layout, impl=kernels.ssd_triton)
+    got, got_rings = run_ssd(c, layout, impl=lambda *a: kernels.ssd_triton(*a, plan=plan))
     assert torch.isfinite(want).all()
     torch.testing.assert_close(got, want, **TOL)
     acc = accepts(layout, seed=13)
     pools = [c["ssm_state"].clone() for _ in range(2)]
     OPS.ssd_commit(pools[0], *want_rings, layout.qsl, layout.slots, acc)
-    kernels.ssd_commit_triton(pools[1], *got_rings, layout.qsl, layout.slots, acc)
+    kernels.ssd_commit_triton(pools[1], *got_rings, layout.qsl, layout.slots, acc, plan=plan)
     torch.testing.assert_close(pools[1], pools[0], **TOL)
 
 
@@ -263,19 +315,27 @@ def test_plan_puts_heads_first_past_the_grid_limit():
 
 
 @needs_triton
-def test_triton_contains_rejected_rows_and_changes_nothing_without_accepts():
+@pytest.mark.parametrize("block_rows", [0, 8])
+def test_triton_contains_rejected_rows_and_changes_nothing_without_accepts(block_rows):
+    """NaN / Inf in rejected and padding rows of x, dt, B and C: accepted rows and committed
+    states bit for bit, in the row walk and in the block form (whose products mix rows)."""
+    import dataclasses
+
     kernels = _triton()
-    layout = make_layout([3, 0, 5], num_pad=3, seed=4)
+    layout = make_layout([3, 0, 5, 8], num_pad=3, seed=4)
     acc = accepts(layout, 4)
     c = ssd_case(layout, h=2, g=1, n_state=4, p=3, seed=4)
     d = {**c, **{n: _poison(c[n], layout, acc) for n in ("x", "dt", "B", "C")}}
-    runs = [run_ssd(case, layout, impl=kernels.ssd_triton) for case in (c, d)]
+    plan = dataclasses.replace(kernels.plan_ssd(4, 2, 4, 3, 132), block_p=16, num_pb=1,
+                               block_rows=block_rows, block_from=1)
+    runs = [run_ssd(case, layout, impl=lambda *a: kernels.ssd_triton(*a, plan=plan))
+            for case in (c, d)]
     _check_containment(layout, acc, *runs)
     pools = [c["ssm_state"].clone() for _ in range(2)]
     for pool, (_, rings) in zip(pools, runs):
-        kernels.ssd_commit_triton(pool, *rings, layout.qsl, layout.slots, acc)
+        kernels.ssd_commit_triton(pool, *rings, layout.qsl, layout.slots, acc, plan=plan)
     assert torch.equal(pools[0], pools[1])
     pool = c["ssm_state"].clone()
     none = torch.zeros_like(acc)
-    kernels.ssd_commit_triton(pool, *runs[0][1], layout.qsl, layout.slots, none)
+    kernels.ssd_commit_triton(pool, *runs[0][1], layout.qsl, layout.slots, none, plan=plan)
     assert torch.equal(pool, c["ssm_state"])
