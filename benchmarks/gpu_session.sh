@@ -26,9 +26,9 @@
 #                 stream with equal work a program, against the skinny launches and a plain read)
 #   ssm_step      ssm_step.py                          (Nemotron-H-like verify step vs HF dense)
 #   ssd_tests     pytest -m gpu tests/kernels/test_ssd_gpu.py (the Mamba-2 op, families, replays)
-#   ssd_forms     ssd_kernels.py --kernels ssd --ssd-plans ... (the SSD forward's row walk against
-#                 its block form, in its own launch or not, its channel blocks, warps and shortest
-#                 request at bs 64 / 128; then the row walk and the default plan at bs 1 / 8)
+#   ssd_forms     ssd_kernels.py --kernels ssd --ssd-plans rows default (the SSD forward's row walk
+#                 against plan_ssd's plan, bs 1 / 8 / 64 / 128)
+#   ssd_block_plans  ssd_kernels.py --ssd-plans over the block form's knobs at bs 64 / 128
 #   gdn_split     gdn_split_spike.py 64 128 over the row form, the split, its pair variant
 #   ssd_probe     ssd_block_probe.py 64 128 (the Mamba-2 block form's state stream alone, its tiles
 #                 and pipelining depths, beside the op's two forms)
@@ -121,13 +121,13 @@ job() {
         --configs 64,128,4,5,1 32,256,4,6,1 64,128,4,5,2 ;;
     ssm_step) python3 benchmarks/ssm_step.py ;;
     ssd_tests) python3 -m pytest -q -m gpu tests/kernels/test_ssd_gpu.py -p no:cacheprovider ;;
-    ssd_forms)  # the SSD forward's row walk against its block form, then the block form's knobs
-      python3 benchmarks/ssd_kernels.py --kernels ssd --bs 64 128 --ssd-plans rows block \
+    ssd_forms)  # the SSD forward's row walk against plan_ssd's plan (its block form from bs 8)
+      python3 benchmarks/ssd_kernels.py --kernels ssd --bs 1 8 64 128 --ssd-plans rows default \
+        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_forms.json" ;;
+    ssd_block_plans)  # the block form's shortest request, channel blocks, warps, launches
+      python3 benchmarks/ssd_kernels.py --kernels ssd --bs 64 128 --ssd-plans rows block:from6 \
           block:from1 block:from4 block:from8 block:bp32 block:bw2 block:from1:one \
-        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_block_plans.json" \
-        && python3 benchmarks/ssd_kernels.py --kernels ssd --bs 1 8 --ssd-plans rows block \
-          block:from1 \
-        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_forms_small.json" ;;
+        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_block_plans.json" ;;
     ssd_probe) python3 benchmarks/ssd_block_probe.py 64 128 ;;
     gdn_split) SPIKE_CASES="rows;split bv128 wb1 kc16;split pair;A alone;A alone pair;B alone" \
       python3 benchmarks/gdn_split_spike.py 64 128 ;;

@@ -137,16 +137,19 @@ _PLAN_FIELDS = {"p": "block_p", "w": "num_warps", "n": "block_n", "from": "block
 
 
 def ssd_plan(spec: str, bs: int, s: dict, device: str):
-    """A named SSD plan: ``rows`` or ``default`` (``plan_ssd``'s: every request walks its rows),
-    or ``block`` (``plan_ssd(..., block_form=True)``) with changes, e.g.
+    """A named SSD plan: ``rows`` (every request walks its rows), ``default`` (``plan_ssd``'s), or
+    ``block`` (``plan_ssd(..., block_form=True)``) with changes, e.g.
     ``block:p64:w2:n32:from3:bp64:bw2:one`` (the row walk's channel block and warps, state rows
     a block-form step, the shortest request in block form, the block form's own channel block
     and warps, both forms in one launch)."""
     p = s["ssd_head_dim"]
     base = triton_ssd.plan_ssd(bs, s["ssd_heads"], s["ssd_state"], p,
                                device_sm_count(torch.device(device)), block_form=True)
-    if spec in ("rows", "default"):
+    if spec == "rows":
         return dataclasses.replace(base, block_rows=0)
+    if spec == "default":
+        return triton_ssd.plan_ssd(bs, s["ssd_heads"], s["ssd_state"], p,
+                                   device_sm_count(torch.device(device)))
     name, *changes = spec.split(":")
     if name != "block":
         raise ValueError(f"--ssd-plans: {spec!r} is not rows, default or block[:p..][:w..][:n..]"

@@ -27,7 +27,7 @@ only: there is no causal mask term to get wrong. Ring writers: every channel blo
 group's B. Program row ``R`` is the padding pseudo-request: it zeroes rows
 ``query_start_loc[R] .. N-1``. Empty requests exit.
 
-Forward, block form (``SsdPlan.block_rows``; off unless ``plan_ssd(..., block_form=True)``):
+Forward, block form (``SsdPlan.block_rows``; :func:`plan_ssd` says when):
 a request of ``block_from..block_rows`` rows is taken at once from the state before it,
 ``out = diag(exp(cum)) C S0 + L (x * dt) + D x`` (:func:`_ssd_block`), the state streamed once
 through float32 FMA dots, one multiply-add per state element per row against the walk's three.
@@ -68,7 +68,8 @@ _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on
 _MIN_BLOCK_P = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
 _BLOCK_ROWS = 8  # requests up to this many rows take the block form (the verify widths)
-_BLOCK_FROM = 6  # ... and at least this many (shorter ones walk their rows faster)
+_BLOCK_FROM = 8  # ... and at least this many: full-width requests (shorter ones walk)
+_BLOCK_MIN_REQUESTS = 8  # below this many requests the walk's shorter chain is faster
 _BLOCK_FORM_P = 64  # head channels a block-form program streams, at most
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 _SCALE_LO = tl.constexpr(2.0 ** -40)  # a state scale outside [LO, HI] is folded into the tile
@@ -178,28 +179,37 @@ def _ssd_block(out_ptr, x_ptr, dt_ptr, b_ptr, c_ptr, state_ptr, ring_x_ptr, ring
                      mask=s_ok[:, None] & p_ok[None, :], other=0.0).to(f32)
         acc = tl.dot(c, s0, acc, input_precision="ieee")
         cb = tl.dot(c, tl.trans(b), cb, input_precision="ieee")
-    # x after the stream: its tiles are not live across the loop (registers)
-    rp_ok = in_req[:, None] & p_ok[None, :]
-    x = tl.load(x_ptr + rows[:, None] * stride_x_tok + head * stride_x_head + offs_p[None, :],
-                mask=rp_ok, other=0.0).to(f32)
-    xdt = x * dt[:, None]
-    tl.store(ring_x_ptr + (rows[:, None] * H + head) * P + offs_p[None, :], xdt, mask=rp_ok)
+    # x after the stream (its tiles are not live across the loop), loaded as the second operand
+    # of one [T, 2T] @ [2T, BLOCK_P] product: rows r < T are x * dt of row r, rows r >= T are x of
+    # row r - T (the D x term); two halves because triton 3.6's float32 dots need K >= 16
+    offs_r = tl.arange(0, 2 * T)
+    top = offs_r < T
+    r_rows = start.to(tl.int64) + offs_r % T
+    r_in = (offs_r % T) < length
+    x2 = tl.load(x_ptr + r_rows[:, None] * stride_x_tok + head * stride_x_head + offs_p[None, :],
+                 mask=r_in[:, None] & p_ok[None, :], other=0.0).to(f32)
+    dt2 = tl.load(dt_ptr + r_rows * stride_dt_tok + head, mask=r_in & top, other=0.0).to(f32)
+    dt2 = _process_dt(dt2, bias, HAS_DT_BIAS, SOFTPLUS, dt_min, dt_max, dt_ptr.dtype.element_ty)
+    x2 = x2 * tl.where(top, dt2, 1.0)[:, None]
+    tl.store(ring_x_ptr + (r_rows[:, None] * H + head) * P + offs_p[None, :], x2,
+             mask=(r_in & top)[:, None] & p_ok[None, :])
+    finite = (x2 == x2) & (tl.abs(x2) < float("inf"))
+    bad = tl.max(tl.where(finite, 0, 1), 1) > 0  # [2T]: a row with a non-finite x * dt (or x)
+    first_bad = tl.min(tl.where(bad, offs_r % T, T), 0)
     ii = offs_t[None, None, :]
     win = tl.sum(tl.where((ii > ss[:, :, None]) & (ii <= tt[:, :, None]), da[None, None, :],
                           0.0), 2)
     cum = tl.sum(tl.where(ss <= tt, da[None, :], 0.0), 1)
     lmat = tl.where(ss <= tt, cb * tl.exp(win), 0.0)
-    finite = (xdt == xdt) & (tl.abs(xdt) < float("inf"))
-    # [T, 2T] @ [2T, BLOCK_P], the second halves zeros: triton 3.6's fp32 dots need K >= 16
-    l2 = tl.reshape(tl.permute(tl.join(lmat, tl.zeros([T, T], f32)), (0, 2, 1)), (T, 2 * T))
-    x2 = tl.reshape(tl.permute(tl.join(tl.where(finite, xdt, 0.0), tl.zeros([T, BLOCK_P], f32)),
-                               (2, 0, 1)), (2 * T, BLOCK_P))
-    out = acc * tl.exp(cum)[:, None] + tl.dot(l2, x2, input_precision="ieee")
     if HAS_D:
-        out = out + d * x
-    bad = tl.max(tl.where(finite, 0, 1), 1)  # [T]: a row with a non-finite x * dt
-    first_bad = tl.min(tl.where(bad > 0, offs_t, T), 0)
+        diag = tl.where(tt == ss, d, 0.0)
+    else:
+        diag = tl.zeros([T, T], f32)
+    l2 = tl.reshape(tl.permute(tl.join(lmat, diag), (0, 2, 1)), (T, 2 * T))  # [L | D I]
+    out = acc * tl.exp(cum)[:, None] + tl.dot(l2, tl.where(finite, x2, 0.0),
+                                              input_precision="ieee")
     out = tl.where((offs_t >= first_bad)[:, None], float("nan"), out)
+    rp_ok = in_req[:, None] & p_ok[None, :]
     tl.store(out_ptr + rows[:, None] * stride_out_tok + head * stride_out_head + offs_p[None, :],
              out, mask=rp_ok)
 
@@ -397,16 +407,18 @@ class SsdPlan:
 
 @functools.lru_cache(maxsize=1024)
 def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
-             sm_count: int, block_form: bool = False) -> SsdPlan:
+             sm_count: int, block_form: bool | None = None) -> SsdPlan:
     """``BLOCK_P`` from host ints: at most ``_MAX_TILE / N_PAD`` channels (32 at N = 128, so the
     state slice stays in registers), halved (down to 16) while ``R * H * P / BLOCK_P``
     programs are fewer than two per multiprocessor (the GDN kernel's rule).
 
-    ``block_form``: requests of ``_BLOCK_FROM..._BLOCK_ROWS`` rows take the block form, in a
-    launch of its own, where a channel block has at least 16 channels (its float32 dots;
-    narrower heads, Mamba-1's one-element ones, walk their rows). Off by default: on the H200 it
-    is faster with all 8 rows at bs >= 8 and slower at bs 1 and with ragged mean-3 widths
-    (docs/benchmarks.md, ``ssd_kernels.py --ssd-plans``)."""
+    ``block_form``: requests of ``_BLOCK_FROM.._BLOCK_ROWS`` rows (the full verify width) take
+    the block form, in a launch of its own, where a channel block has at least 16 channels (its
+    float32 dots; narrower heads, Mamba-1's one-element ones, walk their rows). ``None`` (the
+    default): from ``_BLOCK_MIN_REQUESTS`` requests on. On the H200 at Nemotron-H's shapes
+    (docs/benchmarks.md, ``ssd_kernels.py --ssd-plans``) the block form is faster with all 8 rows
+    from bs 8 on and slower at bs 1, where the walk's shorter chain wins; shorter requests walk,
+    which is faster for them."""
     n_pad = triton.next_power_of_2(max(state_dim, 1))
     p_pad = triton.next_power_of_2(max(head_dim, 1))
     block_p = min(p_pad, max(_MIN_BLOCK_P, _MAX_TILE // n_pad))
@@ -414,6 +426,8 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
             max(num_requests, 1) * num_heads * triton.cdiv(head_dim, block_p) < 2 * sm_count:
         block_p //= 2
     num_pb = triton.cdiv(head_dim, block_p)
+    if block_form is None:
+        block_form = num_requests >= _BLOCK_MIN_REQUESTS
     # the block form streams its slice instead of holding it: up to 64 channels, by the same
     # halving rule
     form_p = min(p_pad, _BLOCK_FORM_P)

@@ -258,12 +258,14 @@ def test_triton_block_form_matches_reference(name, h, g, n_state, p, bias, d, li
     torch.testing.assert_close(pools[1], pools[0], **TOL)
 
 
-def test_plan_takes_the_block_form_only_when_asked_and_with_16_channels_a_program():
+def test_plan_takes_the_block_form_from_8_requests_with_16_channels_a_program():
     from dspark_compile.kernels import ssd as kernels
 
-    assert kernels.plan_ssd(64, 128, 128, 64, 132).block_rows == 0  # the row walk by default
-    block = kernels.plan_ssd(64, 128, 128, 64, 132, block_form=True)  # Nemotron-H
-    assert (block.block_rows, block.block_form_p, block.block_launch) == (8, 64, True)
+    assert kernels.plan_ssd(4, 128, 128, 64, 132).block_rows == 0  # the walk below 8 requests
+    assert kernels.plan_ssd(64, 128, 128, 64, 132, block_form=False).block_rows == 0
+    block = kernels.plan_ssd(64, 128, 128, 64, 132)  # Nemotron-H, bs 64: full-width requests
+    assert (block.block_rows, block.block_from, block.block_form_p, block.block_launch) == \
+        (8, 8, 64, True)
     assert kernels.plan_ssd(1, 128, 128, 64, 132, block_form=True).block_form_p == 16  # bs 1
     assert kernels.plan_ssd(1, 4, 8, 16, 132, block_form=True).block_rows == 8  # tiny hybrids
     assert kernels.plan_ssd(4, 8192 * 16, 1, 1, 132, block_form=True).block_rows == 0  # Mamba-1
