@@ -22,7 +22,6 @@ variants:
 
 Usage: ``python benchmarks/gdn_split_spike.py [BS ...]`` (an H200; default bs 8 64 128); writes
 ``gdn_split_spike.json`` to ``$OUT`` or ``benchmarks/results/``."""
-import json
 import os
 import sys
 from pathlib import Path
@@ -30,7 +29,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from common import time_calls
+from common import floor_row, save_rows
 from hybrid_kernels import _copies, _gdn_args, gdn_inputs
 from ssd_kernels import SETTINGS, lengths
 
@@ -397,14 +396,10 @@ def main():
                         raise AssertionError(f"{name}: max abs error {err}")
                     fns = [lambda c=c, kw=kw, parts=parts: split_forward(c, s, parts=parts, **kw)
                            for c in sets]
-                t = time_calls(fns, s, "cuda")
-                best = min(t["eager_us"], t["graph_us"])
-                rows.append(dict(bs=bs, lengths="mix_mean3" if mix else "all8", form=name, **t,
-                                 floor_pct=round(100 * floor / 4.8e12 * 1e6 / best, 1)))
+                rows.append(floor_row(fns, s, floor, bs=bs,
+                                      lengths="mix_mean3" if mix else "all8", form=name))
                 print(rows[-1], flush=True)
-                (out_dir / "gdn_split_spike.json").write_text(json.dumps(dict(
-                    gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                    triton=triton.__version__, command=" ".join(sys.argv), rows=rows), indent=1))
+                save_rows(out_dir / "gdn_split_spike.json", rows)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,6 @@ us, all 8 rows):
 The probe kernels compute no recurrence: they bound what the block form can reach, they are
 not an op. Usage: ``python benchmarks/ssd_block_probe.py [BS ...]`` (an H200; default 64 128);
 writes ``ssd_block_probe.json`` to ``$OUT`` or ``benchmarks/results/``."""
-import json
 import os
 import sys
 from pathlib import Path
@@ -18,7 +17,7 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from common import time_calls
+from common import floor_row, save_rows
 from hybrid_kernels import _copies
 from ssd_kernels import SETTINGS, _ssd_args, ssd_inputs, ssd_plan
 
@@ -125,14 +124,10 @@ def main():
                     if err > 1e-2:
                         raise AssertionError(f"{name}: max abs error {err}")
                 fns = [lambda c=c, kw=kw: stream(c, s, **kw) for c in sets]
-            t = time_calls(fns, s, "cuda")
-            best = min(t["eager_us"], t["graph_us"])
-            rows.append(dict(bs=bs, lengths="all8", case=name, **t,
-                             floor_pct=round(100 * floor / s["hbm_bytes_per_s"] * 1e6 / best, 1)))
+            rows.append(floor_row(fns, s, floor, s["hbm_bytes_per_s"], bs=bs, lengths="all8",
+                                  case=name))
             print(rows[-1], flush=True)
-            (out_dir / "ssd_block_probe.json").write_text(json.dumps(dict(
-                gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, command=" ".join(sys.argv), rows=rows), indent=1))
+            save_rows(out_dir / "ssd_block_probe.json", rows)
 
 
 if __name__ == "__main__":

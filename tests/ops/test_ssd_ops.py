@@ -191,6 +191,24 @@ def _triton():
     return triton_ssd
 
 
+def _check_triton(kernels, c, layout, plan, limits, seed):
+    """The Triton forward under ``plan`` against the reference: outputs, zeroed padding rows,
+    rings, and the committed state of random accepted lengths."""
+    want, want_rings = run_ssd(c, layout, limits=limits)
+    got, got_rings = run_ssd(c, layout, limits=limits, impl=lambda *a: kernels.ssd_triton(
+        *a, plan=plan))
+    torch.testing.assert_close(got, want, **TOL)
+    real = sum(layout.lens)
+    assert torch.equal(got[real:], torch.zeros_like(got[real:]))
+    for a, b in zip(got_rings, want_rings):
+        torch.testing.assert_close(a, b, **TOL)
+    acc = accepts(layout, seed=seed)
+    pools = [c["ssm_state"].clone() for _ in range(2)]
+    OPS.ssd_commit(pools[0], *want_rings, layout.qsl, layout.slots, acc)
+    kernels.ssd_commit_triton(pools[1], *got_rings, layout.qsl, layout.slots, acc, plan=plan)
+    torch.testing.assert_close(pools[1], pools[0], **TOL)
+
+
 @needs_triton
 @pytest.mark.parametrize("name", ["mixed", "empty_ends", "prefill", "long"])
 @pytest.mark.parametrize("h, g, n_state, p, bias, d, limits", [
@@ -209,19 +227,7 @@ def test_triton_matches_reference(name, h, g, n_state, p, bias, d, limits):
         plan = kernels.SsdPlan(plan.n_pad, 16, 2)
     if p == 1:  # the grid with heads on its first axis, as past 65535 (head, block) programs
         plan = kernels.SsdPlan(plan.n_pad, plan.block_p, plan.num_pb, heads_first=True)
-    want, want_rings = run_ssd(c, layout, limits=limits)
-    got, got_rings = run_ssd(c, layout, limits=limits, impl=lambda *a: kernels.ssd_triton(
-        *a, plan=plan))
-    torch.testing.assert_close(got, want, **TOL)
-    real = sum(lens)
-    assert torch.equal(got[real:], torch.zeros_like(got[real:]))
-    for a, b in zip(got_rings, want_rings):
-        torch.testing.assert_close(a, b, **TOL)
-    acc = accepts(layout, seed=p)
-    pools = [c["ssm_state"].clone() for _ in range(2)]
-    OPS.ssd_commit(pools[0], *want_rings, layout.qsl, layout.slots, acc)
-    kernels.ssd_commit_triton(pools[1], *got_rings, layout.qsl, layout.slots, acc, plan=plan)
-    torch.testing.assert_close(pools[1], pools[0], **TOL)
+    _check_triton(kernels, c, layout, plan, limits, seed=p)
 
 
 @needs_triton
@@ -244,18 +250,7 @@ def test_triton_block_form_matches_reference(name, h, g, n_state, p, bias, d, li
     plan = dataclasses.replace(kernels.plan_ssd(len(lens), h, n_state, p, 132, block_form=True),
                                block_p=16, num_pb=-(-p // 16), block_rows=8, block_from=block_from,
                                block_launch=own_launch)
-    want, want_rings = run_ssd(c, layout, limits=limits)
-    got, got_rings = run_ssd(c, layout, limits=limits, impl=lambda *a: kernels.ssd_triton(
-        *a, plan=plan))
-    torch.testing.assert_close(got, want, **TOL)
-    assert torch.equal(got[sum(lens):], torch.zeros_like(got[sum(lens):]))
-    for a, b in zip(got_rings, want_rings):
-        torch.testing.assert_close(a, b, **TOL)
-    acc = accepts(layout, seed=p)
-    pools = [c["ssm_state"].clone() for _ in range(2)]
-    OPS.ssd_commit(pools[0], *want_rings, layout.qsl, layout.slots, acc)
-    kernels.ssd_commit_triton(pools[1], *got_rings, layout.qsl, layout.slots, acc, plan=plan)
-    torch.testing.assert_close(pools[1], pools[0], **TOL)
+    _check_triton(kernels, c, layout, plan, limits, seed=p)
 
 
 def test_plan_takes_the_block_form_from_8_requests_with_16_channels_a_program():
