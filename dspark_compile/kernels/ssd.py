@@ -391,7 +391,7 @@ class SsdPlan:
     block_rows: int = 0
     """The forward takes requests of ``block_from..block_rows`` rows in the block form
     (:func:`_ssd_block`: the state streamed once through float32 dots, no row-serial chain);
-    0: every request walks its rows. A power of two, at most 16."""
+    0: every request walks its rows. 0 or 8 (the width measured and tested on the GPU)."""
     block_from: int = 1
     """The shortest request the block form takes (shorter ones walk their rows)."""
     block_n: int = 16
@@ -430,13 +430,36 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
         block_form = num_requests >= _BLOCK_MIN_REQUESTS
     # the block form streams its slice instead of holding it: up to 64 channels, by the same
     # halving rule
-    form_p = min(p_pad, _BLOCK_FORM_P)
+    form_p = max(min(p_pad, _BLOCK_FORM_P), _MIN_BLOCK_P)  # narrower heads: channels masked
     while form_p > _MIN_BLOCK_P and \
             max(num_requests, 1) * num_heads * triton.cdiv(head_dim, form_p) < 2 * sm_count:
         form_p //= 2
     return SsdPlan(n_pad, block_p, num_pb, heads_first=num_heads * num_pb > _MAX_GRID_Y,
                    block_rows=_BLOCK_ROWS if block_form and block_p >= _MIN_BLOCK_P else 0,
                    block_from=_BLOCK_FROM, block_form_p=form_p)
+
+
+def _check_plan(plan: SsdPlan) -> None:
+    """The block form's knobs, before any launch: ``ValueError`` naming the value and the rule."""
+
+    def dot_size(v: int) -> bool:  # the block form's float32 dots: a power of two, >= 16
+        return v >= _MIN_BLOCK_P and v & (v - 1) == 0
+
+    pow2 = f"a power of two of at least {_MIN_BLOCK_P} (the block form's float32 dots)"
+    rules = [(plan.block_rows in (0, _BLOCK_ROWS), "block_rows", plan.block_rows,
+              f"0 or {_BLOCK_ROWS}"),
+             (plan.block_from >= 1, "block_from", plan.block_from, "at least 1")]
+    if plan.block_rows:
+        rules += [(dot_size(plan.block_n), "block_n", plan.block_n, pow2),
+                  (plan.block_form_p == 0 or dot_size(plan.block_form_p), "block_form_p",
+                   plan.block_form_p, pow2 + ", or 0")]
+        if not (plan.block_launch and plan.block_form_p):  # the walk's channel blocks
+            rules.append((plan.block_p >= _MIN_BLOCK_P, "block_p", plan.block_p,
+                          f"at least {_MIN_BLOCK_P} where the block form takes the walk's "
+                          "channel blocks"))
+    for ok, name, value, rule in rules:
+        if not ok:
+            raise ValueError(f"dspark::ssd: SsdPlan.{name}={value!r}: must be {rule}")
 
 
 def _grid(requests: int, head_blocks: int, heads_first: bool) -> tuple[int, int]:
@@ -468,6 +491,7 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
     if n == 0 or p == 0:
         return out
     plan = plan or plan_ssd(r, h, n_state, p, device_sm_count(x.device))
+    _check_plan(plan)
     st = ssm_state
     args = (out, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, st,
             query_start_loc, slots, ring_x, ring_b, ring_da, float(dt_min), float(dt_max), n, r,

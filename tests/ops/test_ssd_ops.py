@@ -267,6 +267,29 @@ def test_plan_takes_the_block_form_from_8_requests_with_16_channels_a_program():
     assert kernels.plan_ssd(4, 4, 8, 6, 132, block_form=True).block_rows == 0
 
 
+@pytest.mark.parametrize("change, match", [
+    (dict(block_rows=16), r"SsdPlan.block_rows=16: must be 0 or 8"),
+    (dict(block_rows=8, block_from=0), r"SsdPlan.block_from=0: must be at least 1"),
+    (dict(block_rows=8, block_n=8), r"SsdPlan.block_n=8: must be a power of two of at least 16"),
+    (dict(block_rows=8, block_form_p=48), r"SsdPlan.block_form_p=48: must be a power of two"),
+    (dict(block_rows=8, block_launch=False, block_p=8), r"SsdPlan.block_p=8: must be at least 16")])
+def test_a_bad_block_plan_is_refused_before_any_launch(change, match):
+    import dataclasses
+
+    from dspark_compile.kernels import ssd as kernels
+
+    layout = make_layout([3, 8], num_pad=1, seed=2)
+    c = ssd_case(layout, h=2, g=1, n_state=4, p=16, seed=2)
+    plan = dataclasses.replace(kernels.plan_ssd(2, 2, 4, 16, 132, block_form=True), **change)
+    rings = ssd_ops.ssd_ring(layout.num_tokens, 2, 1, 4, 16, "cpu")
+    before = [r.clone() for r in rings]
+    with pytest.raises(ValueError, match=match):
+        kernels.ssd_triton(c["x"], c["dt"], c["A"], c["B"], c["C"], c["D"], c["dt_bias"],
+                           c["ssm_state"], layout.qsl, layout.slots, *rings, True, 0.0, INF,
+                           plan=plan)
+    assert all(torch.equal(a, b) for a, b in zip(rings, before))
+
+
 @needs_triton
 @pytest.mark.parametrize("regime", ["strong", "zero"])
 @pytest.mark.parametrize("form", ["rows", "block"])
