@@ -386,25 +386,3 @@ def time_calls(fns: list, s: dict, device: str) -> dict:
     calls = s["graph_calls"] * s["graph_replays"]
     return dict(eager_us=ev[0].elapsed_time(ev[1]) * 1e3 / s["eager_iters"],
                 graph_us=ev[2].elapsed_time(ev[3]) * 1e3 / calls)
-
-
-def floor_row(fns: list, s: dict, floor_bytes: float, bandwidth: float = 4.8e12,
-              **fields) -> dict:
-    """A result row: ``fields``, ``time_calls(fns)`` on the GPU, and the share of the floor
-    (``floor_bytes`` at ``bandwidth``) the faster of eager and graph replays reaches."""
-    t = time_calls(fns, s, "cuda")
-    best = min(t["eager_us"], t["graph_us"])
-    return dict(**fields, **t, floor_pct=round(100 * floor_bytes / bandwidth * 1e6 / best, 1))
-
-
-def save_rows(path, rows: list) -> None:
-    """``rows`` as JSON at ``path``, with the GPU, the torch and triton versions and the
-    command line (written after every row: a run stopped by its time limit keeps what it did)."""
-    import sys
-
-    import triton
-
-    with open(path, "w") as f:
-        json.dump(dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                       triton=triton.__version__, command=" ".join(sys.argv), rows=rows), f,
-                  indent=1)

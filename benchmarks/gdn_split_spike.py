@@ -29,9 +29,9 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from common import floor_row, save_rows
+from common import time_calls, versions, write_json
 from hybrid_kernels import _copies, _gdn_args, gdn_inputs
-from ssd_kernels import SETTINGS, lengths
+from ssd_kernels import SETTINGS, _rates, lengths
 
 from dspark_compile.kernels import gdn as triton_gdn
 from dspark_compile.ops import linear_attention_reference as ref
@@ -350,7 +350,7 @@ def split_forward(c, s, block_v=128, warps_a=1, warps_b=1, kc=16, parts="ab", gr
 def main():
     s = SETTINGS
     rows = []
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out = os.environ.get("OUT") or str(Path(__file__).parent / "results")
     for bs in [int(a) for a in sys.argv[1:]] or (8, 64, 128):
         for mix in (True, False):
             lens = lengths(bs, mix, s)
@@ -396,10 +396,11 @@ def main():
                         raise AssertionError(f"{name}: max abs error {err}")
                     fns = [lambda c=c, kw=kw, parts=parts: split_forward(c, s, parts=parts, **kw)
                            for c in sets]
-                rows.append(floor_row(fns, s, floor, bs=bs,
-                                      lengths="mix_mean3" if mix else "all8", form=name))
+                rows.append(dict(bs=bs, lengths="mix_mean3" if mix else "all8", form=name,
+                                 **_rates(floor, time_calls(fns, s, "cuda"), s)))
                 print(rows[-1], flush=True)
-                save_rows(out_dir / "gdn_split_spike.json", rows)
+                report = dict(versions(), command=" ".join(sys.argv), rows=rows)
+                write_json(out, "gdn_split_spike.json", report)
 
 
 if __name__ == "__main__":

@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 import triton
 import triton.language as tl
-from common import floor_row, save_rows
+from common import time_calls, versions, write_json
 from hybrid_kernels import _copies
-from ssd_kernels import SETTINGS, _ssd_args, ssd_inputs, ssd_plan
+from ssd_kernels import SETTINGS, _rates, _ssd_args, ssd_inputs, ssd_plan
 
 from dspark_compile.kernels import ssd as triton_ssd
 
@@ -98,7 +98,7 @@ def check_stream(got, c, s):
 
 def main():
     s = SETTINGS
-    out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out = os.environ.get("OUT") or str(Path(__file__).parent / "results")
     rows = []
     for bs in [int(a) for a in sys.argv[1:]] or (64, 128):
         lens = [8] * bs
@@ -124,10 +124,11 @@ def main():
                     if err > 1e-2:
                         raise AssertionError(f"{name}: max abs error {err}")
                 fns = [lambda c=c, kw=kw: stream(c, s, **kw) for c in sets]
-            rows.append(floor_row(fns, s, floor, s["hbm_bytes_per_s"], bs=bs, lengths="all8",
-                                  case=name))
+            rows.append(dict(bs=bs, lengths="all8", case=name,
+                             **_rates(floor, time_calls(fns, s, "cuda"), s)))
             print(rows[-1], flush=True)
-            save_rows(out_dir / "ssd_block_probe.json", rows)
+            report = dict(versions(), command=" ".join(sys.argv), rows=rows)
+            write_json(out, "ssd_block_probe.json", report)
 
 
 if __name__ == "__main__":

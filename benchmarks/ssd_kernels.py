@@ -144,12 +144,10 @@ def ssd_plan(spec: str, bs: int, s: dict, device: str):
     and warps, both forms in one launch)."""
     p = s["ssd_head_dim"]
     base = triton_ssd.plan_ssd(bs, s["ssd_heads"], s["ssd_state"], p,
-                               device_sm_count(torch.device(device)), block_form=True)
-    if spec == "rows":
-        return dataclasses.replace(base, block_rows=0)
-    if spec == "default":
-        return triton_ssd.plan_ssd(bs, s["ssd_heads"], s["ssd_state"], p,
-                                   device_sm_count(torch.device(device)))
+                               device_sm_count(torch.device(device)),
+                               block_form=None if spec == "default" else spec != "rows")
+    if spec in ("rows", "default"):
+        return base
     name, *changes = spec.split(":")
     if name != "block":
         raise ValueError(f"--ssd-plans: {spec!r} is not rows, default or block[:p..][:w..][:n..]"

@@ -248,7 +248,7 @@ def _ssd_forward_kernel(
         return
     in_block = (length >= BLOCK_FROM) & (length <= BLOCK_ROWS)
     if ROLE == 1:
-        if (length < BLOCK_FROM) | (length > BLOCK_ROWS):
+        if in_block == 0:
             return
     if ROLE == 2:
         if in_block:
@@ -419,21 +419,21 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
     (docs/benchmarks.md, ``ssd_kernels.py --ssd-plans``) the block form is faster with all 8 rows
     from bs 8 on and slower at bs 1, where the walk's shorter chain wins; shorter requests walk,
     which is faster for them."""
+    def filled(block: int) -> int:  # halved while fewer than two programs a multiprocessor
+        while block > _MIN_BLOCK_P and \
+                max(num_requests, 1) * num_heads * triton.cdiv(head_dim, block) < 2 * sm_count:
+            block //= 2
+        return block
+
     n_pad = triton.next_power_of_2(max(state_dim, 1))
     p_pad = triton.next_power_of_2(max(head_dim, 1))
-    block_p = min(p_pad, max(_MIN_BLOCK_P, _MAX_TILE // n_pad))
-    while block_p > _MIN_BLOCK_P and \
-            max(num_requests, 1) * num_heads * triton.cdiv(head_dim, block_p) < 2 * sm_count:
-        block_p //= 2
+    block_p = filled(min(p_pad, max(_MIN_BLOCK_P, _MAX_TILE // n_pad)))
     num_pb = triton.cdiv(head_dim, block_p)
     if block_form is None:
         block_form = num_requests >= _BLOCK_MIN_REQUESTS
-    # the block form streams its slice instead of holding it: up to 64 channels, by the same
-    # halving rule
-    form_p = max(min(p_pad, _BLOCK_FORM_P), _MIN_BLOCK_P)  # narrower heads: channels masked
-    while form_p > _MIN_BLOCK_P and \
-            max(num_requests, 1) * num_heads * triton.cdiv(head_dim, form_p) < 2 * sm_count:
-        form_p //= 2
+    # the block form streams its slice instead of holding it: up to 64 channels (narrower heads
+    # masked up to 16), by the same rule
+    form_p = filled(max(min(p_pad, _BLOCK_FORM_P), _MIN_BLOCK_P))
     return SsdPlan(n_pad, block_p, num_pb, heads_first=num_heads * num_pb > _MAX_GRID_Y,
                    block_rows=_BLOCK_ROWS if block_form and block_p >= _MIN_BLOCK_P else 0,
                    block_from=_BLOCK_FROM, block_form_p=form_p)
