@@ -28,9 +28,27 @@ there is no causal mask term to get wrong. The program of value head ``h`` and c
 the replay rings; every channel block saves its slice of ``v``. Program row ``R`` is the
 padding pseudo-request: it zeroes rows ``query_start_loc[R] .. N-1``. Empty requests exit.
 
+Forward, block form (``GdnPlan.block_rows``; :func:`plan_gdn` says when, from the launch's
+shape: many requests at a mean of nearly the whole verify width): a request of up to 8 rows
+is taken at once from the state before it, with no update of the state,
+
+    out = W [K S0; Q S0] + C v
+
+(raw key and query rows stacked, 16 x K; ``W`` and ``C`` from the rows' Gram products, norms,
+window sums of the log gates and a unit-triangular inverse, :func:`_block_weights`). One
+launch holds two kinds of program (:func:`_gdn_block_kernel`): a weight program a (request,
+value head) makes ``W`` and ``C``; a stream program a (request, value head, channel block)
+reads its state slice once through float32 FMA dots (one multiply-add a state element a row,
+against the walk's four) and mixes. It takes the weight program's results if that has
+published them (an acquire on a flag), else makes its own with the same code: nobody waits,
+and the bits are the same either way. Rows from a request's first non-finite one on enter the
+products as zeros (selects) and come out NaN. Longer requests walk their rows inside the same
+launch, ``walk_v`` channels at a time; its register cap makes that path spill, not the rest.
+
 Commit (grid ``(R, Hv * cdiv(V, BLOCK_V))``): the same update, fed from the rings for the
 first ``clamp(accept_lens[i], 0, len_i)`` rows, then one store of the tile into the pool. The
-update is the shared ``_delta_step``, so the committed state is the forward's own arithmetic.
+update is the shared ``_delta_step``, so the committed state is the row walk's own arithmetic
+(the block form's outputs agree with it to float32 rounding).
 
 Registers (sm_90, K = V = 128, BLOCK_V = 32, bf16, one warp; ``cuobjdump --dump-resource-usage``
 of triton 3.9's cubin): forward 229 per thread and no stack, commit 254 and 16 bytes of stack
@@ -49,7 +67,8 @@ import triton.language as tl
 
 from .launch import launch
 from ..ops.linear_attention_reference import check_gdn, check_gdn_commit
-from .device import device_sm_count
+from .device import device_sm_count, device_target
+from .pdl import pdl_enter, pdl_options, use_pdl
 
 __all__ = ["GdnPlan", "plan_gdn", "gated_delta_rule_triton", "gated_delta_rule_commit_triton"]
 
@@ -57,6 +76,12 @@ _NUM_WARPS = 1  # module docstring: the sweep's best at every tile
 _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on one warp of 32
 _MIN_BLOCK_V = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
+_BLOCK_ROWS = 8  # the block form's request width (the verify width measured and tested)
+_BLOCK_KC = 16  # K (and V) a block-form step takes: triton 3.6's float32 dots ask K >= 16
+_BLOCK_FORM_V = 64  # channels a block-form program streams, before the fill rule halves it
+_BLOCK_FORM_REGISTERS = 128  # maxnreg of the block form's launch (its long walk spills)
+_BLOCK_MIN_REQUESTS = 64  # plan_gdn's default: the block form from this many requests on ...
+_BLOCK_MIN_WIDTH = 6  # ... at a mean of this many rows a request or more (tokens / requests)
 
 
 @triton.jit
@@ -88,6 +113,19 @@ def _zero_padding_rows(out_ptr, first, num_tokens, head, offs_v, v_ok, stride_ou
         rows = (r0 + offs_r).to(tl.int64)
         ptrs = out_ptr + rows[:, None] * stride_out_tok + head * stride_out_head + offs_v[None, :]
         tl.store(ptrs, zeros, mask=(rows < num_tokens)[:, None] & v_ok[None, :])
+
+
+@triton.jit
+def _request_span(query_start_loc_ptr, req, num_requests, out_ptr, num_tokens, head, offs_v,
+                  v_ok, stride_out_tok, stride_out_head, BLOCK_V: tl.constexpr,
+                  PAD_ROWS: tl.constexpr):
+    """``(start, length)`` of request ``req``'s rows. Program row ``R`` (the padding
+    pseudo-request) zeroes rows ``query_start_loc[R] .. N-1`` of its channels; its length is 0."""
+    start = tl.load(query_start_loc_ptr + req)
+    if req == num_requests:
+        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, v_ok, stride_out_tok,
+                           stride_out_head, BLOCK_V, PAD_ROWS)
+    return start, tl.load(query_start_loc_ptr + tl.minimum(req + 1, num_requests)) - start
 
 
 @triton.jit
@@ -143,32 +181,18 @@ def _load_row(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, n, head, k_head, offs_k, off
 
 
 @triton.jit
-def _gdn_forward_kernel(
-        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
-        slots_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_tokens,
-        num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
-        stride_v_tok, stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
-        stride_out_tok, stride_out_head, stride_s_slot, stride_s_head, stride_s_k,
-        HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
-        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
-        PAD_ROWS: tl.constexpr, CHANNEL_GATES: tl.constexpr):
-    """One (request, value head, value-channel block): the request's rows, in order."""
-    req = tl.program_id(0)
-    head = tl.program_id(1) // NUM_VB
-    vb = tl.program_id(1) % NUM_VB
+def _walk_rows(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ring_k_ptr, ring_v_ptr,
+               ring_g_ptr, ring_beta_ptr, scale, start, length, slot, num_slots, head, vb,
+               offs_v, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
+               stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok, stride_out_tok,
+               stride_out_head, stride_s_slot, stride_s_head, stride_s_k, HK: tl.constexpr,
+               HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, K_PAD: tl.constexpr,
+               L2NORM: tl.constexpr, CHANNEL_GATES: tl.constexpr):
+    """A request's rows in order over the value channels ``offs_v`` of one head (``vb == 0``:
+    the head's first channel block, which writes the per-head rings)."""
     offs_k = tl.arange(0, K_PAD)
-    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     k_ok = offs_k < KD
     v_ok = offs_v < VD
-    start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, v_ok, stride_out_tok,
-                           stride_out_head, BLOCK_V, PAD_ROWS)
-        return
-    length = tl.load(query_start_loc_ptr + req + 1) - start
-    if length <= 0:
-        return
-    slot = tl.load(slots_ptr + req).to(tl.int64)
     _, state = _load_state(state_ptr, slot, num_slots, head, offs_k, offs_v, k_ok, v_ok,
                            stride_s_slot, stride_s_head, stride_s_k)
     k_head = head // (HV // HK)
@@ -197,6 +221,303 @@ def _gdn_forward_kernel(
         _save_ring(ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, n, head, k_head, vb, k,
                    v, g, beta, offs_k, offs_v, k_ok, v_ok, HK, HV, KD, VD, CHANNEL_GATES)
         q, k, v, g, beta = q_next, k_next, v_next, g_next, beta_next
+
+
+@triton.jit
+def _gdn_forward_kernel(
+        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
+        slots_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, num_tokens,
+        num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head,
+        stride_v_tok, stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
+        stride_out_tok, stride_out_head, stride_s_slot, stride_s_head, stride_s_k,
+        HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
+        K_PAD: tl.constexpr, BLOCK_V: tl.constexpr, NUM_VB: tl.constexpr, L2NORM: tl.constexpr,
+        PAD_ROWS: tl.constexpr, CHANNEL_GATES: tl.constexpr):
+    """One (request, value head, value-channel block): the request's rows, in order."""
+    req = tl.program_id(0)
+    head = tl.program_id(1) // NUM_VB
+    vb = tl.program_id(1) % NUM_VB
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    start = tl.load(query_start_loc_ptr + req)
+    if req == num_requests:
+        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, offs_v < VD,
+                           stride_out_tok, stride_out_head, BLOCK_V, PAD_ROWS)
+        return
+    length = tl.load(query_start_loc_ptr + req + 1) - start
+    if length <= 0:
+        return
+    slot = tl.load(slots_ptr + req).to(tl.int64)
+    _walk_rows(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ring_k_ptr, ring_v_ptr,
+               ring_g_ptr, ring_beta_ptr, scale, start, length, slot, num_slots, head, vb,
+               offs_v, stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
+               stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok, stride_out_tok,
+               stride_out_head, stride_s_slot, stride_s_head, stride_s_k, HK, HV, KD, VD, K_PAD,
+               L2NORM, CHANNEL_GATES)
+
+
+# ------------------------------------------------------------ block form (two launches)
+
+@triton.jit
+def _row_select(m, t, offs):
+    """Row ``t`` of a ``[T, X]`` tile as a ``[X]`` vector (a select: no NaN crosses rows)."""
+    return tl.sum(tl.where((offs == t)[:, None], m, 0.0), 0)
+
+
+@triton.jit
+def _spread(m, offs_r, offs_t):
+    """A ``[T, T]`` tile as the first ``T`` columns of a ``[T, 2T]`` one (the rest zeros)."""
+    sel = offs_r[None, :, None] == offs_t[None, None, :]
+    return tl.sum(tl.where(sel, m[:, None, :], 0.0), 2)
+
+
+@triton.jit
+def _gram(k_rows, q_rows, in_req, K_PAD: tl.constexpr, KD: tl.constexpr, T: tl.constexpr,
+          KC: tl.constexpr):
+    """Of a request's raw rows at ``k_rows`` / ``q_rows`` (``[T]`` pointers): ``k_t . k_s`` and
+    ``q_t . k_s`` (``[T, T]``), ``|k_t|^2`` and ``|q_t|^2``, K in chunks of ``KC``."""
+    f32: tl.constexpr = tl.float32
+    offs_c = tl.arange(0, KC)
+    gkk = tl.zeros([T, T], f32)
+    gqk = tl.zeros([T, T], f32)
+    nq = tl.zeros([T], f32)
+    for k0 in range(0, K_PAD, KC):
+        kk = k0 + offs_c
+        m = in_req[:, None] & (kk < KD)[None, :]
+        xk = tl.load(k_rows[:, None] + kk[None, :], mask=m, other=0.0).to(f32)
+        xq = tl.load(q_rows[:, None] + kk[None, :], mask=m, other=0.0).to(f32)
+        gkk = tl.dot(xk, tl.trans(xk), gkk, input_precision="ieee")
+        gqk = tl.dot(xq, tl.trans(xk), gqk, input_precision="ieee")
+        nq += tl.sum(xq * xq, 1)
+    offs_t = tl.arange(0, T)
+    return gkk, gqk, tl.sum(tl.where(offs_t[:, None] == offs_t[None, :], gkk, 0.0), 1), nq
+
+
+@triton.jit
+def _block_weights(gkk, gqk, nk, nq, g, beta, fine, scale, offs_t, offs_r,
+                   T: tl.constexpr, L2NORM: tl.constexpr):
+    """A value head's weights of the stacked products ``[K S0; Q S0]`` (``W``, ``[T, 2T]``) and
+    of its values (``C``, ``[T, 2T]``, its last ``T`` columns zero), and how many rows are kept
+    (those before the request's first unusable one, ``fine`` false):
+
+        out = W [K S0; Q S0] + C v
+        W = [-C' diag(decay * rk) | diag(decay * rq)],   C' = Mq (I + diag(beta) Mk)^-1 diag(beta)
+
+    with ``rk``, ``rq`` the rows' inverse norms (``L2NORM``; ``rq`` times ``scale``), ``decay_t =
+    exp(g_1 + .. + g_t)``, ``Mk[t, s] = [s < t] exp(g_(s+1) + .. + g_t) k_t . k_s`` and ``Mq[t, s]
+    = [s <= t] exp(..) q_t . k_s`` (normalized rows)."""
+    f32: tl.constexpr = tl.float32
+    tt = offs_t[:, None]
+    ss = offs_t[None, :]
+    # the kept rows: a prefix. Dropped rows get exact zeros everywhere below (selects), so no
+    # later product ever sees 0 * NaN
+    ok = tl.sum(tl.where((ss <= tt) & (fine[None, :] == 0), 1, 0), 1) == 0
+    if L2NORM:
+        rk = tl.where(ok, tl.rsqrt(nk + 1e-6), 0.0)
+        rq = tl.where(ok, tl.rsqrt(nq + 1e-6) * scale, 0.0)
+    else:
+        rk = tl.where(ok, 1.0, 0.0)
+        rq = tl.where(ok, scale, 0.0)
+    pair = ok[:, None] & ok[None, :]
+    akk = tl.where(pair, gkk * (rk[:, None] * rk[None, :]), 0.0)
+    aqk = tl.where(pair, gqk * (rq[:, None] * rk[None, :]), 0.0)
+    g = tl.where(ok, g, 0.0)
+    beta = tl.where(ok, beta, 0.0)
+    # decays as sums of log gates over windows (s, t], never differences: -inf gives 0
+    ii = offs_t[None, None, :]
+    win = tl.sum(tl.where((ii > ss[:, :, None]) & (ii <= tt[:, :, None]), g[None, None, :], 0.0),
+                 2)
+    dec = tl.exp(win)
+    decay = tl.exp(tl.sum(tl.where(ss <= tt, g[None, :], 0.0), 1))
+    mk = tl.where(ss < tt, dec * akk, 0.0)
+    mq = tl.where(ss <= tt, dec * aqk, 0.0)
+    # (I + diag(beta) Mk)^-1, unit lower triangular, by forward substitution row by row
+    lower = beta[:, None] * mk
+    inv = tl.zeros([T, T], f32)
+    for t in tl.static_range(T):
+        l_t = _row_select(lower, t, offs_t)
+        row = tl.where(offs_t == t, 1.0, 0.0) - tl.sum(l_t[:, None] * inv, 0)
+        inv = tl.where(tt == t, row[None, :], inv)
+    c = tl.sum(mq[:, :, None] * inv[None, :, :], 1) * beta[None, :]
+    w = _spread(-c * (decay * rk)[None, :], offs_r, offs_t) \
+        + tl.where(offs_r[None, :] == tt + T, (decay * rq)[:, None], 0.0)
+    return w, _spread(c, offs_r, offs_t), tl.sum(ok.to(tl.int32), 0)
+
+
+@triton.jit
+def _block_request(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr,
+                   ring_beta_ptr, scale, start, length, head, stride_q_tok, stride_q_head,
+                   stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
+                   stride_beta_tok, HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr,
+                   VD: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr, T: tl.constexpr,
+                   KC: tl.constexpr, L2NORM: tl.constexpr, RINGS: tl.constexpr):
+    """A request of 1..T rows, one value head: its ``W``, ``C`` (:func:`_block_weights`) and
+    kept-row count from the rows alone; with ``RINGS`` it also writes the rows' replay rings."""
+    f32: tl.constexpr = tl.float32
+    k_head = head // (HV // HK)
+    offs_t = tl.arange(0, T)
+    offs_c = tl.arange(0, KC)
+    rows = start.to(tl.int64) + offs_t
+    in_req = offs_t < length
+    k_rows = k_ptr + rows * stride_k_tok + k_head * stride_k_head
+    gkk, gqk, nk, nq = _gram(k_rows, q_ptr + rows * stride_q_tok + k_head * stride_q_head,
+                             in_req, K_PAD, KD, T, KC)
+    g = tl.load(g_ptr + rows * stride_g_tok + head, mask=in_req, other=0.0).to(f32)
+    beta = tl.load(beta_ptr + rows * stride_beta_tok + head, mask=in_req, other=0.0).to(f32)
+    # the values: a row with a non-finite one is unusable (and they go to the ring)
+    v_bad = tl.zeros([T], tl.int32)
+    for v0 in range(0, V_PAD, KC):
+        vv = v0 + offs_c
+        m = in_req[:, None] & (vv < VD)[None, :]
+        x = tl.load(v_ptr + rows[:, None] * stride_v_tok + head * stride_v_head + vv[None, :],
+                    mask=m, other=0.0).to(f32)
+        if RINGS:
+            tl.store(ring_v_ptr + (rows[:, None] * HV + head) * VD + vv[None, :], x, mask=m)
+        v_bad += tl.sum(tl.where((x == x) & (tl.abs(x) < float("inf")), 0, 1), 1)
+    fine = in_req & (v_bad == 0) & (nk == nk) & (nk < float("inf")) & (nq == nq) \
+        & (nq < float("inf")) & (g == g) & (g < float("inf")) & (beta == beta) \
+        & (tl.abs(beta) < float("inf"))
+    if RINGS:
+        tl.store(ring_g_ptr + rows * HV + head, g, mask=in_req)
+        tl.store(ring_beta_ptr + rows * HV + head, beta, mask=in_req)
+        if head % (HV // HK) == 0:  # the key head's normalized keys, once a key head
+            if L2NORM:
+                rn = tl.rsqrt(nk + 1e-6)
+            else:
+                rn = tl.full([T], 1.0, f32)
+            for k0 in range(0, K_PAD, KC):
+                kk = k0 + offs_c
+                m = in_req[:, None] & (kk < KD)[None, :]
+                x = tl.load(k_rows[:, None] + kk[None, :], mask=m, other=0.0).to(f32)
+                tl.store(ring_k_ptr + (rows[:, None] * HK + k_head) * KD + kk[None, :],
+                         x * rn[:, None], mask=m)
+    return _block_weights(gkk, gqk, nk, nq, g, beta, fine, scale, offs_t, tl.arange(0, 2 * T),
+                          T, L2NORM)
+
+
+@triton.jit
+def _gdn_block_kernel(
+        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
+        slots_ptr, w_ptr, c_ptr, ready_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
+        scale, num_tokens, num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok,
+        stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_g_head,
+        stride_beta_tok, stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
+        stride_s_k, HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr,
+        K_PAD: tl.constexpr, V_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
+        NUM_VB: tl.constexpr, WALK_V: tl.constexpr, T: tl.constexpr, KC: tl.constexpr,
+        L2NORM: tl.constexpr, PAD_ROWS: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
+        PDL: tl.constexpr):
+    """The block form in one launch of two kinds of program (a 1-D grid, the first kind
+    first unless not ``WEIGHTS_FIRST``):
+
+    - ``R * Hv`` weight programs, one a (request of 1..T rows, value head): its ``W``, ``C``
+      and kept-row count into scratch, the rows' rings, then ``ready`` (a release);
+    - ``(R + 1) * Hv * NUM_VB`` stream programs, one a (request, value head, block of
+      ``BLOCK_V`` channels): the state slice streamed once into ``[K S0; Q S0]`` (raw rows:
+      nothing of the weight program is needed yet), then ``out = W [K S0; Q S0] + C v`` with
+      the weight program's ``W`` and ``C`` if it has set ``ready`` (an acquire), else with its
+      own (the same arithmetic on the same inputs, so the same bits). No program ever waits
+      for another. Requests over ``T`` rows walk their rows, ``WALK_V`` channels at a time;
+      program row ``R`` zeroes the padding rows."""
+    pdl_enter(PDL)
+    pid = tl.program_id(0)
+    f32: tl.constexpr = tl.float32
+    units = num_requests * HV
+    streams = (num_requests + 1) * HV * NUM_VB
+    if WEIGHTS_FIRST:
+        weights = pid < units
+        b = pid - units
+        a = pid
+    else:
+        weights = pid >= streams
+        b = pid
+        a = pid - streams
+    if weights:  # a weight program
+        req = a % num_requests
+        head = a // num_requests
+        start = tl.load(query_start_loc_ptr + req)
+        length = tl.load(query_start_loc_ptr + req + 1) - start
+        if (length > 0) & (length <= T):
+            w, c, kept = _block_request(
+                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr,
+                ring_beta_ptr, scale, start, length, head, stride_q_tok, stride_q_head,
+                stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
+                stride_beta_tok, HK, HV, KD, VD, K_PAD, V_PAD, T, KC, L2NORM, True)
+            unit = (req * HV + head).to(tl.int64)
+            tile = (unit * T + tl.arange(0, T)[:, None]) * (2 * T) + tl.arange(0, 2 * T)[None, :]
+            tl.store(w_ptr + tile, w)
+            tl.store(c_ptr + tile, c)
+            tl.debug_barrier()  # every thread's stores before the flag (CUTLASS's semaphore)
+            tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release", scope="gpu")
+        return
+    req = b % (num_requests + 1)
+    head = b // (num_requests + 1) // NUM_VB
+    vb = b // (num_requests + 1) % NUM_VB
+    offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
+    v_ok = offs_v < VD
+    start, length = _request_span(query_start_loc_ptr, req, num_requests, out_ptr, num_tokens,
+                                  head, offs_v, v_ok, stride_out_tok, stride_out_head, BLOCK_V,
+                                  PAD_ROWS)
+    if length <= 0:
+        return
+    slot = tl.load(slots_ptr + req).to(tl.int64)
+    if length > T:
+        for sub in tl.static_range(BLOCK_V // WALK_V):
+            _walk_rows(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ring_k_ptr,
+                       ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, start, length, slot,
+                       num_slots, head, vb * (BLOCK_V // WALK_V) + sub,
+                       vb * BLOCK_V + sub * WALK_V + tl.arange(0, WALK_V), stride_q_tok,
+                       stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
+                       stride_v_head, stride_g_tok, stride_g_head, stride_beta_tok,
+                       stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
+                       stride_s_k, HK, HV, KD, VD, K_PAD, L2NORM, False)
+        return
+    k_head = head // (HV // HK)
+    offs_t = tl.arange(0, T)
+    offs_r = tl.arange(0, 2 * T)
+    offs_c = tl.arange(0, KC)
+    r_t = offs_r % T
+    rows_r = start.to(tl.int64) + r_t
+    x_rows = tl.where(offs_r < T, k_ptr + rows_r * stride_k_tok + k_head * stride_k_head,
+                      q_ptr + rows_r * stride_q_tok + k_head * stride_q_head)
+    x_in = r_t < length
+    # the slot test as a [BLOCK_V] vector (the interpreter rejects scalar & tensor masks)
+    slot_v = offs_v.to(tl.int64) * 0 + slot
+    s_ok = v_ok & (slot_v >= 0) & (slot_v < num_slots)
+    s_base = state_ptr + slot * stride_s_slot + head * stride_s_head
+    acc = tl.zeros([2 * T, BLOCK_V], f32)
+    for k0 in range(0, K_PAD, KC):
+        kk = k0 + offs_c
+        kc_ok = kk < KD
+        x = tl.load(x_rows[:, None] + kk[None, :], mask=x_in[:, None] & kc_ok[None, :],
+                    other=0.0).to(f32)
+        s_t = tl.load(s_base + kk[:, None] * stride_s_k + offs_v[None, :],
+                      mask=kc_ok[:, None] & s_ok[None, :], other=0.0)
+        acc = tl.dot(x, s_t, acc, input_precision="ieee")
+    unit = (req * HV + head).to(tl.int64)
+    ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()
+    if ready > 0:
+        tile = (unit * T + offs_t[:, None]) * (2 * T) + offs_r[None, :]
+        w = tl.load(w_ptr + tile)
+        c = tl.load(c_ptr + tile)
+        kept = ready - 1
+    else:  # the weight program has not finished: the same arithmetic here
+        w, c, kept = _block_request(
+            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr,
+            ring_beta_ptr, scale, start, length, head, stride_q_tok, stride_q_head,
+            stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
+            stride_beta_tok, HK, HV, KD, VD, K_PAD, V_PAD, T, KC, L2NORM, False)
+    # rows from the first unusable one on: zeros into the products (selects), NaN out
+    y = tl.where((r_t < kept)[:, None], acc, 0.0)
+    vals = tl.load(v_ptr + rows_r[:, None] * stride_v_tok + head * stride_v_head
+                   + offs_v[None, :], mask=((offs_r < T) & (r_t < kept))[:, None] & v_ok[None, :],
+                   other=0.0).to(f32)
+    o = tl.dot(w, y, input_precision="ieee")
+    o = tl.dot(c, vals, o, input_precision="ieee")
+    o = tl.where((offs_t < kept)[:, None], o, float("nan"))
+    rows = start.to(tl.int64) + offs_t
+    tl.store(out_ptr + rows[:, None] * stride_out_tok + head * stride_out_head + offs_v[None, :],
+             o.to(out_ptr.dtype.element_ty), mask=(offs_t < length)[:, None] & v_ok[None, :])
 
 
 @triton.jit
@@ -265,22 +586,84 @@ class GdnPlan:
     """Value-channel blocks per head: ``cdiv(V, block_v)``."""
     num_warps: int = _NUM_WARPS
     """Warps per program (``benchmarks/ssd_kernels.py --sweep`` times 1 to 8)."""
+    block_rows: int = 0
+    """The forward takes requests of 1..``block_rows`` rows in the block form (weight programs
+    and stream programs in one launch, the state read once); 0: every request walks its rows.
+    0 or 8 (the width measured and tested on the GPU). Longer requests walk in that launch."""
+    block_form_v: int = _BLOCK_FORM_V
+    """Value channels a block-form program streams (a power of two, at least 16)."""
+    block_form_warps: int = _NUM_WARPS
+    """Warps of a block-form program."""
+    walk_v: int = _MIN_BLOCK_V
+    """Channels a long request's walk takes at a time inside a block-form program (its state
+    slice in registers; it divides ``block_form_v``)."""
+    block_weights_first: bool = True
+    """The weight programs first in the block form's grid, so they mostly finish before the
+    stream programs that use them; False puts them last, so that every stream program makes
+    its own (slower; the tests use it to show both paths give the same bits)."""
+    block_form_registers: int = _BLOCK_FORM_REGISTERS
+    """Registers a thread of the block form's launch may use (``maxnreg``, NVIDIA; 0: the
+    compiler's choice). Uncapped, its build has 212 at 64 channels (triton 3.6, sm_90), set by
+    the long-request walk; capped at 128, only that walk spills (136 bytes), and the launch runs
+    16 programs a multiprocessor (``ssd_kernels_gdn_block_plans.json``: 67.2 against 76.7 us
+    uncapped at bs 64, all 8 rows)."""
 
 
 @functools.lru_cache(maxsize=1024)
 def plan_gdn(num_requests: int, num_v_heads: int, k_dim: int, v_dim: int,
-             sm_count: int) -> GdnPlan:
+             sm_count: int, block_form: bool | None = None, channel_gates: bool = False,
+             num_tokens: int | None = None) -> GdnPlan:
     """``BLOCK_V`` from host ints: at most ``_MAX_TILE / K_PAD`` channels (32 at K = 128, so
     the state slice stays in registers), halved (down to 16) while ``R * Hv * V / BLOCK_V``
     programs are fewer than two per multiprocessor. At 32 value heads, V = 128 on an H200 (132
-    SMs): bs 1 runs 256 programs of 16 channels, bs >= 8 programs of 32."""
+    SMs): bs 1 runs 256 programs of 16 channels, bs >= 8 programs of 32.
+
+    ``block_form``: requests of up to ``_BLOCK_ROWS`` rows take the block form, where gates are
+    a head's (``channel_gates``, Kimi's KDA, always walks) and K and V have at least 16
+    channels (its float32 dots). ``None`` (the default): from ``_BLOCK_MIN_REQUESTS`` requests
+    on, where ``num_tokens`` (the launch's rows, padding included: a tier's width times its
+    requests) is at least ``_BLOCK_MIN_WIDTH`` rows a request. The block form's time hardly
+    depends on the rows and the walk's grows with them; on the H200 at Qwen3-Next's shapes
+    (docs/benchmarks.md) they cross at about 5 rows a request at bs 64 and 128, and at bs 8 the
+    two tie with all 8 rows."""
+    def filled(block: int) -> int:  # halved while fewer than two programs a multiprocessor
+        while block > _MIN_BLOCK_V and \
+                max(num_requests, 1) * num_v_heads * triton.cdiv(v_dim, block) < 2 * sm_count:
+            block //= 2
+        return block
+
     k_pad = triton.next_power_of_2(max(k_dim, 1))
     v_pad = triton.next_power_of_2(max(v_dim, 1))
-    block_v = min(v_pad, max(_MIN_BLOCK_V, _MAX_TILE // k_pad))
-    while block_v > _MIN_BLOCK_V and \
-            max(num_requests, 1) * num_v_heads * triton.cdiv(v_dim, block_v) < 2 * sm_count:
-        block_v //= 2
-    return GdnPlan(k_pad, block_v, triton.cdiv(v_dim, block_v))
+    block_v = filled(min(v_pad, max(_MIN_BLOCK_V, _MAX_TILE // k_pad)))
+    if block_form is None:
+        block_form = num_requests >= _BLOCK_MIN_REQUESTS and num_tokens is not None \
+            and num_tokens >= _BLOCK_MIN_WIDTH * num_requests
+    fits = not channel_gates and k_pad >= _BLOCK_KC and v_dim >= _MIN_BLOCK_V
+    return GdnPlan(k_pad, block_v, triton.cdiv(v_dim, block_v),
+                   block_rows=_BLOCK_ROWS if block_form and fits else 0,
+                   block_form_v=filled(max(min(v_pad, _BLOCK_FORM_V), _MIN_BLOCK_V)))
+
+
+def _check_plan(plan: GdnPlan, channel_gates: bool) -> None:
+    """The block form's knobs, before any launch: ``ValueError`` naming the value and the rule."""
+    def dot_size(v: int) -> bool:  # the block form's float32 dots: a power of two, >= 16
+        return v >= _MIN_BLOCK_V and v & (v - 1) == 0
+
+    rules = [(plan.block_rows in (0, _BLOCK_ROWS), "block_rows", plan.block_rows,
+              f"0 or {_BLOCK_ROWS}")]
+    if plan.block_rows:
+        pow2 = f"a power of two of at least {_MIN_BLOCK_V} (the block form's float32 dots)"
+        rules += [(not channel_gates, "block_rows", plan.block_rows,
+                   "0 where g has one gate a key channel (the block form takes a head's)"),
+                  (plan.k_pad >= _BLOCK_KC, "k_pad", plan.k_pad,
+                   f"at least {_BLOCK_KC} in the block form"),
+                  (dot_size(plan.block_form_v), "block_form_v", plan.block_form_v, pow2),
+                  (dot_size(plan.walk_v) and plan.block_form_v % plan.walk_v == 0, "walk_v",
+                   plan.walk_v, pow2 + " dividing block_form_v")]
+    for ok, name, value, rule in rules:
+        if not ok:
+            raise ValueError(f"dspark::gated_delta_rule: GdnPlan.{name}={value!r}: must be "
+                             f"{rule}")
 
 
 def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, slots, ring_k,
@@ -288,8 +671,9 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
                             plan: GdnPlan | None = None) -> torch.Tensor:
     """Triton ``dspark::gated_delta_rule``: same arguments and result as the reference.
 
-    One launch, no host sync (CUDA-graph safe); ``plan`` overrides the tiles. Returns
-    ``[N, Hv, V]`` in q's dtype; the pool is only read, the rings get the replay inputs.
+    One launch (the block form: and the zeroing of its flags), no host sync (CUDA-graph safe);
+    ``plan`` overrides the tiles and the form. Returns ``[N, Hv, V]`` in q's dtype; the pool is
+    only read, the rings get the replay inputs.
     """
     rings = (ring_k, ring_v, ring_g, ring_beta)
     check_gdn(q, k, v, g, beta, recurrent_state, query_start_loc, slots, rings, scale,
@@ -300,15 +684,40 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
     out = torch.empty((n, hv, vd), dtype=q.dtype, device=q.device)
     if n == 0 or vd == 0:
         return out
-    plan = plan or plan_gdn(r, hv, kd, vd, device_sm_count(q.device))
+    channel_gates = g.dim() == 3
+    cfg, sm_count = device_target(q.device)
+    plan = plan or plan_gdn(r, hv, kd, vd, sm_count, channel_gates=channel_gates,
+                            num_tokens=n)
+    _check_plan(plan, channel_gates)
     st = recurrent_state
-    launch(_gdn_forward_kernel, (r + 1, hv * plan.num_vb),
-        out, q, k, v, g, beta, st, query_start_loc, slots, ring_k, ring_v, ring_g, ring_beta,
-        float(scale), n, r, st.shape[0], q.stride(0), q.stride(1), k.stride(0), k.stride(1),
-        v.stride(0), v.stride(1), g.stride(0), g.stride(1), beta.stride(0), out.stride(0),
-        out.stride(1), st.stride(0), st.stride(1), st.stride(2), HK=hk, HV=hv, KD=kd, VD=vd,
-        K_PAD=plan.k_pad, BLOCK_V=plan.block_v, NUM_VB=plan.num_vb, L2NORM=use_qk_l2norm,
-        PAD_ROWS=_PAD_ROWS, CHANNEL_GATES=g.dim() == 3, num_warps=plan.num_warps)
+    strides = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+               g.stride(0), g.stride(1), beta.stride(0), out.stride(0), out.stride(1),
+               st.stride(0), st.stride(1), st.stride(2))
+    shapes = dict(HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad, L2NORM=use_qk_l2norm,
+                  PAD_ROWS=_PAD_ROWS)
+    if not plan.block_rows:
+        launch(_gdn_forward_kernel, (r + 1, hv * plan.num_vb),
+               out, q, k, v, g, beta, st, query_start_loc, slots, ring_k, ring_v, ring_g,
+               ring_beta, float(scale), n, r, st.shape[0], *strides, **shapes,
+               BLOCK_V=plan.block_v, NUM_VB=plan.num_vb, CHANNEL_GATES=channel_gates,
+               num_warps=plan.num_warps)
+        return out
+    t = plan.block_rows
+    regs = ({"maxnreg": plan.block_form_registers} if plan.block_form_registers
+            and cfg.backend == "cuda" and q.device.type == "cuda" else {})  # HIP rejects it
+    pdl = use_pdl(q.device, cfg)
+    f32 = dict(dtype=torch.float32, device=q.device)
+    w = torch.empty(r * hv * t * 2 * t, **f32)  # per (request, value head): W, C ([T, 2T])
+    c = torch.empty(r * hv * t * 2 * t, **f32)
+    ready = torch.zeros(max(r * hv, 1), dtype=torch.int32, device=q.device)
+    num_vb = triton.cdiv(vd, plan.block_form_v)
+    launch(_gdn_block_kernel, (r * hv + (r + 1) * hv * num_vb,),
+           out, q, k, v, g, beta, st, query_start_loc, slots, w, c, ready, ring_k, ring_v,
+           ring_g, ring_beta, float(scale), n, r, st.shape[0], *strides, **shapes,
+           V_PAD=max(triton.next_power_of_2(vd), _BLOCK_KC), BLOCK_V=plan.block_form_v,
+           NUM_VB=num_vb, WALK_V=plan.walk_v, T=t, KC=_BLOCK_KC,
+           WEIGHTS_FIRST=plan.block_weights_first, PDL=pdl,
+           num_warps=plan.block_form_warps, **regs, **pdl_options(pdl))
     return out
 
 

@@ -9,6 +9,7 @@ CPU tensors at small odd shapes; ``-m gpu`` runs them at Qwen3-Next shapes in bf
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 from dataclasses import dataclass
@@ -372,18 +373,35 @@ def test_triton_conv_matches_reference(name, dim, width, activation, bias, tiles
     assert torch.equal(pool, want_state)
 
 
-@needs_triton
-@pytest.mark.parametrize("name, hk, hv, kd, vd, l2, block_v", [
-    ("mixed", 2, 4, 16, 32, True, None), ("empty_ends", 3, 3, 24, 20, False, None),
-    ("full", 1, 2, 32, 48, True, 16), ("long", 2, 2, 16, 16, True, None)])
-def test_triton_gdn_matches_reference(name, hk, hv, kd, vd, l2, block_v):
-    from dspark_compile.kernels.gdn import (GdnPlan, gated_delta_rule_commit_triton,
-                                                    gated_delta_rule_triton)
+def _gdn_plan(layout: Layout, hv: int, kd: int, vd: int, form: str, **fields):
+    """The Triton GDN plan of a form: ``rows`` (every request walks its rows) or ``block`` (up
+    to 8 rows at once, longer requests walking beside it), with changes."""
+    from dspark_compile.kernels.gdn import plan_gdn
 
-    layout = make_layout(*TRITON_LAYOUTS[name], seed=kd)
+    plan = plan_gdn(len(layout.lens), hv, kd, vd, 132, block_form=form == "block")
+    assert bool(plan.block_rows) == (form == "block")
+    return dataclasses.replace(plan, **fields)
+
+
+@needs_triton
+@pytest.mark.parametrize("name, hk, hv, kd, vd, l2, fields", [
+    ("mixed", 2, 4, 16, 32, True, {}), ("empty_ends", 3, 3, 24, 20, False, {}),
+    ("full", 1, 2, 32, 48, True, {"block_v": 16, "num_vb": 3, "block_form_v": 32}),
+    ("long", 2, 2, 16, 16, True, {}),
+    ("long", 1, 2, 16, 48, False, {"block_form_v": 32, "block_form_warps": 2}),
+    (PREFILL, 2, 4, 20, 40, True, {"block_form_v": 64})])
+@pytest.mark.parametrize("form", ["rows", "block"])
+def test_triton_gdn_matches_reference(name, hk, hv, kd, vd, l2, fields, form):
+    """Both forms against the reference: outputs, rings (padding rows untouched) and the
+    committed state; odd K and V, channel blocks past V, long requests (they walk inside the
+    block form's launch, ``walk_v`` channels at a time), strided inputs."""
+    from dspark_compile.kernels.gdn import gated_delta_rule_commit_triton, gated_delta_rule_triton
+
+    layout = make_layout(*(TRITON_LAYOUTS[name] if isinstance(name, str) else name), seed=kd)
     c = gdn_case(layout, hk, hv, kd, vd, seed=kd)
     want, want_rings = run_gdn(c, layout, l2)
-    plan = None if block_v is None else GdnPlan(32, block_v, -(-vd // block_v))
+    plan = _gdn_plan(layout, hv, kd, vd, form,
+                     **{k: v for k, v in fields.items() if form == "block" or "form" not in k})
     t = {**c, **{n: _strided(c[n]) for n in ("q", "k", "v", "g", "beta")}}
     got, rings = run_gdn(t, layout, l2, impl=gated_delta_rule_triton, plan=plan)
     torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
@@ -397,6 +415,67 @@ def test_triton_gdn_matches_reference(name, hk, hv, kd, vd, l2, block_v):
     OPS.gated_delta_rule_commit(want_state, *want_rings, layout.qsl, layout.slots, acc)
     gated_delta_rule_commit_triton(state, *rings, layout.qsl, layout.slots, acc, plan=plan)
     torch.testing.assert_close(state, want_state, atol=2e-6, rtol=1e-5)
+
+
+@needs_triton
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(lens=st.lists(st.integers(0, 10), min_size=1, max_size=5), num_pad=st.integers(0, 3),
+       seed=st.integers(0, 10_000), values=st.sampled_from([(NAN,), (INF,), (-INF,),
+                                                            (NAN, INF, -INF)]))
+def test_triton_gdn_block_form_contains_and_matches(lens, num_pad, seed, values):
+    """Random layouts through the block form (requests of 9-10 rows walk beside it): outputs
+    match the reference; NaN / Inf in any input of rejected and padding rows leaves accepted
+    rows, the committed state and the other rows' rings bit for bit; the rows from a block
+    request's first poisoned one on come out NaN."""
+    from dspark_compile.kernels.gdn import gated_delta_rule_commit_triton, gated_delta_rule_triton
+
+    layout = make_layout(lens, num_pad=num_pad, seed=seed)
+    acc = accepts(layout, seed)
+    c = gdn_case(layout, 1, 2, 16, 16, seed=seed)
+    plan = _gdn_plan(layout, 2, 16, 16, "block")
+    d = {**c, **{n: _poison(c[n], layout, acc, values) for n in ("q", "k", "v", "g", "beta")}}
+    clean = run_gdn(c, layout, impl=gated_delta_rule_triton, plan=plan)
+    dirty = run_gdn(d, layout, impl=gated_delta_rule_triton, plan=plan)
+    torch.testing.assert_close(clean[0], run_gdn(c, layout)[0], atol=2e-6, rtol=1e-5)
+    _check_containment(layout, acc, clean, dirty)
+    # the weight programs last: every stream program makes its own weights, the same bits
+    last = run_gdn(d, layout, impl=gated_delta_rule_triton,
+                   plan=dataclasses.replace(plan, block_weights_first=False))
+    assert torch.equal(last[0].nan_to_num(), dirty[0].nan_to_num())
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(last[1], dirty[1]))
+    for i, (n, a) in enumerate(zip(layout.lens, acc.tolist())):
+        if 0 < a < n <= 8:
+            assert bool(dirty[0][layout.rows(i)][a:].isnan().all()), f"request {i}"
+    states = [c["recurrent_state"].clone() for _ in range(2)]
+    for st_, (_, rings) in zip(states, (clean, dirty)):
+        gated_delta_rule_commit_triton(st_, *rings, layout.qsl, layout.slots, acc, plan=plan)
+    assert torch.equal(states[0], states[1]) and torch.isfinite(states[1]).all()
+
+
+def test_gdn_plan_rule_and_checks():
+    """The block form from 64 requests at 6 rows a request on, where gates are a head's and
+    K, V >= 16; a bad plan is refused before any launch, naming the field, the value and the
+    rule."""
+    from dspark_compile.kernels.gdn import _check_plan, plan_gdn
+
+    assert plan_gdn(64, 32, 128, 128, 132, num_tokens=384).block_rows == 8
+    assert plan_gdn(64, 32, 128, 128, 132, num_tokens=383).block_rows == 0  # under 6 a request
+    assert plan_gdn(64, 32, 128, 128, 132).block_rows == 0  # rows unknown
+    assert plan_gdn(63, 32, 128, 128, 132, num_tokens=504).block_rows == 0
+    assert plan_gdn(64, 32, 128, 128, 132, channel_gates=True, num_tokens=512).block_rows == 0
+    assert plan_gdn(64, 32, 8, 128, 132, num_tokens=512).block_rows == 0  # K < 16: no dots
+    assert plan_gdn(1, 4, 16, 16, 132, block_form=True).block_rows == 8
+    plan = plan_gdn(64, 32, 128, 128, 132, num_tokens=512)
+    _check_plan(plan, False)
+    for fields, match in [({"block_rows": 4}, "block_rows=4: must be 0 or 8"),
+                          ({"block_form_v": 48}, "block_form_v=48: must be a power of two"),
+                          ({"block_form_v": 8}, "block_form_v=8"),
+                          ({"walk_v": 128}, "walk_v=128: must be a power of two .* dividing")]:
+        with pytest.raises(ValueError, match=match):
+            _check_plan(dataclasses.replace(plan, **fields), False)
+    with pytest.raises(ValueError, match="one gate a key channel"):
+        _check_plan(plan, True)
 
 
 @needs_triton
@@ -497,8 +576,10 @@ def test_gpu_opcheck_triton_ops():
 def test_gpu_cuda_graph_replays_another_layout():
     """Conv + GDN forward and commits captured once, replayed with other lengths and slots
     written into the same layout buffers: no host sync, nothing keyed on the first layout."""
-    lay_a = make_layout([3, 8, 1, 5], 3, 4, 1, "cuda")
-    lay_b = make_layout([8, 0, 3, 6], 3, 4, 2, "cuda")  # same N (20) and R, other geometry
+    # 8 requests: the GDN forward's block form by default (plan_gdn); lay_b's 11-row request
+    # walks inside it
+    lay_a = make_layout([3, 8, 1, 5, 2, 8, 4, 1], 3, 4, 1, "cuda")
+    lay_b = make_layout([8, 0, 3, 6, 11, 2, 1, 1], 3, 4, 2, "cuda")  # same N (32) and R
     c = conv_case(lay_a, dim=8192, seed=3, dtype=torch.bfloat16, device="cuda")
     d = gdn_case(lay_a, 16, 32, 128, 128, seed=3, dtype=torch.bfloat16, device="cuda")
     qsl, slots, acc = lay_a.qsl.clone(), lay_a.slots.clone(), accepts(lay_a)
@@ -533,6 +614,10 @@ def test_gpu_cuda_graph_replays_another_layout():
         torch.testing.assert_close(g_.float(), w_.float(), atol=2e-2, rtol=2e-2)
     assert torch.equal(pools[0], want_pools[0])
     torch.testing.assert_close(pools[1], want_pools[1], atol=1e-4, rtol=1e-4)
+    eager_pools = c["conv_state"].clone(), d["recurrent_state"].clone()  # the replay: eager's
+    eager = step(triton_ops, *eager_pools, lay_b.qsl, lay_b.slots, acc)
+    assert all(torch.equal(g_, e_) for g_, e_ in zip(got, eager))
+    assert all(torch.equal(p_, e_) for p_, e_ in zip(pools, eager_pools))
 
 
 @pytest.mark.gpu
@@ -551,15 +636,34 @@ def test_gpu_gdn_float32_matches_reference_closely(lens):
 
 @pytest.mark.gpu
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
-def test_gpu_gdn_contains_rejected_rows():
-    """NaN and Inf in rejected and padding rows, bf16 at Qwen3-Next's shapes on the GPU:
-    accepted rows bit for bit."""
-    layout = make_layout([8, 3, 0, 5, 1], num_pad=3, seed=6, device="cuda")
+@pytest.mark.parametrize("form", ["rows", "block"])
+def test_gpu_gdn_contains_rejected_rows(form):
+    """NaN and Inf in rejected and padding rows, bf16 at Qwen3-Next's shapes on the GPU, in
+    both forms (a 12-row request walks inside the block form): accepted rows and the committed
+    state bit for bit, and the block form agrees with the row walk; its stream programs give
+    the same bits whether they read the weight programs' results or make their own."""
+    from dspark_compile.kernels.gdn import gated_delta_rule_commit_triton, gated_delta_rule_triton
+
+    layout = make_layout([8, 3, 0, 5, 1, 12, 8, 2], num_pad=3, seed=6, device="cuda")
     acc = accepts(layout, 6)
     c = gdn_case(layout, 16, 32, 128, 128, seed=6, dtype=torch.bfloat16, device="cuda")
     d = {**c, **{n: _poison(c[n], layout, acc) for n in ("q", "k", "v", "g", "beta")}}
-    _check_containment(layout, acc, run_gdn(c, layout, impl=OPS.gated_delta_rule_triton),
-                       run_gdn(d, layout, impl=OPS.gated_delta_rule_triton))
+    plan = _gdn_plan(layout, 32, 128, 128, form)
+    clean = run_gdn(c, layout, impl=gated_delta_rule_triton, plan=plan)
+    _check_containment(layout, acc, clean,
+                       run_gdn(d, layout, impl=gated_delta_rule_triton, plan=plan))
+    if form == "block":  # every stream program making its own weights: the same bits
+        last = run_gdn(d, layout, impl=gated_delta_rule_triton,
+                       plan=dataclasses.replace(plan, block_weights_first=False))
+        dirty = run_gdn(d, layout, impl=gated_delta_rule_triton, plan=plan)
+        assert torch.equal(last[0].nan_to_num(), dirty[0].nan_to_num())
+    rows = run_gdn(c, layout, impl=gated_delta_rule_triton, plan=_gdn_plan(layout, 32, 128, 128,
+                                                                           "rows"))
+    torch.testing.assert_close(clean[0].float(), rows[0].float(), atol=2e-2, rtol=2e-2)
+    states = [c["recurrent_state"].clone() for _ in range(2)]
+    for st_, (_, rings) in zip(states, (clean, rows)):
+        gated_delta_rule_commit_triton(st_, *rings, layout.qsl, layout.slots, acc)
+    torch.testing.assert_close(states[0], states[1], atol=1e-5, rtol=1e-5)
 
 
 # ------------------------------------------------------------ one gate a key channel (KDA)
@@ -657,16 +761,19 @@ def test_triton_channel_gates_match_reference_and_contain(name):
 
 
 @needs_triton
-@pytest.mark.parametrize("channel_gates", [False, True])
+@pytest.mark.parametrize("channel_gates, form", [(False, "rows"), (True, "rows"),
+                                                 (False, "block")])
 @pytest.mark.parametrize("regime", ["strong", "zero", "grow"])
-def test_triton_gdn_extreme_decays_match_reference(channel_gates, regime):
+def test_triton_gdn_extreme_decays_match_reference(channel_gates, form, regime):
     """Decays at the ends of their range: e^-5..e^-40 a row (a state that forgets within a row
     or two), exactly 0 (``g = -inf``) and growth (``g > 0``); outputs and the committed state
     must match the reference."""
     from dspark_compile.kernels.gdn import gated_delta_rule_commit_triton, gated_delta_rule_triton
 
-    layout = make_layout(*TRITON_LAYOUTS["long" if regime == "strong" else "mixed"], seed=11)
+    name = "long" if regime == "strong" and form == "rows" else "mixed"
+    layout = make_layout(*TRITON_LAYOUTS[name], seed=11)
     c = gdn_case(layout, 2, 4, 16, 32, seed=11, channel_gates=channel_gates)
+    plan = None if form == "rows" else _gdn_plan(layout, 4, 16, 32, "block")
     gen = torch.Generator().manual_seed(12)
     if regime == "strong":
         c["g"] = -5.0 - 35.0 * torch.rand(c["g"].shape, generator=gen)
@@ -675,7 +782,7 @@ def test_triton_gdn_extreme_decays_match_reference(channel_gates, regime):
     else:  # e^2..e^4 a row: an 8-row request passes 2^40
         c["g"] = 2.0 + 2.0 * torch.rand(c["g"].shape, generator=gen)
     want, want_rings = run_gdn(c, layout)
-    got, rings = run_gdn(c, layout, impl=gated_delta_rule_triton)
+    got, rings = run_gdn(c, layout, impl=gated_delta_rule_triton, plan=plan)
     assert torch.isfinite(want).all()
     # a growing state's delta rule cancels (v - S^T k with S^T k large), which the reference
     # rounds too: growth is judged against each row's largest value
@@ -685,7 +792,7 @@ def test_triton_gdn_extreme_decays_match_reference(channel_gates, regime):
     acc = accepts(layout, seed=11)
     want_state, state = c["recurrent_state"].clone(), c["recurrent_state"].clone()
     OPS.gated_delta_rule_commit(want_state, *want_rings, layout.qsl, layout.slots, acc)
-    gated_delta_rule_commit_triton(state, *rings, layout.qsl, layout.slots, acc)
+    gated_delta_rule_commit_triton(state, *rings, layout.qsl, layout.slots, acc, plan=plan)
     close(state, want_state)
 
 
