@@ -70,6 +70,7 @@ _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
 _BLOCK_ROWS = 8  # requests up to this many rows take the block form (the verify widths)
 _BLOCK_FROM = 8  # ... and at least this many: full-width requests (shorter ones walk)
 _BLOCK_MIN_REQUESTS = 8  # below this many requests the walk's shorter chain is faster
+_BLOCK_MIN_WIDTH = 6  # ... and below this many rows a request (tokens / requests), the walk
 _BLOCK_FORM_P = 64  # head channels a block-form program streams, at most
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 _SCALE_LO = tl.constexpr(2.0 ** -40)  # a state scale outside [LO, HI] is folded into the tile
@@ -407,7 +408,8 @@ class SsdPlan:
 
 @functools.lru_cache(maxsize=1024)
 def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
-             sm_count: int, block_form: bool | None = None) -> SsdPlan:
+             sm_count: int, block_form: bool | None = None,
+             num_tokens: int | None = None) -> SsdPlan:
     """``BLOCK_P`` from host ints: at most ``_MAX_TILE / N_PAD`` channels (32 at N = 128, so the
     state slice stays in registers), halved (down to 16) while ``R * H * P / BLOCK_P``
     programs are fewer than two per multiprocessor (the GDN kernel's rule).
@@ -415,10 +417,12 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
     ``block_form``: requests of ``_BLOCK_FROM.._BLOCK_ROWS`` rows (the full verify width) take
     the block form, in a launch of its own, where a channel block has at least 16 channels (its
     float32 dots; narrower heads, Mamba-1's one-element ones, walk their rows). ``None`` (the
-    default): from ``_BLOCK_MIN_REQUESTS`` requests on. On the H200 at Nemotron-H's shapes
-    (docs/benchmarks.md, ``ssd_kernels.py --ssd-plans``) the block form is faster with all 8 rows
-    from bs 8 on and slower at bs 1, where the walk's shorter chain wins; shorter requests walk,
-    which is faster for them."""
+    default): from ``_BLOCK_MIN_REQUESTS`` requests on, where ``num_tokens`` (the launch's rows,
+    padding included: a tier's width times its requests) is at least ``_BLOCK_MIN_WIDTH`` rows a
+    request. On the H200 at Nemotron-H's shapes (docs/benchmarks.md, ``ssd_kernels.py
+    --ssd-plans``) the block form is faster with all 8 rows from bs 8 on and slower at bs 1,
+    where the walk's shorter chain wins; shorter requests walk, which is faster for them, and
+    at a mean of 3 rows the block form's second launch made the whole 7-10% slower."""
     def filled(block: int) -> int:  # halved while fewer than two programs a multiprocessor
         while block > _MIN_BLOCK_P and \
                 max(num_requests, 1) * num_heads * triton.cdiv(head_dim, block) < 2 * sm_count:
@@ -430,7 +434,8 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
     block_p = filled(min(p_pad, max(_MIN_BLOCK_P, _MAX_TILE // n_pad)))
     num_pb = triton.cdiv(head_dim, block_p)
     if block_form is None:
-        block_form = num_requests >= _BLOCK_MIN_REQUESTS
+        block_form = num_requests >= _BLOCK_MIN_REQUESTS and num_tokens is not None \
+            and num_tokens >= _BLOCK_MIN_WIDTH * num_requests
     # the block form streams its slice instead of holding it: up to 64 channels (narrower heads
     # masked up to 16), by the same rule
     form_p = filled(max(min(p_pad, _BLOCK_FORM_P), _MIN_BLOCK_P))
@@ -490,7 +495,7 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
     out = torch.empty((n, h, p), dtype=torch.float32, device=x.device)
     if n == 0 or p == 0:
         return out
-    plan = plan or plan_ssd(r, h, n_state, p, device_sm_count(x.device))
+    plan = plan or plan_ssd(r, h, n_state, p, device_sm_count(x.device), num_tokens=n)
     _check_plan(plan)
     st = ssm_state
     args = (out, x, dt, A, B, C, A if D is None else D, A if dt_bias is None else dt_bias, st,

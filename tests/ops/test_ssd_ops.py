@@ -254,11 +254,15 @@ def test_triton_block_form_matches_reference(name, h, g, n_state, p, bias, d, li
 
 
 def test_plan_takes_the_block_form_from_8_requests_with_16_channels_a_program():
+    """From 8 requests at a mean of 6 rows a request (the launch's tokens, a tier's width), with
+    16 channels a program."""
     from dspark_compile.kernels import ssd as kernels
 
-    assert kernels.plan_ssd(4, 128, 128, 64, 132).block_rows == 0  # the walk below 8 requests
+    assert kernels.plan_ssd(4, 128, 128, 64, 132, num_tokens=32).block_rows == 0  # < 8 requests
+    assert kernels.plan_ssd(64, 128, 128, 64, 132, num_tokens=383).block_rows == 0  # < 6 a req.
+    assert kernels.plan_ssd(64, 128, 128, 64, 132).block_rows == 0  # rows unknown: the walk
     assert kernels.plan_ssd(64, 128, 128, 64, 132, block_form=False).block_rows == 0
-    block = kernels.plan_ssd(64, 128, 128, 64, 132)  # Nemotron-H, bs 64: full-width requests
+    block = kernels.plan_ssd(64, 128, 128, 64, 132, num_tokens=512)  # Nemotron-H, bs 64, all 8
     assert (block.block_rows, block.block_from, block.block_form_p, block.block_launch) == \
         (8, 8, 64, True)
     assert kernels.plan_ssd(1, 128, 128, 64, 132, block_form=True).block_form_p == 16  # bs 1
