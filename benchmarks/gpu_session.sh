@@ -29,7 +29,10 @@
 #   ssd_forms     ssd_kernels.py --kernels ssd --ssd-plans rows default (the SSD forward's row walk
 #                 against plan_ssd's plan, bs 1 / 8 / 64 / 128)
 #   ssd_block_plans  ssd_kernels.py --ssd-plans over the block form's knobs at bs 64 / 128
-#   gdn_split     gdn_split_spike.py 64 128 over the row form, the split, its pair variant
+#   gdn_tests     pytest -m gpu over the GDN ops (both forms), the hybrid commit graphs and KDA
+#   gdn_forms     ssd_kernels.py --kernels gdn --gdn-plans rows default block (the row walk, plan_gdn's plan
+#                 and the block form of the GDN forward, bs 1 / 8 / 64 / 128)
+#   gdn_block_plans  ssd_kernels.py --gdn-plans over the block form's knobs at bs 64 / 128
 #   ssd_probe     ssd_block_probe.py 64 128 (the Mamba-2 block form's state stream alone, its tiles
 #                 and pipelining depths, beside the op's two forms)
 #   dsv4_step     dsv4_step.py                         (DeepSeek-V4-shaped verify step vs HF)
@@ -129,8 +132,17 @@ job() {
           block:from1 block:from4 block:from8 block:bp32 block:bw2 block:from1:one \
         && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_block_plans.json" ;;
     ssd_probe) python3 benchmarks/ssd_block_probe.py 64 128 ;;
-    gdn_split) SPIKE_CASES="rows;split bv128 wb1 kc16;split pair;A alone;A alone pair;B alone" \
-      python3 benchmarks/gdn_split_spike.py 64 128 ;;
+    gdn_tests) python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging \
+        tests/ops/test_linear_ops.py tests/frontend/test_kimi_linear.py tests/test_gpu.py -k \
+        "gdn or conv or kimi or float32_on_gpu or hybrid or cuda_graph or opcheck" ;;
+    gdn_forms)
+      python3 benchmarks/ssd_kernels.py --kernels gdn --bs 1 8 64 128 \
+          --gdn-plans rows default block \
+        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_gdn_forms.json" ;;
+    gdn_block_plans)  # channels a program, register cap, warps, the weight programs last
+      python3 benchmarks/ssd_kernels.py --kernels gdn --bs 64 128 --gdn-plans block \
+          block:v32 block:v128:r168 block:w2 block:last \
+        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_gdn_block_plans.json" ;;
     dsv4_step) python3 benchmarks/dsv4_step.py ;;
     dsv4_attr) python3 benchmarks/dsv4_step.py --bs 1 --attribute ;;
     dsv4_tests) python3 -m pytest -q -m gpu -p no:logging -p no:cacheprovider \

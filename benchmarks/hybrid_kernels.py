@@ -201,7 +201,7 @@ def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
     commit = [lambda c=c: triton_gdn.gated_delta_rule_commit_triton(
         c["state"], *c["rings"], c["qsl"], c["slots"], acc) for c in sets]
     used = plan or triton_gdn.plan_gdn(bs, hv, kd, vd, triton_conv.device_sm_count(
-        torch.device(device)))
+        torch.device(device)), num_tokens=sum(lens))
     return dict(kernel="gdn", bs=bs, lengths="mix1-8" if mix else "all8", num_tokens=sum(lens),
                 copies=len(sets), max_abs_err=err, plan=dataclasses.asdict(used),
                 **_rates(floor, time_calls(fns, s, device), s),

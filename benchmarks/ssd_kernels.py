@@ -15,12 +15,13 @@ batch size, all 8 rows.
 
 ``--ssd-plans rows block block:from1`` times the SSD forward (and commit) under each named
 plan on the same inputs (:func:`ssd_plan`): the row walk against the block form.
+``--gdn-plans rows default block:v128`` does the same for the GDN forward (:func:`gdn_plan`).
 
 Usage: ``python benchmarks/ssd_kernels.py [--sweep] [--smoke] [--bs 64 128] [--kernels gdn]
-[--sweep-warps 1 2 4 8] [--ssd-plans rows block]``. Writes ``ssd_kernels.json`` to ``$OUT`` if
-set, else to ``benchmarks/results/`` (after every row). The GDN inputs and their check are
-``hybrid_kernels.py``'s. ``--smoke`` runs tiny shapes on the CPU under
-``TRITON_INTERPRET=1`` (checks the script, times nothing real).
+[--sweep-warps 1 2 4 8] [--ssd-plans rows block] [--gdn-plans rows block]``. Writes
+``ssd_kernels.json`` to ``$OUT`` if set, else to ``benchmarks/results/`` (after every row). The
+GDN inputs and their check are ``hybrid_kernels.py``'s. ``--smoke`` runs tiny shapes on the CPU
+under ``TRITON_INTERPRET=1`` (checks the script, times nothing real).
 """
 
 from __future__ import annotations
@@ -125,7 +126,8 @@ def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
     acc = torch.tensor(lens, dtype=torch.int32, device=device)
     commit = [lambda c=c: triton_ssd.ssd_commit_triton(
         c["state"], *c["rings"], c["qsl"], c["slots"], acc, plan=plan) for c in sets]
-    used = plan or triton_ssd.plan_ssd(bs, h, ns, p, device_sm_count(torch.device(device)))
+    used = plan or triton_ssd.plan_ssd(bs, h, ns, p, device_sm_count(torch.device(device)),
+                                       num_tokens=sum(lens))
     return dict(kernel="ssd", bs=bs, lengths="mix_mean3" if mix else "all8",
                 num_tokens=sum(lens), copies=len(sets), max_abs_err=err,
                 plan=dataclasses.asdict(used), **_rates(floor, time_calls(fns, s, device), s),
@@ -134,6 +136,28 @@ def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
 
 _PLAN_FIELDS = {"p": "block_p", "w": "num_warps", "n": "block_n", "from": "block_from",
                 "bp": "block_form_p", "bw": "block_form_warps"}
+_GDN_FIELDS = {"v": "block_form_v", "w": "block_form_warps", "r": "block_form_registers",
+               "wv": "walk_v"}
+
+
+def _changes(spec: str, option: str, fields: dict, flags: dict) -> dict:
+    """The field changes a ``block[:name<number>][:flag]`` spec names (a ValueError naming the
+    spec and the grammar otherwise)."""
+    name, *changes = spec.split(":")
+    grammar = f"block[:{']['.join(k + '..' for k in fields)}][:{']['.join(flags)}]"
+    if name != "block":
+        raise ValueError(f"{option}: {spec!r} is not rows, default or {grammar}")
+    out = {}
+    for change in changes:
+        if change in flags:
+            out.update(flags[change])
+            continue
+        key = change.rstrip("0123456789")
+        if key not in fields or key == change:
+            raise ValueError(f"{option}: {change!r} in {spec!r}: a change is one of "
+                             f"{sorted(flags)} or one of {sorted(fields)} followed by a number")
+        out[fields[key]] = int(change[len(key):])
+    return out
 
 
 def ssd_plan(spec: str, bs: int, s: dict, device: str):
@@ -142,29 +166,32 @@ def ssd_plan(spec: str, bs: int, s: dict, device: str):
     ``block:p64:w2:n32:from3:bp64:bw2:one`` (the row walk's channel block and warps, state rows
     a block-form step, the shortest request in block form, the block form's own channel block
     and warps, both forms in one launch)."""
+    if spec == "default":
+        return None  # the op's own plan (it sees the launch's rows)
     p = s["ssd_head_dim"]
     base = triton_ssd.plan_ssd(bs, s["ssd_heads"], s["ssd_state"], p,
-                               device_sm_count(torch.device(device)),
-                               block_form=None if spec == "default" else spec != "rows")
-    if spec in ("rows", "default"):
+                               device_sm_count(torch.device(device)), block_form=spec != "rows")
+    if spec == "rows":
         return base
-    name, *changes = spec.split(":")
-    if name != "block":
-        raise ValueError(f"--ssd-plans: {spec!r} is not rows, default or block[:p..][:w..][:n..]"
-                         "[:from..][:bp..][:bw..][:one]")
-    fields = {}
-    for change in changes:
-        if change == "one":
-            fields["block_launch"] = False
-            continue
-        key = change.rstrip("0123456789")
-        if key not in _PLAN_FIELDS or key == change:
-            raise ValueError(f"--ssd-plans: {change!r} in {spec!r}: a change is 'one' or one "
-                             f"of {sorted(_PLAN_FIELDS)} followed by a number")
-        fields[_PLAN_FIELDS[key]] = int(change[len(key):])
+    fields = _changes(spec, "--ssd-plans", _PLAN_FIELDS, {"one": {"block_launch": False}})
     if "block_p" in fields:
         fields["num_pb"] = -(-p // fields["block_p"])
     return dataclasses.replace(base, **fields)
+
+
+def gdn_plan(spec: str, bs: int, s: dict, device: str):
+    """A named GDN plan: ``rows``, ``default`` (``plan_gdn``'s) or ``block`` with changes, e.g.
+    ``block:v128:w2:r0:wv8:last`` (channels a block-form program streams, its warps, its
+    register cap (0: none), the long-request walk's channels, the weight programs last in the
+    grid, so that every stream program makes its own weights)."""
+    if spec == "default":
+        return None  # the op's own plan (it sees the launch's rows)
+    base = triton_gdn.plan_gdn(bs, s["num_v_heads"], s["k_dim"], s["v_dim"],
+                               device_sm_count(torch.device(device)), block_form=spec != "rows")
+    if spec == "rows":
+        return base
+    return dataclasses.replace(base, **_changes(spec, "--gdn-plans", _GDN_FIELDS,
+                                                {"last": {"block_weights_first": False}}))
 
 
 # ---------------------------------------------------------------------- GDN
@@ -179,7 +206,8 @@ def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
     acc = torch.tensor(lens, dtype=torch.int32, device=device)
     commit = [lambda c=c: triton_gdn.gated_delta_rule_commit_triton(
         c["state"], *c["rings"], c["qsl"], c["slots"], acc, plan=plan) for c in sets]
-    used = plan or triton_gdn.plan_gdn(bs, hv, kd, vd, device_sm_count(torch.device(device)))
+    used = plan or triton_gdn.plan_gdn(bs, hv, kd, vd, device_sm_count(torch.device(device)),
+                                       num_tokens=sum(lens))
     return dict(kernel="gdn", bs=bs, lengths="mix_mean3" if mix else "all8",
                 num_tokens=sum(lens), copies=len(sets), max_abs_err=err,
                 plan=dataclasses.asdict(used), **_rates(floor, time_calls(fns, s, device), s),
@@ -226,6 +254,9 @@ def main() -> None:
     ap.add_argument("--ssd-plans", nargs="+", metavar="SPEC",
                     help="time the SSD forward under each named plan side by side (rows, "
                          "default, block:p64:w2:n32:from3; see ssd_plan) instead of the default")
+    ap.add_argument("--gdn-plans", nargs="+", metavar="SPEC",
+                    help="the same for the GDN forward (rows, default, block:v64:w1; "
+                         "see gdn_plan)")
     opts = ap.parse_args()
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
     s = dict(s, **({"batch_sizes": opts.bs} if opts.bs else {}),
@@ -248,8 +279,10 @@ def main() -> None:
     for bs in s["batch_sizes"]:
         for mix in (True, False):
             for name in opts.kernels:
-                for spec in (opts.ssd_plans or [None]) if name == "ssd" else [None]:
-                    plan = spec and ssd_plan(spec, bs, s, device)
+                specs = {"ssd": opts.ssd_plans, "gdn": opts.gdn_plans}[name]
+                for spec in specs or [None]:
+                    plan = spec and {"ssd": ssd_plan, "gdn": gdn_plan}[name](spec, bs, s,
+                                                                             device)
                     report["results"].append(dict(cases[name](bs, mix, s, device, plan),
                                                   **({"form": spec} if spec else {})))
                     print(_row(report["results"][-1]), spec or "", flush=True)
