@@ -37,7 +37,8 @@ is taken at once from the state before it, with no update of the state,
 (raw key and query rows stacked, 16 x K; ``W`` and ``C`` from the rows' Gram products, norms,
 window sums of the log gates and a unit-triangular inverse, :func:`_block_weights`). One
 launch holds two kinds of program (:func:`_gdn_block_kernel`): a weight program a (request,
-value head) makes ``W`` and ``C``; a stream program a (request, value head, channel block)
+key head) makes ``W`` and ``C`` of the key head's value heads (their Gram products once); a
+stream program a (request, value head, channel block)
 reads its state slice once through float32 FMA dots (one multiply-add a state element a row,
 against the walk's four) and mixes. It takes the weight program's results if that has
 published them (an acquire on a flag), else makes its own with the same code: nobody waits,
@@ -344,23 +345,29 @@ def _block_weights(gkk, gqk, nk, nq, g, beta, fine, scale, offs_t, offs_r,
 
 
 @triton.jit
-def _block_request(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr,
-                   ring_beta_ptr, scale, start, length, head, stride_q_tok, stride_q_head,
-                   stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
-                   stride_beta_tok, HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr,
-                   VD: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr, T: tl.constexpr,
-                   KC: tl.constexpr, L2NORM: tl.constexpr, RINGS: tl.constexpr):
-    """A request of 1..T rows, one value head: its ``W``, ``C`` (:func:`_block_weights`) and
-    kept-row count from the rows alone; with ``RINGS`` it also writes the rows' replay rings."""
+def _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok, stride_q_head, stride_k_tok,
+                stride_k_head, KD: tl.constexpr, K_PAD: tl.constexpr, T: tl.constexpr,
+                KC: tl.constexpr):
+    """:func:`_gram` of a request's (up to T) key and query rows of key head ``k_head``."""
+    rows = start.to(tl.int64) + tl.arange(0, T)
+    return _gram(k_ptr + rows * stride_k_tok + k_head * stride_k_head,
+                 q_ptr + rows * stride_q_tok + k_head * stride_q_head,
+                 tl.arange(0, T) < length, K_PAD, KD, T, KC)
+
+
+@triton.jit
+def _block_head(v_ptr, g_ptr, beta_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, start,
+                length, head, gkk, gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok,
+                stride_beta_tok, HV: tl.constexpr, VD: tl.constexpr, V_PAD: tl.constexpr,
+                T: tl.constexpr, KC: tl.constexpr, L2NORM: tl.constexpr, RINGS: tl.constexpr):
+    """Value head ``head`` of a request of 1..T rows: its ``W``, ``C`` (:func:`_block_weights`)
+    and kept-row count from its key head's Gram products, its gates, betas and values; with
+    ``RINGS`` it also writes their replay rings."""
     f32: tl.constexpr = tl.float32
-    k_head = head // (HV // HK)
     offs_t = tl.arange(0, T)
     offs_c = tl.arange(0, KC)
     rows = start.to(tl.int64) + offs_t
     in_req = offs_t < length
-    k_rows = k_ptr + rows * stride_k_tok + k_head * stride_k_head
-    gkk, gqk, nk, nq = _gram(k_rows, q_ptr + rows * stride_q_tok + k_head * stride_q_head,
-                             in_req, K_PAD, KD, T, KC)
     g = tl.load(g_ptr + rows * stride_g_tok + head, mask=in_req, other=0.0).to(f32)
     beta = tl.load(beta_ptr + rows * stride_beta_tok + head, mask=in_req, other=0.0).to(f32)
     # the values: a row with a non-finite one is unusable (and they go to the ring)
@@ -379,19 +386,32 @@ def _block_request(q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ring_k_ptr, ring_v_ptr,
     if RINGS:
         tl.store(ring_g_ptr + rows * HV + head, g, mask=in_req)
         tl.store(ring_beta_ptr + rows * HV + head, beta, mask=in_req)
-        if head % (HV // HK) == 0:  # the key head's normalized keys, once a key head
-            if L2NORM:
-                rn = tl.rsqrt(nk + 1e-6)
-            else:
-                rn = tl.full([T], 1.0, f32)
-            for k0 in range(0, K_PAD, KC):
-                kk = k0 + offs_c
-                m = in_req[:, None] & (kk < KD)[None, :]
-                x = tl.load(k_rows[:, None] + kk[None, :], mask=m, other=0.0).to(f32)
-                tl.store(ring_k_ptr + (rows[:, None] * HK + k_head) * KD + kk[None, :],
-                         x * rn[:, None], mask=m)
     return _block_weights(gkk, gqk, nk, nq, g, beta, fine, scale, offs_t, tl.arange(0, 2 * T),
                           T, L2NORM)
+
+
+@triton.jit
+def _ring_keys(k_ptr, ring_k_ptr, start, length, k_head, nk, stride_k_tok, stride_k_head,
+               HK: tl.constexpr, KD: tl.constexpr, K_PAD: tl.constexpr, T: tl.constexpr,
+               KC: tl.constexpr, L2NORM: tl.constexpr):
+    """A request's normalized keys of key head ``k_head`` into the replay ring (``nk``: their
+    squared norms)."""
+    f32: tl.constexpr = tl.float32
+    offs_t = tl.arange(0, T)
+    offs_c = tl.arange(0, KC)
+    rows = start.to(tl.int64) + offs_t
+    in_req = offs_t < length
+    if L2NORM:
+        rn = tl.rsqrt(nk + 1e-6)
+    else:
+        rn = tl.full([T], 1.0, f32)
+    for k0 in range(0, K_PAD, KC):
+        kk = k0 + offs_c
+        m = in_req[:, None] & (kk < KD)[None, :]
+        x = tl.load(k_ptr + rows[:, None] * stride_k_tok + k_head * stride_k_head + kk[None, :],
+                    mask=m, other=0.0).to(f32)
+        tl.store(ring_k_ptr + (rows[:, None] * HK + k_head) * KD + kk[None, :], x * rn[:, None],
+                 mask=m)
 
 
 @triton.jit
@@ -409,8 +429,9 @@ def _gdn_block_kernel(
     """The block form in one launch of two kinds of program (a 1-D grid, the first kind
     first unless not ``WEIGHTS_FIRST``):
 
-    - ``R * Hv`` weight programs, one a (request of 1..T rows, value head): its ``W``, ``C``
-      and kept-row count into scratch, the rows' rings, then ``ready`` (a release);
+    - ``R * Hk`` weight programs, one a (request of 1..T rows, key head): the rows' Gram
+      products, then for each of the key head's value heads its ``W``, ``C`` and kept-row
+      count into scratch, the rows' rings, then its ``ready`` (a release);
     - ``(R + 1) * Hv * NUM_VB`` stream programs, one a (request, value head, block of
       ``BLOCK_V`` channels): the state slice streamed once into ``[K S0; Q S0]`` (raw rows:
       nothing of the weight program is needed yet), then ``out = W [K S0; Q S0] + C v`` with
@@ -421,7 +442,7 @@ def _gdn_block_kernel(
     pdl_enter(PDL)
     pid = tl.program_id(0)
     f32: tl.constexpr = tl.float32
-    units = num_requests * HV
+    units = num_requests * HK  # weight programs: one a (request, key head)
     streams = (num_requests + 1) * HV * NUM_VB
     if WEIGHTS_FIRST:
         weights = pid < units
@@ -431,23 +452,30 @@ def _gdn_block_kernel(
         weights = pid >= streams
         b = pid
         a = pid - streams
-    if weights:  # a weight program
+    if weights:  # a weight program: one key head's value heads (their Gram products once)
         req = a % num_requests
-        head = a // num_requests
+        k_head = a // num_requests
         start = tl.load(query_start_loc_ptr + req)
         length = tl.load(query_start_loc_ptr + req + 1) - start
         if (length > 0) & (length <= T):
-            w, c, kept = _block_request(
-                q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr,
-                ring_beta_ptr, scale, start, length, head, stride_q_tok, stride_q_head,
-                stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
-                stride_beta_tok, HK, HV, KD, VD, K_PAD, V_PAD, T, KC, L2NORM, True)
-            unit = (req * HV + head).to(tl.int64)
-            tile = (unit * T + tl.arange(0, T)[:, None]) * (2 * T) + tl.arange(0, 2 * T)[None, :]
-            tl.store(w_ptr + tile, w)
-            tl.store(c_ptr + tile, c)
-            tl.debug_barrier()  # every thread's stores before the flag (CUTLASS's semaphore)
-            tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release", scope="gpu")
+            gkk, gqk, nk, nq = _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok,
+                                           stride_q_head, stride_k_tok, stride_k_head, KD,
+                                           K_PAD, T, KC)
+            _ring_keys(k_ptr, ring_k_ptr, start, length, k_head, nk, stride_k_tok,
+                       stride_k_head, HK, KD, K_PAD, T, KC, L2NORM)
+            for j in range(HV // HK):
+                head = k_head * (HV // HK) + j
+                w, c, kept = _block_head(
+                    v_ptr, g_ptr, beta_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, start,
+                    length, head, gkk, gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok,
+                    stride_beta_tok, HV, VD, V_PAD, T, KC, L2NORM, True)
+                unit = (req * HV + head).to(tl.int64)
+                tile = (unit * T + tl.arange(0, T)[:, None]) * (2 * T) \
+                    + tl.arange(0, 2 * T)[None, :]
+                tl.store(w_ptr + tile, w)
+                tl.store(c_ptr + tile, c)
+                tl.debug_barrier()  # every thread's stores before the flag (CUTLASS's semaphore)
+                tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release", scope="gpu")
         return
     req = b % (num_requests + 1)
     head = b // (num_requests + 1) // NUM_VB
@@ -502,11 +530,13 @@ def _gdn_block_kernel(
         c = tl.load(c_ptr + tile)
         kept = ready - 1
     else:  # the weight program has not finished: the same arithmetic here
-        w, c, kept = _block_request(
-            q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr,
-            ring_beta_ptr, scale, start, length, head, stride_q_tok, stride_q_head,
-            stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
-            stride_beta_tok, HK, HV, KD, VD, K_PAD, V_PAD, T, KC, L2NORM, False)
+        gkk, gqk, nk, nq = _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok,
+                                       stride_q_head, stride_k_tok, stride_k_head, KD, K_PAD,
+                                       T, KC)
+        w, c, kept = _block_head(v_ptr, g_ptr, beta_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
+                                 scale, start, length, head, gkk, gqk, nk, nq, stride_v_tok,
+                                 stride_v_head, stride_g_tok, stride_beta_tok, HV, VD, V_PAD, T,
+                                 KC, L2NORM, False)
     # rows from the first unusable one on: zeros into the products (selects), NaN out
     y = tl.where((r_t < kept)[:, None], acc, 0.0)
     vals = tl.load(v_ptr + rows_r[:, None] * stride_v_tok + head * stride_v_head
@@ -711,7 +741,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
     c = torch.empty(r * hv * t * 2 * t, **f32)
     ready = torch.zeros(max(r * hv, 1), dtype=torch.int32, device=q.device)
     num_vb = triton.cdiv(vd, plan.block_form_v)
-    launch(_gdn_block_kernel, (r * hv + (r + 1) * hv * num_vb,),
+    launch(_gdn_block_kernel, (r * hk + (r + 1) * hv * num_vb,),
            out, q, k, v, g, beta, st, query_start_loc, slots, w, c, ready, ring_k, ring_v,
            ring_g, ring_beta, float(scale), n, r, st.shape[0], *strides, **shapes,
            V_PAD=max(triton.next_power_of_2(vd), _BLOCK_KC), BLOCK_V=plan.block_form_v,
