@@ -38,13 +38,13 @@ is taken at once from the state before it, with no update of the state,
 window sums of the log gates and a unit-triangular inverse, :func:`_block_weights`). One
 launch holds two kinds of program (:func:`_gdn_block_kernel`): a weight program a (request,
 key head) makes ``W`` and ``C`` of the key head's value heads (their Gram products once); a
-stream program a (request, value head, channel block)
-reads its state slice once through float32 FMA dots (one multiply-add a state element a row,
-against the walk's four) and mixes. It takes the weight program's results if that has
-published them (an acquire on a flag), else makes its own with the same code: nobody waits,
-and the bits are the same either way. Rows from a request's first non-finite one on enter the
-products as zeros (selects) and come out NaN. Longer requests walk their rows inside the same
-launch, ``walk_v`` channels at a time; its register cap makes that path spill, not the rest.
+stream program a (request, value head, channel block) reads its state slice once through
+float32 FMA dots (one multiply-add a state element a row, against the walk's four) and mixes.
+It takes the weight program's results if that has published them (an acquire on a flag), else
+makes its own with the same code: nobody waits, and the bits are the same either way. Rows
+from a request's first non-finite one on enter the products as zeros (selects) and come out
+NaN. Longer requests walk their rows inside the same launch, ``walk_v`` channels at a time;
+its register cap makes that path spill, not the rest.
 
 Commit (grid ``(R, Hv * cdiv(V, BLOCK_V))``): the same update, fed from the rings for the
 first ``clamp(accept_lens[i], 0, len_i)`` rows, then one store of the tile into the pool. The
@@ -239,12 +239,9 @@ def _gdn_forward_kernel(
     head = tl.program_id(1) // NUM_VB
     vb = tl.program_id(1) % NUM_VB
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
-    start = tl.load(query_start_loc_ptr + req)
-    if req == num_requests:
-        _zero_padding_rows(out_ptr, start, num_tokens, head, offs_v, offs_v < VD,
-                           stride_out_tok, stride_out_head, BLOCK_V, PAD_ROWS)
-        return
-    length = tl.load(query_start_loc_ptr + req + 1) - start
+    start, length = _request_span(query_start_loc_ptr, req, num_requests, out_ptr, num_tokens,
+                                  head, offs_v, offs_v < VD, stride_out_tok, stride_out_head,
+                                  BLOCK_V, PAD_ROWS)
     if length <= 0:
         return
     slot = tl.load(slots_ptr + req).to(tl.int64)
@@ -256,7 +253,7 @@ def _gdn_forward_kernel(
                L2NORM, CHANNEL_GATES)
 
 
-# ------------------------------------------------------------ block form (two launches)
+# ------------------------------------------------- block form (one launch, two program kinds)
 
 @triton.jit
 def _row_select(m, t, offs):
@@ -639,6 +636,16 @@ class GdnPlan:
     uncapped at bs 64, all 8 rows)."""
 
 
+def _fill_block(block: int, minimum: int, units: int, channels: int, sm_count: int
+                ) -> int:
+    """A channel block halved (down to ``minimum``) while ``units`` (requests times heads) times
+    ``cdiv(channels, block)`` programs are fewer than two per multiprocessor: the GDN and
+    Mamba-2 plans' rule, so that a small batch still fills the GPU."""
+    while block > minimum and units * triton.cdiv(channels, block) < 2 * sm_count:
+        block //= 2
+    return block
+
+
 @functools.lru_cache(maxsize=1024)
 def plan_gdn(num_requests: int, num_v_heads: int, k_dim: int, v_dim: int,
              sm_count: int, block_form: bool | None = None, channel_gates: bool = False,
@@ -656,11 +663,9 @@ def plan_gdn(num_requests: int, num_v_heads: int, k_dim: int, v_dim: int,
     depends on the rows and the walk's grows with them; on the H200 at Qwen3-Next's shapes
     (docs/benchmarks.md) they cross at about 5 rows a request at bs 64 and 128, and at bs 8 the
     two tie with all 8 rows."""
-    def filled(block: int) -> int:  # halved while fewer than two programs a multiprocessor
-        while block > _MIN_BLOCK_V and \
-                max(num_requests, 1) * num_v_heads * triton.cdiv(v_dim, block) < 2 * sm_count:
-            block //= 2
-        return block
+    def filled(block: int) -> int:
+        return _fill_block(block, _MIN_BLOCK_V, max(num_requests, 1) * num_v_heads, v_dim,
+                           sm_count)
 
     k_pad = triton.next_power_of_2(max(k_dim, 1))
     v_pad = triton.next_power_of_2(max(v_dim, 1))
@@ -736,9 +741,8 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
     regs = ({"maxnreg": plan.block_form_registers} if plan.block_form_registers
             and cfg.backend == "cuda" and q.device.type == "cuda" else {})  # HIP rejects it
     pdl = use_pdl(q.device, cfg)
-    f32 = dict(dtype=torch.float32, device=q.device)
-    w = torch.empty(r * hv * t * 2 * t, **f32)  # per (request, value head): W, C ([T, 2T])
-    c = torch.empty(r * hv * t * 2 * t, **f32)
+    # per (request, value head): W and C, [T, 2T] each
+    w, c = torch.empty(2, r * hv * t * 2 * t, dtype=torch.float32, device=q.device)
     ready = torch.zeros(max(r * hv, 1), dtype=torch.int32, device=q.device)
     num_vb = triton.cdiv(vd, plan.block_form_v)
     launch(_gdn_block_kernel, (r * hk + (r + 1) * hv * num_vb,),

@@ -57,7 +57,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .gdn import _load_state, _zero_padding_rows  # shared tiles: same layout
+from .gdn import _fill_block, _load_state, _zero_padding_rows  # shared tiles, the fill rule
 from .launch import launch
 from ..ops.ssd_reference import check_ssd, check_ssd_commit
 from .device import device_sm_count
@@ -423,11 +423,9 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
     --ssd-plans``) the block form is faster with all 8 rows from bs 8 on and slower at bs 1,
     where the walk's shorter chain wins; shorter requests walk, which is faster for them, and
     at a mean of 3 rows the block form's second launch made the whole 7-10% slower."""
-    def filled(block: int) -> int:  # halved while fewer than two programs a multiprocessor
-        while block > _MIN_BLOCK_P and \
-                max(num_requests, 1) * num_heads * triton.cdiv(head_dim, block) < 2 * sm_count:
-            block //= 2
-        return block
+    def filled(block: int) -> int:
+        return _fill_block(block, _MIN_BLOCK_P, max(num_requests, 1) * num_heads, head_dim,
+                           sm_count)
 
     n_pad = triton.next_power_of_2(max(state_dim, 1))
     p_pad = triton.next_power_of_2(max(head_dim, 1))
