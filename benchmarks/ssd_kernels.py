@@ -137,7 +137,7 @@ def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
 _PLAN_FIELDS = {"p": "block_p", "w": "num_warps", "n": "block_n", "from": "block_from",
                 "bp": "block_form_p", "bw": "block_form_warps"}
 _GDN_FIELDS = {"v": "block_form_v", "w": "block_form_warps", "r": "block_form_registers",
-               "wv": "walk_v"}
+               "wv": "walk_v", "p": "block_wait_polls"}
 
 
 def _changes(spec: str, option: str, fields: dict, flags: dict) -> dict:
@@ -181,9 +181,10 @@ def ssd_plan(spec: str, bs: int, s: dict, device: str):
 
 def gdn_plan(spec: str, bs: int, s: dict, device: str):
     """A named GDN plan: ``rows``, ``default`` (``plan_gdn``'s) or ``block`` with changes, e.g.
-    ``block:v128:w2:r0:wv8:last`` (channels a block-form program streams, its warps, its
-    register cap (0: none), the long-request walk's channels, the weight programs last in the
-    grid, so that every stream program makes its own weights)."""
+    ``block:v128:w2:r0:wv8:p0:last`` (channels a block-form program streams, its warps, its
+    register cap (0: none), the long-request walk's channels, a stream program's further reads
+    of its flag, the weight programs last in the grid, so that every stream program makes its
+    own weights)."""
     if spec == "default":
         return None  # the op's own plan (it sees the launch's rows)
     base = triton_gdn.plan_gdn(bs, s["num_v_heads"], s["k_dim"], s["v_dim"],
@@ -191,7 +192,8 @@ def gdn_plan(spec: str, bs: int, s: dict, device: str):
     if spec == "rows":
         return base
     return dataclasses.replace(base, **_changes(spec, "--gdn-plans", _GDN_FIELDS,
-                                                {"last": {"block_weights_first": False}}))
+                                                {"last": {"block_weights_first": False,
+                                                          "block_wait_polls": 0}}))
 
 
 # ---------------------------------------------------------------------- GDN

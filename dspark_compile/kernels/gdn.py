@@ -80,6 +80,7 @@ _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
 _BLOCK_ROWS = 8  # the block form's request width (the verify width measured and tested)
 _BLOCK_KC = 16  # K (and V) a block-form step takes: triton 3.6's float32 dots ask K >= 16
 _BLOCK_FORM_V = 64  # channels a block-form program streams, before the fill rule halves it
+_BLOCK_WAIT_POLLS = 64  # a stream program's further reads of its flag (GdnPlan.block_wait_polls)
 _BLOCK_FORM_REGISTERS = 128  # maxnreg of the block form's launch (its long walk spills)
 _BLOCK_MIN_REQUESTS = 64  # plan_gdn's default: the block form from this many requests on ...
 _BLOCK_MIN_WIDTH = 6  # ... at a mean of this many rows a request or more (tokens / requests)
@@ -272,7 +273,8 @@ def _spread(m, offs_r, offs_t):
 def _gram(k_rows, q_rows, in_req, K_PAD: tl.constexpr, KD: tl.constexpr, T: tl.constexpr,
           KC: tl.constexpr):
     """Of a request's raw rows at ``k_rows`` / ``q_rows`` (``[T]`` pointers): ``k_t . k_s`` and
-    ``q_t . k_s`` (``[T, T]``), ``|k_t|^2`` and ``|q_t|^2``, K in chunks of ``KC``."""
+    ``q_t . k_s`` (``[T, T]``), ``|k_t|^2`` and ``|q_t|^2``, K in chunks of ``KC`` (a float32
+    dot's operands are held whole in each thread: a chunk bounds them)."""
     f32: tl.constexpr = tl.float32
     offs_c = tl.arange(0, KC)
     gkk = tl.zeros([T, T], f32)
@@ -353,30 +355,25 @@ def _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok, stride_q_head
 
 
 @triton.jit
-def _block_head(v_ptr, g_ptr, beta_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, start,
-                length, head, gkk, gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok,
-                stride_beta_tok, HV: tl.constexpr, VD: tl.constexpr, V_PAD: tl.constexpr,
-                T: tl.constexpr, KC: tl.constexpr, L2NORM: tl.constexpr, RINGS: tl.constexpr):
+def _block_head(v_ptr, g_ptr, beta_ptr, ring_g_ptr, ring_beta_ptr, scale, start, length, head,
+                gkk, gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok,
+                HV: tl.constexpr, VD: tl.constexpr, V_PAD: tl.constexpr, T: tl.constexpr,
+                L2NORM: tl.constexpr, RINGS: tl.constexpr):
     """Value head ``head`` of a request of 1..T rows: its ``W``, ``C`` (:func:`_block_weights`)
-    and kept-row count from its key head's Gram products, its gates, betas and values; with
-    ``RINGS`` it also writes their replay rings."""
+    and kept-row count from its key head's Gram products, its gates, betas and values (whole
+    rows, loaded before any store); with ``RINGS`` it also writes the gates' and betas' replay
+    rings (the stream programs write the values')."""
     f32: tl.constexpr = tl.float32
     offs_t = tl.arange(0, T)
-    offs_c = tl.arange(0, KC)
+    offs_v = tl.arange(0, V_PAD)
     rows = start.to(tl.int64) + offs_t
     in_req = offs_t < length
     g = tl.load(g_ptr + rows * stride_g_tok + head, mask=in_req, other=0.0).to(f32)
     beta = tl.load(beta_ptr + rows * stride_beta_tok + head, mask=in_req, other=0.0).to(f32)
-    # the values: a row with a non-finite one is unusable (and they go to the ring)
-    v_bad = tl.zeros([T], tl.int32)
-    for v0 in range(0, V_PAD, KC):
-        vv = v0 + offs_c
-        m = in_req[:, None] & (vv < VD)[None, :]
-        x = tl.load(v_ptr + rows[:, None] * stride_v_tok + head * stride_v_head + vv[None, :],
-                    mask=m, other=0.0).to(f32)
-        if RINGS:
-            tl.store(ring_v_ptr + (rows[:, None] * HV + head) * VD + vv[None, :], x, mask=m)
-        v_bad += tl.sum(tl.where((x == x) & (tl.abs(x) < float("inf")), 0, 1), 1)
+    # the values: a row with a non-finite one is unusable
+    x = tl.load(v_ptr + rows[:, None] * stride_v_tok + head * stride_v_head + offs_v[None, :],
+                mask=in_req[:, None] & (offs_v < VD)[None, :], other=0.0).to(f32)
+    v_bad = tl.sum(tl.where((x == x) & (tl.abs(x) < float("inf")), 0, 1), 1)
     fine = in_req & (v_bad == 0) & (nk == nk) & (nk < float("inf")) & (nq == nq) \
         & (nq < float("inf")) & (g == g) & (g < float("inf")) & (beta == beta) \
         & (tl.abs(beta) < float("inf"))
@@ -390,25 +387,18 @@ def _block_head(v_ptr, g_ptr, beta_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, s
 @triton.jit
 def _ring_keys(k_ptr, ring_k_ptr, start, length, k_head, nk, stride_k_tok, stride_k_head,
                HK: tl.constexpr, KD: tl.constexpr, K_PAD: tl.constexpr, T: tl.constexpr,
-               KC: tl.constexpr, L2NORM: tl.constexpr):
-    """A request's normalized keys of key head ``k_head`` into the replay ring (``nk``: their
-    squared norms)."""
-    f32: tl.constexpr = tl.float32
+               L2NORM: tl.constexpr):
+    """A request's key rows of key head ``k_head``, normalized, into the replay ring (``nk``:
+    their squared norms): whole rows in one load and one store."""
     offs_t = tl.arange(0, T)
-    offs_c = tl.arange(0, KC)
+    offs_k = tl.arange(0, K_PAD)
     rows = start.to(tl.int64) + offs_t
-    in_req = offs_t < length
+    m = (offs_t < length)[:, None] & (offs_k < KD)[None, :]
+    x = tl.load(k_ptr + rows[:, None] * stride_k_tok + k_head * stride_k_head + offs_k[None, :],
+                mask=m, other=0.0).to(tl.float32)
     if L2NORM:
-        rn = tl.rsqrt(nk + 1e-6)
-    else:
-        rn = tl.full([T], 1.0, f32)
-    for k0 in range(0, K_PAD, KC):
-        kk = k0 + offs_c
-        m = in_req[:, None] & (kk < KD)[None, :]
-        x = tl.load(k_ptr + rows[:, None] * stride_k_tok + k_head * stride_k_head + kk[None, :],
-                    mask=m, other=0.0).to(f32)
-        tl.store(ring_k_ptr + (rows[:, None] * HK + k_head) * KD + kk[None, :], x * rn[:, None],
-                 mask=m)
+        x = x * tl.rsqrt(nk + 1e-6)[:, None]
+    tl.store(ring_k_ptr + (rows[:, None] * HK + k_head) * KD + offs_k[None, :], x, mask=m)
 
 
 @triton.jit
@@ -422,7 +412,7 @@ def _gdn_block_kernel(
         K_PAD: tl.constexpr, V_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
         NUM_VB: tl.constexpr, WALK_V: tl.constexpr, T: tl.constexpr, KC: tl.constexpr,
         L2NORM: tl.constexpr, PAD_ROWS: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
-        PDL: tl.constexpr):
+        POLLS: tl.constexpr, PDL: tl.constexpr):
     """The block form in one launch of two kinds of program (a 1-D grid, the first kind
     first unless not ``WEIGHTS_FIRST``):
 
@@ -459,13 +449,13 @@ def _gdn_block_kernel(
                                            stride_q_head, stride_k_tok, stride_k_head, KD,
                                            K_PAD, T, KC)
             _ring_keys(k_ptr, ring_k_ptr, start, length, k_head, nk, stride_k_tok,
-                       stride_k_head, HK, KD, K_PAD, T, KC, L2NORM)
+                       stride_k_head, HK, KD, K_PAD, T, L2NORM)
             for j in range(HV // HK):
                 head = k_head * (HV // HK) + j
                 w, c, kept = _block_head(
-                    v_ptr, g_ptr, beta_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr, scale, start,
-                    length, head, gkk, gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok,
-                    stride_beta_tok, HV, VD, V_PAD, T, KC, L2NORM, True)
+                    v_ptr, g_ptr, beta_ptr, ring_g_ptr, ring_beta_ptr, scale, start, length,
+                    head, gkk, gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok,
+                    stride_beta_tok, HV, VD, V_PAD, T, L2NORM, True)
                 unit = (req * HV + head).to(tl.int64)
                 tile = (unit * T + tl.arange(0, T)[:, None]) * (2 * T) \
                     + tl.arange(0, 2 * T)[None, :]
@@ -509,6 +499,16 @@ def _gdn_block_kernel(
     slot_v = offs_v.to(tl.int64) * 0 + slot
     s_ok = v_ok & (slot_v >= 0) & (slot_v < num_slots)
     s_base = state_ptr + slot * stride_s_slot + head * stride_s_head
+    # the flag first: where the weights are ready (past the first wave of programs, mostly),
+    # their loads overlap the stream instead of following it
+    unit = (req * HV + head).to(tl.int64)
+    tile = (unit * T + offs_t[:, None]) * (2 * T) + offs_r[None, :]
+    ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")
+    tl.debug_barrier()  # the acquire for every thread's loads below
+    early = (tile * 0 + ready) > 0  # a tensor mask (the interpreter rejects scalar masks)
+    w = tl.load(w_ptr + tile, mask=early, other=0.0)
+    c = tl.load(c_ptr + tile, mask=early, other=0.0)
+    kept = ready - 1
     acc = tl.zeros([2 * T, BLOCK_V], f32)
     for k0 in range(0, K_PAD, KC):
         kk = k0 + offs_c
@@ -518,27 +518,36 @@ def _gdn_block_kernel(
         s_t = tl.load(s_base + kk[:, None] * stride_s_k + offs_v[None, :],
                       mask=kc_ok[:, None] & s_ok[None, :], other=0.0)
         acc = tl.dot(x, s_t, acc, input_precision="ieee")
-    unit = (req * HV + head).to(tl.int64)
-    ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")
-    tl.debug_barrier()
-    if ready > 0:
-        tile = (unit * T + offs_t[:, None]) * (2 * T) + offs_r[None, :]
-        w = tl.load(w_ptr + tile)
-        c = tl.load(c_ptr + tile)
-        kept = ready - 1
-    else:  # the weight program has not finished: the same arithmetic here
-        gkk, gqk, nk, nq = _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok,
-                                       stride_q_head, stride_k_tok, stride_k_head, KD, K_PAD,
-                                       T, KC)
-        w, c, kept = _block_head(v_ptr, g_ptr, beta_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
-                                 scale, start, length, head, gkk, gqk, nk, nq, stride_v_tok,
-                                 stride_v_head, stride_g_tok, stride_beta_tok, HV, VD, V_PAD, T,
-                                 KC, L2NORM, False)
+    # the values (raw) into the replay ring, this program's channels of them
+    top = (offs_r < T) & x_in
+    vals = tl.load(v_ptr + rows_r[:, None] * stride_v_tok + head * stride_v_head
+                   + offs_v[None, :], mask=top[:, None] & v_ok[None, :], other=0.0).to(f32)
+    tl.store(ring_v_ptr + (rows_r[:, None] * HV + head) * VD + offs_v[None, :], vals,
+             mask=top[:, None] & v_ok[None, :])
+    if ready == 0:
+        # the weight programs run first in the grid and mostly finish while the first wave
+        # of stream programs streams: more reads of the flag (up to POLLS) beat making the
+        # weights again, and the bound keeps any order of dispatch free of deadlock
+        polls = 0
+        while (ready == 0) & (polls < POLLS):
+            ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")
+            polls += 1
+        tl.debug_barrier()
+        if ready > 0:
+            w = tl.load(w_ptr + tile)
+            c = tl.load(c_ptr + tile)
+            kept = ready - 1
+        else:  # the weight program has not finished: the same arithmetic here
+            gkk, gqk, nk, nq = _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok,
+                                           stride_q_head, stride_k_tok, stride_k_head, KD,
+                                           K_PAD, T, KC)
+            w, c, kept = _block_head(v_ptr, g_ptr, beta_ptr, ring_g_ptr, ring_beta_ptr, scale,
+                                     start, length, head, gkk, gqk, nk, nq, stride_v_tok,
+                                     stride_v_head, stride_g_tok, stride_beta_tok, HV, VD,
+                                     V_PAD, T, L2NORM, False)
     # rows from the first unusable one on: zeros into the products (selects), NaN out
     y = tl.where((r_t < kept)[:, None], acc, 0.0)
-    vals = tl.load(v_ptr + rows_r[:, None] * stride_v_tok + head * stride_v_head
-                   + offs_v[None, :], mask=((offs_r < T) & (r_t < kept))[:, None] & v_ok[None, :],
-                   other=0.0).to(f32)
+    vals = tl.where((r_t < kept)[:, None], vals, 0.0)
     o = tl.dot(w, y, input_precision="ieee")
     o = tl.dot(c, vals, o, input_precision="ieee")
     o = tl.where((offs_t < kept)[:, None], o, float("nan"))
@@ -626,8 +635,15 @@ class GdnPlan:
     slice in registers; it divides ``block_form_v``)."""
     block_weights_first: bool = True
     """The weight programs first in the block form's grid, so they mostly finish before the
-    stream programs that use them; False puts them last, so that every stream program makes
-    its own (slower; the tests use it to show both paths give the same bits)."""
+    stream programs that use them; False puts them last, so that (with ``block_wait_polls``
+    0) every stream program makes its own (slower; the tests use it to show both paths give
+    the same bits)."""
+    block_wait_polls: int = _BLOCK_WAIT_POLLS
+    """Times a stream program reads its weight program's flag again (an acquire, about an L2
+    round trip each) before it makes the weights itself; 0: it reads the flag once. The bound
+    keeps the launch free of deadlock whatever order the programs are dispatched in; waiting
+    beats making them again (``gdn_block_probe.json``: a weight program's chain is ~50k cycles,
+    and at bs 64 the first stream programs reach the flag before it is set)."""
     block_form_registers: int = _BLOCK_FORM_REGISTERS
     """Registers a thread of the block form's launch may use (``maxnreg``, NVIDIA; 0: the
     compiler's choice). Uncapped, its build has 212 at 64 channels (triton 3.6, sm_90), set by
@@ -694,7 +710,9 @@ def _check_plan(plan: GdnPlan, channel_gates: bool) -> None:
                    f"at least {_BLOCK_KC} in the block form"),
                   (dot_size(plan.block_form_v), "block_form_v", plan.block_form_v, pow2),
                   (dot_size(plan.walk_v) and plan.block_form_v % plan.walk_v == 0, "walk_v",
-                   plan.walk_v, pow2 + " dividing block_form_v")]
+                   plan.walk_v, pow2 + " dividing block_form_v"),
+                  (isinstance(plan.block_wait_polls, int) and plan.block_wait_polls >= 0,
+                   "block_wait_polls", plan.block_wait_polls, "an int >= 0")]
     for ok, name, value, rule in rules:
         if not ok:
             raise ValueError(f"dspark::gated_delta_rule: GdnPlan.{name}={value!r}: must be "
@@ -750,7 +768,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
            ring_g, ring_beta, float(scale), n, r, st.shape[0], *strides, **shapes,
            V_PAD=max(triton.next_power_of_2(vd), _BLOCK_KC), BLOCK_V=plan.block_form_v,
            NUM_VB=num_vb, WALK_V=plan.walk_v, T=t, KC=_BLOCK_KC,
-           WEIGHTS_FIRST=plan.block_weights_first, PDL=pdl,
+           WEIGHTS_FIRST=plan.block_weights_first, POLLS=plan.block_wait_polls, PDL=pdl,
            num_warps=plan.block_form_warps, **regs, **pdl_options(pdl))
     return out
 

@@ -158,12 +158,12 @@ def _ssd_block(out_ptr, x_ptr, dt_ptr, b_ptr, c_ptr, state_ptr, ring_x_ptr, ring
     offs_c = tl.arange(0, BLOCK_N)
     s_base = state_ptr + slot * stride_s_slot + head * stride_s_head
     if writes_b:  # one program a group, before the stream (after it, it costs registers)
-        for n0 in range(0, N_PAD, BLOCK_N):
-            nn = n0 + offs_c
-            rn_ok = in_req[:, None] & (nn < NS)[None, :]
-            b = tl.load(b_ptr + rows[:, None] * stride_b_tok + group * stride_b_group
-                        + nn[None, :], mask=rn_ok, other=0.0).to(f32)
-            tl.store(ring_b_ptr + (rows[:, None] * G + group) * NS + nn[None, :], b, mask=rn_ok)
+        # whole rows: one load and one store (a store between chunk loads would order them)
+        nn = tl.arange(0, N_PAD)
+        rn_ok = in_req[:, None] & (nn < NS)[None, :]
+        b = tl.load(b_ptr + rows[:, None] * stride_b_tok + group * stride_b_group + nn[None, :],
+                    mask=rn_ok, other=0.0).to(f32)
+        tl.store(ring_b_ptr + (rows[:, None] * G + group) * NS + nn[None, :], b, mask=rn_ok)
     acc = tl.zeros([T, BLOCK_P], f32)
     cb = tl.zeros([T, T], f32)
     for n0 in range(0, N_PAD, BLOCK_N):

@@ -51,7 +51,7 @@ CASES = {
                                "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", **_LAYOUT},
                               {**_GDN_SHAPE, "V_PAD": 128, "BLOCK_V": 64, "NUM_VB": 2,
                                "WALK_V": 16, "T": 8, "KC": 16, "L2NORM": True, "PAD_ROWS": 16,
-                               "WEIGHTS_FIRST": True}),
+                               "WEIGHTS_FIRST": True, "POLLS": 64}),
     "gdn_commit": ("gdn", "_gdn_commit_kernel",
                    {"state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
                     "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", "accept_lens_ptr": "i32",

@@ -441,9 +441,16 @@ def test_triton_gdn_block_form_contains_and_matches(lens, num_pad, seed, values)
     _check_containment(layout, acc, clean, dirty)
     # the weight programs last: every stream program makes its own weights, the same bits
     last = run_gdn(d, layout, impl=gated_delta_rule_triton,
-                   plan=dataclasses.replace(plan, block_weights_first=False))
+                   plan=dataclasses.replace(plan, block_weights_first=False,
+                                            block_wait_polls=0))
     assert torch.equal(last[0].nan_to_num(), dirty[0].nan_to_num())
     assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(last[1], dirty[1]))
+    # weights last with polling: a stream program reads an unset flag to its bound, then
+    # makes its own (the interpreter runs the programs one after another)
+    polled = run_gdn(d, layout, impl=gated_delta_rule_triton,
+                     plan=dataclasses.replace(plan, block_weights_first=False,
+                                              block_wait_polls=3))
+    assert torch.equal(polled[0].nan_to_num(), dirty[0].nan_to_num())
     for i, (n, a) in enumerate(zip(layout.lens, acc.tolist())):
         if 0 < a < n <= 8:
             assert bool(dirty[0][layout.rows(i)][a:].isnan().all()), f"request {i}"
@@ -471,7 +478,8 @@ def test_gdn_plan_rule_and_checks():
     for fields, match in [({"block_rows": 4}, "block_rows=4: must be 0 or 8"),
                           ({"block_form_v": 48}, "block_form_v=48: must be a power of two"),
                           ({"block_form_v": 8}, "block_form_v=8"),
-                          ({"walk_v": 128}, "walk_v=128: must be a power of two .* dividing")]:
+                          ({"walk_v": 128}, "walk_v=128: must be a power of two .* dividing"),
+                          ({"block_wait_polls": -1}, "block_wait_polls=-1: must be an int")]:
         with pytest.raises(ValueError, match=match):
             _check_plan(dataclasses.replace(plan, **fields), False)
     with pytest.raises(ValueError, match="one gate a key channel"):
@@ -654,7 +662,8 @@ def test_gpu_gdn_contains_rejected_rows(form):
                        run_gdn(d, layout, impl=gated_delta_rule_triton, plan=plan))
     if form == "block":  # every stream program making its own weights: the same bits
         last = run_gdn(d, layout, impl=gated_delta_rule_triton,
-                       plan=dataclasses.replace(plan, block_weights_first=False))
+                       plan=dataclasses.replace(plan, block_weights_first=False,
+                                            block_wait_polls=0))
         dirty = run_gdn(d, layout, impl=gated_delta_rule_triton, plan=plan)
         assert torch.equal(last[0].nan_to_num(), dirty[0].nan_to_num())
     rows = run_gdn(c, layout, impl=gated_delta_rule_triton, plan=_gdn_plan(layout, 32, 128, 128,

@@ -1,0 +1,27 @@
+"""benchmarks/gdn_block_probe.py on the CPU (Triton interpreter): every edit still finds its
+anchor in gdn.py (else the probe would time an unedited copy under a variant's name), the
+clocked copy builds, and the ticket variant (roles from an atomic counter, unbounded polling)
+gives the op's outputs bit for bit."""
+
+import tempfile
+
+import torch
+
+from helpers import load_benchmark
+
+
+def test_variants_build_and_ticket_matches_op():
+    probe = load_benchmark("gdn_block_probe")
+    ssd = load_benchmark("ssd_kernels")
+    tmp = tempfile.mkdtemp()
+    # variant() exits naming an edit whose anchor is gone
+    mods = {name: probe.variant(name, edits, tmp) for name, edits in probe.VARIANTS.items()}
+    assert hasattr(probe.clocked(tmp), "_gdn_block_clocked")
+    s = dict(ssd.SMOKE, num_k_heads=2, num_v_heads=4, k_dim=16, v_dim=16)
+    lens = [8, 5, 8]
+    c = ssd.gdn_inputs(lens, s, "cpu", seed=4)
+    plan = probe.triton_gdn.plan_gdn(len(lens), 4, 16, 16, 1, block_form=True)
+    want = probe.triton_gdn.gated_delta_rule_triton(*ssd._gdn_args(c, s), plan=plan)
+    got = mods["ticket"].gated_delta_rule_triton(*ssd._gdn_args(c, s), plan=plan)
+    assert torch.equal(want, got)
+    assert not want.isnan().any()
