@@ -386,6 +386,7 @@ def _gdn_plan(layout: Layout, hv: int, kd: int, vd: int, form: str, **fields):
 @needs_triton
 @pytest.mark.parametrize("name, hk, hv, kd, vd, l2, fields", [
     ("mixed", 2, 4, 16, 32, True, {}), ("empty_ends", 3, 3, 24, 20, False, {}),
+    ("mixed", 1, 3, 16, 24, True, {}), ("full", 1, 4, 16, 16, False, {}),
     ("full", 1, 2, 32, 48, True, {"block_v": 16, "num_vb": 3, "block_form_v": 32}),
     ("long", 2, 2, 16, 16, True, {}),
     ("long", 1, 2, 16, 48, False, {"block_form_v": 32, "block_form_warps": 2}),
@@ -393,7 +394,8 @@ def _gdn_plan(layout: Layout, hv: int, kd: int, vd: int, form: str, **fields):
 @pytest.mark.parametrize("form", ["rows", "block"])
 def test_triton_gdn_matches_reference(name, hk, hv, kd, vd, l2, fields, form):
     """Both forms against the reference: outputs, rings (padding rows untouched) and the
-    committed state; odd K and V, channel blocks past V, long requests (they walk inside the
+    committed state; odd K and V, 1 to 4 value heads a key head (3: the block form's weight
+    programs pad them to 4), channel blocks past V, long requests (they walk inside the
     block form's launch, ``walk_v`` channels at a time), strided inputs."""
     from dspark_compile.kernels.gdn import gated_delta_rule_commit_triton, gated_delta_rule_triton
 
