@@ -33,6 +33,8 @@
 #   gdn_forms     ssd_kernels.py --kernels gdn --gdn-plans rows default block (the row walk, plan_gdn's plan
 #                 and the block form of the GDN forward, bs 1 / 8 / 64 / 128)
 #   gdn_block_plans  ssd_kernels.py --gdn-plans over the block form's knobs at bs 64 / 128
+#   gdn_probe     gdn_block_probe.py 64 128 (the GDN block form's edited copies side by side: streams
+#                 alone, weight programs alone, no flag, ticket roles; each program's clocks)
 #   ssd_probe     ssd_block_probe.py 64 128 (the Mamba-2 block form's state stream alone, its tiles
 #                 and pipelining depths, beside the op's two forms)
 #   dsv4_step     dsv4_step.py                         (DeepSeek-V4-shaped verify step vs HF)
@@ -132,6 +134,7 @@ job() {
           block:from1 block:from4 block:from8 block:bp32 block:bw2 block:from1:one \
         && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_block_plans.json" ;;
     ssd_probe) python3 benchmarks/ssd_block_probe.py 64 128 ;;
+    gdn_probe) python3 benchmarks/gdn_block_probe.py 64 128 ;;
     gdn_tests) python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging \
         tests/ops/test_linear_ops.py tests/frontend/test_kimi_linear.py tests/test_gpu.py -k \
         "gdn or conv or kimi or float32_on_gpu or hybrid or cuda_graph or opcheck" ;;

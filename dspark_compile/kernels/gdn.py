@@ -40,8 +40,10 @@ launch holds two kinds of program (:func:`_gdn_block_kernel`): a weight program 
 key head) makes ``W`` and ``C`` of the key head's value heads (their Gram products once); a
 stream program a (request, value head, channel block) reads its state slice once through
 float32 FMA dots (one multiply-add a state element a row, against the walk's four) and mixes.
-It takes the weight program's results if that has published them (an acquire on a flag), else
-makes its own with the same code: nobody waits, and the bits are the same either way. Rows
+It reads a flag (an acquire) before its stream and, if still unset, up to
+``GdnPlan.block_wait_polls`` times after it; then it takes the weight program's results, or
+makes its own with the same code (the same bits either way). The bound means no order of
+dispatch can deadlock the launch. Rows
 from a request's first non-finite one on enter the products as zeros (selects) and come out
 NaN. Longer requests walk their rows inside the same launch, ``walk_v`` channels at a time;
 its register cap makes that path spill, not the rest.
@@ -422,10 +424,11 @@ def _gdn_block_kernel(
     - ``(R + 1) * Hv * NUM_VB`` stream programs, one a (request, value head, block of
       ``BLOCK_V`` channels): the state slice streamed once into ``[K S0; Q S0]`` (raw rows:
       nothing of the weight program is needed yet), then ``out = W [K S0; Q S0] + C v`` with
-      the weight program's ``W`` and ``C`` if it has set ``ready`` (an acquire), else with its
-      own (the same arithmetic on the same inputs, so the same bits). No program ever waits
-      for another. Requests over ``T`` rows walk their rows, ``WALK_V`` channels at a time;
-      program row ``R`` zeroes the padding rows."""
+      the weight program's ``W`` and ``C`` if it has set ``ready`` (an acquire before the
+      stream; if unset, up to ``POLLS`` more after it), else with its own (the same
+      arithmetic on the same inputs, so the same bits). The wait is bounded, so no order of
+      dispatch deadlocks. Requests over ``T`` rows walk their rows, ``WALK_V`` channels at a
+      time; program row ``R`` zeroes the padding rows."""
     pdl_enter(PDL)
     pid = tl.program_id(0)
     f32: tl.constexpr = tl.float32
