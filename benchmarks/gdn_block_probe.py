@@ -15,7 +15,9 @@ replays over rotating input copies, ``common.time_calls``):
   its grid index, and unbounded polling: weight tickets come first, so a polling stream
   program's weight program is already running (a look-back scan's progress argument);
 - ``clocks``: the op with each program's start and end (``%globaltimer``, ``%clock64``) and
-  multiprocessor recorded, one launch: durations by kind, and when the weight programs end.
+  multiprocessor recorded, one launch: durations by kind, and when the weight programs end;
+- ``parts``: the same with stamps at the ends of each program's parts (:data:`PARTS`), the
+  median cycles of each part by kind.
 
 Outputs of the edited copies are not checked (they compute garbage on purpose); ``op`` is the
 op itself. Writes ``gdn_block_probe.json`` to ``$OUT`` (else ``benchmarks/results/``).
@@ -68,6 +70,14 @@ def _cycles():
 
 
 @triton.jit
+def _stamp(stamps_ptr, i, dep):
+    """%clock64 once ``dep`` (a scalar) is ready, into this program's slot ``i`` of 8."""
+    c = tl.inline_asm_elementwise("mov.u64 $0, %clock64;", "=l,r", [dep.to(tl.int32)],
+                                  dtype=tl.int64, is_pure=False, pack=1)
+    tl.store(stamps_ptr + tl.program_id(0).to(tl.int64) * 8 + i, c)
+
+
+@triton.jit
 def _smid():
     return tl.inline_asm_elementwise("mov.u32 $0, %smid;", "=r", [], dtype=tl.int32,
                                      is_pure=False, pack=1)
@@ -108,13 +118,55 @@ def variant(name: str, edits: list, tmp: str):
     return mod
 
 
-def clocked(tmp: str):
+# stamps inside the body (``parts``): a weight program's after its Gram products (1), its ring
+# keys (2), and for value head j its weights (3 + 2j) and its flag's release (4 + 2j); a stream
+# program's after its slot (1), its first flag read (2), its stream (3), its polls or own
+# weights (4). Each waits for a value of the part it closes (a reduction of it: a few hundred
+# cycles the op does not spend).
+PARTS = [
+    ("            _ring_keys(k_ptr, ring_k_ptr,",
+     "            _stamp(stamps_ptr, 1, tl.sum(gkk) + tl.sum(gqk) + tl.sum(nq))\n"
+     "            _ring_keys(k_ptr, ring_k_ptr,"),
+    ("            for j in range(HV // HK):\n",
+     "            _stamp(stamps_ptr, 2, length)\n            for j in range(HV // HK):\n"),
+    ("                unit = (req * HV + head).to(tl.int64)\n                tile",
+     "                _stamp(stamps_ptr, 3 + 2 * j, tl.sum(w) + tl.sum(c) + kept)\n"
+     "                unit = (req * HV + head).to(tl.int64)\n                tile"),
+    ('                tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release", scope="gpu")\n',
+     '                old = tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release",'
+     ' scope="gpu")\n                _stamp(stamps_ptr, 4 + 2 * j, old)\n'),
+    ("    slot = tl.load(slots_ptr + req).to(tl.int64)\n    if length > T:",
+     "    slot = tl.load(slots_ptr + req).to(tl.int64)\n    _stamp(stamps_ptr, 1, slot)\n"
+     "    if length > T:"),
+    ("    acc = tl.zeros([2 * T, BLOCK_V], f32)\n    for k0",
+     "    _stamp(stamps_ptr, 2, ready)\n    acc = tl.zeros([2 * T, BLOCK_V], f32)\n    for k0"),
+    ("    # the values (raw) into the replay ring",
+     "    _stamp(stamps_ptr, 3, tl.sum(acc))\n    # the values (raw) into the replay ring"),
+    ("    # rows from the first unusable one on",
+     "    _stamp(stamps_ptr, 4, tl.sum(w) + kept)\n    # rows from the first unusable one on"),
+]
+WEIGHT_PARTS = ["Gram", "ring keys", "head 0 weights", "head 0 release", "head 1 weights",
+                "head 1 release", "exit"]
+STREAM_PARTS = ["span and slot", "first flag read", "stream", "polls or own weights",
+                "mix and store"]
+
+
+def clocked(tmp: str, parts: bool = False):
     """The op's kernel with a timestamp record a program: the body runs as an inlined
-    function, the record after it (every early return ends the body, not the program)."""
-    src = SRC.replace("def _gdn_block_kernel(", "def _gdn_block_body(")
+    function, the record after it (every early return ends the body, not the program); with
+    ``parts`` the body also stamps the ends of its parts (:data:`PARTS`)."""
+    body = SRC
+    if parts:
+        for old, new in PARTS:
+            if old not in body:
+                raise SystemExit(f"probe parts: the stamp's anchor is gone from gdn.py: {old!r}")
+            body = body.replace(old, new)
+    src = body.replace("def _gdn_block_kernel(\n        out_ptr,",
+                       "def _gdn_block_body(\n        stamps_ptr, out_ptr,")
     sig = SRC[SRC.index("def _gdn_block_kernel(") + len("def _gdn_block_kernel("):]
     sig = sig[:sig.index("):")]
     params = [p.split(":")[0].strip() for p in sig.replace("\n", " ").split(",") if p.strip()]
+    params = ["times_ptr + tl.num_programs(0).to(tl.int64) * 5", *params]
     src += CLOCKS_KERNEL.replace(
         "def _gdn_block_clocked(times_ptr, *args):\n    pass",
         f"def _gdn_block_clocked(times_ptr, {sig}):\n"
@@ -128,9 +180,10 @@ def clocked(tmp: str):
                       "    launch(_gdn_block_clocked, (r * hk + (r + 1) * hv * num_vb,),\n"
                       "           TIMES[0], out,")
     src += "\nTIMES = [None]\n"
-    path = Path(tmp) / "gdn_probe_clocks.py"
+    name = "gdn_probe_parts" if parts else "gdn_probe_clocks"
+    path = Path(tmp) / f"{name}.py"
     path.write_text(src)
-    spec = importlib.util.spec_from_file_location("gdn_probe_clocks", path)
+    spec = importlib.util.spec_from_file_location(name, path)
     mod = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = mod
     spec.loader.exec_module(mod)
@@ -145,13 +198,46 @@ def stats(x: torch.Tensor) -> dict:
                 max=round(x.max().item(), 2))
 
 
+def timeline(clk, programs: int, units: int, c: dict, s: dict) -> dict:
+    """One launch of a clocked build: each kind's cycles, start and end (us from the first
+    program's start), and for the ``parts`` build each part's cycles."""
+    clk.TIMES[0] = torch.zeros(programs * 13, dtype=torch.int64, device="cuda")
+    for _ in range(2):
+        clk.gated_delta_rule_triton(*_gdn_args(c, s))
+    torch.cuda.synchronize()
+    t = clk.TIMES[0][: programs * 5].view(programs, 5).cpu()
+    marks = clk.TIMES[0][programs * 5:].view(programs, 8).cpu()
+    start = t[:, 0].min()
+    rel_end = (t[:, 1] - start).double() / 1e3
+    rel_start = (t[:, 0] - start).double() / 1e3
+    cyc = (t[:, 3] - t[:, 2]).double()
+    w, st = slice(0, units), slice(units, programs)
+    out = dict(launch_us=round(rel_end.max().item(), 2), weight_cycles=stats(cyc[w]),
+               stream_cycles=stats(cyc[st]), weight_end_us=stats(rel_end[w]),
+               weight_start_us=stats(rel_start[w]), stream_start_us=stats(rel_start[st]),
+               stream_end_us=stats(rel_end[st]), sms=int(t[:, 4].max().item()) + 1)
+    if bool((marks != 0).any()):
+        for kind, rows, names in (("weight", w, WEIGHT_PARTS), ("stream", st, STREAM_PARTS)):
+            m = marks[rows]
+            n = len(names) - 1  # stamps 1..n, then the end
+            edges = torch.cat([t[rows, 2:3], m[:, 1:n + 1], t[rows, 3:4]], 1)
+            # programs that took another path (long requests, the padding row) stamp less
+            full = (m[:, 1:n + 1] != 0).all(1)
+            steps = (edges[full, 1:] - edges[full, :-1]).double()
+            out[f"{kind}_parts_cycles_p50"] = {
+                name: round(torch.quantile(steps[:, i], 0.5).item(), 1)
+                for i, name in enumerate(names)} if full.any() else {}
+            out[f"{kind}_parts_programs"] = int(full.sum().item())
+    return out
+
+
 def main() -> None:
     s = dict(SETTINGS)
     device = "cuda"
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     tmp = tempfile.mkdtemp()
     mods = {"op": triton_gdn, **{n: variant(n, e, tmp) for n, e in VARIANTS.items()}}
-    clk = clocked(tmp)
+    clocks = {"clocks": clocked(tmp), "parts": clocked(tmp, parts=True)}
     report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, settings=s, rows=[])
     for bs in [int(a) for a in sys.argv[1:]] or [64, 128]:
@@ -172,27 +258,13 @@ def main() -> None:
         report["rows"].append(dict(bs=bs, variant="ticket_equals_op",
                                    equal=bool(torch.equal(want, got))))
         print(report["rows"][-1], flush=True)
-        # one clocked launch (after a warm one), on the first copy
+        # one clocked launch of each build (after a warm one), on the first copy
         r, hk = bs, s["num_k_heads"]
         programs = r * hk + (r + 1) * hv * triton.cdiv(vd, 64)
-        clk.TIMES[0] = torch.zeros(programs * 5, dtype=torch.int64, device=device)
-        for _ in range(2):
-            clk.gated_delta_rule_triton(*_gdn_args(sets[0], s))
-        torch.cuda.synchronize()
-        t = clk.TIMES[0].view(programs, 5).cpu()
-        units = r * hk
-        start = t[:, 0].min()
-        rel_end = (t[:, 1] - start).double() / 1e3  # us from the first program's start
-        rel_start = (t[:, 0] - start).double() / 1e3
-        cyc = (t[:, 3] - t[:, 2]).double()
-        w, st = slice(0, units), slice(units, programs)
-        row = dict(bs=bs, variant="clocks", launch_us=round(rel_end.max().item(), 2),
-                   weight_cycles=stats(cyc[w]), stream_cycles=stats(cyc[st]),
-                   weight_end_us=stats(rel_end[w]), weight_start_us=stats(rel_start[w]),
-                   stream_start_us=stats(rel_start[st]), stream_end_us=stats(rel_end[st]),
-                   sms=int(t[:, 4].max().item()) + 1)
-        report["rows"].append(row)
-        print(json.dumps(row), flush=True)
+        for label, clk in clocks.items():
+            row = dict(bs=bs, variant=label, **timeline(clk, programs, r * hk, sets[0], s))
+            report["rows"].append(row)
+            print(json.dumps(row), flush=True)
         out_dir.mkdir(parents=True, exist_ok=True)
         (out_dir / "gdn_block_probe.json").write_text(json.dumps(report, indent=1))
 

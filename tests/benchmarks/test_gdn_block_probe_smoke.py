@@ -1,9 +1,11 @@
 """benchmarks/gdn_block_probe.py on the CPU (Triton interpreter): every edit still finds its
 anchor in gdn.py (else the probe would time an unedited copy under a variant's name), the
-clocked copy builds, and the ticket variant (roles from an atomic counter, unbounded polling)
+clocked copies build (every part's stamp in place), and the ticket variant (roles from an atomic counter, unbounded polling)
 gives the op's outputs bit for bit."""
 
+import re
 import tempfile
+from pathlib import Path
 
 import torch
 
@@ -17,6 +19,9 @@ def test_variants_build_and_ticket_matches_op():
     # variant() exits naming an edit whose anchor is gone
     mods = {name: probe.variant(name, edits, tmp) for name, edits in probe.VARIANTS.items()}
     assert hasattr(probe.clocked(tmp), "_gdn_block_clocked")
+    parts = probe.clocked(tmp, parts=True)  # exits naming a stamp whose anchor is gone
+    calls = re.findall(r"^ +_stamp\(stamps_ptr,", Path(parts.__file__).read_text(), re.M)
+    assert len(calls) == len(probe.PARTS)
     s = dict(ssd.SMOKE, num_k_heads=2, num_v_heads=4, k_dim=16, v_dim=16)
     lens = [8, 5, 8]
     c = ssd.gdn_inputs(lens, s, "cpu", seed=4)
