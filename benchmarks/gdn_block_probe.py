@@ -47,8 +47,8 @@ SRC = SRC.replace("from .launch import", "from dspark_compile.kernels.launch imp
     .replace("from .device import", "from dspark_compile.kernels.device import") \
     .replace("from .pdl import", "from dspark_compile.kernels.pdl import")
 
-NO_WEIGHTS = ("        if (length > 0) & (length <= T):\n            gkk",
-              "        if length < 0:\n            gkk")
+NO_WEIGHTS = ("    if (length > 0) & (length <= T):\n        gkk",
+              "    if length < 0:\n        gkk")
 # a flag of at least 1 read at run time (a constant 1 would let the compiler drop the stream's
 # products: kept = 0 makes every row's output NaN whatever they are)
 NO_FLAG = ('    ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")',
@@ -124,17 +124,23 @@ def variant(name: str, edits: list, tmp: str):
 # weights (4). Each waits for a value of the part it closes (a reduction of it: a few hundred
 # cycles the op does not spend).
 PARTS = [
-    ("            _ring_keys(k_ptr, ring_k_ptr,",
-     "            _stamp(stamps_ptr, 1, tl.sum(gkk) + tl.sum(gqk) + tl.sum(nq))\n"
-     "            _ring_keys(k_ptr, ring_k_ptr,"),
-    ("            for j in range(HV // HK):\n",
-     "            _stamp(stamps_ptr, 2, length)\n            for j in range(HV // HK):\n"),
-    ("                unit = (req * HV + head).to(tl.int64)\n                tile",
-     "                _stamp(stamps_ptr, 3 + 2 * j, tl.sum(w) + tl.sum(c) + kept)\n"
-     "                unit = (req * HV + head).to(tl.int64)\n                tile"),
-    ('                tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release", scope="gpu")\n',
-     '                old = tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release",'
-     ' scope="gpu")\n                _stamp(stamps_ptr, 4 + 2 * j, old)\n'),
+    # the weight program (a helper): stamps_ptr passed down to it (the weights-launch kernel,
+    # never launched here, passes 0)
+    ("def _weight_program(a, q_ptr,", "def _weight_program(stamps_ptr, a, q_ptr,"),
+    ("            _weight_program(a, q_ptr,", "            _weight_program(stamps_ptr, a, q_ptr,"),
+    ("    _weight_program(tl.program_id(0), q_ptr,", "    _weight_program(0, tl.program_id(0), q_ptr,"),
+    ("        _ring_keys(k_ptr, ring_k_ptr,",
+     "        _stamp(stamps_ptr, 1, tl.sum(gkk) + tl.sum(gqk) + tl.sum(nq))\n"
+     "        _ring_keys(k_ptr, ring_k_ptr,"),
+    ("        for j in range(HV // HK):\n",
+     "        _stamp(stamps_ptr, 2, length)\n        for j in range(HV // HK):\n"),
+    ("            unit = (req * HV + head).to(tl.int64)\n            tile",
+     "            _stamp(stamps_ptr, 3 + 2 * j, tl.sum(w) + tl.sum(c) + kept)\n"
+     "            unit = (req * HV + head).to(tl.int64)\n            tile"),
+    ('            tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release", scope="gpu")\n',
+     '            old = tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release",'
+     ' scope="gpu")\n            _stamp(stamps_ptr, 4 + 2 * j, old)\n'),
+    # the stream program
     ("    slot = tl.load(slots_ptr + req).to(tl.int64)\n    if length > T:",
      "    slot = tl.load(slots_ptr + req).to(tl.int64)\n    _stamp(stamps_ptr, 1, slot)\n"
      "    if length > T:"),
@@ -145,6 +151,7 @@ PARTS = [
     ("    # rows from the first unusable one on",
      "    _stamp(stamps_ptr, 4, tl.sum(w) + kept)\n    # rows from the first unusable one on"),
 ]
+STAMPS = sum(new.count("_stamp(stamps_ptr,") for _, new in PARTS)
 WEIGHT_PARTS = ["Gram", "ring keys", "head 0 weights", "head 0 release", "head 1 weights",
                 "head 1 release", "exit"]
 STREAM_PARTS = ["span and slot", "first flag read", "stream", "polls or own weights",
@@ -176,9 +183,12 @@ def clocked(tmp: str, parts: bool = False):
         "    base = times_ptr + tl.program_id(0).to(tl.int64) * 5\n"
         "    tl.store(base, t0)\n    tl.store(base + 1, t1)\n    tl.store(base + 2, c0)\n"
         "    tl.store(base + 3, c1)\n    tl.store(base + 4, _smid().to(tl.int64))")
-    src = src.replace("    launch(_gdn_block_kernel, (r * hk + (r + 1) * hv * num_vb,),\n           out,",
-                      "    launch(_gdn_block_clocked, (r * hk + (r + 1) * hv * num_vb,),\n"
-                      "           TIMES[0], out,")
+    anchor = "    launch(_gdn_block_kernel, ((0 if split else r * hk) + (r + 1) * hv * num_vb,),\n"
+    if anchor + "           out," not in src:
+        raise SystemExit(f"probe clocks: the launch's anchor is gone from gdn.py: {anchor!r}")
+    src = src.replace(anchor + "           out,",
+                      anchor.replace("_gdn_block_kernel", "_gdn_block_clocked")
+                      + "           TIMES[0], out,")
     src += "\nTIMES = [None]\n"
     name = "gdn_probe_parts" if parts else "gdn_probe_clocks"
     path = Path(tmp) / f"{name}.py"

@@ -33,6 +33,8 @@
 #   gdn_forms     ssd_kernels.py --kernels gdn --gdn-plans rows default block (the row walk, plan_gdn's plan
 #                 and the block form of the GDN forward, bs 1 / 8 / 64 / 128)
 #   gdn_block_plans  ssd_kernels.py --gdn-plans over the block form's knobs at bs 64 / 128
+#   gdn_weights_launch  ssd_kernels.py --gdn-plans over the weight programs in a launch of their own
+#                 (register caps 64 / 80 / 96 / none) against one launch, bs 64 / 128
 #   gdn_probe     gdn_block_probe.py 64 128 (the GDN block form's edited copies side by side: streams
 #                 alone, weight programs alone, no flag, ticket roles; each program's clocks)
 #   ssd_probe     ssd_block_probe.py 64 128 (the Mamba-2 block form's state stream alone, its tiles
@@ -135,6 +137,10 @@ job() {
         && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_block_plans.json" ;;
     ssd_probe) python3 benchmarks/ssd_block_probe.py 64 128 ;;
     gdn_probe) python3 benchmarks/gdn_block_probe.py 64 128 ;;
+    gdn_weights_launch)
+      python3 benchmarks/ssd_kernels.py --kernels gdn --bs 64 128 --gdn-plans block block:wl \
+          block:wl:wr64 block:wl:wr80 block:wl:wr96 \
+        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_gdn_weights_launch.json" ;;
     gdn_tests) python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging \
         tests/ops/test_linear_ops.py tests/frontend/test_kimi_linear.py tests/test_gpu.py -k \
         "gdn or conv or kimi or float32_on_gpu or hybrid or cuda_graph or opcheck" ;;

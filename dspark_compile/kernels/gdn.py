@@ -71,7 +71,7 @@ import triton.language as tl
 from .launch import launch
 from ..ops.linear_attention_reference import check_gdn, check_gdn_commit
 from .device import device_sm_count, device_target
-from .pdl import pdl_enter, pdl_options, use_pdl
+from .pdl import pdl_enter, pdl_options, pdl_wait, use_pdl
 
 __all__ = ["GdnPlan", "plan_gdn", "gated_delta_rule_triton", "gated_delta_rule_commit_triton"]
 
@@ -265,10 +265,9 @@ def _row_select(m, t, offs):
 
 
 @triton.jit
-def _spread(m, offs_r, offs_t):
-    """A ``[T, T]`` tile as the first ``T`` columns of a ``[T, 2T]`` one (the rest zeros)."""
-    sel = offs_r[None, :, None] == offs_t[None, None, :]
-    return tl.sum(tl.where(sel, m[:, None, :], 0.0), 2)
+def _spread(x, offs_r, offs_t):
+    """A ``[T]`` vector as the first ``T`` entries of a ``[2T]`` one (the rest zeros)."""
+    return tl.sum(tl.where(offs_r[:, None] == offs_t[None, :], x[None, :], 0.0), 1)
 
 
 @triton.jit
@@ -332,17 +331,21 @@ def _block_weights(gkk, gqk, nk, nq, g, beta, fine, scale, offs_t, offs_r,
     decay = tl.exp(tl.sum(tl.where(ss <= tt, g[None, :], 0.0), 1))
     mk = tl.where(ss < tt, dec * akk, 0.0)
     mq = tl.where(ss <= tt, dec * aqk, 0.0)
-    # (I + diag(beta) Mk)^-1, unit lower triangular, by forward substitution row by row
+    # (I + diag(beta) Mk)^-1, unit lower triangular, by forward substitution row by row, its
+    # rows 2T wide (the last T columns stay zero: W's and C's layout, no [T, 2T, T] spread),
+    # and Mq times it as its rows come
     lower = beta[:, None] * mk
-    inv = tl.zeros([T, T], f32)
+    inv = tl.zeros([T, 2 * T], f32)
+    c = tl.zeros([T, 2 * T], f32)
     for t in tl.static_range(T):
         l_t = _row_select(lower, t, offs_t)
-        row = tl.where(offs_t == t, 1.0, 0.0) - tl.sum(l_t[:, None] * inv, 0)
+        row = tl.where(offs_r == t, 1.0, 0.0) - tl.sum(l_t[:, None] * inv, 0)
         inv = tl.where(tt == t, row[None, :], inv)
-    c = tl.sum(mq[:, :, None] * inv[None, :, :], 1) * beta[None, :]
-    w = _spread(-c * (decay * rk)[None, :], offs_r, offs_t) \
+        c += tl.sum(tl.where(ss == t, mq, 0.0), 1)[:, None] * row[None, :]
+    c = c * _spread(beta, offs_r, offs_t)[None, :]
+    w = -c * _spread(decay * rk, offs_r, offs_t)[None, :] \
         + tl.where(offs_r[None, :] == tt + T, (decay * rq)[:, None], 0.0)
-    return w, _spread(c, offs_r, offs_t), tl.sum(ok.to(tl.int32), 0)
+    return w, c, tl.sum(ok.to(tl.int32), 0)
 
 
 @triton.jit
@@ -360,22 +363,26 @@ def _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok, stride_q_head
 def _block_head(v_ptr, g_ptr, beta_ptr, ring_g_ptr, ring_beta_ptr, scale, start, length, head,
                 gkk, gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok,
                 HV: tl.constexpr, VD: tl.constexpr, V_PAD: tl.constexpr, T: tl.constexpr,
-                L2NORM: tl.constexpr, RINGS: tl.constexpr):
+                KC: tl.constexpr, L2NORM: tl.constexpr, RINGS: tl.constexpr):
     """Value head ``head`` of a request of 1..T rows: its ``W``, ``C`` (:func:`_block_weights`)
-    and kept-row count from its key head's Gram products, its gates, betas and values (whole
-    rows, loaded before any store); with ``RINGS`` it also writes the gates' and betas' replay
-    rings (the stream programs write the values')."""
+    and kept-row count from its key head's Gram products, its gates, betas and values (every
+    load before any store); with ``RINGS`` it also writes the gates' and betas' replay rings
+    (the stream programs write the values')."""
     f32: tl.constexpr = tl.float32
     offs_t = tl.arange(0, T)
-    offs_v = tl.arange(0, V_PAD)
     rows = start.to(tl.int64) + offs_t
     in_req = offs_t < length
     g = tl.load(g_ptr + rows * stride_g_tok + head, mask=in_req, other=0.0).to(f32)
     beta = tl.load(beta_ptr + rows * stride_beta_tok + head, mask=in_req, other=0.0).to(f32)
-    # the values: a row with a non-finite one is unusable
-    x = tl.load(v_ptr + rows[:, None] * stride_v_tok + head * stride_v_head + offs_v[None, :],
-                mask=in_req[:, None] & (offs_v < VD)[None, :], other=0.0).to(f32)
-    v_bad = tl.sum(tl.where((x == x) & (tl.abs(x) < float("inf")), 0, 1), 1)
+    # the values: a row with a non-finite one is unusable. KC of them at a time (a whole row,
+    # [T, V] at once, set the build's registers: 156 against 96, triton 3.6, sm_90), unrolled
+    # (no store between the loads: they can all be in flight)
+    v_bad = tl.zeros([T], tl.int32)
+    for v0 in tl.static_range(0, V_PAD, KC):
+        vv = v0 + tl.arange(0, KC)
+        x = tl.load(v_ptr + rows[:, None] * stride_v_tok + head * stride_v_head + vv[None, :],
+                    mask=in_req[:, None] & (vv < VD)[None, :], other=0.0).to(f32)
+        v_bad += tl.sum(tl.where((x == x) & (tl.abs(x) < float("inf")), 0, 1), 1)
     fine = in_req & (v_bad == 0) & (nk == nk) & (nk < float("inf")) & (nq == nq) \
         & (nq < float("inf")) & (g == g) & (g < float("inf")) & (beta == beta) \
         & (tl.abs(beta) < float("inf"))
@@ -404,6 +411,61 @@ def _ring_keys(k_ptr, ring_k_ptr, start, length, k_head, nk, stride_k_tok, strid
 
 
 @triton.jit
+def _weight_program(a, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, query_start_loc_ptr, w_ptr, c_ptr,
+                    ready_ptr, ring_k_ptr, ring_g_ptr, ring_beta_ptr, scale, num_requests,
+                    stride_q_tok, stride_q_head, stride_k_tok, stride_k_head, stride_v_tok,
+                    stride_v_head, stride_g_tok, stride_beta_tok, HK: tl.constexpr,
+                    HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, K_PAD: tl.constexpr,
+                    V_PAD: tl.constexpr, T: tl.constexpr, KC: tl.constexpr,
+                    L2NORM: tl.constexpr):
+    """Weight program ``a`` (request ``a % R``, key head ``a // R``), for a request of 1..T rows:
+    the rows' Gram products once, the ring keys, then for each of the key head's value heads
+    its ``W``, ``C`` and kept-row count into scratch, its gate and beta rings, then its flag
+    (``kept + 1``, a release)."""
+    req = a % num_requests
+    k_head = a // num_requests
+    start = tl.load(query_start_loc_ptr + req)
+    length = tl.load(query_start_loc_ptr + req + 1) - start
+    if (length > 0) & (length <= T):
+        gkk, gqk, nk, nq = _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok,
+                                       stride_q_head, stride_k_tok, stride_k_head, KD, K_PAD, T,
+                                       KC)
+        _ring_keys(k_ptr, ring_k_ptr, start, length, k_head, nk, stride_k_tok, stride_k_head,
+                   HK, KD, K_PAD, T, L2NORM)
+        for j in range(HV // HK):
+            head = k_head * (HV // HK) + j
+            w, c, kept = _block_head(
+                v_ptr, g_ptr, beta_ptr, ring_g_ptr, ring_beta_ptr, scale, start, length, head,
+                gkk, gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok,
+                HV, VD, V_PAD, T, KC, L2NORM, True)
+            unit = (req * HV + head).to(tl.int64)
+            tile = (unit * T + tl.arange(0, T)[:, None]) * (2 * T) + tl.arange(0, 2 * T)[None, :]
+            tl.store(w_ptr + tile, w)
+            tl.store(c_ptr + tile, c)
+            tl.debug_barrier()  # every thread's stores before the flag (CUTLASS's semaphore)
+            tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release", scope="gpu")
+
+
+@triton.jit
+def _gdn_block_weights_kernel(
+        q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, query_start_loc_ptr, w_ptr, c_ptr, ready_ptr,
+        ring_k_ptr, ring_g_ptr, ring_beta_ptr, scale, num_requests, stride_q_tok,
+        stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
+        stride_beta_tok, HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr,
+        VD: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr, T: tl.constexpr,
+        KC: tl.constexpr, L2NORM: tl.constexpr, PDL: tl.constexpr):
+    """The block form's weight programs in a launch of their own (``GdnPlan.
+    block_weights_launch``), built for their own registers, one a (request, key head). With
+    PDL they let the stream launch start at once (their flags hand the weights over)."""
+    pdl_enter(PDL)
+    _weight_program(tl.program_id(0), q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr,
+                    query_start_loc_ptr, w_ptr, c_ptr, ready_ptr, ring_k_ptr, ring_g_ptr,
+                    ring_beta_ptr, scale, num_requests, stride_q_tok, stride_q_head,
+                    stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
+                    stride_beta_tok, HK, HV, KD, VD, K_PAD, V_PAD, T, KC, L2NORM)
+
+
+@triton.jit
 def _gdn_block_kernel(
         out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
         slots_ptr, w_ptr, c_ptr, ready_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
@@ -414,7 +476,7 @@ def _gdn_block_kernel(
         K_PAD: tl.constexpr, V_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
         NUM_VB: tl.constexpr, WALK_V: tl.constexpr, T: tl.constexpr, KC: tl.constexpr,
         L2NORM: tl.constexpr, PAD_ROWS: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
-        POLLS: tl.constexpr, PDL: tl.constexpr):
+        POLLS: tl.constexpr, WEIGHTS: tl.constexpr, PDL: tl.constexpr):
     """The block form in one launch of two kinds of program (a 1-D grid, the first kind
     first unless not ``WEIGHTS_FIRST``):
 
@@ -429,44 +491,32 @@ def _gdn_block_kernel(
       arithmetic on the same inputs, so the same bits). The wait is bounded, so no order of
       dispatch deadlocks. Requests over ``T`` rows walk their rows, ``WALK_V`` channels at a
       time; program row ``R`` zeroes the padding rows."""
-    pdl_enter(PDL)
     pid = tl.program_id(0)
     f32: tl.constexpr = tl.float32
-    units = num_requests * HK  # weight programs: one a (request, key head)
-    streams = (num_requests + 1) * HV * NUM_VB
-    if WEIGHTS_FIRST:
-        weights = pid < units
-        b = pid - units
-        a = pid
+    if WEIGHTS:
+        pdl_enter(PDL)
+        units = num_requests * HK  # weight programs: one a (request, key head)
+        streams = (num_requests + 1) * HV * NUM_VB
+        if WEIGHTS_FIRST:
+            weights = pid < units
+            b = pid - units
+            a = pid
+        else:
+            weights = pid >= streams
+            b = pid
+            a = pid - streams
+        if weights:  # a weight program: one key head's value heads (their Gram products once)
+            _weight_program(a, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, query_start_loc_ptr,
+                            w_ptr, c_ptr, ready_ptr, ring_k_ptr, ring_g_ptr, ring_beta_ptr,
+                            scale, num_requests, stride_q_tok, stride_q_head, stride_k_tok,
+                            stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
+                            stride_beta_tok, HK, HV, KD, VD, K_PAD, V_PAD, T, KC, L2NORM)
+            return
     else:
-        weights = pid >= streams
+        # the weight programs are the launch before this one (with PDL it starts as soon as
+        # they all have): nothing here waits for it but the padding program, so that this
+        # launch ends after it (what comes next waits for this launch)
         b = pid
-        a = pid - streams
-    if weights:  # a weight program: one key head's value heads (their Gram products once)
-        req = a % num_requests
-        k_head = a // num_requests
-        start = tl.load(query_start_loc_ptr + req)
-        length = tl.load(query_start_loc_ptr + req + 1) - start
-        if (length > 0) & (length <= T):
-            gkk, gqk, nk, nq = _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok,
-                                           stride_q_head, stride_k_tok, stride_k_head, KD,
-                                           K_PAD, T, KC)
-            _ring_keys(k_ptr, ring_k_ptr, start, length, k_head, nk, stride_k_tok,
-                       stride_k_head, HK, KD, K_PAD, T, L2NORM)
-            for j in range(HV // HK):
-                head = k_head * (HV // HK) + j
-                w, c, kept = _block_head(
-                    v_ptr, g_ptr, beta_ptr, ring_g_ptr, ring_beta_ptr, scale, start, length,
-                    head, gkk, gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok,
-                    stride_beta_tok, HV, VD, V_PAD, T, L2NORM, True)
-                unit = (req * HV + head).to(tl.int64)
-                tile = (unit * T + tl.arange(0, T)[:, None]) * (2 * T) \
-                    + tl.arange(0, 2 * T)[None, :]
-                tl.store(w_ptr + tile, w)
-                tl.store(c_ptr + tile, c)
-                tl.debug_barrier()  # every thread's stores before the flag (CUTLASS's semaphore)
-                tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release", scope="gpu")
-        return
     req = b % (num_requests + 1)
     head = b // (num_requests + 1) // NUM_VB
     vb = b // (num_requests + 1) % NUM_VB
@@ -476,6 +526,9 @@ def _gdn_block_kernel(
                                   head, offs_v, v_ok, stride_out_tok, stride_out_head, BLOCK_V,
                                   PAD_ROWS)
     if length <= 0:
+        if not WEIGHTS:
+            if req == num_requests:
+                pdl_wait(PDL)
         return
     slot = tl.load(slots_ptr + req).to(tl.int64)
     if length > T:
@@ -547,7 +600,7 @@ def _gdn_block_kernel(
             w, c, kept = _block_head(v_ptr, g_ptr, beta_ptr, ring_g_ptr, ring_beta_ptr, scale,
                                      start, length, head, gkk, gqk, nk, nq, stride_v_tok,
                                      stride_v_head, stride_g_tok, stride_beta_tok, HV, VD,
-                                     V_PAD, T, L2NORM, False)
+                                     V_PAD, T, KC, L2NORM, False)
     # rows from the first unusable one on: zeros into the products (selects), NaN out
     y = tl.where((r_t < kept)[:, None], acc, 0.0)
     vals = tl.where((r_t < kept)[:, None], vals, 0.0)
@@ -647,6 +700,15 @@ class GdnPlan:
     keeps the launch free of deadlock whatever order the programs are dispatched in; waiting
     beats making them again (``gdn_block_probe.json``: a weight program's chain is ~50k cycles,
     and at bs 64 the first stream programs reach the flag before it is set)."""
+    block_weights_launch: bool = False
+    """The weight programs in a launch of their own before the stream programs' (with PDL the
+    stream launch starts once they all have, and their flags hand the weights over; only the
+    padding programs wait for them, so that the op ends after them), built for their own
+    registers (``block_weights_registers``): a weight program then holds no more of a
+    multiprocessor's registers than it needs (``gdn_block_probe.json``: their slot time is
+    what they cost). False: one launch of both kinds."""
+    block_weights_registers: int = 0
+    """``maxnreg`` of that launch (NVIDIA; 0: the compiler's choice)."""
     block_form_registers: int = _BLOCK_FORM_REGISTERS
     """Registers a thread of the block form's launch may use (``maxnreg``, NVIDIA; 0: the
     compiler's choice). Uncapped, its build has 212 at 64 channels (triton 3.6, sm_90), set by
@@ -715,7 +777,10 @@ def _check_plan(plan: GdnPlan, channel_gates: bool) -> None:
                   (dot_size(plan.walk_v) and plan.block_form_v % plan.walk_v == 0, "walk_v",
                    plan.walk_v, pow2 + " dividing block_form_v"),
                   (isinstance(plan.block_wait_polls, int) and plan.block_wait_polls >= 0,
-                   "block_wait_polls", plan.block_wait_polls, "an int >= 0")]
+                   "block_wait_polls", plan.block_wait_polls, "an int >= 0"),
+                  (plan.block_weights_registers == 0 or plan.block_weights_registers >= 32,
+                   "block_weights_registers", plan.block_weights_registers,
+                   "0 (the compiler's choice) or at least 32")]
     for ok, name, value, rule in rules:
         if not ok:
             raise ValueError(f"dspark::gated_delta_rule: GdnPlan.{name}={value!r}: must be "
@@ -766,12 +831,22 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
     w, c = torch.empty(2, r * hv * t * 2 * t, dtype=torch.float32, device=q.device)
     ready = torch.zeros(max(r * hv, 1), dtype=torch.int32, device=q.device)
     num_vb = triton.cdiv(vd, plan.block_form_v)
-    launch(_gdn_block_kernel, (r * hk + (r + 1) * hv * num_vb,),
+    v_pad = max(triton.next_power_of_2(vd), _BLOCK_KC)
+    split = plan.block_weights_launch and r > 0
+    if split:
+        wregs = ({"maxnreg": plan.block_weights_registers} if plan.block_weights_registers
+                 and cfg.backend == "cuda" and q.device.type == "cuda" else {})
+        launch(_gdn_block_weights_kernel, (r * hk,), q, k, v, g, beta, query_start_loc, w, c,
+               ready, ring_k, ring_g, ring_beta, float(scale), r, *strides[:7], strides[8],
+               HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad, V_PAD=v_pad, T=t, KC=_BLOCK_KC,
+               L2NORM=use_qk_l2norm, PDL=pdl, num_warps=plan.block_form_warps, **wregs,
+               **pdl_options(pdl))
+    launch(_gdn_block_kernel, ((0 if split else r * hk) + (r + 1) * hv * num_vb,),
            out, q, k, v, g, beta, st, query_start_loc, slots, w, c, ready, ring_k, ring_v,
            ring_g, ring_beta, float(scale), n, r, st.shape[0], *strides, **shapes,
-           V_PAD=max(triton.next_power_of_2(vd), _BLOCK_KC), BLOCK_V=plan.block_form_v,
-           NUM_VB=num_vb, WALK_V=plan.walk_v, T=t, KC=_BLOCK_KC,
-           WEIGHTS_FIRST=plan.block_weights_first, POLLS=plan.block_wait_polls, PDL=pdl,
+           V_PAD=v_pad, BLOCK_V=plan.block_form_v, NUM_VB=num_vb, WALK_V=plan.walk_v, T=t,
+           KC=_BLOCK_KC, WEIGHTS_FIRST=plan.block_weights_first,
+           POLLS=plan.block_wait_polls, WEIGHTS=not split, PDL=pdl,
            num_warps=plan.block_form_warps, **regs, **pdl_options(pdl))
     return out
 

@@ -453,6 +453,11 @@ def test_triton_gdn_block_form_contains_and_matches(lens, num_pad, seed, values)
                      plan=dataclasses.replace(plan, block_weights_first=False,
                                               block_wait_polls=3))
     assert torch.equal(polled[0].nan_to_num(), dirty[0].nan_to_num())
+    # the weight programs in a launch of their own: the same bits, outputs and rings
+    split = run_gdn(d, layout, impl=gated_delta_rule_triton,
+                    plan=dataclasses.replace(plan, block_weights_launch=True))
+    assert torch.equal(split[0].nan_to_num(), dirty[0].nan_to_num())
+    assert all(torch.equal(a.nan_to_num(), b.nan_to_num()) for a, b in zip(split[1], dirty[1]))
     for i, (n, a) in enumerate(zip(layout.lens, acc.tolist())):
         if 0 < a < n <= 8:
             assert bool(dirty[0][layout.rows(i)][a:].isnan().all()), f"request {i}"
@@ -481,7 +486,9 @@ def test_gdn_plan_rule_and_checks():
                           ({"block_form_v": 48}, "block_form_v=48: must be a power of two"),
                           ({"block_form_v": 8}, "block_form_v=8"),
                           ({"walk_v": 128}, "walk_v=128: must be a power of two .* dividing"),
-                          ({"block_wait_polls": -1}, "block_wait_polls=-1: must be an int")]:
+                          ({"block_wait_polls": -1}, "block_wait_polls=-1: must be an int"),
+                          ({"block_weights_registers": 16},
+                           "block_weights_registers=16: must be 0 .* or at least 32")]:
         with pytest.raises(ValueError, match=match):
             _check_plan(dataclasses.replace(plan, **fields), False)
     with pytest.raises(ValueError, match="one gate a key channel"):
@@ -668,6 +675,11 @@ def test_gpu_gdn_contains_rejected_rows(form):
                                             block_wait_polls=0))
         dirty = run_gdn(d, layout, impl=gated_delta_rule_triton, plan=plan)
         assert torch.equal(last[0].nan_to_num(), dirty[0].nan_to_num())
+        # the weight programs in a launch of their own (PDL on the H200): the same bits
+        split = run_gdn(d, layout, impl=gated_delta_rule_triton,
+                        plan=dataclasses.replace(plan, block_weights_launch=True,
+                                                 block_weights_registers=80))
+        assert torch.equal(split[0].nan_to_num(), dirty[0].nan_to_num())
     rows = run_gdn(c, layout, impl=gated_delta_rule_triton, plan=_gdn_plan(layout, 32, 128, 128,
                                                                            "rows"))
     torch.testing.assert_close(clean[0].float(), rows[0].float(), atol=2e-2, rtol=2e-2)
