@@ -14,6 +14,8 @@ replays over rotating input copies, ``common.time_calls``):
 - ``ticket``: ``no_own`` with each program's role from a ticket (an atomic counter) instead of
   its grid index, and unbounded polling: weight tickets come first, so a polling stream
   program's weight program is already running (a look-back scan's progress argument);
+- ``late_rings``: the weight program stores its ring keys after its flags, so no release waits
+  for those stores (the op's outputs and rings);
 - ``clocks``: the op with each program's start and end (``%globaltimer``, ``%clock64``) and
   multiprocessor recorded, one launch: durations by kind, and when the weight programs end;
 - ``parts``: the same with stamps at the ends of each program's parts (:data:`PARTS`), the
@@ -98,9 +100,14 @@ TICKET = [("    pid = tl.program_id(0)\n",
            '    pid = tl.atomic_add(ready_ptr + num_requests * HV, 1, sem="relaxed", scope="gpu")\n'),
           ("ready = torch.zeros(max(r * hv, 1), dtype", "ready = torch.zeros(r * hv + 1, dtype"),
           ("while (ready == 0) & (polls < POLLS):", "while ready == 0:")]
+RING_KEYS = ("        _ring_keys(k_ptr, ring_k_ptr, start, length, k_head, nk, stride_k_tok,"
+             " stride_k_head,\n                   HK, KD, K_PAD, T, L2NORM)\n")
+RELEASE = '            tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release", scope="gpu")\n'
+# the ring keys after the flags: no release waits for their stores (the same outputs and rings)
+LATE_RINGS = [(RING_KEYS, ""), (RELEASE, RELEASE + RING_KEYS)]
 VARIANTS = {"stream_only": [NO_WEIGHTS, NO_FLAG], "weights_only": [NO_STREAMS],
             "no_flag": [NO_FLAG], "flag_only": [FLAG_ONLY], "no_own": [NO_OWN],
-            "ticket": [NO_OWN, *TICKET]}
+            "ticket": [NO_OWN, *TICKET], "late_rings": LATE_RINGS}
 
 
 def variant(name: str, edits: list, tmp: str):
@@ -262,12 +269,13 @@ def main() -> None:
                        floor_pct=round(100 * floor / 4.8e12 * 1e6 / t["graph_us"], 1))
             report["rows"].append(row)
             print(row, flush=True)
-        # the ticket variant computes the op's outputs: the same bits
+        # the ticket and late-rings variants compute the op's outputs: the same bits
         want = triton_gdn.gated_delta_rule_triton(*_gdn_args(sets[0], s))
-        got = mods["ticket"].gated_delta_rule_triton(*_gdn_args(sets[0], s))
-        report["rows"].append(dict(bs=bs, variant="ticket_equals_op",
-                                   equal=bool(torch.equal(want, got))))
-        print(report["rows"][-1], flush=True)
+        for name in ("ticket", "late_rings"):
+            got = mods[name].gated_delta_rule_triton(*_gdn_args(sets[0], s))
+            report["rows"].append(dict(bs=bs, variant=f"{name}_equals_op",
+                                       equal=bool(torch.equal(want, got))))
+            print(report["rows"][-1], flush=True)
         # one clocked launch of each build (after a warm one), on the first copy
         r, hk = bs, s["num_k_heads"]
         programs = r * hk + (r + 1) * hv * triton.cdiv(vd, 64)

@@ -1,7 +1,8 @@
 """benchmarks/gdn_block_probe.py on the CPU (Triton interpreter): every edit still finds its
 anchor in gdn.py (else the probe would time an unedited copy under a variant's name), the
-clocked copies build (every part's stamp in place), and the ticket variant (roles from an atomic counter, unbounded polling)
-gives the op's outputs bit for bit."""
+clocked copies build (every part's stamp in place), the ticket variant (roles from an atomic
+counter, unbounded polling) gives the op's outputs bit for bit, and the late-rings variant the
+op's outputs and rings."""
 
 import re
 import tempfile
@@ -30,3 +31,9 @@ def test_variants_build_and_ticket_matches_op():
     got = mods["ticket"].gated_delta_rule_triton(*ssd._gdn_args(c, s), plan=plan)
     assert torch.equal(want, got)
     assert not want.isnan().any()
+    # the ring keys after the flags: the same outputs and rings
+    rings = [torch.full_like(r, 7.0) for r in c["rings"]]
+    late = mods["late_rings"].gated_delta_rule_triton(
+        *ssd._gdn_args(dict(c, rings=tuple(rings)), s), plan=plan)
+    assert torch.equal(late, want)
+    assert all(torch.equal(a, b) for a, b in zip(rings, c["rings"]))
