@@ -33,6 +33,8 @@
 #   gdn_forms     ssd_kernels.py --kernels gdn --gdn-plans rows default block (the row walk, plan_gdn's plan
 #                 and the block form of the GDN forward, bs 1 / 8 / 64 / 128)
 #   gdn_block_plans  ssd_kernels.py --gdn-plans over the block form's knobs at bs 64 / 128
+#   ssd_one_launch  ssd_kernels.py --ssd-plans: the block form's launch capped at 128 registers, and
+#                 walking the other requests itself (no second launch), bs 64 / 128
 #   gdn_weights_launch  ssd_kernels.py --gdn-plans over the weight programs in a launch of their own
 #                 (register caps 64 / 80 / 96 / none) against one launch, bs 64 / 128
 #   gdn_probe     gdn_block_probe.py 64 128 (the GDN block form's edited copies side by side: streams
@@ -137,6 +139,10 @@ job() {
         && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_block_plans.json" ;;
     ssd_probe) python3 benchmarks/ssd_block_probe.py 64 128 ;;
     gdn_probe) python3 benchmarks/gdn_block_probe.py 64 128 ;;
+    ssd_one_launch)
+      python3 benchmarks/ssd_kernels.py --kernels ssd --bs 64 128 --ssd-plans default block \
+          block:r128 block:wp16:r128 block:wp16:r144 \
+        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_one_launch.json" ;;
     gdn_weights_launch)
       python3 benchmarks/ssd_kernels.py --kernels gdn --bs 64 128 --gdn-plans block block:wl \
           block:wl:wr64 block:wl:wr80 block:wl:wr96 \

@@ -135,7 +135,8 @@ def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
 
 
 _PLAN_FIELDS = {"p": "block_p", "w": "num_warps", "n": "block_n", "from": "block_from",
-                "bp": "block_form_p", "bw": "block_form_warps"}
+                "bp": "block_form_p", "bw": "block_form_warps", "wp": "block_walk_p",
+                "r": "block_form_registers"}
 _GDN_FIELDS = {"v": "block_form_v", "w": "block_form_warps", "r": "block_form_registers",
                "wv": "walk_v", "p": "block_wait_polls", "wr": "block_weights_registers"}
 
@@ -163,9 +164,10 @@ def _changes(spec: str, option: str, fields: dict, flags: dict) -> dict:
 def ssd_plan(spec: str, bs: int, s: dict, device: str):
     """A named SSD plan: ``rows`` (every request walks its rows), ``default`` (``plan_ssd``'s), or
     ``block`` (``plan_ssd(..., block_form=True)``) with changes, e.g.
-    ``block:p64:w2:n32:from3:bp64:bw2:one`` (the row walk's channel block and warps, state rows
-    a block-form step, the shortest request in block form, the block form's own channel block
-    and warps, both forms in one launch)."""
+    ``block:p64:w2:n32:from3:bp64:bw2:wp16:r128:one`` (the row walk's channel block and warps,
+    state rows a block-form step, the shortest request in block form, the block form's own
+    channel block and warps, its launch walking the other requests 16 channels at a time, its
+    register cap, both forms in one launch)."""
     if spec == "default":
         return None  # the op's own plan (it sees the launch's rows)
     p = s["ssd_head_dim"]

@@ -60,7 +60,7 @@ import triton.language as tl
 from .gdn import _fill_block, _load_state, _zero_padding_rows  # shared tiles, the fill rule
 from .launch import launch
 from ..ops.ssd_reference import check_ssd, check_ssd_commit
-from .device import device_sm_count
+from .device import device_sm_count, device_target
 
 __all__ = ["SsdPlan", "plan_ssd", "ssd_triton", "ssd_commit_triton"]
 
@@ -226,11 +226,13 @@ def _ssd_forward_kernel(
         BLOCK_P: tl.constexpr, NUM_PB: tl.constexpr, HAS_D: tl.constexpr,
         HAS_DT_BIAS: tl.constexpr, SOFTPLUS: tl.constexpr, PAD_ROWS: tl.constexpr,
         HEADS_FIRST: tl.constexpr, BLOCK_ROWS: tl.constexpr, BLOCK_FROM: tl.constexpr,
-        BLOCK_N: tl.constexpr, ROLE: tl.constexpr):
+        BLOCK_N: tl.constexpr, ROLE: tl.constexpr, WALK_P: tl.constexpr):
     """One (request, head, channel block): the block form for ``BLOCK_FROM..BLOCK_ROWS`` rows
     (``BLOCK_ROWS`` 0: never), else the request's rows in order. ``ROLE`` 0 takes both forms in
     one launch; 1 only the block form's requests (the others exit; no padding program), 2 only
-    the others (its registers then never hold the block form's tiles)."""
+    the others (its registers then never hold the block form's tiles). ``ROLE`` 1 with
+    ``WALK_P`` also walks the other requests, ``WALK_P`` channels at a time, and has the
+    padding program: then there is no second launch."""
     req = tl.program_id(1 if HEADS_FIRST else 0)
     head = tl.program_id(0 if HEADS_FIRST else 1) // NUM_PB
     pb = tl.program_id(0 if HEADS_FIRST else 1) % NUM_PB
@@ -239,7 +241,7 @@ def _ssd_forward_kernel(
     n_ok = offs_n < NS
     p_ok = offs_p < P
     start = tl.load(query_start_loc_ptr + req)
-    if ROLE != 1:
+    if (ROLE != 1) | (WALK_P > 0):
         if req == num_requests:
             _zero_padding_rows(out_ptr, start, num_tokens, head, offs_p, p_ok, stride_out_tok,
                                stride_out_head, BLOCK_P, PAD_ROWS)
@@ -248,7 +250,7 @@ def _ssd_forward_kernel(
     if length <= 0:
         return
     in_block = (length >= BLOCK_FROM) & (length <= BLOCK_ROWS)
-    if ROLE == 1:
+    if (ROLE == 1) & (WALK_P == 0):
         if in_block == 0:
             return
     if ROLE == 2:
@@ -270,6 +272,17 @@ def _ssd_forward_kernel(
                        N_PAD, BLOCK_P, HAS_D, HAS_DT_BIAS, SOFTPLUS, BLOCK_ROWS, BLOCK_N)
             return
     if ROLE == 1:
+        if WALK_P > 0:  # the block launch walks the other requests too, WALK_P channels a time
+            for sub in tl.static_range(BLOCK_P // WALK_P):
+                offs_w = pb * BLOCK_P + sub * WALK_P + tl.arange(0, WALK_P)
+                _ssd_rows(out_ptr, x_ptr, dt_ptr, b_ptr, c_ptr, state_ptr, ring_x_ptr,
+                          ring_b_ptr, ring_da_ptr, start, length, slot, num_slots, head, group,
+                          pb * (BLOCK_P // WALK_P) + sub, a, d, bias, dt_min, dt_max, offs_n,
+                          offs_w, offs_n < NS, offs_w < P, stride_x_tok, stride_x_head,
+                          stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
+                          stride_c_group, stride_out_tok, stride_out_head, stride_s_slot,
+                          stride_s_head, stride_s_n, H, G, NS, P, HAS_D, HAS_DT_BIAS,
+                          SOFTPLUS)
         return
     _ssd_rows(out_ptr, x_ptr, dt_ptr, b_ptr, c_ptr, state_ptr, ring_x_ptr, ring_b_ptr,
               ring_da_ptr, start, length, slot, num_slots, head, group, pb, a, d, bias, dt_min,
@@ -404,6 +417,18 @@ class SsdPlan:
     """Head channels a block-form program takes in its own launch (0: ``block_p``)."""
     block_form_warps: int = 0
     """Warps of a block-form program in its own launch (0: ``num_warps``)."""
+    block_walk_p: int = 0
+    """With ``block_launch``: the block form's launch also walks the requests it does not take,
+    this many channels at a time, and zeroes the padding rows, so that there is no second
+    launch (whose programs all exit when every request is in the block form); 0: those
+    requests walk in a second launch. A power of two of at least 16 dividing the block form's
+    channel block. The walk's path sets that launch's build at 255 registers (triton 3.6, sm_90,
+    Nemotron-H's shapes, 16 channels): cap it with ``block_form_registers``."""
+    block_form_registers: int = 0
+    """``maxnreg`` of the block form's own launch (NVIDIA; 0: the compiler's choice). Its build
+    has 139 registers (14 programs a multiprocessor); at 128 it spills nothing (16 a
+    multiprocessor), and with ``block_walk_p`` 16 only the walk and two registers across the
+    stream spill (144 bytes)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -456,6 +481,15 @@ def _check_plan(plan: SsdPlan) -> None:
         rules += [(dot_size(plan.block_n), "block_n", plan.block_n, pow2),
                   (plan.block_form_p == 0 or dot_size(plan.block_form_p), "block_form_p",
                    plan.block_form_p, pow2 + ", or 0")]
+        form_p = plan.block_form_p or plan.block_p
+        rules.append((plan.block_form_registers == 0 or plan.block_form_registers >= 32,
+                      "block_form_registers", plan.block_form_registers,
+                      "0 (the compiler's choice) or at least 32"))
+        rules.append((plan.block_walk_p == 0 or (plan.block_launch and dot_size(plan.block_walk_p)
+                                                 and form_p % plan.block_walk_p == 0),
+                      "block_walk_p", plan.block_walk_p,
+                      f"0, or with block_launch a power of two of at least {_MIN_BLOCK_P} "
+                      f"dividing the block form's channel block ({form_p})"))
         if not (plan.block_launch and plan.block_form_p):  # the walk's channel blocks
             rules.append((plan.block_p >= _MIN_BLOCK_P, "block_p", plan.block_p,
                           f"at least {_MIN_BLOCK_P} where the block form takes the walk's "
@@ -509,13 +543,20 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
     if plan.block_rows and plan.block_launch:
         block_p = plan.block_form_p or plan.block_p
         num_pb = triton.cdiv(p, block_p)
-        launch(_ssd_forward_kernel, _grid(r, h * num_pb, plan.heads_first), *args,
-               BLOCK_P=block_p, NUM_PB=num_pb, ROLE=1,
-               num_warps=plan.block_form_warps or plan.num_warps, **shape)
+        walk_p = plan.block_walk_p
+        cfg = device_target(x.device)[0]
+        regs = ({"maxnreg": plan.block_form_registers} if plan.block_form_registers
+                and cfg.backend == "cuda" and x.device.type == "cuda" else {})  # HIP rejects it
+        launch(_ssd_forward_kernel, _grid(r + (1 if walk_p else 0), h * num_pb,
+                                          plan.heads_first), *args,
+               BLOCK_P=block_p, NUM_PB=num_pb, ROLE=1, WALK_P=walk_p,
+               num_warps=plan.block_form_warps or plan.num_warps, **regs, **shape)
+        if walk_p:
+            return out
         role = 2
     launch(_ssd_forward_kernel, _grid(r + 1, h * plan.num_pb, plan.heads_first), *args,
-           BLOCK_P=plan.block_p, NUM_PB=plan.num_pb, ROLE=role, num_warps=plan.num_warps,
-           **shape)
+           BLOCK_P=plan.block_p, NUM_PB=plan.num_pb, ROLE=role, WALK_P=0,
+           num_warps=plan.num_warps, **shape)
     return out
 
 

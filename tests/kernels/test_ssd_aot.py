@@ -22,13 +22,17 @@ _FORWARD = {"out_ptr": "fp32", "x_ptr": "bf16", "dt_ptr": "bf16", "a_ptr": "fp32
             "b_ptr": "bf16", "c_ptr": "bf16", "d_ptr": "fp32", "dt_bias_ptr": "fp32",
             "state_ptr": "fp32", **_RINGS, **_LAYOUT}
 _NEMOTRON = {**_SHAPE, "HAS_D": True, "HAS_DT_BIAS": True, "SOFTPLUS": True, "PAD_ROWS": 16,
-             "HEADS_FIRST": False, "BLOCK_ROWS": 8, "BLOCK_FROM": 1, "BLOCK_N": 16}
+             "HEADS_FIRST": False, "BLOCK_ROWS": 8, "BLOCK_FROM": 1, "BLOCK_N": 16,
+             "WALK_P": 0}
 
 CASES = {
     # the block form's own launch, the row walk's after it, and both forms in one launch
     "ssd_forward_block_bf16": ("_ssd_forward_kernel", _FORWARD, {**_NEMOTRON, "ROLE": 1}),
     "ssd_forward_rows_bf16": ("_ssd_forward_kernel", _FORWARD, {**_NEMOTRON, "ROLE": 2}),
     "ssd_forward_bf16": ("_ssd_forward_kernel", _FORWARD, {**_NEMOTRON, "ROLE": 0}),
+    # the block form's launch walking the other requests itself (SsdPlan.block_walk_p)
+    "ssd_forward_block_walk_bf16": ("_ssd_forward_kernel", _FORWARD,
+                                    {**_NEMOTRON, "ROLE": 1, "WALK_P": 16}),
     "ssd_commit": ("_ssd_commit_kernel",
                    {"state_ptr": "fp32", **_RINGS, "accept_lens_ptr": "i32", **_LAYOUT},
                    {**_SHAPE, "HEADS_FIRST": False}),
@@ -40,7 +44,8 @@ CASES = {
                             {"H": 131072, "G": 16, "NS": 1, "P": 1, "N_PAD": 1, "BLOCK_P": 1,
                              "NUM_PB": 1, "HAS_D": False, "HAS_DT_BIAS": True,
                              "SOFTPLUS": True, "PAD_ROWS": 16, "HEADS_FIRST": True,
-                             "BLOCK_ROWS": 0, "BLOCK_FROM": 1, "BLOCK_N": 16, "ROLE": 0}),
+                             "BLOCK_ROWS": 0, "BLOCK_FROM": 1, "BLOCK_N": 16, "ROLE": 0,
+                             "WALK_P": 0}),
     "mamba1_commit": ("_ssd_commit_kernel",
                       {"state_ptr": "fp32", **_RINGS, "accept_lens_ptr": "i32", **_LAYOUT},
                       {"H": 131072, "G": 16, "NS": 1, "P": 1, "N_PAD": 1, "BLOCK_P": 1,

@@ -121,11 +121,12 @@ def test_ssd_float32_matches_reference_closely(lens):
     torch.testing.assert_close(outs[1], outs[0], atol=5e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("block_rows", [0, 8])
-def test_ssd_contains_rejected_rows_at_nemotron_shapes(block_rows):
-    """bf16 at Nemotron-H's shapes, the row walk and the block form: NaN / Inf in every
-    rejected row of x, dt, B and C leave the accepted rows and the committed states bit for
-    bit, and the block form's outputs agree with the row walk's."""
+@pytest.mark.parametrize("form", ["rows", "block", "block_walk"])
+def test_ssd_contains_rejected_rows_at_nemotron_shapes(form):
+    """bf16 at Nemotron-H's shapes, the row walk and the block form (``block_walk``: full-width
+    requests in the block form, the others walked by the same launch under a 128-register cap):
+    NaN / Inf in every rejected row of x, dt, B and C leave the accepted rows and the committed
+    states bit for bit, and the block form's outputs agree with the row walk's."""
     import dataclasses
 
     from dspark_compile.kernels import ssd as triton_ssd
@@ -146,8 +147,10 @@ def test_ssd_contains_rejected_rows_at_nemotron_shapes(block_rows):
     base = triton_ssd.plan_ssd(len(lens), h, n_state, p, torch.cuda.get_device_properties(
         0).multi_processor_count)
     plans = [dataclasses.replace(base, block_rows=0),
-             dataclasses.replace(base, block_rows=8, block_from=1)]
-    plan = plans[block_rows > 0]
+             dataclasses.replace(base, block_rows=8, block_from=1),
+             dataclasses.replace(base, block_rows=8, block_from=8, block_walk_p=16,
+                                 block_form_registers=128)]
+    plan = plans[["rows", "block", "block_walk"].index(form)]
     outs, pools = [], []
     for case, use in ((c, plan), (dirty, plan), (c, plans[0])):
         r = ssd_ops.ssd_ring(c["x"].shape[0], h, g, n_state, p, "cuda")

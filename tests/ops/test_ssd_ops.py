@@ -232,15 +232,17 @@ def test_triton_matches_reference(name, h, g, n_state, p, bias, d, limits):
 
 @needs_triton
 @pytest.mark.parametrize("name", ["mixed", "long", "full"])
-@pytest.mark.parametrize("h, g, n_state, p, bias, d, limits, block_from, own_launch", [
-    (2, 1, 40, 33, True, True, (0.0, INF), 1, True),
-    (3, 1, 5, 20, False, False, (0.001, 0.5), 2, False)])
+@pytest.mark.parametrize("h, g, n_state, p, bias, d, limits, block_from, own_launch, walk_p", [
+    (2, 1, 40, 33, True, True, (0.0, INF), 1, True, 0),
+    (3, 1, 5, 20, False, False, (0.001, 0.5), 2, False, 0),
+    (2, 2, 24, 40, True, True, (0.0, INF), 3, True, 16)])
 def test_triton_block_form_matches_reference(name, h, g, n_state, p, bias, d, limits,
-                                             block_from, own_launch):
+                                             block_from, own_launch, walk_p):
     """The block form (requests of ``block_from..8`` rows from the state before them, the state
     streamed in 16-row steps: N = 40 ends inside a step, N = 5 inside the first; P = 33 over three
     channel blocks) beside the row walk of longer and shorter requests, in a launch of its own or
-    in the row walk's: outputs, rings and the committed state against the reference."""
+    in the row walk's, or walked by the block form's launch itself ``walk_p`` channels at a time
+    (no second launch): outputs, rings and the committed state against the reference."""
     import dataclasses
 
     kernels = _triton()
@@ -249,7 +251,7 @@ def test_triton_block_form_matches_reference(name, h, g, n_state, p, bias, d, li
     c = ssd_case(layout, h=h, g=g, n_state=n_state, p=p, seed=n_state, bias=bias, d=d)
     plan = dataclasses.replace(kernels.plan_ssd(len(lens), h, n_state, p, 132, block_form=True),
                                block_p=16, num_pb=-(-p // 16), block_rows=8, block_from=block_from,
-                               block_launch=own_launch)
+                               block_launch=own_launch, block_walk_p=walk_p)
     _check_triton(kernels, c, layout, plan, limits, seed=p)
 
 
@@ -276,7 +278,11 @@ def test_plan_takes_the_block_form_from_8_requests_with_16_channels_a_program():
     (dict(block_rows=8, block_from=0), r"SsdPlan.block_from=0: must be at least 1"),
     (dict(block_rows=8, block_n=8), r"SsdPlan.block_n=8: must be a power of two of at least 16"),
     (dict(block_rows=8, block_form_p=48), r"SsdPlan.block_form_p=48: must be a power of two"),
-    (dict(block_rows=8, block_launch=False, block_p=8), r"SsdPlan.block_p=8: must be at least 16")])
+    (dict(block_rows=8, block_launch=False, block_p=8), r"SsdPlan.block_p=8: must be at least 16"),
+    (dict(block_rows=8, block_walk_p=24), r"SsdPlan.block_walk_p=24: must be 0, or with"),
+    (dict(block_rows=8, block_launch=False, block_walk_p=16), r"SsdPlan.block_walk_p=16"),
+    (dict(block_rows=8, block_form_registers=8),
+     r"SsdPlan.block_form_registers=8: must be 0 .* or at least 32")])
 def test_a_bad_block_plan_is_refused_before_any_launch(change, match):
     import dataclasses
 
