@@ -35,6 +35,8 @@
 #   gdn_block_plans  ssd_kernels.py --gdn-plans over the block form's knobs at bs 64 / 128
 #   ssd_one_launch  ssd_kernels.py --ssd-plans: the block form's launch capped at 128 registers, and
 #                 walking the other requests itself (no second launch), bs 64 / 128
+#   ssd_walkers   ssd_kernels.py --mean-len 7: the block form's plans where most requests are
+#                 shorter than 8 and walk (its second launch, or its own launch walking them)
 #   gdn_weights_launch  ssd_kernels.py --gdn-plans over the weight programs in a launch of their own
 #                 (register caps 64 / 80 / 96 / none) against one launch, bs 64 / 128
 #   gdn_probe     gdn_block_probe.py 64 128 (the GDN block form's edited copies side by side: streams
@@ -143,6 +145,10 @@ job() {
       python3 benchmarks/ssd_kernels.py --kernels ssd --bs 64 128 --ssd-plans default block \
           block:r128 block:wp16:r128 block:wp16:r144 \
         && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_one_launch.json" ;;
+    ssd_walkers)
+      python3 benchmarks/ssd_kernels.py --bs 64 128 --mean-len 7 --ssd-plans default block \
+          block:r128 block:wp16:r128 --gdn-plans default \
+        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_mean7.json" ;;
     gdn_weights_launch)
       python3 benchmarks/ssd_kernels.py --kernels gdn --bs 64 128 --gdn-plans block block:wl \
           block:wl:wr64 block:wl:wr80 block:wl:wr96 \

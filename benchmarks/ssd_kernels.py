@@ -59,6 +59,10 @@ SMOKE = dict(SETTINGS, batch_sizes=[1, 3], dtype="float32", ssd_heads=4, ssd_gro
              sweep_blocks=[16], sweep_warps=[4])
 
 
+def _label(mix: bool, s: dict) -> str:
+    return f"mix_mean{s['mean_len']}" if mix else f"all{s['block']}"
+
+
 def lengths(bs: int, mix: bool, s: dict) -> list[int]:
     return mix_lens(bs, s["block"], s["mean_len"]) if mix else [s["block"]] * bs
 
@@ -128,7 +132,7 @@ def ssd_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
         c["state"], *c["rings"], c["qsl"], c["slots"], acc, plan=plan) for c in sets]
     used = plan or triton_ssd.plan_ssd(bs, h, ns, p, device_sm_count(torch.device(device)),
                                        num_tokens=sum(lens))
-    return dict(kernel="ssd", bs=bs, lengths="mix_mean3" if mix else "all8",
+    return dict(kernel="ssd", bs=bs, lengths=_label(mix, s),
                 num_tokens=sum(lens), copies=len(sets), max_abs_err=err,
                 plan=dataclasses.asdict(used), **_rates(floor, time_calls(fns, s, device), s),
                 commit=_rates(2 * floor, time_calls(commit, s, device), s))
@@ -214,7 +218,7 @@ def gdn_case(bs: int, mix: bool, s: dict, device: str, plan=None) -> dict:
         c["state"], *c["rings"], c["qsl"], c["slots"], acc, plan=plan) for c in sets]
     used = plan or triton_gdn.plan_gdn(bs, hv, kd, vd, device_sm_count(torch.device(device)),
                                        num_tokens=sum(lens))
-    return dict(kernel="gdn", bs=bs, lengths="mix_mean3" if mix else "all8",
+    return dict(kernel="gdn", bs=bs, lengths=_label(mix, s),
                 num_tokens=sum(lens), copies=len(sets), max_abs_err=err,
                 plan=dataclasses.asdict(used), **_rates(floor, time_calls(fns, s, device), s),
                 commit=_rates(2 * floor, time_calls(commit, s, device), s))
@@ -257,6 +261,9 @@ def main() -> None:
     ap.add_argument("--bs", type=int, nargs="+", help="batch sizes (default: 1 8 64 128)")
     ap.add_argument("--kernels", nargs="+", choices=("ssd", "gdn"), default=("ssd", "gdn"))
     ap.add_argument("--sweep-warps", type=int, nargs="+", help="warp counts of the sweep")
+    ap.add_argument("--mean-len", type=int,
+                    help="mean rows a request of the mixed lengths (default 3; at 6 or more "
+                         "plan_ssd and plan_gdn take the block form, shorter requests walking)")
     ap.add_argument("--ssd-plans", nargs="+", metavar="SPEC",
                     help="time the SSD forward under each named plan side by side (rows, "
                          "default, block:p64:w2:n32:from3; see ssd_plan) instead of the default")
@@ -266,7 +273,11 @@ def main() -> None:
     opts = ap.parse_args()
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
     s = dict(s, **({"batch_sizes": opts.bs} if opts.bs else {}),
-             **({"sweep_warps": opts.sweep_warps} if opts.sweep_warps else {}))
+             **({"sweep_warps": opts.sweep_warps} if opts.sweep_warps else {}),
+             **({"mean_len": opts.mean_len} if opts.mean_len else {}))
+    if not 1 <= s["mean_len"] <= s["block"]:
+        raise SystemExit(f"--mean-len {s['mean_len']}: must be in 1..{s['block']} (the verify "
+                         "width)")
     import transformers
     import triton
     report = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
