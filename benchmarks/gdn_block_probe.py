@@ -49,8 +49,8 @@ SRC = SRC.replace("from .launch import", "from dspark_compile.kernels.launch imp
     .replace("from .device import", "from dspark_compile.kernels.device import") \
     .replace("from .pdl import", "from dspark_compile.kernels.pdl import")
 
-NO_WEIGHTS = ("    if (length > 0) & (length <= T):\n        gkk",
-              "    if length < 0:\n        gkk")
+NO_WEIGHTS = ("    if (length > 0) & (length <= T):\n        # the first value head's",
+              "    if length < 0:\n        # the first value head's")
 # a flag of at least 1 read at run time (a constant 1 would let the compiler drop the stream's
 # products: kept = 0 makes every row's output NaN whatever they are)
 NO_FLAG = ('    ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")',
@@ -139,8 +139,8 @@ PARTS = [
     ("        _ring_keys(k_ptr, ring_k_ptr,",
      "        _stamp(stamps_ptr, 1, tl.sum(gkk) + tl.sum(gqk) + tl.sum(nq))\n"
      "        _ring_keys(k_ptr, ring_k_ptr,"),
-    ("        for j in range(HV // HK):\n",
-     "        _stamp(stamps_ptr, 2, length)\n        for j in range(HV // HK):\n"),
+    ("        for j in tl.static_range(HV // HK):\n",
+     "        _stamp(stamps_ptr, 2, length)\n        for j in tl.static_range(HV // HK):\n"),
     ("            unit = (req * HV + head).to(tl.int64)\n            tile",
      "            _stamp(stamps_ptr, 3 + 2 * j, tl.sum(w) + tl.sum(c) + kept)\n"
      "            unit = (req * HV + head).to(tl.int64)\n            tile"),

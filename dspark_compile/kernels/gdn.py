@@ -360,37 +360,50 @@ def _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok, stride_q_head
 
 
 @triton.jit
-def _block_head(v_ptr, g_ptr, beta_ptr, ring_g_ptr, ring_beta_ptr, scale, start, length, head,
-                gkk, gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok,
-                HV: tl.constexpr, VD: tl.constexpr, V_PAD: tl.constexpr, T: tl.constexpr,
-                KC: tl.constexpr, L2NORM: tl.constexpr, RINGS: tl.constexpr):
-    """Value head ``head`` of a request of 1..T rows: its ``W``, ``C`` (:func:`_block_weights`)
-    and kept-row count from its key head's Gram products, its gates, betas and values (every
-    load before any store); with ``RINGS`` it also writes the gates' and betas' replay rings
-    (the stream programs write the values')."""
+def _head_inputs(v_ptr, g_ptr, beta_ptr, start, length, head, stride_v_tok, stride_v_head,
+                 stride_g_tok, stride_beta_tok, VD: tl.constexpr, V_PAD: tl.constexpr,
+                 T: tl.constexpr, KC: tl.constexpr):
+    """Value head ``head``'s loads for a request of 1..T rows: its gates, betas and how many
+    non-finite values each row has (a row with one is unusable). The values ``KC`` columns at a
+    time (a whole row, ``[T, V]`` at once, set the build's registers: 156 against 96, triton
+    3.6, sm_90), unrolled: no store between the loads, so they can all be in flight."""
     f32: tl.constexpr = tl.float32
     offs_t = tl.arange(0, T)
     rows = start.to(tl.int64) + offs_t
     in_req = offs_t < length
     g = tl.load(g_ptr + rows * stride_g_tok + head, mask=in_req, other=0.0).to(f32)
     beta = tl.load(beta_ptr + rows * stride_beta_tok + head, mask=in_req, other=0.0).to(f32)
-    # the values: a row with a non-finite one is unusable. KC of them at a time (a whole row,
-    # [T, V] at once, set the build's registers: 156 against 96, triton 3.6, sm_90), unrolled
-    # (no store between the loads: they can all be in flight)
     v_bad = tl.zeros([T], tl.int32)
     for v0 in tl.static_range(0, V_PAD, KC):
         vv = v0 + tl.arange(0, KC)
         x = tl.load(v_ptr + rows[:, None] * stride_v_tok + head * stride_v_head + vv[None, :],
                     mask=in_req[:, None] & (vv < VD)[None, :], other=0.0).to(f32)
         v_bad += tl.sum(tl.where((x == x) & (tl.abs(x) < float("inf")), 0, 1), 1)
-    fine = in_req & (v_bad == 0) & (nk == nk) & (nk < float("inf")) & (nq == nq) \
+    return g, beta, v_bad
+
+
+@triton.jit
+def _head_weights(g, beta, v_bad, length, gkk, gqk, nk, nq, scale, T: tl.constexpr,
+                  L2NORM: tl.constexpr):
+    """A value head's ``W``, ``C`` (:func:`_block_weights`) and kept-row count from its key
+    head's Gram products and its :func:`_head_inputs`."""
+    offs_t = tl.arange(0, T)
+    fine = (offs_t < length) & (v_bad == 0) & (nk == nk) & (nk < float("inf")) & (nq == nq) \
         & (nq < float("inf")) & (g == g) & (g < float("inf")) & (beta == beta) \
         & (tl.abs(beta) < float("inf"))
-    if RINGS:
-        tl.store(ring_g_ptr + rows * HV + head, g, mask=in_req)
-        tl.store(ring_beta_ptr + rows * HV + head, beta, mask=in_req)
     return _block_weights(gkk, gqk, nk, nq, g, beta, fine, scale, offs_t, tl.arange(0, 2 * T),
                           T, L2NORM)
+
+
+@triton.jit
+def _block_head(v_ptr, g_ptr, beta_ptr, scale, start, length, head, gkk, gqk, nk, nq,
+                stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok, VD: tl.constexpr,
+                V_PAD: tl.constexpr, T: tl.constexpr, KC: tl.constexpr, L2NORM: tl.constexpr):
+    """Value head ``head`` of a request of 1..T rows: its ``W``, ``C`` and kept-row count
+    (:func:`_head_inputs`, then :func:`_head_weights`)."""
+    g, beta, v_bad = _head_inputs(v_ptr, g_ptr, beta_ptr, start, length, head, stride_v_tok,
+                                  stride_v_head, stride_g_tok, stride_beta_tok, VD, V_PAD, T, KC)
+    return _head_weights(g, beta, v_bad, length, gkk, gqk, nk, nq, scale, T, L2NORM)
 
 
 @triton.jit
@@ -427,17 +440,30 @@ def _weight_program(a, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, query_start_loc_ptr
     start = tl.load(query_start_loc_ptr + req)
     length = tl.load(query_start_loc_ptr + req + 1) - start
     if (length > 0) & (length <= T):
+        # the first value head's loads go out with the Gram's, each next head's before this
+        # head's stores: no load waits behind a store or a release
+        g, beta, v_bad = _head_inputs(v_ptr, g_ptr, beta_ptr, start, length, k_head * (HV // HK),
+                                      stride_v_tok, stride_v_head, stride_g_tok,
+                                      stride_beta_tok, VD, V_PAD, T, KC)
         gkk, gqk, nk, nq = _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok,
                                        stride_q_head, stride_k_tok, stride_k_head, KD, K_PAD, T,
                                        KC)
         _ring_keys(k_ptr, ring_k_ptr, start, length, k_head, nk, stride_k_tok, stride_k_head,
                    HK, KD, K_PAD, T, L2NORM)
-        for j in range(HV // HK):
+        rows = start.to(tl.int64) + tl.arange(0, T)
+        in_req = tl.arange(0, T) < length
+        for j in tl.static_range(HV // HK):
             head = k_head * (HV // HK) + j
-            w, c, kept = _block_head(
-                v_ptr, g_ptr, beta_ptr, ring_g_ptr, ring_beta_ptr, scale, start, length, head,
-                gkk, gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok, stride_beta_tok,
-                HV, VD, V_PAD, T, KC, L2NORM, True)
+            w, c, kept = _head_weights(g, beta, v_bad, length, gkk, gqk, nk, nq, scale, T,
+                                       L2NORM)
+            g_ring = g
+            beta_ring = beta
+            if j + 1 < HV // HK:
+                g, beta, v_bad = _head_inputs(v_ptr, g_ptr, beta_ptr, start, length, head + 1,
+                                              stride_v_tok, stride_v_head, stride_g_tok,
+                                              stride_beta_tok, VD, V_PAD, T, KC)
+            tl.store(ring_g_ptr + rows * HV + head, g_ring, mask=in_req)
+            tl.store(ring_beta_ptr + rows * HV + head, beta_ring, mask=in_req)
             unit = (req * HV + head).to(tl.int64)
             tile = (unit * T + tl.arange(0, T)[:, None]) * (2 * T) + tl.arange(0, 2 * T)[None, :]
             tl.store(w_ptr + tile, w)
@@ -597,10 +623,9 @@ def _gdn_block_kernel(
             gkk, gqk, nk, nq = _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok,
                                            stride_q_head, stride_k_tok, stride_k_head, KD,
                                            K_PAD, T, KC)
-            w, c, kept = _block_head(v_ptr, g_ptr, beta_ptr, ring_g_ptr, ring_beta_ptr, scale,
-                                     start, length, head, gkk, gqk, nk, nq, stride_v_tok,
-                                     stride_v_head, stride_g_tok, stride_beta_tok, HV, VD,
-                                     V_PAD, T, KC, L2NORM, False)
+            w, c, kept = _block_head(v_ptr, g_ptr, beta_ptr, scale, start, length, head, gkk,
+                                     gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok,
+                                     stride_beta_tok, VD, V_PAD, T, KC, L2NORM)
     # rows from the first unusable one on: zeros into the products (selects), NaN out
     y = tl.where((r_t < kept)[:, None], acc, 0.0)
     vals = tl.where((r_t < kept)[:, None], vals, 0.0)
