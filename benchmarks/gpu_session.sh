@@ -33,10 +33,14 @@
 #   gdn_forms     ssd_kernels.py --kernels gdn --gdn-plans rows default block (the row walk, plan_gdn's plan
 #                 and the block form of the GDN forward, bs 1 / 8 / 64 / 128)
 #   gdn_block_plans  ssd_kernels.py --gdn-plans over the block form's knobs at bs 64 / 128
-#   ssd_one_launch  ssd_kernels.py --ssd-plans: the block form's launch capped at 128 registers, and
-#                 walking the other requests itself (no second launch), bs 64 / 128
-#   ssd_walkers   ssd_kernels.py --mean-len 7: the block form's plans where most requests are
-#                 shorter than 8 and walk (its second launch, or its own launch walking them)
+#   ssd_one_launch  ssd_kernels.py --ssd-plans: the block form's launch (full-width requests) capped
+#                 at 128 registers, and walking the other requests itself (no second launch),
+#                 bs 64 / 128
+#   ssd_walkers   ssd_kernels.py --mean-len 7: plan_ssd's plan against the block form with
+#                 requests under 8 rows walking in a second launch, and the GDN forward's plan
+#   ssd_from      ssd_kernels.py --mean-len 7, then 6: the shortest request the block form takes
+#                 (block_from 8 / 6 / 5 / 4 / 1, requests under it walking in a second launch)
+#                 against plan_ssd's plan
 #   gdn_weights_launch  ssd_kernels.py --gdn-plans over the weight programs in a launch of their own
 #                 (register caps 64 / 80 / 96 / none) against one launch, bs 64 / 128
 #   gdn_probe     gdn_block_probe.py 64 128 (the GDN block form's edited copies side by side: streams
@@ -142,13 +146,20 @@ job() {
     ssd_probe) python3 benchmarks/ssd_block_probe.py 64 128 ;;
     gdn_probe) python3 benchmarks/gdn_block_probe.py 64 128 ;;
     ssd_one_launch)
-      python3 benchmarks/ssd_kernels.py --kernels ssd --bs 64 128 --ssd-plans default block \
-          block:r128 block:wp16:r128 block:wp16:r144 \
+      python3 benchmarks/ssd_kernels.py --kernels ssd --bs 64 128 --ssd-plans default \
+          block:from8:wp0:r0 block:from8:wp0 block:from8 block:from8:r144 \
         && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_one_launch.json" ;;
     ssd_walkers)
-      python3 benchmarks/ssd_kernels.py --bs 64 128 --mean-len 7 --ssd-plans default block \
-          block:r128 block:wp16:r128 --gdn-plans default \
+      python3 benchmarks/ssd_kernels.py --bs 64 128 --mean-len 7 --ssd-plans default \
+          block:from8:wp0:r0 block:from8:wp0 --gdn-plans default \
         && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_mean7.json" ;;
+    ssd_from)
+      for m in 7 6; do
+        python3 benchmarks/ssd_kernels.py --kernels ssd --bs 64 128 --mean-len $m --ssd-plans \
+            default block:from8:wp0 block:from6:wp0 block:from5:wp0 block:from4:wp0 \
+            block:from1:wp0 \
+          && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_from_mean$m.json" || exit 1
+      done ;;
     gdn_weights_launch)
       python3 benchmarks/ssd_kernels.py --kernels gdn --bs 64 128 --gdn-plans block block:wl \
           block:wl:wr64 block:wl:wr80 block:wl:wr96 \

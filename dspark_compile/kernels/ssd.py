@@ -68,10 +68,12 @@ _MAX_TILE = 4096  # fp32 state elements per program: 128 registers per thread on
 _MIN_BLOCK_P = 16
 _PAD_ROWS = 16  # padding rows zeroed per store by the pseudo-request
 _BLOCK_ROWS = 8  # requests up to this many rows take the block form (the verify widths)
-_BLOCK_FROM = 8  # ... and at least this many: full-width requests (shorter ones walk)
+_BLOCK_FROM = 1  # ... and at least this many (plan_ssd: all of them, see its docstring)
+_BLOCK_WALK_P = 16  # channels at a time the block form's launch walks longer requests
 _BLOCK_MIN_REQUESTS = 8  # below this many requests the walk's shorter chain is faster
 _BLOCK_MIN_WIDTH = 6  # ... and below this many rows a request (tokens / requests), the walk
 _BLOCK_FORM_P = 64  # head channels a block-form program streams, at most
+_BLOCK_FORM_REGISTERS = 128  # maxnreg of the block form's launch (SsdPlan.block_form_registers)
 _MAX_GRID_Y = 65535  # CUDA's limit on a grid's second (and third) axis
 _SCALE_LO = tl.constexpr(2.0 ** -40)  # a state scale outside [LO, HI] is folded into the tile
 _SCALE_HI = tl.constexpr(2.0 ** 40)
@@ -423,12 +425,17 @@ class SsdPlan:
     launch (whose programs all exit when every request is in the block form); 0: those
     requests walk in a second launch. A power of two of at least 16 dividing the block form's
     channel block. The walk's path sets that launch's build at 255 registers (triton 3.6, sm_90,
-    Nemotron-H's shapes, 16 channels): cap it with ``block_form_registers``."""
+    Nemotron-H's shapes, 16 channels): cap it with ``block_form_registers``. :func:`plan_ssd`
+    sets 16 with ``block_from`` 1, where only requests over 8 rows walk; with ``block_from`` 8 at
+    a mean of 7 rows (most requests walking) it was 27-36% slower than the second launch on an
+    H200: a program walks its 64 channels as four chains one after another."""
     block_form_registers: int = 0
     """``maxnreg`` of the block form's own launch (NVIDIA; 0: the compiler's choice). Its build
     has 139 registers (14 programs a multiprocessor); at 128 it spills nothing (16 a
     multiprocessor), and with ``block_walk_p`` 16 only the walk and two registers across the
-    stream spill (144 bytes)."""
+    stream spill (144 bytes). :func:`plan_ssd` caps it at 128: on an H200 (bf16, all 8 rows,
+    ``ssd_kernels_one_launch.json``, ``ssd_kernels_mean7.json``) the op is 5% faster at bs 64
+    and 128, and 3% at a mean of 7 rows (most requests walking in the second launch)."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -439,15 +446,18 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
     state slice stays in registers), halved (down to 16) while ``R * H * P / BLOCK_P``
     programs are fewer than two per multiprocessor (the GDN kernel's rule).
 
-    ``block_form``: requests of ``_BLOCK_FROM.._BLOCK_ROWS`` rows (the full verify width) take
-    the block form, in a launch of its own, where a channel block has at least 16 channels (its
-    float32 dots; narrower heads, Mamba-1's one-element ones, walk their rows). ``None`` (the
-    default): from ``_BLOCK_MIN_REQUESTS`` requests on, where ``num_tokens`` (the launch's rows,
-    padding included: a tier's width times its requests) is at least ``_BLOCK_MIN_WIDTH`` rows a
-    request. On the H200 at Nemotron-H's shapes (docs/benchmarks.md, ``ssd_kernels.py
-    --ssd-plans``) the block form is faster with all 8 rows from bs 8 on and slower at bs 1,
-    where the walk's shorter chain wins; shorter requests walk, which is faster for them, and
-    at a mean of 3 rows the block form's second launch made the whole 7-10% slower."""
+    ``block_form``: requests of 1..``_BLOCK_ROWS`` rows (the verify widths) take the block form,
+    in one launch that also walks longer requests ``_BLOCK_WALK_P`` channels at a time (no
+    second launch), capped at ``_BLOCK_FORM_REGISTERS``, where a channel block has at least 16
+    channels (its float32 dots; narrower heads, Mamba-1's one-element ones, walk their rows).
+    ``None`` (the default): from ``_BLOCK_MIN_REQUESTS`` requests on, where ``num_tokens`` (the
+    launch's rows, padding included: a tier's width times its requests) is at least
+    ``_BLOCK_MIN_WIDTH`` rows a request. On the H200 at Nemotron-H's shapes (docs/benchmarks.md,
+    ``ssd_kernels.py --ssd-plans``) the block form is faster with all 8 rows from bs 8 on and
+    slower at bs 1, where the walk's shorter chain wins; at a mean of 3 rows the walk is faster
+    (bs 64: 83 against 89-108 us), at a mean of 6 or 7 every request in the block form is (bs
+    64: 98-99 us against 127-144 with requests under 8 rows walking in a second launch,
+    ``ssd_kernels_from_mean6.json``, ``ssd_kernels_from_mean7.json``)."""
     def filled(block: int) -> int:
         return _fill_block(block, _MIN_BLOCK_P, max(num_requests, 1) * num_heads, head_dim,
                            sm_count)
@@ -464,7 +474,8 @@ def plan_ssd(num_requests: int, num_heads: int, state_dim: int, head_dim: int,
     form_p = filled(max(min(p_pad, _BLOCK_FORM_P), _MIN_BLOCK_P))
     return SsdPlan(n_pad, block_p, num_pb, heads_first=num_heads * num_pb > _MAX_GRID_Y,
                    block_rows=_BLOCK_ROWS if block_form and block_p >= _MIN_BLOCK_P else 0,
-                   block_from=_BLOCK_FROM, block_form_p=form_p)
+                   block_from=_BLOCK_FROM, block_form_p=form_p, block_walk_p=_BLOCK_WALK_P,
+                   block_form_registers=_BLOCK_FORM_REGISTERS)
 
 
 def _check_plan(plan: SsdPlan) -> None:

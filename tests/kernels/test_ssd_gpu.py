@@ -121,10 +121,11 @@ def test_ssd_float32_matches_reference_closely(lens):
     torch.testing.assert_close(outs[1], outs[0], atol=5e-5, rtol=2e-5)
 
 
-@pytest.mark.parametrize("form", ["rows", "block", "block_walk"])
+@pytest.mark.parametrize("form", ["rows", "block", "block_walk", "planned_block"])
 def test_ssd_contains_rejected_rows_at_nemotron_shapes(form):
     """bf16 at Nemotron-H's shapes, the row walk and the block form (``block_walk``: full-width
-    requests in the block form, the others walked by the same launch under a 128-register cap):
+    requests in the block form, the others walked by the same launch under a 128-register cap;
+    ``planned_block``: ``plan_ssd``'s block form):
     NaN / Inf in every rejected row of x, dt, B and C leave the accepted rows and the committed
     states bit for bit, and the block form's outputs agree with the row walk's."""
     import dataclasses
@@ -147,10 +148,13 @@ def test_ssd_contains_rejected_rows_at_nemotron_shapes(form):
     base = triton_ssd.plan_ssd(len(lens), h, n_state, p, torch.cuda.get_device_properties(
         0).multi_processor_count)
     plans = [dataclasses.replace(base, block_rows=0),
-             dataclasses.replace(base, block_rows=8, block_from=1),
+             dataclasses.replace(base, block_rows=8, block_from=1, block_walk_p=0,
+                                 block_form_registers=0),
              dataclasses.replace(base, block_rows=8, block_from=8, block_walk_p=16,
-                                 block_form_registers=128)]
-    plan = plans[["rows", "block", "block_walk"].index(form)]
+                                 block_form_registers=128),
+             triton_ssd.plan_ssd(len(lens), h, n_state, p, torch.cuda.get_device_properties(
+                 0).multi_processor_count, block_form=True)]
+    plan = plans[["rows", "block", "block_walk", "planned_block"].index(form)]
     outs, pools = [], []
     for case, use in ((c, plan), (dirty, plan), (c, plans[0])):
         r = ssd_ops.ssd_ring(c["x"].shape[0], h, g, n_state, p, "cuda")

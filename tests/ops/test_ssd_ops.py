@@ -257,7 +257,8 @@ def test_triton_block_form_matches_reference(name, h, g, n_state, p, bias, d, li
 
 def test_plan_takes_the_block_form_from_8_requests_with_16_channels_a_program():
     """From 8 requests at a mean of 6 rows a request (the launch's tokens, a tier's width), with
-    16 channels a program."""
+    16 channels a program; every request of 1..8 rows in the block form, longer ones walked by
+    the same launch 16 channels at a time, 128 registers."""
     from dspark_compile.kernels import ssd as kernels
 
     assert kernels.plan_ssd(4, 128, 128, 64, 132, num_tokens=32).block_rows == 0  # < 8 requests
@@ -265,8 +266,8 @@ def test_plan_takes_the_block_form_from_8_requests_with_16_channels_a_program():
     assert kernels.plan_ssd(64, 128, 128, 64, 132).block_rows == 0  # rows unknown: the walk
     assert kernels.plan_ssd(64, 128, 128, 64, 132, block_form=False).block_rows == 0
     block = kernels.plan_ssd(64, 128, 128, 64, 132, num_tokens=512)  # Nemotron-H, bs 64, all 8
-    assert (block.block_rows, block.block_from, block.block_form_p, block.block_launch) == \
-        (8, 8, 64, True)
+    assert (block.block_rows, block.block_from, block.block_form_p, block.block_launch,
+            block.block_walk_p, block.block_form_registers) == (8, 1, 64, True, 16, 128)
     assert kernels.plan_ssd(1, 128, 128, 64, 132, block_form=True).block_form_p == 16  # bs 1
     assert kernels.plan_ssd(1, 4, 8, 16, 132, block_form=True).block_rows == 8  # tiny hybrids
     assert kernels.plan_ssd(4, 8192 * 16, 1, 1, 132, block_form=True).block_rows == 0  # Mamba-1
@@ -278,7 +279,8 @@ def test_plan_takes_the_block_form_from_8_requests_with_16_channels_a_program():
     (dict(block_rows=8, block_from=0), r"SsdPlan.block_from=0: must be at least 1"),
     (dict(block_rows=8, block_n=8), r"SsdPlan.block_n=8: must be a power of two of at least 16"),
     (dict(block_rows=8, block_form_p=48), r"SsdPlan.block_form_p=48: must be a power of two"),
-    (dict(block_rows=8, block_launch=False, block_p=8), r"SsdPlan.block_p=8: must be at least 16"),
+    (dict(block_rows=8, block_launch=False, block_walk_p=0, block_p=8),
+     r"SsdPlan.block_p=8: must be at least 16"),
     (dict(block_rows=8, block_walk_p=24), r"SsdPlan.block_walk_p=24: must be 0, or with"),
     (dict(block_rows=8, block_launch=False, block_walk_p=16), r"SsdPlan.block_walk_p=16"),
     (dict(block_rows=8, block_form_registers=8),
