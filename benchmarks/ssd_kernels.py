@@ -142,7 +142,8 @@ _PLAN_FIELDS = {"p": "block_p", "w": "num_warps", "n": "block_n", "from": "block
                 "bp": "block_form_p", "bw": "block_form_warps", "wp": "block_walk_p",
                 "r": "block_form_registers"}
 _GDN_FIELDS = {"v": "block_form_v", "w": "block_form_warps", "r": "block_form_registers",
-               "wv": "walk_v", "p": "block_wait_polls", "wr": "block_weights_registers"}
+               "wv": "walk_v", "p": "block_wait_polls", "wr": "block_weights_registers",
+               "ww": "block_weights_warps"}
 
 
 def _changes(spec: str, option: str, fields: dict, flags: dict) -> dict:
@@ -190,8 +191,8 @@ def gdn_plan(spec: str, bs: int, s: dict, device: str):
     ``block:v128:w2:r0:wv8:p0:last`` (channels a block-form program streams, its warps, its
     register cap (0: none), the long-request walk's channels, a stream program's further reads
     of its flag, the weight programs last in the grid, so that every stream program makes its
-    own weights); ``block:wl:wr80``: the weight programs in a launch of their own, capped at
-    80 registers."""
+    own weights); ``block:wl:wr80:ww4``: the weight programs in a launch of their own, capped at
+    80 registers, four warps each."""
     if spec == "default":
         return None  # the op's own plan (it sees the launch's rows)
     base = triton_gdn.plan_gdn(bs, s["num_v_heads"], s["k_dim"], s["v_dim"],

@@ -734,6 +734,11 @@ class GdnPlan:
     what they cost). False: one launch of both kinds."""
     block_weights_registers: int = 0
     """``maxnreg`` of that launch (NVIDIA; 0: the compiler's choice)."""
+    block_weights_warps: int = 0
+    """Warps of a weight program in that launch (0: ``block_form_warps``). More are slower on an
+    H200 (bf16, bs 64, all 8 rows: 65.7 / 73.6 / 89.8 / 121 us at 1 / 2 / 4 / 8 warps,
+    ``ssd_kernels_gdn_weights_warps.json``): a program's chain does not shorten, and it holds
+    that many warps' slots."""
     block_form_registers: int = _BLOCK_FORM_REGISTERS
     """Registers a thread of the block form's launch may use (``maxnreg``, NVIDIA; 0: the
     compiler's choice). Uncapped, its build has 212 at 64 channels (triton 3.6, sm_90), set by
@@ -805,7 +810,9 @@ def _check_plan(plan: GdnPlan, channel_gates: bool) -> None:
                    "block_wait_polls", plan.block_wait_polls, "an int >= 0"),
                   (plan.block_weights_registers == 0 or plan.block_weights_registers >= 32,
                    "block_weights_registers", plan.block_weights_registers,
-                   "0 (the compiler's choice) or at least 32")]
+                   "0 (the compiler's choice) or at least 32"),
+                  (plan.block_weights_warps in (0, 1, 2, 4, 8), "block_weights_warps",
+                   plan.block_weights_warps, "0 (block_form_warps), 1, 2, 4 or 8")]
     for ok, name, value, rule in rules:
         if not ok:
             raise ValueError(f"dspark::gated_delta_rule: GdnPlan.{name}={value!r}: must be "
@@ -864,7 +871,8 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
         launch(_gdn_block_weights_kernel, (r * hk,), q, k, v, g, beta, query_start_loc, w, c,
                ready, ring_k, ring_g, ring_beta, float(scale), r, *strides[:7], strides[8],
                HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad, V_PAD=v_pad, T=t, KC=_BLOCK_KC,
-               L2NORM=use_qk_l2norm, PDL=pdl, num_warps=plan.block_form_warps, **wregs,
+               L2NORM=use_qk_l2norm, PDL=pdl,
+               num_warps=plan.block_weights_warps or plan.block_form_warps, **wregs,
                **pdl_options(pdl))
     launch(_gdn_block_kernel, ((0 if split else r * hk) + (r + 1) * hv * num_vb,),
            out, q, k, v, g, beta, st, query_start_loc, slots, w, c, ready, ring_k, ring_v,

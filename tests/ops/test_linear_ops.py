@@ -488,7 +488,9 @@ def test_gdn_plan_rule_and_checks():
                           ({"walk_v": 128}, "walk_v=128: must be a power of two .* dividing"),
                           ({"block_wait_polls": -1}, "block_wait_polls=-1: must be an int"),
                           ({"block_weights_registers": 16},
-                           "block_weights_registers=16: must be 0 .* or at least 32")]:
+                           "block_weights_registers=16: must be 0 .* or at least 32"),
+                          ({"block_weights_warps": 3},
+                           r"block_weights_warps=3: must be 0 \(block_form_warps\), 1, 2, 4 or 8")]:
         with pytest.raises(ValueError, match=match):
             _check_plan(dataclasses.replace(plan, **fields), False)
     with pytest.raises(ValueError, match="one gate a key channel"):
