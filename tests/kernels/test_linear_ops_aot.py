@@ -16,6 +16,15 @@ from aot import TARGET_NAMES, aot_tests, compile_kernel
 _LAYOUT = {"query_start_loc_ptr": "i32", "slots_ptr": "i32"}
 _GDN_SHAPE = {"HK": 16, "HV": 32, "KD": 128, "VD": 128, "K_PAD": 128, "BLOCK_V": 32,
               "NUM_VB": 4}
+# the block form's launch (both kinds of program, or the stream programs alone)
+_GDN_BLOCK_PTRS = {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
+                   "g_ptr": "fp32", "beta_ptr": "bf16", "state_ptr": "fp32", "w_ptr": "fp32",
+                   "c_ptr": "fp32", "ready_ptr": "i32", "ring_k_ptr": "fp32",
+                   "ring_v_ptr": "fp32", "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32",
+                   **_LAYOUT}
+_GDN_BLOCK_CONSTS = {**_GDN_SHAPE, "V_PAD": 128, "BLOCK_V": 64, "NUM_VB": 2, "WALK_V": 16,
+                     "T": 8, "KC": 16, "L2NORM": True, "PAD_ROWS": 16, "WEIGHTS_FIRST": True,
+                     "POLLS": 64}
 
 # case -> (module, kernel attribute, pointer dtypes by argument, constexprs); the other
 # arguments are i32, except ``scale`` (fp32).
@@ -43,15 +52,8 @@ CASES = {
                          {**_GDN_SHAPE, "L2NORM": True, "PAD_ROWS": 16,
                           "CHANNEL_GATES": False}),
     # the block form: weight and stream programs in one launch (long requests walk in it)
-    "gdn_block_stream_bf16": ("gdn", "_gdn_block_kernel",
-                              {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16",
-                               "v_ptr": "bf16", "g_ptr": "fp32", "beta_ptr": "bf16",
-                               "state_ptr": "fp32", "w_ptr": "fp32", "c_ptr": "fp32",
-                               "ready_ptr": "i32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
-                               "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", **_LAYOUT},
-                              {**_GDN_SHAPE, "V_PAD": 128, "BLOCK_V": 64, "NUM_VB": 2,
-                               "WALK_V": 16, "T": 8, "KC": 16, "L2NORM": True, "PAD_ROWS": 16,
-                               "WEIGHTS_FIRST": True, "POLLS": 64, "WEIGHTS": True}),
+    "gdn_block_stream_bf16": ("gdn", "_gdn_block_kernel", _GDN_BLOCK_PTRS,
+                              {**_GDN_BLOCK_CONSTS, "WEIGHTS": True}),
     # the weight programs in a launch of their own, and the stream launch after it
     "gdn_block_weights_bf16": ("gdn", "_gdn_block_weights_kernel",
                                {"q_ptr": "bf16", "k_ptr": "bf16", "v_ptr": "bf16",
@@ -61,15 +63,8 @@ CASES = {
                                 "query_start_loc_ptr": "i32"},
                                {"HK": 16, "HV": 32, "KD": 128, "VD": 128, "K_PAD": 128,
                                 "V_PAD": 128, "T": 8, "KC": 16, "L2NORM": True}),
-    "gdn_block_streams_bf16": ("gdn", "_gdn_block_kernel",
-                               {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16",
-                                "v_ptr": "bf16", "g_ptr": "fp32", "beta_ptr": "bf16",
-                                "state_ptr": "fp32", "w_ptr": "fp32", "c_ptr": "fp32",
-                                "ready_ptr": "i32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
-                                "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", **_LAYOUT},
-                               {**_GDN_SHAPE, "V_PAD": 128, "BLOCK_V": 64, "NUM_VB": 2,
-                                "WALK_V": 16, "T": 8, "KC": 16, "L2NORM": True, "PAD_ROWS": 16,
-                                "WEIGHTS_FIRST": True, "POLLS": 64, "WEIGHTS": False}),
+    "gdn_block_streams_bf16": ("gdn", "_gdn_block_kernel", _GDN_BLOCK_PTRS,
+                               {**_GDN_BLOCK_CONSTS, "WEIGHTS": False}),
     "gdn_commit": ("gdn", "_gdn_commit_kernel",
                    {"state_ptr": "fp32", "ring_k_ptr": "fp32", "ring_v_ptr": "fp32",
                     "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32", "accept_lens_ptr": "i32",
