@@ -42,7 +42,7 @@ import triton.language as tl
 from ..ops.attention_reference import check_semantics
 from .launch import launch
 from .pdl import pdl_enter, pdl_options, use_pdl
-from .device import device_target, fp32_dot_precision
+from .device import device_target, fp32_dot_precision, register_cap
 from .targets import TargetConfig
 
 __all__ = ["AttentionPlan", "plan_attention", "ragged_attention_triton"]
@@ -916,9 +916,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         part_ml = q.new_empty((plan.num_splits, n, h, 2), dtype=torch.float32)
     dv_pad = head_dim_pad(dv)
     max_splits = _max_splits(plan.num_splits)
-    # maxnreg: NVIDIA only (the HIP backend rejects the option)
-    regs = ({"maxnreg": plan.max_registers} if plan.max_registers is not None
-            and cfg.backend == "cuda" and q.device.type == "cuda" else {})
+    regs = register_cap(plan.max_registers, cfg, q.device)
     # softcap: the scores' multiplier becomes the tanh argument's, softcap * log2(e) the cap's
     qk_scale = scale / softcap if softcap > 0 else scale * _LOG2E
     launch(_ragged_attention_kernel, plan.grid,

@@ -9,7 +9,7 @@ import torch
 
 from .targets import TargetConfig, target_for_device
 
-__all__ = ["device_target", "device_sm_count", "fp32_dot_precision"]
+__all__ = ["device_target", "device_sm_count", "fp32_dot_precision", "register_cap"]
 
 
 @functools.lru_cache(maxsize=None)  # asked once per device
@@ -37,3 +37,11 @@ def fp32_dot_precision(cfg: TargetConfig) -> str:
     if cfg.fp32_dot_precision == "ieee" or torch.get_float32_matmul_precision() == "highest":
         return "ieee"
     return cfg.fp32_dot_precision
+
+
+def register_cap(registers: int | None, cfg: TargetConfig, device: torch.device) -> dict:
+    """Launch options capping a thread's registers (``maxnreg``) at ``registers``: NVIDIA only
+    (the HIP backend rejects the option), none for 0 or None (the compiler's choice)."""
+    if registers and cfg.backend == "cuda" and device.type == "cuda":
+        return {"maxnreg": registers}
+    return {}

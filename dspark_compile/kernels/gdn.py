@@ -70,7 +70,7 @@ import triton.language as tl
 
 from .launch import launch
 from ..ops.linear_attention_reference import check_gdn, check_gdn_commit
-from .device import device_sm_count, device_target
+from .device import device_sm_count, device_target, register_cap
 from .pdl import pdl_enter, pdl_options, pdl_wait, use_pdl
 
 __all__ = ["GdnPlan", "plan_gdn", "gated_delta_rule_triton", "gated_delta_rule_commit_triton"]
@@ -856,8 +856,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
                num_warps=plan.num_warps)
         return out
     t = plan.block_rows
-    regs = ({"maxnreg": plan.block_form_registers} if plan.block_form_registers
-            and cfg.backend == "cuda" and q.device.type == "cuda" else {})  # HIP rejects it
+    regs = register_cap(plan.block_form_registers, cfg, q.device)
     pdl = use_pdl(q.device, cfg)
     # per (request, value head): W and C, [T, 2T] each
     w, c = torch.empty(2, r * hv * t * 2 * t, dtype=torch.float32, device=q.device)
@@ -866,8 +865,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
     v_pad = max(triton.next_power_of_2(vd), _BLOCK_KC)
     split = plan.block_weights_launch and r > 0
     if split:
-        wregs = ({"maxnreg": plan.block_weights_registers} if plan.block_weights_registers
-                 and cfg.backend == "cuda" and q.device.type == "cuda" else {})
+        wregs = register_cap(plan.block_weights_registers, cfg, q.device)
         launch(_gdn_block_weights_kernel, (r * hk,), q, k, v, g, beta, query_start_loc, w, c,
                ready, ring_k, ring_g, ring_beta, float(scale), r, *strides[:7], strides[8],
                HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad, V_PAD=v_pad, T=t, KC=_BLOCK_KC,

@@ -60,7 +60,7 @@ import triton.language as tl
 from .gdn import _fill_block, _load_state, _zero_padding_rows  # shared tiles, the fill rule
 from .launch import launch
 from ..ops.ssd_reference import check_ssd, check_ssd_commit
-from .device import device_sm_count, device_target
+from .device import device_sm_count, device_target, register_cap
 
 __all__ = ["SsdPlan", "plan_ssd", "ssd_triton", "ssd_commit_triton"]
 
@@ -555,9 +555,7 @@ def ssd_triton(x, dt, A, B, C, D, dt_bias, ssm_state, query_start_loc, slots, ri
         block_p = plan.block_form_p or plan.block_p
         num_pb = triton.cdiv(p, block_p)
         walk_p = plan.block_walk_p
-        cfg = device_target(x.device)[0]
-        regs = ({"maxnreg": plan.block_form_registers} if plan.block_form_registers
-                and cfg.backend == "cuda" and x.device.type == "cuda" else {})  # HIP rejects it
+        regs = register_cap(plan.block_form_registers, device_target(x.device)[0], x.device)
         launch(_ssd_forward_kernel, _grid(r + (1 if walk_p else 0), h * num_pb,
                                           plan.heads_first), *args,
                BLOCK_P=block_p, NUM_PB=num_pb, ROLE=1, WALK_P=walk_p,

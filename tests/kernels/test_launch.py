@@ -177,3 +177,17 @@ def test_float32_dots_follow_torchs_matmul_precision():
             assert fp32_dot_precision(TARGETS["gfx942"]) == "ieee"
     finally:
         torch.set_float32_matmul_precision(before)
+
+
+def test_register_cap_only_on_nvidia_devices_and_only_when_set():
+    """``maxnreg`` goes to an NVIDIA launch on a CUDA device; HIP rejects the option, the
+    interpreter (CPU tensors) has no registers, and 0 / None leave the compiler's choice."""
+    from dspark_compile.kernels.device import register_cap
+    from dspark_compile.kernels.targets import TARGETS
+
+    cuda = torch.device("cuda")
+    assert register_cap(128, TARGETS["sm_90"], cuda) == {"maxnreg": 128}
+    assert register_cap(128, TARGETS["gfx942"], cuda) == {}
+    assert register_cap(128, TARGETS["sm_90"], torch.device("cpu")) == {}
+    assert register_cap(0, TARGETS["sm_90"], cuda) == {}
+    assert register_cap(None, TARGETS["sm_90"], cuda) == {}
