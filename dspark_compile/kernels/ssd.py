@@ -273,25 +273,19 @@ def _ssd_forward_kernel(
                        stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H, G, NS, P,
                        N_PAD, BLOCK_P, HAS_D, HAS_DT_BIAS, SOFTPLUS, BLOCK_ROWS, BLOCK_N)
             return
-    if ROLE == 1:
-        if WALK_P > 0:  # the block launch walks the other requests too, WALK_P channels a time
-            for sub in tl.static_range(BLOCK_P // WALK_P):
-                offs_w = pb * BLOCK_P + sub * WALK_P + tl.arange(0, WALK_P)
-                _ssd_rows(out_ptr, x_ptr, dt_ptr, b_ptr, c_ptr, state_ptr, ring_x_ptr,
-                          ring_b_ptr, ring_da_ptr, start, length, slot, num_slots, head, group,
-                          pb * (BLOCK_P // WALK_P) + sub, a, d, bias, dt_min, dt_max, offs_n,
-                          offs_w, offs_n < NS, offs_w < P, stride_x_tok, stride_x_head,
-                          stride_dt_tok, stride_b_tok, stride_b_group, stride_c_tok,
-                          stride_c_group, stride_out_tok, stride_out_head, stride_s_slot,
-                          stride_s_head, stride_s_n, H, G, NS, P, HAS_D, HAS_DT_BIAS,
-                          SOFTPLUS)
-        return
-    _ssd_rows(out_ptr, x_ptr, dt_ptr, b_ptr, c_ptr, state_ptr, ring_x_ptr, ring_b_ptr,
-              ring_da_ptr, start, length, slot, num_slots, head, group, pb, a, d, bias, dt_min,
-              dt_max, offs_n, offs_p, n_ok, p_ok, stride_x_tok, stride_x_head, stride_dt_tok,
-              stride_b_tok, stride_b_group, stride_c_tok, stride_c_group, stride_out_tok,
-              stride_out_head, stride_s_slot, stride_s_head, stride_s_n, H, G, NS, P, HAS_D,
-              HAS_DT_BIAS, SOFTPLUS)
+    # the walk: the whole channel block at once, or (the block form's launch walking the
+    # requests it does not take) WALK_P channels at a time; none in a block-only build
+    WALK: tl.constexpr = BLOCK_P if WALK_P == 0 else WALK_P
+    if (ROLE != 1) | (WALK_P > 0):
+        for sub in tl.static_range(BLOCK_P // WALK):
+            offs_w = pb * BLOCK_P + sub * WALK + tl.arange(0, WALK)
+            _ssd_rows(out_ptr, x_ptr, dt_ptr, b_ptr, c_ptr, state_ptr, ring_x_ptr, ring_b_ptr,
+                      ring_da_ptr, start, length, slot, num_slots, head, group,
+                      pb * (BLOCK_P // WALK) + sub, a, d, bias, dt_min, dt_max, offs_n, offs_w,
+                      n_ok, offs_w < P, stride_x_tok, stride_x_head, stride_dt_tok,
+                      stride_b_tok, stride_b_group, stride_c_tok, stride_c_group,
+                      stride_out_tok, stride_out_head, stride_s_slot, stride_s_head,
+                      stride_s_n, H, G, NS, P, HAS_D, HAS_DT_BIAS, SOFTPLUS)
 
 
 @triton.jit
