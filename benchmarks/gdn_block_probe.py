@@ -53,8 +53,9 @@ NO_WEIGHTS = ("    if (length > 0) & (length <= T):\n        # the first value h
               "    if length < 0:\n        # the first value head's")
 # a flag of at least 1 read at run time (a constant 1 would let the compiler drop the stream's
 # products: kept = 0 makes every row's output NaN whatever they are)
-NO_FLAG = ('    ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")',
-           "    ready = tl.maximum(tl.load(ready_ptr + unit), 1)")
+NO_FLAG = ('        ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")\n'
+           '    tl.debug_barrier()',
+           "        ready = tl.maximum(tl.load(ready_ptr + unit), 1)\n    tl.debug_barrier()")
 NO_STREAMS = ("    req = b % (num_requests + 1)\n", "    if b >= 0:\n        return\n"
               "    req = b % (num_requests + 1)\n")
 CLOCKS_KERNEL = '''
@@ -148,11 +149,10 @@ PARTS = [
      '            old = tl.atomic_xchg(ready_ptr + unit, kept + 1, sem="release",'
      ' scope="gpu")\n            _stamp(stamps_ptr, 4 + 2 * j, old)\n'),
     # the stream program
-    ("    slot = tl.load(slots_ptr + req).to(tl.int64)\n    if length > T:",
-     "    slot = tl.load(slots_ptr + req).to(tl.int64)\n    _stamp(stamps_ptr, 1, slot)\n"
-     "    if length > T:"),
-    ("    acc = tl.zeros([2 * T, BLOCK_V], f32)\n    for k0",
-     "    _stamp(stamps_ptr, 2, ready)\n    acc = tl.zeros([2 * T, BLOCK_V], f32)\n    for k0"),
+    ("    if length > T:\n        for sub",
+     "    _stamp(stamps_ptr, 1, slot + length)\n    if length > T:\n        for sub"),
+    ("    acc = tl.zeros([2 * T, BLOCK_V], f32)\n    offs_sc",
+     "    _stamp(stamps_ptr, 2, ready)\n    acc = tl.zeros([2 * T, BLOCK_V], f32)\n    offs_sc"),
     ("    # the values (raw) into the replay ring",
      "    _stamp(stamps_ptr, 3, tl.sum(acc))\n    # the values (raw) into the replay ring"),
     ("    # rows from the first unusable one on",

@@ -30,6 +30,8 @@
 #                 against plan_ssd's plan, bs 1 / 8 / 64 / 128)
 #   ssd_block_plans  ssd_kernels.py --ssd-plans over the block form's knobs at bs 64 / 128
 #   gdn_tests     pytest -m gpu over the GDN ops (both forms), the hybrid commit graphs and KDA
+#   gdn_stream_dots  ssd_kernels.py --gdn-plans: the block form's stream products as float32 FMAs,
+#                 bf16x3, tf32x2, tf32x3 (16 or 32 state rows a step), bs 64 / 128
 #   gdn_forms     ssd_kernels.py --kernels gdn --gdn-plans rows default block (the row walk, plan_gdn's plan
 #                 and the block form of the GDN forward, bs 1 / 8 / 64 / 128)
 #   gdn_block_plans  ssd_kernels.py --gdn-plans over the block form's knobs at bs 64 / 128
@@ -164,6 +166,10 @@ job() {
       python3 benchmarks/ssd_kernels.py --kernels gdn --bs 64 128 --gdn-plans block block:wl \
           block:wl:wr64 block:wl:wr80 block:wl:wr96 \
         && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_gdn_weights_launch.json" ;;
+    gdn_stream_dots)  # the stream programs' products: float32 FMAs or tensor-core splits
+      python3 benchmarks/ssd_kernels.py --kernels gdn --bs 64 128 --gdn-plans default \
+          block:ieee block:bf16x3 block:tf32x2 block:tf32x3 block:bf16x3:kc32 block:tf32x2:kc32 \
+        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_gdn_stream_dots.json" ;;
     gdn_tests) python3 -m pytest -q -m gpu -p no:cacheprovider -p no:logging \
         tests/ops/test_linear_ops.py tests/frontend/test_kimi_linear.py tests/test_gpu.py -k \
         "gdn or conv or kimi or float32_on_gpu or hybrid or cuda_graph or opcheck" ;;

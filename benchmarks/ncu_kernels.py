@@ -51,17 +51,18 @@ def moe(bs: int) -> None:
     torch.cuda.synchronize()
 
 
-def recurrent(kind: str, bs: int) -> None:
+def recurrent(kind: str, bs: int, gdn_plan: str | None = None) -> None:
     import ssd_kernels as sk
     from hybrid_kernels import _gdn_args, gdn_inputs
 
     s = sk.SETTINGS
+    plan = sk.gdn_plan(gdn_plan, bs, s, "cuda") if gdn_plan else None
     lens = [s["block"]] * bs
     acc = torch.tensor(lens, dtype=torch.int32, device="cuda")
     if kind == "gdn":
         c = gdn_inputs(lens, s, "cuda", seed=bs)
         for _ in range(WARMUP + 1):
-            sk.triton_gdn.gated_delta_rule_triton(*_gdn_args(c, s))
+            sk.triton_gdn.gated_delta_rule_triton(*_gdn_args(c, s), plan=plan)
             sk.triton_gdn.gated_delta_rule_commit_triton(c["state"], *c["rings"], c["qsl"],
                                                          c["slots"], acc)
     else:
@@ -100,6 +101,8 @@ def main() -> None:
     ap.add_argument("--shape", default="2048x2048", help="stream: one matmul's N x K")
     ap.add_argument("--repeats", type=int, default=128, help="stream: matmuls in the chain")
     ap.add_argument("--rotate", action="store_true", help="stream: ROTATE")
+    ap.add_argument("--gdn-plan", help="gdn: a plan of ssd_kernels.py's --gdn-plans (default: "
+                                       "the op's own)")
     opts = ap.parse_args()
     torch.set_grad_enabled(False)
     if opts.case == "moe":
@@ -109,7 +112,7 @@ def main() -> None:
     elif opts.case == "stream":
         stream(opts.shape, opts.repeats, opts.rotate)
     else:
-        recurrent(opts.case, opts.bs)
+        recurrent(opts.case, opts.bs, opts.gdn_plan)
 
 
 if __name__ == "__main__":

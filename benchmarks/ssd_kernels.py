@@ -143,7 +143,8 @@ _PLAN_FIELDS = {"p": "block_p", "w": "num_warps", "n": "block_n", "from": "block
                 "r": "block_form_registers"}
 _GDN_FIELDS = {"v": "block_form_v", "w": "block_form_warps", "r": "block_form_registers",
                "wv": "walk_v", "p": "block_wait_polls", "wr": "block_weights_registers",
-               "ww": "block_weights_warps"}
+               "ww": "block_weights_warps", "kc": "block_stream_kc",
+               "st": "block_form_stages"}
 
 
 def _changes(spec: str, option: str, fields: dict, flags: dict) -> dict:
@@ -192,7 +193,8 @@ def gdn_plan(spec: str, bs: int, s: dict, device: str):
     register cap (0: none), the long-request walk's channels, a stream program's further reads
     of its flag, the weight programs last in the grid, so that every stream program makes its
     own weights); ``block:wl:wr80:ww4``: the weight programs in a launch of their own, capped at
-    80 registers, four warps each."""
+    80 registers, four warps each; ``block:ieee:kc32``: the stream programs' products as float32
+    FMAs (or ``bf16x3``, ``tf32x2``, ``tf32x3``), 32 state rows a step."""
     if spec == "default":
         return None  # the op's own plan (it sees the launch's rows)
     base = triton_gdn.plan_gdn(bs, s["num_v_heads"], s["k_dim"], s["v_dim"],
@@ -202,7 +204,10 @@ def gdn_plan(spec: str, bs: int, s: dict, device: str):
     return dataclasses.replace(base, **_changes(spec, "--gdn-plans", _GDN_FIELDS,
                                                 {"last": {"block_weights_first": False,
                                                           "block_wait_polls": 0},
-                                                 "wl": {"block_weights_launch": True}}))
+                                                 "wl": {"block_weights_launch": True},
+                                                 "ff": {"block_flag_first": True},
+                                                 **{how: {"block_stream_dot": how}
+                                                    for how in triton_gdn._STREAM_DOTS}}))
 
 
 # ---------------------------------------------------------------------- GDN

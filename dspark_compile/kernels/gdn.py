@@ -38,8 +38,10 @@ is taken at once from the state before it, with no update of the state,
 window sums of the log gates and a unit-triangular inverse, :func:`_block_weights`). One
 launch holds two kinds of program (:func:`_gdn_block_kernel`): a weight program a (request,
 key head) makes ``W`` and ``C`` of the key head's value heads (their Gram products once); a
-stream program a (request, value head, channel block) reads its state slice once through
-float32 FMA dots (one multiply-add a state element a row, against the walk's four) and mixes.
+stream program a (request, value head, channel block) reads its state slice once into the
+rows' products (one multiply-add a state element a row, against the walk's four; for 16-bit
+inputs on NVIDIA on tensor cores, the state as a TF32 head and its float32 rest,
+:func:`_stream_dot`) and mixes.
 It reads a flag (an acquire) before its stream and, if still unset, up to
 ``GdnPlan.block_wait_polls`` times after it; then it takes the weight program's results, or
 makes its own with the same code (the same bits either way). The bound means no order of
@@ -257,6 +259,37 @@ def _gdn_forward_kernel(
 
 
 # ------------------------------------------------- block form (one launch, two program kinds)
+
+@triton.jit
+def _stream_dot(x, s, acc, HOW: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """``acc + x s`` for raw rows ``x`` (their own dtype) and a float32 state chunk ``s``, as
+    ``HOW`` says (``GdnPlan.block_stream_dot``): ``"ieee"`` float32 FMAs; ``"bf16x3"`` ``s`` as
+    the sum of three bfloat16 parts (each the rounding of what the ones before leave) against
+    bfloat16 ``x`` on tensor cores, every product exact and float32 sums; ``"tf32x2"`` ``s`` as
+    a TF32 head (its low 13 bits cleared) and the float32 rest against ``x`` (16-bit, so exact
+    in TF32); ``"tf32x3"`` triton's three TF32 products. A row of ``x`` reaches only its own row
+    of the result, whichever way. Without ``BF16_DOTS`` (the interpreter: triton 3.9's reads a
+    bfloat16 operand's raw bits) the bfloat16 parts enter their dots as float32, the same
+    values."""
+    f32: tl.constexpr = tl.float32
+    if HOW == "bf16x3":
+        part: tl.constexpr = tl.bfloat16 if BF16_DOTS else f32
+        xb = x.to(tl.bfloat16).to(part)
+        hi = s.to(tl.bfloat16)
+        rest = s - hi.to(f32)
+        mid = rest.to(tl.bfloat16)
+        acc = tl.dot(xb, (rest - mid.to(f32)).to(tl.bfloat16).to(part), acc)
+        acc = tl.dot(xb, mid.to(part), acc)
+        acc = tl.dot(xb, hi.to(part), acc)
+    elif HOW == "tf32x2":
+        xf = x.to(f32)
+        hi = (s.to(tl.int32, bitcast=True) & -8192).to(f32, bitcast=True)
+        acc = tl.dot(xf, s - hi, acc, input_precision="tf32")
+        acc = tl.dot(xf, hi, acc, input_precision="tf32")
+    else:
+        acc = tl.dot(x.to(f32), s, acc, input_precision=HOW)
+    return acc
+
 
 @triton.jit
 def _row_select(m, t, offs):
@@ -502,7 +535,9 @@ def _gdn_block_kernel(
         K_PAD: tl.constexpr, V_PAD: tl.constexpr, BLOCK_V: tl.constexpr,
         NUM_VB: tl.constexpr, WALK_V: tl.constexpr, T: tl.constexpr, KC: tl.constexpr,
         L2NORM: tl.constexpr, PAD_ROWS: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
-        POLLS: tl.constexpr, WEIGHTS: tl.constexpr, PDL: tl.constexpr):
+        POLLS: tl.constexpr, WEIGHTS: tl.constexpr, STREAM_DOT: tl.constexpr,
+        STREAM_KC: tl.constexpr, BF16_DOTS: tl.constexpr, FLAG_FIRST: tl.constexpr,
+        PDL: tl.constexpr):
     """The block form in one launch of two kinds of program (a 1-D grid, the first kind
     first unless not ``WEIGHTS_FIRST``):
 
@@ -548,6 +583,12 @@ def _gdn_block_kernel(
     vb = b // (num_requests + 1) % NUM_VB
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = offs_v < VD
+    # the slot, and with FLAG_FIRST the flag, go out with the span's loads: none waits for it
+    is_req = req < num_requests
+    slot = tl.load(slots_ptr + req, mask=is_req, other=0).to(tl.int64)
+    unit = (req * HV + head).to(tl.int64)
+    if FLAG_FIRST:
+        ready = tl.atomic_add(ready_ptr + unit, 0, mask=is_req, sem="acquire", scope="gpu")
     start, length = _request_span(query_start_loc_ptr, req, num_requests, out_ptr, num_tokens,
                                   head, offs_v, v_ok, stride_out_tok, stride_out_head, BLOCK_V,
                                   PAD_ROWS)
@@ -556,7 +597,6 @@ def _gdn_block_kernel(
             if req == num_requests:
                 pdl_wait(PDL)
         return
-    slot = tl.load(slots_ptr + req).to(tl.int64)
     if length > T:
         for sub in tl.static_range(BLOCK_V // WALK_V):
             _walk_rows(out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, ring_k_ptr,
@@ -571,7 +611,6 @@ def _gdn_block_kernel(
     k_head = head // (HV // HK)
     offs_t = tl.arange(0, T)
     offs_r = tl.arange(0, 2 * T)
-    offs_c = tl.arange(0, KC)
     r_t = offs_r % T
     rows_r = start.to(tl.int64) + r_t
     x_rows = tl.where(offs_r < T, k_ptr + rows_r * stride_k_tok + k_head * stride_k_head,
@@ -581,25 +620,26 @@ def _gdn_block_kernel(
     slot_v = offs_v.to(tl.int64) * 0 + slot
     s_ok = v_ok & (slot_v >= 0) & (slot_v < num_slots)
     s_base = state_ptr + slot * stride_s_slot + head * stride_s_head
-    # the flag first: where the weights are ready (past the first wave of programs, mostly),
-    # their loads overlap the stream instead of following it
-    unit = (req * HV + head).to(tl.int64)
+    # the flag before the stream: where the weights are ready (past the first wave of
+    # programs, mostly), their loads overlap the stream instead of following it
     tile = (unit * T + offs_t[:, None]) * (2 * T) + offs_r[None, :]
-    ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")
+    if not FLAG_FIRST:
+        ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()  # the acquire for every thread's loads below
     early = (tile * 0 + ready) > 0  # a tensor mask (the interpreter rejects scalar masks)
     w = tl.load(w_ptr + tile, mask=early, other=0.0)
     c = tl.load(c_ptr + tile, mask=early, other=0.0)
     kept = ready - 1
     acc = tl.zeros([2 * T, BLOCK_V], f32)
-    for k0 in range(0, K_PAD, KC):
-        kk = k0 + offs_c
+    offs_sc = tl.arange(0, STREAM_KC)
+    for k0 in range(0, K_PAD, STREAM_KC):
+        kk = k0 + offs_sc
         kc_ok = kk < KD
         x = tl.load(x_rows[:, None] + kk[None, :], mask=x_in[:, None] & kc_ok[None, :],
-                    other=0.0).to(f32)
+                    other=0.0)
         s_t = tl.load(s_base + kk[:, None] * stride_s_k + offs_v[None, :],
                       mask=kc_ok[:, None] & s_ok[None, :], other=0.0)
-        acc = tl.dot(x, s_t, acc, input_precision="ieee")
+        acc = _stream_dot(x, s_t, acc, STREAM_DOT, BF16_DOTS)
     # the values (raw) into the replay ring, this program's channels of them
     top = (offs_r < T) & x_in
     vals = tl.load(v_ptr + rows_r[:, None] * stride_v_tok + head * stride_v_head
@@ -739,6 +779,19 @@ class GdnPlan:
     H200 (bf16, bs 64, all 8 rows: 65.7 / 73.6 / 89.8 / 121 us at 1 / 2 / 4 / 8 warps,
     ``ssd_kernels_gdn_weights_warps.json``): a program's chain does not shorten, and it holds
     that many warps' slots."""
+    block_stream_dot: str = ""
+    """How a stream program takes its products with the state (:func:`_stream_dot`): ``""``
+    (the default, from the inputs' dtype and the target: :func:`_stream_dot_for`),
+    ``"ieee"``, ``"bf16x3"`` (bfloat16 inputs), ``"tf32x2"`` (16-bit inputs, NVIDIA) or
+    ``"tf32x3"`` (NVIDIA)."""
+    block_stream_kc: int = _BLOCK_KC
+    """State rows a stream program's step takes (a power of two, at least 16)."""
+    block_flag_first: bool = False
+    """A stream program reads its flag with its request's span and slot, before it knows
+    its request's rows (else after them, just before its stream)."""
+    block_form_stages: int = 0
+    """``num_stages`` of the block form's launch (its stream loop's pipelining depth; 0:
+    triton's default)."""
     block_form_registers: int = _BLOCK_FORM_REGISTERS
     """Registers a thread of the block form's launch may use (``maxnreg``, NVIDIA; 0: the
     compiler's choice). Uncapped, its build has 212 at 64 channels (triton 3.6, sm_90), set by
@@ -790,6 +843,34 @@ def plan_gdn(num_requests: int, num_v_heads: int, k_dim: int, v_dim: int,
                    block_form_v=filled(max(min(v_pad, _BLOCK_FORM_V), _MIN_BLOCK_V)))
 
 
+_STREAM_DOTS = ("ieee", "bf16x3", "tf32x2", "tf32x3")
+
+
+def _stream_dot_for(plan: GdnPlan, dtype: torch.dtype, backend: str) -> str:
+    """The stream programs' :func:`_stream_dot`: ``plan.block_stream_dot``, or by default
+    ``"tf32x2"`` for 16-bit inputs on NVIDIA (the fastest of the four on an H200, bf16:
+    ``ssd_kernels_gdn_stream_dots.json``), float32 FMAs otherwise (float32 rows are exact in
+    no tensor-core type; ``"bf16x3"`` is not measured on an AMD GPU). ``ValueError`` naming
+    the value and the rule where the plan asks for one the inputs or the target cannot take."""
+    how = plan.block_stream_dot
+    if not how:
+        sixteen = dtype in (torch.bfloat16, torch.float16)
+        return "tf32x2" if sixteen and backend == "cuda" else "ieee"
+    rule = None
+    if how not in _STREAM_DOTS:
+        rule = f"one of {_STREAM_DOTS} or '' (by the inputs and the target)"
+    elif how == "bf16x3" and dtype != torch.bfloat16:
+        rule = f"bf16x3 only with bfloat16 q and k (here {dtype}: not exact in bfloat16)"
+    elif how == "tf32x2" and dtype not in (torch.bfloat16, torch.float16):
+        rule = f"tf32x2 only with 16-bit q and k (here {dtype}: not exact in TF32)"
+    elif how.startswith("tf32") and backend != "cuda":
+        rule = f"{how} only on NVIDIA targets (here {backend})"
+    if rule:
+        raise ValueError(f"dspark::gated_delta_rule: GdnPlan.block_stream_dot={how!r}: must "
+                         f"be {rule}")
+    return how
+
+
 def _check_plan(plan: GdnPlan, channel_gates: bool) -> None:
     """The block form's knobs, before any launch: ``ValueError`` naming the value and the rule."""
     def dot_size(v: int) -> bool:  # the block form's float32 dots: a power of two, >= 16
@@ -806,6 +887,10 @@ def _check_plan(plan: GdnPlan, channel_gates: bool) -> None:
                   (dot_size(plan.block_form_v), "block_form_v", plan.block_form_v, pow2),
                   (dot_size(plan.walk_v) and plan.block_form_v % plan.walk_v == 0, "walk_v",
                    plan.walk_v, pow2 + " dividing block_form_v"),
+                  (isinstance(plan.block_form_stages, int) and plan.block_form_stages >= 0,
+                   "block_form_stages", plan.block_form_stages, "an int >= 0"),
+                  (dot_size(plan.block_stream_kc) and plan.block_stream_kc <= plan.k_pad,
+                   "block_stream_kc", plan.block_stream_kc, pow2 + " up to k_pad"),
                   (isinstance(plan.block_wait_polls, int) and plan.block_wait_polls >= 0,
                    "block_wait_polls", plan.block_wait_polls, "an int >= 0"),
                   (plan.block_weights_registers == 0 or plan.block_weights_registers >= 32,
@@ -863,6 +948,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
     ready = torch.zeros(max(r * hv, 1), dtype=torch.int32, device=q.device)
     num_vb = triton.cdiv(vd, plan.block_form_v)
     v_pad = max(triton.next_power_of_2(vd), _BLOCK_KC)
+    stream_dot = _stream_dot_for(plan, q.dtype, cfg.backend)
     split = plan.block_weights_launch and r > 0
     if split:
         wregs = register_cap(plan.block_weights_registers, cfg, q.device)
@@ -877,8 +963,11 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
            ring_g, ring_beta, float(scale), n, r, st.shape[0], *strides, **shapes,
            V_PAD=v_pad, BLOCK_V=plan.block_form_v, NUM_VB=num_vb, WALK_V=plan.walk_v, T=t,
            KC=_BLOCK_KC, WEIGHTS_FIRST=plan.block_weights_first,
-           POLLS=plan.block_wait_polls, WEIGHTS=not split, PDL=pdl,
-           num_warps=plan.block_form_warps, **regs, **pdl_options(pdl))
+           POLLS=plan.block_wait_polls, WEIGHTS=not split, STREAM_DOT=stream_dot,
+           STREAM_KC=plan.block_stream_kc, BF16_DOTS=q.device.type != "cpu",
+           FLAG_FIRST=plan.block_flag_first, PDL=pdl,
+           num_warps=plan.block_form_warps, **regs, **pdl_options(pdl),
+           **({"num_stages": plan.block_form_stages} if plan.block_form_stages else {}))
     return out
 
 

@@ -132,6 +132,9 @@ def check_gdn(q, k, v, g, beta, state, qsl, slots, rings, scale, use_qk_l2norm) 
     _check_tensor(op, "recurrent_state", state, 4, (torch.float32,), dev)
     n, hk, kd = k.shape
     hv, vd = v.shape[1:]
+    if q.dtype != k.dtype:
+        _fail(op, f"q has dtype {q.dtype} and k {k.dtype}; they must share one (their rows are "
+                  "taken together)")
     if q.shape != k.shape or v.shape[0] != n:
         _fail(op, f"q {tuple(q.shape)}, k {tuple(k.shape)} must both be [N, Hk, K] and v "
                   f"{tuple(v.shape)} [N, Hv, V]")

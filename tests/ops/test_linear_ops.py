@@ -318,6 +318,10 @@ def test_gdn_and_commit_argument_errors():
         ref.gated_delta_rule(*args)
     d = gdn_case(layout)
     rings = linear_ops.gdn_ring(layout.num_tokens, 2, 4, 16, 32, "cpu")
+    with pytest.raises(ValueError, match="q has dtype torch.float32 and k torch.bfloat16; they "
+                                         "must share one"):
+        ref.gated_delta_rule(d["q"], d["k"].bfloat16(), d["v"], d["g"], d["beta"],
+                             d["recurrent_state"], layout.qsl, layout.slots, *rings, 0.25, True)
     with pytest.raises(ValueError, match="ring_v has shape"):
         ref.gated_delta_rule(d["q"], d["k"], d["v"], d["g"], d["beta"], d["recurrent_state"],
                              layout.qsl, layout.slots, rings[0], rings[0], *rings[2:], 0.25,
@@ -420,6 +424,51 @@ def test_triton_gdn_matches_reference(name, hk, hv, kd, vd, l2, fields, form):
 
 
 @needs_triton
+@pytest.mark.parametrize("dtype, how", [(torch.bfloat16, ""), (torch.bfloat16, "bf16x3"),
+                                        (torch.bfloat16, "tf32x2"), (torch.float16, "tf32x2"),
+                                        (torch.bfloat16, "ieee")])
+def test_triton_gdn_block_stream_dots_match_reference(dtype, how):
+    """16-bit inputs through the block form's stream products, each way (:func:`_stream_dot`,
+    the default for bfloat16 included, 32 state rows a step): outputs as the reference's to
+    well under the inputs' rounding, long requests walking beside them."""
+    from dspark_compile.kernels.gdn import gated_delta_rule_triton
+
+    layout = make_layout([8, 3, 0, 11, 5], num_pad=2, seed=3)
+    c = gdn_case(layout, 2, 4, 40, 32, seed=3, dtype=dtype)
+    want, _ = run_gdn(c, layout)
+    plan = _gdn_plan(layout, 4, 40, 32, "block", block_stream_dot=how, block_stream_kc=32)
+    got, _ = run_gdn(c, layout, impl=gated_delta_rule_triton, plan=plan)
+    torch.testing.assert_close(got.float(), want.float(), atol=1e-2, rtol=1e-2)
+    # against the float32 FMAs on the same inputs: the parts' sum is the state to 2^-20
+    ieee, _ = run_gdn(c, layout, impl=gated_delta_rule_triton,
+                      plan=dataclasses.replace(plan, block_stream_dot="ieee"))
+    assert (got.float() - ieee.float()).abs().max() <= 2 * (ieee.float().abs().max() * 2 ** -8)
+
+
+def test_gdn_block_stream_dot_rule():
+    """The stream products by default and the plans refused, before any launch: by name, with
+    the value and the rule."""
+    from dspark_compile.kernels.gdn import _stream_dot_for, plan_gdn
+
+    plan = plan_gdn(64, 32, 128, 128, 132, block_form=True)
+    assert _stream_dot_for(plan, torch.bfloat16, "cuda") == "tf32x2"
+    assert _stream_dot_for(plan, torch.bfloat16, "hip") == "ieee"
+    assert _stream_dot_for(dataclasses.replace(plan, block_stream_dot="bf16x3"),
+                           torch.bfloat16, "hip") == "bf16x3"
+    assert _stream_dot_for(plan, torch.float16, "cuda") == "tf32x2"
+    assert _stream_dot_for(plan, torch.float16, "hip") == "ieee"
+    assert _stream_dot_for(plan, torch.float32, "cuda") == "ieee"
+    for how, dtype, backend, match in [
+            ("bf16x3", torch.float16, "cuda", "bf16x3 only with bfloat16 q and k"),
+            ("tf32x2", torch.float32, "cuda", "tf32x2 only with 16-bit q and k"),
+            ("tf32x3", torch.float32, "hip", "tf32x3 only on NVIDIA targets"),
+            ("fp8", torch.bfloat16, "cuda", "one of")]:
+        with pytest.raises(ValueError, match=f"GdnPlan.block_stream_dot='{how}': must be "
+                                             f"{match}"):
+            _stream_dot_for(dataclasses.replace(plan, block_stream_dot=how), dtype, backend)
+
+
+@needs_triton
 @pytest.mark.filterwarnings("ignore:invalid value encountered")
 @settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(lens=st.lists(st.integers(0, 10), min_size=1, max_size=5), num_pad=st.integers(0, 3),
@@ -487,6 +536,8 @@ def test_gdn_plan_rule_and_checks():
                           ({"block_form_v": 8}, "block_form_v=8"),
                           ({"walk_v": 128}, "walk_v=128: must be a power of two .* dividing"),
                           ({"block_wait_polls": -1}, "block_wait_polls=-1: must be an int"),
+                          ({"block_stream_kc": 24}, "block_stream_kc=24: must be a power"),
+                          ({"block_stream_kc": 256}, "block_stream_kc=256: .* up to k_pad"),
                           ({"block_weights_registers": 16},
                            "block_weights_registers=16: must be 0 .* or at least 32"),
                           ({"block_weights_warps": 3},
