@@ -70,7 +70,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch
+from .launch import launch, tensor_descriptor
 from ..ops.linear_attention_reference import check_gdn, check_gdn_commit
 from .device import device_sm_count, device_target, register_cap
 from .pdl import pdl_enter, pdl_options, pdl_wait, use_pdl
@@ -86,7 +86,8 @@ _BLOCK_KC = 16  # K (and V) a block-form step takes: triton 3.6's float32 dots a
 _BLOCK_FORM_V = 64  # channels a block-form program streams, before the fill rule halves it
 _BLOCK_WAIT_POLLS = 64  # a stream program's further reads of its flag (GdnPlan.block_wait_polls)
 _BLOCK_FORM_REGISTERS = 128  # maxnreg of the block form's launch (its long walk spills)
-_BLOCK_MIN_REQUESTS = 64  # plan_gdn's default: the block form from this many requests on ...
+_TMA_STAGES = 4  # the block form's pipelining depth where its state goes through TMA
+_BLOCK_MIN_REQUESTS = 8  # plan_gdn's default: the block form from this many requests on ...
 _BLOCK_MIN_WIDTH = 6  # ... at a mean of this many rows a request or more (tokens / requests)
 
 
@@ -526,7 +527,7 @@ def _gdn_block_weights_kernel(
 
 @triton.jit
 def _gdn_block_kernel(
-        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, query_start_loc_ptr,
+        out_ptr, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, state_ptr, state_desc, query_start_loc_ptr,
         slots_ptr, w_ptr, c_ptr, ready_ptr, ring_k_ptr, ring_v_ptr, ring_g_ptr, ring_beta_ptr,
         scale, num_tokens, num_requests, num_slots, stride_q_tok, stride_q_head, stride_k_tok,
         stride_k_head, stride_v_tok, stride_v_head, stride_g_tok, stride_g_head,
@@ -537,7 +538,7 @@ def _gdn_block_kernel(
         L2NORM: tl.constexpr, PAD_ROWS: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
         POLLS: tl.constexpr, WEIGHTS: tl.constexpr, STREAM_DOT: tl.constexpr,
         STREAM_KC: tl.constexpr, BF16_DOTS: tl.constexpr, FLAG_FIRST: tl.constexpr,
-        PDL: tl.constexpr):
+        STATE_DESC: tl.constexpr, PDL: tl.constexpr):
     """The block form in one launch of two kinds of program (a 1-D grid, the first kind
     first unless not ``WEIGHTS_FIRST``):
 
@@ -637,8 +638,12 @@ def _gdn_block_kernel(
         kc_ok = kk < KD
         x = tl.load(x_rows[:, None] + kk[None, :], mask=x_in[:, None] & kc_ok[None, :],
                     other=0.0)
-        s_t = tl.load(s_base + kk[:, None] * stride_s_k + offs_v[None, :],
-                      mask=kc_ok[:, None] & s_ok[None, :], other=0.0)
+        if STATE_DESC:  # a bad slot or a row past K or V is outside the tensor: zeros
+            s_t = state_desc.load([slot.to(tl.int32), head, k0, vb * BLOCK_V]) \
+                .reshape(STREAM_KC, BLOCK_V)
+        else:
+            s_t = tl.load(s_base + kk[:, None] * stride_s_k + offs_v[None, :],
+                          mask=kc_ok[:, None] & s_ok[None, :], other=0.0)
         acc = _stream_dot(x, s_t, acc, STREAM_DOT, BF16_DOTS)
     # the values (raw) into the replay ring, this program's channels of them
     top = (offs_r < T) & x_in
@@ -789,9 +794,16 @@ class GdnPlan:
     block_flag_first: bool = False
     """A stream program reads its flag with its request's span and slot, before it knows
     its request's rows (else after them, just before its stream)."""
+    block_state_tma: bool = True
+    """A stream program's state chunks through a tensor descriptor (TMA), where the target has
+    it and the pool allows it (:func:`_state_tma`); else pointer loads. On an H200 (bf16, all
+    8 rows, ``ssd_kernels_gdn_state_tma.json``): 56.4 against 57.8 us at bs 64, 103.3 against
+    106.6 at bs 128."""
     block_form_stages: int = 0
-    """``num_stages`` of the block form's launch (its stream loop's pipelining depth; 0:
-    triton's default)."""
+    """``num_stages`` of the block form's launch (its stream loop's pipelining depth); 0: 4
+    where the state goes through TMA (56.2 against 56.4 us at bs 64 there), triton's default
+    with pointer loads (where 4 measured slower: 58.5 against 57.7,
+    ``ssd_kernels_gdn_stages.json``)."""
     block_form_registers: int = _BLOCK_FORM_REGISTERS
     """Registers a thread of the block form's launch may use (``maxnreg``, NVIDIA; 0: the
     compiler's choice). Uncapped, its build has 212 at 64 channels (triton 3.6, sm_90), set by
@@ -825,8 +837,10 @@ def plan_gdn(num_requests: int, num_v_heads: int, k_dim: int, v_dim: int,
     on, where ``num_tokens`` (the launch's rows, padding included: a tier's width times its
     requests) is at least ``_BLOCK_MIN_WIDTH`` rows a request. The block form's time hardly
     depends on the rows and the walk's grows with them; on the H200 at Qwen3-Next's shapes
-    (docs/benchmarks.md) they cross at about 5 rows a request at bs 64 and 128, and at bs 8 the
-    two tie with all 8 rows."""
+    (docs/benchmarks.md) they cross at about 5 rows a request at bs 64 and 128; at a mean of 7
+    the block form is 16.1 / 21.6 / 35.2 us at bs 8 / 16 / 32 against the walk's 18.7 / 27.6
+    / 44.0 (``ssd_kernels_gdn_small_mean7.json``), and at bs 1 slower (11.8 against 7.7 with all
+    8 rows)."""
     def filled(block: int) -> int:
         return _fill_block(block, _MIN_BLOCK_V, max(num_requests, 1) * num_v_heads, v_dim,
                            sm_count)
@@ -869,6 +883,16 @@ def _stream_dot_for(plan: GdnPlan, dtype: torch.dtype, backend: str) -> str:
         raise ValueError(f"dspark::gated_delta_rule: GdnPlan.block_stream_dot={how!r}: must "
                          f"be {rule}")
     return how
+
+
+def _state_tma(plan: GdnPlan, state: torch.Tensor, cfg) -> bool:
+    """The stream programs read the state through a tensor descriptor: the plan asks for it,
+    the target has TMA (``TargetConfig.experts_tma``: sm_90) and the pool allows one (16-byte
+    aligned, every stride but the last a multiple of 16 bytes)."""
+    if not plan.block_state_tma or not cfg.experts_tma:
+        return False
+    return state.data_ptr() % 16 == 0 and state.stride(3) == 1 \
+        and all(state.stride(i) * state.element_size() % 16 == 0 for i in range(3))
 
 
 def _check_plan(plan: GdnPlan, channel_gates: bool) -> None:
@@ -958,16 +982,20 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
                L2NORM=use_qk_l2norm, PDL=pdl,
                num_warps=plan.block_weights_warps or plan.block_form_warps, **wregs,
                **pdl_options(pdl))
+    tma = _state_tma(plan, st, cfg)
+    state_arg = tensor_descriptor(st, [1, 1, plan.block_stream_kc, plan.block_form_v]) \
+        if tma else st
+    stages = plan.block_form_stages or (_TMA_STAGES if tma else 0)
     launch(_gdn_block_kernel, ((0 if split else r * hk) + (r + 1) * hv * num_vb,),
-           out, q, k, v, g, beta, st, query_start_loc, slots, w, c, ready, ring_k, ring_v,
-           ring_g, ring_beta, float(scale), n, r, st.shape[0], *strides, **shapes,
+           out, q, k, v, g, beta, st, state_arg, query_start_loc, slots, w, c, ready, ring_k,
+           ring_v, ring_g, ring_beta, float(scale), n, r, st.shape[0], *strides, **shapes,
            V_PAD=v_pad, BLOCK_V=plan.block_form_v, NUM_VB=num_vb, WALK_V=plan.walk_v, T=t,
            KC=_BLOCK_KC, WEIGHTS_FIRST=plan.block_weights_first,
            POLLS=plan.block_wait_polls, WEIGHTS=not split, STREAM_DOT=stream_dot,
            STREAM_KC=plan.block_stream_kc, BF16_DOTS=q.device.type != "cpu",
-           FLAG_FIRST=plan.block_flag_first, PDL=pdl,
+           FLAG_FIRST=plan.block_flag_first, STATE_DESC=tma, PDL=pdl,
            num_warps=plan.block_form_warps, **regs, **pdl_options(pdl),
-           **({"num_stages": plan.block_form_stages} if plan.block_form_stages else {}))
+           **({"num_stages": stages} if stages else {}))
     return out
 
 

@@ -21,11 +21,11 @@ _GDN_BLOCK_PTRS = {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16", "v_ptr":
                    "g_ptr": "fp32", "beta_ptr": "bf16", "state_ptr": "fp32", "w_ptr": "fp32",
                    "c_ptr": "fp32", "ready_ptr": "i32", "ring_k_ptr": "fp32",
                    "ring_v_ptr": "fp32", "ring_g_ptr": "fp32", "ring_beta_ptr": "fp32",
-                   **_LAYOUT}
+                   "state_desc": "fp32", **_LAYOUT}
 _GDN_BLOCK_CONSTS = {**_GDN_SHAPE, "V_PAD": 128, "BLOCK_V": 64, "NUM_VB": 2, "WALK_V": 16,
                      "T": 8, "KC": 16, "L2NORM": True, "PAD_ROWS": 16, "WEIGHTS_FIRST": True,
                      "POLLS": 64, "STREAM_DOT": "bf16x3", "STREAM_KC": 16, "BF16_DOTS": True,
-                     "FLAG_FIRST": False}
+                     "FLAG_FIRST": False, "STATE_DESC": False}
 
 # case -> (module, kernel attribute, pointer dtypes by argument, constexprs); the other
 # arguments are i32, except ``scale`` (fp32).

@@ -445,6 +445,28 @@ def test_triton_gdn_block_stream_dots_match_reference(dtype, how):
     assert (got.float() - ieee.float()).abs().max() <= 2 * (ieee.float().abs().max() * 2 ** -8)
 
 
+@needs_triton
+def test_triton_gdn_block_state_tma_matches_pointer_loads():
+    """The stream programs' state chunks through a tensor descriptor: the same bits as pointer
+    loads, K and V not multiples of the chunk, a slot past the pool reading zeros either way."""
+    from dspark_compile.kernels.gdn import gated_delta_rule_triton
+
+    layout = make_layout([8, 3, 0, 7, 5], num_pad=2, seed=5)
+    c = gdn_case(layout, 2, 4, 40, 36, seed=5)
+    slots = layout.slots.clone()
+    slots[3] = c["recurrent_state"].shape[0]  # a bad slot: zeros, not another request's state
+    bad = dataclasses.replace(layout, slots=slots)
+    plan = _gdn_plan(layout, 4, 40, 36, "block", block_form_v=32)
+    assert plan.block_state_tma  # the default
+    for lay in (bad, layout):
+        ptr, ptr_rings = run_gdn(c, lay, impl=gated_delta_rule_triton,
+                                 plan=dataclasses.replace(plan, block_state_tma=False))
+        tma, tma_rings = run_gdn(c, lay, impl=gated_delta_rule_triton, plan=plan)
+        assert torch.equal(ptr, tma)
+        assert all(torch.equal(a, b) for a, b in zip(ptr_rings, tma_rings))
+    torch.testing.assert_close(tma, run_gdn(c, layout)[0], atol=2e-6, rtol=1e-5)
+
+
 def test_gdn_block_stream_dot_rule():
     """The stream products by default and the plans refused, before any launch: by name, with
     the value and the rule."""
@@ -517,7 +539,7 @@ def test_triton_gdn_block_form_contains_and_matches(lens, num_pad, seed, values)
 
 
 def test_gdn_plan_rule_and_checks():
-    """The block form from 64 requests at 6 rows a request on, where gates are a head's and
+    """The block form from 8 requests at 6 rows a request on, where gates are a head's and
     K, V >= 16; a bad plan is refused before any launch, naming the field, the value and the
     rule."""
     from dspark_compile.kernels.gdn import _check_plan, plan_gdn
@@ -525,7 +547,8 @@ def test_gdn_plan_rule_and_checks():
     assert plan_gdn(64, 32, 128, 128, 132, num_tokens=384).block_rows == 8
     assert plan_gdn(64, 32, 128, 128, 132, num_tokens=383).block_rows == 0  # under 6 a request
     assert plan_gdn(64, 32, 128, 128, 132).block_rows == 0  # rows unknown
-    assert plan_gdn(63, 32, 128, 128, 132, num_tokens=504).block_rows == 0
+    assert plan_gdn(8, 32, 128, 128, 132, num_tokens=48).block_rows == 8
+    assert plan_gdn(7, 32, 128, 128, 132, num_tokens=56).block_rows == 0
     assert plan_gdn(64, 32, 128, 128, 132, channel_gates=True, num_tokens=512).block_rows == 0
     assert plan_gdn(64, 32, 8, 128, 132, num_tokens=512).block_rows == 0  # K < 16: no dots
     assert plan_gdn(1, 4, 16, 16, 132, block_form=True).block_rows == 8
