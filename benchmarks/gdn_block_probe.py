@@ -53,9 +53,8 @@ NO_WEIGHTS = ("    if (length > 0) & (length <= T):\n        # the first value h
               "    if length < 0:\n        # the first value head's")
 # a flag of at least 1 read at run time (a constant 1 would let the compiler drop the stream's
 # products: kept = 0 makes every row's output NaN whatever they are)
-NO_FLAG = ('        ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")\n'
-           '    tl.debug_barrier()',
-           "        ready = tl.maximum(tl.load(ready_ptr + unit), 1)\n    tl.debug_barrier()")
+NO_FLAG = ('    ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")',
+           "    ready = tl.maximum(tl.load(ready_ptr + unit), 1)")
 NO_STREAMS = ("    req = b % (num_requests + 1)\n", "    if b >= 0:\n        return\n"
               "    req = b % (num_requests + 1)\n")
 CLOCKS_KERNEL = '''

@@ -205,7 +205,6 @@ def gdn_plan(spec: str, bs: int, s: dict, device: str):
                                                 {"last": {"block_weights_first": False,
                                                           "block_wait_polls": 0},
                                                  "wl": {"block_weights_launch": True},
-                                                 "ff": {"block_flag_first": True},
                                                  "tma": {"block_state_tma": True},
                                                  **{how: {"block_stream_dot": how}
                                                     for how in triton_gdn._STREAM_DOTS}}))

@@ -537,8 +537,8 @@ def _gdn_block_kernel(
         NUM_VB: tl.constexpr, WALK_V: tl.constexpr, T: tl.constexpr, KC: tl.constexpr,
         L2NORM: tl.constexpr, PAD_ROWS: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
         POLLS: tl.constexpr, WEIGHTS: tl.constexpr, STREAM_DOT: tl.constexpr,
-        STREAM_KC: tl.constexpr, BF16_DOTS: tl.constexpr, FLAG_FIRST: tl.constexpr,
-        STATE_DESC: tl.constexpr, PDL: tl.constexpr):
+        STREAM_KC: tl.constexpr, BF16_DOTS: tl.constexpr, STATE_DESC: tl.constexpr,
+        PDL: tl.constexpr):
     """The block form in one launch of two kinds of program (a 1-D grid, the first kind
     first unless not ``WEIGHTS_FIRST``):
 
@@ -584,12 +584,8 @@ def _gdn_block_kernel(
     vb = b // (num_requests + 1) % NUM_VB
     offs_v = vb * BLOCK_V + tl.arange(0, BLOCK_V)
     v_ok = offs_v < VD
-    # the slot, and with FLAG_FIRST the flag, go out with the span's loads: none waits for it
-    is_req = req < num_requests
-    slot = tl.load(slots_ptr + req, mask=is_req, other=0).to(tl.int64)
-    unit = (req * HV + head).to(tl.int64)
-    if FLAG_FIRST:
-        ready = tl.atomic_add(ready_ptr + unit, 0, mask=is_req, sem="acquire", scope="gpu")
+    # the slot goes out with the span's loads: it does not wait for them
+    slot = tl.load(slots_ptr + req, mask=req < num_requests, other=0).to(tl.int64)
     start, length = _request_span(query_start_loc_ptr, req, num_requests, out_ptr, num_tokens,
                                   head, offs_v, v_ok, stride_out_tok, stride_out_head, BLOCK_V,
                                   PAD_ROWS)
@@ -623,9 +619,9 @@ def _gdn_block_kernel(
     s_base = state_ptr + slot * stride_s_slot + head * stride_s_head
     # the flag before the stream: where the weights are ready (past the first wave of
     # programs, mostly), their loads overlap the stream instead of following it
+    unit = (req * HV + head).to(tl.int64)
     tile = (unit * T + offs_t[:, None]) * (2 * T) + offs_r[None, :]
-    if not FLAG_FIRST:
-        ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")
+    ready = tl.atomic_add(ready_ptr + unit, 0, sem="acquire", scope="gpu")
     tl.debug_barrier()  # the acquire for every thread's loads below
     early = (tile * 0 + ready) > 0  # a tensor mask (the interpreter rejects scalar masks)
     w = tl.load(w_ptr + tile, mask=early, other=0.0)
@@ -791,9 +787,6 @@ class GdnPlan:
     ``"tf32x3"`` (NVIDIA)."""
     block_stream_kc: int = _BLOCK_KC
     """State rows a stream program's step takes (a power of two, at least 16)."""
-    block_flag_first: bool = False
-    """A stream program reads its flag with its request's span and slot, before it knows
-    its request's rows (else after them, just before its stream)."""
     block_state_tma: bool = True
     """A stream program's state chunks through a tensor descriptor (TMA), where the target has
     it and the pool allows it (:func:`_state_tma`); else pointer loads. On an H200 (bf16, all
@@ -993,7 +986,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
            KC=_BLOCK_KC, WEIGHTS_FIRST=plan.block_weights_first,
            POLLS=plan.block_wait_polls, WEIGHTS=not split, STREAM_DOT=stream_dot,
            STREAM_KC=plan.block_stream_kc, BF16_DOTS=q.device.type != "cpu",
-           FLAG_FIRST=plan.block_flag_first, STATE_DESC=tma, PDL=pdl,
+           STATE_DESC=tma, PDL=pdl,
            num_warps=plan.block_form_warps, **regs, **pdl_options(pdl),
            **({"num_stages": stages} if stages else {}))
     return out

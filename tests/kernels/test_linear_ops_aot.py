@@ -25,7 +25,7 @@ _GDN_BLOCK_PTRS = {"out_ptr": "bf16", "q_ptr": "bf16", "k_ptr": "bf16", "v_ptr":
 _GDN_BLOCK_CONSTS = {**_GDN_SHAPE, "V_PAD": 128, "BLOCK_V": 64, "NUM_VB": 2, "WALK_V": 16,
                      "T": 8, "KC": 16, "L2NORM": True, "PAD_ROWS": 16, "WEIGHTS_FIRST": True,
                      "POLLS": 64, "STREAM_DOT": "bf16x3", "STREAM_KC": 16, "BF16_DOTS": True,
-                     "FLAG_FIRST": False, "STATE_DESC": False}
+                     "STATE_DESC": False}
 
 # case -> (module, kernel attribute, pointer dtypes by argument, constexprs); the other
 # arguments are i32, except ``scale`` (fp32).
