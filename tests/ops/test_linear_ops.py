@@ -467,6 +467,23 @@ def test_triton_gdn_block_state_tma_matches_pointer_loads():
     torch.testing.assert_close(tma, run_gdn(c, layout)[0], atol=2e-6, rtol=1e-5)
 
 
+def test_gdn_block_state_tma_rule():
+    """The state goes through a descriptor only where the plan asks, the target has TMA and
+    the pool allows one (16-byte aligned, every stride but the last a multiple of 16 bytes)."""
+    from dspark_compile.kernels.gdn import _state_tma, plan_gdn
+    from dspark_compile.kernels.targets import TARGETS
+
+    plan = plan_gdn(8, 4, 16, 36, 132, block_form=True)
+    sm90, sm80 = TARGETS["sm_90"], TARGETS["sm_80"]
+    pool = torch.zeros(3, 4, 16, 36)
+    assert _state_tma(plan, pool, sm90)
+    assert not _state_tma(plan, pool, sm80)  # no TMA there
+    assert not _state_tma(dataclasses.replace(plan, block_state_tma=False), pool, sm90)
+    assert not _state_tma(plan, torch.zeros(3, 4, 16, 18), sm90)  # 72-byte rows
+    assert not _state_tma(plan, torch.zeros(3 * 4 * 16 * 36 + 1)[1:].view(3, 4, 16, 36), sm90)
+    assert not _state_tma(plan, torch.zeros(3, 4, 36, 16).transpose(2, 3), sm90)
+
+
 def test_gdn_block_stream_dot_rule():
     """The stream products by default and the plans refused, before any launch: by name, with
     the value and the rule."""
