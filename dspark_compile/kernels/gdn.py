@@ -880,9 +880,9 @@ def _stream_dot_for(plan: GdnPlan, dtype: torch.dtype, backend: str) -> str:
 
 def _state_tma(plan: GdnPlan, state: torch.Tensor, cfg) -> bool:
     """The stream programs read the state through a tensor descriptor: the plan asks for it,
-    the target has TMA (``TargetConfig.experts_tma``: sm_90) and the pool allows one (16-byte
-    aligned, every stride but the last a multiple of 16 bytes)."""
-    if not plan.block_state_tma or not cfg.experts_tma:
+    the target has TMA (``TargetConfig.has_tma``) and the pool allows one (16-byte aligned,
+    every stride but the last a multiple of 16 bytes)."""
+    if not plan.block_state_tma or not cfg.has_tma:
         return False
     return state.data_ptr() % 16 == 0 and state.stride(3) == 1 \
         and all(state.stride(i) * state.element_size() % 16 == 0 for i in range(3))

@@ -27,6 +27,12 @@ Chosen by ``python benchmarks/skinny_kernel.py --mid-sweep``; figures in docs/tu
 class TargetConfig:
     """Launch and tiling choices of one GPU target."""
 
+    @property
+    def has_tma(self) -> bool:
+        """The target has the tensor memory accelerator (NVIDIA sm_90 and newer): a kernel may
+        take a tensor descriptor's loads (what it chooses is its own tuning)."""
+        return self.backend == "cuda" and isinstance(self.arch, int) and self.arch >= 90
+
     name: str
     """Key in :data:`TARGETS`: ``sm_80``, ``sm_90``, ``gfx942``, ``gfx950``."""
     backend: str

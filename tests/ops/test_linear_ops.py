@@ -478,6 +478,9 @@ def test_gdn_block_state_tma_rule():
     pool = torch.zeros(3, 4, 16, 36)
     assert _state_tma(plan, pool, sm90)
     assert not _state_tma(plan, pool, sm80)  # no TMA there
+    # the target's capability, not the experts kernels' own TMA choice
+    assert _state_tma(plan, pool, dataclasses.replace(sm90, experts_tma=False))
+    assert not _state_tma(plan, pool, TARGETS["gfx942"])
     assert not _state_tma(dataclasses.replace(plan, block_state_tma=False), pool, sm90)
     assert not _state_tma(plan, torch.zeros(3, 4, 16, 18), sm90)  # 72-byte rows
     assert not _state_tma(plan, torch.zeros(3 * 4 * 16 * 36 + 1)[1:].view(3, 4, 16, 36), sm90)
