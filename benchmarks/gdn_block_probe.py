@@ -23,11 +23,13 @@ replays over rotating input copies, ``common.time_calls``):
 
 Outputs of the edited copies are not checked (they compute garbage on purpose); ``op`` is the
 op itself. Writes ``gdn_block_probe.json`` to ``$OUT`` (else ``benchmarks/results/``).
-Usage: ``python benchmarks/gdn_block_probe.py [64 128]``.
+Usage: ``python benchmarks/gdn_block_probe.py [64 128] [--variants op parts ...]`` (all of them
+by default).
 """
 
 from __future__ import annotations
 
+import argparse
 import importlib.util
 import json
 import os
@@ -252,11 +254,18 @@ def main() -> None:
     device = "cuda"
     out_dir = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     tmp = tempfile.mkdtemp()
+    names = ["op", *VARIANTS, "clocks", "parts"]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--variants", nargs="+", choices=names, default=names)
+    ap.add_argument("bs", nargs="*", type=int, default=[64, 128])
+    opts = ap.parse_args()
     mods = {"op": triton_gdn, **{n: variant(n, e, tmp) for n, e in VARIANTS.items()}}
-    clocks = {"clocks": clocked(tmp), "parts": clocked(tmp, parts=True)}
+    mods = {n: m for n, m in mods.items() if n in opts.variants}
+    clocks = {n: clocked(tmp, parts=n == "parts") for n in ("clocks", "parts")
+              if n in opts.variants}
     report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, settings=s, rows=[])
-    for bs in [int(a) for a in sys.argv[1:]] or [64, 128]:
+                  triton=triton.__version__, settings=s, variants=opts.variants, rows=[])
+    for bs in opts.bs:
         lens = [s["block"]] * bs
         hv, kd, vd = s["num_v_heads"], s["k_dim"], s["v_dim"]
         floor = bs * hv * kd * vd * 4
@@ -271,6 +280,8 @@ def main() -> None:
         # the ticket and late-rings variants compute the op's outputs: the same bits
         want = triton_gdn.gated_delta_rule_triton(*_gdn_args(sets[0], s))
         for name in ("ticket", "late_rings"):
+            if name not in mods:
+                continue
             got = mods[name].gated_delta_rule_triton(*_gdn_args(sets[0], s))
             report["rows"].append(dict(bs=bs, variant=f"{name}_equals_op",
                                        equal=bool(torch.equal(want, got))))

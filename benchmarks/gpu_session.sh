@@ -45,6 +45,10 @@
 #                 against plan_ssd's plan
 #   gdn_weights_launch  ssd_kernels.py --gdn-plans over the weight programs in a launch of their own
 #                 (register caps 64 / 80 / 96 / none) against one launch, bs 64 / 128
+#   gdn_probe_parts  gdn_block_probe.py 64 --variants op stream_only weights_only parts (where the
+#                 block form's time goes at bs 64, each program's parts)
+#   gdn_gram      ssd_kernels.py --gdn-plans: the weight programs' Gram products as float32 FMAs
+#                 or one 16-bit product (twice each, alternating), bs 64 / 128
 #   gdn_probe     gdn_block_probe.py 64 128 (the GDN block form's edited copies side by side: streams
 #                 alone, weight programs alone, no flag, ticket roles; each program's clocks)
 #   ssd_probe     ssd_block_probe.py 64 128 (the Mamba-2 block form's state stream alone, its tiles
@@ -147,6 +151,13 @@ job() {
         && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_block_plans.json" ;;
     ssd_probe) python3 benchmarks/ssd_block_probe.py 64 128 ;;
     gdn_probe) python3 benchmarks/gdn_block_probe.py 64 128 ;;
+    gdn_probe_parts) python3 benchmarks/gdn_block_probe.py 64 --variants op stream_only \
+        weights_only parts \
+        && mv "$OUT/gdn_block_probe.json" "$OUT/gdn_block_probe_parts.json" ;;
+    gdn_gram)  # the weight programs' Gram products: float32 FMAs or one 16-bit product
+      python3 benchmarks/ssd_kernels.py --kernels gdn --bs 64 128 --gdn-plans default \
+          block:gram_ieee block:gram_native block:gram_ieee block \
+        && mv "$OUT/ssd_kernels.json" "$OUT/ssd_kernels_gdn_gram.json" ;;
     ssd_one_launch)
       python3 benchmarks/ssd_kernels.py --kernels ssd --bs 64 128 --ssd-plans default \
           block:from8:wp0:r0 block:from8:wp0 block:from8 block:from8:r144 \

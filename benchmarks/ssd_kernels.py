@@ -195,7 +195,9 @@ def gdn_plan(spec: str, bs: int, s: dict, device: str):
     own weights); ``block:wl:wr80:ww4``: the weight programs in a launch of their own, capped at
     80 registers, four warps each; ``block:ieee:kc32``: the stream programs' products as float32
     FMAs (or ``bf16x3``, ``tf32x2``, ``tf32x3``), 32 state rows a step; ``block:ptr``: the state
-    through pointer loads instead of a tensor descriptor (``tma``: through one, the default)."""
+    through pointer loads instead of a tensor descriptor (``tma``: through one, the default);
+    ``block:gram_ieee``: the weight programs' Gram products as float32 FMAs (``gram_native``: as
+    one 16-bit product, the default for 16-bit inputs)."""
     if spec == "default":
         return None  # the op's own plan (it sees the launch's rows)
     base = triton_gdn.plan_gdn(bs, s["num_v_heads"], s["k_dim"], s["v_dim"],
@@ -208,6 +210,8 @@ def gdn_plan(spec: str, bs: int, s: dict, device: str):
                                                  "wl": {"block_weights_launch": True},
                                                  "tma": {"block_state_tma": True},
                                                  "ptr": {"block_state_tma": False},
+                                                 "gram_ieee": {"block_gram": "ieee"},
+                                                 "gram_native": {"block_gram": "native"},
                                                  **{how: {"block_stream_dot": how}
                                                     for how in triton_gdn._STREAM_DOTS}}))
 

@@ -37,7 +37,8 @@ is taken at once from the state before it, with no update of the state,
 (raw key and query rows stacked, 16 x K; ``W`` and ``C`` from the rows' Gram products, norms,
 window sums of the log gates and a unit-triangular inverse, :func:`_block_weights`). One
 launch holds two kinds of program (:func:`_gdn_block_kernel`): a weight program a (request,
-key head) makes ``W`` and ``C`` of the key head's value heads (their Gram products once); a
+key head) makes ``W`` and ``C`` of the key head's value heads (their Gram products once; for
+16-bit rows as one product on tensor cores, :func:`_gram_native`); a
 stream program a (request, value head, channel block) reads its state slice once into the
 rows' products (one multiply-add a state element a row, against the walk's four; for 16-bit
 inputs on NVIDIA on tensor cores, the state as a TF32 head and its float32 rest,
@@ -328,6 +329,29 @@ def _gram(k_rows, q_rows, in_req, K_PAD: tl.constexpr, KD: tl.constexpr, T: tl.c
 
 
 @triton.jit
+def _gram_native(x, T: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """:func:`_gram` of 16-bit rows in one product on tensor cores: of ``x``, the key rows over
+    the query rows (``[2T, K_PAD]``, zeros past the request and past K), ``G = X X^T`` in
+    float32 (a product of two 16-bit values is exact in float32), its blocks and diagonal taken
+    apart by reshapes (no select mixes entries: a NaN stays in its rows). Without ``BF16_DOTS``
+    (the interpreter) the rows enter as float32, the same values."""
+    f32: tl.constexpr = tl.float32
+    if BF16_DOTS:
+        gram = tl.dot(x, tl.trans(x), out_dtype=f32)
+    else:
+        xf = x.to(f32)
+        gram = tl.dot(xf, tl.trans(xf), input_precision="ieee")
+    offs_r = tl.arange(0, 2 * T)
+    norms = tl.sum(tl.where(offs_r[:, None] == offs_r[None, :], gram, 0.0), 1)
+    nk, nq = tl.split(tl.permute(tl.reshape(norms, [2, T]), [1, 0]))
+    # gram[h T + t, h' T + s] -> [t, s, h, h']: the key columns (h' = 0) of the key rows (h = 0)
+    # and of the query rows (h = 1)
+    keys, _ = tl.split(tl.permute(tl.reshape(gram, [2, T, 2, T]), [1, 3, 0, 2]))
+    gkk, gqk = tl.split(keys)
+    return gkk, gqk, nk, nq
+
+
+@triton.jit
 def _block_weights(gkk, gqk, nk, nq, g, beta, fine, scale, offs_t, offs_r,
                    T: tl.constexpr, L2NORM: tl.constexpr):
     """A value head's weights of the stacked products ``[K S0; Q S0]`` (``W``, ``[T, 2T]``) and
@@ -385,11 +409,23 @@ def _block_weights(gkk, gqk, nk, nq, g, beta, fine, scale, offs_t, offs_r,
 @triton.jit
 def _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok, stride_q_head, stride_k_tok,
                 stride_k_head, KD: tl.constexpr, K_PAD: tl.constexpr, T: tl.constexpr,
-                KC: tl.constexpr):
-    """:func:`_gram` of a request's (up to T) key and query rows of key head ``k_head``."""
-    rows = start.to(tl.int64) + tl.arange(0, T)
-    return _gram(k_ptr + rows * stride_k_tok + k_head * stride_k_head,
-                 q_ptr + rows * stride_q_tok + k_head * stride_q_head,
+                KC: tl.constexpr, GRAM_NATIVE: tl.constexpr, BF16_DOTS: tl.constexpr):
+    """The Gram products of a request's (up to T) key and query rows of key head ``k_head``
+    (``gkk``, ``gqk``, ``nk``, ``nq``): with ``GRAM_NATIVE`` (16-bit rows) the key rows over the
+    query rows loaded whole (``[2T, K_PAD]``) into :func:`_gram_native`, else :func:`_gram`
+    over chunks."""
+    offs_r = tl.arange(0, 2 * T)
+    rows = start.to(tl.int64) + offs_r % T
+    if GRAM_NATIVE:
+        offs_k = tl.arange(0, K_PAD)
+        x_rows = tl.where(offs_r < T, k_ptr + rows * stride_k_tok + k_head * stride_k_head,
+                          q_ptr + rows * stride_q_tok + k_head * stride_q_head)
+        x = tl.load(x_rows[:, None] + offs_k[None, :],
+                    mask=(offs_r % T < length)[:, None] & (offs_k < KD)[None, :], other=0.0)
+        return _gram_native(x, T, BF16_DOTS)
+    rows_t = start.to(tl.int64) + tl.arange(0, T)
+    return _gram(k_ptr + rows_t * stride_k_tok + k_head * stride_k_head,
+                 q_ptr + rows_t * stride_q_tok + k_head * stride_q_head,
                  tl.arange(0, T) < length, K_PAD, KD, T, KC)
 
 
@@ -407,13 +443,13 @@ def _head_inputs(v_ptr, g_ptr, beta_ptr, start, length, head, stride_v_tok, stri
     in_req = offs_t < length
     g = tl.load(g_ptr + rows * stride_g_tok + head, mask=in_req, other=0.0).to(f32)
     beta = tl.load(beta_ptr + rows * stride_beta_tok + head, mask=in_req, other=0.0).to(f32)
-    v_bad = tl.zeros([T], tl.int32)
+    bad = tl.zeros([T, KC], tl.int32)  # summed over the chunks elementwise, then over a row once
     for v0 in tl.static_range(0, V_PAD, KC):
         vv = v0 + tl.arange(0, KC)
         x = tl.load(v_ptr + rows[:, None] * stride_v_tok + head * stride_v_head + vv[None, :],
                     mask=in_req[:, None] & (vv < VD)[None, :], other=0.0).to(f32)
-        v_bad += tl.sum(tl.where((x == x) & (tl.abs(x) < float("inf")), 0, 1), 1)
-    return g, beta, v_bad
+        bad += tl.where((x == x) & (tl.abs(x) < float("inf")), 0, 1)
+    return g, beta, tl.sum(bad, 1)
 
 
 @triton.jit
@@ -464,7 +500,7 @@ def _weight_program(a, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, query_start_loc_ptr
                     stride_v_head, stride_g_tok, stride_beta_tok, HK: tl.constexpr,
                     HV: tl.constexpr, KD: tl.constexpr, VD: tl.constexpr, K_PAD: tl.constexpr,
                     V_PAD: tl.constexpr, T: tl.constexpr, KC: tl.constexpr,
-                    L2NORM: tl.constexpr):
+                    L2NORM: tl.constexpr, GRAM_NATIVE: tl.constexpr, BF16_DOTS: tl.constexpr):
     """Weight program ``a`` (request ``a % R``, key head ``a // R``), for a request of 1..T rows:
     the rows' Gram products once, the ring keys, then for each of the key head's value heads
     its ``W``, ``C`` and kept-row count into scratch, its gate and beta rings, then its flag
@@ -481,7 +517,7 @@ def _weight_program(a, q_ptr, k_ptr, v_ptr, g_ptr, beta_ptr, query_start_loc_ptr
                                       stride_beta_tok, VD, V_PAD, T, KC)
         gkk, gqk, nk, nq = _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok,
                                        stride_q_head, stride_k_tok, stride_k_head, KD, K_PAD, T,
-                                       KC)
+                                       KC, GRAM_NATIVE, BF16_DOTS)
         _ring_keys(k_ptr, ring_k_ptr, start, length, k_head, nk, stride_k_tok, stride_k_head,
                    HK, KD, K_PAD, T, L2NORM)
         rows = start.to(tl.int64) + tl.arange(0, T)
@@ -513,7 +549,8 @@ def _gdn_block_weights_kernel(
         stride_q_head, stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
         stride_beta_tok, HK: tl.constexpr, HV: tl.constexpr, KD: tl.constexpr,
         VD: tl.constexpr, K_PAD: tl.constexpr, V_PAD: tl.constexpr, T: tl.constexpr,
-        KC: tl.constexpr, L2NORM: tl.constexpr, PDL: tl.constexpr):
+        KC: tl.constexpr, L2NORM: tl.constexpr, GRAM_NATIVE: tl.constexpr,
+        BF16_DOTS: tl.constexpr, PDL: tl.constexpr):
     """The block form's weight programs in a launch of their own (``GdnPlan.
     block_weights_launch``), built for their own registers, one a (request, key head). With
     PDL they let the stream launch start at once (their flags hand the weights over)."""
@@ -522,7 +559,8 @@ def _gdn_block_weights_kernel(
                     query_start_loc_ptr, w_ptr, c_ptr, ready_ptr, ring_k_ptr, ring_g_ptr,
                     ring_beta_ptr, scale, num_requests, stride_q_tok, stride_q_head,
                     stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
-                    stride_beta_tok, HK, HV, KD, VD, K_PAD, V_PAD, T, KC, L2NORM)
+                    stride_beta_tok, HK, HV, KD, VD, K_PAD, V_PAD, T, KC, L2NORM, GRAM_NATIVE,
+                    BF16_DOTS)
 
 
 @triton.jit
@@ -538,7 +576,7 @@ def _gdn_block_kernel(
         L2NORM: tl.constexpr, PAD_ROWS: tl.constexpr, WEIGHTS_FIRST: tl.constexpr,
         POLLS: tl.constexpr, WEIGHTS: tl.constexpr, STREAM_DOT: tl.constexpr,
         STREAM_KC: tl.constexpr, BF16_DOTS: tl.constexpr, STATE_DESC: tl.constexpr,
-        PDL: tl.constexpr):
+        GRAM_NATIVE: tl.constexpr, PDL: tl.constexpr):
     """The block form in one launch of two kinds of program (a 1-D grid, the first kind
     first unless not ``WEIGHTS_FIRST``):
 
@@ -572,7 +610,8 @@ def _gdn_block_kernel(
                             w_ptr, c_ptr, ready_ptr, ring_k_ptr, ring_g_ptr, ring_beta_ptr,
                             scale, num_requests, stride_q_tok, stride_q_head, stride_k_tok,
                             stride_k_head, stride_v_tok, stride_v_head, stride_g_tok,
-                            stride_beta_tok, HK, HV, KD, VD, K_PAD, V_PAD, T, KC, L2NORM)
+                            stride_beta_tok, HK, HV, KD, VD, K_PAD, V_PAD, T, KC, L2NORM,
+                            GRAM_NATIVE, BF16_DOTS)
             return
     else:
         # the weight programs are the launch before this one (with PDL it starts as soon as
@@ -663,7 +702,7 @@ def _gdn_block_kernel(
         else:  # the weight program has not finished: the same arithmetic here
             gkk, gqk, nk, nq = _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok,
                                            stride_q_head, stride_k_tok, stride_k_head, KD,
-                                           K_PAD, T, KC)
+                                           K_PAD, T, KC, GRAM_NATIVE, BF16_DOTS)
             w, c, kept = _block_head(v_ptr, g_ptr, beta_ptr, scale, start, length, head, gkk,
                                      gqk, nk, nq, stride_v_tok, stride_v_head, stride_g_tok,
                                      stride_beta_tok, VD, V_PAD, T, KC, L2NORM)
@@ -785,6 +824,11 @@ class GdnPlan:
     (the default, from the inputs' dtype and the target: :func:`_stream_dot_for`),
     ``"ieee"``, ``"bf16x3"`` (bfloat16 inputs), ``"tf32x2"`` (16-bit inputs, NVIDIA) or
     ``"tf32x3"`` (NVIDIA)."""
+    block_gram: str = ""
+    """How a weight program takes its rows' Gram products: ``""`` (the default, from the
+    inputs' dtype: :func:`_gram_for`), ``"ieee"`` (float32 FMAs, ``KC`` key channels at a time)
+    or ``"native"`` (16-bit inputs: one product of the whole rows in their own type on tensor
+    cores, float32 sums, :func:`_gram_native`)."""
     block_stream_kc: int = _BLOCK_KC
     """State rows a stream program's step takes (a power of two, at least 16)."""
     block_state_tma: bool = True
@@ -878,6 +922,26 @@ def _stream_dot_for(plan: GdnPlan, dtype: torch.dtype, backend: str) -> str:
     return how
 
 
+_GRAMS = ("ieee", "native")
+
+
+def _gram_for(plan: GdnPlan, dtype: torch.dtype) -> bool:
+    """Whether the weight programs take their Gram products as one 16-bit product
+    (:func:`_gram_native`): ``plan.block_gram``, by default for 16-bit q and k (a product of two
+    is exact in float32; float32 rows are exact in no tensor-core type). ``ValueError`` naming
+    the value and the rule where the plan asks for what the inputs cannot take."""
+    how = plan.block_gram or ("native" if dtype in (torch.bfloat16, torch.float16) else "ieee")
+    rule = None
+    if how not in _GRAMS:
+        rule = f"one of {_GRAMS} or '' (by the inputs' dtype)"
+    elif how == "native" and dtype not in (torch.bfloat16, torch.float16):
+        rule = f"native only with 16-bit q and k (here {dtype}: not exact on tensor cores)"
+    if rule:
+        raise ValueError(f"dspark::gated_delta_rule: GdnPlan.block_gram={how!r}: must be "
+                         f"{rule}")
+    return how == "native"
+
+
 def _state_tma(plan: GdnPlan, state: torch.Tensor, cfg) -> bool:
     """The stream programs read the state through a tensor descriptor: the plan asks for it,
     the target has TMA (``TargetConfig.has_tma``) and the pool allows one (16-byte aligned,
@@ -966,13 +1030,14 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
     num_vb = triton.cdiv(vd, plan.block_form_v)
     v_pad = max(triton.next_power_of_2(vd), _BLOCK_KC)
     stream_dot = _stream_dot_for(plan, q.dtype, cfg.backend)
+    weights = dict(GRAM_NATIVE=_gram_for(plan, q.dtype), BF16_DOTS=q.device.type != "cpu")
     split = plan.block_weights_launch and r > 0
     if split:
         wregs = register_cap(plan.block_weights_registers, cfg, q.device)
         launch(_gdn_block_weights_kernel, (r * hk,), q, k, v, g, beta, query_start_loc, w, c,
                ready, ring_k, ring_g, ring_beta, float(scale), r, *strides[:7], strides[8],
                HK=hk, HV=hv, KD=kd, VD=vd, K_PAD=plan.k_pad, V_PAD=v_pad, T=t, KC=_BLOCK_KC,
-               L2NORM=use_qk_l2norm, PDL=pdl,
+               L2NORM=use_qk_l2norm, PDL=pdl, **weights,
                num_warps=plan.block_weights_warps or plan.block_form_warps, **wregs,
                **pdl_options(pdl))
     tma = _state_tma(plan, st, cfg)
@@ -985,8 +1050,7 @@ def gated_delta_rule_triton(q, k, v, g, beta, recurrent_state, query_start_loc, 
            V_PAD=v_pad, BLOCK_V=plan.block_form_v, NUM_VB=num_vb, WALK_V=plan.walk_v, T=t,
            KC=_BLOCK_KC, WEIGHTS_FIRST=plan.block_weights_first,
            POLLS=plan.block_wait_polls, WEIGHTS=not split, STREAM_DOT=stream_dot,
-           STREAM_KC=plan.block_stream_kc, BF16_DOTS=q.device.type != "cpu",
-           STATE_DESC=tma, PDL=pdl,
+           STREAM_KC=plan.block_stream_kc, STATE_DESC=tma, PDL=pdl, **weights,
            num_warps=plan.block_form_warps, **regs, **pdl_options(pdl),
            **({"num_stages": stages} if stages else {}))
     return out

@@ -446,6 +446,52 @@ def test_triton_gdn_block_stream_dots_match_reference(dtype, how):
 
 
 @needs_triton
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_triton_gdn_block_native_gram_matches_and_contains(dtype):
+    """16-bit rows through the weight programs' one-product Gram (the default for them): the
+    outputs and rings of the float32 chunks' to float32 rounding, the ring keys taken from the
+    same rows; NaN / Inf in rejected and padding rows leave accepted rows bit for bit; a stream
+    program making its own weights gets the weight program's bits."""
+    from dspark_compile.kernels.gdn import gated_delta_rule_triton
+
+    layout = make_layout([8, 3, 0, 11, 5, 8], num_pad=2, seed=6)
+    acc = accepts(layout, 6)
+    c = gdn_case(layout, 2, 4, 40, 32, seed=6, dtype=dtype)
+    plan = _gdn_plan(layout, 4, 40, 32, "block", block_stream_dot="ieee")
+    assert plan.block_gram == ""  # the default: native for 16-bit rows
+    got, rings = run_gdn(c, layout, impl=gated_delta_rule_triton, plan=plan)
+    chunks, chunk_rings = run_gdn(c, layout, impl=gated_delta_rule_triton,
+                                  plan=dataclasses.replace(plan, block_gram="ieee"))
+    torch.testing.assert_close(got.float(), chunks.float(), atol=0, rtol=2 ** -7)
+    for r, w in zip(rings, chunk_rings):
+        torch.testing.assert_close(r, w, atol=1e-6, rtol=1e-6)
+    want, want_rings = run_gdn(c, layout)
+    torch.testing.assert_close(rings[0], want_rings[0], atol=1e-6, rtol=1e-6)
+    d = {**c, **{n: _poison(c[n], layout, acc) for n in ("q", "k", "v", "g", "beta")}}
+    dirty = run_gdn(d, layout, impl=gated_delta_rule_triton, plan=plan)
+    _check_containment(layout, acc, (got, rings), dirty)
+    own = run_gdn(d, layout, impl=gated_delta_rule_triton,
+                  plan=dataclasses.replace(plan, block_weights_first=False, block_wait_polls=0))
+    assert torch.equal(own[0].nan_to_num(), dirty[0].nan_to_num())
+
+
+def test_gdn_block_gram_rule():
+    """The Gram's way by default and the plans refused, before any launch: by name, with the
+    value and the rule."""
+    from dspark_compile.kernels.gdn import _gram_for, plan_gdn
+
+    plan = plan_gdn(64, 32, 128, 128, 132, block_form=True)
+    assert _gram_for(plan, torch.bfloat16) and _gram_for(plan, torch.float16)
+    assert not _gram_for(plan, torch.float32)
+    assert not _gram_for(dataclasses.replace(plan, block_gram="ieee"), torch.bfloat16)
+    for how, dtype, match in [("native", torch.float32, "native only with 16-bit q and k"),
+                              ("tf32", torch.bfloat16, "one of")]:
+        with pytest.raises(ValueError, match=f"GdnPlan.block_gram='{how}': must be {match}"):
+            _gram_for(dataclasses.replace(plan, block_gram=how), dtype)
+
+
+@needs_triton
 def test_triton_gdn_block_state_tma_matches_pointer_loads():
     """The stream programs' state chunks through a tensor descriptor: the same bits as pointer
     loads, K and V not multiples of the chunk, a slot past the pool reading zeros either way."""
