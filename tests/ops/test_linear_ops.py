@@ -714,6 +714,33 @@ def test_gpu_gdn_bf16_qwen3_next(bs):
 
 
 @pytest.mark.gpu
+@pytest.mark.filterwarnings("ignore:invalid value encountered")
+@pytest.mark.parametrize("dtype, hk, hv, kd, vd", [(torch.bfloat16, 2, 4, 40, 32),
+                                                   (torch.float16, 4, 8, 256, 64),
+                                                   (torch.bfloat16, 1, 3, 72, 48)])
+def test_gpu_gdn_block_native_gram_shapes(dtype, hk, hv, kd, vd):
+    """The weight programs' one-product Gram on the GPU beyond Qwen3-Next's shapes (K past a
+    power of two, K = 256, three value heads a key head, float16): the block form against the
+    reference, against the float32 chunks to float32 rounding, and rejected rows contained."""
+    from dspark_compile.kernels.gdn import gated_delta_rule_triton
+
+    layout = make_layout([8, 3, 0, 11, 5, 8, 8, 7, 8, 6], num_pad=3, seed=kd, device="cuda")
+    c = gdn_case(layout, hk, hv, kd, vd, seed=kd, dtype=dtype, device="cuda")
+    plan = _gdn_plan(layout, hv, kd, vd, "block")
+    got, rings = run_gdn(c, layout, impl=gated_delta_rule_triton, plan=plan)
+    want, want_rings = run_gdn({n: t.float() for n, t in c.items()}, layout)
+    torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
+    torch.testing.assert_close(rings[0], want_rings[0], atol=1e-5, rtol=1e-5)
+    chunks, _ = run_gdn(c, layout, impl=gated_delta_rule_triton,
+                        plan=dataclasses.replace(plan, block_gram="ieee"))
+    torch.testing.assert_close(got.float(), chunks.float(), atol=1e-3, rtol=2 ** -7)
+    acc = accepts(layout, kd)
+    d = {**c, **{n: _poison(c[n], layout, acc) for n in ("q", "k", "v", "g", "beta")}}
+    dirty = run_gdn(d, layout, impl=gated_delta_rule_triton, plan=plan)
+    _check_containment(layout, acc, (got, rings), dirty)
+
+
+@pytest.mark.gpu
 def test_gpu_opcheck_triton_ops():
     layout = make_layout([3, 0, 5], num_pad=2, device="cuda")
     c = conv_case(layout, dim=256, dtype=torch.bfloat16, device="cuda")
