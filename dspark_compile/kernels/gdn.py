@@ -407,6 +407,17 @@ def _block_weights(gkk, gqk, nk, nq, g, beta, fine, scale, offs_t, offs_r,
 
 
 @triton.jit
+def _stacked_rows(q_ptr, k_ptr, start, k_head, stride_q_tok, stride_q_head, stride_k_tok,
+                  stride_k_head, T: tl.constexpr):
+    """Pointers to a request's key rows over its query rows (``[2T]``: row ``r`` is key row
+    ``r`` for ``r < T``, else query row ``r - T``) of key head ``k_head``, from row ``start``."""
+    offs_r = tl.arange(0, 2 * T)
+    rows = start.to(tl.int64) + offs_r % T
+    return tl.where(offs_r < T, k_ptr + rows * stride_k_tok + k_head * stride_k_head,
+                    q_ptr + rows * stride_q_tok + k_head * stride_q_head)
+
+
+@triton.jit
 def _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok, stride_q_head, stride_k_tok,
                 stride_k_head, KD: tl.constexpr, K_PAD: tl.constexpr, T: tl.constexpr,
                 KC: tl.constexpr, GRAM_NATIVE: tl.constexpr, BF16_DOTS: tl.constexpr):
@@ -414,14 +425,13 @@ def _block_gram(q_ptr, k_ptr, start, length, k_head, stride_q_tok, stride_q_head
     (``gkk``, ``gqk``, ``nk``, ``nq``): with ``GRAM_NATIVE`` (16-bit rows) the key rows over the
     query rows loaded whole (``[2T, K_PAD]``) into :func:`_gram_native`, else :func:`_gram`
     over chunks."""
-    offs_r = tl.arange(0, 2 * T)
-    rows = start.to(tl.int64) + offs_r % T
     if GRAM_NATIVE:
         offs_k = tl.arange(0, K_PAD)
-        x_rows = tl.where(offs_r < T, k_ptr + rows * stride_k_tok + k_head * stride_k_head,
-                          q_ptr + rows * stride_q_tok + k_head * stride_q_head)
+        x_rows = _stacked_rows(q_ptr, k_ptr, start, k_head, stride_q_tok, stride_q_head,
+                               stride_k_tok, stride_k_head, T)
         x = tl.load(x_rows[:, None] + offs_k[None, :],
-                    mask=(offs_r % T < length)[:, None] & (offs_k < KD)[None, :], other=0.0)
+                    mask=(tl.arange(0, 2 * T) % T < length)[:, None] & (offs_k < KD)[None, :],
+                    other=0.0)
         return _gram_native(x, T, BF16_DOTS)
     rows_t = start.to(tl.int64) + tl.arange(0, T)
     return _gram(k_ptr + rows_t * stride_k_tok + k_head * stride_k_head,
@@ -649,8 +659,8 @@ def _gdn_block_kernel(
     offs_r = tl.arange(0, 2 * T)
     r_t = offs_r % T
     rows_r = start.to(tl.int64) + r_t
-    x_rows = tl.where(offs_r < T, k_ptr + rows_r * stride_k_tok + k_head * stride_k_head,
-                      q_ptr + rows_r * stride_q_tok + k_head * stride_q_head)
+    x_rows = _stacked_rows(q_ptr, k_ptr, start, k_head, stride_q_tok, stride_q_head,
+                           stride_k_tok, stride_k_head, T)
     x_in = r_t < length
     # the slot test as a [BLOCK_V] vector (the interpreter rejects scalar & tensor masks)
     slot_v = offs_v.to(tl.int64) * 0 + slot
@@ -895,6 +905,7 @@ def plan_gdn(num_requests: int, num_v_heads: int, k_dim: int, v_dim: int,
 
 
 _STREAM_DOTS = ("ieee", "bf16x3", "tf32x2", "tf32x3")
+_SIXTEEN_BIT = (torch.bfloat16, torch.float16)  # exact in TF32, their products in float32
 
 
 def _stream_dot_for(plan: GdnPlan, dtype: torch.dtype, backend: str) -> str:
@@ -905,14 +916,13 @@ def _stream_dot_for(plan: GdnPlan, dtype: torch.dtype, backend: str) -> str:
     the value and the rule where the plan asks for one the inputs or the target cannot take."""
     how = plan.block_stream_dot
     if not how:
-        sixteen = dtype in (torch.bfloat16, torch.float16)
-        return "tf32x2" if sixteen and backend == "cuda" else "ieee"
+        return "tf32x2" if dtype in _SIXTEEN_BIT and backend == "cuda" else "ieee"
     rule = None
     if how not in _STREAM_DOTS:
         rule = f"one of {_STREAM_DOTS} or '' (by the inputs and the target)"
     elif how == "bf16x3" and dtype != torch.bfloat16:
         rule = f"bf16x3 only with bfloat16 q and k (here {dtype}: not exact in bfloat16)"
-    elif how == "tf32x2" and dtype not in (torch.bfloat16, torch.float16):
+    elif how == "tf32x2" and dtype not in _SIXTEEN_BIT:
         rule = f"tf32x2 only with 16-bit q and k (here {dtype}: not exact in TF32)"
     elif how.startswith("tf32") and backend != "cuda":
         rule = f"{how} only on NVIDIA targets (here {backend})"
@@ -930,11 +940,11 @@ def _gram_for(plan: GdnPlan, dtype: torch.dtype) -> bool:
     (:func:`_gram_native`): ``plan.block_gram``, by default for 16-bit q and k (a product of two
     is exact in float32; float32 rows are exact in no tensor-core type). ``ValueError`` naming
     the value and the rule where the plan asks for what the inputs cannot take."""
-    how = plan.block_gram or ("native" if dtype in (torch.bfloat16, torch.float16) else "ieee")
+    how = plan.block_gram or ("native" if dtype in _SIXTEEN_BIT else "ieee")
     rule = None
     if how not in _GRAMS:
         rule = f"one of {_GRAMS} or '' (by the inputs' dtype)"
-    elif how == "native" and dtype not in (torch.bfloat16, torch.float16):
+    elif how == "native" and dtype not in _SIXTEEN_BIT:
         rule = f"native only with 16-bit q and k (here {dtype}: not exact on tensor cores)"
     if rule:
         raise ValueError(f"dspark::gated_delta_rule: GdnPlan.block_gram={how!r}: must be "
