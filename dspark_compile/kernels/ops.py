@@ -91,21 +91,19 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: Optional[torch.
                          residual: Optional[torch.Tensor],
                          glu_out: bool, cos: Optional[torch.Tensor] = None,
                          sin: Optional[torch.Tensor] = None,
-                         rot_cols: int = 0, weight_settled: bool = False,
-                         weight_ahead: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+                         rot_cols: int = 0,
+                         weight_settled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """``dspark::skinny_linear`` lowered to Triton (one launch at a verify step's few rows).
     ``weight_settled``: no launch of the graph writes ``w`` (``select.settled_weight``), so its
-    first tile may be read before the PDL wait; ``weight_ahead``: the launch before is an
-    attention (``select.weight_ahead``), so a program may read its whole share there."""
+    first tile may be read before the PDL wait."""
     from .skinny import skinny_linear_triton as kernel  # needs a GPU driver
 
     return zeros_when_warming(kernel(x, w, bias, gamma, eps, glu, residual, glu_out, cos=cos,
-                                     sin=sin, rot_cols=rot_cols, weight_settled=weight_settled,
-                                     weight_ahead=weight_ahead))
+                                     sin=sin, rot_cols=rot_cols, weight_settled=weight_settled))
 
 
 def _skinny_triton_fake(x, w, bias, gamma, eps, glu, residual, glu_out, cos=None, sin=None,
-                        rot_cols=0, weight_settled=False, weight_ahead=False):
+                        rot_cols=0, weight_settled=False):
     return _skinny_fake(x, w, bias, gamma, eps, glu, residual, glu_out, cos, sin, rot_cols)
 
 

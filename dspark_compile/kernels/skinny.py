@@ -222,8 +222,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
                    SPLIT_K: tl.constexpr, PRO: tl.constexpr, HAS_BIAS: tl.constexpr,
                    HAS_RES: tl.constexpr, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
                    W_DESC: tl.constexpr, EPI_GLU: tl.constexpr, SWAP: tl.constexpr,
-                   PDL: tl.constexpr, ROT_D: tl.constexpr, EARLY_W: tl.constexpr,
-                   ONE_STEP: tl.constexpr):
+                   PDL: tl.constexpr, ROT_D: tl.constexpr, EARLY_W: tl.constexpr):
     """One (column tile, K split): ``w[cols, ks] @ a[:, ks].T``, then the epilogue or the
     split merge. ``a`` is ``x`` (``PRO`` 0), ``silu(x[:, k]) * x[:, glu_offset + k]`` (1), or
     ``gamma * h`` with ``h = x (+ residual)`` (2; the rows' sums of squares of ``h`` are kept
@@ -238,8 +237,7 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
     first ``rot_cols`` columns are heads of ``ROT_D`` (``BLOCK_N`` a multiple of it), rotated
     in the epilogue with ``cos``/``sin [M, ROT_D]``. ``EARLY_W``: the first weight tile(s) are
     loaded before the PDL wait (the caller vouches the launch before does not write ``w``)
-    and their K step runs before the loop over the rest; ``ONE_STEP`` (with ``EARLY_W``): that
-    step is a split's whole K (``k_per_split == BLOCK_K``), and there is no loop."""
+    and their K step runs before the loop over the rest."""
     tile = tl.program_id(0)
     split = tl.program_id(1)
     offs_n = tile * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -283,16 +281,15 @@ def _skinny_kernel(x_ptr, w_ptr, bias_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, p
         if not W_DESC:
             w_ptrs += BLOCK_K
         k_start = k_lo + BLOCK_K
-    if not ONE_STEP:
-        for k0 in range(k_start, k_hi, BLOCK_K):
-            wt, wu = _w_tiles(w_ptr, w_ptrs, tile * BLOCK_N, k0, n, k, n_ok, k0 + offs_k < k_hi,
-                              EVEN_N, EVEN_K, W_DESC, EPI_GLU)
-            acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs = _k_step(
-                wt, wu, acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs, gamma_ptr, k0,
-                k_hi, offs_k, m_ok, glu_offset, tile, x_ptr.dtype.element_ty, BLOCK_K, PRO,
-                HAS_RES, EVEN_K, EPI_GLU, SWAP)
-            if not W_DESC:
-                w_ptrs += BLOCK_K
+    for k0 in range(k_start, k_hi, BLOCK_K):
+        wt, wu = _w_tiles(w_ptr, w_ptrs, tile * BLOCK_N, k0, n, k, n_ok, k0 + offs_k < k_hi,
+                          EVEN_N, EVEN_K, W_DESC, EPI_GLU)
+        acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs = _k_step(
+            wt, wu, acc, acc_u, ssq, nxt_a, nxt_b, x_ptrs, res_ptrs, h_ptrs, gamma_ptr, k0,
+            k_hi, offs_k, m_ok, glu_offset, tile, x_ptr.dtype.element_ty, BLOCK_K, PRO, HAS_RES,
+            EVEN_K, EPI_GLU, SWAP)
+        if not W_DESC:
+            w_ptrs += BLOCK_K
     if SWAP:
         acc = tl.trans(acc)
         acc_u = tl.trans(acc_u)
@@ -355,9 +352,6 @@ class SkinnyPlan:
     early_w: bool = False
     """The first weight tile is loaded before the PDL wait (``EARLY_W``): asked for, and its
     extra buffer fits (``plan_skinny``)."""
-    ahead: bool = False
-    """One K step a program (``k_per_split == block_k``), its tile loaded before the PDL wait
-    and no loop after it (``ONE_STEP``): ``plan_skinny``'s ``ahead_bytes``."""
 
 
 @functools.lru_cache(maxsize=1024)
@@ -367,7 +361,7 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
                 num_stages: int | None = None, tma: bool | None = None,
                 glu_out: bool = False, swap: bool | None = None,
                 rms: bool = False, rot_d: int = 0, staged_x: bool = False,
-                early_w: bool = False, ahead_bytes: int = 0) -> SkinnyPlan:
+                early_w: bool = False) -> SkinnyPlan:
     """``BLOCK_M``: the smallest of 16 / 32 / 64 holding ``m``; ``BLOCK_N``, ``BLOCK_K``, warps
     and stages from ``cfg`` (``BLOCK_K`` halved, unless given, until two stages fit, then stages
     cut while the pipeline would take more than ``cfg.skinny_max_smem`` or ``cfg.max_shared``;
@@ -381,12 +375,8 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
     prologue: the activation tiles are pipelined through shared memory with the weight's) that
     build holds one stage more than the pipeline's (sm_90 builds of triton 3.6 and 3.9: 278,528
     bytes at 256-column tiles and 3 stages, past the H200's 232,448), so it is kept only where
-    that fits ``cfg.max_shared``. ``ahead_bytes`` > 0 (a launch after an attention,
-    ``TargetConfig.skinny_ahead_bytes``): K is split further, a power of two at a time, until a
-    program's weight share, one ``BLOCK_K`` of a power of two (at least 16), takes at most that
-    many bytes; the program loads it before the PDL wait and runs that one step (one stage: no
-    loop to pipeline). Where no split gets there, the plan is the usual one. The other keyword
-    arguments override a choice (the benchmark's sweep)."""
+    that fits ``cfg.max_shared``. The other keyword arguments override a choice (the
+    benchmark's sweep)."""
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     k_given = block_k is not None
     block_n = block_n or cfg.skinny_block_n
@@ -411,37 +401,12 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
         while (tiles * split_k < cfg.skinny_min_programs
                and k // (2 * split_k) >= cfg.skinny_min_split_k):
             split_k *= 2
-    if ahead_bytes > 0 and k > 0:
-        ahead = _ahead_plan(block_m, block_n, w_rows, tiles, split_k, k, ahead_bytes,
-                            num_warps or cfg.skinny_num_warps,
-                            cfg.skinny_tma if tma is None else tma,
-                            cfg.skinny_swap if swap is None else swap)
-        if ahead is not None:
-            return ahead
     k_per_split = -(-(-(-k // split_k)) // block_k) * block_k  # a multiple of BLOCK_K
     split_k = -(-k // k_per_split)  # no empty split
     return SkinnyPlan(block_m, block_n, block_k, split_k, k_per_split, (tiles, split_k),
                       num_warps or cfg.skinny_num_warps, num_stages,
                       (cfg.skinny_tma if tma is None else tma) and k % 8 == 0,
                       cfg.skinny_swap if swap is None else swap, early_w)
-
-
-def _ahead_plan(block_m: int, block_n: int, w_rows: int, tiles: int, split_k: int, k: int,
-                ahead_bytes: int, num_warps: int, tma: bool, swap: bool) -> SkinnyPlan | None:
-    """:func:`plan_skinny`'s one-step plan: from ``split_k`` up, the first power-of-two split
-    whose share (``w_rows`` rows of a power-of-two ``BLOCK_K`` >= 16) fits ``ahead_bytes``;
-    None where even 16 of K do not."""
-    split = max(1, split_k)
-    while True:
-        step = max(16, triton.next_power_of_2(-(-k // split)))
-        if w_rows * step * 2 <= ahead_bytes:
-            break
-        if step == 16:
-            return None
-        split *= 2
-    splits = -(-k // step)  # no empty split
-    return SkinnyPlan(block_m, block_n, step, splits, step, (tiles, splits), num_warps, 1,
-                      tma and k % 8 == 0, swap, early_w=True, ahead=True)
 
 
 @triton.jit
@@ -538,7 +503,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
                          residual: torch.Tensor | None = None, glu_out: bool = False,
                          config: TargetConfig | None = None, cos: torch.Tensor | None = None,
                          sin: torch.Tensor | None = None, rot_cols: int = 0,
-                         weight_settled: bool = False, weight_ahead: bool = False,
+                         weight_settled: bool = False,
                          **overrides) -> tuple[torch.Tensor, torch.Tensor]:
     """``(y, h)`` with ``y = a @ w.T + bias`` (``glu_out``: ``silu(y[:, :N]) * y[:, N:]`` of
     ``w [2N, K]``), where ``a`` is ``x``, or ``silu(x[:, :K]) * x[:, K:]`` (``glu``), or HF's
@@ -555,9 +520,6 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     ``weight_settled``: the caller vouches that the launch just before this one does not
     write ``w`` (``lower`` sets it from the graph, ``select.settled_weight``); up to
     ``cfg.skinny_early_w_max_m`` rows the first weight tile is then loaded before the PDL wait.
-    ``weight_ahead`` (with ``weight_settled``): the launch just before is an attention
-    (``select.weight_ahead``); up to ``cfg.skinny_ahead_max_m`` rows, a program then loads its
-    whole share of ``w`` before the wait (``cfg.skinny_ahead_bytes``, ``plan_skinny``).
     ``overrides`` (``block_n``, ``block_k``, ``split_k``, ``num_warps``, ``num_stages``,
     ``tma``, ``swap``) are for the benchmark's sweep. No host sync; CUDA-graph safe (a split
     launch takes its counters from the buffer of the current stream, made outside any capture
@@ -599,10 +561,8 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         return out, h
     head_d, rot_d = rot_d, rot_d if m >= cfg.skinny_rope_min_m else 0  # rot_d: the epilogue's
     early = weight_settled and m <= cfg.skinny_early_w_max_m
-    ahead = (cfg.skinny_ahead_bytes if weight_settled and weight_ahead
-             and m <= cfg.skinny_ahead_max_m and not overrides else 0)
     plan = plan_skinny(m, n_out, k, cfg, sm_count, glu_out=glu_out, rms=pro == 2, rot_d=rot_d,
-                       staged_x=pro == 0, early_w=early, ahead_bytes=ahead, **overrides)
+                       staged_x=pro == 0, early_w=early, **overrides)
     split = plan.split_k
     counters = split_counters(x.device, plan.grid[0], _NO_COUNTERS) if split > 1 else None
     if split > 1 and counters is None:  # logged once by split_counters
@@ -625,7 +585,7 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         EVEN_N=n_out % plan.block_n == 0,
         EVEN_K=k % plan.k_per_split == 0 and plan.k_per_split % plan.block_k == 0,
         W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=pdl, ROT_D=rot_d,
-        EARLY_W=plan.early_w, ONE_STEP=plan.ahead,
+        EARLY_W=plan.early_w,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **pdl_options(pdl),
         **LAUNCH_OPTIONS)
     if head_d and not rot_d:  # fewer rows than skinny_rope_min_m: the rotary kernel after

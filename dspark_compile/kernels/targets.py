@@ -140,15 +140,6 @@ class TargetConfig:
     (``passes/lower.py``'s ``settled_weight``) loads its first weight tile(s) before its PDL
     wait (0: never). Chosen by ``python benchmarks/verify_step.py --quick --target
     skinny_early_w_max_m=0`` against the default; figures in docs/tuning.md."""
-    skinny_ahead_bytes: int = 0
-    """Largest weight share (bytes) a program of a skinny launch just after an attention
-    launch (``passes/lower.py``'s ``weight_ahead``) loads whole before its PDL wait (0: off).
-    Such a launch is planned as one K step a program (K split until a program's share fits),
-    so its weight streams while the attention, whose few microseconds at a few rows are
-    latency, still runs. Chosen by ``python benchmarks/verify_step.py --quick --target
-    skinny_ahead_bytes=N``; figures in docs/tuning.md."""
-    skinny_ahead_max_m: int = 32
-    """Most rows at which ``skinny_ahead_bytes`` applies."""
     mid_split_k: int = 1
     """K chunks of a matmul past ``skinny_max_m`` rows (up to ``mid_split_max_m``) whose K is at
     least ``mid_split_min_ratio`` times its N (the MLP's down projection): one batched cuBLAS

@@ -59,9 +59,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                 node.args = (*node.args[:10], ctx.settings.block, early_attention_reads(node))
                 node.kwargs = {**switches, **node.kwargs}
             elif packet is torch.ops.dspark.skinny_linear:
-                settled = settled_weight(node)
-                node.kwargs = {**node.kwargs, "weight_settled": settled,
-                               "weight_ahead": settled and weight_ahead(node)}
+                node.kwargs = {**node.kwargs, "weight_settled": settled_weight(node)}
             result.changed += 1
     if lowering != "reference":
         for node in gm.graph.nodes:
@@ -151,22 +149,3 @@ def settled_weight(node: fx.Node) -> bool:
     x, w = node.args[:2]
     return (isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr") and not _written(w)
             and _computed(x))
-
-
-_ATTENTION = {torch.ops.dspark.ragged_attention, torch.ops.dspark.ragged_attention_triton}
-"""The attention ops, before and after lowering (``weight_ahead`` looks at either)."""
-
-
-def weight_ahead(node: fx.Node) -> bool:
-    """Whether a ``dspark::skinny_linear`` call's rows ``x`` are an attention's output (through
-    views only), so that the launch just before it is that attention. At a few rows the
-    attention's time is latency (a few MB of KV behind block-table and page lookups), with the
-    memory bus mostly idle, so a program of this launch may load its whole weight share before
-    the PDL wait (``skinny_linear_triton(weight_ahead=True)``, ``TargetConfig.
-    skinny_ahead_bytes``). Only with :func:`settled_weight`."""
-    x = node.args[0]
-    while (isinstance(x, fx.Node) and x.op == "call_function"
-           and getattr(x.target, "overloadpacket", None) in _VIEWS):
-        x = x.args[0]
-    return (isinstance(x, fx.Node) and x.op == "call_function"
-            and getattr(x.target, "overloadpacket", None) in _ATTENTION)

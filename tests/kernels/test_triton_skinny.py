@@ -140,35 +140,6 @@ def test_first_weight_tile_loaded_early_gives_the_same_bits(mode, over) -> None:
 
 @needs_kernel_device
 @pytest.mark.parametrize("mode", MODES)
-@pytest.mark.parametrize("m, n, k, ahead", [
-    (3, 48, 328, 64 * 64 * 2),     # K not a tile multiple: the last split masked
-    (24, 96, 512, 64 * 128 * 2),   # 32-row tile, two column tiles, four splits of 128
-])
-def test_whole_share_ahead_matches_the_oracle(mode, m, n, k, ahead) -> None:
-    """``weight_ahead`` (a launch after an attention): one K step a program, loaded before the
-    wait, the splits merged in order; against the fp32 oracle, bit for bit from run to run,
-    close to the usual plan's result. Without ``weight_settled`` nothing changes."""
-    from dspark_compile.kernels.skinny import plan_skinny, skinny_linear_triton
-    from dspark_compile.kernels.targets import TARGETS
-
-    cfg = dataclasses.replace(TARGETS["sm_90"], skinny_ahead_bytes=ahead, skinny_ahead_max_m=32)
-    for glu_out in (False, True):
-        plan = plan_skinny(m, n, k, cfg, 132, glu_out=glu_out, rms=mode.startswith("rms"),
-                           staged_x=mode == "plain", early_w=True, ahead_bytes=ahead)
-        assert plan.ahead and plan.k_per_split == plan.block_k and plan.split_k > 1, plan
-        args = _case(m, n, k, mode, glu_out, torch.float16, seed=6)
-        got, h = _check(args, config=cfg, weight_settled=True, weight_ahead=True)
-        again, h2 = skinny_linear_triton(**args, config=cfg, weight_settled=True,
-                                         weight_ahead=True)
-        assert torch.equal(got, again) and torch.equal(h, h2)
-        usual, _ = skinny_linear_triton(**args, config=cfg, weight_settled=True)
-        torch.testing.assert_close(got, usual, atol=2e-2, rtol=2e-2)
-        unsettled, _ = skinny_linear_triton(**args, config=cfg, weight_ahead=True)
-        assert torch.equal(unsettled, skinny_linear_triton(**args, config=cfg)[0])
-
-
-@needs_kernel_device
-@pytest.mark.parametrize("mode", MODES)
 def test_rows_past_the_kernel_take_the_input_launch_and_mm(mode) -> None:
     """Past ``skinny_max_m``: the prologue in its own launch, then ``torch.mm``; same results."""
     from dspark_compile.kernels.targets import TARGETS
@@ -437,7 +408,7 @@ def test_plan_tiles_and_split() -> None:
 # --------------------------------------------------------------------------- ahead of time
 _AOT_BASE = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SPLIT_K=1, PRO=0, HAS_BIAS=False,
                  HAS_RES=False, EVEN_N=True, EVEN_K=True, W_DESC=False, EPI_GLU=False, SWAP=False,
-                 ROT_D=0, EARLY_W=False, ONE_STEP=False)
+                 ROT_D=0, EARLY_W=False)
 AOT_CASES = {  # case -> constexprs (the base's, changed where named)
     "plain_m16": _AOT_BASE,
     "rms_res_glu_split": {**_AOT_BASE, "BLOCK_M": 32, "SPLIT_K": 4, "PRO": 2, "HAS_BIAS": True,
@@ -450,9 +421,6 @@ AOT_CASES = {  # case -> constexprs (the base's, changed where named)
     "rms_res_glu_split_early": {**_AOT_BASE, "BLOCK_M": 32, "SPLIT_K": 4, "PRO": 2,
                                 "HAS_RES": True, "EVEN_N": False, "EVEN_K": False,
                                 "EPI_GLU": True, "EARLY_W": True},
-    # after an attention: a split's whole K (one 256 tile) loaded before the wait, no loop
-    "plain_ahead": {**_AOT_BASE, "BLOCK_K": 256, "SPLIT_K": 8, "EARLY_W": True,
-                    "ONE_STEP": True},
 }
 
 
@@ -465,15 +433,11 @@ def _compile_all() -> dict:
     pointers.update(part_ptr="fp32", counter_ptr="i32")
     out: dict = {}
     early_asm: dict = {}
-    ahead_asm: dict = {}
     for case, consts in AOT_CASES.items():
         for target in TARGET_NAMES:
             cfg = TARGETS[target]
             opts = {"num_warps": cfg.skinny_num_warps, "num_stages": 4}
-            asm = (early_asm if (case, target) == ("rms_res_glu_split_early", "sm_90")
-                   else ahead_asm if (case, target) == ("plain_ahead", "sm_90") else None)
-            if case == "plain_ahead":  # its plan's one stage (no loop to pipeline)
-                opts = {**opts, "num_stages": 1}
+            asm = early_asm if (case, target) == ("rms_res_glu_split_early", "sm_90") else None
             out.setdefault(case, {})[target] = compile_kernel(
                 kernel, pointers, consts, target, opts, scalars={"eps": "fp32"}, asm=asm)
     out["pipelined_shared_bytes"] = _pipelined_shared(kernel, pointers)
@@ -496,17 +460,6 @@ def _compile_all() -> dict:
         "cp.async.c")}
     out["pdl_ptx_early"] = {op: early_asm["ptx"].find(op) for op in (
         "griddepcontrol.wait", "ld.global", "st.global", "atom.global")}
-    ptx = ahead_asm["ptx"]
-    wait = ptx.find("griddepcontrol.wait")
-    out["pdl_ptx_ahead"] = {"wait": wait, "loads_before": ptx[:wait].count("ld.global"),
-                            "loads_after": ptx[wait:].count("ld.global"),
-                            "stores_before": ptx[:wait].count("st.global")}
-    out["ahead_shared_bytes"] = {f"{case}_m{m}": _plan_shared(kernel, pointers, "sm_90", m, *args,
-                                                             ahead_bytes=32768)
-                                 for case, args in (("o", (2048, 2048, 0, False, False, 0)),
-                                                    ("qkv_rms", (4096, 2048, 2, True, False,
-                                                                 128)))
-                                 for m in (3, 24)}
     pro = triton_skinny._prologue_kernel
     pointers = {a: "bf16" for a in pro.arg_names if a.endswith("_ptr")}
     for target in TARGET_NAMES:
@@ -531,23 +484,20 @@ PLAN_CASES = {  # case -> (m, n, k, prologue, residual, glu_out, rot_d): launche
 
 
 def _plan_shared(kernel, pointers: dict, target: str, m: int, n: int, k: int, pro: int,
-                 res: bool, glu_out: bool, rot_d: int, ahead_bytes: int = 0) -> int:
+                 res: bool, glu_out: bool, rot_d: int) -> int:
     """Shared memory (LDS on AMD) of ``target``'s build of the launch ``skinny_linear_triton``
-    makes for these shapes (its plan, the early tile as the plan keeps it; ``ahead_bytes``:
-    the plan of a launch after an attention)."""
+    makes for these shapes (its plan, the early tile as the plan keeps it)."""
     from dspark_compile.kernels import skinny as triton_skinny
     from dspark_compile.kernels.skinny import plan_skinny
     from dspark_compile.kernels.targets import TARGETS
 
     cfg = TARGETS[target]
     plan = plan_skinny(m, n, k, cfg, cfg.default_sm_count, glu_out=glu_out, rms=pro == 2,
-                       rot_d=rot_d, staged_x=pro == 0, early_w=m <= cfg.skinny_early_w_max_m,
-                       ahead_bytes=ahead_bytes)
-    assert plan.ahead == (ahead_bytes > 0), plan
+                       rot_d=rot_d, staged_x=pro == 0, early_w=m <= cfg.skinny_early_w_max_m)
     consts = dict(BLOCK_M=plan.block_m, BLOCK_N=plan.block_n, BLOCK_K=plan.block_k,
                   SPLIT_K=plan.split_k, PRO=pro, HAS_BIAS=False, HAS_RES=res, EVEN_N=True,
                   EVEN_K=True, W_DESC=plan.tma, EPI_GLU=glu_out, SWAP=plan.swap, PDL=cfg.pdl,
-                  ROT_D=rot_d, EARLY_W=plan.early_w, ONE_STEP=plan.ahead)
+                  ROT_D=rot_d, EARLY_W=plan.early_w)
     return _shared(kernel, pointers, consts, {
         "num_warps": plan.num_warps, "num_stages": plan.num_stages,
         **triton_skinny.LAUNCH_OPTIONS}, target)
@@ -594,27 +544,6 @@ def test_sm90_build_with_a_settled_weight_loads_it_before_the_wait(compiled: dic
     assert at["ld.global"] < at["griddepcontrol.wait"] < min(at["st.global"], at["atom.global"])
 
 
-def test_ahead_plans_fit_the_h200s_shared_memory(compiled: dict) -> None:
-    """The one-step plans after an attention (o, and a q/k/v with the norm and rotation) at 3
-    and 24 rows: no pipeline, so a build takes well under ``max_shared`` (two programs a
-    multiprocessor beside an attention program)."""
-    from dspark_compile.kernels.targets import TARGETS
-
-    sizes = compiled["ahead_shared_bytes"]
-    assert len(sizes) == 4 and all(b <= TARGETS["sm_90"].max_shared // 2 for b in sizes.values()), \
-        sizes
-
-
-def test_sm90_build_ahead_loads_the_whole_share_before_the_wait(compiled: dict) -> None:
-    """``ONE_STEP`` (a launch after an attention): the weight's loads, a [64, 256] bf16 tile,
-    come before the PDL wait (after it only the rows, the partials' merge and the counter);
-    nothing is stored before it."""
-    at = compiled["pdl_ptx_ahead"]
-    assert at["wait"] > 0 and at["stores_before"] == 0, at
-    # 32 KB over 128 threads: 16 vector loads of 16 bytes a thread before the wait
-    assert at["loads_before"] >= 16, at
-
-
 def test_fp16_rotation_rounds_each_product(compiled: dict) -> None:
     """With the launch's options the fp16 rotation is half-precision multiplies and subtracts,
     each rounded; with fp fusion on, the compiler contracts them into ``fma.f16`` (one rounding
@@ -651,32 +580,6 @@ def test_plan_keeps_the_early_tile_only_where_its_buffer_fits() -> None:
     assert plan_skinny(3, 16384, 4096, cfg, 132, glu_out=True, staged_x=True,
                        early_w=True).early_w
     assert not plan_skinny(3, 16384, 4096, cfg, 132, glu_out=True, staged_x=True).early_w
-
-
-def test_plan_ahead_takes_one_k_step_a_program() -> None:
-    """``ahead_bytes``: K split (powers of two, from the usual split up) until a program's
-    share is one power-of-two K tile of at most that many bytes; one stage, the tile early.
-    Where 16 of K do not fit, the usual plan."""
-    from dspark_compile.kernels.skinny import plan_skinny
-    from dspark_compile.kernels.targets import TARGETS
-
-    cfg = TARGETS["sm_90"]
-    usual = plan_skinny(3, 2048, 2048, cfg, 132, staged_x=True, early_w=True)  # the o projection
-    o = plan_skinny(3, 2048, 2048, cfg, 132, staged_x=True, early_w=True, ahead_bytes=32768)
-    assert (o.block_k, o.k_per_split, o.split_k, o.grid) == (256, 256, 8, (32, 8))
-    assert o.ahead and o.early_w and o.num_stages == 1 and not usual.ahead
-    assert o.split_k >= usual.split_k
-    # K = 2560: 320 a split rounds up to 512 (64 KB), so 16 splits of 256 (10 with keys)
-    odd = plan_skinny(3, 2560, 2560, cfg, 132, ahead_bytes=32768)
-    assert (odd.block_k, odd.split_k) == (256, 10) and odd.block_n * odd.block_k * 2 <= 32768
-    # gate and up rows both stream: half the K a program
-    glu = plan_skinny(3, 4096, 2048, cfg, 132, glu_out=True, ahead_bytes=32768)
-    assert glu.ahead and 2 * glu.block_n * glu.block_k * 2 <= 32768 and glu.block_k == 128
-    # already split past the share: the usual split stays (never fewer programs)
-    few = plan_skinny(3, 64, 4096, cfg, 132, ahead_bytes=1 << 20)
-    assert few.ahead and few.split_k >= plan_skinny(3, 64, 4096, cfg, 132).split_k
-    # not even 16 of K fits: the usual plan
-    assert not plan_skinny(3, 2048, 2048, cfg, 132, ahead_bytes=1024).ahead
 
 
 def test_plan_cuts_the_k_tile_to_fit_a_small_lds() -> None:
