@@ -1,0 +1,356 @@
+"""Spike: the bs-1 matmul chain as one persistent, warp-specialized launch (Gluon, sm_90), whose
+weight loads never wait for an activation.
+
+Every dependent form of the chain measured before streamed the weights slower than the launch
+chain (``persistent_spike.py``, ``flow_chain.py``): in a Triton loop the pipeliner issues a
+step's weight and activation loads together, so a matmul's weight loads cannot start before the
+previous matmul's output is there. Here each program is two partitions:
+
+- a **producer** warp walks the program's units (phase, ``BN`` weight rows, whole K) in chain
+  order and TMA-loads their ``[BN, BK]`` weight tiles into a ring of ``STAGES`` shared-memory
+  slots. It waits only for a free slot, never for an activation, so it runs ahead across the
+  matmul boundaries by up to the ring's depth;
+- a **consumer** partition waits for the previous phase (its count of finished units, acquire),
+  copies the phase's three input rows into shared memory (``cp.async``, every K step in flight at
+  once), then for each K step takes the slot, multiplies on the CUDA cores into per-lane fp32
+  sums, frees the slot, and at a unit's end reduces and stores its ``BN`` outputs; its units of
+  the phase are counted once (release).
+
+Units are dealt round the programs continuing from where the last phase stopped (unit ``u`` to
+program ``u % P``, :func:`first_unit`), so the small matmuls' tiles fall on different programs.
+
+The chain: 16 layers x (q+k+v, o, gate+up, down), then the LM head, of the 1.1B Llama-like model,
+at 3 rows; phase ``p`` reads the first ``K_p`` columns of the rows phase ``p - 1`` wrote, rounded
+to bf16 (no attention, norm or SiLU: a spike of the streaming, not a verify step). Against, in one
+process: the same chain as one ``skinny_linear_triton`` launch a matmul (today's lowering), the
+kernel without the waits (``ws_free``: not a valid chain; its rate when nothing waits), without
+the waits or the multiplies (``ws_ring``: the weight ring's own rate), and a plain read of the
+same bytes. Every valid chain is checked against torch (each matmul in float32 from the 16-bit
+rows, rounded to bf16) and every unit must be counted once.
+
+    python benchmarks/ws_chain.py [--tiles 16x512 32x256] [--stages 8 10] [--warps 8]
+
+Needs an sm_90 GPU and triton's Gluon (3.6 and 3.9 both build it). Writes ``ws_chain.json`` to
+``$OUT`` or ``benchmarks/results/``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import triton
+from triton.experimental import gluon
+from triton.experimental.gluon import language as gl
+from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
+
+sys.path.insert(0, str(Path(__file__).parent))
+from persistent_spike import phases  # noqa: E402
+
+KS = (2048, 8192)  # the chain's K values: one TMA view of the weights each
+SPIN_MAX = 1 << 20
+# triton 3.6 / 3.9 names: a barrier of the calling partition's warps; a cp.async copy; a TMA
+# load
+_sync = getattr(gl, "thread_barrier", None) or gl.barrier
+_async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
+_tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+TIMING = dict(eager_iters=3, graph_calls=1, graph_replays=20)
+
+
+@gluon.jit
+def _phase(tab_ptr, p):
+    """Phase ``p``'s row of ``WsChain.tab``: (first weight row in its K's TMA view, N, K, first
+    unit, input half); int32 (the host checks they fit)."""
+    base = tab_ptr + p * 5
+    return (gl.load(base).to(gl.int32), gl.load(base + 1).to(gl.int32),
+            gl.load(base + 2).to(gl.int32), gl.load(base + 3).to(gl.int32),
+            gl.load(base + 4).to(gl.int32))
+
+
+@gluon.jit
+def _producer(d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN: gl.constexpr,
+              BK: gl.constexpr, STAGES: gl.constexpr):
+    """Every K step of the program's units, in order: a free slot, then its weight tile's TMA
+    load. It waits for nothing else, so it runs ahead across the phases by the ring's depth."""
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    it = 0
+    for p in range(num_phases):
+        row0, n, k, ustart, half = _phase(tab_ptr, p)
+        for t in range((pid - ustart % nprog + nprog) % nprog, n // BN, nprog):
+            r = row0 + t * BN
+            for kk in range(0, k, BK):
+                slot = it % STAGES
+                mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
+                mbarrier.expect(full.index(slot), BN * BK * 2)
+                if k == 8192:
+                    _tma_load(d8k, [r, kk], full.index(slot), w_ring.index(slot))
+                else:
+                    _tma_load(d2k, [r, kk], full.index(slot), w_ring.index(slot))
+                it += 1
+
+
+@gluon.jit
+def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, w_ring, full, empty, x_smem, num_phases,
+              width, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+              WAIT: gl.constexpr, SPIN: gl.constexpr, CW: gl.constexpr, MATH: gl.constexpr):
+    """Per phase with units here: wait for the last phase (``WAIT``: its count, acquire), copy
+    its three rows into shared memory (``cp.async``, all K steps in flight at once); per unit,
+    its K steps from the ring (a slot freed once every warp has read it), then its 16-bit
+    outputs; the program's units of the phase counted once (release)."""
+    # [BN, BK]: a warp spans 256 of K, the warps stacked along N (warps side by side along K,
+    # so that each input row is read from shared memory once, not once a warp, measured slower:
+    # the reduction across warps at each unit's end costs more than the reads it saves)
+    WL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [CW, 1], [1, 0])
+    XL: gl.constexpr = gl.SliceLayout(0, WL)  # [BK]
+    AL: gl.constexpr = gl.SliceLayout(1, WL)  # [BN]
+    SL: gl.constexpr = gl.BlockedLayout([8], [32], [CW], [0])  # [BK] copies
+    pid = gl.program_id(0)
+    nprog = gl.num_programs(0)
+    width = gl.multiple_of(width, 16)
+    offs_n = gl.arange(0, BN, layout=AL)
+    xcol = gl.arange(0, BK, layout=SL)
+    it = 0
+    prev_n = 0
+    for p in range(num_phases):
+        row0, n, k, ustart, half = _phase(tab_ptr, p)
+        first = (pid - ustart % nprog + nprog) % nprog
+        if first < n // BN:
+            if WAIT:
+                if p > 0:  # every unit of the previous phase counted (acquire)
+                    seen = gl.atomic_add(counter_ptr + p - 1, 0, sem="acquire")
+                    spins = 0
+                    while (seen < prev_n // BN) & (spins < SPIN):
+                        seen = gl.atomic_add(counter_ptr + p - 1, 0, sem="acquire")
+                        spins += 1
+                    if spins >= SPIN:
+                        gl.store(err_ptr, 1)
+            _sync()  # nobody still reads the last phase's rows
+            src = act_ptr + half * 3 * width
+            for i in range(0, k // BK):
+                for r in gl.static_range(3):
+                    _async_load(x_smem.index(i * 3 + r), src + r * width + i * BK + xcol)
+            async_copy.commit_group()
+            async_copy.wait_group(0)
+            _sync()
+            dst = act_ptr + (1 - half) * 3 * width
+            done = 0
+            for t in range(first, n // BN, nprog):
+                # per-lane partial sums over the unit's K steps, reduced once at its end
+                acc0 = gl.zeros([BN, BK], gl.float32, WL)
+                acc1 = gl.zeros([BN, BK], gl.float32, WL)
+                acc2 = gl.zeros([BN, BK], gl.float32, WL)
+                for kk in range(0, k, BK):
+                    slot = it % STAGES
+                    mbarrier.wait(full.index(slot), (it // STAGES) & 1)
+                    if MATH:
+                        w = w_ring.index(slot).load(WL).to(gl.float32)
+                    _sync()  # every warp has read the slot
+                    mbarrier.arrive(empty.index(slot))
+                    if MATH:
+                        xs = (kk // BK) * 3
+                        acc0 += w * x_smem.index(xs).load(XL).to(gl.float32)[None, :]
+                        acc1 += w * x_smem.index(xs + 1).load(XL).to(gl.float32)[None, :]
+                        acc2 += w * x_smem.index(xs + 2).load(XL).to(gl.float32)[None, :]
+                    it += 1
+                out = dst + t * BN + offs_n
+                gl.store(out, gl.sum(acc0, axis=1).to(gl.bfloat16))
+                gl.store(out + width, gl.sum(acc1, axis=1).to(gl.bfloat16))
+                gl.store(out + 2 * width, gl.sum(acc2, axis=1).to(gl.bfloat16))
+                done += 1
+            _sync()  # every thread's stores issued before the count
+            gl.atomic_add(counter_ptr + p, done, sem="release")
+        prev_n = n
+
+
+@gluon.jit
+def _ws_chain_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, num_phases, width,
+                     BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                     KSTEPS: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr,
+                     MATH: gl.constexpr, num_warps: gl.constexpr):
+    w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], d2k.layout)
+    full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    for i in gl.static_range(STAGES):
+        mbarrier.init(full.index(i), count=1)
+        mbarrier.init(empty.index(i), count=1)
+    fence_async_shared()
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [KSTEPS * 3, BK],  # [K step x row, BK]
+                                       gl.SwizzledSharedLayout(8, 1, 1, [0]))
+    gl.warp_specialize([
+        (_consumer, (tab_ptr, act_ptr, counter_ptr, err_ptr, w_ring, full, empty, x_smem,
+                     num_phases, width, BN, BK, STAGES, WAIT, SPIN, num_warps, MATH)),
+        (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES)),
+    ], [1], [40])
+
+
+def first_unit(pid: int, programs: int, ustart: int) -> int:
+    """The first of a phase's units program ``pid`` of ``programs`` takes, the phase's units
+    numbered on from ``ustart`` (the kernels' expression): unit ``t`` goes to program
+    ``(ustart + t) % programs``."""
+    return (pid - ustart % programs + programs) % programs
+
+
+class WsChain:
+    """The chain's weights (one flat bf16 buffer, a TMA view for each K), its phase table and
+    two halves of three bf16 rows (a phase reads one, writes the other)."""
+
+    def __init__(self, shapes: list[tuple[int, int]], device: str, seed: int = 0,
+                 bn: int = 32, bk: int = 256) -> None:
+        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+        self.bn, self.bk = bn, bk
+        for i, (n, k) in enumerate(shapes):
+            if k not in KS or n % bn or (i and k > shapes[i - 1][0]):
+                raise ValueError(f"phase {i} is {n} x {k}: K must be one of {KS}, N a multiple "
+                                 f"of {bn}, and K at most the last phase's N")
+        g = torch.Generator(device).manual_seed(seed)
+        self.shapes = shapes
+        sizes = [n * k for n, k in shapes]
+        total = -(-sum(sizes) // max(KS)) * max(KS)
+        self.w = torch.zeros(total, dtype=torch.bfloat16, device=device)
+        offs, o = [], 0
+        for (n, k), size in zip(shapes, sizes):
+            if o % k:
+                raise ValueError(f"weight offset {o} is not a multiple of its K {k}")
+            self.w[o:o + size].normal_(0.0, k ** -0.5, generator=g)
+            offs.append(o)
+            o += size
+        self.offs = offs
+        self.width = -(-max(n for n, _ in shapes) // 16) * 16
+        rows, ustart = [], 0
+        for i, ((n, k), off) in enumerate(zip(shapes, offs)):
+            rows.append((off // k, n, k, ustart, i % 2))
+            ustart += n // bn
+        if max(max(r) for r in rows) >= 2**31:
+            raise ValueError("a phase table entry does not fit int32")
+        self.tab = torch.tensor(rows, dtype=torch.int64, device=device)
+        self.act = torch.zeros(2 * 3 * self.width, dtype=torch.bfloat16, device=device)
+        layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
+        self.descs = [TensorDescriptor(self.w.view(-1, k), [total // k, k], [k, 1], [bn, bk],
+                                       layout) for k in KS]
+        self.counter = torch.zeros(len(shapes), dtype=torch.int32, device=device)
+        self.err = torch.zeros(1, dtype=torch.int32, device=device)
+        self.units = [n // bn for n, _ in shapes]
+
+    def weight(self, i: int) -> torch.Tensor:
+        n, k = self.shapes[i]
+        return self.w[self.offs[i]:self.offs[i] + n * k].view(n, k)
+
+    def _half(self, h: int) -> torch.Tensor:
+        return self.act[h * 3 * self.width:(h + 1) * 3 * self.width].view(3, self.width)
+
+    def set_input(self, x: torch.Tensor) -> None:
+        self.act.zero_()
+        self._half(0)[:, :x.shape[1]] = x
+
+    def output(self) -> torch.Tensor:
+        return self._half(len(self.shapes) % 2)[:, :self.shapes[-1][0]]
+
+    def run(self, programs: int, stages: int, wait: bool = True, num_warps: int = 8,
+            math: bool = True) -> None:
+        self.counter.zero_()
+        _ws_chain_kernel[(programs,)](
+            self.descs[0], self.descs[1], self.tab, self.act, self.counter, self.err,
+            len(self.shapes), self.width, BN=self.bn, BK=self.bk, STAGES=stages,
+            KSTEPS=max(KS) // self.bk, WAIT=wait, SPIN=SPIN_MAX, MATH=math,
+            num_warps=num_warps)
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
+        a = x
+        for i, (n, k) in enumerate(self.shapes):
+            a = (a[:, :k].float() @ self.weight(i).float().T).to(torch.bfloat16)
+        return a
+
+
+def skinny_chain(chain: WsChain, x: torch.Tensor) -> torch.Tensor:
+    """The chain as one ``skinny_linear_triton`` launch a matmul (today's lowering)."""
+    from dspark_compile.kernels.skinny import skinny_linear_triton
+
+    a = x
+    for i, (n, k) in enumerate(chain.shapes):
+        a = skinny_linear_triton(a[:, :k], chain.weight(i), weight_settled=True)[0]
+    return a
+
+
+def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
+    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--layers", type=int, default=16)
+    ap.add_argument("--stages", type=int, nargs="+", default=[8, 10])
+    ap.add_argument("--tiles", nargs="+", default=["16x512", "32x256"],
+                    help="weight tiles a ring slot holds, BNxBK")
+    ap.add_argument("--warps", type=int, nargs="+", default=[8])
+    opts = ap.parse_args()
+    from common import time_calls
+    from hbm_read import _read_kernel
+
+    dev = "cuda"
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    shapes = phases(opts.layers)
+    nbytes = sum(n * k for n, k in shapes) * 2
+    report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=triton.__version__, command=" ".join(sys.argv), rows=3,
+                  layers=opts.layers, weight_bytes=nbytes, sms=sms, timing=TIMING,
+                  results=[])
+    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
+    out.mkdir(parents=True, exist_ok=True)
+
+    def emit(row: dict) -> None:
+        row["tb_per_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
+        report["results"].append(row)
+        print(json.dumps(row), flush=True)
+        (out / "ws_chain.json").write_text(json.dumps(report, indent=1))
+
+    def timed(fn) -> float:
+        return time_calls([fn], TIMING, dev)["graph_us"] / 1e3
+
+    for b, tile in enumerate(opts.tiles):
+        bn, bk = map(int, tile.split("x"))
+        chain = WsChain(shapes, dev, bn=bn, bk=bk)
+        x = torch.randn(3, shapes[0][1], device=dev,
+                        generator=torch.Generator(dev).manual_seed(1)).to(torch.bfloat16)
+        want = chain.reference(x)
+        if b == 0:
+            sink = torch.empty(2 * sms, device=dev, dtype=torch.float32)
+            w = chain.w
+            emit(dict(kind="read", ms=timed(lambda: _read_kernel[(2 * sms,)](
+                w, sink, w.numel(), BLOCK=16384, num_warps=8))))
+            got = skinny_chain(chain, x)
+            emit(dict(kind="skinny", rel_err=rel_err(got, want),
+                      ms=timed(lambda: skinny_chain(chain, x))))
+        for warps in opts.warps:
+            for stages in opts.stages:
+                if stages * bn * bk * 2 + 3 * max(KS) * 2 > 220 * 1024:
+                    continue  # the ring and the rows past the H200's shared memory
+                # a valid chain; the same without the waits (not valid: the stream's rate);
+                # without the waits or the math (the weight ring's own rate)
+                for kind, wait, math in (("ws", True, True), ("ws_free", False, True),
+                                         ("ws_ring", False, False)):
+                    chain.set_input(x)
+                    chain.err.zero_()
+                    chain.run(sms, stages, wait, warps, math)
+                    torch.cuda.synchronize()
+                    counts = chain.units
+                    row = dict(kind=kind, bn=bn, bk=bk, stages=stages, warps=warps, programs=sms,
+                               timed_out=bool(chain.err.item()),
+                               counts_ok=chain.counter.tolist() == counts)
+                    if wait:
+                        row["rel_err"] = rel_err(chain.output(), want)
+                    row["ms"] = timed(lambda s=stages, wt=wait, nw=warps, m=math:
+                                      chain.run(sms, s, wt, nw, m))
+                    emit(row)
+        del chain
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,47 @@
+"""Compile ws_chain.py's warp-specialized chain kernel for sm_90 (run as a script by
+test_ws_chain_smoke.py, without TRITON_INTERPRET) at its measured configuration (16 x 512 weight
+tiles, 8 ring slots, 8 consumer warps), with and without the waits; prints one JSON line: each
+build's shared memory and what its PTX holds."""
+
+import json
+import re
+import sys
+
+from aot import REPO
+
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+import triton  # noqa: E402
+from triton.backends.compiler import GPUTarget  # noqa: E402
+from triton.experimental.gluon import language as gl  # noqa: E402
+from triton.experimental.gluon._runtime import GluonASTSource  # noqa: E402
+
+import ws_chain  # noqa: E402
+
+BN, BK, STAGES, WARPS = 16, 512, 8, 8
+layout = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
+desc = f"tensordesc<bf16[{BN},{BK}],{layout!r}>"
+kernel = ws_chain._ws_chain_kernel
+out = {}
+for wait in (True, False):
+    consts = dict(BN=BN, BK=BK, STAGES=STAGES, KSTEPS=max(ws_chain.KS) // BK, WAIT=wait,
+                  SPIN=ws_chain.SPIN_MAX, MATH=True, num_warps=WARPS)
+    sig = {"d2k": desc, "d8k": desc, "tab_ptr": "*i64", "act_ptr": "*bf16",
+           "counter_ptr": "*i32", "err_ptr": "*i32", "num_phases": "i32", "width": "i32",
+           **{a: "constexpr" for a in consts}}
+    attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
+             if a in ("tab_ptr", "act_ptr", "counter_ptr", "err_ptr", "width")}
+    compiled = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts,
+                                             attrs=attrs),
+                              target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
+    ptx = compiled.asm["ptx"]
+    out[f"wait{int(wait)}"] = {
+        "shared": compiled.metadata.shared,
+        "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
+        "cp_async": len(re.findall(r"cp\.async\.cg", ptx)),
+        "ring_waits": len(re.findall(r"mbarrier\.try_wait", ptx)),
+        "acquire": len(re.findall(r"\.acquire\.", ptx)),
+        "release": len(re.findall(r"\.release\.", ptx)),
+        "setmaxnreg": len(re.findall(r"setmaxnreg", ptx)),
+    }
+print(json.dumps(out))
