@@ -125,3 +125,62 @@ def test_skinny_weights_are_settled_only_when_no_call_writes_them():
                                (x, w, None, None, 0.0, False, None, False))
         g.output(node)
         assert settled_weight(node) is False, how
+
+
+def test_down_projection_pairs_with_the_next_norm_only_where_its_output_is_that_residual():
+    """With an MLP 4x its hidden size (K >= 4 N: a matmul some target splits into K chunks) the
+    down projection and the next layer's norm + q/k/v (the last layer's: the final norm + LM
+    head) become one pair op each; a 1.5x MLP keeps its calls. A graph where the first output
+    has another use, the first call has a prologue, K is too short or a view changes the shape
+    keeps its calls too."""
+    import operator
+
+    import torch.fx as fx
+
+    from helpers import packed_graph, tiny_llama
+    from dspark_compile.passes.lower import pair_split_sums
+
+    skinny = torch.ops.dspark.skinny_linear_triton.default
+    pair = torch.ops.dspark.skinny_linear_pair_triton.default
+    gm, _ = packed_graph(tiny_llama(layers=2, intermediate=256).half(), torch.float16, "cuda",
+                         ("ragged", "lowering"), rotary="inductor")
+    pairs = [n for n in gm.graph.nodes if n.target is pair]
+    assert len(pairs) == 2 and sum(n.target is skinny for n in gm.graph.nodes) == 5
+    assert [str(n.args[1]) for n in pairs] == ["model_layers_0_mlp_down_proj_weight",
+                                               "model_layers_1_mlp_down_proj_weight"]
+    assert [str(n.args[4]) for n in pairs] == ["model_layers_1_self_attn_q_proj_weight_stacked",
+                                               "lm_head_weight"]
+    assert all(n.kwargs["weight_settled1"] and n.kwargs["weight_settled2"] for n in pairs)
+    assert [n for n in gm.graph.nodes if n.target is skinny][-1].args[1].name != "lm_head_weight"
+    gm, _ = packed_graph(tiny_llama(layers=2).half(), torch.float16, "cuda",
+                         ("ragged", "lowering"), rotary="inductor")
+    assert not any(n.target is pair for n in gm.graph.nodes)
+
+    def graph(how: str) -> fx.GraphModule:
+        g = fx.Graph()
+        meta = {}
+        x1, w1, x2, w2, gamma = (g.placeholder(n) for n in ("x1", "w1", "x2", "w2", "gamma"))
+        for node, shape in ((x1, (5, 256)), (w1, (64 if how != "short K" else 128, 256)),
+                            (x2, (5, 64)), (w2, (96, 64)), (gamma, (64,))):
+            meta[node] = shape
+        a = g.call_function(skinny, (x1, w1, None, gamma if how == "prologue" else None,
+                                     1e-6, False, None, False))
+        y = g.call_function(operator.getitem, (a, 0))
+        meta[y] = (5, meta[w1][0])
+        res = g.call_function(torch.ops.aten.view.default, (y, [5, 64] if how != "reshaped"
+                                                            else [5, 2, 32]))
+        meta[res] = (5, 64) if how != "reshaped" else (5, 2, 32)
+        b = g.call_function(skinny, (x2, w2, None, gamma, 1e-6, False, res, False))
+        outs = [g.call_function(operator.getitem, (b, 0))]
+        if how == "other use":
+            outs.append(g.call_function(torch.ops.aten.neg.default, (y,)))
+        g.output(tuple(outs))
+        for node, shape in meta.items():
+            node.meta["val"] = torch.empty(shape, device="meta")
+        return fx.GraphModule(torch.nn.Module(), g)
+
+    assert len(pair_split_sums(graph("pairs"))) == 1
+    for how in ("other use", "prologue", "short K", "reshaped"):
+        gm = graph(how)
+        assert pair_split_sums(gm) == [], how
+        assert sum(n.target is skinny for n in gm.graph.nodes) == 2, how
