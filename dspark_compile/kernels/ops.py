@@ -110,32 +110,6 @@ def _skinny_triton_fake(x, w, bias, gamma, eps, glu, residual, glu_out, cos=None
 skinny_linear_triton.register_fake(_skinny_triton_fake)
 
 
-@torch.library.custom_op("dspark::skinny_linear_pair_triton", mutates_args=(),
-                         device_types=("cuda",))
-def skinny_linear_pair_triton(x1: torch.Tensor, w1: torch.Tensor, bias1: Optional[torch.Tensor],
-                              x2: torch.Tensor, w2: torch.Tensor, bias2: Optional[torch.Tensor],
-                              gamma2: torch.Tensor, eps2: float, glu_out2: bool,
-                              cos2: Optional[torch.Tensor] = None,
-                              sin2: Optional[torch.Tensor] = None, rot_cols2: int = 0,
-                              weight_settled1: bool = False,
-                              weight_settled2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two ``dspark::skinny_linear_triton`` calls, the second's residual the first's output
-    (``passes/lower.py``'s ``pair_split_sums``): the second's ``(y, h)``. Past the skinny rows
-    the second's input launch sums the first's K-chunk partials (``kernels/skinny.py``)."""
-    from .skinny import skinny_linear_pair_triton as kernel  # needs a GPU driver
-
-    return zeros_when_warming(kernel(x1, w1, bias1, x2, w2, bias2, gamma2, eps2, glu_out2,
-                                     cos2=cos2, sin2=sin2, rot_cols2=rot_cols2,
-                                     weight_settled1=weight_settled1,
-                                     weight_settled2=weight_settled2))
-
-
-@skinny_linear_pair_triton.register_fake
-def _(x1, w1, bias1, x2, w2, bias2, gamma2, eps2, glu_out2, cos2=None, sin2=None, rot_cols2=0,
-      weight_settled1=False, weight_settled2=False):
-    return _skinny_fake(x2, w2, bias2, gamma2, eps2, False, x2, glu_out2, cos2, sin2, rot_cols2)
-
-
 @torch.library.custom_op("dspark::causal_conv1d_triton", mutates_args=("ring",),
                          device_types=("cuda",))
 def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor],

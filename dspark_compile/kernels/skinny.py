@@ -52,7 +52,7 @@ from .device import device_target
 from .linear import linear_reduce_kernel
 from .rotary import rotate_halves, round_to, rotary_apply_triton
 
-__all__ = ["SkinnyPlan", "plan_skinny", "skinny_linear_triton", "skinny_linear_pair_triton"]
+__all__ = ["SkinnyPlan", "plan_skinny", "skinny_linear_triton"]
 
 
 @triton.jit
@@ -411,14 +411,11 @@ def plan_skinny(m: int, n: int, k: int, cfg: TargetConfig, sm_count: int,
 
 @triton.jit
 def _prologue_kernel(x_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, k, stride_xm, stride_rm,
-                     stride_hm, glu_offset, eps, parts, m, res_bias_ptr, PRO: tl.constexpr,
-                     HAS_RES: tl.constexpr, BLOCK_K: tl.constexpr, PDL: tl.constexpr,
-                     RES_PARTS: tl.constexpr = False, RES_BIAS: tl.constexpr = False):
+                     stride_hm, glu_offset, eps, PRO: tl.constexpr, HAS_RES: tl.constexpr,
+                     BLOCK_K: tl.constexpr, PDL: tl.constexpr):
     """One row of the matmul input for rows past the skinny kernel's, the row held whole:
     ``silu(gate) * up`` (``PRO`` 1) or HF's RMSNorm ``gamma * dtype(h * rsqrt(mean(h^2) +
-    eps))`` of ``h = x (+ residual, then stored)`` (2). ``RES_PARTS``: the residual is the
-    matmul before's K-chunk partials, fp32 ``[parts, m, k]``, summed in chunk order (+
-    ``res_bias``, ``RES_BIAS``) and rounded once, as ``linear_reduce_kernel`` makes it."""
+    eps))`` of ``h = x (+ residual, then stored)`` (2)."""
     pdl_enter(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK_K)
@@ -429,15 +426,7 @@ def _prologue_kernel(x_ptr, gamma_ptr, res_ptr, h_ptr, out_ptr, k, stride_xm, st
         a = _silu_mul(a, tl.load(x_ptr + row * stride_xm + glu_offset + offs, mask=ok, other=0.0))
     else:
         if HAS_RES:
-            if RES_PARTS:
-                acc = tl.zeros([BLOCK_K], tl.float32)
-                for s in range(parts):
-                    acc += tl.load(res_ptr + (s * m + row) * k + offs, mask=ok, other=0.0)
-                if RES_BIAS:
-                    acc += tl.load(res_bias_ptr + offs, mask=ok, other=0.0).to(tl.float32)
-                r = acc.to(ty)
-            else:
-                r = tl.load(res_ptr + row * stride_rm + offs, mask=ok, other=0.0)
+            r = tl.load(res_ptr + row * stride_rm + offs, mask=ok, other=0.0)
             a = (a.to(tl.float32) + r.to(tl.float32)).to(ty)
             tl.store(h_ptr + row * stride_hm + offs, a, mask=ok)
         h = a.to(tl.float32)
@@ -552,7 +541,19 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
         if pro and m:
             a = x.new_empty((m, k))
             _prologue(x, gamma, res_args, a, k, eps, pro, residual is not None, pdl)
-        return _past_rows(a, w, bias, glu_out, cos, sin, rot_cols, rot_d, cfg, pdl), h
+        chunks = _mid_split(m, n, k, glu_out, cfg)
+        if chunks > 1:
+            y = _split_mm(a, w, bias, chunks, pdl)
+        else:
+            y = torch.mm(a, w.t()) if bias is None else torch.addmm(bias, a, w.t())
+        if glu_out:
+            out = x.new_empty((m, n_out))
+            if m:
+                _prologue(y, None, (x, x, 0, 0), out, n_out, 0.0, 1, pdl=pdl)
+            y = out
+        if rot_d and m:
+            _rotate_in_place(y, cos, sin, rot_cols, rot_d)
+        return y, h
     out = x.new_empty((m, n_out))
     if m == 0 or n == 0:
         if residual is not None:
@@ -590,70 +591,6 @@ def skinny_linear_triton(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | 
     if head_d and not rot_d:  # fewer rows than skinny_rope_min_m: the rotary kernel after
         _rotate_in_place(out, cos, sin, rot_cols, head_d)
     return out, h
-
-
-def _past_rows(a: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, glu_out: bool,
-               cos, sin, rot_cols: int, rot_d: int, cfg: TargetConfig, pdl: bool) -> torch.Tensor:
-    """The matmul of rows past the skinny kernel's on its input ``a`` (the prologue already
-    applied): ``torch.mm`` (or K-chunk partials and their sum, ``_mid_split``), then the
-    output's SiLU-and-mul launch (``glu_out``) and the q/k rotation (``rot_d``)."""
-    m = a.shape[0]
-    n, k = w.shape
-    chunks = _mid_split(m, n, k, glu_out, cfg)
-    if chunks > 1:
-        y = _split_mm(a, w, bias, chunks, pdl)
-    else:
-        y = torch.mm(a, w.t()) if bias is None else torch.addmm(bias, a, w.t())
-    if glu_out:
-        out = a.new_empty((m, n // 2))
-        if m:
-            _prologue(y, None, (a, a, 0, 0), out, n // 2, 0.0, 1, pdl=pdl)
-        y = out
-    if rot_d and m:
-        _rotate_in_place(y, cos, sin, rot_cols, rot_d)
-    return y
-
-
-def skinny_linear_pair_triton(x1: torch.Tensor, w1: torch.Tensor, bias1: torch.Tensor | None,
-                              x2: torch.Tensor, w2: torch.Tensor, bias2: torch.Tensor | None,
-                              gamma2: torch.Tensor, eps2: float, glu_out2: bool = False,
-                              config: TargetConfig | None = None,
-                              cos2: torch.Tensor | None = None, sin2: torch.Tensor | None = None,
-                              rot_cols2: int = 0, weight_settled1: bool = False,
-                              weight_settled2: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
-    """Two matmuls, the second's residual the first's output: ``y1 = x1 @ w1.T (+ bias1)``, then
-    ``skinny_linear_triton(x2, w2, bias2, gamma2, eps2, residual=y1, glu_out=glu_out2, ...)``'s
-    ``(y2, h2)`` (an MLP's down projection, then the next layer's residual add + RMSNorm and its
-    matmul; ``passes/lower.py``'s ``pair_split_sums`` makes the pair where ``y1`` has no other
-    use). Where the first matmul runs as K-chunk partials (rows past ``skinny_max_m``,
-    ``_mid_split``) and ``cfg.mid_split_fold`` is on, the second's input launch sums them in
-    chunk order (+ ``bias1``) and rounds once, as the sum launch it replaces did, so ``y1`` is
-    never written and the results are the two calls' bit for bit. Elsewhere: the two calls."""
-    cfg, _ = device_target(x1.device)
-    cfg = config or cfg
-    m = x1.shape[0]
-    n1, k1 = w1.shape if isinstance(w1, torch.Tensor) and w1.dim() == 2 else (0, 0)
-    chunks = (_mid_split(m, n1, k1, False, cfg)
-              if cfg.mid_split_fold and m > cfg.skinny_max_m and k1 else 1)
-    if chunks <= 1:
-        y1, _ = skinny_linear_triton(x1, w1, bias1, config=config,
-                                     weight_settled=weight_settled1)
-        return skinny_linear_triton(x2, w2, bias2, gamma2, eps2, False, y1, glu_out2,
-                                    config=config, cos=cos2, sin=sin2, rot_cols=rot_cols2,
-                                    weight_settled=weight_settled2)
-    _check(x1, w1, bias1, None, None, False, False)
-    _check(x2, w2, bias2, gamma2, None, False, glu_out2)
-    if tuple(x2.shape) != (m, n1):
-        _fail(f"x2 is {_desc(x2)}; the pair adds the first matmul's output [{m}, {n1}] to it, so "
-              "it must have that shape")
-    rot_d = _check_rot(x2, w2, cos2, sin2, rot_cols2, glu_out2)
-    pdl = use_pdl(x1.device, cfg)
-    part = _split_partials(x1, w1, chunks)
-    h = x2.new_empty((m, n1))
-    a = x2.new_empty((m, n1))
-    _prologue(x2, gamma2, (x2, h, 0, h.stride(0)), a, n1, eps2, 2, True, pdl, res_parts=part,
-              res_bias=bias1)
-    return _past_rows(a, w2, bias2, glu_out2, cos2, sin2, rot_cols2, rot_d, cfg, pdl), h
 
 
 def _mid_split(m: int, n: int, k: int, glu_out: bool, cfg: TargetConfig) -> int:
@@ -710,15 +647,10 @@ def _rotate_in_place(y: torch.Tensor, cos, sin, rot_cols: int, rot_d: int) -> No
 
 
 def _prologue(x, gamma, res_args, out, k: int, eps: float, pro: int,
-              has_res: bool = False, pdl: bool = False, res_parts: torch.Tensor | None = None,
-              res_bias: torch.Tensor | None = None) -> None:
-    """``out [M, k]`` <- the matmul input of ``x``'s rows (``_prologue_kernel``);
-    ``res_parts``: the residual as fp32 K-chunk partials ``[chunks, M, k]`` (+ ``res_bias``)."""
-    parts = res_parts is not None
+              has_res: bool = False, pdl: bool = False) -> None:
+    """``out [M, k]`` <- the matmul input of ``x``'s rows (``_prologue_kernel``)."""
     launch(_prologue_kernel, (x.shape[0],),
-        x, gamma if gamma is not None else x, res_parts if parts else res_args[0], res_args[1],
-        out, k, x.stride(0), res_args[2], res_args[3], k, eps,
-        res_parts.shape[0] if parts else 0, x.shape[0],
-        res_bias if res_bias is not None else x, PRO=pro, HAS_RES=has_res or parts,
-        BLOCK_K=max(16, triton.next_power_of_2(k)), PDL=pdl, RES_PARTS=parts,
-        RES_BIAS=res_bias is not None, num_warps=4 if k <= 4096 else 8, **pdl_options(pdl))
+        x, gamma if gamma is not None else x, res_args[0], res_args[1], out, k, x.stride(0),
+        res_args[2], res_args[3], k, eps, PRO=pro, HAS_RES=has_res,
+        BLOCK_K=max(16, triton.next_power_of_2(k)), PDL=pdl,
+        num_warps=4 if k <= 4096 else 8, **pdl_options(pdl))

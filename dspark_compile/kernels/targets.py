@@ -146,12 +146,6 @@ class TargetConfig:
     GEMM over ``mid_split_k`` strided K chunks writes fp32 partials, and one Triton launch sums
     them in chunk order (``kernels/skinny.py``'s ``_split_mm``). 1: off, a plain ``torch.mm``.
     Chosen by ``python benchmarks/splitk_bmm.py --op``; figures in docs/tuning.md."""
-    mid_split_fold: bool = True
-    """Where such a matmul's output feeds only the next matmul's residual add + RMSNorm (the
-    down projection, then the next layer's input norm: ``passes/lower.py``'s
-    ``pair_split_sums``), that input launch sums the partials instead of a launch of their own
-    (``skinny_linear_pair_triton``). Chosen by ``python benchmarks/verify_step.py --quick --bs 64
-    --target mid_split_fold=false``; figures in docs/tuning.md."""
     mid_split_full_m: int = 192
     """Rows up to which ``mid_split_k`` chunks are taken whole (halved per doubling past it)."""
     mid_split_max_m: int = 384

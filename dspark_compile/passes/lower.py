@@ -20,7 +20,6 @@ import torch.fx as fx
 import logging
 
 from ..kernels.ops import LOWERED
-from ..kernels.targets import TARGETS
 from .base import EnsureError, PassContext, PassResult, source_line
 
 __all__ = ["run", "early_attention_reads", "settled_weight", "REFERENCE_ONLY",
@@ -45,9 +44,7 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
     """Swap each reference ``dspark::`` op for its implementation under
     ``ctx.settings.lowering``, in place (the pipeline's last pass). The Triton attention also
     gets the block as its query-tile bound (a speed choice only) and whether it may read early
-    (``early_attention_reads``); the skinny matmul whether its weight is settled. Under the
-    Triton lowering a matmul whose output is only the next one's residual becomes a pair
-    (:func:`pair_split_sums`)."""
+    (``early_attention_reads``); the skinny matmul whether its weight is settled."""
     lowering = ctx.settings.lowering
     result = PassResult(f"lower[{lowering}]", changed=0)
     table = LOWERED.get(lowering, {})
@@ -77,11 +74,6 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
                         "reference on the device (a host sync per call; the tier graphs cannot "
                         "capture them: Verifier.capture needs use_graphs=False)",
                         ", ".join(missing), lowering)
-    if lowering == "triton":
-        for first, second in pair_split_sums(gm):
-            result.rewrites.append((f"{first} + {second} -> skinny_linear_pair_triton: the "
-                                    "second's norm launch sums the first's K-chunk partials",
-                                    ""))
     left = [n.name for n in gm.graph.nodes
             if getattr(n.target, "overloadpacket", None) in table]
     if left:
@@ -157,92 +149,3 @@ def settled_weight(node: fx.Node) -> bool:
     x, w = node.args[:2]
     return (isinstance(w, fx.Node) and w.op in ("placeholder", "get_attr") and not _written(w)
             and _computed(x))
-
-
-def _skinny_args(node: fx.Node) -> dict:
-    """A ``skinny_linear_triton`` call's arguments by name (its schema's defaults filled)."""
-    schema = node.target._schema
-    args = {}
-    for i, a in enumerate(schema.arguments):
-        if i < len(node.args):
-            args[a.name] = node.args[i]
-        elif a.name in node.kwargs:
-            args[a.name] = node.kwargs[a.name]
-        else:
-            args[a.name] = a.default_value
-    return args
-
-
-def _shape(value) -> tuple | None:
-    val = value.meta.get("val") if isinstance(value, fx.Node) else None
-    return tuple(val.shape) if isinstance(val, torch.Tensor) else None
-
-
-_MID_SPLIT_RATIO = min(t.mid_split_min_ratio for t in TARGETS.values())
-"""Least K / N at which some target runs a matmul past the skinny rows as K chunks."""
-
-
-def pair_split_sums(gm: fx.GraphModule) -> list[tuple[str, str]]:
-    """Each ``skinny_linear_triton`` call B with an RMSNorm prologue whose residual is, through
-    shape-keeping views only, the output of another plain call A (no prologue, SiLU or
-    rotation; a K at least :data:`_MID_SPLIT_RATIO` times its N, so that some target splits it;
-    that output used by B alone, as its residual) becomes one
-    ``skinny_linear_pair_triton`` (an MLP's down projection and the next layer's input norm +
-    matmul, or the final norm + LM head). Past the skinny rows the pair's norm launch sums A's
-    K-chunk partials itself, one launch fewer (``TargetConfig.mid_split_fold``); elsewhere it
-    runs the two calls. Returns the (A, B) names paired."""
-    skinny = torch.ops.dspark.skinny_linear_triton.default
-    pair = torch.ops.dspark.skinny_linear_pair_triton.default
-    import operator
-
-    done = []
-    for b in list(gm.graph.nodes):
-        if b.op != "call_function" or b.target is not skinny:
-            continue
-        bargs = _skinny_args(b)
-        res = bargs["residual"]
-        if bargs["gamma"] is None or bargs["glu"] or not isinstance(res, fx.Node):
-            continue
-        if any(v is res for k, v in bargs.items() if k != "residual"):
-            continue
-        chain, value = [], res
-        while (value.op == "call_function" and len(value.users) == 1
-               and getattr(value.target, "overloadpacket", None) in _VIEWS):
-            chain.append(value)
-            value = value.args[0]
-        if not (value.op == "call_function" and value.target is operator.getitem
-                and value.args[1] == 0 and len(value.users) == 1):
-            continue
-        a = value.args[0]
-        if not (isinstance(a, fx.Node) and a.op == "call_function" and a.target is skinny):
-            continue
-        aargs = _skinny_args(a)
-        if (aargs["gamma"] is not None or aargs["glu"] or aargs["residual"] is not None
-                or aargs["glu_out"] or aargs["rot_cols"]):
-            continue
-        w_shape = _shape(aargs["w"])
-        if w_shape is None or w_shape[1] < _MID_SPLIT_RATIO * w_shape[0]:
-            continue  # K too short for any target to split it into chunks
-        if any(u is not value and not (u.target is operator.getitem and not u.users)
-               for u in a.users):
-            continue
-        if _shape(value) is None or _shape(value) != _shape(res):
-            continue
-        with gm.graph.inserting_before(b):
-            p = gm.graph.call_function(pair, (
-                aargs["x"], aargs["w"], aargs["bias"], bargs["x"], bargs["w"], bargs["bias"],
-                bargs["gamma"], bargs["eps"], bargs["glu_out"]), dict(
-                cos2=bargs["cos"], sin2=bargs["sin"], rot_cols2=bargs["rot_cols"],
-                weight_settled1=aargs["weight_settled"],
-                weight_settled2=bargs["weight_settled"]))
-        p.meta = dict(b.meta)
-        b.replace_all_uses_with(p)
-        done.append((a.name, b.name))
-        gm.graph.erase_node(b)
-        for n in chain:
-            gm.graph.erase_node(n)
-        gm.graph.erase_node(value)
-        for u in list(a.users):
-            gm.graph.erase_node(u)
-        gm.graph.erase_node(a)
-    return done

@@ -185,69 +185,6 @@ def test_long_k_past_the_kernel_sums_k_chunk_partials_in_order(mode, monkeypatch
     assert len(seen) == 1
 
 
-@needs_kernel_device
-@pytest.mark.parametrize("second", ["plain", "bias", "glu_out", "rotary"])
-def test_pair_sums_the_first_matmuls_chunks_in_the_norm_launch(second, monkeypatch) -> None:
-    """``skinny_linear_pair_triton``: past ``skinny_max_m`` the first matmul's K-chunk partials
-    (+ its bias) are summed by the second's residual add + RMSNorm launch, with no sum launch of
-    their own, and both outputs are the two calls' bit for bit; with ``mid_split_fold`` off, at
-    the skinny rows, or where K is too short to split, the pair is the two calls."""
-    from dspark_compile.kernels import skinny as triton_skinny
-    from dspark_compile.kernels.targets import TARGETS
-
-    cfg = dataclasses.replace(TARGETS["sm_90"], skinny_max_m=4, mid_split_k=4,
-                              mid_split_full_m=12, mid_split_max_m=12, mid_split_min_ratio=4)
-    sums = []
-    reduce = triton_skinny.linear_reduce_kernel
-    monkeypatch.setattr(triton_skinny, "linear_reduce_kernel", reduce)  # restored after
-    real_launch = triton_skinny.launch
-
-    def spy(kernel, grid, *args, **kwargs):
-        if kernel is reduce:
-            sums.append(grid)
-        return real_launch(kernel, grid, *args, **kwargs)
-
-    monkeypatch.setattr(triton_skinny, "launch", spy)
-    g = torch.Generator().manual_seed(7)
-
-    def rnd(*shape, scale=1.0):
-        return (torch.randn(*shape, generator=g) * scale).to(torch.float16)
-
-    n1, k1 = 32, 160  # K = 5 N: four chunks of 40
-    n2 = 64 if second in ("glu_out", "rotary") else 48
-    extra = {}
-    if second == "rotary":
-        extra = dict(cos=rnd(9, 16), sin=rnd(9, 16), rot_cols=32)
-    # (rows, fold, whether a sum launch of the partials runs): folded; not folded; skinny rows
-    # (the skinny kernel sums its splits in its own launch)
-    for m, fold, sum_launch in ((9, True, False), (9, False, True), (3, True, False)):
-        c = dataclasses.replace(cfg, mid_split_fold=fold)
-        x1, w1 = rnd(m, k1), rnd(n1, k1, scale=k1 ** -0.5)
-        bias1 = rnd(n1) if second == "bias" else None
-        x2, w2, gamma = rnd(m, n1), rnd(n2, n1, scale=n1 ** -0.5), rnd(n1) + 1.5
-        bias2 = rnd(n2) if second == "bias" else None
-        if extra:
-            extra["cos"], extra["sin"] = rnd(m, 16), rnd(m, 16)
-        y1, _ = triton_skinny.skinny_linear_triton(x1, w1, bias1, config=c)
-        want = triton_skinny.skinny_linear_triton(x2, w2, bias2, gamma, 1e-6, False, y1,
-                                                  second == "glu_out", config=c, **extra)
-        sums.clear()
-        got = triton_skinny.skinny_linear_pair_triton(
-            x1, w1, bias1, x2, w2, bias2, gamma, 1e-6, second == "glu_out", config=c,
-            **{f"{k}2": v for k, v in extra.items()})
-        assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1]), (m, fold)
-        assert bool(sums) == sum_launch, (m, fold, sums)
-    x1, w1, x2, w2, gamma = rnd(9, 64), rnd(32, 64), rnd(9, 32), rnd(48, 32), rnd(32) + 1.5
-    short = triton_skinny.skinny_linear_pair_triton(x1, w1, None, x2, w2, None, gamma, 1e-6,
-                                                    config=cfg)  # K = 2 N: one matmul
-    y1, _ = triton_skinny.skinny_linear_triton(x1, w1, config=cfg)
-    want = triton_skinny.skinny_linear_triton(x2, w2, None, gamma, 1e-6, False, y1, config=cfg)
-    assert torch.equal(short[0], want[0]) and torch.equal(short[1], want[1])
-    with pytest.raises(ValueError, match=r"x2 is .*\(9, 48\).*must have that shape"):
-        triton_skinny.skinny_linear_pair_triton(rnd(9, k1), rnd(n1, k1), None, rnd(9, 48),
-                                                rnd(n2, 48), None, rnd(48), 1e-6, config=cfg)
-
-
 @pytest.mark.gpu
 @pytest.mark.skipif(INTERPRET or not torch.cuda.is_available(), reason="needs a GPU")
 def test_down_projection_at_192_rows_in_chunks_matches_one_matmul() -> None:
@@ -527,14 +464,8 @@ def _compile_all() -> dict:
     pointers = {a: "bf16" for a in pro.arg_names if a.endswith("_ptr")}
     for target in TARGET_NAMES:
         out.setdefault("prologue_rms_res", {})[target] = compile_kernel(
-            pro, pointers, dict(PRO=2, HAS_RES=True, BLOCK_K=2048, RES_PARTS=False,
-                                RES_BIAS=False), target, {"num_warps": 4},
+            pro, pointers, dict(PRO=2, HAS_RES=True, BLOCK_K=2048), target, {"num_warps": 4},
             scalars={"eps": "fp32"})
-        # the residual from the matmul before's K-chunk partials and its bias
-        out.setdefault("prologue_rms_parts", {})[target] = compile_kernel(
-            pro, {**pointers, "res_ptr": "fp32"}, dict(PRO=2, HAS_RES=True, BLOCK_K=2048,
-                                                       RES_PARTS=True, RES_BIAS=True),
-            target, {"num_warps": 4}, scalars={"eps": "fp32"})
     return out
 
 
@@ -674,8 +605,7 @@ def test_k_loop_is_software_pipelined(compiled: dict) -> None:
     assert compiled["pipelined_shared_bytes"] >= 5 * (64 + 16) * 128 * 2
 
 
-compiled, test_kernel_compiles_ahead_of_time = aot_tests(__file__, [*AOT_CASES, "prologue_rms_res",
-                                                                  "prologue_rms_parts"])
+compiled, test_kernel_compiles_ahead_of_time = aot_tests(__file__, [*AOT_CASES, "prologue_rms_res"])
 
 
 if __name__ == "__main__":
