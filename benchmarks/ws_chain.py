@@ -28,7 +28,12 @@ the waits or the multiplies (``ws_ring``: the weight ring's own rate), and a pla
 same bytes. Every valid chain is checked against torch (each matmul in float32 from the 16-bit
 rows, rounded to bf16) and every unit must be counted once.
 
-    python benchmarks/ws_chain.py [--tiles 16x512 32x256] [--stages 8 10] [--warps 8]
+    python benchmarks/ws_chain.py [--tiles 16x512 32x256] [--stages 8 10] [--warps 8] [--layer]
+
+``--layer`` gives the phases the layer's input transforms, done on the staged rows once a phase
+and program: the residual add + RMSNorm before q+k+v, gate+up and the LM head (the program holding
+a phase's first unit writes the next residual), SiLU-and-mul before down; against the launches
+with those in their prologues and the gate+up epilogue, as the lowering fuses them.
 
 Needs an sm_90 GPU and triton's Gluon (3.6 and 3.9 both build it). Writes ``ws_chain.json`` to
 ``$OUT`` or ``benchmarks/results/``.
@@ -65,11 +70,12 @@ TIMING = dict(eager_iters=3, graph_calls=1, graph_replays=20)
 @gluon.jit
 def _phase(tab_ptr, p):
     """Phase ``p``'s row of ``WsChain.tab``: (first weight row in its K's TMA view, N, K, first
-    unit, input half); int32 (the host checks they fit)."""
-    base = tab_ptr + p * 5
+    unit, input half, input kind, gamma row, norm index); int32 (the host checks they fit)."""
+    base = tab_ptr + p * 8
     return (gl.load(base).to(gl.int32), gl.load(base + 1).to(gl.int32),
             gl.load(base + 2).to(gl.int32), gl.load(base + 3).to(gl.int32),
-            gl.load(base + 4).to(gl.int32))
+            gl.load(base + 4).to(gl.int32), gl.load(base + 5).to(gl.int32),
+            gl.load(base + 6).to(gl.int32), gl.load(base + 7).to(gl.int32))
 
 
 @gluon.jit
@@ -81,7 +87,7 @@ def _producer(d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN: gl.constex
     nprog = gl.num_programs(0)
     it = 0
     for p in range(num_phases):
-        row0, n, k, ustart, half = _phase(tab_ptr, p)
+        row0, n, k, ustart, half, kind, grow, nidx = _phase(tab_ptr, p)
         for t in range((pid - ustart % nprog + nprog) % nprog, n // BN, nprog):
             r = row0 + t * BN
             for kk in range(0, k, BK):
@@ -96,9 +102,78 @@ def _producer(d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN: gl.constex
 
 
 @gluon.jit
-def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, w_ring, full, empty, x_smem, num_phases,
-              width, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-              WAIT: gl.constexpr, SPIN: gl.constexpr, CW: gl.constexpr, MATH: gl.constexpr):
+def _norm_row(x_smem, rin, rout, i, r, hidden, xcol, WRITE: gl.constexpr, BK: gl.constexpr):
+    """Row ``r``'s K step ``i``: ``h = bf16(staged + residual)`` back into the staged slot
+    (and, ``WRITE``, to the next residual); returns ``h^2`` in fp32."""
+    slot = x_smem.index(i * 3 + r)
+    h = (slot.load(xcol.type.layout).to(gl.float32)
+         + gl.load(rin + r * hidden + i * BK + xcol).to(gl.float32)).to(gl.bfloat16)
+    slot.store(h)
+    if WRITE:
+        gl.store(rout + r * hidden + i * BK + xcol, h)
+    hf = h.to(gl.float32)
+    return hf * hf
+
+
+@gluon.jit
+def _scale_row(x_smem, gamma_ptr, i, r, rstd, xcol, BK: gl.constexpr):
+    """Row ``r``'s K step ``i``: ``gamma * bf16(h * rstd)`` (HF's RMSNorm in 16-bit), in place."""
+    slot = x_smem.index(i * 3 + r)
+    h = slot.load(xcol.type.layout).to(gl.float32)
+    g = gl.load(gamma_ptr + i * BK + xcol).to(gl.float32)
+    slot.store((g * (h * rstd).to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16))
+
+
+@gluon.jit
+def _stage_norm(x_smem, resid_ptr, gamma_ptr, k, hidden, eps, grow, nidx, writer, xcol,
+                BK: gl.constexpr):
+    """The staged rows become the next matmul's input ``RMSNorm(residual + rows)``; the program
+    holding the phase's first unit writes ``residual + rows`` as the next residual (the
+    residuals alternate between two buffers, norm phase by norm phase). Its residual and gamma
+    loads are plain loads, a K step at a time (measured: the cost of this form)."""
+    rin = resid_ptr + (nidx % 2) * 3 * hidden
+    rout = resid_ptr + ((nidx + 1) % 2) * 3 * hidden
+    ss0 = gl.zeros_like(xcol).to(gl.float32)
+    ss1 = gl.zeros_like(xcol).to(gl.float32)
+    ss2 = gl.zeros_like(xcol).to(gl.float32)
+    for i in range(0, k // BK):
+        if writer:
+            ss0 += _norm_row(x_smem, rin, rout, i, 0, hidden, xcol, True, BK)
+            ss1 += _norm_row(x_smem, rin, rout, i, 1, hidden, xcol, True, BK)
+            ss2 += _norm_row(x_smem, rin, rout, i, 2, hidden, xcol, True, BK)
+        else:
+            ss0 += _norm_row(x_smem, rin, rout, i, 0, hidden, xcol, False, BK)
+            ss1 += _norm_row(x_smem, rin, rout, i, 1, hidden, xcol, False, BK)
+            ss2 += _norm_row(x_smem, rin, rout, i, 2, hidden, xcol, False, BK)
+    r0 = gl.rsqrt(gl.sum(ss0, axis=0) / k + eps)
+    r1 = gl.rsqrt(gl.sum(ss1, axis=0) / k + eps)
+    r2 = gl.rsqrt(gl.sum(ss2, axis=0) / k + eps)
+    g = gamma_ptr + grow * hidden
+    for i in range(0, k // BK):
+        _scale_row(x_smem, g, i, 0, r0, xcol, BK)
+        _scale_row(x_smem, g, i, 1, r1, xcol, BK)
+        _scale_row(x_smem, g, i, 2, r2, xcol, BK)
+    _sync()
+
+
+@gluon.jit
+def _stage_silu(x_smem, up_ptr, width, k, xcol, BK: gl.constexpr):
+    """The staged rows (the gate half) become ``silu(gate) * up``, ``up`` the columns from ``k``
+    on of the same rows (plain loads, a K step at a time)."""
+    for i in range(0, k // BK):
+        for r in gl.static_range(3):
+            slot = x_smem.index(i * 3 + r)
+            g = slot.load(xcol.type.layout).to(gl.float32)
+            u = gl.load(up_ptr + r * width + i * BK + xcol).to(gl.float32)
+            slot.store((g / (1.0 + gl.exp(-g)) * u).to(gl.bfloat16))
+    _sync()
+
+
+@gluon.jit
+def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ring, full, empty,
+              x_smem, num_phases, width, hidden, eps, BN: gl.constexpr, BK: gl.constexpr,
+              STAGES: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr, CW: gl.constexpr,
+              MATH: gl.constexpr, LAYER: gl.constexpr):
     """Per phase with units here: wait for the last phase (``WAIT``: its count, acquire), copy
     its three rows into shared memory (``cp.async``, all K steps in flight at once); per unit,
     its K steps from the ring (a slot freed once every warp has read it), then its 16-bit
@@ -118,7 +193,7 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, w_ring, full, empty, x_sme
     it = 0
     prev_n = 0
     for p in range(num_phases):
-        row0, n, k, ustart, half = _phase(tab_ptr, p)
+        row0, n, k, ustart, half, kind, grow, nidx = _phase(tab_ptr, p)
         first = (pid - ustart % nprog + nprog) % nprog
         if first < n // BN:
             if WAIT:
@@ -138,6 +213,12 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, w_ring, full, empty, x_sme
             async_copy.commit_group()
             async_copy.wait_group(0)
             _sync()
+            if LAYER:  # the input's own transform, on the staged rows
+                if kind == 1:
+                    _stage_norm(x_smem, resid_ptr, gamma_ptr, k, hidden, eps, grow, nidx,
+                                first == 0, xcol, BK)
+                elif kind == 2:
+                    _stage_silu(x_smem, src + k, width, k, xcol, BK)
             dst = act_ptr + (1 - half) * 3 * width
             done = 0
             for t in range(first, n // BN, nprog):
@@ -169,10 +250,11 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, w_ring, full, empty, x_sme
 
 
 @gluon.jit
-def _ws_chain_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, num_phases, width,
-                     BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
-                     KSTEPS: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr,
-                     MATH: gl.constexpr, num_warps: gl.constexpr):
+def _ws_chain_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr,
+                     num_phases, width, hidden, eps, BN: gl.constexpr, BK: gl.constexpr,
+                     STAGES: gl.constexpr, KSTEPS: gl.constexpr, WAIT: gl.constexpr,
+                     SPIN: gl.constexpr, MATH: gl.constexpr, LAYER: gl.constexpr,
+                     num_warps: gl.constexpr):
     w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], d2k.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -183,8 +265,9 @@ def _ws_chain_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, num_phase
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [KSTEPS * 3, BK],  # [K step x row, BK]
                                        gl.SwizzledSharedLayout(8, 1, 1, [0]))
     gl.warp_specialize([
-        (_consumer, (tab_ptr, act_ptr, counter_ptr, err_ptr, w_ring, full, empty, x_smem,
-                     num_phases, width, BN, BK, STAGES, WAIT, SPIN, num_warps, MATH)),
+        (_consumer, (tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ring, full,
+                     empty, x_smem, num_phases, width, hidden, eps, BN, BK, STAGES, WAIT, SPIN,
+                     num_warps, MATH, LAYER)),
         (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES)),
     ], [1], [40])
 
@@ -196,21 +279,38 @@ def first_unit(pid: int, programs: int, ustart: int) -> int:
     return (pid - ustart % programs + programs) % programs
 
 
+def layer_phases(layers: int) -> tuple[list[tuple[int, int]], list[int]]:
+    """The 1.1B model's layers as phases with their input transforms (kinds: 1 the residual
+    add + RMSNorm, 2 SiLU-and-mul, 0 none): q+k+v (norm), o (none: the attention's output is
+    stood in for by q's columns), gate+up (norm), down (SiLU), then the LM head (norm)."""
+    shapes = [(4096, 2048), (2048, 2048), (16384, 2048), (2048, 8192)] * layers + [(32000, 2048)]
+    return shapes, [1, 0, 1, 2] * layers + [1]
+
+
 class WsChain:
-    """The chain's weights (one flat bf16 buffer, a TMA view for each K), its phase table and
-    two halves of three bf16 rows (a phase reads one, writes the other)."""
+    """The chain's weights (one flat bf16 buffer, a TMA view for each K), its phase table, two
+    halves of three bf16 rows (a phase reads one, writes the other) and, with input transforms
+    (``kinds``), two residual buffers and a gamma row per norm phase."""
 
     def __init__(self, shapes: list[tuple[int, int]], device: str, seed: int = 0,
-                 bn: int = 32, bk: int = 256) -> None:
+                 bn: int = 32, bk: int = 256, kinds: list[int] | None = None) -> None:
         from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
         self.bn, self.bk = bn, bk
-        for i, (n, k) in enumerate(shapes):
-            if k not in KS or n % bn or (i and k > shapes[i - 1][0]):
+        kinds = kinds or [0] * len(shapes)
+        if len(kinds) != len(shapes) or any(c not in (0, 1, 2) for c in kinds):
+            raise ValueError(f"kinds {kinds}: one of 0 (none), 1 (norm), 2 (SiLU) a phase")
+        for i, ((n, k), kind) in enumerate(zip(shapes, kinds)):
+            need = k * (2 if kind == 2 else 1)
+            if k not in KS or n % bn or (i and need > shapes[i - 1][0]) or k % bk:
                 raise ValueError(f"phase {i} is {n} x {k}: K must be one of {KS}, N a multiple "
-                                 f"of {bn}, and K at most the last phase's N")
+                                 f"of {bn}, and K (2 K for a SiLU input) at most the last "
+                                 "phase's N")
+        hiddens = {k for (n, k), kind in zip(shapes, kinds) if kind == 1}
+        if len(hiddens) > 1:
+            raise ValueError(f"norm phases of K {sorted(hiddens)}: one residual width only")
         g = torch.Generator(device).manual_seed(seed)
-        self.shapes = shapes
+        self.shapes, self.kinds = shapes, kinds
         sizes = [n * k for n, k in shapes]
         total = -(-sum(sizes) // max(KS)) * max(KS)
         self.w = torch.zeros(total, dtype=torch.bfloat16, device=device)
@@ -223,20 +323,30 @@ class WsChain:
             o += size
         self.offs = offs
         self.width = -(-max(n for n, _ in shapes) // 16) * 16
-        rows, ustart = [], 0
-        for i, ((n, k), off) in enumerate(zip(shapes, offs)):
-            rows.append((off // k, n, k, ustart, i % 2))
+        self.hidden = hiddens.pop() if hiddens else 16
+        rows, ustart, norms = [], 0, 0
+        for i, ((n, k), off, kind) in enumerate(zip(shapes, offs, kinds)):
+            rows.append((off // k, n, k, ustart, i % 2, kind, norms if kind == 1 else 0, norms))
             ustart += n // bn
+            norms += kind == 1
         if max(max(r) for r in rows) >= 2**31:
             raise ValueError("a phase table entry does not fit int32")
         self.tab = torch.tensor(rows, dtype=torch.int64, device=device)
         self.act = torch.zeros(2 * 3 * self.width, dtype=torch.bfloat16, device=device)
+        self.resid = torch.zeros(2 * 3 * self.hidden, dtype=torch.bfloat16, device=device)
+        self.gammas = (1.0 + 0.1 * torch.randn(max(norms, 1), self.hidden, generator=g,
+                                               device=device)).to(torch.bfloat16)
+        self.eps = 1e-6
         layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
         self.descs = [TensorDescriptor(self.w.view(-1, k), [total // k, k], [k, 1], [bn, bk],
                                        layout) for k in KS]
         self.counter = torch.zeros(len(shapes), dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
         self.units = [n // bn for n, _ in shapes]
+
+    @property
+    def layer(self) -> bool:
+        return any(self.kinds)
 
     def weight(self, i: int) -> torch.Tensor:
         n, k = self.shapes[i]
@@ -246,8 +356,14 @@ class WsChain:
         return self.act[h * 3 * self.width:(h + 1) * 3 * self.width].view(3, self.width)
 
     def set_input(self, x: torch.Tensor) -> None:
+        """``x [3, K0]``: the first phase's rows, or with input transforms the first residual
+        (the embeddings; the rows before it are zeros)."""
         self.act.zero_()
-        self._half(0)[:, :x.shape[1]] = x
+        self.resid.zero_()
+        if self.layer:
+            self.resid[:3 * self.hidden].view(3, self.hidden)[:, :x.shape[1]] = x
+        else:
+            self._half(0)[:, :x.shape[1]] = x
 
     def output(self) -> torch.Tensor:
         return self._half(len(self.shapes) % 2)[:, :self.shapes[-1][0]]
@@ -257,25 +373,63 @@ class WsChain:
         self.counter.zero_()
         _ws_chain_kernel[(programs,)](
             self.descs[0], self.descs[1], self.tab, self.act, self.counter, self.err,
-            len(self.shapes), self.width, BN=self.bn, BK=self.bk, STAGES=stages,
-            KSTEPS=max(KS) // self.bk, WAIT=wait, SPIN=SPIN_MAX, MATH=math,
-            num_warps=num_warps)
+            self.resid, self.gammas, len(self.shapes), self.width, self.hidden, self.eps,
+            BN=self.bn, BK=self.bk, STAGES=stages, KSTEPS=max(KS) // self.bk, WAIT=wait,
+            SPIN=SPIN_MAX, MATH=math, LAYER=self.layer, num_warps=num_warps)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
-        a = x
-        for i, (n, k) in enumerate(self.shapes):
-            a = (a[:, :k].float() @ self.weight(i).float().T).to(torch.bfloat16)
-        return a
+        """Torch, phase by phase: each input transform in fp32 rounded as HF rounds it, each
+        matmul in fp32 from the 16-bit rows, rounded to bf16."""
+        prev = torch.zeros(3, self.width, dtype=torch.bfloat16, device=x.device)
+        resid = x
+        if not self.layer:
+            prev[:, :x.shape[1]] = x
+        norms = 0
+        for i, ((n, k), kind) in enumerate(zip(self.shapes, self.kinds)):
+            if kind == 1:
+                h = (resid.float() + prev[:, :k].float()).to(torch.bfloat16)
+                resid = h
+                hf = h.float()
+                normed = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps))
+                a = (self.gammas[norms].float() * normed.to(torch.bfloat16).float())
+                a = a.to(torch.bfloat16)
+                norms += 1
+            elif kind == 2:
+                a = (torch.nn.functional.silu(prev[:, :k].float()) * prev[:, k:2 * k].float())
+                a = a.to(torch.bfloat16)
+            else:
+                a = prev[:, :k]
+            y = (a.float() @ self.weight(i).float().T).to(torch.bfloat16)
+            prev = torch.zeros_like(prev)
+            prev[:, :n] = y
+        return prev[:, :self.shapes[-1][0]]
 
 
 def skinny_chain(chain: WsChain, x: torch.Tensor) -> torch.Tensor:
-    """The chain as one ``skinny_linear_triton`` launch a matmul (today's lowering)."""
+    """The chain as one ``skinny_linear_triton`` launch a matmul (today's lowering): with input
+    transforms, the residual add + norm as a launch's prologue and the SiLU as the gate+up
+    launch's epilogue (``glu_out``), as ``fuse_linears`` makes them."""
     from dspark_compile.kernels.skinny import skinny_linear_triton
 
-    a = x
-    for i, (n, k) in enumerate(chain.shapes):
-        a = skinny_linear_triton(a[:, :k], chain.weight(i), weight_settled=True)[0]
-    return a
+    if not chain.layer:
+        a = x
+        for i, (n, k) in enumerate(chain.shapes):
+            a = skinny_linear_triton(a[:, :k], chain.weight(i), weight_settled=True)[0]
+        return a
+    resid, prev, norms = x, None, 0
+    for i, ((n, k), kind) in enumerate(zip(chain.shapes, chain.kinds)):
+        nxt = chain.kinds[i + 1] if i + 1 < len(chain.kinds) else 0
+        if kind == 1:
+            y, h = skinny_linear_triton(resid, chain.weight(i), None, chain.gammas[norms],
+                                        chain.eps, False, prev, nxt == 2, weight_settled=True)
+            resid = h if prev is not None else resid
+            norms += 1
+        elif kind == 2:
+            y = skinny_linear_triton(prev, chain.weight(i), weight_settled=True)[0]
+        else:
+            y = skinny_linear_triton(prev[:, :k], chain.weight(i), weight_settled=True)[0]
+        prev = y
+    return prev
 
 
 def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
@@ -289,17 +443,23 @@ def main() -> None:
     ap.add_argument("--tiles", nargs="+", default=["16x512", "32x256"],
                     help="weight tiles a ring slot holds, BNxBK")
     ap.add_argument("--warps", type=int, nargs="+", default=[8])
+    ap.add_argument("--layer", action="store_true",
+                    help="the layers' input transforms too: the residual add + RMSNorm before "
+                         "q+k+v, gate+up and the LM head, SiLU-and-mul before down "
+                         "(ws_chain_layer.json)")
     opts = ap.parse_args()
     from common import time_calls
     from hbm_read import _read_kernel
 
     dev = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    shapes = phases(opts.layers)
+    shapes, kinds = layer_phases(opts.layers) if opts.layer else (phases(opts.layers), None)
+    name = "ws_chain_layer.json" if opts.layer else "ws_chain.json"
     nbytes = sum(n * k for n, k in shapes) * 2
     report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
                   triton=triton.__version__, command=" ".join(sys.argv), rows=3,
-                  layers=opts.layers, weight_bytes=nbytes, sms=sms, timing=TIMING,
+                  layers=opts.layers, layer_transforms=opts.layer, weight_bytes=nbytes,
+                  sms=sms, timing=TIMING,
                   results=[])
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
@@ -308,14 +468,14 @@ def main() -> None:
         row["tb_per_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
         report["results"].append(row)
         print(json.dumps(row), flush=True)
-        (out / "ws_chain.json").write_text(json.dumps(report, indent=1))
+        (out / name).write_text(json.dumps(report, indent=1))
 
     def timed(fn) -> float:
         return time_calls([fn], TIMING, dev)["graph_us"] / 1e3
 
     for b, tile in enumerate(opts.tiles):
         bn, bk = map(int, tile.split("x"))
-        chain = WsChain(shapes, dev, bn=bn, bk=bk)
+        chain = WsChain(shapes, dev, bn=bn, bk=bk, kinds=kinds)
         x = torch.randn(3, shapes[0][1], device=dev,
                         generator=torch.Generator(dev).manual_seed(1)).to(torch.bfloat16)
         want = chain.reference(x)

@@ -1,6 +1,8 @@
 """benchmarks/ws_chain.py's kernel on an sm_90 GPU: one layer's chain (q+k+v, o, gate+up, down,
 then the LM head) at 3 rows against torch, every unit counted once, no wait given up; without
-the waits every unit is still counted (that build's rows are not a valid chain)."""
+the waits every unit is still counted (that build's rows are not a valid chain). With the
+layer's input transforms (residual add + RMSNorm, SiLU-and-mul) against torch too, and the
+launches with those fused as the lowering does them against the same reference."""
 
 import pytest
 import torch
@@ -12,11 +14,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     reason="needs an sm_90 GPU (TMA, warp specialization)")]
 
 
-@pytest.mark.parametrize("tile", [(16, 512), (32, 256)])
-def test_one_layer_chain_matches_torch(tile):
+@pytest.mark.parametrize("tile, layer", [((16, 512), False), ((32, 256), False),
+                                         ((16, 512), True)])
+def test_one_layer_chain_matches_torch(tile, layer):
     ws = load_benchmark("ws_chain")
     persistent = load_benchmark("persistent_spike")
-    chain = ws.WsChain(persistent.phases(1), "cuda", bn=tile[0], bk=tile[1])
+    shapes, kinds = ws.layer_phases(1) if layer else (persistent.phases(1), None)
+    chain = ws.WsChain(shapes, "cuda", bn=tile[0], bk=tile[1], kinds=kinds)
     x = torch.randn(3, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     x = x.to(torch.bfloat16)
     want = chain.reference(x)
@@ -31,3 +35,4 @@ def test_one_layer_chain_matches_torch(tile):
         if wait:
             err = ws.rel_err(chain.output(), want)
             assert err < 0.02, err
+    assert ws.rel_err(ws.skinny_chain(chain, x), want) < 0.02

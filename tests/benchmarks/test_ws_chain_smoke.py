@@ -16,8 +16,8 @@ def test_phase_table_deals_every_unit_once():
     tab = chain.tab.tolist()
     ustart = 0
     for p, ((n, k), row) in enumerate(zip(shapes, tab)):
-        # (first row in its K's view, N, K, first unit, input half)
-        assert row == [chain.offs[p] // k, n, k, ustart, p % 2]
+        # (first row in its K's view, N, K, first unit, input half, kind, gamma row, norm index)
+        assert row == [chain.offs[p] // k, n, k, ustart, p % 2, 0, 0, 0]
         assert torch.equal(chain.w.view(-1, k)[row[0]:row[0] + n], chain.weight(p))
         ustart += n // 16
     assert chain.units == [n // 16 for n, _ in shapes]
@@ -60,3 +60,43 @@ def test_kernel_compiles_for_sm90_as_producer_and_consumer():
         assert build["cp_async"] > 0 and build["ring_waits"] > 0, (name, build)
         assert build["release"] > 0, (name, build)  # each phase's count
     assert out["wait1"]["acquire"] > 0 and out["wait0"]["acquire"] == 0, out
+    # the layers' input transforms: the norm's rsqrt and SiLU's exp only where asked
+    assert out["wait1_layer"]["rsqrt"] > 0 and out["wait1_layer"]["ex2"] > 0, out
+    assert out["wait1"]["rsqrt"] == 0 and out["wait1"]["ex2"] == 0, out
+
+
+def test_layer_chain_table_and_reference():
+    """``kinds``: the norm phases number their gamma rows and alternate the residual buffers;
+    the reference is the layer's math (residual add, HF's 16-bit RMSNorm, SiLU-and-mul) in
+    torch; kinds and widths that cannot chain are refused."""
+    ws = load_benchmark("ws_chain")
+    shapes, kinds = ws.layer_phases(1)
+    assert kinds == [1, 0, 1, 2, 1] and shapes[3] == (2048, 8192)
+    with pytest.raises(ValueError, match="one of 0"):
+        ws.WsChain(shapes[:2], "cpu", kinds=[1, 3])
+    with pytest.raises(ValueError, match="2 K for a SiLU input"):
+        ws.WsChain([(4096, 2048), (2048, 4096 // 2 * 4)], "cpu", kinds=[0, 2])
+    small = [(4096, 2048), (2048, 2048), (8192, 2048), (2048, 2048)]  # down's K: 2048 here
+    chain = ws.WsChain(small, "cpu", bn=16, bk=512, kinds=[1, 0, 1, 2])
+    tab = chain.tab.tolist()
+    assert [r[5:] for r in tab] == [[1, 0, 0], [0, 0, 1], [1, 1, 1], [2, 0, 2]]
+    assert chain.gammas.shape == (2, 2048) and chain.hidden == 2048
+    x = torch.randn(3, 2048, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+
+    def norm(h, g):
+        hf = h.float()
+        n = (hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + 1e-6)).to(torch.bfloat16)
+        return (g.float() * n.float()).to(torch.bfloat16)
+
+    def mm(a, i):
+        return (a.float() @ chain.weight(i).float().T).to(torch.bfloat16)
+
+    q = mm(norm(x, chain.gammas[0]), 0)
+    o = mm(q[:, :2048], 1)
+    h = (x.float() + o.float()).to(torch.bfloat16)
+    gu = mm(norm(h, chain.gammas[1]), 2)
+    act = (torch.nn.functional.silu(gu[:, :2048].float()) * gu[:, 2048:4096].float())
+    want = mm(act.to(torch.bfloat16), 3)
+    assert torch.equal(chain.reference(x), want)
+    chain.set_input(x)
+    assert torch.equal(chain.resid[:3 * 2048].view(3, 2048), x) and not chain.act.any()

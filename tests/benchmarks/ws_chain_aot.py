@@ -1,6 +1,7 @@
 """Compile ws_chain.py's warp-specialized chain kernel for sm_90 (run as a script by
 test_ws_chain_smoke.py, without TRITON_INTERPRET) at its measured configuration (16 x 512 weight
-tiles, 8 ring slots, 8 consumer warps), with and without the waits; prints one JSON line: each
+tiles, 8 ring slots, 8 consumer warps), with and without the waits, and with the layers' input
+transforms; prints one JSON line: each
 build's shared memory and what its PTX holds."""
 
 import json
@@ -23,19 +24,21 @@ layout = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
 desc = f"tensordesc<bf16[{BN},{BK}],{layout!r}>"
 kernel = ws_chain._ws_chain_kernel
 out = {}
-for wait in (True, False):
+for wait, layer in ((True, False), (False, False), (True, True)):
     consts = dict(BN=BN, BK=BK, STAGES=STAGES, KSTEPS=max(ws_chain.KS) // BK, WAIT=wait,
-                  SPIN=ws_chain.SPIN_MAX, MATH=True, num_warps=WARPS)
+                  SPIN=ws_chain.SPIN_MAX, MATH=True, LAYER=layer, num_warps=WARPS)
     sig = {"d2k": desc, "d8k": desc, "tab_ptr": "*i64", "act_ptr": "*bf16",
-           "counter_ptr": "*i32", "err_ptr": "*i32", "num_phases": "i32", "width": "i32",
-           **{a: "constexpr" for a in consts}}
+           "counter_ptr": "*i32", "err_ptr": "*i32", "resid_ptr": "*bf16",
+           "gamma_ptr": "*bf16", "num_phases": "i32", "width": "i32", "hidden": "i32",
+           "eps": "fp32", **{a: "constexpr" for a in consts}}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
-             if a in ("tab_ptr", "act_ptr", "counter_ptr", "err_ptr", "width")}
+             if a in ("tab_ptr", "act_ptr", "counter_ptr", "err_ptr", "resid_ptr", "gamma_ptr",
+                      "width", "hidden")}
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts,
                                              attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
     ptx = compiled.asm["ptx"]
-    out[f"wait{int(wait)}"] = {
+    out[f"wait{int(wait)}" + ("_layer" if layer else "")] = {
         "shared": compiled.metadata.shared,
         "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
         "cp_async": len(re.findall(r"cp\.async\.cg", ptx)),
@@ -43,5 +46,7 @@ for wait in (True, False):
         "acquire": len(re.findall(r"\.acquire\.", ptx)),
         "release": len(re.findall(r"\.release\.", ptx)),
         "setmaxnreg": len(re.findall(r"setmaxnreg", ptx)),
+        "rsqrt": len(re.findall(r"rsqrt", ptx)),
+        "ex2": len(re.findall(r"ex2\.approx", ptx)),
     }
 print(json.dumps(out))
