@@ -66,6 +66,8 @@
 #                 only for the matmul before them)
 #   ws_chain      ws_chain.py (the bs-1 matmul chain as one persistent warp-specialized launch:
 #                 a producer warp streams weight tiles by TMA, never waiting for an activation)
+#   ws_chain_layer  ws_chain.py --layer (the same chain with the layers' norms and SiLU done on
+#                 each program's staged rows)
 #   moe_steps     hybrid_step.py --variant a3b, then --variant moe (MoE verify steps vs HF)
 #   moe_attr      hybrid_step.py --variant moe --attribute --check-only (its bf16 logits: ours
 #                 and HF vs a float32 copy)
@@ -137,6 +139,7 @@ job() {
     packed_rotate) python3 benchmarks/packed_weights.py --quick --rotate ;;
     flow_chain) python3 benchmarks/flow_chain.py ;;
     ws_chain) python3 benchmarks/ws_chain.py --stages 8 10 --tiles 16x512 8x1024 ;;
+    ws_chain_layer) python3 benchmarks/ws_chain.py --layer --stages 8 --tiles 16x512 ;;
     stream_clocks) python3 benchmarks/packed_weights.py --shapes '2048x2048*128' \
         --configs 64,128,4,5,1 --rotate --clocks ;;
     e2e_256) python3 benchmarks/e2e.py --concurrency 256 --repeats 5 &&
