@@ -35,8 +35,8 @@ and program: the residual add + RMSNorm before q+k+v, gate+up and the LM head (t
 a phase's first unit writes the next residual), SiLU-and-mul before down; against the launches
 with those in their prologues and the gate+up epilogue, as the lowering fuses them.
 
-Needs an sm_90 GPU and triton's Gluon (3.6 and 3.9 both build it). Writes ``ws_chain.json`` to
-``$OUT`` or ``benchmarks/results/``.
+Needs an sm_90 GPU and triton's Gluon (3.6 and 3.9 both build it). Writes ``ws_chain.json``
+(``ws_chain_layer.json`` with ``--layer``) to ``$OUT`` or ``benchmarks/results/``.
 """
 
 from __future__ import annotations
