@@ -55,7 +55,7 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 sys.path.insert(0, str(Path(__file__).parent))
-from persistent_spike import phases  # noqa: E402
+from persistent_spike import _rel_err as rel_err, phases  # noqa: E402
 
 KS = (2048, 8192)  # the chain's K values: one TMA view of the weights each
 SPIN_MAX = 1 << 20
@@ -430,10 +430,6 @@ def skinny_chain(chain: WsChain, x: torch.Tensor) -> torch.Tensor:
             y = skinny_linear_triton(prev[:, :k], chain.weight(i), weight_settled=True)[0]
         prev = y
     return prev
-
-
-def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
-    return ((got.float() - want.float()).norm() / want.float().norm().clamp_min(1e-30)).item()
 
 
 def main() -> None:

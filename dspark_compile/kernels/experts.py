@@ -44,7 +44,7 @@ import triton
 import triton.language as tl
 
 from .device import device_target, fp32_dot_precision
-from .launch import launch, tensor_descriptor
+from .launch import descriptor_ok, launch, tensor_descriptor
 from .pdl import pdl_enter, pdl_options, pdl_release, pdl_wait, use_pdl
 from .targets import TargetConfig
 from ..ops.experts import down_dtype
@@ -343,8 +343,7 @@ def _tma_weights(w: torch.Tensor, transposed: bool, n_out: int, block_n: int,
     tests)."""
     if not cfg.experts_tma or transposed or not w.is_contiguous() or w.element_size() != 2:
         return False
-    return (w.data_ptr() % 16 == 0 and (w.shape[2] * w.element_size()) % 16 == 0
-            and n_out % block_n == 0)
+    return descriptor_ok(w) and n_out % block_n == 0
 
 
 def _gemm(a, order, offsets, w, bias, scale, out, row_div: int, transposed: bool,

@@ -71,7 +71,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .launch import launch, tensor_descriptor
+from .launch import descriptor_ok, launch, tensor_descriptor
 from ..ops.linear_attention_reference import check_gdn, check_gdn_commit
 from .device import device_sm_count, device_target, register_cap
 from .pdl import pdl_enter, pdl_options, pdl_wait, use_pdl
@@ -954,12 +954,9 @@ def _gram_for(plan: GdnPlan, dtype: torch.dtype) -> bool:
 
 def _state_tma(plan: GdnPlan, state: torch.Tensor, cfg) -> bool:
     """The stream programs read the state through a tensor descriptor: the plan asks for it,
-    the target has TMA (``TargetConfig.has_tma``) and the pool allows one (16-byte aligned,
-    every stride but the last a multiple of 16 bytes)."""
-    if not plan.block_state_tma or not cfg.has_tma:
-        return False
-    return state.data_ptr() % 16 == 0 and state.stride(3) == 1 \
-        and all(state.stride(i) * state.element_size() % 16 == 0 for i in range(3))
+    the target has TMA (``TargetConfig.has_tma``) and the pool allows one
+    (:func:`launch.descriptor_ok`)."""
+    return plan.block_state_tma and cfg.has_tma and descriptor_ok(state)
 
 
 def _check_plan(plan: GdnPlan, channel_gates: bool) -> None:

@@ -74,6 +74,13 @@ def tensor_descriptor(t: torch.Tensor, block: list[int]):
     return TensorDescriptor(t, list(t.shape), list(t.stride()), block)
 
 
+def descriptor_ok(t: torch.Tensor) -> bool:
+    """Whether a tensor descriptor may cover ``t`` (the TMA rule): a 16-byte aligned base, a
+    unit last stride and every other stride a multiple of 16 bytes."""
+    return (t.data_ptr() % 16 == 0 and t.stride(-1) == 1
+            and all(t.stride(i) * t.element_size() % 16 == 0 for i in range(t.dim() - 1)))
+
+
 def _arg_key(v):
     """What of ``v`` a Triton specialisation can depend on, or at least as much: a tensor's
     dtype and 16-byte alignment (its address is an argument, not part of the kernel), every
