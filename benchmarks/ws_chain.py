@@ -68,10 +68,11 @@ TIMING = dict(eager_iters=3, graph_calls=1, graph_replays=20)
 
 
 @gluon.jit
-def _phase(tab_ptr, p):
-    """Phase ``p``'s row of ``WsChain.tab``: (first weight row in its K's TMA view, N, K, first
-    unit, input half, input kind, gamma row, norm index); int32 (the host checks they fit)."""
-    base = tab_ptr + p * 8
+def _phase(tab_ptr, p, COLS: gl.constexpr):
+    """Phase ``p``'s first eight columns of a table of ``COLS`` (``WsChain.tab``: 8): (first
+    weight row in its K's TMA view, N, K, first unit, input half, input kind, gamma row, norm
+    index); int32 (the host checks they fit)."""
+    base = tab_ptr + p * COLS
     return (gl.load(base).to(gl.int32), gl.load(base + 1).to(gl.int32),
             gl.load(base + 2).to(gl.int32), gl.load(base + 3).to(gl.int32),
             gl.load(base + 4).to(gl.int32), gl.load(base + 5).to(gl.int32),
@@ -80,14 +81,15 @@ def _phase(tab_ptr, p):
 
 @gluon.jit
 def _producer(d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN: gl.constexpr,
-              BK: gl.constexpr, STAGES: gl.constexpr):
+              BK: gl.constexpr, STAGES: gl.constexpr, COLS: gl.constexpr):
     """Every K step of the program's units, in order: a free slot, then its weight tile's TMA
-    load. It waits for nothing else, so it runs ahead across the phases by the ring's depth."""
+    load. It waits for nothing else, so it runs ahead across the phases by the ring's depth (a
+    phase of N 0 has no weights)."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     it = 0
     for p in range(num_phases):
-        row0, n, k, ustart, half, kind, grow, nidx = _phase(tab_ptr, p)
+        row0, n, k, ustart, half, kind, grow, nidx = _phase(tab_ptr, p, COLS)
         for t in range((pid - ustart % nprog + nprog) % nprog, n // BN, nprog):
             r = row0 + t * BN
             for kk in range(0, k, BK):
@@ -193,7 +195,7 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ri
     it = 0
     prev_n = 0
     for p in range(num_phases):
-        row0, n, k, ustart, half, kind, grow, nidx = _phase(tab_ptr, p)
+        row0, n, k, ustart, half, kind, grow, nidx = _phase(tab_ptr, p, 8)
         first = (pid - ustart % nprog + nprog) % nprog
         if first < n // BN:
             if WAIT:
@@ -268,7 +270,7 @@ def _ws_chain_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr
         (_consumer, (tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ring, full,
                      empty, x_smem, num_phases, width, hidden, eps, BN, BK, STAGES, WAIT, SPIN,
                      num_warps, MATH, LAYER)),
-        (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES)),
+        (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES, 8)),
     ], [1], [40])
 
 
@@ -287,6 +289,33 @@ def layer_phases(layers: int) -> tuple[list[tuple[int, int]], list[int]]:
     return shapes, [1, 0, 1, 2] * layers + [1]
 
 
+def pack_weights(shapes: list[tuple[int, int]], device: str,
+                 gen: torch.Generator) -> tuple[torch.Tensor, list[int]]:
+    """The ``[N, K]`` weights of ``shapes`` (normal, std ``K ** -0.5``) one after another in one
+    flat bf16 buffer, padded to a whole row of the largest K; returns it and each one's offset
+    (a multiple of its K, so that it is a row range of its K's ``[rows, K]`` view)."""
+    sizes = [n * k for n, k in shapes]
+    w = torch.zeros(-(-sum(sizes) // max(KS)) * max(KS), dtype=torch.bfloat16, device=device)
+    offs, o = [], 0
+    for (n, k), size in zip(shapes, sizes):
+        if o % k:
+            raise ValueError(f"weight offset {o} is not a multiple of its K {k}")
+        w[o:o + size].normal_(0.0, k ** -0.5, generator=gen)
+        offs.append(o)
+        o += size
+    return w, offs
+
+
+def weight_descriptors(w: torch.Tensor, bn: int, bk: int) -> list:
+    """One TMA descriptor of ``[bn, bk]`` tiles over ``w`` viewed as ``[rows, K]``, for each K of
+    :data:`KS`."""
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+
+    layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
+    return [TensorDescriptor(w.view(-1, k), [w.numel() // k, k], [k, 1], [bn, bk], layout)
+            for k in KS]
+
+
 class WsChain:
     """The chain's weights (one flat bf16 buffer, a TMA view for each K), its phase table, two
     halves of three bf16 rows (a phase reads one, writes the other) and, with input transforms
@@ -294,8 +323,6 @@ class WsChain:
 
     def __init__(self, shapes: list[tuple[int, int]], device: str, seed: int = 0,
                  bn: int = 32, bk: int = 256, kinds: list[int] | None = None) -> None:
-        from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
-
         self.bn, self.bk = bn, bk
         kinds = kinds or [0] * len(shapes)
         if len(kinds) != len(shapes) or any(c not in (0, 1, 2) for c in kinds):
@@ -311,16 +338,7 @@ class WsChain:
             raise ValueError(f"norm phases of K {sorted(hiddens)}: one residual width only")
         g = torch.Generator(device).manual_seed(seed)
         self.shapes, self.kinds = shapes, kinds
-        sizes = [n * k for n, k in shapes]
-        total = -(-sum(sizes) // max(KS)) * max(KS)
-        self.w = torch.zeros(total, dtype=torch.bfloat16, device=device)
-        offs, o = [], 0
-        for (n, k), size in zip(shapes, sizes):
-            if o % k:
-                raise ValueError(f"weight offset {o} is not a multiple of its K {k}")
-            self.w[o:o + size].normal_(0.0, k ** -0.5, generator=g)
-            offs.append(o)
-            o += size
+        self.w, offs = pack_weights(shapes, device, g)
         self.offs = offs
         self.width = -(-max(n for n, _ in shapes) // 16) * 16
         self.hidden = hiddens.pop() if hiddens else 16
@@ -337,9 +355,7 @@ class WsChain:
         self.gammas = (1.0 + 0.1 * torch.randn(max(norms, 1), self.hidden, generator=g,
                                                device=device)).to(torch.bfloat16)
         self.eps = 1e-6
-        layout = gl.NVMMASharedLayout.get_default_for([bn, bk], gl.bfloat16)
-        self.descs = [TensorDescriptor(self.w.view(-1, k), [total // k, k], [k, 1], [bn, bk],
-                                       layout) for k in KS]
+        self.descs = weight_descriptors(self.w, bn, bk)
         self.counter = torch.zeros(len(shapes), dtype=torch.int32, device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
         self.units = [n // bn for n, _ in shapes]
