@@ -2,42 +2,48 @@
 KV) as one persistent, warp-specialized launch (Gluon, sm_90), whose weight stream keeps running
 through the norms, the attention and every phase boundary.
 
-``ws_chain.py`` showed the matmul chain alone streaming at 0.90x of the launches once the weight
-loads live in a partition of their own; today's bs-1 step leaves the memory bus idle during each
+``ws_chain.py`` showed the matmul chain alone at 0.90x of the launches once the weight loads
+live in a partition of their own; today's bs-1 step leaves the memory bus idle during each
 layer's attention launches. Here every op of a layer is a phase of one launch:
 
-- **q+k+v** (the residual add + RMSNorm on the staged rows), **attention**, **o**, **gate+up**
-  (the residual add + RMSNorm; SiLU-and-mul in its epilogue: a unit's 16 weight rows are 8 gate
-  rows and their 8 up rows), **down**; then the final norm and the **LM head**;
+- **q+k+v** (RMSNorm of the residual stream on the staged rows; in the epilogue, rotary on q
+  and k and the new k and v into the paged cache), **attention**, **o**, **gate+up**
+  (RMSNorm; SiLU-and-mul in the epilogue), **down**; then the final norm and the **LM head**;
 - a matmul phase's units are (``BN`` weight rows, whole K) as in ``ws_chain.py``: the producer
-  warp TMA-loads their tiles into the ring, never waiting for an activation. Its rows, and for a
-  norm phase the residual and the gamma too, are copied into shared memory in one ``cp.async``
-  burst (one wait, not one per K step);
-- an **attention** phase's units are (KV head, split of ``CH`` cached positions): the unit
-  rotates its two q heads (and, in the last split, the three new k, which it also writes with v
-  into the paged cache), scores its keys on the CUDA cores and writes a partial (max, sum,
-  output); the split that counts last for its KV head merges them into the o phase's rows.
-  Attention phases have no weights, so the producer keeps filling the ring with the o and
-  gate+up tiles while they run.
+  warp TMA-loads their tiles into the ring, never waiting for an activation. The rows (for a
+  norm phase the residual and the gamma too) are copied into shared memory in one ``cp.async``
+  burst. A unit's two halves of ``BN / 2`` rows are summed apart, so that the epilogues pair
+  them in registers: the weight rows are ordered so that a q or k unit holds a head's columns
+  and their rotary partners, and a gate+up unit gate columns and the same up columns;
+- an **attention** phase's units are (KV head, split of the ``ctx + 3`` positions): each unit
+  loads its cached K and V before waiting for the q+k+v phase, then the new positions and the
+  two q heads x three tokens; each warp scores its own positions (causal) and keeps its own
+  (max, sum, output) in registers, the warps' are combined through shared memory into the
+  unit's partial, and the split that counts last for its KV head merges the splits into the o
+  phase's rows. Attention phases have no weights, so the producer keeps filling the ring with
+  the o and gate+up tiles while they run.
 
 Phases wait for the previous phase's unit count (acquire), as in ``ws_chain.py``; data crossing
 programs is read through L2 (``cp.async.cg`` or ``.cg`` loads). The output, the logits of the
-three rows, is checked against torch doing the same math phase by phase (each matmul in fp32 from
-the 16-bit rows, rounded to bf16; rotary, softmax in fp32) and every unit must be counted once.
-Not in the launch: the embedding gather (its rows are the first residual) and the argmax.
+three rows, is checked against torch doing the same math phase by phase (each matmul in fp32
+from the 16-bit rows, rounded to bf16; rotary, softmax in fp32), every unit must be counted once
+and every KV head merged once. Not in the launch: the embedding gather (its rows are the first
+residual) and the argmax.
 
-    python benchmarks/ws_step.py [--layers 16] [--stages 8] [--splits 16] [--skips 0 1 2 4 8]
+    python benchmarks/ws_step.py [--layers 16] [--splits 16] [--skips 0 1 2 8] [--probe]
 
-Compare with ``python benchmarks/verify_step.py --quick --bs 1`` in the same session (the
-compiled step: the same model at ragged mean 3). Needs an sm_90 GPU and triton's Gluon (3.6 and
-3.9 both build it). Writes ``ws_step.json`` to ``$OUT`` or ``benchmarks/results/``.
+``--skips`` adds runs without the waits that leave work out (bits: 1 the attention, 2 the norms,
+8 the matmuls' math), ``--probe`` a step with each program's phase times and each phase's share
+of the step, ``--ncu`` three steps and nothing else (for Nsight Compute). Compare with
+``python benchmarks/verify_step.py --quick --bs 1`` in the same session (the compiled step: the
+same model at ragged mean 3). Needs an sm_90 GPU and triton's Gluon (3.6 and 3.9 both build it).
+Writes ``ws_step.json`` to ``$OUT`` or ``benchmarks/results/``.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import sys
 from pathlib import Path
@@ -203,19 +209,27 @@ def _unit_sums(w_ring, full, empty, x_smem, k, it, HB: gl.constexpr, BK: gl.cons
         slot = it % STAGES
         mbarrier.wait(full.index(slot), (it // STAGES) & 1)
         if MATH:
-            w = w_ring.index(slot).load(WL).to(gl.float32)
+            w = w_ring.index(slot).load(WL)
         _sync()  # every warp has read the slot
         mbarrier.arrive(empty.index(slot))
         if MATH:
-            xs = (kk // BK) * 3
-            acc0 += w * x_smem.index(xs).load(XL).to(gl.float32)[None, :]
-            acc1 += w * x_smem.index(xs + 1).load(XL).to(gl.float32)[None, :]
-            acc2 += w * x_smem.index(xs + 2).load(XL).to(gl.float32)[None, :]
+            acc0, acc1, acc2 = _fma3(acc0, acc1, acc2, w, x_smem, (kk // BK) * 3, XL)
         it += 1
     a0, b0 = _halves(gl.sum(acc0, axis=1), HB)
     a1, b1 = _halves(gl.sum(acc1, axis=1), HB)
     a2, b2 = _halves(gl.sum(acc2, axis=1), HB)
     return it, a0, b0, a1, b1, a2, b2
+
+
+@gluon.jit
+def _fma3(acc0, acc1, acc2, w, x_smem, xs, XL: gl.constexpr):
+    """The three rows' per-lane sums plus the slot ``w`` times their K step (slots ``xs`` to
+    ``xs + 2`` of the staged rows)."""
+    wf = w.to(gl.float32)
+    acc0 += wf * x_smem.index(xs).load(XL).to(gl.float32)[None, :]
+    acc1 += wf * x_smem.index(xs + 1).load(XL).to(gl.float32)[None, :]
+    acc2 += wf * x_smem.index(xs + 2).load(XL).to(gl.float32)[None, :]
+    return acc0, acc1, acc2
 
 
 @gluon.jit
@@ -283,7 +297,8 @@ def _attention(src, dst, width, first, units, layer, ctx, nsplit, span, sm_scale
                pages_per_layer, kc_ptr, vc_ptr, bt_ptr, part_ptr, ml_ptr, mcnt_ptr, q_smem,
                a_smem, m_smem, l_smem, wait, counter_ptr, err_ptr, p, prev_units,
                CH: gl.constexpr, MS: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
-               PAGE: gl.constexpr, CW: gl.constexpr, SPIN: gl.constexpr):
+               PAGE: gl.constexpr, CW: gl.constexpr, SPIN: gl.constexpr,
+               PROBE: gl.constexpr):
     """The program's units (KV head, split) of an attention phase. Split ``s`` scores positions
     ``[s span, (s + 1) span)`` of the ``ctx + 3`` (the new tokens' k and v are in the cache
     already, the q rows rotated: the q+k+v epilogue) for the KV head's 2 q heads x 3 tokens,
@@ -319,7 +334,7 @@ def _attention(src, dst, width, first, units, layer, ctx, nsplit, span, sm_scale
     dm = gl.arange(0, HD, layout=gl.SliceLayout(0, gl.SliceLayout(1, M3)))
     stride = NKV * HD
     done = 0
-    t_go = _now()
+    t_go = _now(PROBE)
     for u in range(first, units, nprog):
         kvh = u // nsplit
         s = u % nsplit
@@ -344,7 +359,7 @@ def _attention(src, dst, width, first, units, layer, ctx, nsplit, span, sm_scale
             _wait_phase(counter_ptr, err_ptr, p, prev_units, SPIN)
         _sync()
         if u == first:
-            t_go = _now()
+            t_go = _now(PROBE)
         # the new positions' K and V (the q+k+v epilogue wrote them), the six q rows (row r:
         # token r % 3 of head 2 kvh + r // 3)
         newk = (validk & (posk >= ctx))[:, :, None]
@@ -399,10 +414,14 @@ def _attention(src, dst, width, first, units, layer, ctx, nsplit, span, sm_scale
 
 
 @gluon.jit
-def _now():
-    """The SM's ``%globaltimer`` (ns)."""
-    return gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
-                                     is_pure=False, pack=1)
+def _now(PROBE: gl.constexpr):
+    """With ``PROBE``, the SM's ``%globaltimer`` (ns); else 0."""
+    if PROBE:
+        t = gl.inline_asm_elementwise("mov.u64 $0, %globaltimer;", "=l", [], dtype=gl.int64,
+                                      is_pure=False, pack=1)
+    else:
+        t = gl.to_tensor(0).to(gl.int64)
+    return t
 
 
 @gluon.jit
@@ -443,25 +462,25 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_p
         epi, units, layer = _step_phase(tab_ptr, p)
         first = (pid - ustart % nprog + nprog) % nprog
         if first < units:
-            t_in = _now()
+            t_in = _now(PROBE)
             src = act_ptr + half * 3 * width
             dst = act_ptr + (1 - half) * 3 * width
             if kind == 3:  # waits itself, once its cached K and V are on their way
                 if (SKIP & 1) != 0:  # timing only: the attention's units counted, not done
                     done = (units - first + nprog - 1) // nprog
-                    t_go = _now()
+                    t_go = _now(PROBE)
                 else:
                     done, t_go = _attention(src, dst, width, first, units, layer, ctx, nsplit, span,
                                       sm_scale, pages_per_layer, kc_ptr, vc_ptr, bt_ptr,
                                       part_ptr, ml_ptr, mcnt_ptr, q_smem, a_smem, m_smem,
                                       l_smem, WAIT & (p > 0), counter_ptr, err_ptr, p,
-                                      prev_units, CH, MS, NKV, HD, PAGE, CW, SPIN)
+                                      prev_units, CH, MS, NKV, HD, PAGE, CW, SPIN, PROBE)
             else:
                 if WAIT:
                     if p > 0:  # every unit of the previous phase counted (acquire)
                         _wait_phase(counter_ptr, err_ptr, p, prev_units, SPIN)
                 _sync()  # nobody still reads the last phase's rows
-                t_go = _now()
+                t_go = _now(PROBE)
                 _stage(x_smem, src, width, resid_ptr, gamma_ptr, k, hidden, eps, kind, grow,
                        nidx, first == 0, xcol, BK, (SKIP & 2) == 0)
                 it, done = _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units,
@@ -474,7 +493,7 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_p
                 at = probe_ptr + (pid * num_phases + p) * 3
                 gl.store(at, t_in)
                 gl.store(at + 1, t_go)
-                gl.store(at + 2, _now())
+                gl.store(at + 2, _now(PROBE))
         prev_units = units
 
 
@@ -651,8 +670,9 @@ class WsStep:
         normed = hf * torch.rsqrt(hf.pow(2).mean(-1, keepdim=True) + self.eps)
         return (gamma.float() * normed.to(torch.bfloat16).float()).to(torch.bfloat16)
 
-    def reference(self, x: torch.Tensor) -> torch.Tensor:
-        """Torch, phase by phase, on a copy of the cache; returns the logits ``[3, vocab]``."""
+    def reference(self, x: torch.Tensor, caches: bool = False):
+        """Torch, phase by phase, on a copy of the cache; returns the logits ``[3, vocab]`` (and,
+        with ``caches``, the K and V caches it wrote)."""
         kc, vc = self.kc.clone(), self.vc.clone()
         pos = torch.arange(self.ctx, self.ctx + ROWS, device=x.device)
         allpos = torch.arange(self.ctx + ROWS, device=x.device)
@@ -687,7 +707,8 @@ class WsStep:
             prev = mm(act, self.weight(m + 3))
             norms, m = norms + 2, m + 4
         final = (resid.float() + prev.float()).to(torch.bfloat16)
-        return mm(self._norm(final, self.gammas[norms]), self.weight(m))
+        logits = mm(self._norm(final, self.gammas[norms]), self.weight(m))
+        return (logits, kc, vc) if caches else logits
 
 
 def phase_profile(step: WsStep, probe: torch.Tensor) -> dict:
@@ -721,6 +742,9 @@ def main() -> None:
     ap.add_argument("--splits", type=int, nargs="+", default=[16],
                     help="splits of the positions a KV head (attention units: 8 x splits)")
     ap.add_argument("--warps", type=int, default=8)
+    ap.add_argument("--ncu", action="store_true",
+                    help="three valid steps (the first compiles), nothing timed or written: for "
+                         "Nsight Compute")
     ap.add_argument("--probe", action="store_true",
                     help="one valid step with each program's phase times: each phase's share")
     ap.add_argument("--skips", type=int, nargs="+", default=[0],
@@ -733,6 +757,13 @@ def main() -> None:
 
     dev = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
+    if opts.ncu:
+        step = WsStep(opts.layers, dev, splits=opts.splits[0], warps=opts.warps)
+        step.set_input(torch.randn(ROWS, HIDDEN, device=dev).to(torch.bfloat16))
+        for _ in range(3):
+            step.run(sms, opts.stages[0])
+        torch.cuda.synchronize()
+        return
     out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
     report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
