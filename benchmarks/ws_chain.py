@@ -29,6 +29,7 @@ same bytes. Every valid chain is checked against torch (each matmul in float32 f
 rows, rounded to bf16) and every unit must be counted once.
 
     python benchmarks/ws_chain.py [--tiles 16x512 32x256] [--stages 8 10] [--warps 8] [--layer]
+        [--mma]
 
 ``--layer`` gives the phases the layer's input transforms, done on the staged rows once a phase
 and program: the residual add + RMSNorm before q+k+v, gate+up and the LM head (the program holding
@@ -51,7 +52,7 @@ import torch
 import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
-from triton.experimental.gluon.language.nvidia.ampere import async_copy
+from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier, tma
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -65,6 +66,21 @@ _sync = getattr(gl, "thread_barrier", None) or gl.barrier
 _async_load = getattr(async_copy, "async_load", None) or async_copy.async_copy_global_to_shared
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 TIMING = dict(eager_iters=3, graph_calls=1, graph_replays=20)
+
+
+@gluon.jit
+def _chunks_36(slot, shape: gl.constexpr, layout: gl.constexpr):
+    return slot._reinterpret(gl.bfloat16, shape, layout)
+
+
+@gluon.jit
+def _chunks_39(slot, shape: gl.constexpr, layout: gl.constexpr):
+    return slot.reinterpret(gl.bfloat16, shape, layout)
+
+
+# a bf16 shared-memory view as another shape and layout (triton 3.6 / 3.9 names)
+_as_chunks = (_chunks_39 if hasattr(gl.shared_memory_descriptor, "reinterpret")
+              else _chunks_36)
 
 
 @gluon.jit
@@ -175,7 +191,7 @@ def _stage_silu(x_smem, up_ptr, width, k, xcol, BK: gl.constexpr):
 def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ring, full, empty,
               x_smem, num_phases, width, hidden, eps, BN: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr, CW: gl.constexpr,
-              MATH: gl.constexpr, LAYER: gl.constexpr):
+              MATH: gl.constexpr, LAYER: gl.constexpr, MMA: gl.constexpr):
     """Per phase with units here: wait for the last phase (``WAIT``: its count, acquire), copy
     its three rows into shared memory (``cp.async``, all K steps in flight at once); per unit,
     its K steps from the ring (a slot freed once every warp has read it), then its 16-bit
@@ -223,32 +239,78 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ri
                     _stage_silu(x_smem, src + k, width, k, xcol, BK)
             dst = act_ptr + (1 - half) * 3 * width
             done = 0
-            for t in range(first, n // BN, nprog):
-                # per-lane partial sums over the unit's K steps, reduced once at its end
-                acc0 = gl.zeros([BN, BK], gl.float32, WL)
-                acc1 = gl.zeros([BN, BK], gl.float32, WL)
-                acc2 = gl.zeros([BN, BK], gl.float32, WL)
-                for kk in range(0, k, BK):
-                    slot = it % STAGES
-                    mbarrier.wait(full.index(slot), (it // STAGES) & 1)
-                    if MATH:
-                        w = w_ring.index(slot).load(WL).to(gl.float32)
-                    _sync()  # every warp has read the slot
-                    mbarrier.arrive(empty.index(slot))
-                    if MATH:
-                        xs = (kk // BK) * 3
-                        acc0 += w * x_smem.index(xs).load(XL).to(gl.float32)[None, :]
-                        acc1 += w * x_smem.index(xs + 1).load(XL).to(gl.float32)[None, :]
-                        acc2 += w * x_smem.index(xs + 2).load(XL).to(gl.float32)[None, :]
-                    it += 1
-                out = dst + t * BN + offs_n
-                gl.store(out, gl.sum(acc0, axis=1).to(gl.bfloat16))
-                gl.store(out + width, gl.sum(acc1, axis=1).to(gl.bfloat16))
-                gl.store(out + 2 * width, gl.sum(acc2, axis=1).to(gl.bfloat16))
-                done += 1
+            if MMA:
+                for t in range(first, n // BN, nprog):
+                    it = _mma_unit(w_ring, full, empty, x_smem, k, it, dst + t * BN, width, BN,
+                                   BK, STAGES, CW)
+                    done += 1
+            else:
+                for t in range(first, n // BN, nprog):
+                    # per-lane partial sums over the unit's K steps, reduced once at its end
+                    acc0 = gl.zeros([BN, BK], gl.float32, WL)
+                    acc1 = gl.zeros([BN, BK], gl.float32, WL)
+                    acc2 = gl.zeros([BN, BK], gl.float32, WL)
+                    for kk in range(0, k, BK):
+                        slot = it % STAGES
+                        mbarrier.wait(full.index(slot), (it // STAGES) & 1)
+                        if MATH:
+                            w = w_ring.index(slot).load(WL).to(gl.float32)
+                        _sync()  # every warp has read the slot
+                        mbarrier.arrive(empty.index(slot))
+                        if MATH:
+                            xs = (kk // BK) * 3
+                            acc0 += w * x_smem.index(xs).load(XL).to(gl.float32)[None, :]
+                            acc1 += w * x_smem.index(xs + 1).load(XL).to(gl.float32)[None, :]
+                            acc2 += w * x_smem.index(xs + 2).load(XL).to(gl.float32)[None, :]
+                        it += 1
+                    out = dst + t * BN + offs_n
+                    gl.store(out, gl.sum(acc0, axis=1).to(gl.bfloat16))
+                    gl.store(out + width, gl.sum(acc1, axis=1).to(gl.bfloat16))
+                    gl.store(out + 2 * width, gl.sum(acc2, axis=1).to(gl.bfloat16))
+                    done += 1
             _sync()  # every thread's stores issued before the count
             gl.atomic_add(counter_ptr + p, done, sem="release")
         prev_n = n
+
+
+@gluon.jit
+def _mma_unit(w_ring, full, empty, x_smem, k, it, out, width, BN: gl.constexpr,
+              BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr):
+    """One unit on the tensor cores (``mma.sync`` m16n8k16, bf16 in, fp32 sums): warp ``j``
+    takes the slot's ``j``-th 128-byte column chunk (``BK / CW`` of K; the slot, TMA-written
+    as ``[BN, BK]`` with 128-byte swizzle, read as ``[CW, BN, BK / CW]``) times the three rows'
+    same columns as B (its columns 3-7 zero); the warps' sums are added at the unit's end and
+    its three rows of ``BN`` outputs stored at ``out``."""
+    KC: gl.constexpr = BK // CW
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[CW, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    XS: gl.constexpr = gl.SliceLayout(2, BL)
+    OL: gl.constexpr = gl.SliceLayout(0, MMA)
+    chunks: gl.constexpr = gl.NVMMASharedLayout(128, 16, rank=3)
+    col = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))[None, None, :]
+    acc = gl.zeros([CW, BN, 8], gl.float32, MMA)
+    for kk in range(0, k, BK):
+        slot = it % STAGES
+        mbarrier.wait(full.index(slot), (it // STAGES) & 1)
+        a = _as_chunks(w_ring.index(slot), [CW, BN, KC], chunks).load(AL)
+        xs = (kk // BK) * 3
+        x0 = x_smem.index(xs).reshape([CW, KC]).load(XS)[:, :, None]
+        x1 = x_smem.index(xs + 1).reshape([CW, KC]).load(XS)[:, :, None]
+        x2 = x_smem.index(xs + 2).reshape([CW, KC]).load(XS)[:, :, None]
+        _sync()  # every warp has read the slot
+        mbarrier.arrive(empty.index(slot))
+        b = gl.where(col == 0, x0, gl.where(col == 1, x1, gl.where(col == 2, x2, 0.0)))
+        acc = mma_v2(a, b.to(gl.bfloat16), acc)
+        it += 1
+    tot = gl.sum(acc, axis=0)  # [BN, 8]: column r is row r's outputs
+    cols = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))[None, :]
+    offs = gl.arange(0, BN, layout=gl.SliceLayout(1, OL))
+    for r in gl.static_range(3):
+        gl.store(out + r * width + offs,
+                 gl.sum(gl.where(cols == r, tot, 0.0), axis=1).to(gl.bfloat16))
+    return it
 
 
 @gluon.jit
@@ -256,7 +318,7 @@ def _ws_chain_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr
                      num_phases, width, hidden, eps, BN: gl.constexpr, BK: gl.constexpr,
                      STAGES: gl.constexpr, KSTEPS: gl.constexpr, WAIT: gl.constexpr,
                      SPIN: gl.constexpr, MATH: gl.constexpr, LAYER: gl.constexpr,
-                     num_warps: gl.constexpr):
+                     MMA: gl.constexpr, num_warps: gl.constexpr):
     w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], d2k.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -269,7 +331,7 @@ def _ws_chain_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr
     gl.warp_specialize([
         (_consumer, (tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ring, full,
                      empty, x_smem, num_phases, width, hidden, eps, BN, BK, STAGES, WAIT, SPIN,
-                     num_warps, MATH, LAYER)),
+                     num_warps, MATH, LAYER, MMA)),
         (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES, 8)),
     ], [1], [40])
 
@@ -385,13 +447,18 @@ class WsChain:
         return self._half(len(self.shapes) % 2)[:, :self.shapes[-1][0]]
 
     def run(self, programs: int, stages: int, wait: bool = True, num_warps: int = 8,
-            math: bool = True) -> None:
+            math: bool = True, mma: bool = False) -> None:
+        """One chain; ``mma``: the units on the tensor cores (:func:`_mma_unit`: 16 x 512 tiles,
+        8 consumer warps, no input transforms)."""
+        if mma and (self.bn != 16 or self.bk != 64 * num_warps or self.layer):
+            raise ValueError(f"the tensor-core units take 16 x {64 * num_warps} tiles and no "
+                             f"input transforms, not {self.bn} x {self.bk} (layer {self.layer})")
         self.counter.zero_()
         _ws_chain_kernel[(programs,)](
             self.descs[0], self.descs[1], self.tab, self.act, self.counter, self.err,
             self.resid, self.gammas, len(self.shapes), self.width, self.hidden, self.eps,
             BN=self.bn, BK=self.bk, STAGES=stages, KSTEPS=max(KS) // self.bk, WAIT=wait,
-            SPIN=SPIN_MAX, MATH=math, LAYER=self.layer, num_warps=num_warps)
+            SPIN=SPIN_MAX, MATH=math, LAYER=self.layer, MMA=mma, num_warps=num_warps)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Torch, phase by phase: each input transform in fp32 rounded as HF rounds it, each
@@ -455,6 +522,9 @@ def main() -> None:
     ap.add_argument("--tiles", nargs="+", default=["16x512", "32x256"],
                     help="weight tiles a ring slot holds, BNxBK")
     ap.add_argument("--warps", type=int, nargs="+", default=[8])
+    ap.add_argument("--mma", action="store_true",
+                    help="the units on the tensor cores too (16x512 tiles, 8 warps): ws_mma, "
+                         "ws_mma_free")
     ap.add_argument("--layer", action="store_true",
                     help="the layers' input transforms too: the residual add + RMSNorm before "
                          "q+k+v, gate+up and the LM head, SiLU-and-mul before down "
@@ -505,11 +575,14 @@ def main() -> None:
                     continue  # the ring and the rows past the H200's shared memory
                 # a valid chain; the same without the waits (not valid: the stream's rate);
                 # without the waits or the math (the weight ring's own rate)
-                for kind, wait, math in (("ws", True, True), ("ws_free", False, True),
-                                         ("ws_ring", False, False)):
+                forms = [("ws", True, True, False), ("ws_free", False, True, False),
+                         ("ws_ring", False, False, False)]
+                if opts.mma and (bn, bk, warps) == (16, 512, 8) and not opts.layer:
+                    forms += [("ws_mma", True, True, True), ("ws_mma_free", False, True, True)]
+                for kind, wait, math, mma in forms:
                     chain.set_input(x)
                     chain.err.zero_()
-                    chain.run(sms, stages, wait, warps, math)
+                    chain.run(sms, stages, wait, warps, math, mma)
                     torch.cuda.synchronize()
                     counts = chain.units
                     row = dict(kind=kind, bn=bn, bk=bk, stages=stages, warps=warps, programs=sms,
@@ -517,8 +590,8 @@ def main() -> None:
                                counts_ok=chain.counter.tolist() == counts)
                     if wait:
                         row["rel_err"] = rel_err(chain.output(), want)
-                    row["ms"] = timed(lambda s=stages, wt=wait, nw=warps, m=math:
-                                      chain.run(sms, s, wt, nw, m))
+                    row["ms"] = timed(lambda s=stages, wt=wait, nw=warps, m=math, mm=mma:
+                                      chain.run(sms, s, wt, nw, m, mm))
                     emit(row)
         del chain
         torch.cuda.empty_cache()

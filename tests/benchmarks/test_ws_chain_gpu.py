@@ -14,9 +14,10 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     reason="needs an sm_90 GPU (TMA, warp specialization)")]
 
 
-@pytest.mark.parametrize("tile, layer", [((16, 512), False), ((32, 256), False),
-                                         ((16, 512), True)])
-def test_one_layer_chain_matches_torch(tile, layer):
+@pytest.mark.parametrize("tile, layer, mma", [((16, 512), False, False),
+                                              ((32, 256), False, False),
+                                              ((16, 512), True, False), ((16, 512), False, True)])
+def test_one_layer_chain_matches_torch(tile, layer, mma):
     ws = load_benchmark("ws_chain")
     persistent = load_benchmark("persistent_spike")
     shapes, kinds = ws.layer_phases(1) if layer else (persistent.phases(1), None)
@@ -28,7 +29,7 @@ def test_one_layer_chain_matches_torch(tile, layer):
     for wait in (True, False):
         chain.set_input(x)
         chain.err.zero_()
-        chain.run(sms, 8, wait)
+        chain.run(sms, 8, wait, mma=mma)
         torch.cuda.synchronize()
         assert chain.err.item() == 0
         assert chain.counter.tolist() == chain.units

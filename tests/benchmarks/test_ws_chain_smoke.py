@@ -63,6 +63,9 @@ def test_kernel_compiles_for_sm90_as_producer_and_consumer():
     # the layers' input transforms: the norm's rsqrt and SiLU's exp only where asked
     assert out["wait1_layer"]["rsqrt"] > 0 and out["wait1_layer"]["ex2"] > 0, out
     assert out["wait1"]["rsqrt"] == 0 and out["wait1"]["ex2"] == 0, out
+    # the tensor-core units: mma.sync (m16n8k16), no CUDA-core multiplies; the others: FMAs
+    assert out["wait1_mma"]["mma"] > 0 and out["wait1_mma"]["fma"] == 0, out
+    assert out["wait1"]["mma"] == 0 and out["wait1"]["fma"] > 0, out
 
 
 def test_layer_chain_table_and_reference():

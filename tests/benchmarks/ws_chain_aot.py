@@ -24,9 +24,10 @@ layout = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
 desc = f"tensordesc<bf16[{BN},{BK}],{layout!r}>"
 kernel = ws_chain._ws_chain_kernel
 out = {}
-for wait, layer in ((True, False), (False, False), (True, True)):
+for wait, layer, mma in ((True, False, False), (False, False, False), (True, True, False),
+                        (True, False, True)):
     consts = dict(BN=BN, BK=BK, STAGES=STAGES, KSTEPS=max(ws_chain.KS) // BK, WAIT=wait,
-                  SPIN=ws_chain.SPIN_MAX, MATH=True, LAYER=layer, num_warps=WARPS)
+                  SPIN=ws_chain.SPIN_MAX, MATH=True, LAYER=layer, MMA=mma, num_warps=WARPS)
     sig = {"d2k": desc, "d8k": desc, "tab_ptr": "*i64", "act_ptr": "*bf16",
            "counter_ptr": "*i32", "err_ptr": "*i32", "resid_ptr": "*bf16",
            "gamma_ptr": "*bf16", "num_phases": "i32", "width": "i32", "hidden": "i32",
@@ -38,7 +39,7 @@ for wait, layer in ((True, False), (False, False), (True, True)):
                                              attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
     ptx = compiled.asm["ptx"]
-    out[f"wait{int(wait)}" + ("_layer" if layer else "")] = {
+    out[f"wait{int(wait)}" + ("_layer" if layer else "") + ("_mma" if mma else "")] = {
         "shared": compiled.metadata.shared,
         "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
         "cp_async": len(re.findall(r"cp\.async\.cg", ptx)),
@@ -48,5 +49,7 @@ for wait, layer in ((True, False), (False, False), (True, True)):
         "setmaxnreg": len(re.findall(r"setmaxnreg", ptx)),
         "rsqrt": len(re.findall(r"rsqrt", ptx)),
         "ex2": len(re.findall(r"ex2\.approx", ptx)),
+        "mma": len(re.findall(r"mma\.sync", ptx)),
+        "fma": len(re.findall(r"fma\.rn\.f32", ptx)),
     }
 print(json.dumps(out))
