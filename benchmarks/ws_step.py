@@ -56,8 +56,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import fence_async_shared, mbarrier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ws_chain import (KS, SPIN_MAX, TIMING, _async_load, _phase, _producer, _sync,  # noqa: E402
-                      pack_weights, rel_err, weight_descriptors)
+from ws_chain import (KS, SPIN_MAX, TIMING, _as_chunks, _async_load, _phase,  # noqa: E402
+                      _producer, _sync, pack_weights, rel_err, weight_descriptors)
 
 COLS = gl.constexpr(12)  # phase table columns (see WsStep.tab)
 NORM, ATTN = 1, 3  # phase kinds (0: a plain matmul)
@@ -76,69 +76,66 @@ def _step_phase(tab_ptr, p):
 
 
 @gluon.jit
-def _stage(x_smem, src, width, resid_ptr, gamma_ptr, k, hidden, eps, kind, grow, nidx, writer,
-           xcol, BK: gl.constexpr, NORM_ON: gl.constexpr):
-    """The phase's three rows ``[3, k]`` into shared memory; a norm phase's residual rows and
-    gamma too, in the same ``cp.async`` burst (slots after the rows'). Then, for a norm phase,
-    the rows become ``gamma * bf16(h * rstd)``, ``h = bf16(rows + residual)``; the program holding
-    the phase's first unit writes ``h`` as the next residual (two buffers, alternating)."""
-    for i in range(0, k // BK):
-        for r in gl.static_range(3):
-            _async_load(x_smem.index(i * 3 + r), src + r * width + i * BK + xcol)
-    kn = hidden // BK
+def _stage(x_smem, src, width, resid_ptr, gamma_ptr, k, eps, kind, grow, nidx, writer,
+           BK: gl.constexpr, NORM_ON: gl.constexpr, HID: gl.constexpr, CW: gl.constexpr):
+    """The phase's three rows ``[3, k]`` into shared memory, row after row (row ``r``'s K step
+    ``i`` in slot ``r k / BK + i``), by ``cp.async`` of ``HID / BK`` slots at a time (each thread
+    16 bytes of a copy, none copied twice); a norm phase's residual rows (slots ``3 HID / BK``
+    on) and gamma (``6 HID / BK`` on) in the same burst. Then, for a norm phase, the rows become
+    ``gamma * bf16(h * rstd)``, ``h = bf16(rows + residual)``, loaded whole row by row, and the
+    program holding the phase's first unit writes ``h`` as the next residual (two buffers,
+    alternating)."""
+    KN: gl.constexpr = HID // BK  # slots a copy
+    CL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [KN, CW // KN], [1, 0])  # [KN, BK]
+    chunks = _as_chunks(x_smem, [x_smem.shape[0] // KN, KN, BK],
+                        gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
+    ci = gl.arange(0, KN, layout=gl.SliceLayout(1, CL))[:, None] * BK
+    cj = gl.arange(0, BK, layout=gl.SliceLayout(0, CL))[None, :]
+    per_row = k // (KN * BK)  # copies a row
+    for r in gl.static_range(3):
+        for c in range(0, per_row):
+            _async_load(chunks.index(r * per_row + c), src + r * width + c * HID + ci + cj)
     if NORM_ON:
         norm = kind == 1
     else:
         norm = kind < 0
+    rin = resid_ptr + (nidx % 2) * 3 * HID
     if norm:
-        rin = resid_ptr + (nidx % 2) * 3 * hidden
-        for i in range(0, kn):
-            for r in gl.static_range(3):
-                _async_load(x_smem.index((kn + i) * 3 + r), rin + r * hidden + i * BK + xcol)
-            _async_load(x_smem.index(6 * kn + i), gamma_ptr + grow * hidden + i * BK + xcol)
+        for r in gl.static_range(3):
+            _async_load(chunks.index(3 + r), rin + r * HID + ci + cj)
+        _async_load(chunks.index(6), gamma_ptr + grow * HID + ci + cj)
     async_copy.commit_group()
     async_copy.wait_group(0)
     _sync()
     if norm:
-        rout = resid_ptr + ((nidx + 1) % 2) * 3 * hidden
-        keep = (xcol >= 0) & writer
-        ss0 = gl.zeros_like(xcol).to(gl.float32)
-        ss1 = gl.zeros_like(xcol).to(gl.float32)
-        ss2 = gl.zeros_like(xcol).to(gl.float32)
-        for i in range(0, kn):
-            ss0 += _add_row(x_smem, kn, i, 0, rout, hidden, xcol, keep, BK)
-            ss1 += _add_row(x_smem, kn, i, 1, rout, hidden, xcol, keep, BK)
-            ss2 += _add_row(x_smem, kn, i, 2, rout, hidden, xcol, keep, BK)
-        r0 = gl.rsqrt(gl.sum(ss0, axis=0) / hidden + eps)
-        r1 = gl.rsqrt(gl.sum(ss1, axis=0) / hidden + eps)
-        r2 = gl.rsqrt(gl.sum(ss2, axis=0) / hidden + eps)
-        for i in range(0, kn):
-            g = x_smem.index(6 * kn + i).load(xcol.type.layout).to(gl.float32)
-            _norm_row(x_smem, i, 0, g, r0, xcol)
-            _norm_row(x_smem, i, 1, g, r1, xcol)
-            _norm_row(x_smem, i, 2, g, r2, xcol)
+        rout = resid_ptr + ((nidx + 1) % 2) * 3 * HID
+        keep = ((ci + cj) >= 0) & writer
+        h0 = _resid_row(chunks, 0, rout, ci + cj, keep, CL, HID)
+        h1 = _resid_row(chunks, 1, rout, ci + cj, keep, CL, HID)
+        h2 = _resid_row(chunks, 2, rout, ci + cj, keep, CL, HID)
+        g = chunks.index(6).load(CL).to(gl.float32)
+        _sync()  # every thread has read the rows it rewrites
+        _norm_store(chunks, 0, h0, g, eps, HID)
+        _norm_store(chunks, 1, h1, g, eps, HID)
+        _norm_store(chunks, 2, h2, g, eps, HID)
         _sync()
 
 
 @gluon.jit
-def _add_row(x_smem, kn, i, r, rout, hidden, xcol, keep, BK: gl.constexpr):
-    """Row ``r``'s K step ``i``: ``h = bf16(staged + staged residual)`` in place (and to the next
-    residual where ``keep``); returns ``h^2`` in fp32."""
-    slot = x_smem.index(i * 3 + r)
-    h = (slot.load(xcol.type.layout).to(gl.float32)
-         + x_smem.index((kn + i) * 3 + r).load(xcol.type.layout).to(gl.float32)).to(gl.bfloat16)
-    slot.store(h)
-    gl.store(rout + r * hidden + i * BK + xcol, h, mask=keep)
-    hf = h.to(gl.float32)
-    return hf * hf
+def _resid_row(chunks, r, rout, offs, keep, CL: gl.constexpr, HID: gl.constexpr):
+    """Row ``r``: ``h = bf16(staged row + staged residual)`` (also stored as the next residual
+    where ``keep``), in fp32."""
+    h = (chunks.index(r).load(CL).to(gl.float32)
+         + chunks.index(3 + r).load(CL).to(gl.float32)).to(gl.bfloat16)
+    gl.store(rout + r * HID + offs, h, mask=keep)
+    return h.to(gl.float32)
 
 
 @gluon.jit
-def _norm_row(x_smem, i, r, g, rstd, xcol):
-    """Row ``r``'s K step ``i``: ``gamma * bf16(h * rstd)`` (HF's RMSNorm in 16-bit), in place."""
-    slot = x_smem.index(i * 3 + r)
-    h = slot.load(xcol.type.layout).to(gl.float32)
-    slot.store((g * (h * rstd).to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16))
+def _norm_store(chunks, r, h, g, eps, HID: gl.constexpr):
+    """Row ``r`` of the matmul's input: ``gamma * bf16(h * rstd)`` (HF's RMSNorm in 16-bit)."""
+    rstd = gl.rsqrt(gl.sum(gl.sum(h * h, axis=1), axis=0) / HID + eps)
+    chunks.index(r).store((g * (h * rstd).to(gl.bfloat16).to(gl.float32)).to(gl.bfloat16))
 
 
 @gluon.jit
@@ -213,7 +210,7 @@ def _unit_sums(w_ring, full, empty, x_smem, k, it, HB: gl.constexpr, BK: gl.cons
         _sync()  # every warp has read the slot
         mbarrier.arrive(empty.index(slot))
         if MATH:
-            acc0, acc1, acc2 = _fma3(acc0, acc1, acc2, w, x_smem, (kk // BK) * 3, XL)
+            acc0, acc1, acc2 = _fma3(acc0, acc1, acc2, w, x_smem, kk // BK, k // BK, XL)
         it += 1
     a0, b0 = _halves(gl.sum(acc0, axis=1), HB)
     a1, b1 = _halves(gl.sum(acc1, axis=1), HB)
@@ -222,13 +219,13 @@ def _unit_sums(w_ring, full, empty, x_smem, k, it, HB: gl.constexpr, BK: gl.cons
 
 
 @gluon.jit
-def _fma3(acc0, acc1, acc2, w, x_smem, xs, XL: gl.constexpr):
-    """The three rows' per-lane sums plus the slot ``w`` times their K step (slots ``xs`` to
-    ``xs + 2`` of the staged rows)."""
+def _fma3(acc0, acc1, acc2, w, x_smem, i, ks, XL: gl.constexpr):
+    """The three rows' per-lane sums plus the slot ``w`` times their K step ``i`` (slots ``i``,
+    ``ks + i``, ``2 ks + i`` of the staged rows, ``ks`` K steps a row)."""
     wf = w.to(gl.float32)
-    acc0 += wf * x_smem.index(xs).load(XL).to(gl.float32)[None, :]
-    acc1 += wf * x_smem.index(xs + 1).load(XL).to(gl.float32)[None, :]
-    acc2 += wf * x_smem.index(xs + 2).load(XL).to(gl.float32)[None, :]
+    acc0 += wf * x_smem.index(i).load(XL).to(gl.float32)[None, :]
+    acc1 += wf * x_smem.index(ks + i).load(XL).to(gl.float32)[None, :]
+    acc2 += wf * x_smem.index(2 * ks + i).load(XL).to(gl.float32)[None, :]
     return acc0, acc1, acc2
 
 
@@ -445,15 +442,13 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_p
               STAGES: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr, CW: gl.constexpr,
               CH: gl.constexpr, MS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
               HD: gl.constexpr, PAGE: gl.constexpr, SKIP: gl.constexpr, probe_ptr,
-              PROBE: gl.constexpr):
+              PROBE: gl.constexpr, HID: gl.constexpr):
     """Per phase with units here: wait for the last phase (its count, acquire), then the
     phase's units (matmul or attention), then count them (release). With ``PROBE``, each
     phase's times (``%globaltimer``: arrived, past the wait, counted) into ``probe[pid, p]``."""
-    SL: gl.constexpr = gl.BlockedLayout([8], [32], [CW], [0])  # [BK] copies
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     width = gl.multiple_of(width, 16)
-    xcol = gl.arange(0, BK, layout=SL)
     mcnt_ptr = counter_ptr + num_phases
     it = 0
     prev_units = 0
@@ -481,8 +476,8 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_p
                         _wait_phase(counter_ptr, err_ptr, p, prev_units, SPIN)
                 _sync()  # nobody still reads the last phase's rows
                 t_go = _now(PROBE)
-                _stage(x_smem, src, width, resid_ptr, gamma_ptr, k, hidden, eps, kind, grow,
-                       nidx, first == 0, xcol, BK, (SKIP & 2) == 0)
+                _stage(x_smem, src, width, resid_ptr, gamma_ptr, k, eps, kind, grow, nidx,
+                       first == 0, BK, (SKIP & 2) == 0, HID, CW)
                 it, done = _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units,
                                     epi, it, ctx, layer, pages_per_layer, kc_ptr, vc_ptr, bt_ptr,
                                     cos_ptr, sin_ptr, BN, BK, STAGES, CW, NH, NKV, HD, PAGE,
@@ -505,7 +500,7 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
                     KSTEPS: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr,
                     CH: gl.constexpr, MS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
                     HD: gl.constexpr, PAGE: gl.constexpr, SKIP: gl.constexpr, probe_ptr,
-                    PROBE: gl.constexpr, num_warps: gl.constexpr):
+                    PROBE: gl.constexpr, HID: gl.constexpr, num_warps: gl.constexpr):
     w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], d2k.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
@@ -527,7 +522,8 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
                      vc_ptr, bt_ptr, cos_ptr, sin_ptr, part_ptr, ml_ptr, w_ring, full, empty,
                      x_smem, q_smem, a_smem, m_smem, l_smem, num_phases, width, hidden,
                      eps, ctx, nsplit, span, sm_scale, pages_per_layer, BN, BK, STAGES, WAIT,
-                     SPIN, num_warps, CH, MS, NH, NKV, HD, PAGE, SKIP, probe_ptr, PROBE)),
+                     SPIN, num_warps, CH, MS, NH, NKV, HD, PAGE, SKIP, probe_ptr, PROBE,
+                     HID)),
         (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES,
                      COLS)),
     ], [1], [40])
@@ -656,7 +652,7 @@ class WsStep:
             KSTEPS=max(KS) // self.bk, WAIT=wait, SPIN=SPIN_MAX, CH=self.ch,
             MS=triton.next_power_of_2(self.nsplit), NH=HEADS, NKV=KV_HEADS, HD=HEAD_DIM,
             PAGE=self.page, SKIP=skip, probe_ptr=self.err if probe is None else probe,
-            PROBE=probe is not None, num_warps=self.warps)
+            PROBE=probe is not None, HID=HIDDEN, num_warps=self.warps)
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``x [rows, heads, HD]`` at positions ``pos [rows]``, fp32 from bf16, rounded."""
@@ -712,25 +708,54 @@ class WsStep:
 
 
 def phase_profile(step: WsStep, probe: torch.Tensor) -> dict:
-    """From one probed step's times: per phase name, the mean over layers of the time from the
-    last program counting the previous phase to the last counting this one (the phase's share
-    of the step; the shares add up to the step), of the slowest program's work past its wait,
-    and of the median program's wait; in us."""
+    """From one probed step's times, per phase name, means over layers in us: ``share``, the
+    time from the last program counting the previous phase to the last counting this one (the
+    shares add up to the step); ``work_max`` / ``work_median``, the slowest / median program's
+    time past its wait; ``wait_median``; ``lag``, the last program's count after the median
+    program's; ``work_by_units``, the median work of the programs holding 1, 2, ... units; for
+    q+k+v, ``work_q_only`` / ``work_with_kv``, of the programs whose units are all q units / hold
+    a k or v unit (their epilogues write the cache)."""
     t = probe.double().cpu()
     ran = t[..., 2] > 0
     t0 = t[..., 0][ran].min()
+    programs = t.shape[0]
+    q_units = HEADS * (HEAD_DIM // 2) // (step.bn // 2)
     out, prev_end = {}, None
     for p, (name, *_) in enumerate(step.phases):
         r = ran[:, p]
+        work = (t[:, p, 2] - t[:, p, 1]) / 1e3
         end = t[r, p, 2].max()
         share = end - (prev_end if prev_end is not None else t[r, p, 0].min())
-        row = out.setdefault(name, dict(share=[], work_max=[], wait_median=[]))
+        row = out.setdefault(name, dict(share=[], work_max=[], work_median=[], wait_median=[],
+                                        lag=[], by_units={}, q_only=[], with_kv=[]))
         row["share"].append(share / 1e3)
-        row["work_max"].append((t[r, p, 2] - t[r, p, 1]).max() / 1e3)
+        row["work_max"].append(work[r].max())
+        row["work_median"].append(work[r].median())
         row["wait_median"].append((t[r, p, 1] - t[r, p, 0]).median() / 1e3)
+        row["lag"].append((end - t[r, p, 2].median()) / 1e3)
+        ustart, units = int(step.tab[p, 3]), int(step.tab[p, 9])
+        held = [list(range((pid - ustart % programs + programs) % programs, units, programs))
+                for pid in range(programs)]
+        for n in sorted({len(h) for h in held} - {0}):
+            sel = torch.tensor([len(h) == n for h in held])
+            row["by_units"].setdefault(n, []).append(work[sel].median())
+        if name == "qkv":
+            kv = torch.tensor([any(u >= q_units for u in h) for h in held])
+            row["q_only"].append(work[r & ~kv].median())
+            row["with_kv"].append(work[r & kv].median())
         prev_end = end
-    res = {k: {m: round(float(sum(v)) / len(v), 2) for m, v in row.items()}
-           | {"phases": len(row["share"])} for k, row in out.items()}
+
+    def mean(v: list) -> float:
+        return round(float(sum(v)) / len(v), 2)
+
+    res = {}
+    for k, row in out.items():
+        res[k] = {m: mean(row[m]) for m in ("share", "work_max", "work_median", "wait_median",
+                                            "lag")}
+        res[k]["work_by_units"] = {n: mean(v) for n, v in row["by_units"].items()}
+        if row["q_only"]:
+            res[k]["work_q_only"], res[k]["work_with_kv"] = mean(row["q_only"]), mean(row["with_kv"])
+        res[k]["phases"] = len(row["share"])
     res["step_us"] = round(float(t[..., 2][ran].max() - t0) / 1e3, 1)
     return res
 

@@ -30,7 +30,8 @@ out = {}
 for name, wait, skip, probe in (("step", True, 0, False), ("free_probe", False, 1, True)):
     consts = dict(BN=BN, BK=BK, STAGES=STAGES, KSTEPS=max(ws_step.KS) // BK, WAIT=wait,
                   SPIN=ws_step.SPIN_MAX, CH=128, MS=16, NH=ws_step.HEADS, NKV=ws_step.KV_HEADS,
-                  HD=ws_step.HEAD_DIM, PAGE=16, SKIP=skip, PROBE=probe, num_warps=WARPS)
+                  HD=ws_step.HEAD_DIM, PAGE=16, SKIP=skip, PROBE=probe,
+                  HID=ws_step.HIDDEN, num_warps=WARPS)
     sig = {"d2k": desc, "d8k": desc, **{a: "*" + t for a, t in ptrs.items()},
            "eps": "fp32", "sm_scale": "fp32", **{a: "constexpr" for a in consts}}
     sig = {a: sig.get(a, "i32") for a in kernel.arg_names}
