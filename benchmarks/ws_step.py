@@ -210,23 +210,16 @@ def _unit_sums(w_ring, full, empty, x_smem, k, it, HB: gl.constexpr, BK: gl.cons
         _sync()  # every warp has read the slot
         mbarrier.arrive(empty.index(slot))
         if MATH:
-            acc0, acc1, acc2 = _fma3(acc0, acc1, acc2, w, x_smem, kk // BK, k // BK, XL)
+            wf = w.to(gl.float32)
+            i = kk // BK
+            acc0 += wf * x_smem.index(i).load(XL).to(gl.float32)[None, :]
+            acc1 += wf * x_smem.index(k // BK + i).load(XL).to(gl.float32)[None, :]
+            acc2 += wf * x_smem.index(2 * (k // BK) + i).load(XL).to(gl.float32)[None, :]
         it += 1
     a0, b0 = _halves(gl.sum(acc0, axis=1), HB)
     a1, b1 = _halves(gl.sum(acc1, axis=1), HB)
     a2, b2 = _halves(gl.sum(acc2, axis=1), HB)
     return it, a0, b0, a1, b1, a2, b2
-
-
-@gluon.jit
-def _fma3(acc0, acc1, acc2, w, x_smem, i, ks, XL: gl.constexpr):
-    """The three rows' per-lane sums plus the slot ``w`` times their K step ``i`` (slots ``i``,
-    ``ks + i``, ``2 ks + i`` of the staged rows, ``ks`` K steps a row)."""
-    wf = w.to(gl.float32)
-    acc0 += wf * x_smem.index(i).load(XL).to(gl.float32)[None, :]
-    acc1 += wf * x_smem.index(ks + i).load(XL).to(gl.float32)[None, :]
-    acc2 += wf * x_smem.index(2 * ks + i).load(XL).to(gl.float32)[None, :]
-    return acc0, acc1, acc2
 
 
 @gluon.jit
