@@ -314,20 +314,30 @@ def _mma_unit(w_ring, full, empty, x_smem, k, it, out, width, BN: gl.constexpr,
 
 
 @gluon.jit
-def _ws_chain_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr,
-                     num_phases, width, hidden, eps, BN: gl.constexpr, BK: gl.constexpr,
-                     STAGES: gl.constexpr, KSTEPS: gl.constexpr, WAIT: gl.constexpr,
-                     SPIN: gl.constexpr, MATH: gl.constexpr, LAYER: gl.constexpr,
-                     MMA: gl.constexpr, num_warps: gl.constexpr):
-    w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], d2k.layout)
+def ring_and_rows(desc, STAGES: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
+                  KSTEPS: gl.constexpr):
+    """The weight ring (``STAGES`` slots of ``[BN, BK]`` in the TMA descriptor ``desc``'s layout),
+    its full and empty mbarriers (initialized, count 1), and the rows' staging buffer
+    ``[3 KSTEPS, BK]`` (a slot indexable at run time)."""
+    w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
         mbarrier.init(empty.index(i), count=1)
     fence_async_shared()
-    x_smem = gl.allocate_shared_memory(gl.bfloat16, [KSTEPS * 3, BK],  # [K step x row, BK]
+    x_smem = gl.allocate_shared_memory(gl.bfloat16, [KSTEPS * 3, BK],
                                        gl.SwizzledSharedLayout(8, 1, 1, [0]))
+    return w_ring, full, empty, x_smem
+
+
+@gluon.jit
+def _ws_chain_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr,
+                     num_phases, width, hidden, eps, BN: gl.constexpr, BK: gl.constexpr,
+                     STAGES: gl.constexpr, KSTEPS: gl.constexpr, WAIT: gl.constexpr,
+                     SPIN: gl.constexpr, MATH: gl.constexpr, LAYER: gl.constexpr,
+                     MMA: gl.constexpr, num_warps: gl.constexpr):
+    w_ring, full, empty, x_smem = ring_and_rows(d2k, STAGES, BN, BK, KSTEPS)
     gl.warp_specialize([
         (_consumer, (tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ring, full,
                      empty, x_smem, num_phases, width, hidden, eps, BN, BK, STAGES, WAIT, SPIN,

@@ -113,3 +113,31 @@ def aot_tests(path: str, cases) -> tuple:
         assert not missing_artifacts(kinds, target), f"{case} for {target}: only {kinds}"
 
     return compiled, test
+
+
+WS_PTX = {"tma_loads": r"cp\.async\.bulk\.tensor", "cp_async": r"cp\.async\.cg",
+          "ring_waits": r"mbarrier\.try_wait", "acquire": r"\.acquire\.",
+          "release": r"\.release\.", "setmaxnreg": r"setmaxnreg"}
+"""What the warp-specialized benchmark kernels' PTX is counted for (``ws_ptx``)."""
+
+
+def ws_ptx(compiled, **patterns: str) -> dict:
+    """A Gluon build's shared memory and the counts in its PTX of :data:`WS_PTX`'s patterns
+    and ``patterns`` (name -> regex)."""
+    import re
+
+    ptx = compiled.asm["ptx"]
+    return {"shared": compiled.metadata.shared,
+            **{k: len(re.findall(v, ptx)) for k, v in {**WS_PTX, **patterns}.items()}}
+
+
+def check_ws_builds(out: dict) -> None:
+    """Every build of a warp-specialized benchmark kernel (``ws_ptx`` counts by name): within
+    the H200's opt-in 227 KB of shared memory, two partitions (register budgets set per
+    partition), weight tiles by TMA into the ring, the phase's rows by ``cp.async``, slots
+    handed over by mbarrier waits, each phase's count released."""
+    for name, build in out.items():
+        assert build["shared"] <= 232448, (name, build)
+        assert build["setmaxnreg"] > 0 and build["tma_loads"] > 0, (name, build)
+        assert build["cp_async"] > 0 and build["ring_waits"] > 0, (name, build)
+        assert build["release"] > 0, (name, build)

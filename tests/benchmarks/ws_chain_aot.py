@@ -5,10 +5,9 @@ transforms; prints one JSON line: each
 build's shared memory and what its PTX holds."""
 
 import json
-import re
 import sys
 
-from aot import REPO
+from aot import REPO, ws_ptx
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -38,18 +37,6 @@ for wait, layer, mma in ((True, False, False), (False, False, False), (True, Tru
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts,
                                              attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
-    ptx = compiled.asm["ptx"]
-    out[f"wait{int(wait)}" + ("_layer" if layer else "") + ("_mma" if mma else "")] = {
-        "shared": compiled.metadata.shared,
-        "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-        "cp_async": len(re.findall(r"cp\.async\.cg", ptx)),
-        "ring_waits": len(re.findall(r"mbarrier\.try_wait", ptx)),
-        "acquire": len(re.findall(r"\.acquire\.", ptx)),
-        "release": len(re.findall(r"\.release\.", ptx)),
-        "setmaxnreg": len(re.findall(r"setmaxnreg", ptx)),
-        "rsqrt": len(re.findall(r"rsqrt", ptx)),
-        "ex2": len(re.findall(r"ex2\.approx", ptx)),
-        "mma": len(re.findall(r"mma\.sync", ptx)),
-        "fma": len(re.findall(r"fma\.rn\.f32", ptx)),
-    }
+    out[f"wait{int(wait)}" + ("_layer" if layer else "") + ("_mma" if mma else "")] = ws_ptx(
+        compiled, rsqrt=r"rsqrt", ex2=r"ex2\.approx", mma=r"mma\.sync", fma=r"fma\.rn\.f32")
 print(json.dumps(out))

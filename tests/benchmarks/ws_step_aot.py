@@ -5,10 +5,9 @@ without the waits or the attention's work that records each phase's times; print
 line: each build's shared memory and what its PTX holds."""
 
 import json
-import re
 import sys
 
-from aot import REPO
+from aot import REPO, ws_ptx
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -40,16 +39,6 @@ for name, wait, skip, probe in (("step", True, 0, False), ("free_probe", False, 
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts,
                                              attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
-    ptx = compiled.asm["ptx"]
-    out[name] = {
-        "shared": compiled.metadata.shared,
-        "tma_loads": len(re.findall(r"cp\.async\.bulk\.tensor", ptx)),
-        "cp_async": len(re.findall(r"cp\.async\.cg", ptx)),
-        "ring_waits": len(re.findall(r"mbarrier\.try_wait", ptx)),
-        "ld_cg": len(re.findall(r"ld\.global\.cg", ptx)),
-        "acquire": len(re.findall(r"\.acquire\.", ptx)),
-        "acq_rel": len(re.findall(r"\.acq_rel\.", ptx)),
-        "setmaxnreg": len(re.findall(r"setmaxnreg", ptx)),
-        "globaltimer": len(re.findall(r"%globaltimer", ptx)),
-    }
+    out[name] = ws_ptx(compiled, ld_cg=r"ld\.global\.cg", acq_rel=r"\.acq_rel\.",
+                       globaltimer=r"%globaltimer")
 print(json.dumps(out))
