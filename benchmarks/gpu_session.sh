@@ -68,6 +68,8 @@
 #                 a producer warp streams weight tiles by TMA, never waiting for an activation)
 #   ws_chain_layer  ws_chain.py --layer (the same chain with the layers' norms and SiLU done on
 #                 each program's staged rows)
+#   ws_chain_mma  ws_chain.py --stages 8 --tiles 16x512 --mma (the chain's units on the tensor
+#                 cores beside the CUDA-core units; kept as ws_chain_forms/7_tensor_cores.json)
 #   ws_step       ws_step.py --skips 0 1 2 8 11 --probe (the whole bs-1 verify step, attention
 #                 included, as one persistent warp-specialized launch; compare with v1_8 in the
 #                 same session)
@@ -144,6 +146,7 @@ job() {
     ws_chain) python3 benchmarks/ws_chain.py --stages 8 10 --tiles 16x512 8x1024 ;;
     ws_chain_layer) python3 benchmarks/ws_chain.py --layer --stages 8 --tiles 16x512 ;;
     ws_step) python3 benchmarks/ws_step.py --skips 0 1 2 8 11 --probe ;;
+    ws_chain_mma) python3 benchmarks/ws_chain.py --stages 8 --tiles 16x512 --mma ;;
     stream_clocks) python3 benchmarks/packed_weights.py --shapes '2048x2048*128' \
         --configs 64,128,4,5,1 --rotate --clocks ;;
     e2e_256) python3 benchmarks/e2e.py --concurrency 256 --repeats 5 &&
