@@ -44,12 +44,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from pathlib import Path
 
 import torch
-import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy, mma_v2
@@ -525,6 +523,39 @@ def skinny_chain(chain: WsChain, x: torch.Tensor) -> torch.Tensor:
     return prev
 
 
+def graph_ms(fn) -> float:
+    """ms a call of ``fn`` in CUDA-graph replays (:data:`TIMING`)."""
+    from common import time_calls
+
+    return time_calls([fn], TIMING, "cuda")["graph_us"] / 1e3
+
+
+def read_ms(w: torch.Tensor, sms: int) -> float:
+    """ms for a plain read of ``w`` (``hbm_read.py``'s kernel, two programs a multiprocessor)."""
+    from hbm_read import _read_kernel
+
+    sink = torch.empty(2 * sms, device=w.device, dtype=torch.float32)
+    return graph_ms(lambda: _read_kernel[(2 * sms,)](w, sink, w.numel(), BLOCK=16384,
+                                                     num_warps=8))
+
+
+def reporter(name: str, **settings):
+    """A result file ``name`` in ``common.out_dir()`` with the versions, the command and
+    ``settings``; returns it and ``emit(row)``, which prints the row and rewrites the file."""
+    from common import out_dir, versions, write_json
+
+    report = dict(**versions(), command=" ".join(sys.argv), **settings, timing=TIMING,
+                  results=[])
+    out = out_dir()
+
+    def emit(row: dict) -> None:
+        report["results"].append(row)
+        print(json.dumps(row), flush=True)
+        write_json(out, name, report)
+
+    return report, emit
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
@@ -540,30 +571,17 @@ def main() -> None:
                          "q+k+v, gate+up and the LM head, SiLU-and-mul before down "
                          "(ws_chain_layer.json)")
     opts = ap.parse_args()
-    from common import time_calls
-    from hbm_read import _read_kernel
-
     dev = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     shapes, kinds = layer_phases(opts.layers) if opts.layer else (phases(opts.layers), None)
-    name = "ws_chain_layer.json" if opts.layer else "ws_chain.json"
     nbytes = sum(n * k for n, k in shapes) * 2
-    report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, command=" ".join(sys.argv), rows=3,
-                  layers=opts.layers, layer_transforms=opts.layer, weight_bytes=nbytes,
-                  sms=sms, timing=TIMING,
-                  results=[])
-    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
+    _, write = reporter("ws_chain_layer.json" if opts.layer else "ws_chain.json", rows=3,
+                        layers=opts.layers, layer_transforms=opts.layer, weight_bytes=nbytes,
+                        sms=sms)
 
     def emit(row: dict) -> None:
         row["tb_per_s"] = nbytes / (row["ms"] * 1e-3) / 1e12
-        report["results"].append(row)
-        print(json.dumps(row), flush=True)
-        (out / name).write_text(json.dumps(report, indent=1))
-
-    def timed(fn) -> float:
-        return time_calls([fn], TIMING, dev)["graph_us"] / 1e3
+        write(row)
 
     for b, tile in enumerate(opts.tiles):
         bn, bk = map(int, tile.split("x"))
@@ -572,13 +590,10 @@ def main() -> None:
                         generator=torch.Generator(dev).manual_seed(1)).to(torch.bfloat16)
         want = chain.reference(x)
         if b == 0:
-            sink = torch.empty(2 * sms, device=dev, dtype=torch.float32)
-            w = chain.w
-            emit(dict(kind="read", ms=timed(lambda: _read_kernel[(2 * sms,)](
-                w, sink, w.numel(), BLOCK=16384, num_warps=8))))
+            emit(dict(kind="read", ms=read_ms(chain.w, sms)))
             got = skinny_chain(chain, x)
             emit(dict(kind="skinny", rel_err=rel_err(got, want),
-                      ms=timed(lambda: skinny_chain(chain, x))))
+                      ms=graph_ms(lambda: skinny_chain(chain, x))))
         for warps in opts.warps:
             for stages in opts.stages:
                 if stages * bn * bk * 2 + 3 * max(KS) * 2 > 220 * 1024:
@@ -600,7 +615,7 @@ def main() -> None:
                                counts_ok=chain.counter.tolist() == counts)
                     if wait:
                         row["rel_err"] = rel_err(chain.output(), want)
-                    row["ms"] = timed(lambda s=stages, wt=wait, nw=warps, m=math, mm=mma:
+                    row["ms"] = graph_ms(lambda s=stages, wt=wait, nw=warps, m=math, mm=mma:
                                       chain.run(sms, s, wt, nw, m, mm))
                     emit(row)
         del chain

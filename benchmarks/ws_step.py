@@ -43,8 +43,6 @@ Writes ``ws_step.json`` to ``$OUT`` or ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import sys
 from pathlib import Path
 
@@ -56,8 +54,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ws_chain import (KS, SPIN_MAX, TIMING, _as_chunks, _async_load, _phase,  # noqa: E402
-                      _producer, _sync, pack_weights, rel_err, ring_and_rows,
+from ws_chain import (KS, SPIN_MAX, _as_chunks, _async_load, _phase, _producer,  # noqa: E402
+                      _sync, graph_ms, pack_weights, read_ms, rel_err, reporter, ring_and_rows,
                       weight_descriptors)
 
 COLS = gl.constexpr(12)  # phase table columns (see WsStep.tab)
@@ -585,6 +583,10 @@ class WsStep:
                                    device=device)
         self.err = torch.zeros(1, dtype=torch.int32, device=device)
 
+    def kv_bytes(self) -> int:
+        """The K and V bytes a step reads: every layer's positions, new ones included."""
+        return self.layers * (self.ctx + ROWS) * KV_HEADS * HEAD_DIM * 2 * 2
+
     def weight(self, m: int) -> torch.Tensor:
         """Matmul ``m``'s ``[N, K]`` weight as the kernel reads it (gate+up interleaved)."""
         n, k = self.mats[m]
@@ -763,9 +765,6 @@ def main() -> None:
                          "2 the norms, 8 the matmuls' math (where the time goes; not a valid "
                          "step)")
     opts = ap.parse_args()
-    from common import time_calls
-    from hbm_read import _read_kernel
-
     dev = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     if opts.ncu:
@@ -775,19 +774,7 @@ def main() -> None:
             step.run(sms, opts.stages[0])
         torch.cuda.synchronize()
         return
-    out = Path(os.environ.get("OUT") or Path(__file__).parent / "results")
-    out.mkdir(parents=True, exist_ok=True)
-    report = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__,
-                  triton=triton.__version__, command=" ".join(sys.argv), rows=ROWS,
-                  layers=opts.layers, context=1024, sms=sms, timing=TIMING, results=[])
-
-    def emit(row: dict) -> None:
-        report["results"].append(row)
-        print(json.dumps(row), flush=True)
-        (out / "ws_step.json").write_text(json.dumps(report, indent=1))
-
-    def timed(fn) -> float:
-        return time_calls([fn], TIMING, dev)["graph_us"] / 1e3
+    report, emit = reporter("ws_step.json", rows=ROWS, layers=opts.layers, sms=sms)
 
     for c, splits in enumerate(opts.splits):
         step = WsStep(opts.layers, dev, splits=splits, warps=opts.warps)
@@ -795,11 +782,10 @@ def main() -> None:
                         generator=torch.Generator(dev).manual_seed(1)).to(torch.bfloat16)
         want = step.reference(x)
         if c == 0:
+            report["context"] = step.ctx
             report["weight_bytes"] = step.w.numel() * 2
-            report["kv_bytes"] = opts.layers * (1024 + ROWS) * KV_HEADS * HEAD_DIM * 2 * 2
-            sink = torch.empty(2 * sms, device=dev, dtype=torch.float32)
-            emit(dict(kind="read_weights", ms=timed(lambda: _read_kernel[(2 * sms,)](
-                step.w, sink, step.w.numel(), BLOCK=16384, num_warps=8))))
+            report["kv_bytes"] = step.kv_bytes()
+            emit(dict(kind="read_weights", ms=read_ms(step.w, sms)))
         for stages in opts.stages:
             runs = [("ws_step", True, 0)] + [("ws_step_free", False, k) for k in opts.skips]
             for kind, wait, skip in runs:
@@ -819,7 +805,7 @@ def main() -> None:
                                            == want.float().argmax(-1)).tolist()
                     row["merges_ok"] = bool((step.counter[len(step.units):] == step.nsplit)
                                             .all().item())
-                row["ms"] = timed(lambda s=stages, wt=wait, k=skip: step.run(sms, s, wt, k))
+                row["ms"] = graph_ms(lambda s=stages, wt=wait, k=skip: step.run(sms, s, wt, k))
                 emit(row)
             if opts.probe:
                 probe = torch.zeros(sms, len(step.phases), 3, dtype=torch.int64, device=dev)

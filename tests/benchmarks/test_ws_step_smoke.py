@@ -150,3 +150,22 @@ def test_kernel_compiles_for_sm90_as_producer_and_consumer():
     assert step["ld_cg"] > 0 and step["acq_rel"] > 0 and step["acquire"] > 0
     assert step["globaltimer"] == 0 and free["globaltimer"] > 0
     assert free["acquire"] == 0 and free["acq_rel"] == 0  # no waits, no attention: none
+
+
+def test_reporter_writes_versions_settings_and_every_row(tmp_path, monkeypatch):
+    import json
+
+    ws = load_benchmark("ws_chain")
+    monkeypatch.setenv("OUT", str(tmp_path))
+    report, emit = ws.reporter("x.json", rows=3, sms=132)
+    emit({"kind": "a", "ms": 1.0})
+    emit({"kind": "b", "ms": 2.0})
+    got = json.loads((tmp_path / "x.json").read_text())
+    assert got == report and [r["kind"] for r in got["results"]] == ["a", "b"]
+    assert got["rows"] == 3 and got["sms"] == 132 and got["timing"] == ws.TIMING
+    assert {"gpu", "torch", "triton", "command"} <= set(got)
+
+
+def test_kv_bytes_count_every_layers_positions():
+    ws, step = _step(2)
+    assert step.kv_bytes() == 2 * (step.ctx + 3) * ws.KV_HEADS * ws.HEAD_DIM * 2 * 2
