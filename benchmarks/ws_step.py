@@ -182,9 +182,9 @@ def _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units, epi, it, 
         else:
             it, a0, b0, a1, b1, a2, b2 = _unit_sums(w_ring, full, empty, x_smem, k, it, HB, BK,
                                                     STAGES, CW, MATH)
-            _out_row(dst, 0, t, a0, b0, epi, offs, HB)
-            _out_row(dst + width, 0, t, a1, b1, epi, offs, HB)
-            _out_row(dst + 2 * width, 0, t, a2, b2, epi, offs, HB)
+            _out_row(dst, t, a0, b0, epi, offs, HB)
+            _out_row(dst + width, t, a1, b1, epi, offs, HB)
+            _out_row(dst + 2 * width, t, a2, b2, epi, offs, HB)
         done += 1
     return it, done
 
@@ -228,7 +228,7 @@ def _halves(o, HB: gl.constexpr):
 
 
 @gluon.jit
-def _out_row(row, r, t, a, b, epi, offs, HB: gl.constexpr):
+def _out_row(row, t, a, b, epi, offs, HB: gl.constexpr):
     """A row of unit ``t``'s outputs, its halves' sums ``a`` and ``b`` rounded to bf16: ``epi`` 0
     both stored at ``t BN``; 1 (gate+up: the unit's first half are gate columns, the second the
     same up columns) ``bf16(silu(gate)) * up`` (HF's 16-bit SiLU-and-mul) at ``t BN / 2``."""
@@ -429,7 +429,7 @@ def _wait_phase(counter_ptr, err_ptr, p, units, SPIN: gl.constexpr):
 @gluon.jit
 def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_ptr, vc_ptr,
               bt_ptr, cos_ptr, sin_ptr, part_ptr, ml_ptr, w_ring, full, empty, x_smem,
-              q_smem, a_smem, m_smem, l_smem, num_phases, width, hidden, eps, ctx, nsplit, span,
+              q_smem, a_smem, m_smem, l_smem, num_phases, width, eps, ctx, nsplit, span,
               sm_scale, pages_per_layer, BN: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr, CW: gl.constexpr,
               CH: gl.constexpr, MS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
@@ -487,7 +487,7 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_p
 @gluon.jit
 def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr,
                     kc_ptr, vc_ptr, bt_ptr, cos_ptr, sin_ptr, part_ptr, ml_ptr, num_phases,
-                    width, hidden, eps, ctx, nsplit, span, sm_scale, pages_per_layer,
+                    width, eps, ctx, nsplit, span, sm_scale, pages_per_layer,
                     BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
                     KSTEPS: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr,
                     CH: gl.constexpr, MS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
@@ -504,7 +504,7 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
     gl.warp_specialize([
         (_consumer, (tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_ptr,
                      vc_ptr, bt_ptr, cos_ptr, sin_ptr, part_ptr, ml_ptr, w_ring, full, empty,
-                     x_smem, q_smem, a_smem, m_smem, l_smem, num_phases, width, hidden,
+                     x_smem, q_smem, a_smem, m_smem, l_smem, num_phases, width,
                      eps, ctx, nsplit, span, sm_scale, pages_per_layer, BN, BK, STAGES, WAIT,
                      SPIN, num_warps, CH, MS, NH, NKV, HD, PAGE, SKIP, probe_ptr, PROBE,
                      HID)),
@@ -635,7 +635,7 @@ class WsStep:
         _ws_step_kernel[(programs,)](
             self.descs[0], self.descs[1], self.tab, self.act, self.counter, self.err,
             self.resid, self.gammas, self.kc, self.vc, self.bt, self.cos, self.sin, self.part,
-            self.ml, len(self.phases), self.width, HIDDEN, self.eps, self.ctx, self.nsplit,
+            self.ml, len(self.phases), self.width, self.eps, self.ctx, self.nsplit,
             self.span, HEAD_DIM ** -0.5, self.pages, BN=self.bn, BK=self.bk, STAGES=stages,
             KSTEPS=max(KS) // self.bk, WAIT=wait, SPIN=SPIN_MAX, CH=self.ch,
             MS=triton.next_power_of_2(self.nsplit), NH=HEADS, NKV=KV_HEADS, HD=HEAD_DIM,

@@ -35,7 +35,7 @@ for name, wait, skip, probe in (("step", True, 0, False), ("free_probe", False, 
            "eps": "fp32", "sm_scale": "fp32", **{a: "constexpr" for a in consts}}
     sig = {a: sig.get(a, "i32") for a in kernel.arg_names}
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
-             if a in ptrs or a in ("width", "hidden")}
+             if a in ptrs or a == "width"}
     compiled = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts,
                                              attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
