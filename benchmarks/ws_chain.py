@@ -94,18 +94,57 @@ def _phase(tab_ptr, p, COLS: gl.constexpr):
 
 
 @gluon.jit
+def _l2_prefetch(w_ptr, row, k, BN: gl.constexpr):
+    """``prefetch.global.L2`` of a unit's ``BN`` whole weight rows from row ``row`` of its K's
+    ``[rows, k]`` view (``BN * k`` contiguous bf16), a 128-byte line a lane at a time."""
+    LL: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+    lane = gl.arange(0, 32, layout=LL)
+    base = w_ptr + row.to(gl.int64) * k
+    for j in range(0, BN * k // 64, 32):  # 64 bf16 a line
+        gl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l",
+                                  [base + (j + lane) * 64], dtype=gl.int32, is_pure=False,
+                                  pack=1)
+
+
+@gluon.jit
 def _producer(d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN: gl.constexpr,
-              BK: gl.constexpr, STAGES: gl.constexpr, COLS: gl.constexpr):
+              BK: gl.constexpr, STAGES: gl.constexpr, COLS: gl.constexpr, w_ptr,
+              LOOK: gl.constexpr):
     """Every K step of the program's units, in order: a free slot, then its weight tile's TMA
     load. It waits for nothing else, so it runs ahead across the phases by the ring's depth (a
-    phase of N 0 has no weights)."""
+    phase of N 0 has no weights).
+
+    With ``LOOK`` (bytes), before each unit's loads it also keeps its own units up to ``LOOK``
+    bytes past the ring prefetched into L2 (a second cursor over the same units). As a way to
+    keep HBM streaming while the consumers wait it lost (every form measured slower:
+    docs/benchmarks.md); it stays as a stress of the ring: refills then come from L2, soon after
+    a slot's release, while the prefetches crowd the SM's load pipe, so a slot released before
+    its reads have landed shows up as a different output from step to step."""
     pid = gl.program_id(0)
     nprog = gl.num_programs(0)
     it = 0
+    # the lookahead's cursor (phase pp, unit tp) and its bytes past the units loaded
+    pp = 0
+    r0, n0, k0, start0, h0, kind0, g0, nidx0 = _phase(tab_ptr, 0, COLS)
+    tp = (pid - start0 % nprog + nprog) % nprog
+    ahead = 0
     for p in range(num_phases):
         row0, n, k, ustart, half, kind, grow, nidx = _phase(tab_ptr, p, COLS)
         for t in range((pid - ustart % nprog + nprog) % nprog, n // BN, nprog):
             r = row0 + t * BN
+            if LOOK > 0:
+                ahead -= BN * k * 2
+                while (ahead < LOOK) & (pp < num_phases):
+                    prow, pn, pk, pstart, ph, pkind, pg, pnidx = _phase(tab_ptr, pp, COLS)
+                    if tp < pn // BN:
+                        _l2_prefetch(w_ptr, prow + tp * BN, pk, BN)
+                        ahead += BN * pk * 2
+                        tp += nprog
+                    else:
+                        pp += 1
+                        q = pp - (pp >= num_phases).to(gl.int32)
+                        qrow, qn, qk, qstart, qh, qkind, qg, qnidx = _phase(tab_ptr, q, COLS)
+                        tp = (pid - qstart % nprog + nprog) % nprog
             for kk in range(0, k, BK):
                 slot = it % STAGES
                 mbarrier.wait(empty.index(slot), ((it // STAGES) & 1) ^ 1)
@@ -186,6 +225,18 @@ def _stage_silu(x_smem, up_ptr, width, k, xcol, BK: gl.constexpr):
 
 
 @gluon.jit
+def release_slot(empty, slot):
+    """Hand ring slot ``slot`` back to the producer once every consumer warp is done with it.
+    The slot was read by the generic proxy (shared-memory loads) and the producer refills it
+    through the async proxy (TMA), so a proxy fence comes first: a barrier alone lets a refill
+    from L2 land before a warp's loads have returned (the unit then multiplies part of the next
+    tile). Called after the slot's multiplies, whose loads have landed by then."""
+    fence_async_shared()
+    _sync()  # every warp has read the slot
+    mbarrier.arrive(empty.index(slot))
+
+
+@gluon.jit
 def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ring, full, empty,
               x_smem, num_phases, width, hidden, eps, BN: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr, CW: gl.constexpr,
@@ -253,13 +304,11 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ri
                         mbarrier.wait(full.index(slot), (it // STAGES) & 1)
                         if MATH:
                             w = w_ring.index(slot).load(WL).to(gl.float32)
-                        _sync()  # every warp has read the slot
-                        mbarrier.arrive(empty.index(slot))
-                        if MATH:
                             xs = (kk // BK) * 3
                             acc0 += w * x_smem.index(xs).load(XL).to(gl.float32)[None, :]
                             acc1 += w * x_smem.index(xs + 1).load(XL).to(gl.float32)[None, :]
                             acc2 += w * x_smem.index(xs + 2).load(XL).to(gl.float32)[None, :]
+                        release_slot(empty, slot)
                         it += 1
                     out = dst + t * BN + offs_n
                     gl.store(out, gl.sum(acc0, axis=1).to(gl.bfloat16))
@@ -297,10 +346,9 @@ def _mma_unit(w_ring, full, empty, x_smem, k, it, out, width, BN: gl.constexpr,
         x0 = x_smem.index(xs).reshape([CW, KC]).load(XS)[:, :, None]
         x1 = x_smem.index(xs + 1).reshape([CW, KC]).load(XS)[:, :, None]
         x2 = x_smem.index(xs + 2).reshape([CW, KC]).load(XS)[:, :, None]
-        _sync()  # every warp has read the slot
-        mbarrier.arrive(empty.index(slot))
         b = gl.where(col == 0, x0, gl.where(col == 1, x1, gl.where(col == 2, x2, 0.0)))
         acc = mma_v2(a, b.to(gl.bfloat16), acc)
+        release_slot(empty, slot)
         it += 1
     tot = gl.sum(acc, axis=0)  # [BN, 8]: column r is row r's outputs
     cols = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))[None, :]
@@ -334,13 +382,14 @@ def _ws_chain_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr
                      num_phases, width, hidden, eps, BN: gl.constexpr, BK: gl.constexpr,
                      STAGES: gl.constexpr, KSTEPS: gl.constexpr, WAIT: gl.constexpr,
                      SPIN: gl.constexpr, MATH: gl.constexpr, LAYER: gl.constexpr,
-                     MMA: gl.constexpr, num_warps: gl.constexpr):
+                     MMA: gl.constexpr, w_ptr, LOOK: gl.constexpr, num_warps: gl.constexpr):
     w_ring, full, empty, x_smem = ring_and_rows(d2k, STAGES, BN, BK, KSTEPS)
     gl.warp_specialize([
         (_consumer, (tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ring, full,
                      empty, x_smem, num_phases, width, hidden, eps, BN, BK, STAGES, WAIT, SPIN,
                      num_warps, MATH, LAYER, MMA)),
-        (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES, 8)),
+        (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES, 8, w_ptr,
+                     LOOK)),
     ], [1], [40])
 
 
@@ -455,9 +504,10 @@ class WsChain:
         return self._half(len(self.shapes) % 2)[:, :self.shapes[-1][0]]
 
     def run(self, programs: int, stages: int, wait: bool = True, num_warps: int = 8,
-            math: bool = True, mma: bool = False) -> None:
+            math: bool = True, mma: bool = False, look: int = 0) -> None:
         """One chain; ``mma``: the units on the tensor cores (:func:`_mma_unit`: 16 x 512 tiles,
-        8 consumer warps, no input transforms)."""
+        8 consumer warps, no input transforms); ``look``: the producer's L2 lookahead in bytes, a
+        stress of the ring (:func:`_producer`)."""
         if mma and (self.bn != 16 or self.bk != 64 * num_warps or self.layer):
             raise ValueError(f"the tensor-core units take 16 x {64 * num_warps} tiles and no "
                              f"input transforms, not {self.bn} x {self.bk} (layer {self.layer})")
@@ -466,7 +516,8 @@ class WsChain:
             self.descs[0], self.descs[1], self.tab, self.act, self.counter, self.err,
             self.resid, self.gammas, len(self.shapes), self.width, self.hidden, self.eps,
             BN=self.bn, BK=self.bk, STAGES=stages, KSTEPS=max(KS) // self.bk, WAIT=wait,
-            SPIN=SPIN_MAX, MATH=math, LAYER=self.layer, MMA=mma, num_warps=num_warps)
+            SPIN=SPIN_MAX, MATH=math, LAYER=self.layer, MMA=mma, w_ptr=self.w, LOOK=look,
+            num_warps=num_warps)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Torch, phase by phase: each input transform in fp32 rounded as HF rounds it, each

@@ -31,10 +31,12 @@ and every KV head merged once. Not in the launch: the embedding gather (its rows
 residual) and the argmax.
 
     python benchmarks/ws_step.py [--layers 16] [--splits 16] [--skips 0 1 2 8] [--probe]
+        [--stress N]
 
 ``--skips`` adds runs without the waits that leave work out (bits: 1 the attention, 2 the norms,
 8 the matmuls' math), ``--probe`` a step with each program's phase times and each phase's share
-of the step, ``--ncu`` three steps and nothing else (for Nsight Compute). Compare with
+of the step, ``--stress`` the distinct outputs of N steps, plain and under the ring's stress
+(:data:`STRESS_LOOK`), ``--ncu`` three steps and nothing else (for Nsight Compute). Compare with
 ``python benchmarks/verify_step.py --quick --bs 1`` in the same session (the compiled step: the
 same model at ragged mean 3). Needs an sm_90 GPU and triton's Gluon (3.6 and 3.9 both build it).
 Writes ``ws_step.json`` to ``$OUT`` or ``benchmarks/results/``.
@@ -55,8 +57,8 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ws_chain import (KS, SPIN_MAX, _as_chunks, _async_load, _phase, _producer,  # noqa: E402
-                      _sync, graph_ms, pack_weights, read_ms, rel_err, reporter, ring_and_rows,
-                      weight_descriptors)
+                      _sync, graph_ms, pack_weights, read_ms, rel_err, release_slot, reporter,
+                      ring_and_rows, weight_descriptors)
 
 COLS = gl.constexpr(12)  # phase table columns (see WsStep.tab)
 NORM, ATTN = 1, 3  # phase kinds (0: a plain matmul)
@@ -193,9 +195,10 @@ def _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units, epi, it, 
 def _unit_sums(w_ring, full, empty, x_smem, k, it, HB: gl.constexpr, BK: gl.constexpr,
                STAGES: gl.constexpr, CW: gl.constexpr, MATH: gl.constexpr):
     """One unit's K steps from the ring (as ``ws_chain._consumer``: per-lane sums of the
-    ``[2 HB, BK]`` slot times each row's K step), reduced and split into the sums of the slot's
-    first ``HB`` weight rows and of its second (``a``, ``b``, a pair for each of the three rows),
-    so that an epilogue can pair the halves in registers."""
+    ``[2 HB, BK]`` slot times each row's K step, the slot released after its multiplies),
+    reduced and split into the sums of the slot's first ``HB`` weight rows and of its second
+    (``a``, ``b``, a pair for each of the three rows), so that an epilogue can pair the halves in
+    registers."""
     WL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [CW, 1], [1, 0])  # [2 HB, BK]
     XL: gl.constexpr = gl.SliceLayout(0, WL)
     acc0 = gl.zeros([2 * HB, BK], gl.float32, WL)
@@ -205,15 +208,12 @@ def _unit_sums(w_ring, full, empty, x_smem, k, it, HB: gl.constexpr, BK: gl.cons
         slot = it % STAGES
         mbarrier.wait(full.index(slot), (it // STAGES) & 1)
         if MATH:
-            w = w_ring.index(slot).load(WL)
-        _sync()  # every warp has read the slot
-        mbarrier.arrive(empty.index(slot))
-        if MATH:
-            wf = w.to(gl.float32)
+            wf = w_ring.index(slot).load(WL).to(gl.float32)
             i = kk // BK
             acc0 += wf * x_smem.index(i).load(XL).to(gl.float32)[None, :]
             acc1 += wf * x_smem.index(k // BK + i).load(XL).to(gl.float32)[None, :]
             acc2 += wf * x_smem.index(2 * (k // BK) + i).load(XL).to(gl.float32)[None, :]
+        release_slot(empty, slot)
         it += 1
     a0, b0 = _halves(gl.sum(acc0, axis=1), HB)
     a1, b1 = _halves(gl.sum(acc1, axis=1), HB)
@@ -492,7 +492,8 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
                     KSTEPS: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr,
                     CH: gl.constexpr, MS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
                     HD: gl.constexpr, PAGE: gl.constexpr, SKIP: gl.constexpr, probe_ptr,
-                    PROBE: gl.constexpr, HID: gl.constexpr, num_warps: gl.constexpr):
+                    PROBE: gl.constexpr, HID: gl.constexpr, w_ptr, LOOK: gl.constexpr,
+                    num_warps: gl.constexpr):
     w_ring, full, empty, x_smem = ring_and_rows(d2k, STAGES, BN, BK, KSTEPS)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = gl.allocate_shared_memory(gl.float32, [8, HD],
@@ -509,7 +510,7 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
                      SPIN, num_warps, CH, MS, NH, NKV, HD, PAGE, SKIP, probe_ptr, PROBE,
                      HID)),
         (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES,
-                     COLS)),
+                     COLS, w_ptr, LOOK)),
     ], [1], [40])
 
 
@@ -627,10 +628,11 @@ class WsStep:
         return self._half(len(self.phases) % 2)[:, :VOCAB]
 
     def run(self, programs: int, stages: int, wait: bool = True, skip: int = 0,
-            probe: torch.Tensor | None = None) -> None:
+            probe: torch.Tensor | None = None, look: int = 0) -> None:
         """One step; ``skip`` (timing only, the output is not the step's) leaves out, by bit: 1
         the attention's work, 2 the norms, 8 the matmuls' math; ``probe`` (int64 ``[programs,
-        phases, 3]``) takes each program's phase times."""
+        phases, 3]``) takes each program's phase times; ``look``: the producer's L2 lookahead in
+        bytes, a stress of the ring (``ws_chain._producer``, :data:`STRESS_LOOK`)."""
         self.counter.zero_()
         _ws_step_kernel[(programs,)](
             self.descs[0], self.descs[1], self.tab, self.act, self.counter, self.err,
@@ -640,7 +642,8 @@ class WsStep:
             KSTEPS=max(KS) // self.bk, WAIT=wait, SPIN=SPIN_MAX, CH=self.ch,
             MS=triton.next_power_of_2(self.nsplit), NH=HEADS, NKV=KV_HEADS, HD=HEAD_DIM,
             PAGE=self.page, SKIP=skip, probe_ptr=self.err if probe is None else probe,
-            PROBE=probe is not None, HID=HIDDEN, num_warps=self.warps)
+            PROBE=probe is not None, HID=HIDDEN, w_ptr=self.w, LOOK=look,
+            num_warps=self.warps)
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``x [rows, heads, HD]`` at positions ``pos [rows]``, fp32 from bf16, rounded."""
@@ -748,6 +751,24 @@ def phase_profile(step: WsStep, probe: torch.Tensor) -> dict:
     return res
 
 
+STRESS_LOOK = 128 * 1024
+"""The producer's L2 lookahead that stresses the ring (``ws_chain._producer``): bytes a program."""
+
+
+def distinct_outputs(step: WsStep, x: torch.Tensor, sms: int, stages: int, look: int,
+                     steps: int) -> list[torch.Tensor]:
+    """The distinct logits of ``steps`` valid steps over ``x`` with the producer's lookahead
+    ``look`` (one, for a step that is deterministic)."""
+    outs: list[torch.Tensor] = []
+    for _ in range(steps):
+        step.set_input(x)
+        step.run(sms, stages, look=look)
+        got = step.output()
+        if not any(torch.equal(got, o) for o in outs):
+            outs.append(got.clone())
+    return outs
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--layers", type=int, default=16)
@@ -760,6 +781,9 @@ def main() -> None:
                          "Nsight Compute")
     ap.add_argument("--probe", action="store_true",
                     help="one valid step with each program's phase times: each phase's share")
+    ap.add_argument("--stress", type=int, default=0, metavar="N",
+                    help="N valid steps plain and N under the ring's stress (the producer's L2 "
+                         "lookahead, STRESS_LOOK): the distinct outputs of each")
     ap.add_argument("--skips", type=int, nargs="+", default=[0],
                     help="runs without the waits, leaving out by bit: 1 the attention's work, "
                          "2 the norms, 8 the matmuls' math (where the time goes; not a valid "
@@ -815,6 +839,11 @@ def main() -> None:
                 torch.cuda.synchronize()
                 emit(dict(kind="ws_step_probe", splits=splits, stages=stages,
                           phases=phase_profile(step, probe)))
+            for look in ((0, STRESS_LOOK) if opts.stress else ()):
+                outs = distinct_outputs(step, x, sms, stages, look, opts.stress)
+                emit(dict(kind="ws_step_repeats", splits=splits, stages=stages, look=look,
+                          steps=opts.stress, distinct=len(outs),
+                          rel_errs=[rel_err(o, want) for o in outs]))
         del step
         torch.cuda.empty_cache()
 

@@ -117,17 +117,36 @@ def aot_tests(path: str, cases) -> tuple:
 
 WS_PTX = {"tma_loads": r"cp\.async\.bulk\.tensor", "cp_async": r"cp\.async\.cg",
           "ring_waits": r"mbarrier\.try_wait", "acquire": r"\.acquire\.",
-          "release": r"\.release\.", "setmaxnreg": r"setmaxnreg"}
+          "release": r"\.release\.", "setmaxnreg": r"setmaxnreg",
+          "proxy_fences": r"fence\.proxy\.async"}
 """What the warp-specialized benchmark kernels' PTX is counted for (``ws_ptx``)."""
 
 
+def unfenced_releases(ptx: str) -> int:
+    """Ring slots handed back without a proxy fence: plain ``mbarrier.arrive`` (the consumers'
+    release; the producer's arrive carries ``expect_tx``) with no ``fence.proxy.async`` since the
+    last ``mbarrier.try_wait`` before it. A slot read by shared-memory loads and refilled by TMA
+    needs the fence in between (``ws_chain.release_slot``)."""
+    import re
+
+    fenced, count = True, 0
+    for line in ptx.splitlines():
+        if "mbarrier.try_wait" in line:
+            fenced = False
+        elif re.search(r"fence\.proxy\.async", line):
+            fenced = True
+        elif re.search(r"mbarrier\.arrive\.shared", line) and "expect_tx" not in line:
+            count += not fenced
+    return count
+
+
 def ws_ptx(compiled, **patterns: str) -> dict:
-    """A Gluon build's shared memory and the counts in its PTX of :data:`WS_PTX`'s patterns
-    and ``patterns`` (name -> regex)."""
+    """A Gluon build's shared memory, the counts in its PTX of :data:`WS_PTX`'s patterns and
+    ``patterns`` (name -> regex), and its :func:`unfenced_releases`."""
     import re
 
     ptx = compiled.asm["ptx"]
-    return {"shared": compiled.metadata.shared,
+    return {"shared": compiled.metadata.shared, "unfenced_releases": unfenced_releases(ptx),
             **{k: len(re.findall(v, ptx)) for k, v in {**WS_PTX, **patterns}.items()}}
 
 
@@ -141,3 +160,4 @@ def check_ws_builds(out: dict) -> None:
         assert build["setmaxnreg"] > 0 and build["tma_loads"] > 0, (name, build)
         assert build["cp_async"] > 0 and build["ring_waits"] > 0, (name, build)
         assert build["release"] > 0, (name, build)
+        assert build["proxy_fences"] > 0 and build["unfenced_releases"] == 0, (name, build)

@@ -37,3 +37,22 @@ def test_one_layer_chain_matches_torch(tile, layer, mma):
             err = ws.rel_err(chain.output(), want)
             assert err < 0.02, err
     assert ws.rel_err(ws.skinny_chain(chain, x), want) < 0.02
+
+
+def test_chain_repeats_bitwise_under_the_rings_stress():
+    """With the producer's L2 lookahead the refills come from L2 right after a slot's release;
+    a slot released before its reads had landed gave a different output on every step."""
+    ws = load_benchmark("ws_chain")
+    persistent = load_benchmark("persistent_spike")
+    chain = ws.WsChain(persistent.phases(2), "cuda", bn=16, bk=512)
+    x = torch.randn(3, 2048, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    x = x.to(torch.bfloat16)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    outs = []
+    for _ in range(6):
+        chain.set_input(x)
+        chain.run(sms, 8, look=128 * 1024)
+        outs.append(chain.output().clone())
+    assert chain.err.item() == 0
+    assert all(torch.equal(outs[0], o) for o in outs[1:])
+    assert ws.rel_err(outs[0], chain.reference(x)) < 0.02

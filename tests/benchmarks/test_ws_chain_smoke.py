@@ -60,6 +60,8 @@ def test_kernel_compiles_for_sm90_as_producer_and_consumer():
     # the tensor-core units: mma.sync (m16n8k16), no CUDA-core multiplies; the others: FMAs
     assert out["wait1_mma"]["mma"] > 0 and out["wait1_mma"]["fma"] == 0, out
     assert out["wait1"]["mma"] == 0 and out["wait1"]["fma"] > 0, out
+    # the producer's L2 lookahead: bulk prefetches only where asked
+    assert out["wait1"]["l2_prefetch"] == 0 and out["wait1_look"]["l2_prefetch"] > 0, out
 
 
 def test_layer_chain_table_and_reference():
@@ -97,3 +99,21 @@ def test_layer_chain_table_and_reference():
     assert torch.equal(chain.reference(x), want)
     chain.set_input(x)
     assert torch.equal(chain.resid[:3 * 2048].view(3, 2048), x) and not chain.act.any()
+
+
+def test_unfenced_releases_counts_slots_handed_back_without_a_proxy_fence():
+    from aot import unfenced_releases
+
+    wait = "mbarrier.try_wait.parity.shared::cta.b64 %p1, [%r1], %r2;"
+    fence = "fence.proxy.async.shared::cta;"
+    arrive = "@%p2 mbarrier.arrive.shared::cta.b64 _, [%r3];"
+    refill = "@%p3 mbarrier.arrive.expect_tx.shared.b64 _, [%r4], 16384;"
+    ld = "ld.shared.v4.b32 {%r5, %r6, %r7, %r8}, [%r9];"
+    sync = "bar.sync 0, 256;"
+    assert unfenced_releases("\n".join([wait, ld, sync, arrive])) == 1
+    assert unfenced_releases("\n".join([wait, ld, fence, sync, arrive])) == 0
+    # a fence before the wait does not cover the reads after it; the producer's arrive is no
+    # release
+    assert unfenced_releases("\n".join([fence, wait, ld, sync, arrive, refill])) == 1
+    assert unfenced_releases("\n".join([wait, ld, fence, sync, arrive, wait, ld, sync,
+                                        arrive])) == 1

@@ -150,6 +150,8 @@ def test_kernel_compiles_for_sm90_as_producer_and_consumer():
     assert step["ld_cg"] > 0 and step["acq_rel"] > 0 and step["acquire"] > 0
     assert step["globaltimer"] == 0 and free["globaltimer"] > 0
     assert free["acquire"] == 0 and free["acq_rel"] == 0  # no waits, no attention: none
+    # the producer's L2 lookahead: bulk prefetches only where asked
+    assert step["l2_prefetch"] == 0 and out["step_look"]["l2_prefetch"] > 0
 
 
 def test_reporter_writes_versions_settings_and_every_row(tmp_path, monkeypatch):

@@ -1,7 +1,8 @@
 """Compile ws_step.py's warp-specialized step kernel for sm_90 (run as a script by
 test_ws_step_smoke.py, without TRITON_INTERPRET) at its measured configuration (16 x 512 weight
 tiles, 8 ring slots, 8 consumer warps, 16 splits a KV head): the valid step, and a build
-without the waits or the attention's work that records each phase's times; prints one JSON
+without the waits or the attention's work that records each phase's times, and the valid step
+with the producer's L2 lookahead (256 KB a program, the ring's stress); prints one JSON
 line: each build's shared memory and what its PTX holds."""
 
 import json
@@ -24,13 +25,15 @@ desc = f"tensordesc<bf16[{BN},{BK}],{layout!r}>"
 kernel = ws_step._ws_step_kernel
 ptrs = dict(tab_ptr="i64", act_ptr="bf16", counter_ptr="i32", err_ptr="i32", resid_ptr="bf16",
             gamma_ptr="bf16", kc_ptr="bf16", vc_ptr="bf16", bt_ptr="i32", cos_ptr="bf16",
-            sin_ptr="bf16", part_ptr="fp32", ml_ptr="fp32", probe_ptr="i64")
+            sin_ptr="bf16", part_ptr="fp32", ml_ptr="fp32", probe_ptr="i64", w_ptr="bf16")
 out = {}
-for name, wait, skip, probe in (("step", True, 0, False), ("free_probe", False, 1, True)):
+for name, wait, skip, probe, look in (("step", True, 0, False, 0),
+                                      ("free_probe", False, 1, True, 0),
+                                      ("step_look", True, 0, False, 256 * 1024)):
     consts = dict(BN=BN, BK=BK, STAGES=STAGES, KSTEPS=max(ws_step.KS) // BK, WAIT=wait,
                   SPIN=ws_step.SPIN_MAX, CH=128, MS=16, NH=ws_step.HEADS, NKV=ws_step.KV_HEADS,
                   HD=ws_step.HEAD_DIM, PAGE=16, SKIP=skip, PROBE=probe,
-                  HID=ws_step.HIDDEN, num_warps=WARPS)
+                  HID=ws_step.HIDDEN, LOOK=look, num_warps=WARPS)
     sig = {"d2k": desc, "d8k": desc, **{a: "*" + t for a, t in ptrs.items()},
            "eps": "fp32", "sm_scale": "fp32", **{a: "constexpr" for a in consts}}
     sig = {a: sig.get(a, "i32") for a in kernel.arg_names}
@@ -40,5 +43,5 @@ for name, wait, skip, probe in (("step", True, 0, False), ("free_probe", False, 
                                              attrs=attrs),
                               target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
     out[name] = ws_ptx(compiled, ld_cg=r"ld\.global\.cg", acq_rel=r"\.acq_rel\.",
-                       globaltimer=r"%globaltimer")
+                       globaltimer=r"%globaltimer", l2_prefetch=r"prefetch\.global\.L2")
 print(json.dumps(out))
