@@ -19,13 +19,17 @@ gain of a row is ``serial / concurrent``: above 1 the two parts shared the GPU; 
 is what a step pays when they run one after the other.
 
 Usage: ``python benchmarks/overlap_spike.py [--bs 256 64] [--smoke] [--out DIR]``; writes
-``overlap_spike.json``. ``--smoke`` runs tiny shapes on the CPU under the Triton interpreter
+``overlap_spike.json``. ``--tiles TILE_N,WARPS,STAGES,REGS ... [--tile-sms 64]`` instead times
+only the attention part under each tile config of the kernel (REGS ``none``: no register cap),
+on the whole GPU and confined to green contexts of ``--tile-sms`` multiprocessors: does a deeper
+K/V pipeline reach the streaming rate on a share of the SMs (``overlap_tiles.json``). ``--smoke`` runs tiny shapes on the CPU under the Triton interpreter
 (no streams, no green contexts: it checks the script).
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -39,6 +43,7 @@ from attention_kernel import build_layer, call_args  # noqa: E402
 from common import LLAMA_1B, BLOCK, CONTEXT, PAGE, graph_of, mix_lens, out_dir, \
     versions, write_json  # noqa: E402
 from dspark_compile.kernels.attention import ragged_attention_triton  # noqa: E402
+from dspark_compile.kernels.targets import target_for_device  # noqa: E402
 
 SETTINGS = dict(name="full", layers=LLAMA_1B["num_hidden_layers"],
                 hidden=LLAMA_1B["hidden_size"], mlp=LLAMA_1B["intermediate_size"],
@@ -72,12 +77,15 @@ def build(bs: int, s: dict, device: str) -> dict:
                 weights=weights, x=x)
 
 
-def attention_part(case: dict, s: dict):
+def attention_part(case: dict, s: dict, config=None):
+    """Every layer's attention over half A (``config``: the kernel's target entry, default the
+    device's)."""
     scale = s["head_dim"] ** -0.5
 
     def run():
         for layer in case["layers"]:
-            ragged_attention_triton(*call_args(layer, scale), max_query_len=s["block"])
+            ragged_attention_triton(*call_args(layer, scale), max_query_len=s["block"],
+                                    config=config)
     return run
 
 
@@ -205,21 +213,71 @@ def run_bs(bs: int, s: dict, device: str) -> dict:
     return row
 
 
+def tile_config(spec: str, device: str):
+    """The device's target entry with the attention tiles of ``TILE_N,WARPS,STAGES,REGS``."""
+    tile_n, warps, stages, regs = spec.split(",")
+    return dataclasses.replace(target_for_device(device), attn_tile_n=int(tile_n),
+                               attn_num_warps=int(warps), attn_num_stages=int(stages),
+                               attn_max_registers=None if regs == "none" else int(regs))
+
+
+def tile_rows(bs: int, s: dict, device: str, tiles: list[str], sms: list[int]) -> list[dict]:
+    """Half A's attention, every layer, under each tile config: its first layer's output against
+    the default config's (max abs difference), and on CUDA its ms on the whole GPU and confined to
+    a green context of each of ``sms`` multiprocessors (median of ``repeats`` graph replays)."""
+    case = build(bs, s, device)
+    scale = s["head_dim"] ** -0.5
+    first = call_args(case["layers"][0], scale)
+    want = ragged_attention_triton(*first, max_query_len=s["block"]).float()
+    greens = {n: green_stream(n) for n in sms} if device == "cuda" else {}
+    rows = []
+    for spec in tiles:
+        cfg = tile_config(spec, device)
+        got = ragged_attention_triton(*first, max_query_len=s["block"], config=cfg).float()
+        row = dict(bs=bs, tiles=spec, max_abs_diff=float((got - want).abs().max()))
+        if device == "cuda":
+            fn = attention_part(case, s, cfg)
+            side = torch.cuda.Stream()
+            g = _graph(fn, side)
+            row["all_sms_ms"] = _ms(_on(side, g.replay), s["repeats"])
+            del g
+            for n, (stream, _, error) in greens.items():
+                if stream is None:
+                    row[f"sms_{n}"] = error
+                    continue
+                g = _graph(fn, stream)
+                row[f"sms_{n}_ms"] = _ms(_on(stream, g.replay), s["repeats"])
+                del g
+        print(row, flush=True)
+        rows.append(row)
+    return rows
+
+
 def main(argv: list[str] | None = None) -> dict:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the interpreter")
     ap.add_argument("--bs", type=int, nargs="+", default=None)
     ap.add_argument("--out", default=None, help="result folder (default $OUT or "
                     "benchmarks/results)")
+    ap.add_argument("--tiles", nargs="+", metavar="TILE_N,WARPS,STAGES,REGS",
+                    help="only the attention part under these tile configs (overlap_tiles.json)")
+    ap.add_argument("--tile-sms", type=int, nargs="+", default=[64],
+                    help="green-context sizes the --tiles runs are confined to")
     opts = ap.parse_args(argv)
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
     if opts.bs:
         s = dict(s, batch_sizes=opts.bs)
     torch.set_grad_enabled(False)
     report = dict(settings=s, environment=versions(gpu=device == "cuda"),
-                  command="python benchmarks/overlap_spike.py " + " ".join(argv or sys.argv[1:]),
-                  results={str(bs): run_bs(bs, s, device) for bs in s["batch_sizes"]})
-    name = f"overlap_spike{'_smoke' if opts.smoke else ''}.json"
+                  command="python benchmarks/overlap_spike.py " + " ".join(argv or sys.argv[1:]))
+    if opts.tiles:
+        report["tile_sms"] = opts.tile_sms
+        report["results"] = {str(bs): tile_rows(bs, s, device, opts.tiles, opts.tile_sms)
+                             for bs in s["batch_sizes"]}
+    else:
+        report["results"] = {str(bs): run_bs(bs, s, device) for bs in s["batch_sizes"]}
+    name = (f"overlap_{'tiles' if opts.tiles else 'spike'}{'_smoke' if opts.smoke else ''}"
+            ".json")
     report["path"] = write_json(out_dir(opts.out), name, report)
     return report
 

@@ -38,3 +38,16 @@ def test_together_enqueues_every_part_after_the_current_work(monkeypatch):
     spike._together([(a, lambda: calls.append("run a")), (b, lambda: calls.append("run b"))])()
     assert calls == [("a", "waits", "here"), ("b", "waits", "here"), "run a", "run b",
                      ("here", "waits", "a"), ("here", "waits", "b")]
+
+
+def test_smoke_tiles_run_each_config_against_the_default(tmp_path):
+    spike = load_benchmark("overlap_spike")
+    spike.main(["--smoke", "--out", str(tmp_path), "--tiles", "32,4,3,128", "64,4,2,none"])
+    saved = json.loads((tmp_path / "overlap_tiles_smoke.json").read_text())
+    rows = saved["results"][str(spike.SMOKE["batch_sizes"][0])]
+    assert [r["tiles"] for r in rows] == ["32,4,3,128", "64,4,2,none"]
+    # another tile config only reorders the same sums: the output agrees with the default's
+    assert all(r["max_abs_diff"] < 1e-3 for r in rows), rows
+    cfg = spike.tile_config("64,8,4,none", "cpu")
+    assert (cfg.attn_tile_n, cfg.attn_num_warps, cfg.attn_num_stages,
+            cfg.attn_max_registers) == (64, 8, 4, None)
