@@ -67,18 +67,17 @@ TIMING = dict(eager_iters=3, graph_calls=1, graph_replays=20)
 
 
 @gluon.jit
-def _chunks_36(slot, shape: gl.constexpr, layout: gl.constexpr):
-    return slot._reinterpret(gl.bfloat16, shape, layout)
+def _view_36(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    return smem._reinterpret(dtype, shape, layout)
 
 
 @gluon.jit
-def _chunks_39(slot, shape: gl.constexpr, layout: gl.constexpr):
-    return slot.reinterpret(gl.bfloat16, shape, layout)
+def _view_39(smem, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+    return smem.reinterpret(dtype, shape, layout)
 
 
-# a bf16 shared-memory view as another shape and layout (triton 3.6 / 3.9 names)
-_as_chunks = (_chunks_39 if hasattr(gl.shared_memory_descriptor, "reinterpret")
-              else _chunks_36)
+# a shared-memory buffer seen as another dtype, shape and layout (triton 3.6 / 3.9 names)
+as_view = (_view_39 if hasattr(gl.shared_memory_descriptor, "reinterpret") else _view_36)
 
 
 @gluon.jit
@@ -341,7 +340,7 @@ def _mma_unit(w_ring, full, empty, x_smem, k, it, out, width, BN: gl.constexpr,
     for kk in range(0, k, BK):
         slot = it % STAGES
         mbarrier.wait(full.index(slot), (it // STAGES) & 1)
-        a = _as_chunks(w_ring.index(slot), [CW, BN, KC], chunks).load(AL)
+        a = as_view(w_ring.index(slot), gl.bfloat16, [CW, BN, KC], chunks).load(AL)
         xs = (kk // BK) * 3
         x0 = x_smem.index(xs).reshape([CW, KC]).load(XS)[:, :, None]
         x1 = x_smem.index(xs + 1).reshape([CW, KC]).load(XS)[:, :, None]

@@ -56,9 +56,9 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ws_chain import (KS, SPIN_MAX, _as_chunks, _async_load, _phase, _producer,  # noqa: E402
-                      _sync, graph_ms, pack_weights, read_ms, rel_err, release_slot, reporter,
-                      ring_and_rows, weight_descriptors)
+from ws_chain import (KS, SPIN_MAX, _async_load, _phase, _producer,  # noqa: E402
+                      _sync, as_view, graph_ms, pack_weights, read_ms, rel_err, release_slot,
+                      reporter, ring_and_rows, weight_descriptors)
 
 COLS = gl.constexpr(12)  # phase table columns (see WsStep.tab)
 NORM, ATTN = 1, 3  # phase kinds (0: a plain matmul)
@@ -88,8 +88,8 @@ def _stage(x_smem, src, width, resid_ptr, gamma_ptr, k, eps, kind, grow, nidx, w
     alternating)."""
     KN: gl.constexpr = HID // BK  # slots a copy
     CL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [KN, CW // KN], [1, 0])  # [KN, BK]
-    chunks = _as_chunks(x_smem, [x_smem.shape[0] // KN, KN, BK],
-                        gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
+    chunks = as_view(x_smem, gl.bfloat16, [x_smem.shape[0] // KN, KN, BK],
+                     gl.SwizzledSharedLayout(8, 1, 1, [1, 0]))
     ci = gl.arange(0, KN, layout=gl.SliceLayout(1, CL))[:, None] * BK
     cj = gl.arange(0, BK, layout=gl.SliceLayout(0, CL))[None, :]
     per_row = k // (KN * BK)  # copies a row
@@ -498,8 +498,11 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = gl.allocate_shared_memory(gl.float32, [8, HD],
                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
-    a_smem = gl.allocate_shared_memory(gl.float32, [8, num_warps, HD],
-                                       gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
+    # the attention's per-warp partials live in the rows' staging buffer, idle while an
+    # attention phase runs (its rows are staged again after the phase's count): 32 KB more for
+    # the ring
+    a_smem = as_view(x_smem, gl.float32, [8, num_warps, HD],
+                     gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
     m_smem = gl.allocate_shared_memory(gl.float32, [8, num_warps], flat)
     l_smem = gl.allocate_shared_memory(gl.float32, [8, num_warps], flat)
     gl.warp_specialize([
