@@ -287,13 +287,11 @@ def _attention(src, dst, width, first, units, layer, ctx, nsplit, span, sm_scale
                a_smem, m_smem, l_smem, wait, counter_ptr, err_ptr, p, prev_units,
                CH: gl.constexpr, MS: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
                PAGE: gl.constexpr, CW: gl.constexpr, SPIN: gl.constexpr,
-               PROBE: gl.constexpr, NEWM: gl.constexpr):
+               PROBE: gl.constexpr):
     """The program's units (KV head, split) of an attention phase. Split ``s`` scores positions
     ``[s span, (s + 1) span)`` of the ``ctx + 3`` (the new tokens' k and v are in the cache
     already, the q rows rotated: the q+k+v epilogue) for the KV head's 2 q heads x 3 tokens,
-    causal; with ``NEWM`` the splits hold the ``ctx`` cached positions only and the merging unit
-    scores the 3 new ones itself (:func:`_new_positions`), so a split's tile is ``span``
-    rounded up to a power of two without the 3 past it. The cached positions' K and V are loaded before the wait for the q+k+v phase
+    causal. The cached positions' K and V are loaded before the wait for the q+k+v phase
     (``wait``), the new ones after. Each warp takes ``CH / CW`` of the positions and keeps its
     own (max, sum, output) a row, in registers: K with a lane a position (a score's sum in the
     lane), V with a lane a column (the output's sum over positions in the lane); the warps' are
@@ -330,10 +328,7 @@ def _attention(src, dst, width, first, units, layer, ctx, nsplit, span, sm_scale
         kvh = u // nsplit
         s = u % nsplit
         start = s * span
-        if NEWM:
-            end = gl.minimum(start + span, ctx)
-        else:
-            end = gl.minimum(start + span, ctx + 3)
+        end = gl.minimum(start + span, ctx + 3)
         # the unit's cached K and V (never written in the launch), before the wait
         pos = start + wi[:, None] * KW + ji[None, :]
         valid = pos < end
@@ -397,54 +392,14 @@ def _attention(src, dst, width, first, units, layer, ctx, nsplit, span, sm_scale
             accs = gl.load(part_ptr + prow[:, :, None] * HD + dm[None, None, :],
                            mask=ok[:, :, None], other=0.0, cache_modifier=".cg")
             mxg = gl.max(mg, axis=1)
-            ro = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(1, M3)))
-            if NEWM:  # the new positions' partial, merged after the splits'
-                mn, ln, an = _new_positions(q_smem, kc_ptr, vc_ptr, bt_ptr, layer, ctx, kvh,
-                                            pages_per_layer, NKV, HD, PAGE, CW)
-                mn = gl.convert_layout(mn, mxg.type.layout)
-                mxg = gl.maximum(mxg, mn)
-                wn = gl.exp2((mn - gl.where(mxg > float("-inf"), mxg, 0.0)) * LOG2E)
             wg = gl.exp2((mg - gl.where(mxg > float("-inf"), mxg, 0.0)[:, None]) * LOG2E)
+            ro = gl.arange(0, 8, layout=gl.SliceLayout(1, gl.SliceLayout(1, M3)))
             den = gl.convert_layout(gl.sum(lg * wg, axis=1), ro.type.layout)
-            num = gl.sum(accs * wg[:, :, None], axis=1)
-            if NEWM:
-                wo = gl.convert_layout(wn, ro.type.layout)
-                den = den + gl.convert_layout(ln, ro.type.layout) * wo
-                num = num + gl.convert_layout(an, num.type.layout) * wo[:, None]
-            o = num / gl.where(den > 0, den, 1.0)[:, None]
+            o = gl.sum(accs * wg[:, :, None], axis=1) / gl.where(den > 0, den, 1.0)[:, None]
             doff = (ro % 3)[:, None] * width + (kvh * 2 + ro // 3)[:, None] * HD + dm[None, :]
             gl.store(dst + doff, o.to(gl.bfloat16), mask=(ro < 6)[:, None])
         done += 1
     return done, t_go
-
-
-@gluon.jit
-def _new_positions(q_smem, kc_ptr, vc_ptr, bt_ptr, layer, ctx, kvh, pages_per_layer,
-                   NKV: gl.constexpr, HD: gl.constexpr, PAGE: gl.constexpr, CW: gl.constexpr):
-    """The 3 new positions' partial (max, sum, output) of each of the unit's rows (row ``r``:
-    token ``r % 3``, seeing new positions up to its own; rows 6 and 7 empty), from the scaled q
-    rows in ``q_smem`` and the K and V the q+k+v epilogue wrote; a warp a row."""
-    N3: gl.constexpr = gl.BlockedLayout([1, 4, HD // 32], [1, 1, 32], [CW, 1, 1], [2, 1, 0])
-    S2: gl.constexpr = gl.SliceLayout(2, N3)  # [8, 4]
-    KL: gl.constexpr = gl.SliceLayout(0, N3)  # [4, HD]
-    j = gl.arange(0, 4, layout=gl.SliceLayout(1, KL))
-    d = gl.arange(0, HD, layout=gl.SliceLayout(0, KL))
-    pos = ctx + j
-    page = gl.load(bt_ptr + pos // PAGE, mask=j < 3, other=0)
-    off = ((((layer * pages_per_layer + page) * PAGE + pos % PAGE) * NKV + kvh) * HD)[:, None] \
-        + d[None, :]
-    kn = gl.load(kc_ptr + off, mask=(j < 3)[:, None], other=0.0, cache_modifier=".cg")
-    vn = gl.load(vc_ptr + off, mask=(j < 3)[:, None], other=0.0, cache_modifier=".cg")
-    q = q_smem.load(gl.SliceLayout(1, N3))  # [8, HD], scaled
-    sc = gl.sum(q[:, None, :] * kn.to(gl.float32)[None, :, :], axis=2)
-    r = gl.arange(0, 8, layout=gl.SliceLayout(1, S2))
-    jj = gl.arange(0, 4, layout=gl.SliceLayout(0, S2))
-    sees = (jj[None, :] <= (r % 3)[:, None]) & (r < 6)[:, None]
-    sc = gl.where(sees, sc, float("-inf"))
-    m = gl.max(sc, axis=1)
-    pk = gl.exp2((sc - gl.where(m > float("-inf"), m, 0.0)[:, None]) * LOG2E)
-    acc = gl.sum(pk[:, :, None] * vn.to(gl.float32)[None, :, :], axis=1)  # [8, HD]
-    return m, gl.sum(pk, axis=1), acc
 
 
 @gluon.jit
@@ -479,7 +434,7 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_p
               STAGES: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr, CW: gl.constexpr,
               CH: gl.constexpr, MS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
               HD: gl.constexpr, PAGE: gl.constexpr, SKIP: gl.constexpr, probe_ptr,
-              PROBE: gl.constexpr, HID: gl.constexpr, NEWM: gl.constexpr):
+              PROBE: gl.constexpr, HID: gl.constexpr):
     """Per phase with units here: wait for the last phase (its count, acquire), then the
     phase's units (matmul or attention), then count them (release). With ``PROBE``, each
     phase's times (``%globaltimer``: arrived, past the wait, counted) into ``probe[pid, p]``."""
@@ -506,7 +461,7 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_p
                                       sm_scale, pages_per_layer, kc_ptr, vc_ptr, bt_ptr,
                                       part_ptr, ml_ptr, mcnt_ptr, q_smem, a_smem, m_smem,
                                       l_smem, WAIT & (p > 0), counter_ptr, err_ptr, p,
-                                      prev_units, CH, MS, NKV, HD, PAGE, CW, SPIN, PROBE, NEWM)
+                                      prev_units, CH, MS, NKV, HD, PAGE, CW, SPIN, PROBE)
             else:
                 if WAIT:
                     if p > 0:  # every unit of the previous phase counted (acquire)
@@ -538,7 +493,7 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
                     CH: gl.constexpr, MS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
                     HD: gl.constexpr, PAGE: gl.constexpr, SKIP: gl.constexpr, probe_ptr,
                     PROBE: gl.constexpr, HID: gl.constexpr, w_ptr, LOOK: gl.constexpr,
-                    NEWM: gl.constexpr, num_warps: gl.constexpr):
+                    num_warps: gl.constexpr):
     w_ring, full, empty, x_smem = ring_and_rows(d2k, STAGES, BN, BK, KSTEPS)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = gl.allocate_shared_memory(gl.float32, [8, HD],
@@ -556,7 +511,7 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
                      x_smem, q_smem, a_smem, m_smem, l_smem, num_phases, width,
                      eps, ctx, nsplit, span, sm_scale, pages_per_layer, BN, BK, STAGES, WAIT,
                      SPIN, num_warps, CH, MS, NH, NKV, HD, PAGE, SKIP, probe_ptr, PROBE,
-                     HID, NEWM)),
+                     HID)),
         (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES,
                      COLS, w_ptr, LOOK)),
     ], [1], [40])
@@ -580,20 +535,15 @@ class WsStep:
 
     def __init__(self, layers: int, device: str, ctx: int = 1024, splits: int = 16,
                  bn: int = 16, bk: int = 512, page: int = 16, warps: int = 8,
-                 seed: int = 0, new_in_merge: bool = True) -> None:
+                 seed: int = 0) -> None:
         if bn % 2 or (HEAD_DIM // 2) % (bn // 2) or HIDDEN % bk or FFN % bk:
             raise ValueError(f"tile {bn}x{bk}: BN / 2 dividing {HEAD_DIM // 2}, BK dividing "
                              f"{HIDDEN} and {FFN}")
-        # the positions the splits share: the cached ones only when the merging unit scores the
-        # new ones (new_in_merge), else all ctx + 3
-        spread = ctx if new_in_merge else ctx + ROWS
-        self.span = -(-spread // splits)  # positions a split
+        self.span = -(-(ctx + ROWS) // splits)  # positions a split
         self.ch = max(warps, triton.next_power_of_2(self.span))
-        if (splits - 1) * self.span >= spread or (not new_in_merge
-                                                  and (splits - 1) * self.span > ctx):
-            raise ValueError(f"{splits} splits of {spread} positions: the last would hold "
+        if (splits - 1) * self.span > ctx:
+            raise ValueError(f"{splits} splits of {ctx + ROWS} positions: the last would hold "
                              "none that every row sees")
-        self.new_in_merge = new_in_merge
         self.layers, self.ctx, self.bn, self.bk, self.page = layers, ctx, bn, bk, page
         self.nsplit, self.warps = splits, warps
         g = torch.Generator(device).manual_seed(seed)
@@ -695,7 +645,6 @@ class WsStep:
             KSTEPS=max(KS) // self.bk, WAIT=wait, SPIN=SPIN_MAX, CH=self.ch,
             MS=triton.next_power_of_2(self.nsplit), NH=HEADS, NKV=KV_HEADS, HD=HEAD_DIM,
             PAGE=self.page, SKIP=skip, probe_ptr=self.err if probe is None else probe,
-            NEWM=self.new_in_merge,
             PROBE=probe is not None, HID=HIDDEN, w_ptr=self.w, LOOK=look,
             num_warps=self.warps)
 
@@ -835,9 +784,6 @@ def main() -> None:
                          "Nsight Compute")
     ap.add_argument("--probe", action="store_true",
                     help="one valid step with each program's phase times: each phase's share")
-    ap.add_argument("--new-in-merge", type=int, nargs="+", default=[1], choices=[0, 1],
-                    help="1: the merging unit scores the 3 new positions, the splits the cached "
-                         "ones (power-of-two tiles without the 3 past them); 0: the splits all")
     ap.add_argument("--stress", type=int, default=0, metavar="N",
                     help="N valid steps plain and N under the ring's stress (the producer's L2 "
                          "lookahead, STRESS_LOOK): the distinct outputs of each")
@@ -857,10 +803,8 @@ def main() -> None:
         return
     report, emit = reporter("ws_step.json", rows=ROWS, layers=opts.layers, sms=sms)
 
-    forms = [(sp, bool(nm)) for sp in opts.splits for nm in opts.new_in_merge]
-    for c, (splits, new_in_merge) in enumerate(forms):
-        step = WsStep(opts.layers, dev, splits=splits, warps=opts.warps,
-                      new_in_merge=new_in_merge)
+    for c, splits in enumerate(opts.splits):
+        step = WsStep(opts.layers, dev, splits=splits, warps=opts.warps)
         x = torch.randn(ROWS, HIDDEN, device=dev,
                         generator=torch.Generator(dev).manual_seed(1)).to(torch.bfloat16)
         want = step.reference(x)
@@ -876,8 +820,7 @@ def main() -> None:
                 step.err.zero_()
                 step.run(sms, stages, wait, skip)
                 torch.cuda.synchronize()
-                row = dict(kind=kind, skip=skip, splits=splits, new_in_merge=new_in_merge,
-                           ch=step.ch, stages=stages,
+                row = dict(kind=kind, skip=skip, splits=splits, ch=step.ch, stages=stages,
                            warps=opts.warps,
                            programs=sms,
                            timed_out=bool(step.err.item()),
@@ -897,13 +840,11 @@ def main() -> None:
                     probe.zero_()
                     step.run(sms, stages, True, 0, probe)
                 torch.cuda.synchronize()
-                emit(dict(kind="ws_step_probe", splits=splits, new_in_merge=new_in_merge,
-                          stages=stages,
+                emit(dict(kind="ws_step_probe", splits=splits, stages=stages,
                           phases=phase_profile(step, probe)))
             for look in ((0, STRESS_LOOK) if opts.stress else ()):
                 outs = distinct_outputs(step, x, sms, stages, look, opts.stress)
-                emit(dict(kind="ws_step_repeats", splits=splits, new_in_merge=new_in_merge,
-                          stages=stages, look=look,
+                emit(dict(kind="ws_step_repeats", splits=splits, stages=stages, look=look,
                           steps=opts.stress, distinct=len(outs),
                           rel_errs=[rel_err(o, want) for o in outs]))
         del step

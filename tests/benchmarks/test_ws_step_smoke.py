@@ -118,17 +118,10 @@ def test_splits_and_tiles_are_checked():
     with pytest.raises(ValueError, match="BN / 2 dividing 64"):
         ws.WsStep(1, "cpu", bn=24)
     with pytest.raises(ValueError, match="none that every row sees"):
-        ws.WsStep(1, "cpu", ctx=16, splits=16, new_in_merge=False)
-    with pytest.raises(ValueError, match="none that every row sees"):
-        ws.WsStep(1, "cpu", ctx=15, splits=16)
-    step = ws.WsStep(1, "cpu", splits=8, new_in_merge=False)
+        ws.WsStep(1, "cpu", ctx=16, splits=16)
+    step = ws.WsStep(1, "cpu", splits=8)
     assert (step.span, step.ch) == (129, 256)
     assert (step.nsplit - 1) * step.span <= step.ctx < step.nsplit * step.span
-    # the merging unit scores the 3 new positions: the splits share the cached ones, a tile
-    # of 128 instead of 256
-    step = ws.WsStep(1, "cpu", splits=8)
-    assert (step.span, step.ch) == (128, 128)
-    assert (step.nsplit - 1) * step.span < step.ctx <= step.nsplit * step.span
 
 
 def test_phase_profile_shares_add_up_to_the_step():

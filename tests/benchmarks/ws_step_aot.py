@@ -31,9 +31,9 @@ for name, wait, skip, probe, look in (("step", True, 0, False, 0),
                                       ("free_probe", False, 1, True, 0),
                                       ("step_look", True, 0, False, 256 * 1024)):
     consts = dict(BN=BN, BK=BK, STAGES=STAGES, KSTEPS=max(ws_step.KS) // BK, WAIT=wait,
-                  SPIN=ws_step.SPIN_MAX, CH=64, MS=16, NH=ws_step.HEADS, NKV=ws_step.KV_HEADS,
+                  SPIN=ws_step.SPIN_MAX, CH=128, MS=16, NH=ws_step.HEADS, NKV=ws_step.KV_HEADS,
                   HD=ws_step.HEAD_DIM, PAGE=16, SKIP=skip, PROBE=probe,
-                  HID=ws_step.HIDDEN, LOOK=look, NEWM=True, num_warps=WARPS)
+                  HID=ws_step.HIDDEN, LOOK=look, num_warps=WARPS)
     sig = {"d2k": desc, "d8k": desc, **{a: "*" + t for a, t in ptrs.items()},
            "eps": "fp32", "sm_scale": "fp32", **{a: "constexpr" for a in consts}}
     sig = {a: sig.get(a, "i32") for a in kernel.arg_names}
