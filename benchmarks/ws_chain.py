@@ -224,6 +224,19 @@ def _stage_silu(x_smem, up_ptr, width, k, xcol, BK: gl.constexpr):
 
 
 @gluon.jit
+def wait_phase(counter_ptr, err_ptr, p, units, SPIN: gl.constexpr):
+    """Until phase ``p - 1`` has counted its ``units`` (acquire); past ``SPIN`` polls, flags
+    ``err`` and goes on."""
+    seen = gl.atomic_add(counter_ptr + p - 1, 0, sem="acquire")
+    spins = 0
+    while (seen < units) & (spins < SPIN):
+        seen = gl.atomic_add(counter_ptr + p - 1, 0, sem="acquire")
+        spins += 1
+    if spins >= SPIN:
+        gl.store(err_ptr, 1)
+
+
+@gluon.jit
 def release_slot(empty, slot):
     """Hand ring slot ``slot`` back to the producer once every consumer warp is done with it.
     The slot was read by the generic proxy (shared-memory loads) and the producer refills it
@@ -242,8 +255,8 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ri
               MATH: gl.constexpr, LAYER: gl.constexpr, MMA: gl.constexpr):
     """Per phase with units here: wait for the last phase (``WAIT``: its count, acquire), copy
     its three rows into shared memory (``cp.async``, all K steps in flight at once); per unit,
-    its K steps from the ring (a slot freed once every warp has read it), then its 16-bit
-    outputs; the program's units of the phase counted once (release)."""
+    its K steps from the ring (each slot handed back after its multiplies: :func:`release_slot`),
+    then its 16-bit outputs; the program's units of the phase counted once (release)."""
     # [BN, BK]: a warp spans 256 of K, the warps stacked along N (warps side by side along K,
     # so that each input row is read from shared memory once, not once a warp, measured slower:
     # the reduction across warps at each unit's end costs more than the reads it saves)
@@ -264,13 +277,7 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ri
         if first < n // BN:
             if WAIT:
                 if p > 0:  # every unit of the previous phase counted (acquire)
-                    seen = gl.atomic_add(counter_ptr + p - 1, 0, sem="acquire")
-                    spins = 0
-                    while (seen < prev_n // BN) & (spins < SPIN):
-                        seen = gl.atomic_add(counter_ptr + p - 1, 0, sem="acquire")
-                        spins += 1
-                    if spins >= SPIN:
-                        gl.store(err_ptr, 1)
+                    wait_phase(counter_ptr, err_ptr, p, prev_n // BN, SPIN)
             _sync()  # nobody still reads the last phase's rows
             src = act_ptr + half * 3 * width
             for i in range(0, k // BK):

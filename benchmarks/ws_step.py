@@ -58,7 +58,7 @@ from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 sys.path.insert(0, str(Path(__file__).parent))
 from ws_chain import (KS, SPIN_MAX, _async_load, _phase, _producer,  # noqa: E402
                       _sync, as_view, graph_ms, pack_weights, read_ms, rel_err, release_slot,
-                      reporter, ring_and_rows, weight_descriptors)
+                      reporter, ring_and_rows, wait_phase, weight_descriptors)
 
 COLS = gl.constexpr(12)  # phase table columns (see WsStep.tab)
 NORM, ATTN = 1, 3  # phase kinds (0: a plain matmul)
@@ -345,7 +345,7 @@ def _attention(src, dst, width, first, units, layer, ctx, nsplit, span, sm_scale
         kt = gl.load(kc_ptr + offk, mask=oldk, other=0.0, cache_modifier=".cg")
         vt = gl.load(vc_ptr + off, mask=old, other=0.0, cache_modifier=".cg")
         if wait & (u == first):  # every unit of the q+k+v phase counted (acquire)
-            _wait_phase(counter_ptr, err_ptr, p, prev_units, SPIN)
+            wait_phase(counter_ptr, err_ptr, p, prev_units, SPIN)
         _sync()
         if u == first:
             t_go = _now(PROBE)
@@ -414,19 +414,6 @@ def _now(PROBE: gl.constexpr):
 
 
 @gluon.jit
-def _wait_phase(counter_ptr, err_ptr, p, units, SPIN: gl.constexpr):
-    """Until phase ``p - 1`` has counted its ``units`` (acquire); past ``SPIN`` polls, flags
-    ``err`` and goes on."""
-    seen = gl.atomic_add(counter_ptr + p - 1, 0, sem="acquire")
-    spins = 0
-    while (seen < units) & (spins < SPIN):
-        seen = gl.atomic_add(counter_ptr + p - 1, 0, sem="acquire")
-        spins += 1
-    if spins >= SPIN:
-        gl.store(err_ptr, 1)
-
-
-@gluon.jit
 def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_ptr, vc_ptr,
               bt_ptr, cos_ptr, sin_ptr, part_ptr, ml_ptr, w_ring, full, empty, x_smem,
               q_smem, a_smem, m_smem, l_smem, num_phases, width, eps, ctx, nsplit, span,
@@ -465,7 +452,7 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_p
             else:
                 if WAIT:
                     if p > 0:  # every unit of the previous phase counted (acquire)
-                        _wait_phase(counter_ptr, err_ptr, p, prev_units, SPIN)
+                        wait_phase(counter_ptr, err_ptr, p, prev_units, SPIN)
                 _sync()  # nobody still reads the last phase's rows
                 t_go = _now(PROBE)
                 _stage(x_smem, src, width, resid_ptr, gamma_ptr, k, eps, kind, grow, nidx,
