@@ -273,16 +273,21 @@ def small_sweep(s: dict, device: str) -> list[dict]:
     return rows
 
 
+def tile_config(spec: str, device: str):
+    """The device's target entry with the attention tiles of ``TILE_N,WARPS,STAGES,REGS``
+    (REGS ``none``: no register cap)."""
+    tile_n, warps, stages, regs = spec.split(",")
+    return dataclasses.replace(target_for_device(device), attn_tile_n=int(tile_n),
+                               attn_num_warps=int(warps), attn_num_stages=int(stages),
+                               attn_max_registers=None if regs == "none" else int(regs))
+
+
 def tile_sweep(tiles: list[str], batch_sizes: list[int], s: dict, device: str) -> list[dict]:
     """Tile configs ``TILE_N,WARPS,STAGES,REGS`` (REGS ``none``: no register cap) at the given
     batch sizes, mean-3 mix, the split rule's count; each checked against the reference."""
-    base = target_for_device(device)
     rows = []
     for spec in tiles:
-        tile_n, warps, stages, regs = spec.split(",")
-        cfg = dataclasses.replace(base, attn_tile_n=int(tile_n), attn_num_warps=int(warps),
-                                  attn_num_stages=int(stages),
-                                  attn_max_registers=None if regs == "none" else int(regs))
+        cfg = tile_config(spec, device)
         for bs in batch_sizes:
             r = run_case(bs, True, s, device, with_sdpa=False, config=cfg)
             rows.append(dict(bs=bs, **_tiles(cfg), graph_us=r["graph_us"],

@@ -29,7 +29,6 @@ K/V pipeline reach the streaming rate on a share of the SMs (``overlap_tiles.jso
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 import statistics
 import sys
@@ -39,11 +38,10 @@ if "--smoke" in sys.argv:  # read when @triton.jit decorates: before any kernel 
     os.environ["TRITON_INTERPRET"] = "1"
 
 import torch  # noqa: E402
-from attention_kernel import build_layer, call_args  # noqa: E402
+from attention_kernel import build_layer, call_args, tile_config  # noqa: E402
 from common import LLAMA_1B, BLOCK, CONTEXT, PAGE, graph_of, mix_lens, out_dir, \
     versions, write_json  # noqa: E402
 from dspark_compile.kernels.attention import ragged_attention_triton  # noqa: E402
-from dspark_compile.kernels.targets import target_for_device  # noqa: E402
 
 SETTINGS = dict(name="full", layers=LLAMA_1B["num_hidden_layers"],
                 hidden=LLAMA_1B["hidden_size"], mlp=LLAMA_1B["intermediate_size"],
@@ -211,14 +209,6 @@ def run_bs(bs: int, s: dict, device: str) -> dict:
         row["green"].append(entry)
         del stream, ctx
     return row
-
-
-def tile_config(spec: str, device: str):
-    """The device's target entry with the attention tiles of ``TILE_N,WARPS,STAGES,REGS``."""
-    tile_n, warps, stages, regs = spec.split(",")
-    return dataclasses.replace(target_for_device(device), attn_tile_n=int(tile_n),
-                               attn_num_warps=int(warps), attn_num_stages=int(stages),
-                               attn_max_registers=None if regs == "none" else int(regs))
 
 
 def tile_rows(bs: int, s: dict, device: str, tiles: list[str], sms: list[int]) -> list[dict]:
