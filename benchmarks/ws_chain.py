@@ -29,7 +29,12 @@ same bytes. Every valid chain is checked against torch (each matmul in float32 f
 rows, rounded to bf16) and every unit must be counted once.
 
     python benchmarks/ws_chain.py [--tiles 16x512 32x256] [--stages 8 10] [--warps 8] [--layer]
-        [--mma]
+        [--mma] [--warp-release]
+
+``--warp-release`` runs each form again with every consumer warp taking and handing back the
+ring's slots on its own (:func:`take_slot`, :func:`give_slot`), and with ``--mma`` the
+tensor-core units whose warps' partials are added a group of units at a time
+(:func:`_mma_phase`).
 
 ``--layer`` gives the phases the layer's input transforms, done on the staged rows once a phase
 and program: the residual add + RMSNorm before q+k+v, gate+up and the LM head (the program holding
@@ -236,6 +241,122 @@ def wait_phase(counter_ptr, err_ptr, p, units, SPIN: gl.constexpr):
         gl.store(err_ptr, 1)
 
 
+# The per-warp hand-over of a ring slot (``WREL``). Triton 3.6 orders an ``mbarrier.wait`` and an
+# ``mbarrier.arrive`` with every shared-memory access around them by a barrier of the whole
+# partition, and its ``arrive`` comes from the partition's thread 0: each slot then costs two
+# barriers of the 8 consumer warps, which move in lock step. In this form each thread polls the
+# slot's full barrier itself and each warp hands the slot back on its own (its lanes' proxy
+# fences, a warp barrier, lane 0's arrive; the empty barrier counts the warps), so a warp runs on
+# to the next slot while the others finish this one. Inline PTX, addressed from the shared
+# window's base ``global_smem`` by the barrier arrays' byte offsets, which the host reads from a
+# first build (:func:`ring_barriers`).
+_TAKE_ASM = gl.constexpr("""{
+.reg .pred %%ready;
+.reg .b32 %%bar;
+mov.u32 %%bar, global_smem;
+add.u32 %%bar, %%bar, $1;
+take_wait:
+mbarrier.try_wait.parity.shared::cta.b64 %%ready, [%%bar], $2;
+@!%%ready bra.uni take_wait;
+mov.u32 $0, 0;
+}""".replace("%%", "%"))
+_GIVE_ASM = gl.constexpr("""{
+.reg .pred %%lead;
+.reg .b32 %%bar, %%lane;
+fence.proxy.async.shared::cta;
+bar.warp.sync -1;
+mov.u32 %%lane, %laneid;
+setp.eq.u32 %%lead, %%lane, 0;
+mov.u32 %%bar, global_smem;
+add.u32 %%bar, %%bar, $1;
+@%%lead mbarrier.arrive.shared::cta.b64 _, [%%bar];
+mov.u32 $0, 0;
+}""".replace("%%", "%"))
+
+
+@gluon.jit
+def _per_thread(CW: gl.constexpr):
+    """A zero for each thread of a ``CW``-warp partition (an inline asm's operand: it runs once
+    a thread)."""
+    return gl.full([32 * CW], 0, gl.int32, gl.BlockedLayout([1], [32], [CW], [0]))
+
+
+@gluon.jit
+def take_slot(full, slot, phase, WREL: gl.constexpr, FULL0: gl.constexpr, CW: gl.constexpr):
+    """Until ring slot ``slot``'s fill of phase ``phase`` has landed: Gluon's wait, or with
+    ``WREL`` each thread's own poll of the barrier at byte ``FULL0 + 8 slot``."""
+    if WREL:
+        z = _per_thread(CW)
+        gl.inline_asm_elementwise(_TAKE_ASM, "=r,r,r", [z + (FULL0 + 8 * slot), z + phase],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        mbarrier.wait(full.index(slot), phase)
+
+
+@gluon.jit
+def give_slot(empty, slot, WREL: gl.constexpr, EMPTY0: gl.constexpr, CW: gl.constexpr):
+    """Hand ring slot ``slot`` back: :func:`release_slot`, or with ``WREL`` each warp on its own
+    (every lane's proxy fence, a warp barrier, lane 0's arrive on the barrier at byte
+    ``EMPTY0 + 8 slot``, which counts ``CW`` arrivals)."""
+    if WREL:
+        gl.inline_asm_elementwise(_GIVE_ASM, "=r,r", [_per_thread(CW) + (EMPTY0 + 8 * slot)],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+    else:
+        release_slot(empty, slot)
+
+
+def ring_barriers(ptx: str, stages: int, warps: int) -> tuple[int, int]:
+    """Byte offsets in the shared window of a build's first full and first empty ring barrier,
+    from its PTX's ``mbarrier.init``s (full: count 1; empty: count ``warps``, the per-warp form),
+    each array ``stages`` barriers 8 bytes apart."""
+    import re
+
+    base = set(re.findall(r"mov\.b32\s+(%r\d+), global_smem;", ptx))
+    at = {}
+    for dst, src, off in re.findall(r"add\.s32\s+(%r\d+), (%r\d+), (\d+);", ptx):
+        if src in base:
+            at[dst] = int(off)
+    for reg in base:
+        at[reg] = 0
+    inits = {}
+    for addr, count in re.findall(r"mbarrier\.init\.shared(?:::cta)?\.b64 \[([^\]]+)\], (\d+);",
+                                  ptx):
+        m = re.fullmatch(r"global_smem(?:\+(\d+))?", addr)
+        off = int(m.group(1) or 0) if m else at.get(addr)
+        if off is None:
+            raise ValueError(f"an mbarrier.init at {addr}, not at a constant offset")
+        inits.setdefault(int(count), set()).add(off)
+    full, empty = sorted(inits.get(1, ())), sorted(inits.get(warps, ()))
+    for name, offs in (("full", full), ("empty", empty)):
+        if len(offs) != stages or offs != list(range(offs[0], offs[0] + 8 * stages, 8)):
+            raise ValueError(f"the ring's {name} barriers at {offs}: not {stages} in a row")
+    return full[0], empty[0]
+
+
+_BARRIERS: dict = {}
+
+
+def launch_ring(kernel, grid: tuple, args: tuple, consts: dict, stages: int, warps: int,
+                wrel: bool):
+    """Launch a ring kernel (constexprs ``WREL``, ``FULL0``, ``EMPTY0``); with ``wrel``, the
+    barrier offsets from a first build of the same constexprs (cached), checked again in the
+    build that runs."""
+    if not wrel:
+        return kernel[grid](*args, WREL=False, FULL0=0, EMPTY0=0, **consts)
+    key = (kernel.__name__, tuple(sorted((k, v) for k, v in consts.items()
+                                         if not isinstance(v, torch.Tensor))))
+    if key not in _BARRIERS:
+        first = kernel.warmup(*args, WREL=True, FULL0=0, EMPTY0=0, grid=grid, **consts)
+        _BARRIERS[key] = ring_barriers(first.asm["ptx"], stages, warps)
+        full0, empty0 = _BARRIERS[key]
+        built = kernel[grid](*args, WREL=True, FULL0=full0, EMPTY0=empty0, **consts)
+        if ring_barriers(built.asm["ptx"], stages, warps) != (full0, empty0):
+            raise RuntimeError("the ring's barriers moved between two builds")
+        return built
+    full0, empty0 = _BARRIERS[key]
+    return kernel[grid](*args, WREL=True, FULL0=full0, EMPTY0=empty0, **consts)
+
+
 @gluon.jit
 def release_slot(empty, slot):
     """Hand ring slot ``slot`` back to the producer once every consumer warp is done with it.
@@ -252,7 +373,8 @@ def release_slot(empty, slot):
 def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ring, full, empty,
               x_smem, num_phases, width, hidden, eps, BN: gl.constexpr, BK: gl.constexpr,
               STAGES: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr, CW: gl.constexpr,
-              MATH: gl.constexpr, LAYER: gl.constexpr, MMA: gl.constexpr):
+              MATH: gl.constexpr, LAYER: gl.constexpr, MMA: gl.constexpr, WREL: gl.constexpr,
+              FULL0: gl.constexpr, EMPTY0: gl.constexpr):
     """Per phase with units here: wait for the last phase (``WAIT``: its count, acquire), copy
     its three rows into shared memory (``cp.async``, all K steps in flight at once); per unit,
     its K steps from the ring (each slot handed back after its multiplies: :func:`release_slot`),
@@ -294,10 +416,13 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ri
                     _stage_silu(x_smem, src + k, width, k, xcol, BK)
             dst = act_ptr + (1 - half) * 3 * width
             done = 0
-            if MMA:
+            if MMA == 2:
+                it, done = _mma_phase(w_ring, full, empty, x_smem, k, it, dst, width, first,
+                                      n // BN, BN, BK, STAGES, CW, FULL0, EMPTY0)
+            elif MMA == 1:
                 for t in range(first, n // BN, nprog):
                     it = _mma_unit(w_ring, full, empty, x_smem, k, it, dst + t * BN, width, BN,
-                                   BK, STAGES, CW)
+                                   BK, STAGES, CW, WREL, FULL0, EMPTY0)
                     done += 1
             else:
                 for t in range(first, n // BN, nprog):
@@ -307,14 +432,14 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ri
                     acc2 = gl.zeros([BN, BK], gl.float32, WL)
                     for kk in range(0, k, BK):
                         slot = it % STAGES
-                        mbarrier.wait(full.index(slot), (it // STAGES) & 1)
+                        take_slot(full, slot, (it // STAGES) & 1, WREL, FULL0, CW)
                         if MATH:
                             w = w_ring.index(slot).load(WL).to(gl.float32)
                             xs = (kk // BK) * 3
                             acc0 += w * x_smem.index(xs).load(XL).to(gl.float32)[None, :]
                             acc1 += w * x_smem.index(xs + 1).load(XL).to(gl.float32)[None, :]
                             acc2 += w * x_smem.index(xs + 2).load(XL).to(gl.float32)[None, :]
-                        release_slot(empty, slot)
+                        give_slot(empty, slot, WREL, EMPTY0, CW)
                         it += 1
                     out = dst + t * BN + offs_n
                     gl.store(out, gl.sum(acc0, axis=1).to(gl.bfloat16))
@@ -328,7 +453,8 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ri
 
 @gluon.jit
 def _mma_unit(w_ring, full, empty, x_smem, k, it, out, width, BN: gl.constexpr,
-              BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr):
+              BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr, WREL: gl.constexpr,
+              FULL0: gl.constexpr, EMPTY0: gl.constexpr):
     """One unit on the tensor cores (``mma.sync`` m16n8k16, bf16 in, fp32 sums): warp ``j``
     takes the slot's ``j``-th 128-byte column chunk (``BK / CW`` of K; the slot, TMA-written
     as ``[BN, BK]`` with 128-byte swizzle, read as ``[CW, BN, BK / CW]``) times the three rows'
@@ -346,7 +472,7 @@ def _mma_unit(w_ring, full, empty, x_smem, k, it, out, width, BN: gl.constexpr,
     acc = gl.zeros([CW, BN, 8], gl.float32, MMA)
     for kk in range(0, k, BK):
         slot = it % STAGES
-        mbarrier.wait(full.index(slot), (it // STAGES) & 1)
+        take_slot(full, slot, (it // STAGES) & 1, WREL, FULL0, CW)
         a = as_view(w_ring.index(slot), gl.bfloat16, [CW, BN, KC], chunks).load(AL)
         xs = (kk // BK) * 3
         x0 = x_smem.index(xs).reshape([CW, KC]).load(XS)[:, :, None]
@@ -354,7 +480,7 @@ def _mma_unit(w_ring, full, empty, x_smem, k, it, out, width, BN: gl.constexpr,
         x2 = x_smem.index(xs + 2).reshape([CW, KC]).load(XS)[:, :, None]
         b = gl.where(col == 0, x0, gl.where(col == 1, x1, gl.where(col == 2, x2, 0.0)))
         acc = mma_v2(a, b.to(gl.bfloat16), acc)
-        release_slot(empty, slot)
+        give_slot(empty, slot, WREL, EMPTY0, CW)
         it += 1
     tot = gl.sum(acc, axis=0)  # [BN, 8]: column r is row r's outputs
     cols = gl.arange(0, 8, layout=gl.SliceLayout(0, OL))[None, :]
@@ -365,18 +491,131 @@ def _mma_unit(w_ring, full, empty, x_smem, k, it, out, width, BN: gl.constexpr,
     return it
 
 
+# the tensor-core units with the warps' sums added at the end of a group of PART_UNITS units
+# (:func:`_mma_phase`): each warp's [BN, 3] partial of a unit goes to shared memory by inline PTX,
+# so no partition barrier orders it, and a group's sums are read back, added in warp order and
+# stored once every warp has passed one barrier
+PART_UNITS = gl.constexpr(8)
+_PART_ST_ASM = gl.constexpr("""{
+.reg .pred %%keep;
+.reg .b32 %%at;
+setp.lt.s32 %%keep, $3, 3;
+mov.u32 %%at, global_smem;
+add.u32 %%at, %%at, $1;
+@%%keep st.shared.b32 [%%at], $2;
+mov.u32 $0, 0;
+}""".replace("%%", "%"))
+
+
+def _part_sum_asm(warps: int, stride: int) -> str:
+    """PTX that adds ``warps`` fp32 words ``stride`` bytes apart from byte ``$1`` of the shared
+    window, in order."""
+    lines = ["{", ".reg .b32 %at;", ".reg .f32 %v;", "mov.u32 %at, global_smem;",
+             "add.u32 %at, %at, $1;", "ld.shared.f32 $0, [%at];"]
+    for w in range(1, warps):
+        lines += [f"ld.shared.f32 %v, [%at+{w * stride}];", "add.f32 $0, $0, %v;"]
+    return "\n".join(lines + ["}"])
+
+
+_PART_SUM_ASM = gl.constexpr(_part_sum_asm(8, 16 * 3 * 4))
+
+
+@gluon.jit
+def _mma_b(x_smem, xs, CW: gl.constexpr, KC: gl.constexpr, BL: gl.constexpr):
+    """The B operand of K step ``xs / 3``: ``[CW, KC, 8]``, column ``r < 3`` row ``r``'s
+    columns of each warp's chunk, columns 3-7 zero."""
+    XS: gl.constexpr = gl.SliceLayout(2, BL)
+    col = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))[None, None, :]
+    x0 = x_smem.index(xs).reshape([CW, KC]).load(XS)[:, :, None]
+    x1 = x_smem.index(xs + 1).reshape([CW, KC]).load(XS)[:, :, None]
+    x2 = x_smem.index(xs + 2).reshape([CW, KC]).load(XS)[:, :, None]
+    return gl.where(col == 0, x0, gl.where(col == 1, x1, gl.where(col == 2, x2, 0.0))).to(
+        gl.bfloat16)
+
+
+@gluon.jit
+def _mma_phase(w_ring, full, empty, x_smem, k, it, dst, width, first, units, BN: gl.constexpr,
+               BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr, FULL0: gl.constexpr,
+               EMPTY0: gl.constexpr):
+    """A phase's units on the tensor cores, each warp on its own: warp ``j`` multiplies the
+    ``j``-th 128-byte column chunk of every slot (as :func:`_mma_unit`), takes and hands back
+    the slots itself (:func:`take_slot`, :func:`give_slot`), and writes its ``[BN, 3]`` partial
+    of each unit to shared memory (:data:`PART_UNITS` units a group, after the ring's barriers);
+    at a group's end the partials are added in warp order and the three rows stored
+    (:func:`_flush_partials`). Returns the ring's position and the units done."""
+    KC: gl.constexpr = BK // CW
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[CW, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    chunks: gl.constexpr = gl.NVMMASharedLayout(128, 16, rank=3)
+    PB: gl.constexpr = CW * BN * 3 * 4  # a unit's partials, bytes
+    SCR0: gl.constexpr = EMPTY0 + 8 * STAGES
+    wi = gl.arange(0, CW, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))[:, None, None]
+    ri = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))[None, :, None]
+    ci = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))[None, None, :]
+    zero = gl.zeros([CW, BN, 8], gl.int32, MMA)
+    at = zero + ((wi * BN + ri) * 3 + ci) * 4  # a partial's byte in its unit's block
+    cols = zero + ci
+    nprog = gl.num_programs(0)
+    done = 0
+    g0 = first  # the group's first unit
+    for t in range(first, units, nprog):
+        acc = gl.zeros([CW, BN, 8], gl.float32, MMA)
+        for kk in range(0, k, BK):
+            slot = it % STAGES
+            take_slot(full, slot, (it // STAGES) & 1, True, FULL0, CW)
+            a = as_view(w_ring.index(slot), gl.bfloat16, [CW, BN, KC], chunks).load(AL)
+            acc = mma_v2(a, _mma_b(x_smem, (kk // BK) * 3, CW, KC, BL), acc)
+            give_slot(empty, slot, True, EMPTY0, CW)
+            it += 1
+        gl.inline_asm_elementwise(_PART_ST_ASM, "=r,r,r,r",
+                                  [at + (SCR0 + (done % PART_UNITS) * PB), acc, cols],
+                                  dtype=gl.int32, is_pure=False, pack=1)
+        done += 1
+        if done % PART_UNITS == 0:
+            _flush_partials(dst, width, g0, PART_UNITS, nprog, SCR0, BN, CW)
+            g0 = t + nprog
+    if done % PART_UNITS != 0:
+        _flush_partials(dst, width, g0, done % PART_UNITS, nprog, SCR0, BN, CW)
+    return it, done
+
+
+@gluon.jit
+def _flush_partials(dst, width, g0, count, nprog, SCR0: gl.constexpr, BN: gl.constexpr,
+                    CW: gl.constexpr):
+    """A group of ``count`` units from unit ``g0`` (every ``nprog``-th): once every warp has
+    written its partials, each output is its ``CW`` partials added in warp order, stored to its
+    row (bf16); then a barrier, so the next group's partials overwrite none still read."""
+    FL: gl.constexpr = gl.BlockedLayout([1], [32], [CW], [0])
+    _sync()
+    e = gl.arange(0, PART_UNITS * BN * 4, layout=FL)
+    u = e // (BN * 4)
+    r = (e // 4) % BN
+    c = e % 4
+    at = SCR0 + ((u * CW * BN + r) * 3 + c) * 4
+    v = gl.inline_asm_elementwise(_PART_SUM_ASM, "=f,r", [at], dtype=gl.float32,
+                                  is_pure=False, pack=1)
+    gl.store(dst + c * width + (g0 + u * nprog) * BN + r, v.to(gl.bfloat16),
+             mask=(c < 3) & (u < count))
+    _sync()
+
+
 @gluon.jit
 def ring_and_rows(desc, STAGES: gl.constexpr, BN: gl.constexpr, BK: gl.constexpr,
-                  KSTEPS: gl.constexpr):
+                  KSTEPS: gl.constexpr, GIVERS: gl.constexpr, SCRATCH: gl.constexpr):
     """The weight ring (``STAGES`` slots of ``[BN, BK]`` in the TMA descriptor ``desc``'s layout),
-    its full and empty mbarriers (initialized, count 1), and the rows' staging buffer
-    ``[3 KSTEPS, BK]`` (a slot indexable at run time)."""
+    its full mbarriers (count 1) and empty ones (count ``GIVERS``: 1, or the consumer warps when
+    each hands a slot back on its own), followed by ``SCRATCH`` bytes that only inline PTX
+    touches (:func:`_mma_phase`'s partials, at ``EMPTY0 + 8 STAGES``), and the rows' staging
+    buffer ``[3 KSTEPS, BK]`` (a slot indexable at run time)."""
     w_ring = gl.allocate_shared_memory(gl.bfloat16, [STAGES, BN, BK], desc.layout)
     full = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-    empty = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+    empty = gl.allocate_shared_memory(gl.int64, [STAGES + SCRATCH // 8, 1],
+                                      mbarrier.MBarrierLayout())
     for i in gl.static_range(STAGES):
         mbarrier.init(full.index(i), count=1)
-        mbarrier.init(empty.index(i), count=1)
+        mbarrier.init(empty.index(i), count=GIVERS)
     fence_async_shared()
     x_smem = gl.allocate_shared_memory(gl.bfloat16, [KSTEPS * 3, BK],
                                        gl.SwizzledSharedLayout(8, 1, 1, [0]))
@@ -388,12 +627,16 @@ def _ws_chain_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr
                      num_phases, width, hidden, eps, BN: gl.constexpr, BK: gl.constexpr,
                      STAGES: gl.constexpr, KSTEPS: gl.constexpr, WAIT: gl.constexpr,
                      SPIN: gl.constexpr, MATH: gl.constexpr, LAYER: gl.constexpr,
-                     MMA: gl.constexpr, w_ptr, LOOK: gl.constexpr, num_warps: gl.constexpr):
-    w_ring, full, empty, x_smem = ring_and_rows(d2k, STAGES, BN, BK, KSTEPS)
+                     MMA: gl.constexpr, w_ptr, LOOK: gl.constexpr, WREL: gl.constexpr,
+                     FULL0: gl.constexpr, EMPTY0: gl.constexpr, num_warps: gl.constexpr):
+    # a group's partials (PART_UNITS units x the warps x [BN, 3] fp32) for the grouped form
+    SCR: gl.constexpr = PART_UNITS * num_warps * BN * 12 if MMA == 2 else 0
+    w_ring, full, empty, x_smem = ring_and_rows(d2k, STAGES, BN, BK, KSTEPS,
+                                                num_warps if WREL else 1, SCR)
     gl.warp_specialize([
         (_consumer, (tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ring, full,
                      empty, x_smem, num_phases, width, hidden, eps, BN, BK, STAGES, WAIT, SPIN,
-                     num_warps, MATH, LAYER, MMA)),
+                     num_warps, MATH, LAYER, MMA, WREL, FULL0, EMPTY0)),
         (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES, 8, w_ptr,
                      LOOK)),
     ], [1], [40])
@@ -510,20 +753,26 @@ class WsChain:
         return self._half(len(self.shapes) % 2)[:, :self.shapes[-1][0]]
 
     def run(self, programs: int, stages: int, wait: bool = True, num_warps: int = 8,
-            math: bool = True, mma: bool = False, look: int = 0) -> None:
-        """One chain; ``mma``: the units on the tensor cores (:func:`_mma_unit`: 16 x 512 tiles,
-        8 consumer warps, no input transforms); ``look``: the producer's L2 lookahead in bytes, a
-        stress of the ring (:func:`_producer`)."""
+            math: bool = True, mma: int = 0, look: int = 0, wrel: bool = False) -> None:
+        """One chain; ``mma``: the units on the tensor cores (16 x 512 tiles, 8 consumer warps,
+        no input transforms), 1 each unit's warps' sums added at its end (:func:`_mma_unit`), 2
+        a group of units at a time (:func:`_mma_phase`, with ``wrel``); ``look``: the
+        producer's L2 lookahead in bytes, a stress of the ring (:func:`_producer`); ``wrel``:
+        each consumer warp takes and hands back the ring's slots on its own
+        (:func:`take_slot`, :func:`give_slot`)."""
         if mma and (self.bn != 16 or self.bk != 64 * num_warps or self.layer):
             raise ValueError(f"the tensor-core units take 16 x {64 * num_warps} tiles and no "
                              f"input transforms, not {self.bn} x {self.bk} (layer {self.layer})")
+        if mma == 2 and (not wrel or num_warps != 8):
+            raise ValueError("the tensor-core units with the partials added a group at a time "
+                             "(mma 2) take the per-warp hand-over (wrel) and 8 consumer warps")
         self.counter.zero_()
-        _ws_chain_kernel[(programs,)](
+        launch_ring(_ws_chain_kernel, (programs,), (
             self.descs[0], self.descs[1], self.tab, self.act, self.counter, self.err,
-            self.resid, self.gammas, len(self.shapes), self.width, self.hidden, self.eps,
-            BN=self.bn, BK=self.bk, STAGES=stages, KSTEPS=max(KS) // self.bk, WAIT=wait,
-            SPIN=SPIN_MAX, MATH=math, LAYER=self.layer, MMA=mma, w_ptr=self.w, LOOK=look,
-            num_warps=num_warps)
+            self.resid, self.gammas, len(self.shapes), self.width, self.hidden, self.eps),
+            dict(BN=self.bn, BK=self.bk, STAGES=stages, KSTEPS=max(KS) // self.bk, WAIT=wait,
+                 SPIN=SPIN_MAX, MATH=math, LAYER=self.layer, MMA=mma, w_ptr=self.w, LOOK=look,
+                 num_warps=num_warps), stages, num_warps, wrel)
 
     def reference(self, x: torch.Tensor) -> torch.Tensor:
         """Torch, phase by phase: each input transform in fp32 rounded as HF rounds it, each
@@ -623,6 +872,9 @@ def main() -> None:
     ap.add_argument("--mma", action="store_true",
                     help="the units on the tensor cores too (16x512 tiles, 8 warps): ws_mma, "
                          "ws_mma_free")
+    ap.add_argument("--warp-release", action="store_true",
+                    help="each form also with every consumer warp taking and handing back the "
+                         "ring's slots on its own (take_slot / give_slot): kinds *_wrel")
     ap.add_argument("--layer", action="store_true",
                     help="the layers' input transforms too: the residual add + RMSNorm before "
                          "q+k+v, gate+up and the LM head, SiLU-and-mul before down "
@@ -660,11 +912,17 @@ def main() -> None:
                 forms = [("ws", True, True, False), ("ws_free", False, True, False),
                          ("ws_ring", False, False, False)]
                 if opts.mma and (bn, bk, warps) == (16, 512, 8) and not opts.layer:
-                    forms += [("ws_mma", True, True, True), ("ws_mma_free", False, True, True)]
-                for kind, wait, math, mma in forms:
+                    forms += [("ws_mma", True, True, 1), ("ws_mma_free", False, True, 1)]
+                forms = [f + (False,) for f in forms]
+                if opts.warp_release:
+                    forms += [(f[0] + "_wrel", *f[1:4], True) for f in forms]
+                    if opts.mma and (bn, bk, warps) == (16, 512, 8) and not opts.layer:
+                        forms += [("ws_mma_grouped", True, True, 2, True),
+                                  ("ws_mma_grouped_free", False, True, 2, True)]
+                for kind, wait, math, mma, wrel in forms:
                     chain.set_input(x)
                     chain.err.zero_()
-                    chain.run(sms, stages, wait, warps, math, mma)
+                    chain.run(sms, stages, wait, warps, math, mma, wrel=wrel)
                     torch.cuda.synchronize()
                     counts = chain.units
                     row = dict(kind=kind, bn=bn, bk=bk, stages=stages, warps=warps, programs=sms,
@@ -672,8 +930,8 @@ def main() -> None:
                                counts_ok=chain.counter.tolist() == counts)
                     if wait:
                         row["rel_err"] = rel_err(chain.output(), want)
-                    row["ms"] = graph_ms(lambda s=stages, wt=wait, nw=warps, m=math, mm=mma:
-                                      chain.run(sms, s, wt, nw, m, mm))
+                    row["ms"] = graph_ms(lambda s=stages, wt=wait, nw=warps, m=math, mm=mma,
+                                      w=wrel: chain.run(sms, s, wt, nw, m, mm, wrel=w))
                     emit(row)
         del chain
         torch.cuda.empty_cache()

@@ -31,8 +31,10 @@ and every KV head merged once. Not in the launch: the embedding gather (its rows
 residual) and the argmax.
 
     python benchmarks/ws_step.py [--layers 16] [--splits 16] [--skips 0 1 2 8] [--probe]
-        [--stress N]
+        [--stress N] [--hand-over cta warp]
 
+``--hand-over warp`` runs the step with every consumer warp taking and handing back the ring's
+slots on its own (``ws_chain.take_slot`` / ``give_slot``) instead of the 8 warps at a barrier.
 ``--skips`` adds runs without the waits that leave work out (bits: 1 the attention, 2 the norms,
 8 the matmuls' math), ``--probe`` a step with each program's phase times and each phase's share
 of the step, ``--stress`` the distinct outputs of N steps, plain and under the ring's stress
@@ -45,6 +47,7 @@ Writes ``ws_step.json`` to ``$OUT`` or ``benchmarks/results/``.
 from __future__ import annotations
 
 import argparse
+import itertools
 import sys
 from pathlib import Path
 
@@ -53,12 +56,12 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
-from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
 sys.path.insert(0, str(Path(__file__).parent))
 from ws_chain import (KS, SPIN_MAX, _async_load, _phase, _producer,  # noqa: E402
-                      _sync, as_view, graph_ms, pack_weights, read_ms, rel_err, release_slot,
-                      reporter, ring_and_rows, wait_phase, weight_descriptors)
+                      _sync, as_view, give_slot, graph_ms, launch_ring, pack_weights, read_ms,
+                      rel_err, reporter, ring_and_rows, take_slot, wait_phase,
+                      weight_descriptors)
 
 COLS = gl.constexpr(12)  # phase table columns (see WsStep.tab)
 NORM, ATTN = 1, 3  # phase kinds (0: a plain matmul)
@@ -143,7 +146,8 @@ def _norm_store(chunks, r, h, g, eps, HID: gl.constexpr):
 def _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units, epi, it, ctx, layer,
              pages_per_layer, kc_ptr, vc_ptr, bt_ptr, cos_ptr, sin_ptr, BN: gl.constexpr,
              BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr, NH: gl.constexpr,
-             NKV: gl.constexpr, HD: gl.constexpr, PAGE: gl.constexpr, MATH: gl.constexpr):
+             NKV: gl.constexpr, HD: gl.constexpr, PAGE: gl.constexpr, MATH: gl.constexpr,
+             WREL: gl.constexpr, FULL0: gl.constexpr, EMPTY0: gl.constexpr):
     """The program's units of a matmul phase (:func:`_unit_sums`), then their epilogues: ``epi``
     0 stores both halves, 1 SiLU-and-mul (gate half, up half), 2 rotary and the KV cache
     (:func:`_qkv_row`), whose rotary tables and cache rows are loaded when a unit starts."""
@@ -174,7 +178,7 @@ def _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units, epi, it, 
             crow1 = _cache_row(bt_ptr, layer, ctx + 1, pages_per_layer, PAGE)
             crow2 = _cache_row(bt_ptr, layer, ctx + 2, pages_per_layer, PAGE)
             it, a0, b0, a1, b1, a2, b2 = _unit_sums(w_ring, full, empty, x_smem, k, it, HB, BK,
-                                                    STAGES, CW, MATH)
+                                                    STAGES, CW, MATH, WREL, FULL0, EMPTY0)
             _qkv_row(dst, width, 0, t, a0, b0, c1, cs1_0, sn1_0, cs2_0, sn2_0, crow0, kc_ptr,
                      vc_ptr, offs, HB, NH, NKV, HD)
             _qkv_row(dst, width, 1, t, a1, b1, c1, cs1_1, sn1_1, cs2_1, sn2_1, crow1, kc_ptr,
@@ -183,7 +187,7 @@ def _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units, epi, it, 
                      vc_ptr, offs, HB, NH, NKV, HD)
         else:
             it, a0, b0, a1, b1, a2, b2 = _unit_sums(w_ring, full, empty, x_smem, k, it, HB, BK,
-                                                    STAGES, CW, MATH)
+                                                    STAGES, CW, MATH, WREL, FULL0, EMPTY0)
             _out_row(dst, t, a0, b0, epi, offs, HB)
             _out_row(dst + width, t, a1, b1, epi, offs, HB)
             _out_row(dst + 2 * width, t, a2, b2, epi, offs, HB)
@@ -193,7 +197,8 @@ def _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units, epi, it, 
 
 @gluon.jit
 def _unit_sums(w_ring, full, empty, x_smem, k, it, HB: gl.constexpr, BK: gl.constexpr,
-               STAGES: gl.constexpr, CW: gl.constexpr, MATH: gl.constexpr):
+               STAGES: gl.constexpr, CW: gl.constexpr, MATH: gl.constexpr, WREL: gl.constexpr,
+               FULL0: gl.constexpr, EMPTY0: gl.constexpr):
     """One unit's K steps from the ring (as ``ws_chain._consumer``: per-lane sums of the
     ``[2 HB, BK]`` slot times each row's K step, the slot released after its multiplies),
     reduced and split into the sums of the slot's first ``HB`` weight rows and of its second
@@ -206,14 +211,14 @@ def _unit_sums(w_ring, full, empty, x_smem, k, it, HB: gl.constexpr, BK: gl.cons
     acc2 = gl.zeros([2 * HB, BK], gl.float32, WL)
     for kk in range(0, k, BK):
         slot = it % STAGES
-        mbarrier.wait(full.index(slot), (it // STAGES) & 1)
+        take_slot(full, slot, (it // STAGES) & 1, WREL, FULL0, CW)
         if MATH:
             wf = w_ring.index(slot).load(WL).to(gl.float32)
             i = kk // BK
             acc0 += wf * x_smem.index(i).load(XL).to(gl.float32)[None, :]
             acc1 += wf * x_smem.index(k // BK + i).load(XL).to(gl.float32)[None, :]
             acc2 += wf * x_smem.index(2 * (k // BK) + i).load(XL).to(gl.float32)[None, :]
-        release_slot(empty, slot)
+        give_slot(empty, slot, WREL, EMPTY0, CW)
         it += 1
     a0, b0 = _halves(gl.sum(acc0, axis=1), HB)
     a1, b1 = _halves(gl.sum(acc1, axis=1), HB)
@@ -421,7 +426,8 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_p
               STAGES: gl.constexpr, WAIT: gl.constexpr, SPIN: gl.constexpr, CW: gl.constexpr,
               CH: gl.constexpr, MS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
               HD: gl.constexpr, PAGE: gl.constexpr, SKIP: gl.constexpr, probe_ptr,
-              PROBE: gl.constexpr, HID: gl.constexpr):
+              PROBE: gl.constexpr, HID: gl.constexpr, WREL: gl.constexpr, FULL0: gl.constexpr,
+              EMPTY0: gl.constexpr):
     """Per phase with units here: wait for the last phase (its count, acquire), then the
     phase's units (matmul or attention), then count them (release). With ``PROBE``, each
     phase's times (``%globaltimer``: arrived, past the wait, counted) into ``probe[pid, p]``."""
@@ -460,7 +466,7 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_p
                 it, done = _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units,
                                     epi, it, ctx, layer, pages_per_layer, kc_ptr, vc_ptr, bt_ptr,
                                     cos_ptr, sin_ptr, BN, BK, STAGES, CW, NH, NKV, HD, PAGE,
-                                    (SKIP & 8) == 0)
+                                    (SKIP & 8) == 0, WREL, FULL0, EMPTY0)
             _sync()  # every thread's stores issued before the count
             gl.atomic_add(counter_ptr + p, done, sem="release")
             if PROBE:
@@ -480,8 +486,10 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
                     CH: gl.constexpr, MS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
                     HD: gl.constexpr, PAGE: gl.constexpr, SKIP: gl.constexpr, probe_ptr,
                     PROBE: gl.constexpr, HID: gl.constexpr, w_ptr, LOOK: gl.constexpr,
+                    WREL: gl.constexpr, FULL0: gl.constexpr, EMPTY0: gl.constexpr,
                     num_warps: gl.constexpr):
-    w_ring, full, empty, x_smem = ring_and_rows(d2k, STAGES, BN, BK, KSTEPS)
+    w_ring, full, empty, x_smem = ring_and_rows(d2k, STAGES, BN, BK, KSTEPS,
+                                                num_warps if WREL else 1, 0)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = gl.allocate_shared_memory(gl.float32, [8, HD],
                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -498,7 +506,7 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
                      x_smem, q_smem, a_smem, m_smem, l_smem, num_phases, width,
                      eps, ctx, nsplit, span, sm_scale, pages_per_layer, BN, BK, STAGES, WAIT,
                      SPIN, num_warps, CH, MS, NH, NKV, HD, PAGE, SKIP, probe_ptr, PROBE,
-                     HID)),
+                     HID, WREL, FULL0, EMPTY0)),
         (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES,
                      COLS, w_ptr, LOOK)),
     ], [1], [40])
@@ -618,22 +626,25 @@ class WsStep:
         return self._half(len(self.phases) % 2)[:, :VOCAB]
 
     def run(self, programs: int, stages: int, wait: bool = True, skip: int = 0,
-            probe: torch.Tensor | None = None, look: int = 0) -> None:
+            probe: torch.Tensor | None = None, look: int = 0, wrel: bool = False) -> None:
         """One step; ``skip`` (timing only, the output is not the step's) leaves out, by bit: 1
         the attention's work, 2 the norms, 8 the matmuls' math; ``probe`` (int64 ``[programs,
         phases, 3]``) takes each program's phase times; ``look``: the producer's L2 lookahead in
-        bytes, a stress of the ring (``ws_chain._producer``, :data:`STRESS_LOOK`)."""
+        bytes, a stress of the ring (``ws_chain._producer``, :data:`STRESS_LOOK`); ``wrel``: each
+        consumer warp takes and hands back the ring's slots on its own (``ws_chain.take_slot``,
+        ``give_slot``)."""
         self.counter.zero_()
-        _ws_step_kernel[(programs,)](
+        launch_ring(_ws_step_kernel, (programs,), (
             self.descs[0], self.descs[1], self.tab, self.act, self.counter, self.err,
             self.resid, self.gammas, self.kc, self.vc, self.bt, self.cos, self.sin, self.part,
             self.ml, len(self.phases), self.width, self.eps, self.ctx, self.nsplit,
-            self.span, HEAD_DIM ** -0.5, self.pages, BN=self.bn, BK=self.bk, STAGES=stages,
+            self.span, HEAD_DIM ** -0.5, self.pages), dict(
+            BN=self.bn, BK=self.bk, STAGES=stages,
             KSTEPS=max(KS) // self.bk, WAIT=wait, SPIN=SPIN_MAX, CH=self.ch,
             MS=triton.next_power_of_2(self.nsplit), NH=HEADS, NKV=KV_HEADS, HD=HEAD_DIM,
             PAGE=self.page, SKIP=skip, probe_ptr=self.err if probe is None else probe,
             PROBE=probe is not None, HID=HIDDEN, w_ptr=self.w, LOOK=look,
-            num_warps=self.warps)
+            num_warps=self.warps), stages, self.warps, wrel)
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         """``x [rows, heads, HD]`` at positions ``pos [rows]``, fp32 from bf16, rounded."""
@@ -746,13 +757,13 @@ STRESS_LOOK = 128 * 1024
 
 
 def distinct_outputs(step: WsStep, x: torch.Tensor, sms: int, stages: int, look: int,
-                     steps: int) -> list[torch.Tensor]:
+                     steps: int, wrel: bool = False) -> list[torch.Tensor]:
     """The distinct logits of ``steps`` valid steps over ``x`` with the producer's lookahead
     ``look`` (one, for a step that is deterministic)."""
     outs: list[torch.Tensor] = []
     for _ in range(steps):
         step.set_input(x)
-        step.run(sms, stages, look=look)
+        step.run(sms, stages, look=look, wrel=wrel)
         got = step.output()
         if not any(torch.equal(got, o) for o in outs):
             outs.append(got.clone())
@@ -778,6 +789,9 @@ def main() -> None:
                     help="runs without the waits, leaving out by bit: 1 the attention's work, "
                          "2 the norms, 8 the matmuls' math (where the time goes; not a valid "
                          "step)")
+    ap.add_argument("--hand-over", nargs="+", choices=("cta", "warp"), default=["cta"],
+                    help="how the consumers hand a ring slot back: all 8 warps at a barrier "
+                         "(cta), or each warp on its own (warp: ws_chain.take_slot / give_slot)")
     opts = ap.parse_args()
     dev = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -800,15 +814,16 @@ def main() -> None:
             report["weight_bytes"] = step.w.numel() * 2
             report["kv_bytes"] = step.kv_bytes()
             emit(dict(kind="read_weights", ms=read_ms(step.w, sms)))
-        for stages in opts.stages:
+        for stages, hand in itertools.product(opts.stages, opts.hand_over):
+            wrel = hand == "warp"
             runs = [("ws_step", True, 0)] + [("ws_step_free", False, k) for k in opts.skips]
             for kind, wait, skip in runs:
                 step.set_input(x)
                 step.err.zero_()
-                step.run(sms, stages, wait, skip)
+                step.run(sms, stages, wait, skip, wrel=wrel)
                 torch.cuda.synchronize()
                 row = dict(kind=kind, skip=skip, splits=splits, ch=step.ch, stages=stages,
-                           warps=opts.warps,
+                           warps=opts.warps, hand_over=hand,
                            programs=sms,
                            timed_out=bool(step.err.item()),
                            counts_ok=step.counter[:len(step.units)].tolist() == step.units)
@@ -819,19 +834,21 @@ def main() -> None:
                                            == want.float().argmax(-1)).tolist()
                     row["merges_ok"] = bool((step.counter[len(step.units):] == step.nsplit)
                                             .all().item())
-                row["ms"] = graph_ms(lambda s=stages, wt=wait, k=skip: step.run(sms, s, wt, k))
+                row["ms"] = graph_ms(lambda s=stages, wt=wait, k=skip, w=wrel:
+                                     step.run(sms, s, wt, k, wrel=w))
                 emit(row)
             if opts.probe:
                 probe = torch.zeros(sms, len(step.phases), 3, dtype=torch.int64, device=dev)
                 for _ in range(3):  # the last of three
                     probe.zero_()
-                    step.run(sms, stages, True, 0, probe)
+                    step.run(sms, stages, True, 0, probe, wrel=wrel)
                 torch.cuda.synchronize()
-                emit(dict(kind="ws_step_probe", splits=splits, stages=stages,
+                emit(dict(kind="ws_step_probe", splits=splits, stages=stages, hand_over=hand,
                           phases=phase_profile(step, probe)))
             for look in ((0, STRESS_LOOK) if opts.stress else ()):
-                outs = distinct_outputs(step, x, sms, stages, look, opts.stress)
-                emit(dict(kind="ws_step_repeats", splits=splits, stages=stages, look=look,
+                outs = distinct_outputs(step, x, sms, stages, look, opts.stress, wrel)
+                emit(dict(kind="ws_step_repeats", splits=splits, stages=stages, hand_over=hand,
+                          look=look,
                           steps=opts.stress, distinct=len(outs),
                           rel_errs=[rel_err(o, want) for o in outs]))
         del step

@@ -140,14 +140,49 @@ def unfenced_releases(ptx: str) -> int:
     return count
 
 
+def warp_slot_barriers(ptx: str) -> tuple[int, int]:
+    """In a build whose consumer warps take and hand back ring slots on their own
+    (``ws_chain.take_slot`` / ``give_slot`` with ``WREL``): how many slot loops (a thread's poll,
+    ``take_wait``, to its warp's arrive) there are, and how many partition barriers
+    (``bar.sync``) stand inside them, which would put the warps back in lock step."""
+    loops, barriers, inside = 0, 0, False
+    for line in ptx.splitlines():
+        if line.strip() == "take_wait:":
+            loops += 1
+            inside = True
+        elif inside and "bar.sync" in line:
+            barriers += 1
+        elif inside and "mbarrier.arrive" in line:
+            inside = False
+    return loops, barriers
+
+
 def ws_ptx(compiled, **patterns: str) -> dict:
     """A Gluon build's shared memory, the counts in its PTX of :data:`WS_PTX`'s patterns and
-    ``patterns`` (name -> regex), and its :func:`unfenced_releases`."""
+    ``patterns`` (name -> regex), its :func:`unfenced_releases` and its
+    :func:`warp_slot_barriers`."""
     import re
 
     ptx = compiled.asm["ptx"]
+    loops, barriers = warp_slot_barriers(ptx)
     return {"shared": compiled.metadata.shared, "unfenced_releases": unfenced_releases(ptx),
+            "warp_slot_loops": loops, "warp_slot_barriers": barriers,
             **{k: len(re.findall(v, ptx)) for k, v in {**WS_PTX, **patterns}.items()}}
+
+
+def ring_build(build, stages: int, warps: int, wrel: bool):
+    """``build(consts)`` -> a compiled ring kernel, with the constexprs of its slot hand-over:
+    with ``wrel``, the barrier offsets from a first build, checked in the second (as
+    ``ws_chain.launch_ring`` does at run time)."""
+    import ws_chain
+
+    if not wrel:
+        return build(dict(WREL=False, FULL0=0, EMPTY0=0))
+    bars = ws_chain.ring_barriers(build(dict(WREL=True, FULL0=0, EMPTY0=0)).asm["ptx"], stages,
+                                  warps)
+    compiled = build(dict(WREL=True, FULL0=bars[0], EMPTY0=bars[1]))
+    assert ws_chain.ring_barriers(compiled.asm["ptx"], stages, warps) == bars
+    return compiled
 
 
 def check_ws_builds(out: dict) -> None:

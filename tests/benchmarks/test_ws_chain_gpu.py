@@ -14,10 +14,16 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     reason="needs an sm_90 GPU (TMA, warp specialization)")]
 
 
-@pytest.mark.parametrize("tile, layer, mma", [((16, 512), False, False),
-                                              ((32, 256), False, False),
-                                              ((16, 512), True, False), ((16, 512), False, True)])
-def test_one_layer_chain_matches_torch(tile, layer, mma):
+@pytest.mark.parametrize("tile, layer, mma, wrel", [((16, 512), False, False, False),
+                                                    ((32, 256), False, False, False),
+                                                    ((16, 512), True, False, False),
+                                                    ((16, 512), False, True, False),
+                                                    ((16, 512), True, False, True),
+                                                    ((16, 512), False, True, True),
+                                                    ((16, 512), False, 2, True)])
+def test_one_layer_chain_matches_torch(tile, layer, mma, wrel):
+    """``wrel``: each consumer warp takes and hands back the ring's slots on its own; ``mma``
+    2: the tensor-core units with the warps' partials added a group of units at a time."""
     ws = load_benchmark("ws_chain")
     persistent = load_benchmark("persistent_spike")
     shapes, kinds = ws.layer_phases(1) if layer else (persistent.phases(1), None)
@@ -29,7 +35,7 @@ def test_one_layer_chain_matches_torch(tile, layer, mma):
     for wait in (True, False):
         chain.set_input(x)
         chain.err.zero_()
-        chain.run(sms, 8, wait, mma=mma)
+        chain.run(sms, 8, wait, mma=mma, wrel=wrel)
         torch.cuda.synchronize()
         assert chain.err.item() == 0
         assert chain.counter.tolist() == chain.units
@@ -39,9 +45,11 @@ def test_one_layer_chain_matches_torch(tile, layer, mma):
     assert ws.rel_err(ws.skinny_chain(chain, x), want) < 0.02
 
 
-def test_chain_repeats_bitwise_under_the_rings_stress():
+@pytest.mark.parametrize("wrel, mma", [(False, 0), (True, 0), (True, 2)])
+def test_chain_repeats_bitwise_under_the_rings_stress(wrel, mma):
     """With the producer's L2 lookahead the refills come from L2 right after a slot's release;
-    a slot released before its reads had landed gave a different output on every step."""
+    a slot released before its reads had landed gave a different output on every step.
+    ``wrel``: each consumer warp hands its slots back on its own."""
     ws = load_benchmark("ws_chain")
     persistent = load_benchmark("persistent_spike")
     chain = ws.WsChain(persistent.phases(2), "cuda", bn=16, bk=512)
@@ -51,7 +59,7 @@ def test_chain_repeats_bitwise_under_the_rings_stress():
     outs = []
     for _ in range(6):
         chain.set_input(x)
-        chain.run(sms, 8, look=128 * 1024)
+        chain.run(sms, 8, look=128 * 1024, wrel=wrel, mma=mma)
         outs.append(chain.output().clone())
     assert chain.err.item() == 0
     assert all(torch.equal(outs[0], o) for o in outs[1:])

@@ -62,6 +62,11 @@ def test_kernel_compiles_for_sm90_as_producer_and_consumer():
     assert out["wait1"]["mma"] == 0 and out["wait1"]["fma"] > 0, out
     # the producer's L2 lookahead: bulk prefetches only where asked
     assert out["wait1"]["l2_prefetch"] == 0 and out["wait1_look"]["l2_prefetch"] > 0, out
+    # each warp on its own: a slot loop with no partition barrier in it (CUDA-core and mma
+    # units); the other builds have none of these loops
+    for name in ("wait1_wrel", "wait1_mma_wrel", "wait1_mma2_wrel"):
+        assert out[name]["warp_slot_loops"] > 0 and out[name]["warp_slot_barriers"] == 0, out
+    assert out["wait1"]["warp_slot_loops"] == 0, out
 
 
 def test_layer_chain_table_and_reference():
@@ -117,3 +122,31 @@ def test_unfenced_releases_counts_slots_handed_back_without_a_proxy_fence():
     assert unfenced_releases("\n".join([fence, wait, ld, sync, arrive, refill])) == 1
     assert unfenced_releases("\n".join([wait, ld, fence, sync, arrive, wait, ld, sync,
                                         arrive])) == 1
+
+
+def test_ring_barriers_read_from_ptx_and_checked():
+    """The per-warp hand-over's barrier offsets come from the build's ``mbarrier.init``s: full
+    barriers count 1, empty ones the consumer warps, each array 8 bytes a slot; a build whose
+    barriers are not so is refused."""
+    ws = load_benchmark("ws_chain")
+    lines = ["mov.b32 %r86, global_smem;"]
+    for i in range(4):
+        lines += [f"add.s32 %r{10 + i}, %r86, {1000 + 8 * i};",
+                  f"@%p12 mbarrier.init.shared::cta.b64 [%r{10 + i}], 1;",
+                  f"@%p12 mbarrier.init.shared::cta.b64 [global_smem+{2000 + 8 * i}], 8;"]
+    ptx = "\n".join(lines)
+    assert ws.ring_barriers(ptx, 4, 8) == (1000, 2000)
+    with pytest.raises(ValueError, match="empty barriers"):
+        ws.ring_barriers(ptx, 4, 4)  # no empty barriers of count 4
+    with pytest.raises(ValueError, match="full barriers"):
+        ws.ring_barriers(ptx.replace("1016", "1024"), 4, 8)  # a gap in the full array
+
+
+def test_warp_slot_barriers_counts_barriers_in_a_slot_loop():
+    from aot import warp_slot_barriers
+
+    loop = ["take_wait:", "mbarrier.try_wait.parity.shared::cta.b64 %ready, [%bar], %r1;",
+            "ld.shared.v4.b32 {%r1, %r2, %r3, %r4}, [%r5];", "fma.rn.f32 %r6, %r1, %r2, %r6;",
+            "fence.proxy.async.shared::cta;", "@%lead mbarrier.arrive.shared::cta.b64 _, [%bar];"]
+    assert warp_slot_barriers("\n".join(loop + ["bar.sync 0, 256;"])) == (1, 0)
+    assert warp_slot_barriers("\n".join(loop[:2] + ["bar.sync 0, 256;"] + loop[2:])) == (1, 1)

@@ -152,6 +152,10 @@ def test_kernel_compiles_for_sm90_as_producer_and_consumer():
     assert free["acquire"] == 0 and free["acq_rel"] == 0  # no waits, no attention: none
     # the producer's L2 lookahead: bulk prefetches only where asked
     assert step["l2_prefetch"] == 0 and out["step_look"]["l2_prefetch"] > 0
+    # each warp on its own: both unit-sum loops free of partition barriers
+    wrel = out["step_wrel"]
+    assert wrel["warp_slot_loops"] == 2 and wrel["warp_slot_barriers"] == 0, wrel
+    assert step["warp_slot_loops"] == 0
 
 
 def test_reporter_writes_versions_settings_and_every_row(tmp_path, monkeypatch):

@@ -7,7 +7,7 @@ build's shared memory and what its PTX holds."""
 import json
 import sys
 
-from aot import REPO, ws_ptx
+from aot import REPO, ring_build, ws_ptx
 
 sys.path.insert(0, str(REPO / "benchmarks"))
 
@@ -23,12 +23,11 @@ layout = gl.NVMMASharedLayout.get_default_for([BN, BK], gl.bfloat16)
 desc = f"tensordesc<bf16[{BN},{BK}],{layout!r}>"
 kernel = ws_chain._ws_chain_kernel
 out = {}
-for wait, layer, mma, look in ((True, False, False, 0), (False, False, False, 0),
-                              (True, True, False, 0), (True, False, True, 0),
-                              (True, False, False, 128 * 1024)):
+
+def build(wait, layer, mma, look, hand_over):
     consts = dict(BN=BN, BK=BK, STAGES=STAGES, KSTEPS=max(ws_chain.KS) // BK, WAIT=wait,
                   SPIN=ws_chain.SPIN_MAX, MATH=True, LAYER=layer, MMA=mma, LOOK=look,
-                  num_warps=WARPS)
+                  num_warps=WARPS, **hand_over)
     sig = {"d2k": desc, "d8k": desc, "tab_ptr": "*i64", "act_ptr": "*bf16",
            "counter_ptr": "*i32", "err_ptr": "*i32", "resid_ptr": "*bf16",
            "gamma_ptr": "*bf16", "w_ptr": "*bf16", "num_phases": "i32", "width": "i32", "hidden": "i32",
@@ -36,11 +35,21 @@ for wait, layer, mma, look in ((True, False, False, 0), (False, False, False, 0)
     attrs = {(i,): [["tt.divisibility", 16]] for i, a in enumerate(kernel.arg_names)
              if a in ("tab_ptr", "act_ptr", "counter_ptr", "err_ptr", "resid_ptr", "gamma_ptr",
                       "w_ptr", "width", "hidden")}
-    compiled = triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts,
-                                             attrs=attrs),
-                              target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
-    name = (f"wait{int(wait)}" + ("_layer" if layer else "") + ("_mma" if mma else "")
-            + ("_look" if look else ""))
+    return triton.compile(GluonASTSource(fn=kernel, signature=sig, constexprs=consts,
+                                         attrs=attrs),
+                          target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
+
+
+for wait, layer, mma, look, wrel in ((True, False, False, 0, False),
+                                     (False, False, False, 0, False),
+                                     (True, True, False, 0, False), (True, False, True, 0, False),
+                                     (True, False, False, 128 * 1024, False),
+                                     (True, False, False, 0, True), (True, False, True, 0, True),
+                                     (True, False, 2, 0, True)):
+    compiled = ring_build(lambda h: build(wait, layer, mma, look, h), STAGES, WARPS, wrel)
+    name = (f"wait{int(wait)}" + ("_layer" if layer else "")
+            + ("_mma2" if mma == 2 else "_mma" if mma else "")
+            + ("_look" if look else "") + ("_wrel" if wrel else ""))
     out[name] = ws_ptx(compiled, rsqrt=r"rsqrt", ex2=r"ex2\.approx", mma=r"mma\.sync",
                        fma=r"fma\.rn\.f32", l2_prefetch=r"prefetch\.global\.L2")
 print(json.dumps(out))
