@@ -90,6 +90,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", action="append", default=[], metavar="NAME",
                         help="with --variants, only these variants (repeatable, e.g. --variant "
                         "rope_yarn): the base checks and the other variants are left out")
+    parser.add_argument("--combos", type=int, default=0, metavar="N",
+                        help="also check N combinations of each selected model type's variants, "
+                        "three switches at a time that set different fields (zoo/variants.py "
+                        "combo_entries)")
+    parser.add_argument("--seed", type=int, default=0,
+                        help="the combinations' draw (--combos): the same seed, the same ones")
     parser.add_argument("--skip-unknown", action="store_true",
                         help="leave out --only names this transformers lacks (one log line) "
                         "instead of refusing the run")
@@ -128,12 +134,20 @@ def _selected(args) -> list[Entry]:
     wanted = getattr(args, "variant", None) or []
     if wanted and not getattr(args, "variants", False):
         raise ValueError(f"--variant {' '.join(wanted)} needs --variants")
+    combos = getattr(args, "combos", 0)
+    if combos < 0:
+        raise ValueError(f"--combos {combos}: a count of combinations, 0 or more")
+    base = chosen
     if getattr(args, "variants", False):
         from .variants import variant_entries
 
         chosen = variant_entries(chosen)
         if wanted:
             chosen = [e for e in chosen if e.variant in wanted]
+    if combos:
+        from .variants import combo_entries
+
+        chosen += combo_entries(base, combos, getattr(args, "seed", 0))
     return chosen
 
 
@@ -152,6 +166,7 @@ def _run(args, rep) -> dict:
 
     head = {"environment": rep.environment(args.device), "jobs": args.jobs,
             "timeout": args.timeout, "only": args.only or [], "variants": bool(args.variants),
+            "combos": getattr(args, "combos", 0), "seed": getattr(args, "seed", 0),
             "device": args.device, "dtype": args.dtype, "static": bool(args.static),
             "tolerance": tolerance(args.device)}
     done: list[dict] = []

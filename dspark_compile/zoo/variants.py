@@ -46,7 +46,7 @@ from __future__ import annotations
 from .check import Entry
 from .tiny import SIZES
 
-__all__ = ["variant_entries"]
+__all__ = ["variant_entries", "combo_entries"]
 
 _TOKEN_TABLES = ("vocab_size_per_layer_input",)
 """Other embedding tables indexed by the token ids: where one is as long as the vocabulary, the
@@ -242,4 +242,47 @@ def variant_entries(entries: list[Entry]) -> list[Entry]:
             continue
         out += [Entry(entry.model_type, entry.architecture, name, overrides)
                 for name, overrides in _overrides(text)]
+    return out
+
+
+REFUSED_VARIANTS = frozenset({"rope_dynamic"})
+"""Variants that must come out refused (``rope_dynamic``): left out of the combinations, where
+they would only hide the switches beside them."""
+
+
+def combo_entries(entries: list[Entry], count: int, seed: int, size: int = 3) -> list[Entry]:
+    """``count`` combinations of each model type among ``entries`` (its variants ``size`` at a
+    time where the type has that many that set disjoint fields): the switches meet as checkpoints
+    turn several at once (a window with one KV head and an odd head dim, a scaled rotary with a
+    softcap and biases...). Drawn with ``random.Random(seed)`` per type, so a combination is
+    reproduced by its seed; named ``a+b+c``; a type's repeated draws are dropped."""
+    import random
+
+    out, seen = [], set()
+    for entry in entries:
+        if entry.variant or entry.model_type in seen:
+            continue
+        seen.add(entry.model_type)
+        pool = [e for e in variant_entries([entry])[1:] if e.variant not in REFUSED_VARIANTS]
+        rng = random.Random(f"{seed}:{entry.model_type}")
+        names = set()
+        for _ in range(count * 4):  # draws that collide on a field or repeat are redrawn
+            if len(names) == count or len(pool) < 2:
+                break
+            picked, keys = [], set()
+            for cand in rng.sample(pool, len(pool)):
+                cand_keys = {k for k, _ in cand.overrides}
+                if cand_keys & keys:
+                    continue
+                picked.append(cand)
+                keys |= cand_keys
+                if len(picked) == size:
+                    break
+            name = "+".join(sorted(e.variant for e in picked))
+            if len(picked) < 2 or name in names:
+                continue
+            names.add(name)
+            overrides = tuple(kv for e in sorted(picked, key=lambda e: e.variant)
+                              for kv in e.overrides)
+            out.append(Entry(entry.model_type, entry.architecture, name, overrides))
     return out

@@ -124,6 +124,13 @@ def test_cli_writes_markdown_and_readme_from_a_saved_report(tmp_path, capsys):
     assert capsys.readouterr().out.split()[::2] == ["llama+mqa", "llama+rope_yarn"]
     with pytest.raises(ValueError, match="--variant rope_yarn needs --variants"):
         main(["zoo", "--list", "--variant", "rope_yarn", "--only", "llama"])
+    # --combos: the entries and then each type's combinations of three switches
+    assert main(["zoo", "--list", "--combos", "2", "--seed", "1", "--only", "llama"]) == 0
+    names = capsys.readouterr().out.split()[::2]
+    assert names[0] == "llama" and len(names) == 3
+    assert all(n.startswith("llama+") and n.count("+") == 3 for n in names[1:])
+    with pytest.raises(ValueError, match="--combos -1"):
+        main(["zoo", "--list", "--combos", "-1", "--only", "llama"])
 
 
 def test_gpu_runs_are_judged_by_the_gpu_bound_and_say_so():
@@ -172,6 +179,33 @@ def test_variants_set_the_switches_the_config_has():
     values = [v for x in mults.values() for v in (x if isinstance(x, list) else [x])]
     assert len(mults["ssm_multipliers"]) == 5 and len(set(values)) == len(values)
     assert 1.0 not in values
+
+
+def test_combinations_join_switches_on_different_fields_and_repeat_by_seed():
+    from dspark_compile.zoo.variants import REFUSED_VARIANTS, combo_entries, variant_entries
+
+    base = select(["llama", "qwen3"])
+    combos = combo_entries(base, 5, seed=3)
+    assert combos == combo_entries(base, 5, seed=3)  # the seed reproduces the draw
+    assert combos != combo_entries(base, 5, seed=4)
+    singles = {(e.model_type, e.variant): e.overrides for e in variant_entries(base)}
+    for model_type in ("llama", "qwen3"):
+        mine = [e for e in combos if e.model_type == model_type]
+        assert len(mine) == 5 and len({e.variant for e in mine}) == 5
+    for entry in combos:
+        parts = entry.variant.split("+")
+        assert len(parts) == 3 and parts == sorted(parts)
+        assert not REFUSED_VARIANTS & set(parts)
+        # the overrides are the parts' own, and no field is set twice
+        assert entry.overrides == tuple(kv for p in parts for kv in singles[entry.model_type, p])
+        keys = [k for k, _ in entry.overrides]
+        assert len(keys) == len(set(keys)), entry
+    assert combo_entries(base, 0, seed=0) == []
+    # GPT-2 has few switches (no rotary, bias or KV-head fields): its combinations too set each
+    # field once
+    for entry in combo_entries(select(["gpt2"]), 3, seed=0):
+        keys = [k for k, _ in entry.overrides]
+        assert len(keys) == len(set(keys))
 
 
 @pytest.mark.parametrize("name,status", [("llama+mqa", "exact"), ("llama+rope_yarn", "exact"),
