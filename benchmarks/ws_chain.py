@@ -534,44 +534,62 @@ def _mma_b(x_smem, xs, CW: gl.constexpr, KC: gl.constexpr, BL: gl.constexpr):
 
 
 @gluon.jit
-def _mma_phase(w_ring, full, empty, x_smem, k, it, dst, width, first, units, BN: gl.constexpr,
-               BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr, FULL0: gl.constexpr,
-               EMPTY0: gl.constexpr):
-    """A phase's units on the tensor cores, each warp on its own: warp ``j`` multiplies the
-    ``j``-th 128-byte column chunk of every slot (as :func:`_mma_unit`), takes and hands back
-    the slots itself (:func:`take_slot`, :func:`give_slot`), and writes its ``[BN, 3]`` partial
-    of each unit to shared memory (:data:`PART_UNITS` units a group, after the ring's barriers);
-    at a group's end the partials are added in warp order and the three rows stored
-    (:func:`_flush_partials`). Returns the ring's position and the units done."""
+def _mma_partial(w_ring, full, empty, x_smem, k, it, block, BN: gl.constexpr, BK: gl.constexpr,
+                 STAGES: gl.constexpr, CW: gl.constexpr, FULL0: gl.constexpr,
+                 EMPTY0: gl.constexpr):
+    """One unit on the tensor cores, each warp on its own: warp ``j`` multiplies the ``j``-th
+    128-byte column chunk of every slot (as :func:`_mma_unit`), takes and hands back the slots
+    itself (:func:`take_slot`, :func:`give_slot`), and writes its ``[BN, 3]`` fp32 partial to
+    the unit's block of partials at byte ``block`` of the shared window (``[CW, BN, 3]``),
+    through inline PTX, which no barrier orders. Returns the ring's position."""
     KC: gl.constexpr = BK // CW
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[CW, 1, 1],
                                                   instr_shape=[1, 16, 8])
     AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
     chunks: gl.constexpr = gl.NVMMASharedLayout(128, 16, rank=3)
-    PB: gl.constexpr = CW * BN * 3 * 4  # a unit's partials, bytes
-    SCR0: gl.constexpr = EMPTY0 + 8 * STAGES
     wi = gl.arange(0, CW, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))[:, None, None]
     ri = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))[None, :, None]
     ci = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))[None, None, :]
     zero = gl.zeros([CW, BN, 8], gl.int32, MMA)
-    at = zero + ((wi * BN + ri) * 3 + ci) * 4  # a partial's byte in its unit's block
-    cols = zero + ci
+    acc = gl.zeros([CW, BN, 8], gl.float32, MMA)
+    for kk in range(0, k, BK):
+        slot = it % STAGES
+        take_slot(full, slot, (it // STAGES) & 1, True, FULL0, CW)
+        a = as_view(w_ring.index(slot), gl.bfloat16, [CW, BN, KC], chunks).load(AL)
+        acc = mma_v2(a, _mma_b(x_smem, (kk // BK) * 3, CW, KC, BL), acc)
+        give_slot(empty, slot, True, EMPTY0, CW)
+        it += 1
+    gl.inline_asm_elementwise(_PART_ST_ASM, "=r,r,r,r",
+                              [zero + (block + ((wi * BN + ri) * 3 + ci) * 4), acc, zero + ci],
+                              dtype=gl.int32, is_pure=False, pack=1)
+    return it
+
+
+@gluon.jit
+def part_sum(at):
+    """The ``CW`` warps' partials of one output added in warp order: ``at`` (a tensor of byte
+    offsets in the shared window) is warp 0's word of it in a unit's block."""
+    return gl.inline_asm_elementwise(_PART_SUM_ASM, "=f,r", [at], dtype=gl.float32,
+                                     is_pure=False, pack=1)
+
+
+@gluon.jit
+def _mma_phase(w_ring, full, empty, x_smem, k, it, dst, width, first, units, BN: gl.constexpr,
+               BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr, FULL0: gl.constexpr,
+               EMPTY0: gl.constexpr):
+    """A phase's units on the tensor cores, each warp on its own (:func:`_mma_partial`),
+    :data:`PART_UNITS` units a group; at a group's end the partials are added in warp order and
+    the three rows stored (:func:`_flush_partials`). Returns the ring's position and the units
+    done."""
+    PB: gl.constexpr = CW * BN * 3 * 4  # a unit's partials, bytes
+    SCR0: gl.constexpr = EMPTY0 + 8 * STAGES
     nprog = gl.num_programs(0)
     done = 0
     g0 = first  # the group's first unit
     for t in range(first, units, nprog):
-        acc = gl.zeros([CW, BN, 8], gl.float32, MMA)
-        for kk in range(0, k, BK):
-            slot = it % STAGES
-            take_slot(full, slot, (it // STAGES) & 1, True, FULL0, CW)
-            a = as_view(w_ring.index(slot), gl.bfloat16, [CW, BN, KC], chunks).load(AL)
-            acc = mma_v2(a, _mma_b(x_smem, (kk // BK) * 3, CW, KC, BL), acc)
-            give_slot(empty, slot, True, EMPTY0, CW)
-            it += 1
-        gl.inline_asm_elementwise(_PART_ST_ASM, "=r,r,r,r",
-                                  [at + (SCR0 + (done % PART_UNITS) * PB), acc, cols],
-                                  dtype=gl.int32, is_pure=False, pack=1)
+        it = _mma_partial(w_ring, full, empty, x_smem, k, it,
+                          SCR0 + (done % PART_UNITS) * PB, BN, BK, STAGES, CW, FULL0, EMPTY0)
         done += 1
         if done % PART_UNITS == 0:
             _flush_partials(dst, width, g0, PART_UNITS, nprog, SCR0, BN, CW)
@@ -594,8 +612,7 @@ def _flush_partials(dst, width, g0, count, nprog, SCR0: gl.constexpr, BN: gl.con
     r = (e // 4) % BN
     c = e % 4
     at = SCR0 + ((u * CW * BN + r) * 3 + c) * 4
-    v = gl.inline_asm_elementwise(_PART_SUM_ASM, "=f,r", [at], dtype=gl.float32,
-                                  is_pure=False, pack=1)
+    v = part_sum(at)
     gl.store(dst + c * width + (g0 + u * nprog) * BN + r, v.to(gl.bfloat16),
              mask=(c < 3) & (u < count))
     _sync()

@@ -34,7 +34,9 @@ residual) and the argmax.
         [--stress N] [--hand-over cta warp]
 
 ``--hand-over warp`` runs the step with every consumer warp taking and handing back the ring's
-slots on its own (``ws_chain.take_slot`` / ``give_slot``) instead of the 8 warps at a barrier.
+slots on its own (``ws_chain.take_slot`` / ``give_slot``) instead of the 8 warps at a barrier;
+``warp_mma`` the same with the matmuls on the tensor cores, the warps' partials added a group
+of units at a time (``ws_chain._mma_partial``).
 ``--skips`` adds runs without the waits that leave work out (bits: 1 the attention, 2 the norms,
 8 the matmuls' math), ``--probe`` a step with each program's phase times and each phase's share
 of the step, ``--stress`` the distinct outputs of N steps, plain and under the ring's stress
@@ -58,10 +60,10 @@ from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.ampere import async_copy
 
 sys.path.insert(0, str(Path(__file__).parent))
-from ws_chain import (KS, SPIN_MAX, _async_load, _phase, _producer,  # noqa: E402
-                      _sync, as_view, give_slot, graph_ms, launch_ring, pack_weights, read_ms,
-                      rel_err, reporter, ring_and_rows, take_slot, wait_phase,
-                      weight_descriptors)
+from ws_chain import (KS, PART_UNITS, SPIN_MAX, _async_load, _mma_partial,  # noqa: E402
+                      _phase, _producer, _sync, as_view, give_slot, graph_ms, launch_ring,
+                      pack_weights, part_sum, read_ms, rel_err, reporter, ring_and_rows,
+                      take_slot, wait_phase, weight_descriptors)
 
 COLS = gl.constexpr(12)  # phase table columns (see WsStep.tab)
 NORM, ATTN = 1, 3  # phase kinds (0: a plain matmul)
@@ -147,52 +149,130 @@ def _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units, epi, it, 
              pages_per_layer, kc_ptr, vc_ptr, bt_ptr, cos_ptr, sin_ptr, BN: gl.constexpr,
              BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr, NH: gl.constexpr,
              NKV: gl.constexpr, HD: gl.constexpr, PAGE: gl.constexpr, MATH: gl.constexpr,
-             WREL: gl.constexpr, FULL0: gl.constexpr, EMPTY0: gl.constexpr):
-    """The program's units of a matmul phase (:func:`_unit_sums`), then their epilogues: ``epi``
-    0 stores both halves, 1 SiLU-and-mul (gate half, up half), 2 rotary and the KV cache
-    (:func:`_qkv_row`), whose rotary tables and cache rows are loaded when a unit starts."""
+             WREL: gl.constexpr, FULL0: gl.constexpr, EMPTY0: gl.constexpr, MMA: gl.constexpr):
+    """The program's units of a matmul phase, then their epilogues: ``epi`` 0 stores both
+    halves, 1 SiLU-and-mul (gate half, up half), 2 rotary and the KV cache (:func:`_qkv_rows`).
+    ``MMA`` 0: each unit's sums on the CUDA cores (:func:`_unit_sums`), its rotary tables and
+    cache rows loaded when it starts; 2: on the tensor cores, each warp on its own, the warps'
+    partials added :data:`ws_chain.PART_UNITS` units at a time (:func:`_group_epilogues`)."""
     HB: gl.constexpr = BN // 2
-    UPH: gl.constexpr = (HD // 2) // HB  # q or k units a head
     WL: gl.constexpr = gl.BlockedLayout([1, 8], [1, 32], [CW, 1], [1, 0])  # [HB, BK]
     AL: gl.constexpr = gl.SliceLayout(1, WL)
     nprog = gl.num_programs(0)
     offs = gl.arange(0, HB, layout=AL)
     done = 0
-    for t in range(first, units, nprog):
-        if epi == 2:
-            c1 = (t % UPH) * HB + offs
-            tab = ctx * HD + c1
-            cs1_0 = gl.load(cos_ptr + tab)
-            sn1_0 = gl.load(sin_ptr + tab)
-            cs2_0 = gl.load(cos_ptr + tab + HD // 2)
-            sn2_0 = gl.load(sin_ptr + tab + HD // 2)
-            cs1_1 = gl.load(cos_ptr + tab + HD)
-            sn1_1 = gl.load(sin_ptr + tab + HD)
-            cs2_1 = gl.load(cos_ptr + tab + HD + HD // 2)
-            sn2_1 = gl.load(sin_ptr + tab + HD + HD // 2)
-            cs1_2 = gl.load(cos_ptr + tab + 2 * HD)
-            sn1_2 = gl.load(sin_ptr + tab + 2 * HD)
-            cs2_2 = gl.load(cos_ptr + tab + 2 * HD + HD // 2)
-            sn2_2 = gl.load(sin_ptr + tab + 2 * HD + HD // 2)
-            crow0 = _cache_row(bt_ptr, layer, ctx, pages_per_layer, PAGE)
-            crow1 = _cache_row(bt_ptr, layer, ctx + 1, pages_per_layer, PAGE)
-            crow2 = _cache_row(bt_ptr, layer, ctx + 2, pages_per_layer, PAGE)
-            it, a0, b0, a1, b1, a2, b2 = _unit_sums(w_ring, full, empty, x_smem, k, it, HB, BK,
-                                                    STAGES, CW, MATH, WREL, FULL0, EMPTY0)
-            _qkv_row(dst, width, 0, t, a0, b0, c1, cs1_0, sn1_0, cs2_0, sn2_0, crow0, kc_ptr,
-                     vc_ptr, offs, HB, NH, NKV, HD)
-            _qkv_row(dst, width, 1, t, a1, b1, c1, cs1_1, sn1_1, cs2_1, sn2_1, crow1, kc_ptr,
-                     vc_ptr, offs, HB, NH, NKV, HD)
-            _qkv_row(dst, width, 2, t, a2, b2, c1, cs1_2, sn1_2, cs2_2, sn2_2, crow2, kc_ptr,
-                     vc_ptr, offs, HB, NH, NKV, HD)
-        else:
-            it, a0, b0, a1, b1, a2, b2 = _unit_sums(w_ring, full, empty, x_smem, k, it, HB, BK,
-                                                    STAGES, CW, MATH, WREL, FULL0, EMPTY0)
-            _out_row(dst, t, a0, b0, epi, offs, HB)
-            _out_row(dst + width, t, a1, b1, epi, offs, HB)
-            _out_row(dst + 2 * width, t, a2, b2, epi, offs, HB)
-        done += 1
+    if MMA == 2:
+        PB: gl.constexpr = CW * BN * 3 * 4  # a unit's partials, bytes
+        SCR0: gl.constexpr = EMPTY0 + 8 * STAGES
+        g0 = first
+        for t in range(first, units, nprog):
+            it = _mma_partial(w_ring, full, empty, x_smem, k, it,
+                              SCR0 + (done % PART_UNITS) * PB, BN, BK, STAGES, CW, FULL0,
+                              EMPTY0)
+            done += 1
+            if done % PART_UNITS == 0:
+                _group_epilogues(dst, width, g0, PART_UNITS, nprog, epi, ctx, layer,
+                                 pages_per_layer, kc_ptr, vc_ptr, bt_ptr, cos_ptr, sin_ptr,
+                                 offs, SCR0, BN, CW, NH, NKV, HD, PAGE)
+                g0 = t + nprog
+        if done % PART_UNITS != 0:
+            _group_epilogues(dst, width, g0, done % PART_UNITS, nprog, epi, ctx, layer,
+                             pages_per_layer, kc_ptr, vc_ptr, bt_ptr, cos_ptr, sin_ptr, offs,
+                             SCR0, BN, CW, NH, NKV, HD, PAGE)
+    else:
+        for t in range(first, units, nprog):
+            if epi == 2:
+                (c1, cs1_0, sn1_0, cs2_0, sn2_0, cs1_1, sn1_1, cs2_1, sn2_1, cs1_2, sn1_2, cs2_2,
+                 sn2_2, crow0, crow1, crow2) = _qkv_tables(cos_ptr, sin_ptr, bt_ptr, t, ctx,
+                                                           layer, pages_per_layer, offs, HB, HD,
+                                                           PAGE)
+                it, a0, b0, a1, b1, a2, b2 = _unit_sums(w_ring, full, empty, x_smem, k, it, HB,
+                                                        BK, STAGES, CW, MATH, WREL, FULL0,
+                                                        EMPTY0)
+                _qkv_rows(dst, width, t, a0, b0, a1, b1, a2, b2, c1, cs1_0, sn1_0, cs2_0, sn2_0,
+                          cs1_1, sn1_1, cs2_1, sn2_1, cs1_2, sn1_2, cs2_2, sn2_2, crow0, crow1,
+                          crow2, kc_ptr, vc_ptr, offs, HB, NH, NKV, HD)
+            else:
+                it, a0, b0, a1, b1, a2, b2 = _unit_sums(w_ring, full, empty, x_smem, k, it, HB,
+                                                        BK, STAGES, CW, MATH, WREL, FULL0,
+                                                        EMPTY0)
+                _out_rows(dst, width, t, a0, b0, a1, b1, a2, b2, epi, offs, HB)
+            done += 1
     return it, done
+
+
+@gluon.jit
+def _qkv_tables(cos_ptr, sin_ptr, bt_ptr, t, ctx, layer, pages_per_layer, offs, HB: gl.constexpr,
+                HD: gl.constexpr, PAGE: gl.constexpr):
+    """What q+k+v unit ``t``'s epilogue reads: its columns ``c1`` of a head's first half, each
+    row's 16-bit cos and sin there and ``HD / 2`` on (positions ``ctx + r``), and the three
+    positions' paged cache rows."""
+    UPH: gl.constexpr = (HD // 2) // HB  # q or k units a head
+    c1 = (t % UPH) * HB + offs
+    tab = ctx * HD + c1
+    return (c1, gl.load(cos_ptr + tab), gl.load(sin_ptr + tab),
+            gl.load(cos_ptr + tab + HD // 2), gl.load(sin_ptr + tab + HD // 2),
+            gl.load(cos_ptr + tab + HD), gl.load(sin_ptr + tab + HD),
+            gl.load(cos_ptr + tab + HD + HD // 2), gl.load(sin_ptr + tab + HD + HD // 2),
+            gl.load(cos_ptr + tab + 2 * HD), gl.load(sin_ptr + tab + 2 * HD),
+            gl.load(cos_ptr + tab + 2 * HD + HD // 2), gl.load(sin_ptr + tab + 2 * HD + HD // 2),
+            _cache_row(bt_ptr, layer, ctx, pages_per_layer, PAGE),
+            _cache_row(bt_ptr, layer, ctx + 1, pages_per_layer, PAGE),
+            _cache_row(bt_ptr, layer, ctx + 2, pages_per_layer, PAGE))
+
+
+@gluon.jit
+def _qkv_rows(dst, width, t, a0, b0, a1, b1, a2, b2, c1, cs1_0, sn1_0, cs2_0, sn2_0, cs1_1,
+              sn1_1, cs2_1, sn2_1, cs1_2, sn1_2, cs2_2, sn2_2, crow0, crow1, crow2, kc_ptr,
+              vc_ptr, offs, HB: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
+              HD: gl.constexpr):
+    """q+k+v unit ``t``'s three rows (:func:`_qkv_row`) from their halves' sums and
+    :func:`_qkv_tables`."""
+    _qkv_row(dst, width, 0, t, a0, b0, c1, cs1_0, sn1_0, cs2_0, sn2_0, crow0, kc_ptr, vc_ptr,
+             offs, HB, NH, NKV, HD)
+    _qkv_row(dst, width, 1, t, a1, b1, c1, cs1_1, sn1_1, cs2_1, sn2_1, crow1, kc_ptr, vc_ptr,
+             offs, HB, NH, NKV, HD)
+    _qkv_row(dst, width, 2, t, a2, b2, c1, cs1_2, sn1_2, cs2_2, sn2_2, crow2, kc_ptr, vc_ptr,
+             offs, HB, NH, NKV, HD)
+
+
+@gluon.jit
+def _out_rows(dst, width, t, a0, b0, a1, b1, a2, b2, epi, offs, HB: gl.constexpr):
+    """Unit ``t``'s three rows (:func:`_out_row`) from their halves' sums."""
+    _out_row(dst, t, a0, b0, epi, offs, HB)
+    _out_row(dst + width, t, a1, b1, epi, offs, HB)
+    _out_row(dst + 2 * width, t, a2, b2, epi, offs, HB)
+
+
+@gluon.jit
+def _group_epilogues(dst, width, g0, count, nprog, epi, ctx, layer, pages_per_layer, kc_ptr,
+                     vc_ptr, bt_ptr, cos_ptr, sin_ptr, offs, SCR0: gl.constexpr,
+                     BN: gl.constexpr, CW: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
+                     HD: gl.constexpr, PAGE: gl.constexpr):
+    """The epilogues of a group of ``count`` units from unit ``g0`` (every ``nprog``-th), once
+    every warp has written its partials: each half's sums are the warps' partials added in warp
+    order (``ws_chain.part_sum``); then a barrier, so the next group's partials overwrite none
+    still read."""
+    HB: gl.constexpr = BN // 2
+    PB: gl.constexpr = CW * BN * 3 * 4
+    _sync()
+    for j in range(0, count):
+        t = g0 + j * nprog
+        pa = SCR0 + j * PB + offs * 12  # first-half row offs, column (token row) 0, warp 0
+        pb = pa + HB * 12
+        a0, b0 = part_sum(pa), part_sum(pb)
+        a1, b1 = part_sum(pa + 4), part_sum(pb + 4)
+        a2, b2 = part_sum(pa + 8), part_sum(pb + 8)
+        if epi == 2:
+            (c1, cs1_0, sn1_0, cs2_0, sn2_0, cs1_1, sn1_1, cs2_1, sn2_1, cs1_2, sn1_2, cs2_2,
+             sn2_2, crow0, crow1, crow2) = _qkv_tables(cos_ptr, sin_ptr, bt_ptr, t, ctx, layer,
+                                                       pages_per_layer, offs, HB, HD, PAGE)
+            _qkv_rows(dst, width, t, a0, b0, a1, b1, a2, b2, c1, cs1_0, sn1_0, cs2_0, sn2_0,
+                      cs1_1, sn1_1, cs2_1, sn2_1, cs1_2, sn1_2, cs2_2, sn2_2, crow0, crow1,
+                      crow2, kc_ptr, vc_ptr, offs, HB, NH, NKV, HD)
+        else:
+            _out_rows(dst, width, t, a0, b0, a1, b1, a2, b2, epi, offs, HB)
+    _sync()
 
 
 @gluon.jit
@@ -427,7 +507,7 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_p
               CH: gl.constexpr, MS: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr,
               HD: gl.constexpr, PAGE: gl.constexpr, SKIP: gl.constexpr, probe_ptr,
               PROBE: gl.constexpr, HID: gl.constexpr, WREL: gl.constexpr, FULL0: gl.constexpr,
-              EMPTY0: gl.constexpr):
+              EMPTY0: gl.constexpr, MMA: gl.constexpr):
     """Per phase with units here: wait for the last phase (its count, acquire), then the
     phase's units (matmul or attention), then count them (release). With ``PROBE``, each
     phase's times (``%globaltimer``: arrived, past the wait, counted) into ``probe[pid, p]``."""
@@ -466,7 +546,7 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, kc_p
                 it, done = _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units,
                                     epi, it, ctx, layer, pages_per_layer, kc_ptr, vc_ptr, bt_ptr,
                                     cos_ptr, sin_ptr, BN, BK, STAGES, CW, NH, NKV, HD, PAGE,
-                                    (SKIP & 8) == 0, WREL, FULL0, EMPTY0)
+                                    (SKIP & 8) == 0, WREL, FULL0, EMPTY0, MMA)
             _sync()  # every thread's stores issued before the count
             gl.atomic_add(counter_ptr + p, done, sem="release")
             if PROBE:
@@ -487,9 +567,11 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
                     HD: gl.constexpr, PAGE: gl.constexpr, SKIP: gl.constexpr, probe_ptr,
                     PROBE: gl.constexpr, HID: gl.constexpr, w_ptr, LOOK: gl.constexpr,
                     WREL: gl.constexpr, FULL0: gl.constexpr, EMPTY0: gl.constexpr,
-                    num_warps: gl.constexpr):
+                    MMA: gl.constexpr, num_warps: gl.constexpr):
+    # with MMA 2, a group's partials (PART_UNITS units x the warps x [BN, 3] fp32)
+    SCR: gl.constexpr = PART_UNITS * num_warps * BN * 12 if MMA == 2 else 0
     w_ring, full, empty, x_smem = ring_and_rows(d2k, STAGES, BN, BK, KSTEPS,
-                                                num_warps if WREL else 1, 0)
+                                                num_warps if WREL else 1, SCR)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
     q_smem = gl.allocate_shared_memory(gl.float32, [8, HD],
                                        gl.SwizzledSharedLayout(1, 1, 1, [1, 0]))
@@ -506,7 +588,7 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
                      x_smem, q_smem, a_smem, m_smem, l_smem, num_phases, width,
                      eps, ctx, nsplit, span, sm_scale, pages_per_layer, BN, BK, STAGES, WAIT,
                      SPIN, num_warps, CH, MS, NH, NKV, HD, PAGE, SKIP, probe_ptr, PROBE,
-                     HID, WREL, FULL0, EMPTY0)),
+                     HID, WREL, FULL0, EMPTY0, MMA)),
         (_producer, (d2k, d8k, tab_ptr, w_ring, full, empty, num_phases, BN, BK, STAGES,
                      COLS, w_ptr, LOOK)),
     ], [1], [40])
@@ -626,13 +708,19 @@ class WsStep:
         return self._half(len(self.phases) % 2)[:, :VOCAB]
 
     def run(self, programs: int, stages: int, wait: bool = True, skip: int = 0,
-            probe: torch.Tensor | None = None, look: int = 0, wrel: bool = False) -> None:
+            probe: torch.Tensor | None = None, look: int = 0, wrel: bool = False,
+            mma: int = 0) -> None:
         """One step; ``skip`` (timing only, the output is not the step's) leaves out, by bit: 1
         the attention's work, 2 the norms, 8 the matmuls' math; ``probe`` (int64 ``[programs,
         phases, 3]``) takes each program's phase times; ``look``: the producer's L2 lookahead in
         bytes, a stress of the ring (``ws_chain._producer``, :data:`STRESS_LOOK`); ``wrel``: each
         consumer warp takes and hands back the ring's slots on its own (``ws_chain.take_slot``,
-        ``give_slot``)."""
+        ``give_slot``); ``mma`` 2: the matmul units on the tensor cores, the warps' partials
+        added a group of units at a time (with ``wrel``, 16 x 512 tiles, 8 warps)."""
+        if mma not in (0, 2) or (mma and (not wrel or (self.bn, self.bk, self.warps)
+                                          != (16, 512, 8))):
+            raise ValueError(f"mma {mma}: 0, or 2 with the per-warp hand-over (wrel) on 16 x 512 "
+                             f"tiles and 8 warps (here {self.bn} x {self.bk}, {self.warps})")
         self.counter.zero_()
         launch_ring(_ws_step_kernel, (programs,), (
             self.descs[0], self.descs[1], self.tab, self.act, self.counter, self.err,
@@ -643,7 +731,7 @@ class WsStep:
             KSTEPS=max(KS) // self.bk, WAIT=wait, SPIN=SPIN_MAX, CH=self.ch,
             MS=triton.next_power_of_2(self.nsplit), NH=HEADS, NKV=KV_HEADS, HD=HEAD_DIM,
             PAGE=self.page, SKIP=skip, probe_ptr=self.err if probe is None else probe,
-            PROBE=probe is not None, HID=HIDDEN, w_ptr=self.w, LOOK=look,
+            PROBE=probe is not None, HID=HIDDEN, w_ptr=self.w, LOOK=look, MMA=mma,
             num_warps=self.warps), stages, self.warps, wrel)
 
     def _rotate(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
@@ -757,13 +845,13 @@ STRESS_LOOK = 128 * 1024
 
 
 def distinct_outputs(step: WsStep, x: torch.Tensor, sms: int, stages: int, look: int,
-                     steps: int, wrel: bool = False) -> list[torch.Tensor]:
+                     steps: int, wrel: bool = False, mma: int = 0) -> list[torch.Tensor]:
     """The distinct logits of ``steps`` valid steps over ``x`` with the producer's lookahead
     ``look`` (one, for a step that is deterministic)."""
     outs: list[torch.Tensor] = []
     for _ in range(steps):
         step.set_input(x)
-        step.run(sms, stages, look=look, wrel=wrel)
+        step.run(sms, stages, look=look, wrel=wrel, mma=mma)
         got = step.output()
         if not any(torch.equal(got, o) for o in outs):
             outs.append(got.clone())
@@ -789,9 +877,12 @@ def main() -> None:
                     help="runs without the waits, leaving out by bit: 1 the attention's work, "
                          "2 the norms, 8 the matmuls' math (where the time goes; not a valid "
                          "step)")
-    ap.add_argument("--hand-over", nargs="+", choices=("cta", "warp"), default=["cta"],
+    ap.add_argument("--hand-over", nargs="+", choices=("cta", "warp", "warp_mma"),
+                    default=["cta"],
                     help="how the consumers hand a ring slot back: all 8 warps at a barrier "
-                         "(cta), or each warp on its own (warp: ws_chain.take_slot / give_slot)")
+                         "(cta), or each warp on its own (warp: ws_chain.take_slot / give_slot; "
+                         "warp_mma: the same with the matmuls on the tensor cores, the warps' "
+                         "partials added a group of units at a time)")
     opts = ap.parse_args()
     dev = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -815,12 +906,12 @@ def main() -> None:
             report["kv_bytes"] = step.kv_bytes()
             emit(dict(kind="read_weights", ms=read_ms(step.w, sms)))
         for stages, hand in itertools.product(opts.stages, opts.hand_over):
-            wrel = hand == "warp"
+            wrel, mma = hand != "cta", 2 if hand == "warp_mma" else 0
             runs = [("ws_step", True, 0)] + [("ws_step_free", False, k) for k in opts.skips]
             for kind, wait, skip in runs:
                 step.set_input(x)
                 step.err.zero_()
-                step.run(sms, stages, wait, skip, wrel=wrel)
+                step.run(sms, stages, wait, skip, wrel=wrel, mma=mma)
                 torch.cuda.synchronize()
                 row = dict(kind=kind, skip=skip, splits=splits, ch=step.ch, stages=stages,
                            warps=opts.warps, hand_over=hand,
@@ -834,19 +925,19 @@ def main() -> None:
                                            == want.float().argmax(-1)).tolist()
                     row["merges_ok"] = bool((step.counter[len(step.units):] == step.nsplit)
                                             .all().item())
-                row["ms"] = graph_ms(lambda s=stages, wt=wait, k=skip, w=wrel:
-                                     step.run(sms, s, wt, k, wrel=w))
+                row["ms"] = graph_ms(lambda s=stages, wt=wait, k=skip, w=wrel, m=mma:
+                                     step.run(sms, s, wt, k, wrel=w, mma=m))
                 emit(row)
             if opts.probe:
                 probe = torch.zeros(sms, len(step.phases), 3, dtype=torch.int64, device=dev)
                 for _ in range(3):  # the last of three
                     probe.zero_()
-                    step.run(sms, stages, True, 0, probe, wrel=wrel)
+                    step.run(sms, stages, True, 0, probe, wrel=wrel, mma=mma)
                 torch.cuda.synchronize()
                 emit(dict(kind="ws_step_probe", splits=splits, stages=stages, hand_over=hand,
                           phases=phase_profile(step, probe)))
             for look in ((0, STRESS_LOOK) if opts.stress else ()):
-                outs = distinct_outputs(step, x, sms, stages, look, opts.stress, wrel)
+                outs = distinct_outputs(step, x, sms, stages, look, opts.stress, wrel, mma)
                 emit(dict(kind="ws_step_repeats", splits=splits, stages=stages, hand_over=hand,
                           look=look,
                           steps=opts.stress, distinct=len(outs),

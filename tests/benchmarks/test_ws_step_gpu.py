@@ -15,11 +15,13 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     reason="needs an sm_90 GPU (TMA, warp specialization)")]
 
 
-@pytest.mark.parametrize("splits,stress,wrel", [(16, False, False), (8, False, False),
-                                                (16, True, False), (16, False, True),
-                                                (16, True, True)])
-def test_two_layers_match_torch_and_repeat_bitwise(splits, stress, wrel):
-    """``wrel``: each consumer warp takes and hands back the ring's slots on its own."""
+@pytest.mark.parametrize("splits,stress,wrel,mma", [(16, False, False, 0), (8, False, False, 0),
+                                                    (16, True, False, 0), (16, False, True, 0),
+                                                    (16, True, True, 0), (16, False, True, 2),
+                                                    (16, True, True, 2)])
+def test_two_layers_match_torch_and_repeat_bitwise(splits, stress, wrel, mma):
+    """``wrel``: each consumer warp takes and hands back the ring's slots on its own; ``mma``
+    2: the matmuls on the tensor cores, the warps' partials added a group of units at a time."""
     ws = load_benchmark("ws_step")
     look = ws.STRESS_LOOK if stress else 0
     step = ws.WsStep(2, "cuda", splits=splits)
@@ -32,7 +34,7 @@ def test_two_layers_match_torch_and_repeat_bitwise(splits, stress, wrel):
     for _ in range(6 if stress else 2):
         step.set_input(x)
         step.err.zero_()
-        step.run(sms, 8, look=look, wrel=wrel)
+        step.run(sms, 8, look=look, wrel=wrel, mma=mma)
         torch.cuda.synchronize()
         assert step.err.item() == 0
         assert step.counter[:len(step.units)].tolist() == step.units

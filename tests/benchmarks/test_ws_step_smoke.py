@@ -152,9 +152,12 @@ def test_kernel_compiles_for_sm90_as_producer_and_consumer():
     assert free["acquire"] == 0 and free["acq_rel"] == 0  # no waits, no attention: none
     # the producer's L2 lookahead: bulk prefetches only where asked
     assert step["l2_prefetch"] == 0 and out["step_look"]["l2_prefetch"] > 0
-    # each warp on its own: both unit-sum loops free of partition barriers
-    wrel = out["step_wrel"]
+    # each warp on its own: both unit-sum loops free of partition barriers; the tensor-core
+    # form's one slot loop too, with mma.sync and no CUDA-core multiplies in its matmuls
+    wrel, mma = out["step_wrel"], out["step_wrel_mma"]
     assert wrel["warp_slot_loops"] == 2 and wrel["warp_slot_barriers"] == 0, wrel
+    assert mma["warp_slot_loops"] == 1 and mma["warp_slot_barriers"] == 0, mma
+    assert mma["mma"] > 0 and step["mma"] == 0 and wrel["mma"] == 0
     assert step["warp_slot_loops"] == 0
 
 

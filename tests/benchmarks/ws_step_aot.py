@@ -29,11 +29,11 @@ ptrs = dict(tab_ptr="i64", act_ptr="bf16", counter_ptr="i32", err_ptr="i32", res
 out = {}
 
 
-def build(wait, skip, probe, look, hand_over):
+def build(wait, skip, probe, look, mma, hand_over):
     consts = dict(BN=BN, BK=BK, STAGES=STAGES, KSTEPS=max(ws_step.KS) // BK, WAIT=wait,
                   SPIN=ws_step.SPIN_MAX, CH=128, MS=16, NH=ws_step.HEADS, NKV=ws_step.KV_HEADS,
                   HD=ws_step.HEAD_DIM, PAGE=16, SKIP=skip, PROBE=probe,
-                  HID=ws_step.HIDDEN, LOOK=look, num_warps=WARPS, **hand_over)
+                  HID=ws_step.HIDDEN, LOOK=look, MMA=mma, num_warps=WARPS, **hand_over)
     sig = {"d2k": desc, "d8k": desc, **{a: "*" + t for a, t in ptrs.items()},
            "eps": "fp32", "sm_scale": "fp32", **{a: "constexpr" for a in consts}}
     sig = {a: sig.get(a, "i32") for a in kernel.arg_names}
@@ -44,11 +44,12 @@ def build(wait, skip, probe, look, hand_over):
                           target=GPUTarget("cuda", 90, 32), options={"num_warps": WARPS})
 
 
-for name, wait, skip, probe, look, wrel in (("step", True, 0, False, 0, False),
-                                            ("free_probe", False, 1, True, 0, False),
-                                            ("step_look", True, 0, False, 256 * 1024, False),
-                                            ("step_wrel", True, 0, False, 0, True)):
-    compiled = ring_build(lambda h: build(wait, skip, probe, look, h), STAGES, WARPS, wrel)
+for name, wait, skip, probe, look, wrel, mma in (
+        ("step", True, 0, False, 0, False, 0), ("free_probe", False, 1, True, 0, False, 0),
+        ("step_look", True, 0, False, 256 * 1024, False, 0),
+        ("step_wrel", True, 0, False, 0, True, 0), ("step_wrel_mma", True, 0, False, 0, True, 2)):
+    compiled = ring_build(lambda h: build(wait, skip, probe, look, mma, h), STAGES, WARPS, wrel)
     out[name] = ws_ptx(compiled, ld_cg=r"ld\.global\.cg", acq_rel=r"\.acq_rel\.",
-                       globaltimer=r"%globaltimer", l2_prefetch=r"prefetch\.global\.L2")
+                       mma=r"mma\.sync", globaltimer=r"%globaltimer",
+                       l2_prefetch=r"prefetch\.global\.L2")
 print(json.dumps(out))
