@@ -416,9 +416,16 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ri
                     _stage_silu(x_smem, src + k, width, k, xcol, BK)
             dst = act_ptr + (1 - half) * 3 * width
             done = 0
-            if MMA == 2:
-                it, done = _mma_phase(w_ring, full, empty, x_smem, k, it, dst, width, first,
-                                      n // BN, BN, BK, STAGES, CW, FULL0, EMPTY0)
+            if MMA >= 2:
+                if (MMA == 3) and (k == 4 * BK):  # the phase's B operands built once
+                    b0, b1, b2, b3 = mma_b_operands(x_smem, BK, CW)
+                    it, done = _mma_phase(w_ring, full, empty, x_smem, k, it, dst, width, first,
+                                          n // BN, b0, b1, b2, b3, BN, BK, STAGES, CW, FULL0,
+                                          EMPTY0, True)
+                else:
+                    it, done = _mma_phase(w_ring, full, empty, x_smem, k, it, dst, width, first,
+                                          n // BN, 0, 0, 0, 0, BN, BK, STAGES, CW, FULL0,
+                                          EMPTY0, False)
             elif MMA == 1:
                 for t in range(first, n // BN, nprog):
                     it = _mma_unit(w_ring, full, empty, x_smem, k, it, dst + t * BN, width, BN,
@@ -534,32 +541,65 @@ def _mma_b(x_smem, xs, CW: gl.constexpr, KC: gl.constexpr, BL: gl.constexpr):
 
 
 @gluon.jit
-def _mma_partial(w_ring, full, empty, x_smem, k, it, block, BN: gl.constexpr, BK: gl.constexpr,
-                 STAGES: gl.constexpr, CW: gl.constexpr, FULL0: gl.constexpr,
-                 EMPTY0: gl.constexpr):
+def mma_b_operands(x_smem, BK: gl.constexpr, CW: gl.constexpr):
+    """The B operands of a phase's four K steps (:func:`_mma_b`), built once for all its units
+    when its K is four slots (``CACHED`` in :func:`_mma_partial`)."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[CW, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    KC: gl.constexpr = BK // CW
+    return (_mma_b(x_smem, 0, CW, KC, BL), _mma_b(x_smem, 3, CW, KC, BL),
+            _mma_b(x_smem, 6, CW, KC, BL), _mma_b(x_smem, 9, CW, KC, BL))
+
+
+@gluon.jit
+def _mma_slot(w_ring, full, empty, it, acc, b, STAGES: gl.constexpr, BN: gl.constexpr,
+              KC: gl.constexpr, CW: gl.constexpr, FULL0: gl.constexpr, EMPTY0: gl.constexpr):
+    """One slot's products into ``acc``, each warp taking and handing back the slot itself."""
+    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[CW, 1, 1],
+                                                  instr_shape=[1, 16, 8])
+    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
+    chunks: gl.constexpr = gl.NVMMASharedLayout(128, 16, rank=3)
+    slot = it % STAGES
+    take_slot(full, slot, (it // STAGES) & 1, True, FULL0, CW)
+    a = as_view(w_ring.index(slot), gl.bfloat16, [CW, BN, KC], chunks).load(AL)
+    acc = mma_v2(a, b, acc)
+    give_slot(empty, slot, True, EMPTY0, CW)
+    return acc
+
+
+@gluon.jit
+def _mma_partial(w_ring, full, empty, x_smem, k, it, block, b0, b1, b2, b3, BN: gl.constexpr,
+                 BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr,
+                 FULL0: gl.constexpr, EMPTY0: gl.constexpr, CACHED: gl.constexpr):
     """One unit on the tensor cores, each warp on its own: warp ``j`` multiplies the ``j``-th
     128-byte column chunk of every slot (as :func:`_mma_unit`), takes and hands back the slots
     itself (:func:`take_slot`, :func:`give_slot`), and writes its ``[BN, 3]`` fp32 partial to
     the unit's block of partials at byte ``block`` of the shared window (``[CW, BN, 3]``),
-    through inline PTX, which no barrier orders. Returns the ring's position."""
+    through inline PTX, which no barrier orders. ``CACHED``: K is four slots and ``b0``-``b3``
+    are their B operands (:func:`mma_b_operands`); else each slot's is built from the staged
+    rows. Returns the ring's position."""
     KC: gl.constexpr = BK // CW
     MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[CW, 1, 1],
                                                   instr_shape=[1, 16, 8])
-    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    chunks: gl.constexpr = gl.NVMMASharedLayout(128, 16, rank=3)
     wi = gl.arange(0, CW, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))[:, None, None]
     ri = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))[None, :, None]
     ci = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))[None, None, :]
     zero = gl.zeros([CW, BN, 8], gl.int32, MMA)
     acc = gl.zeros([CW, BN, 8], gl.float32, MMA)
-    for kk in range(0, k, BK):
-        slot = it % STAGES
-        take_slot(full, slot, (it // STAGES) & 1, True, FULL0, CW)
-        a = as_view(w_ring.index(slot), gl.bfloat16, [CW, BN, KC], chunks).load(AL)
-        acc = mma_v2(a, _mma_b(x_smem, (kk // BK) * 3, CW, KC, BL), acc)
-        give_slot(empty, slot, True, EMPTY0, CW)
-        it += 1
+    if CACHED:
+        acc = _mma_slot(w_ring, full, empty, it, acc, b0, STAGES, BN, KC, CW, FULL0, EMPTY0)
+        acc = _mma_slot(w_ring, full, empty, it + 1, acc, b1, STAGES, BN, KC, CW, FULL0, EMPTY0)
+        acc = _mma_slot(w_ring, full, empty, it + 2, acc, b2, STAGES, BN, KC, CW, FULL0, EMPTY0)
+        acc = _mma_slot(w_ring, full, empty, it + 3, acc, b3, STAGES, BN, KC, CW, FULL0, EMPTY0)
+        it += 4
+    else:
+        for kk in range(0, k, BK):
+            acc = _mma_slot(w_ring, full, empty, it, acc,
+                            _mma_b(x_smem, (kk // BK) * 3, CW, KC, BL), STAGES, BN, KC, CW,
+                            FULL0, EMPTY0)
+            it += 1
     gl.inline_asm_elementwise(_PART_ST_ASM, "=r,r,r,r",
                               [zero + (block + ((wi * BN + ri) * 3 + ci) * 4), acc, zero + ci],
                               dtype=gl.int32, is_pure=False, pack=1)
@@ -575,21 +615,21 @@ def part_sum(at):
 
 
 @gluon.jit
-def _mma_phase(w_ring, full, empty, x_smem, k, it, dst, width, first, units, BN: gl.constexpr,
-               BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr, FULL0: gl.constexpr,
-               EMPTY0: gl.constexpr):
-    """A phase's units on the tensor cores, each warp on its own (:func:`_mma_partial`),
-    :data:`PART_UNITS` units a group; at a group's end the partials are added in warp order and
-    the three rows stored (:func:`_flush_partials`). Returns the ring's position and the units
-    done."""
+def _mma_phase(w_ring, full, empty, x_smem, k, it, dst, width, first, units, b0, b1, b2, b3,
+               BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr,
+               FULL0: gl.constexpr, EMPTY0: gl.constexpr, CACHED: gl.constexpr):
+    """A phase's units on the tensor cores, each warp on its own (:func:`_mma_partial`;
+    ``CACHED``: with the phase's B operands ``b0``-``b3``), :data:`PART_UNITS` units a group; at
+    a group's end the partials are added in warp order and the three rows stored
+    (:func:`_flush_partials`). Returns the ring's position and the units done."""
     PB: gl.constexpr = CW * BN * 3 * 4  # a unit's partials, bytes
     SCR0: gl.constexpr = EMPTY0 + 8 * STAGES
     nprog = gl.num_programs(0)
     done = 0
     g0 = first  # the group's first unit
     for t in range(first, units, nprog):
-        it = _mma_partial(w_ring, full, empty, x_smem, k, it,
-                          SCR0 + (done % PART_UNITS) * PB, BN, BK, STAGES, CW, FULL0, EMPTY0)
+        it = _mma_partial(w_ring, full, empty, x_smem, k, it, SCR0 + (done % PART_UNITS) * PB,
+                          b0, b1, b2, b3, BN, BK, STAGES, CW, FULL0, EMPTY0, CACHED)
         done += 1
         if done % PART_UNITS == 0:
             _flush_partials(dst, width, g0, PART_UNITS, nprog, SCR0, BN, CW)
@@ -647,7 +687,7 @@ def _ws_chain_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr
                      MMA: gl.constexpr, w_ptr, LOOK: gl.constexpr, WREL: gl.constexpr,
                      FULL0: gl.constexpr, EMPTY0: gl.constexpr, num_warps: gl.constexpr):
     # a group's partials (PART_UNITS units x the warps x [BN, 3] fp32) for the grouped form
-    SCR: gl.constexpr = PART_UNITS * num_warps * BN * 12 if MMA == 2 else 0
+    SCR: gl.constexpr = PART_UNITS * num_warps * BN * 12 if MMA >= 2 else 0
     w_ring, full, empty, x_smem = ring_and_rows(d2k, STAGES, BN, BK, KSTEPS,
                                                 num_warps if WREL else 1, SCR)
     gl.warp_specialize([
@@ -773,16 +813,17 @@ class WsChain:
             math: bool = True, mma: int = 0, look: int = 0, wrel: bool = False) -> None:
         """One chain; ``mma``: the units on the tensor cores (16 x 512 tiles, 8 consumer warps,
         no input transforms), 1 each unit's warps' sums added at its end (:func:`_mma_unit`), 2
-        a group of units at a time (:func:`_mma_phase`, with ``wrel``); ``look``: the
+        a group of units at a time (:func:`_mma_phase`, with ``wrel``), 3 the same with a
+        four-slot phase's B operands built once (:func:`mma_b_operands`); ``look``: the
         producer's L2 lookahead in bytes, a stress of the ring (:func:`_producer`); ``wrel``:
         each consumer warp takes and hands back the ring's slots on its own
         (:func:`take_slot`, :func:`give_slot`)."""
         if mma and (self.bn != 16 or self.bk != 64 * num_warps or self.layer):
             raise ValueError(f"the tensor-core units take 16 x {64 * num_warps} tiles and no "
                              f"input transforms, not {self.bn} x {self.bk} (layer {self.layer})")
-        if mma == 2 and (not wrel or num_warps != 8):
+        if mma >= 2 and (not wrel or num_warps != 8):
             raise ValueError("the tensor-core units with the partials added a group at a time "
-                             "(mma 2) take the per-warp hand-over (wrel) and 8 consumer warps")
+                             "(mma 2, 3) take the per-warp hand-over (wrel) and 8 consumer warps")
         self.counter.zero_()
         launch_ring(_ws_chain_kernel, (programs,), (
             self.descs[0], self.descs[1], self.tab, self.act, self.counter, self.err,
@@ -935,7 +976,9 @@ def main() -> None:
                     forms += [(f[0] + "_wrel", *f[1:4], True) for f in forms]
                     if opts.mma and (bn, bk, warps) == (16, 512, 8) and not opts.layer:
                         forms += [("ws_mma_grouped", True, True, 2, True),
-                                  ("ws_mma_grouped_free", False, True, 2, True)]
+                                  ("ws_mma_grouped_free", False, True, 2, True),
+                                  ("ws_mma_grouped_b", True, True, 3, True),
+                                  ("ws_mma_grouped_b_free", False, True, 3, True)]
                 for kind, wait, math, mma, wrel in forms:
                     chain.set_input(x)
                     chain.err.zero_()

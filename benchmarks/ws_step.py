@@ -36,7 +36,8 @@ residual) and the argmax.
 ``--hand-over warp`` runs the step with every consumer warp taking and handing back the ring's
 slots on its own (``ws_chain.take_slot`` / ``give_slot``) instead of the 8 warps at a barrier;
 ``warp_mma`` the same with the matmuls on the tensor cores, the warps' partials added a group
-of units at a time (``ws_chain._mma_partial``).
+of units at a time (``ws_chain._mma_partial``); ``warp_mma_b`` with a four-slot phase's B
+operands built once.
 ``--skips`` adds runs without the waits that leave work out (bits: 1 the attention, 2 the norms,
 8 the matmuls' math), ``--probe`` a step with each program's phase times and each phase's share
 of the step, ``--stress`` the distinct outputs of N steps, plain and under the ring's stress
@@ -62,8 +63,8 @@ from triton.experimental.gluon.language.nvidia.ampere import async_copy
 sys.path.insert(0, str(Path(__file__).parent))
 from ws_chain import (KS, PART_UNITS, SPIN_MAX, _async_load, _mma_partial,  # noqa: E402
                       _phase, _producer, _sync, as_view, give_slot, graph_ms, launch_ring,
-                      pack_weights, part_sum, read_ms, rel_err, reporter, ring_and_rows,
-                      take_slot, wait_phase, weight_descriptors)
+                      mma_b_operands, pack_weights, part_sum, read_ms, rel_err, reporter,
+                      ring_and_rows, take_slot, wait_phase, weight_descriptors)
 
 COLS = gl.constexpr(12)  # phase table columns (see WsStep.tab)
 NORM, ATTN = 1, 3  # phase kinds (0: a plain matmul)
@@ -161,24 +162,18 @@ def _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units, epi, it, 
     nprog = gl.num_programs(0)
     offs = gl.arange(0, HB, layout=AL)
     done = 0
-    if MMA == 2:
-        PB: gl.constexpr = CW * BN * 3 * 4  # a unit's partials, bytes
-        SCR0: gl.constexpr = EMPTY0 + 8 * STAGES
-        g0 = first
-        for t in range(first, units, nprog):
-            it = _mma_partial(w_ring, full, empty, x_smem, k, it,
-                              SCR0 + (done % PART_UNITS) * PB, BN, BK, STAGES, CW, FULL0,
-                              EMPTY0)
-            done += 1
-            if done % PART_UNITS == 0:
-                _group_epilogues(dst, width, g0, PART_UNITS, nprog, epi, ctx, layer,
-                                 pages_per_layer, kc_ptr, vc_ptr, bt_ptr, cos_ptr, sin_ptr,
-                                 offs, SCR0, BN, CW, NH, NKV, HD, PAGE)
-                g0 = t + nprog
-        if done % PART_UNITS != 0:
-            _group_epilogues(dst, width, g0, done % PART_UNITS, nprog, epi, ctx, layer,
-                             pages_per_layer, kc_ptr, vc_ptr, bt_ptr, cos_ptr, sin_ptr, offs,
-                             SCR0, BN, CW, NH, NKV, HD, PAGE)
+    if MMA >= 2:
+        if (MMA == 3) and (k == 4 * BK):  # the phase's B operands built once
+            b0, b1, b2, b3 = mma_b_operands(x_smem, BK, CW)
+            it, done = _grouped_units(w_ring, full, empty, x_smem, dst, width, k, first, units,
+                                      epi, it, ctx, layer, pages_per_layer, kc_ptr, vc_ptr,
+                                      bt_ptr, cos_ptr, sin_ptr, offs, b0, b1, b2, b3, BN, BK,
+                                      STAGES, CW, NH, NKV, HD, PAGE, FULL0, EMPTY0, True)
+        else:
+            it, done = _grouped_units(w_ring, full, empty, x_smem, dst, width, k, first, units,
+                                      epi, it, ctx, layer, pages_per_layer, kc_ptr, vc_ptr,
+                                      bt_ptr, cos_ptr, sin_ptr, offs, 0, 0, 0, 0, BN, BK, STAGES,
+                                      CW, NH, NKV, HD, PAGE, FULL0, EMPTY0, False)
     else:
         for t in range(first, units, nprog):
             if epi == 2:
@@ -198,6 +193,38 @@ def _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units, epi, it, 
                                                         EMPTY0)
                 _out_rows(dst, width, t, a0, b0, a1, b1, a2, b2, epi, offs, HB)
             done += 1
+    return it, done
+
+
+@gluon.jit
+def _grouped_units(w_ring, full, empty, x_smem, dst, width, k, first, units, epi, it, ctx, layer,
+                   pages_per_layer, kc_ptr, vc_ptr, bt_ptr, cos_ptr, sin_ptr, offs, b0, b1, b2,
+                   b3, BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr,
+                   CW: gl.constexpr, NH: gl.constexpr, NKV: gl.constexpr, HD: gl.constexpr,
+                   PAGE: gl.constexpr, FULL0: gl.constexpr, EMPTY0: gl.constexpr,
+                   CACHED: gl.constexpr):
+    """A phase's units on the tensor cores, each warp on its own (``ws_chain._mma_partial``;
+    ``CACHED``: with the phase's B operands ``b0``-``b3``), their epilogues run a group of
+    :data:`ws_chain.PART_UNITS` at a time (:func:`_group_epilogues`). Returns the ring's
+    position and the units done."""
+    PB: gl.constexpr = CW * BN * 3 * 4  # a unit's partials, bytes
+    SCR0: gl.constexpr = EMPTY0 + 8 * STAGES
+    nprog = gl.num_programs(0)
+    done = 0
+    g0 = first
+    for t in range(first, units, nprog):
+        it = _mma_partial(w_ring, full, empty, x_smem, k, it, SCR0 + (done % PART_UNITS) * PB,
+                          b0, b1, b2, b3, BN, BK, STAGES, CW, FULL0, EMPTY0, CACHED)
+        done += 1
+        if done % PART_UNITS == 0:
+            _group_epilogues(dst, width, g0, PART_UNITS, nprog, epi, ctx, layer,
+                             pages_per_layer, kc_ptr, vc_ptr, bt_ptr, cos_ptr, sin_ptr, offs,
+                             SCR0, BN, CW, NH, NKV, HD, PAGE)
+            g0 = t + nprog
+    if done % PART_UNITS != 0:
+        _group_epilogues(dst, width, g0, done % PART_UNITS, nprog, epi, ctx, layer,
+                         pages_per_layer, kc_ptr, vc_ptr, bt_ptr, cos_ptr, sin_ptr, offs, SCR0,
+                         BN, CW, NH, NKV, HD, PAGE)
     return it, done
 
 
@@ -569,7 +596,7 @@ def _ws_step_kernel(d2k, d8k, tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr,
                     WREL: gl.constexpr, FULL0: gl.constexpr, EMPTY0: gl.constexpr,
                     MMA: gl.constexpr, num_warps: gl.constexpr):
     # with MMA 2, a group's partials (PART_UNITS units x the warps x [BN, 3] fp32)
-    SCR: gl.constexpr = PART_UNITS * num_warps * BN * 12 if MMA == 2 else 0
+    SCR: gl.constexpr = PART_UNITS * num_warps * BN * 12 if MMA >= 2 else 0
     w_ring, full, empty, x_smem = ring_and_rows(d2k, STAGES, BN, BK, KSTEPS,
                                                 num_warps if WREL else 1, SCR)
     flat: gl.constexpr = gl.SwizzledSharedLayout(1, 1, 1, [0])
@@ -716,11 +743,12 @@ class WsStep:
         bytes, a stress of the ring (``ws_chain._producer``, :data:`STRESS_LOOK`); ``wrel``: each
         consumer warp takes and hands back the ring's slots on its own (``ws_chain.take_slot``,
         ``give_slot``); ``mma`` 2: the matmul units on the tensor cores, the warps' partials
-        added a group of units at a time (with ``wrel``, 16 x 512 tiles, 8 warps)."""
-        if mma not in (0, 2) or (mma and (not wrel or (self.bn, self.bk, self.warps)
-                                          != (16, 512, 8))):
-            raise ValueError(f"mma {mma}: 0, or 2 with the per-warp hand-over (wrel) on 16 x 512 "
-                             f"tiles and 8 warps (here {self.bn} x {self.bk}, {self.warps})")
+        added a group of units at a time (with ``wrel``, 16 x 512 tiles, 8 warps); 3 the same
+        with a four-slot phase's B operands built once (``ws_chain.mma_b_operands``)."""
+        if mma not in (0, 2, 3) or (mma and (not wrel or (self.bn, self.bk, self.warps)
+                                             != (16, 512, 8))):
+            raise ValueError(f"mma {mma}: 0, or 2 / 3 with the per-warp hand-over (wrel) on 16 x "
+                             f"512 tiles and 8 warps (here {self.bn} x {self.bk}, {self.warps})")
         self.counter.zero_()
         launch_ring(_ws_step_kernel, (programs,), (
             self.descs[0], self.descs[1], self.tab, self.act, self.counter, self.err,
@@ -877,12 +905,13 @@ def main() -> None:
                     help="runs without the waits, leaving out by bit: 1 the attention's work, "
                          "2 the norms, 8 the matmuls' math (where the time goes; not a valid "
                          "step)")
-    ap.add_argument("--hand-over", nargs="+", choices=("cta", "warp", "warp_mma"),
+    ap.add_argument("--hand-over", nargs="+", choices=("cta", "warp", "warp_mma", "warp_mma_b"),
                     default=["cta"],
                     help="how the consumers hand a ring slot back: all 8 warps at a barrier "
                          "(cta), or each warp on its own (warp: ws_chain.take_slot / give_slot; "
                          "warp_mma: the same with the matmuls on the tensor cores, the warps' "
-                         "partials added a group of units at a time)")
+                         "partials added a group of units at a time; warp_mma_b: with a "
+                         "four-slot phase's B operands built once)")
     opts = ap.parse_args()
     dev = "cuda"
     sms = torch.cuda.get_device_properties(0).multi_processor_count
@@ -906,7 +935,8 @@ def main() -> None:
             report["kv_bytes"] = step.kv_bytes()
             emit(dict(kind="read_weights", ms=read_ms(step.w, sms)))
         for stages, hand in itertools.product(opts.stages, opts.hand_over):
-            wrel, mma = hand != "cta", 2 if hand == "warp_mma" else 0
+            wrel = hand != "cta"
+            mma = {"warp_mma": 2, "warp_mma_b": 3}.get(hand, 0)
             runs = [("ws_step", True, 0)] + [("ws_step_free", False, k) for k in opts.skips]
             for kind, wait, skip in runs:
                 step.set_input(x)

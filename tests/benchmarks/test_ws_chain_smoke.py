@@ -64,7 +64,7 @@ def test_kernel_compiles_for_sm90_as_producer_and_consumer():
     assert out["wait1"]["l2_prefetch"] == 0 and out["wait1_look"]["l2_prefetch"] > 0, out
     # each warp on its own: a slot loop with no partition barrier in it (CUDA-core and mma
     # units); the other builds have none of these loops
-    for name in ("wait1_wrel", "wait1_mma_wrel", "wait1_mma2_wrel"):
+    for name in ("wait1_wrel", "wait1_mma_wrel", "wait1_mma2_wrel", "wait1_mma3_wrel"):
         assert out[name]["warp_slot_loops"] > 0 and out[name]["warp_slot_barriers"] == 0, out
     assert out["wait1"]["warp_slot_loops"] == 0, out
 

@@ -18,10 +18,11 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
 @pytest.mark.parametrize("splits,stress,wrel,mma", [(16, False, False, 0), (8, False, False, 0),
                                                     (16, True, False, 0), (16, False, True, 0),
                                                     (16, True, True, 0), (16, False, True, 2),
-                                                    (16, True, True, 2)])
+                                                    (16, True, True, 2), (16, True, True, 3)])
 def test_two_layers_match_torch_and_repeat_bitwise(splits, stress, wrel, mma):
     """``wrel``: each consumer warp takes and hands back the ring's slots on its own; ``mma``
-    2: the matmuls on the tensor cores, the warps' partials added a group of units at a time."""
+    2: the matmuls on the tensor cores, the warps' partials added a group of units at a time;
+    3: the same with a four-slot phase's B operands built once."""
     ws = load_benchmark("ws_step")
     look = ws.STRESS_LOOK if stress else 0
     step = ws.WsStep(2, "cuda", splits=splits)

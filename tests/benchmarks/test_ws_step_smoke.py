@@ -158,6 +158,10 @@ def test_kernel_compiles_for_sm90_as_producer_and_consumer():
     assert wrel["warp_slot_loops"] == 2 and wrel["warp_slot_barriers"] == 0, wrel
     assert mma["warp_slot_loops"] == 1 and mma["warp_slot_barriers"] == 0, mma
     assert mma["mma"] > 0 and step["mma"] == 0 and wrel["mma"] == 0
+    # with a four-slot phase's B operands built once: that phase's four slots unrolled beside
+    # the loop of the others
+    mma_b = out["step_wrel_mma_b"]
+    assert mma_b["warp_slot_loops"] == 5 and mma_b["warp_slot_barriers"] == 0, mma_b
     assert step["warp_slot_loops"] == 0
 
 

@@ -45,10 +45,10 @@ for wait, layer, mma, look, wrel in ((True, False, False, 0, False),
                                      (True, True, False, 0, False), (True, False, True, 0, False),
                                      (True, False, False, 128 * 1024, False),
                                      (True, False, False, 0, True), (True, False, True, 0, True),
-                                     (True, False, 2, 0, True)):
+                                     (True, False, 2, 0, True), (True, False, 3, 0, True)):
     compiled = ring_build(lambda h: build(wait, layer, mma, look, h), STAGES, WARPS, wrel)
     name = (f"wait{int(wait)}" + ("_layer" if layer else "")
-            + ("_mma2" if mma == 2 else "_mma" if mma else "")
+            + (f"_mma{mma}" if mma >= 2 else "_mma" if mma else "")
             + ("_look" if look else "") + ("_wrel" if wrel else ""))
     out[name] = ws_ptx(compiled, rsqrt=r"rsqrt", ex2=r"ex2\.approx", mma=r"mma\.sync",
                        fma=r"fma\.rn\.f32", l2_prefetch=r"prefetch\.global\.L2")

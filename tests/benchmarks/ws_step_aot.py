@@ -47,7 +47,8 @@ def build(wait, skip, probe, look, mma, hand_over):
 for name, wait, skip, probe, look, wrel, mma in (
         ("step", True, 0, False, 0, False, 0), ("free_probe", False, 1, True, 0, False, 0),
         ("step_look", True, 0, False, 256 * 1024, False, 0),
-        ("step_wrel", True, 0, False, 0, True, 0), ("step_wrel_mma", True, 0, False, 0, True, 2)):
+        ("step_wrel", True, 0, False, 0, True, 0), ("step_wrel_mma", True, 0, False, 0, True, 2),
+        ("step_wrel_mma_b", True, 0, False, 0, True, 3)):
     compiled = ring_build(lambda h: build(wait, skip, probe, look, mma, h), STAGES, WARPS, wrel)
     out[name] = ws_ptx(compiled, ld_cg=r"ld\.global\.cg", acq_rel=r"\.acq_rel\.",
                        mma=r"mma\.sync", globaltimer=r"%globaltimer",
