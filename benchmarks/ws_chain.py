@@ -651,7 +651,7 @@ def _flush_partials(dst, width, g0, count, nprog, SCR0: gl.constexpr, BN: gl.con
     u = e // (BN * 4)
     r = (e // 4) % BN
     c = e % 4
-    at = SCR0 + ((u * CW * BN + r) * 3 + c) * 4
+    at = SCR0 + ((u * CW * BN + r) * 3 + gl.minimum(c, 2)) * 4  # column 3: none, kept in the block
     v = part_sum(at)
     gl.store(dst + c * width + (g0 + u * nprog) * BN + r, v.to(gl.bfloat16),
              mask=(c < 3) & (u < count))
