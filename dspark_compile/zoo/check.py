@@ -135,9 +135,11 @@ class Result:
     reference: str = ""
     """HF attention implementation of the reference forward."""
     tie_rows: int | None = None
-    """Half-precision checks: rows past the bound that HF's own forward in that dtype moves as
-    far under rounding-sized input noise (:func:`_perturbed_errors`): a near-tied discrete
-    choice (an expert), not counted in ``off_rows``."""
+    """Rows past the bound that HF's own forwards move as far: over the same tokens cut short
+    or through its cache (:func:`_equivalent_errors`: an exact tie the model breaks by the
+    sequence's length), and in half precision under rounding-sized input noise
+    (:func:`_perturbed_errors`: a near-tied discrete choice, an expert); not counted in
+    ``off_rows``. Set for every half-precision check, and for a float32 one with such rows."""
     off_rows: int | None = None
     """Verified rows beyond the bound (float32: :func:`tolerance`; half precision: that row's HF
     error in that dtype times :data:`HALF_RATIO` plus the dtype's :data:`HALF_FLOOR`)."""
@@ -226,6 +228,46 @@ def _hf_logits(model, seq: torch.Tensor) -> torch.Tensor:
     with torch.no_grad():
         return model(input_ids=seq[None], attention_mask=torch.ones_like(seq[None]),
                      use_cache=False).logits[0].float()
+
+
+def _equivalent_errors(model, seq: torch.Tensor, n: int, want: torch.Tensor,
+                       chunks: list[int] | None = None) -> torch.Tensor:
+    """float64 ``[n]``: the largest error against ``want`` (HF's logits of ``seq``'s last ``n``
+    rows over the whole of ``seq``) of HF's own forwards that a causal model must agree with:
+    each row's forward over ``seq`` cut right after it, and the rows' forward through HF's
+    cache after calls over the tokens before them in ``chunks`` (their lengths; default one
+    call; as ``generate`` runs a chunk; left out where the model's cache path fails). A row where these differ is one the model itself
+    leaves open: an exact tie (two top-k scores both zero after a ReLU) that its top-k breaks
+    by the sequence's length, so no implementation can match every one of HF's forwards."""
+    worst = torch.zeros(n, dtype=torch.float64)
+
+    def take(alt: torch.Tensor, rows: slice) -> None:
+        diff = (alt.float().cpu() - want[rows]).abs().double().amax(-1)
+        worst[rows] = torch.maximum(worst[rows], torch.nan_to_num(diff, nan=0.0))
+
+    total = seq.numel()
+    for j in range(n - 1):  # the last row's cut forward is the whole sequence's
+        take(_hf_logits(model, seq[:total - n + j + 1])[-1:], slice(j, j + 1))
+    pieces = [c for c in (chunks or [total - n]) if c > 0]
+    if total > n and sum(pieces) == total - n:
+        import inspect
+
+        # the cache's keyword: ``cache`` where the forward takes it (DeepSeek-V4), else the
+        # older ``past_key_values``
+        key = ("cache" if "cache" in inspect.signature(model.forward).parameters
+               else "past_key_values")
+        try:
+            with torch.no_grad():
+                ones, cache, start = torch.ones_like(seq[None]), None, 0
+                for length in pieces + [n]:
+                    out = model(input_ids=seq[None, start:start + length],
+                                attention_mask=ones[:, :start + length], use_cache=True,
+                                **{key: cache})
+                    cache, start = out.past_key_values, start + length
+            take(out.logits[0, -n:], slice(0, n))
+        except Exception:  # noqa: BLE001 - a model without a usable cache path: the cuts only
+            pass
+    return worst
 
 
 PERTURB_TRIALS = 8
@@ -386,6 +428,7 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
         if static:
             verifier.capture(state, progress=False)
         seqs = [torch.empty(0, dtype=torch.int64) for _ in SLOTS]
+        pieces = [[] for _ in SLOTS]  # each request's committed chunks, as the verifier took them
         steps = [(PROMPTS, PROMPTS)] + [tuple(r) for r in ROUNDS]
         for lens, accept in steps:
             new = [draw(n) for n in lens]
@@ -399,25 +442,29 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
                     raise AssertionError(f"ragged logits {tuple(got.shape)} vs HF "
                                          f"{tuple(want.shape)}")
                 err = row_errors(got, want)  # [n]
+                seq = torch.cat([seqs[i], new[i]]).to(device)
                 if half is None:
                     bound = torch.full_like(err, tolerance(device))
                 else:  # each row against HF's own rounding of that row
-                    seq = torch.cat([seqs[i], new[i]]).to(device)
                     hf_err = row_errors(_hf_logits(half, seq)[-n:].cpu(), want)
                     hf_worst = max(hf_worst, float(hf_err.max()))
                     bound = HALF_RATIO * hf_err + HALF_FLOOR[half_dtype]
-                    beyond = ~(err <= bound)
-                    if beyond.any():  # rows HF's own half forward also moves that far: ties
-                        moved = _perturbed_errors(half, seq, n, want, seed)
-                        tie = beyond & torch.isfinite(err) & (moved >= err / HALF_RATIO)
-                        ties += int(tie.sum())
-                        bound = torch.where(tie, err, bound)
+                beyond = ~(err <= bound)
+                if beyond.any():  # rows HF's own forwards also move that far: ties
+                    moved = _equivalent_errors(model if half is None else half, seq, n, want,
+                                               pieces[i])
+                    if half is not None:  # and under rounding-sized noise
+                        moved = torch.maximum(moved, _perturbed_errors(half, seq, n, want, seed))
+                    tie = beyond & torch.isfinite(err) & (moved >= err / HALF_RATIO)
+                    ties += int(tie.sum())
+                    bound = torch.where(tie, err, bound)
                 worst = max(worst, float(err.max()))
                 off += int((~(err <= bound)).sum())
                 flipped += int((got.argmax(-1) != want.argmax(-1)).sum())
                 rows += n
             verifier.commit(layout, list(accept), state)
             seqs = [torch.cat([s, t[:a]]) for s, t, a in zip(seqs, new, accept)]
+            pieces = [p + [a] for p, a in zip(pieces, accept)]
     except Exception as err:  # noqa: BLE001
         result.max_error, result.rows = (worst if rows else None), rows
         _fail(result, "verify", err)
@@ -426,7 +473,9 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
     result.flipped = flipped / rows if rows else None
     result.off_rows = off
     if half is not None:
-        result.hf_error, result.tie_rows = hf_worst, ties
+        result.hf_error = hf_worst
+    if half is not None or ties:
+        result.tie_rows = ties
     if off == 0:
         result.status = "exact"
     else:
@@ -437,6 +486,9 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
                          + f"; {off} of {rows} rows off, {flipped} greedy tokens flipped "
                          f"({flipped / rows:.0%})")
     if ties:
+        how = ("under rounding-sized noise, or over the same tokens cut short or through its "
+               "cache" if half is not None else "over the same tokens cut short or through its "
+               "cache: a tie its top-k breaks by the sequence's length")
         result.reason = (f"{ties} of {rows} rows at near-ties (HF's own {dtype} forward moves "
-                         "them as far under rounding-sized noise)"
+                         f"them as far {how})"
                          + (f"; {result.reason}" if result.reason else ""))

@@ -9,7 +9,7 @@ import json
 import pytest
 
 from dspark_compile.__main__ import main
-from dspark_compile.zoo import Result, check, select
+from dspark_compile.zoo import Entry, Result, check, select
 from dspark_compile.zoo.check import PROMPTS, ROUNDS, classify
 from dspark_compile.zoo.report import BEGIN, END, markdown, update_readme
 
@@ -256,6 +256,65 @@ def test_reference_logits_come_from_the_call_generate_makes():
     logits = check_module._hf_logits(Stub(), torch.tensor([5, 6, 7]))
     assert logits.shape == (3, 3) and seen["use_cache"] is False
     assert torch.equal(seen["mask"], torch.ones(1, 3, dtype=torch.int64))
+
+
+def test_equivalent_forwards_measure_how_far_hf_itself_moves_a_row():
+    """A causal model gives a row the same logits over the whole sequence, over the sequence cut
+    right after it, and through its cache after the chunks before it; a model whose row depends
+    on the sequence's length (an exact tie its top-k breaks by the length) does not."""
+    import sys
+
+    import torch
+
+    check_module = sys.modules["dspark_compile.zoo.check"]
+    calls = []
+
+    class Stub(torch.nn.Module):
+        def __init__(self, by_length: bool):
+            super().__init__()
+            self.by_length = by_length
+
+        def forward(self, input_ids, attention_mask=None, use_cache=None, past_key_values=None):
+            start = past_key_values or 0
+            total = start + input_ids.shape[1]
+            calls.append((start, input_ids.shape[1]))
+            pos = torch.arange(start, total, dtype=torch.float32)
+            row = pos[:, None] * torch.ones(1, 3)  # causal: each row from its position alone
+            if self.by_length:  # and, past position 2, from how many tokens the call takes
+                row = row + (pos[:, None] > 2) * 0.1 * input_ids.shape[1]
+            out = type("Out", (), {})()
+            out.logits, out.past_key_values = row[None], total
+            return out
+
+    seq = torch.arange(7)
+    # by length: the whole call (7 tokens) adds 0.7, the cuts 0.5 and 0.6, the cached call over
+    # the last 3 rows 0.3: each row moves by 0.4 at most
+    for by_length, moved in ((False, [0.0, 0.0, 0.0]), (True, [0.4, 0.4, 0.4])):
+        model = Stub(by_length)
+        want = check_module._hf_logits(model, seq)[-3:]
+        calls.clear()
+        got = check_module._equivalent_errors(model, seq, 3, want, [2, 2])
+        assert got.tolist() == pytest.approx(moved, abs=1e-6), (by_length, got)
+        # the rows cut after rows 4 and 5, then the cache: 2 + 2 tokens, then the last 3
+        assert calls == [(0, 5), (0, 6), (0, 2), (2, 2), (4, 3)]
+
+
+def test_a_tie_hf_breaks_by_the_sequences_length_is_not_wrong():
+    """DeepSeek-V4 under one KV head of 16 in a width of 112 with MLP biases: its lightning
+    indexer scores two compressed entries of one query exactly zero (ReLU) and keeps the top 2
+    of three; torch.topk picks one of the two tied entries over 12 tokens and the other over
+    16, so HF's own forward over a request's whole sequence differs from its forward through
+    its cache by 0.025 on 8 rows. The verifier agrees with the cached forward; the rows are
+    ties, not wrong ones."""
+    from dspark_compile.zoo.variants import variant_entries
+
+    singles = {e.variant: e for e in variant_entries(select(["deepseek_v4"]))}
+    (base,) = select(["deepseek_v4"])
+    overrides = singles["group7"].overrides + singles["mlp_bias"].overrides
+    result = check(Entry(base.model_type, base.architecture, "group7+mlp_bias", overrides))
+    assert result.status == "exact", (result.reason, result.message[:300])
+    assert result.tie_rows and result.max_error > 1e-3, result
+    assert "near-ties" in result.reason and "cut short or through its cache" in result.reason
 
 
 @pytest.mark.parametrize("dtype", ["bfloat16", "float16"])
