@@ -188,7 +188,10 @@ def readme_section(report: dict, link: str = "docs/models.md") -> str:
         f"{_summary_line(report)}. Per architecture, with each refusal's reason: "
         f"[{link}]({link}).",
         "",
-        f"- **Exact** (max \\|ragged − HF\\| ≤ {TOLERANCE:g}): {names('exact')}.",
+        f"- **Exact** (max \\|ragged − HF\\| ≤ {TOLERANCE:g}"
+        + (", or a row HF's own forwards give two ways: an exact tie"
+           if any(r.get("tie_rows") for r in report["rows"] if r["status"] == "exact") else "")
+        + f"): {names('exact')}.",
         f"- **Refused** by name: {names('refused')}.",
     ]
     if by_status.get("wrong"):

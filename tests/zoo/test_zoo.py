@@ -102,6 +102,11 @@ def test_markdown_and_readme_section(tmp_path):
     new = readme.read_text()
     assert new.startswith("# x\n\n## Supported models\n\n" + BEGIN) and new.endswith("\n\nrest\n")
     assert "old" not in new and "`llama`" in new and "**Wrong**" in new and "`bad`" in new
+    assert "exact tie" not in new and "or a tie" in text
+    # an exact row with ties: the README's rule says so
+    tied = dict(_row("dsv4", "exact", err=0.02), tie_rows=8)
+    update_readme(str(readme), _report([tied]))
+    assert "give two ways: an exact tie" in " ".join(readme.read_text().split())
     readme.write_text("# no markers\n")
     with pytest.raises(ValueError, match="no zoo section"):
         update_readme(str(readme), report)
