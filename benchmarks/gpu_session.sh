@@ -73,6 +73,10 @@
 #   ws_step       ws_step.py --skips 0 1 2 8 11 --probe (the whole bs-1 verify step, attention
 #                 included, as one persistent warp-specialized launch; compare with v1_8 in the
 #                 same session)
+#   ws_hand_over  ws_chain.py --stages 8 --tiles 16x512 --mma --warp-release, then ws_step.py
+#                 --hand-over cta warp warp_mma warp_mma_b --skips 0 8 --probe --stress 6 (each
+#                 warp taking and handing back ring slots on its own; the grouped tensor-core
+#                 units; compare with v1_8 in the same session)
 #   moe_steps     hybrid_step.py --variant a3b, then --variant moe (MoE verify steps vs HF)
 #   moe_attr      hybrid_step.py --variant moe --attribute --check-only (its bf16 logits: ours
 #                 and HF vs a float32 copy)
@@ -147,6 +151,9 @@ job() {
     ws_chain_layer) python3 benchmarks/ws_chain.py --layer --stages 8 --tiles 16x512 ;;
     ws_step) python3 benchmarks/ws_step.py --skips 0 1 2 8 11 --probe ;;
     ws_chain_mma) python3 benchmarks/ws_chain.py --stages 8 --tiles 16x512 --mma ;;
+    ws_hand_over) python3 benchmarks/ws_chain.py --stages 8 --tiles 16x512 --mma --warp-release &&
+      python3 benchmarks/ws_step.py --hand-over cta warp warp_mma warp_mma_b --skips 0 8 --probe \
+        --stress 6 ;;
     stream_clocks) python3 benchmarks/packed_weights.py --shapes '2048x2048*128' \
         --configs 64,128,4,5,1 --rotate --clocks ;;
     e2e_256) python3 benchmarks/e2e.py --concurrency 256 --repeats 5 &&
