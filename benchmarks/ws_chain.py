@@ -458,6 +458,20 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ri
         prev_n = n
 
 
+@gluon.constexpr_function
+def _mma_layout(cw):
+    """``mma.sync`` m16n8k16's fp32 sums over ``[cw, 16, 8]``: warp ``j`` its own ``[16, 8]``."""
+    return gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[cw, 1, 1],
+                                     instr_shape=[1, 16, 8])
+
+
+@gluon.constexpr_function
+def _mma_operand(cw, index):
+    """The A (``index`` 0: a slot's weight chunks) or B (1: the rows) operand's layout of
+    :func:`_mma_layout`."""
+    return gl.DotOperandLayout(operand_index=index, parent=_mma_layout(cw), k_width=2)
+
+
 @gluon.jit
 def _mma_unit(w_ring, full, empty, x_smem, k, it, out, width, BN: gl.constexpr,
               BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr, WREL: gl.constexpr,
@@ -468,25 +482,16 @@ def _mma_unit(w_ring, full, empty, x_smem, k, it, out, width, BN: gl.constexpr,
     same columns as B (its columns 3-7 zero); the warps' sums are added at the unit's end and
     its three rows of ``BN`` outputs stored at ``out``."""
     KC: gl.constexpr = BK // CW
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[CW, 1, 1],
-                                                  instr_shape=[1, 16, 8])
-    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
-    BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
-    XS: gl.constexpr = gl.SliceLayout(2, BL)
+    MMA: gl.constexpr = _mma_layout(CW)
     OL: gl.constexpr = gl.SliceLayout(0, MMA)
     chunks: gl.constexpr = gl.NVMMASharedLayout(128, 16, rank=3)
-    col = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))[None, None, :]
     acc = gl.zeros([CW, BN, 8], gl.float32, MMA)
     for kk in range(0, k, BK):
         slot = it % STAGES
         take_slot(full, slot, (it // STAGES) & 1, WREL, FULL0, CW)
-        a = as_view(w_ring.index(slot), gl.bfloat16, [CW, BN, KC], chunks).load(AL)
-        xs = (kk // BK) * 3
-        x0 = x_smem.index(xs).reshape([CW, KC]).load(XS)[:, :, None]
-        x1 = x_smem.index(xs + 1).reshape([CW, KC]).load(XS)[:, :, None]
-        x2 = x_smem.index(xs + 2).reshape([CW, KC]).load(XS)[:, :, None]
-        b = gl.where(col == 0, x0, gl.where(col == 1, x1, gl.where(col == 2, x2, 0.0)))
-        acc = mma_v2(a, b.to(gl.bfloat16), acc)
+        a = as_view(w_ring.index(slot), gl.bfloat16, [CW, BN, KC], chunks).load(
+            _mma_operand(CW, 0))
+        acc = mma_v2(a, _mma_b(x_smem, (kk // BK) * 3, CW, KC, _mma_operand(CW, 1)), acc)
         give_slot(empty, slot, WREL, EMPTY0, CW)
         it += 1
     tot = gl.sum(acc, axis=0)  # [BN, 8]: column r is row r's outputs
@@ -544,9 +549,7 @@ def _mma_b(x_smem, xs, CW: gl.constexpr, KC: gl.constexpr, BL: gl.constexpr):
 def mma_b_operands(x_smem, BK: gl.constexpr, CW: gl.constexpr):
     """The B operands of a phase's four K steps (:func:`_mma_b`), built once for all its units
     when its K is four slots (``CACHED`` in :func:`_mma_partial`)."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[CW, 1, 1],
-                                                  instr_shape=[1, 16, 8])
-    BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    BL: gl.constexpr = _mma_operand(CW, 1)
     KC: gl.constexpr = BK // CW
     return (_mma_b(x_smem, 0, CW, KC, BL), _mma_b(x_smem, 3, CW, KC, BL),
             _mma_b(x_smem, 6, CW, KC, BL), _mma_b(x_smem, 9, CW, KC, BL))
@@ -556,13 +559,10 @@ def mma_b_operands(x_smem, BK: gl.constexpr, CW: gl.constexpr):
 def _mma_slot(w_ring, full, empty, it, acc, b, STAGES: gl.constexpr, BN: gl.constexpr,
               KC: gl.constexpr, CW: gl.constexpr, FULL0: gl.constexpr, EMPTY0: gl.constexpr):
     """One slot's products into ``acc``, each warp taking and handing back the slot itself."""
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[CW, 1, 1],
-                                                  instr_shape=[1, 16, 8])
-    AL: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=MMA, k_width=2)
     chunks: gl.constexpr = gl.NVMMASharedLayout(128, 16, rank=3)
     slot = it % STAGES
     take_slot(full, slot, (it // STAGES) & 1, True, FULL0, CW)
-    a = as_view(w_ring.index(slot), gl.bfloat16, [CW, BN, KC], chunks).load(AL)
+    a = as_view(w_ring.index(slot), gl.bfloat16, [CW, BN, KC], chunks).load(_mma_operand(CW, 0))
     acc = mma_v2(a, b, acc)
     give_slot(empty, slot, True, EMPTY0, CW)
     return acc
@@ -580,9 +580,8 @@ def _mma_partial(w_ring, full, empty, x_smem, k, it, block, b0, b1, b2, b3, BN: 
     are their B operands (:func:`mma_b_operands`); else each slot's is built from the staged
     rows. Returns the ring's position."""
     KC: gl.constexpr = BK // CW
-    MMA: gl.constexpr = gl.NVMMADistributedLayout(version=[2, 0], warps_per_cta=[CW, 1, 1],
-                                                  instr_shape=[1, 16, 8])
-    BL: gl.constexpr = gl.DotOperandLayout(operand_index=1, parent=MMA, k_width=2)
+    MMA: gl.constexpr = _mma_layout(CW)
+    BL: gl.constexpr = _mma_operand(CW, 1)
     wi = gl.arange(0, CW, layout=gl.SliceLayout(1, gl.SliceLayout(2, MMA)))[:, None, None]
     ri = gl.arange(0, BN, layout=gl.SliceLayout(0, gl.SliceLayout(2, MMA)))[None, :, None]
     ci = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, MMA)))[None, None, :]

@@ -9,6 +9,7 @@ attention). The outcome is one of :data:`STATUSES`.
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 import time
 import traceback
@@ -236,9 +237,10 @@ def _equivalent_errors(model, seq: torch.Tensor, n: int, want: torch.Tensor,
     rows over the whole of ``seq``) of HF's own forwards that a causal model must agree with:
     each row's forward over ``seq`` cut right after it, and the rows' forward through HF's
     cache after calls over the tokens before them in ``chunks`` (their lengths; default one
-    call; as ``generate`` runs a chunk; left out where the model's cache path fails). A row where these differ is one the model itself
-    leaves open: an exact tie (two top-k scores both zero after a ReLU) that its top-k breaks
-    by the sequence's length, so no implementation can match every one of HF's forwards."""
+    call), as ``generate`` runs a chunk; left out where the model's cache path fails. A row
+    where these differ is one the model itself leaves open: an exact tie (two top-k scores both
+    zero after a ReLU) that its top-k breaks by the sequence's length, so no implementation can
+    match every one of HF's forwards."""
     worst = torch.zeros(n, dtype=torch.float64)
 
     def take(alt: torch.Tensor, rows: slice) -> None:
@@ -250,8 +252,6 @@ def _equivalent_errors(model, seq: torch.Tensor, n: int, want: torch.Tensor,
         take(_hf_logits(model, seq[:total - n + j + 1])[-1:], slice(j, j + 1))
     pieces = [c for c in (chunks or [total - n]) if c > 0]
     if total > n and sum(pieces) == total - n:
-        import inspect
-
         # the cache's keyword: ``cache`` where the forward takes it (DeepSeek-V4), else the
         # older ``past_key_values``
         key = ("cache" if "cache" in inspect.signature(model.forward).parameters
@@ -486,9 +486,9 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
                          + f"; {off} of {rows} rows off, {flipped} greedy tokens flipped "
                          f"({flipped / rows:.0%})")
     if ties:
-        how = ("under rounding-sized noise, or over the same tokens cut short or through its "
-               "cache" if half is not None else "over the same tokens cut short or through its "
-               "cache: a tie its top-k breaks by the sequence's length")
+        how = "over the same tokens cut short or through its cache"
+        how = (f"under rounding-sized noise, or {how}" if half is not None
+               else f"{how}: a tie its top-k breaks by the sequence's length")
         result.reason = (f"{ties} of {rows} rows at near-ties (HF's own {dtype} forward moves "
                          f"them as far {how})"
                          + (f"; {result.reason}" if result.reason else ""))
