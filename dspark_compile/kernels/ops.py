@@ -15,6 +15,7 @@ from ..ops.attention_reference import check_semantics
 from ..ops.compressed_reference import (check_compress, check_entries, check_index,
                                         check_raw_layout)
 from ..ops import experts as _experts
+from ..ops.sparse_reference import check_picks, check_sparse_index
 from ..ops.linear import skinny_linear_fake as _skinny_fake  # also registers the reference ops
 from .launch import zeros_when_warming
 
@@ -345,10 +346,58 @@ def _(q, weights, entry_pool, fresh, query_start_loc, seq_lens, block_table, rat
     return q.new_empty(q.shape[0], topk, dtype=torch.int64)
 
 
+@torch.library.custom_op("dspark::sparse_attention_triton",
+                         mutates_args=("k_cache", "v_cache"), device_types=("cuda",))
+def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
+                            picks: torch.Tensor,
+                            sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+    """``dspark::sparse_attention`` lowered to Triton: the K/V write, then a program per query
+    row and block of 16 heads over its picks (``kernels/sparse.py``)."""
+    from .sparse import sparse_attention_triton as kernel  # needs a GPU driver
+
+    return zeros_when_warming(kernel(q, k, v, k_cache, v_cache, query_start_loc, seq_lens,
+                                     block_table, slot_mapping, scale, picks, sinks))
+
+
+@sparse_attention_triton.register_fake
+def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
+      picks, sinks=None):
+    check_picks("sparse_attention_triton", q, picks, tuple(q.shape[:1]))
+    check_semantics("sparse_attention_triton", 0, 0.0, sinks, q.shape[1])
+    return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+@torch.library.custom_op("dspark::sparse_index_triton", mutates_args=("key_pool",),
+                         device_types=("cuda",))
+def sparse_index_triton(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
+                        key_pool: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, block_table: torch.Tensor,
+                        slot_mapping: torch.Tensor, topk: int,
+                        softmax_scale: float) -> torch.Tensor:
+    """``dspark::sparse_index`` lowered to Triton: the key write, then the indexer of
+    ``kernels/index_topk.py`` at rate 1 (``kernels/sparse.py``)."""
+    from .sparse import sparse_index_triton as kernel  # needs a GPU driver
+
+    return zeros_when_warming(kernel(q, weights, k, key_pool, query_start_loc, seq_lens,
+                                     block_table, slot_mapping, topk, softmax_scale))
+
+
+@sparse_index_triton.register_fake
+def _(q, weights, k, key_pool, query_start_loc, seq_lens, block_table, slot_mapping, topk,
+      softmax_scale):
+    check_sparse_index("sparse_index_triton", q, weights, k, key_pool, topk, 1)
+    return q.new_empty(q.shape[0], topk, dtype=torch.int64)
+
+
 LOWERED = {"triton": {
     torch.ops.dspark.compress: torch.ops.dspark.compress_triton,
     torch.ops.dspark.index_topk: torch.ops.dspark.index_topk_triton,
     torch.ops.dspark.compressed_attention: torch.ops.dspark.compressed_attention_triton,
+    torch.ops.dspark.sparse_index: torch.ops.dspark.sparse_index_triton,
+    torch.ops.dspark.sparse_attention: torch.ops.dspark.sparse_attention_triton,
     torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton,
     torch.ops.dspark.linear_group: torch.ops.dspark.linear_group_triton,
     torch.ops.dspark.rotary_apply: torch.ops.dspark.rotary_apply_triton,

@@ -1,12 +1,13 @@
 """The compressed-attention kernels (DeepSeek-V4's HCA / CSA: ``kernels/compress.py``,
-``index_topk.py``, ``compressed_attention.py``) compile ahead of time for cuda:90, hip:gfx942 and
-gfx950.
+``index_topk.py``, ``compressed_attention.py``) and the sparse-attention ones (DeepSeek-V3.2's
+DSA: ``kernels/sparse.py``) compile ahead of time for cuda:90, hip:gfx942 and gfx950.
 
 Same harness as ``test_aot_compile.py``: the compile runs in a subprocess without the
 interpreter (this file run as a script, printing one JSON line). Shapes are DeepSeek-V4-Flash's:
 head dim 512 with a 64-channel rotary, 64 query heads, CSA windows of 4 (8 slots with overlap),
 HCA windows of 128 (slot blocks of 16), an indexer of 64 heads x 128, in bf16 with float32
-position biases and norm weights.
+position biases and norm weights. DSA's: HF's eager MLA attention (128 heads, each its own K/V
+head, Dk 192, Dv 128) in bf16, and a GQA build with sinks in float32 (the ``ieee`` dots).
 """
 
 from __future__ import annotations
@@ -30,6 +31,17 @@ _ATTENTION_SHAPE = {"GROUP": 64, "BLOCK_H": 16, "NUM_HB": 4, "HEAD_DIM": 512,
                     "HEAD_DIM_PAD": 512, "PAGE_SIZE": 64, "ENTRY_PAGE_SIZE": 64, "TILE_N": 16,
                     "TILE_E": 16, "SEARCH": 32, "DOT_PRECISION": "ieee", "HAS_WINDOW": True,
                     "HAS_SINKS": True}
+
+def _sparse_pointers(dtype: str) -> dict:
+    """Pointer dtypes of ``kernels/sparse.py``'s attention kernel with q, pools and out in
+    ``dtype``."""
+    return {"out_ptr": dtype, "q_ptr": dtype, "k_cache_ptr": dtype, "v_cache_ptr": dtype,
+            "query_start_loc_ptr": "i32", "seq_lens_ptr": "i32", "block_table_ptr": "i32",
+            "picks_ptr": "i64", "sinks_ptr": "fp32"}
+
+
+_SPARSE_SHAPE = {"BLOCK_H": 16, "PAGE_SIZE": 64, "CHUNK": 128, "UPCAST": False,
+                 "DOT_PRECISION": "ieee"}
 
 # case -> (module, kernel attribute, pointer dtypes by argument, constexprs, float scalars)
 CASES = {
@@ -56,6 +68,24 @@ CASES = {
     "attention_hca_bf16": ("compressed_attention", "_compressed_attention_kernel", _ATTENTION,
                            {**_ATTENTION_SHAPE, "RATE": 128, "UPCAST": False, "HAS_TOPK": False},
                            {"scale_log2": "fp32"}),
+    "sparse_store_kv_bf16": ("sparse", "_store_rows_kernel",
+                             {"a_src_ptr": "bf16", "a_dst_ptr": "bf16", "b_src_ptr": "bf16",
+                              "b_dst_ptr": "bf16", "slot_mapping_ptr": "i64"},
+                             {"BLOCK_W": 1024, "TWO": True}, {}),
+    "sparse_attention_mla_bf16": ("sparse", "_sparse_attention_kernel", _sparse_pointers("bf16"),
+                                  {**_SPARSE_SHAPE, "GROUP": 1, "NUM_HEADS": 128,
+                                   "NUM_KV_HEADS": 128, "NUM_HB": 1, "HEAD_DIM": 192,
+                                   "HEAD_DIM_PAD": 256, "HEAD_DIM_V": 128,
+                                   "HEAD_DIM_V_PAD": 128, "TILE_P": 16, "HAS_SINKS": False},
+                                  {"scale_log2": "fp32"}),
+    "sparse_attention_gqa_sinks_fp32": ("sparse", "_sparse_attention_kernel",
+                                        _sparse_pointers("fp32"),
+                                        {**_SPARSE_SHAPE, "GROUP": 8, "NUM_HEADS": 32,
+                                         "NUM_KV_HEADS": 4, "NUM_HB": 1, "HEAD_DIM": 128,
+                                         "HEAD_DIM_PAD": 128, "HEAD_DIM_V": 128,
+                                         "HEAD_DIM_V_PAD": 128, "TILE_P": 32,
+                                         "HAS_SINKS": True},
+                                        {"scale_log2": "fp32"}),
 }
 
 

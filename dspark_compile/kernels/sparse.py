@@ -1,0 +1,340 @@
+"""Triton lowerings of the sparse-attention ops (DeepSeek Sparse Attention, DSA):
+``dspark::sparse_attention`` and ``dspark::sparse_index``. No host sync (they run inside CUDA
+graphs); every launch's grid comes from shapes only.
+
+``sparse_attention_triton`` is two launches on the stream:
+
+1. ``_store_rows_kernel`` writes the step's K and V rows into the paged pools at
+   ``slot_mapping`` (< 0: nothing), cast to the pools' dtype (rounded to nearest, as torch's
+   cast), grid ``(N, column blocks)``;
+2. ``_sparse_attention_kernel``, grid ``(N, Hkv * head blocks)``: program ``(t, g)`` takes
+   packed row ``t`` and the ``BLOCK_H`` query heads of head block ``g % NUM_HB`` of KV head
+   ``g // NUM_HB`` (GQA: query head ``h`` reads KV head ``h // (H / Hkv)``). It finds its
+   request and position ``p`` (:func:`.metadata.row_request`; a row past ``qsl[R]`` writes
+   zeros), then runs one online softmax (float32 state, log2 domain) over its ``picks`` row in
+   blocks of ``TILE_P`` picks: a pick ``s`` counts when ``0 <= s <= p``; its K and V rows are
+   read from the pools through the request's block-table row. Invalid picks (-1, past the
+   query, past ``P`` in the last block) are never loaded and score ``-inf``; a row with no valid
+   pick writes zeros. With ``sinks``, head ``h``'s sink logit starts its softmax (the running
+   maximum, weight 1, no value), so it joins the denominator only; a row with no valid pick
+   still writes zeros (its accumulator stays 0).
+
+Race-free by stream order: every key the attention reads, the step's own included, comes from
+the pools after launch 1 has finished (neither launch uses PDL, so the second starts only
+when the first has ended), exactly as the reference reads them after ``kv_write``. The
+attention kernel writes nothing but its output. A pick is any position of the request, so one
+path (pool rows through the block table) serves every key; reading the step's own keys from
+``k`` / ``v`` instead would save the one small store launch at the cost of a second path per
+pick tile.
+
+Head dims are padded to a power of two (at least 16) with masks; Dk and Dv are independent
+(DeepSeek MLA: 192 / 128). Scores and the ``P @ V`` products are ``tl.dot`` tiles in the pools'
+dtype (bf16 on tensor cores, P rounded to it, as the ragged attention does), accumulated in
+float32; float32 operands take ``ieee``. Under the interpreter (CPU tensors), or where q's dtype
+is not the pools', every tile is made float32 first (the interpreter's ``tl.dot`` of bf16 tiles
+is wrong).
+
+``sparse_index_triton`` stores the step's indexer keys into ``key_pool`` with the same store
+kernel, then runs :func:`.index_topk.index_topk_triton` over the pool with ``rate`` 1 (one entry
+per token), which reads the keys after that launch too.
+
+Semantics and the oracle: ``ops/sparse_reference``.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .attention import _softmax_step, head_dim_pad
+from .launch import launch, zeros_when_warming
+from .metadata import row_request
+from .rotary import round_to
+
+__all__ = ["SparseAttentionPlan", "plan_sparse_attention", "sparse_attention_triton",
+           "sparse_index_triton", "store_rows_triton"]
+
+_LOG2E = 1.4426950408889634
+CHUNK = 128
+"""Requests counted per step when a row looks for its request."""
+STORE_BLOCK = 1024
+"""Columns of one row a store program writes."""
+DOT_PRECISION = "ieee"
+"""``input_precision`` of the dots on float32 operands."""
+
+
+@triton.jit
+def _store_block(src_ptr, dst_ptr, row, slot, width, cols, ok):
+    """Columns ``cols`` (where ``ok``) of row ``row`` of ``src [N, width]`` into row ``slot`` of
+    ``dst [rows, width]``, cast to ``dst``'s dtype (rounded to nearest)."""
+    dst_ty = dst_ptr.dtype.element_ty
+    x = tl.load(src_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
+    tl.store(dst_ptr + slot * width + cols, round_to(x, dst_ty).to(dst_ty), mask=ok)
+
+
+@triton.jit
+def _store_rows_kernel(a_src_ptr, a_dst_ptr, a_width, b_src_ptr, b_dst_ptr, b_width,
+                       slot_mapping_ptr, BLOCK_W: tl.constexpr, TWO: tl.constexpr):
+    """Row ``program_id(0)`` of ``a_src`` (and of ``b_src`` with ``TWO``) into pool row
+    ``slot_mapping[row]`` of ``a_dst`` (``b_dst``), columns ``program_id(1) * BLOCK_W ..``;
+    nothing for a slot < 0."""
+    row = tl.program_id(0).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
+    slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
+    live = (cols * 0 + slot) >= 0  # a [BLOCK_W] mask (the interpreter needs the broadcast)
+    _store_block(a_src_ptr, a_dst_ptr, row, slot, a_width, cols, live & (cols < a_width))
+    if TWO:
+        _store_block(b_src_ptr, b_dst_ptr, row, slot, b_width, cols, live & (cols < b_width))
+
+
+@triton.jit
+def _sparse_attention_kernel(
+        out_ptr, q_ptr, k_cache_ptr, v_cache_ptr, query_start_loc_ptr, seq_lens_ptr,
+        block_table_ptr, picks_ptr, sinks_ptr, scale_log2, num_requests, num_picks,
+        stride_bt_req,
+        GROUP: tl.constexpr, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+        BLOCK_H: tl.constexpr, NUM_HB: tl.constexpr, HEAD_DIM: tl.constexpr,
+        HEAD_DIM_PAD: tl.constexpr, HEAD_DIM_V: tl.constexpr, HEAD_DIM_V_PAD: tl.constexpr,
+        PAGE_SIZE: tl.constexpr, TILE_P: tl.constexpr, CHUNK: tl.constexpr,
+        UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr, HAS_SINKS: tl.constexpr):
+    """One (query row, KV head, block of its query heads): an online softmax over the keys at
+    the row's valid picks, read from the pools (module docstring)."""
+    row32 = tl.program_id(0)
+    row = row32.to(tl.int64)
+    kv_head = tl.program_id(1) // NUM_HB
+    hb = tl.program_id(1) % NUM_HB
+    req, pos, real = row_request(query_start_loc_ptr, seq_lens_ptr, row32, num_requests, CHUNK)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_ok = offs_h < GROUP
+    heads = kv_head * GROUP + offs_h
+    offs_d = tl.arange(0, HEAD_DIM_PAD)
+    d_mask = offs_d < HEAD_DIM
+    offs_dv = tl.arange(0, HEAD_DIM_V_PAD)
+    dv_mask = offs_dv < HEAD_DIM_V
+    q = tl.load(q_ptr + row * (NUM_HEADS * HEAD_DIM) + heads[:, None] * HEAD_DIM
+                + offs_d[None, :], mask=h_ok[:, None] & d_mask[None, :], other=0.0)
+    if UPCAST:
+        q = q.to(tl.float32)
+    bt_row_ptr = block_table_ptr + req.to(tl.int64) * stride_bt_req
+    picks_row_ptr = picks_ptr + row * num_picks
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, HEAD_DIM_V_PAD], tl.float32)
+    if HAS_SINKS:  # the sink logit (natural units) starts each head's softmax
+        m_i = tl.load(sinks_ptr + heads, mask=h_ok, other=0.0).to(tl.float32)
+        m_i = m_i * 1.4426950408889634  # log2(e): the scores are in the log2 domain
+        l_i = tl.full([BLOCK_H], 1.0, tl.float32)
+    offs_p = tl.arange(0, TILE_P)
+    tiles = tl.where(real, tl.cdiv(num_picks, TILE_P), 0)  # a padding row reads nothing
+    for t in range(0, tiles):
+        j = t * TILE_P + offs_p
+        s = tl.load(picks_row_ptr + j, mask=j < num_picks, other=-1)
+        ok = (s >= 0) & (s <= pos)
+        s = tl.where(ok, s, 0).to(tl.int32)
+        page = tl.load(bt_row_ptr + s // PAGE_SIZE, mask=ok, other=0).to(tl.int64)
+        slot = page * PAGE_SIZE + s % PAGE_SIZE
+        k_rows = slot * (NUM_KV_HEADS * HEAD_DIM) + kv_head * HEAD_DIM
+        v_rows = slot * (NUM_KV_HEADS * HEAD_DIM_V) + kv_head * HEAD_DIM_V
+        k = tl.load(k_cache_ptr + k_rows[:, None] + offs_d[None, :],
+                    mask=ok[:, None] & d_mask[None, :], other=0.0)
+        v = tl.load(v_cache_ptr + v_rows[:, None] + offs_dv[None, :],
+                    mask=ok[:, None] & dv_mask[None, :], other=0.0)
+        if UPCAST:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
+        m_i, l_i, acc = _softmax_step(q, k, v, ok[None, :], m_i, l_i, acc, scale_log2, 0.0,
+                                      DOT_PRECISION, True, False)
+    out = acc / tl.where(l_i == 0.0, 1.0, l_i)[:, None]
+    out_ptrs = out_ptr + row * (NUM_HEADS * HEAD_DIM_V) + heads[:, None] * HEAD_DIM_V \
+        + offs_dv[None, :]
+    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=h_ok[:, None] & dv_mask[None, :])
+
+
+@dataclass(frozen=True)
+class SparseAttentionPlan:
+    """Tiles and grid shape of one sparse attention launch."""
+
+    block_h: int
+    """Query heads of one KV head per program (``tl.dot``'s M, at least 16)."""
+    num_hb: int
+    """Head blocks per KV head."""
+    tile_p: int
+    """Picks per online-softmax step."""
+    num_warps: int
+
+
+@functools.lru_cache(maxsize=256)
+def plan_sparse_attention(num_heads: int, num_kv_heads: int, head_dim: int,
+                          head_dim_v: int) -> SparseAttentionPlan:
+    """Tiles from host ints: 16 query heads a program; 16 picks a step where a padded head dim
+    passes 128 (the float32 accumulator and the K / V tiles stay in registers), else 32."""
+    group = num_heads // num_kv_heads
+    block_h = 16
+    dpad = max(head_dim_pad(head_dim), head_dim_pad(head_dim_v))
+    return SparseAttentionPlan(block_h, triton.cdiv(group, block_h), 16 if dpad > 128 else 32,
+                               4 if dpad <= 128 else 8)
+
+
+def _fail(op: str, message: str) -> None:
+    raise ValueError(f"{op}: {message}")
+
+
+def _check_placement(op: str, device: torch.device, named: dict) -> None:
+    """Every tensor of ``named`` is contiguous on ``device``."""
+    for name, t in named.items():
+        if t.device != device or not t.is_contiguous():
+            _fail(op, f"{name} is on {t.device} ({'' if t.is_contiguous() else 'not '}"
+                      f"contiguous); every tensor must be contiguous on {device}")
+
+
+def _check_layout(op: str, n: int, query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                  block_table: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """The step's metadata: integer ``query_start_loc [R+1]``, ``seq_lens [R]``,
+    ``block_table [R, pages]`` and ``slot_mapping [N]``."""
+    for name, t, dims in (("query_start_loc", query_start_loc, 1), ("seq_lens", seq_lens, 1),
+                          ("block_table", block_table, 2), ("slot_mapping", slot_mapping, 1)):
+        if t.dim() != dims or t.is_floating_point() or t.is_complex() or t.dtype == torch.bool:
+            _fail(op, f"{name} is {t.dtype} {tuple(t.shape)}; it must be a {dims}-D integer "
+                      "tensor")
+    r = query_start_loc.shape[0] - 1
+    if r < 0 or seq_lens.shape[0] != r or block_table.shape[0] != r \
+            or slot_mapping.shape[0] != n:
+        _fail(op, f"query_start_loc {tuple(query_start_loc.shape)} describes R={r} requests "
+                  f"and q N={n} rows: seq_lens {tuple(seq_lens.shape)} and block_table "
+                  f"{tuple(block_table.shape)} need R rows, slot_mapping "
+                  f"{tuple(slot_mapping.shape)} N")
+
+
+def _check_interpreter(op: str, device: torch.device) -> None:
+    """CPU tensors run only under the Triton interpreter."""
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        _fail(op, "CPU tensors need TRITON_INTERPRET=1 set before triton kernels are imported; "
+                  "on the CPU call dspark_compile.ops.sparse_reference instead")
+
+
+def store_rows_triton(src: torch.Tensor, dst: torch.Tensor, slot_mapping: torch.Tensor,
+                      src_b: torch.Tensor | None = None,
+                      dst_b: torch.Tensor | None = None) -> None:
+    """Row ``i`` of ``src [N, ...]`` into flat row ``slot_mapping[i]`` of the paged pool ``dst
+    [pages, page_size, ...]`` (a slot < 0: nothing), cast to ``dst``'s dtype; with ``src_b``
+    and ``dst_b``, the same for that pair in the same launch. The caller has checked shapes,
+    devices and contiguity."""
+    n = src.shape[0]
+    if n == 0:
+        return
+    a_width = src[0].numel()
+    b_width = src_b[0].numel() if src_b is not None else 0
+    block_w = min(STORE_BLOCK, triton.next_power_of_2(max(a_width, b_width, 1)))
+    blocks = triton.cdiv(max(a_width, b_width, 1), block_w)
+    two = src_b is not None
+    launch(_store_rows_kernel, (n, blocks), src, dst, a_width, src_b if two else src,
+           dst_b if two else dst, b_width, slot_mapping, BLOCK_W=block_w, TWO=two,
+           num_warps=4)
+
+
+def _check_attention(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                     slot_mapping, picks, sinks) -> None:
+    """Shapes, dtypes, devices and contiguity of ``sparse_attention_triton``'s arguments."""
+    from ..ops.attention_reference import check_semantics
+    from ..ops.sparse_reference import check_picks
+
+    op = "sparse_attention_triton"
+    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
+        _fail(op, f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; they must be "
+                  "[N, H, Dk], [N, Hkv, Dk] and [N, Hkv, Dv]")
+    check_picks(op, q, picks, tuple(q.shape[:1]))
+    check_semantics(op, 0, 0.0, sinks, q.shape[1])
+    n, heads, dim = q.shape
+    if k_cache.dim() != 4:
+        _fail(op, f"k_cache is {tuple(k_cache.shape)}; it must be [pages, page_size, Hkv, Dk]")
+    pages, page_size, hkv, dc = k_cache.shape
+    dv = v.shape[2]
+    if k.shape != (n, hkv, dim) or v.shape[:2] != (n, hkv):
+        _fail(op, f"k {tuple(k.shape)} must be [N, Hkv, Dk] = {(n, hkv, dim)} and v "
+                  f"{tuple(v.shape)} [N, Hkv, Dv] = {(n, hkv, 'Dv')} (N, Dk from q, Hkv from "
+                  "k_cache)")
+    if dc != dim or hkv == 0 or heads % hkv:
+        _fail(op, f"k_cache {tuple(k_cache.shape)} must have head dim {dim} (q's) and a number "
+                  f"of KV heads that divides q's {heads} heads")
+    if v_cache.shape != (pages, page_size, hkv, dv) or v_cache.dtype != k_cache.dtype:
+        _fail(op, f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache "
+                  f"{tuple(k_cache.shape)} {k_cache.dtype} but for v's head dim {dv}: "
+                  f"{(pages, page_size, hkv, dv)}")
+    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache)):
+        if not t.is_floating_point():
+            _fail(op, f"{name} is {t.dtype}; it must be floating point")
+    _check_layout(op, n, query_start_loc, seq_lens, block_table, slot_mapping)
+    named = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache,
+                 query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
+                 slot_mapping=slot_mapping, picks=picks)
+    if sinks is not None:
+        named["sinks"] = sinks
+    _check_placement(op, q.device, named)
+    _check_interpreter(op, q.device)
+
+
+def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                            k_cache: torch.Tensor, v_cache: torch.Tensor,
+                            query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                            block_table: torch.Tensor, slot_mapping: torch.Tensor,
+                            scale: float, picks: torch.Tensor,
+                            sinks: torch.Tensor | None = None,
+                            plan: SparseAttentionPlan | None = None) -> torch.Tensor:
+    """``dspark::sparse_attention`` (module docstring): writes the step's K/V into the pools,
+    then returns ``[N, H, Dv]`` in q's dtype (rows past ``query_start_loc[R]`` and rows with no
+    valid pick are zeros). ``sinks``: None or ``[H]``, one more logit per head in the softmax
+    denominator. ``plan`` overrides the tiles (tests)."""
+    _check_attention(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                     slot_mapping, picks, sinks)
+    n, heads, dim = q.shape
+    hkv, dv = k_cache.shape[2], v.shape[2]
+    out = q.new_empty((n, heads, dv))
+    if n == 0:
+        return out
+    store_rows_triton(k, k_cache, slot_mapping, v, v_cache)
+    r = query_start_loc.shape[0] - 1
+    num_picks = picks.shape[1]
+    if r == 0 or num_picks == 0 or dv == 0:  # no request, or nothing to attend to: zeros
+        return zeros_when_warming(out.zero_())
+    plan = plan or plan_sparse_attention(heads, hkv, dim, dv)
+    launch(_sparse_attention_kernel, (n, hkv * plan.num_hb),
+           out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, picks,
+           q if sinks is None else sinks, float(scale) * _LOG2E, r, num_picks,
+           block_table.stride(0),
+           GROUP=heads // hkv, NUM_HEADS=heads, NUM_KV_HEADS=hkv, BLOCK_H=plan.block_h,
+           NUM_HB=plan.num_hb, HEAD_DIM=dim, HEAD_DIM_PAD=head_dim_pad(dim), HEAD_DIM_V=dv,
+           HEAD_DIM_V_PAD=head_dim_pad(dv), PAGE_SIZE=k_cache.shape[1], TILE_P=plan.tile_p,
+           CHUNK=CHUNK, UPCAST=q.dtype != k_cache.dtype or q.is_cpu,
+           DOT_PRECISION=DOT_PRECISION, HAS_SINKS=sinks is not None, num_warps=plan.num_warps)
+    return zeros_when_warming(out)
+
+
+def sparse_index_triton(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
+                        key_pool: torch.Tensor, query_start_loc: torch.Tensor,
+                        seq_lens: torch.Tensor, block_table: torch.Tensor,
+                        slot_mapping: torch.Tensor, topk: int,
+                        softmax_scale: float) -> torch.Tensor:
+    """``dspark::sparse_index``: writes ``k [N, Di]`` into ``key_pool`` at ``slot_mapping``,
+    then the indexer's picks over the pool, int64 ``[N, topk]`` (-1: none;
+    :func:`.index_topk.index_topk_triton` with ``rate`` 1)."""
+    from ..ops.sparse_reference import check_sparse_index
+    from .index_topk import index_topk_triton
+
+    op = "sparse_index_triton"
+    check_sparse_index(op, q, weights, k, key_pool, topk, 1)
+    if not key_pool.is_floating_point():
+        _fail(op, f"key_pool is {key_pool.dtype}; it must be floating point")
+    _check_layout(op, q.shape[0], query_start_loc, seq_lens, block_table, slot_mapping)
+    _check_placement(op, q.device, dict(
+        q=q, weights=weights, k=k, key_pool=key_pool, query_start_loc=query_start_loc,
+        seq_lens=seq_lens, block_table=block_table, slot_mapping=slot_mapping))
+    _check_interpreter(op, q.device)
+    store_rows_triton(k, key_pool, slot_mapping)
+    return zeros_when_warming(index_topk_triton(q, weights, key_pool, k, query_start_loc,
+                                                seq_lens, block_table, 1, topk,
+                                                softmax_scale))

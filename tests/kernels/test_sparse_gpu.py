@@ -1,0 +1,137 @@
+"""DeepSeek Sparse Attention's kernels on the GPU (``pytest -m gpu``; skipped without one).
+
+Each Triton op of ``kernels/sparse.py`` against its reference at DeepSeek-V3.2's shapes: the
+attention as HF's eager MLA path runs it (128 heads, each its own K/V head, Dk 192 = 128 + a
+64-channel rotary, Dv 128, 2048 picks a query) and a GQA build with sinks; the indexer of 64
+heads x 128 picking 2048. In bf16 and float32, over a ragged step with a prefill-length
+request, an empty one and padding rows. Every pool row is random (nothing is NaN here: the
+interpreter tests poison pools).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.gpu
+OPS = torch.ops.dspark
+DEV = "cuda"
+PAGE, TOPK = 64, 2048
+INDEX_HEADS, INDEX_DIM = 64, 128
+TOL = {torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float32: dict(atol=1e-4, rtol=1e-4)}
+
+
+def _layout(contexts, lens, max_context, gen, pad_rows=3):
+    """Metadata of one ragged step on the device: ``(qsl, seq_lens, block_table,
+    slot_mapping, pages)``; padding rows map to -1."""
+    r = len(lens)
+    per = -(-max_context // PAGE)
+    pages = r * per + 2
+    table = torch.randperm(pages, generator=gen)[: r * per].view(r, per).to(torch.int32)
+    qsl = torch.zeros(r + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    n = int(qsl[-1]) + pad_rows
+    slots = torch.full((n,), -1, dtype=torch.int64)
+    for i, (c, length) in enumerate(zip(contexts, lens)):
+        pos = torch.arange(c, c + length)
+        slots[int(qsl[i]):int(qsl[i]) + length] = \
+            table[i].long()[pos // PAGE] * PAGE + pos % PAGE
+    seq_lens = torch.tensor([c + m for c, m in zip(contexts, lens)], dtype=torch.int32)
+    return [t.to(DEV) for t in (qsl, seq_lens, table, slots)] + [pages]
+
+
+def _rnd(gen, *shape, dtype, scale=1.0):
+    return (torch.randn(*shape, generator=gen) * scale).to(dtype).to(DEV)
+
+
+def _picks(gen, contexts, lens, n, num_picks):
+    """Each real query: up to ``num_picks`` distinct positions ``<= p`` in random order, then
+    -1; a few rows also name positions past the query (ignored)."""
+    picks = torch.full((n, num_picks), -1, dtype=torch.int64)
+    row = 0
+    for c, length in zip(contexts, lens):
+        for j in range(length):
+            chosen = torch.randperm(c + j + 1, generator=gen)[:num_picks]
+            picks[row, :chosen.numel()] = chosen
+            if chosen.numel() < num_picks and j % 3 == 1:
+                picks[row, -1] = c + j + 1 + j  # past the query
+            row += 1
+    return picks.to(DEV)
+
+
+# (H, Hkv, Dk, Dv, sinks): HF's eager MLA (heads expanded) and a GQA build with sinks
+SHAPES = {"mla": (128, 128, 192, 128, False), "gqa_sinks": (32, 4, 128, 128, True)}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("shape", sorted(SHAPES))
+def test_sparse_attention_matches_reference(shape, dtype):
+    from dspark_compile.kernels.sparse import sparse_attention_triton
+
+    heads, hkv, dk, dv, with_sinks = SHAPES[shape]
+    gen = torch.Generator().manual_seed(3)
+    contexts, lens = [0, 300, 2100, 5, 40], [200, 3, 1, 0, 8]
+    qsl, seq_lens, table, slots, pages = _layout(contexts, lens, 2304, gen)
+    n = slots.shape[0]
+    q = _rnd(gen, n, heads, dk, dtype=dtype)
+    k = _rnd(gen, n, hkv, dk, dtype=dtype)
+    v = _rnd(gen, n, hkv, dv, dtype=dtype)
+    pools = [_rnd(gen, pages, PAGE, hkv, dk, dtype=dtype),
+             _rnd(gen, pages, PAGE, hkv, dv, dtype=dtype)]
+    sinks = _rnd(gen, heads, dtype=torch.float32) if with_sinks else None
+    picks = _picks(gen, contexts, lens, n, TOPK)
+    got_pools, ref_pools = [p.clone() for p in pools], [p.clone() for p in pools]
+    rest = (qsl, seq_lens, table, slots, dk ** -0.5, picks)
+    got = sparse_attention_triton(q, k, v, *got_pools, *rest, sinks)
+    want = OPS.sparse_attention(q, k, v, *ref_pools, *rest, sinks)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    real = int(qsl[-1])
+    assert torch.equal(got[real:], torch.zeros_like(got[real:]))
+    for a, b in zip(got_pools, ref_pools):
+        assert torch.equal(a, b)
+
+
+def _index_scores(q, weights, keys, scale):
+    """float64 scores ``[L, S]`` of one request's queries over its keys."""
+    dots = torch.einsum("lhd,sd->lhs", q.double(), keys.double()).relu() * scale
+    return (dots * weights.double()[:, :, None]).sum(1)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_sparse_index_matches_reference_up_to_near_ties(dtype):
+    """Each row picks as many keys as the reference, and the sorted scores of its picks equal
+    the reference's picks' (a pick may differ only between equal or nearly equal scores); the
+    key pool after the call is the reference's."""
+    from dspark_compile.kernels.sparse import sparse_index_triton
+    from dspark_compile.ops.attention_reference import _gather_keys
+
+    gen = torch.Generator().manual_seed(4)
+    scale = INDEX_DIM ** -0.5
+    contexts, lens = [2100, 3000, 40, 0, 7], [4, 8, 1, 0, 300]
+    qsl, seq_lens, table, slots, pages = _layout(contexts, lens, 4096, gen)
+    n = slots.shape[0]
+    q = _rnd(gen, n, INDEX_HEADS, INDEX_DIM, dtype=dtype)
+    weights = _rnd(gen, n, INDEX_HEADS, dtype=torch.float32, scale=0.1)
+    k = _rnd(gen, n, INDEX_DIM, dtype=dtype)
+    pool = _rnd(gen, pages, PAGE, INDEX_DIM, dtype=dtype)
+    got_pool, ref_pool = pool.clone(), pool.clone()
+    rest = (qsl, seq_lens, table, slots, TOPK, scale)
+    got = sparse_index_triton(q, weights, k, got_pool, *rest)
+    want = OPS.sparse_index(q, weights, k, ref_pool, *rest)
+    assert torch.equal(got_pool, ref_pool)
+    assert got.shape == want.shape == (n, TOPK)
+    assert torch.equal((got >= 0).sum(1), (want >= 0).sum(1))
+    starts = qsl.tolist()
+    for i, c in enumerate(contexts):
+        rows = slice(starts[i], starts[i + 1])
+        if not lens[i]:
+            continue
+        keys = _gather_keys(ref_pool, table[i], 0, c + lens[i])
+        scores = _index_scores(q[rows], weights[rows], keys, scale)
+        for j in range(lens[i]):
+            g, w = got[rows][j], want[rows][j]
+            assert (g <= c + j).all() and (w <= c + j).all()
+            a = scores[j, g[g >= 0]].sort().values
+            b = scores[j, w[w >= 0]].sort().values
+            torch.testing.assert_close(a, b, atol=1e-4 * scores[j].abs().max().item(), rtol=0)
+    assert (got[starts[-1]:] == -1).all(), "padding rows pick nothing"
