@@ -22,7 +22,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 from torch.fx.experimental.symbolic_shapes import DimDynamic
 
 __all__ = ["InputKind", "InputSpec", "WEIGHT_KINDS", "RING_KINDS", "KV_KINDS", "LINEAR_KINDS",
-           "COMPRESS_KINDS", "REQUEST_KINDS", "WINDOW_KINDS", "find_input", "add_input",
+           "COMPRESS_KINDS", "INDEX_KINDS", "REQUEST_KINDS", "WINDOW_KINDS", "find_input", "add_input",
            "query_start_loc", "name_placeholders", "fake_input", "RING_SAMPLE_ROWS"]
 
 
@@ -73,6 +73,9 @@ class InputKind(str, enum.Enum):
     COMPRESS_POOL = "compress_pool"
     """Compressed-attention layers (DeepSeek-V4): raw kv / gate rows and entries, paged like
     the KV pool (``specs.compress_pools`` says which layer and pool each index is)."""
+    INDEX_POOL = "index_pool"
+    """Sparse-attention layers with their own indexer (DSA): one indexer key per token, paged
+    like the KV pool (``specs.index_pools`` says which layer each index is)."""
 
     def __str__(self) -> str:
         return self.value
@@ -89,6 +92,8 @@ LINEAR_KINDS = frozenset({InputKind.CONV_STATE, InputKind.RECURRENT_STATE})
 """Kinds the state's linear-attention pools fill (``<kind>_<layer>``)."""
 COMPRESS_KINDS = frozenset({InputKind.COMPRESS_POOL})
 """Kinds the state's compressor pools fill (``compress_pool_<j>``)."""
+INDEX_KINDS = frozenset({InputKind.INDEX_POOL})
+"""Kinds the state's indexer key pools fill (``index_pool_<j>``)."""
 RING_KINDS = frozenset({InputKind.CONV_RING, InputKind.GDN_RING_K, InputKind.GDN_RING_V,
                         InputKind.GDN_RING_G, InputKind.GDN_RING_BETA, InputKind.SSD_RING_X,
                         InputKind.SSD_RING_B, InputKind.SSD_RING_DA})

@@ -7,7 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AttentionSpec", "CompressSpec", "LinearSpec", "RingSpec", "compress_pools"]
+__all__ = ["AttentionSpec", "CompressSpec", "IndexSpec", "LinearSpec", "RingSpec",
+           "compress_pools", "index_pools"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,19 @@ class CompressSpec:
 
 
 @dataclass(frozen=True)
+class IndexSpec:
+    """A sparse-attention layer's own lightning indexer (DeepSeek Sparse Attention): one key of
+    ``head_dim`` channels per token, ``topk`` keys kept per query (``ops/sparse_reference.py``)."""
+
+    topk: int
+    """Keys the indexer keeps per query."""
+    heads: int
+    """Indexer query heads."""
+    head_dim: int
+    """Channels of an indexer query head and key."""
+
+
+@dataclass(frozen=True)
 class AttentionSpec:
     """Shape of one cached-attention layer's KV."""
 
@@ -71,6 +85,12 @@ class AttentionSpec:
     chunk: int = 0
     """Chunked attention (Llama 4): a query at position p sees keys ``p - p % chunk <= k <= p``,
     its own chunk; 0: none. At most one of ``window`` and ``chunk`` is set."""
+    sparse: bool = False
+    """Each query attends only to the keys an indexer picked (DeepSeek Sparse Attention): the
+    layer's own (``index``) or an earlier layer's, whose picks the model hands on."""
+    index: IndexSpec | None = None
+    """The layer's own indexer (its key pool); None: none (a plain layer, or a sparse layer that
+    reuses an earlier layer's picks)."""
 
     @property
     def value_dim(self) -> int:
@@ -119,3 +139,9 @@ def compress_pools(specs) -> list[tuple[int, int]]:
     (``AttentionSpec`` list), in pool order: ``compress_pool_<j>`` is entry ``j``."""
     return [(i, w) for i, s in enumerate(specs or ()) if s.compress is not None
             for w in s.compress.pool_widths]
+
+
+def index_pools(specs) -> list[tuple[int, int]]:
+    """``(attention layer, channels)`` of every indexer key pool of ``specs``, in pool order:
+    ``index_pool_<j>`` is entry ``j``."""
+    return [(i, s.index.head_dim) for i, s in enumerate(specs or ()) if s.index is not None]

@@ -26,8 +26,8 @@ from .config import DSparkConfig
 from .frontend.adapters import ModelAdapter, adapter_for
 from .frontend.capture import CapturedGraph, capture_dense
 from .layout import VerifyLayout
-from .graph_inputs import (COMPRESS_KINDS, KV_KINDS, LINEAR_KINDS, RING_KINDS, WEIGHT_KINDS,
-                           WINDOW_KINDS, InputKind)
+from .graph_inputs import (COMPRESS_KINDS, INDEX_KINDS, KV_KINDS, LINEAR_KINDS, RING_KINDS,
+                           WEIGHT_KINDS, WINDOW_KINDS, InputKind)
 from .kernels.ops import LOWERED
 from .passes import PassContext, PassResult, run_pipeline
 from .passes.concat_linear import stack_weights
@@ -361,6 +361,8 @@ class Verifier:
                 args.append(state.linear.rings[spec.name])
             elif spec.kind in COMPRESS_KINDS:
                 args.append(state.compress_pools[int(spec.name.rsplit("_", 1)[1])])
+            elif spec.kind in INDEX_KINDS:
+                args.append(state.index_pools[int(spec.name.rsplit("_", 1)[1])])
             elif spec.kind in WINDOW_KINDS:
                 args.append(values[spec.name])
             else:
@@ -461,6 +463,10 @@ class Verifier:
                               (" with overlap" if c.overlap else "") +
                               (f", indexer top-{c.index_topk} ({c.index_heads} heads x "
                                f"{c.index_head_dim})" if c.index_topk else ""))
+            if spec.sparse:
+                traits.append(f"sparse: indexer top-{spec.index.topk} ({spec.index.heads} "
+                              f"heads x {spec.index.head_dim})" if spec.index else
+                              "sparse: an earlier layer's picks")
             dims = str(spec.head_dim) if spec.v_head_dim is None else \
                 f"{spec.head_dim} (q/k) / {spec.v_head_dim} (v)"
             lines.append(f"  attention {spec.name}: {', '.join(traits)}; "

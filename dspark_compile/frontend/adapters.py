@@ -24,6 +24,7 @@ from torch import nn
 from .plain import CachedAttention
 from ..specs import AttentionSpec, LinearSpec
 from .compressed import compressor_hooks
+from .sparse import INDEXER_KEYS, IndexerMask, indexer_hooks, sparse_attention_module
 from .dbrx import dbrx_hooks
 from .longcat import longcat_hooks
 from .rotary import check_rotaries
@@ -116,7 +117,15 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
         raise NotImplementedError(
             f"{where} is not causal (is_causal=False); verify needs causal attention")
     window, chunk = _check_mask(where, attention_mask)
+    index = scope.take_index(module)
+    picks = kwargs.pop("indices", None)
+    if picks is not None or index is not None:
+        _check_sparse(where, module, picks, index, scope)
     softcap, sinks = _check_attention_arguments(where, dropout, kwargs, window, query)
+    if picks is not None and (window or chunk or softcap):
+        raise NotImplementedError(
+            f"{where} attends to an indexer's picks under a window, chunks or a softcap; "
+            "dspark::sparse_attention implements causal picks with optional sinks only")
     if scaling is None:
         scaling = getattr(module, "scaling", None)
     if scaling is None:
@@ -130,8 +139,35 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if compressed is not None and chunk:
         raise NotImplementedError(f"{where} has a compressor and a chunked mask; the compressed "
                                   "attention implements sliding windows only")
+    if picks is not None and compressed is not None:
+        raise NotImplementedError(f"{where} has both a compressor and an indexer's picks")
     return scope.attend(None, query, key, value, float(scaling), window=window,
-                        softcap=softcap, sinks=sinks, compressed=compressed, chunk=chunk), None
+                        softcap=softcap, sinks=sinks, compressed=compressed, chunk=chunk,
+                        picks=picks, index=None if index is None else index[0]), None
+
+
+def _check_sparse(where: str, module, picks, index, scope) -> None:
+    """``indices=`` (DeepSeek Sparse Attention) is taken only from a known DSA attention class
+    and forward, and only as picks an indexer of this capture returned; a layer whose own
+    indexer ran must pass that indexer's picks."""
+    if not sparse_attention_module(module):
+        cls = type(module)
+        raise NotImplementedError(
+            f"{where} passes indices= to its attention function, but {cls.__module__}."
+            f"{cls.__name__} is not a known DeepSeek Sparse Attention layer (class and forward "
+            "source); what its indices mean cannot be proven, so the model is refused rather "
+            "than verified wrong")
+    if picks is None:
+        raise NotImplementedError(f"{where}: the layer's indexer ran but its attention call "
+                                  "passes no indices=; the picks would be dropped")
+    if not any(picks is p for p in scope.picks_made):
+        raise NotImplementedError(
+            f"{where} passes indices= that no indexer of this forward returned (a "
+            f"{type(picks).__name__}); only an indexer's picks, or an earlier layer's handed "
+            "on, are understood")
+    if index is not None and picks is not index[1]:
+        raise NotImplementedError(f"{where}: the layer's own indexer ran but its attention "
+                                  "call passes another layer's picks")
 
 
 _PASS_THROUGH = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions",
@@ -235,7 +271,11 @@ def _causal_only(*args, mask_function=None, attention_mask=None, **kwargs):
     proof = _prove(mask_function)
     if proof is None or not proof[0]:
         return _UnprovenMask(_describe(mask_function))
-    return _WindowMask(proof[1], proof[2]) if proof[1] or proof[2] else None
+    if proof[1] or proof[2] or kwargs.get("allow_is_causal_skip", True) is False:
+        # a model that asks for the mask to be built (DSA indexers read it) gets a proof
+        # object for plain causal too, never None
+        return _WindowMask(proof[1], proof[2])
+    return None
 
 
 @dataclass(frozen=True)
@@ -254,6 +294,18 @@ class _WindowMask:
 
     window: int
     chunk: int = 0
+
+    def __getitem__(self, key):
+        """A DSA layer hands its indexer ``mask[:, 0, :, :]`` (``[:, 0]``): an
+        :class:`IndexerMask` of the same proof. Any other indexing is refused: what it would
+        select is not proven."""
+        if isinstance(key, tuple) and key in INDEXER_KEYS:
+            return IndexerMask(self.window, self.chunk)
+        raise NotImplementedError(
+            f"the model indexes its attention mask with {key!r}; dspark_compile proves masks "
+            "instead of building them and understands only the head axis dropped for a "
+            "DeepSeek Sparse Attention indexer ([:, 0, :, :] or [:, 0]), so the model is "
+            "refused rather than verified wrong")
 
 
 def _hf_mask_name(fn) -> str | None:
@@ -471,7 +523,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
                     vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
                     experts_hooks(model), dbrx_hooks(model, names), \
                     longcat_hooks(model, names), \
-                    compressor_hooks(model, names), \
+                    compressor_hooks(model, names), indexer_hooks(model, names), \
                     temperature_hooks(model, names):
                 yield
         finally:

@@ -5,6 +5,7 @@ The captured function is::
     dense_verify(*params, *buffers, input_ids [bs, T], positions [bs, T],
                  block_table [bs, pages], context_lens [bs], *k_pools, *v_pools,
                  *compress_pools,                                 # DeepSeek-V4 HCA / CSA
+                 *index_pools,                                    # DSA indexer keys
                  [slots [bs], *conv_states, *recurrent_states],   # hybrid models only
                  [vision_embeds [bs, T, hidden]])                 # mRoPE models only
         -> logits [bs, T, V]
@@ -35,7 +36,7 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..graph_inputs import InputKind, InputSpec, fake_input, name_placeholders
-from ..specs import AttentionSpec, compress_pools
+from ..specs import AttentionSpec, compress_pools, index_pools
 from .adapters import ModelAdapter
 from .guards import describe, locate, needs_locating, token_names
 from .recurrent import check_linear_calls
@@ -86,6 +87,9 @@ def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.devi
     for j, (_, width) in enumerate(compress_pools(adapter.specs)):
         pool = torch.zeros(pages, _SAMPLE_PAGE_SIZE, width, dtype=dtype, device=device)
         meta.append((InputSpec("compress_pool", f"compress_pool_{j}"), pool, ()))
+    for j, (_, width) in enumerate(index_pools(adapter.specs)):
+        pool = torch.zeros(pages, _SAMPLE_PAGE_SIZE, width, dtype=dtype, device=device)
+        meta.append((InputSpec("index_pool", f"index_pool_{j}"), pool, ()))
     if adapter.linear_specs:
         meta += _linear_samples(adapter, dtype, device)
     if adapter.mrope is not None:
@@ -126,6 +130,8 @@ def _scope_of(adapter: ModelAdapter, specs: list[InputSpec], values,
         first.setdefault(layer, j)
     return CaptureScope(
         compress_pools=by_kind.get("compress_pool", []), compress_index=first,
+        index_pools=by_kind.get("index_pool", []),
+        index_index={layer: j for j, (layer, _) in enumerate(index_pools(adapter.specs))},
         kv_caches=list(zip(by_kind.get("k_cache", []), by_kind.get("v_cache", []))),
         block_table=by_kind["block_table"][0], context_lens=by_kind["context_lens"][0],
         pool_index={k: i for i, k in enumerate(adapter.keys or ())},

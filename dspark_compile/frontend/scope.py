@@ -68,6 +68,17 @@ class CaptureScope:
     compressor forward (``frontend/compressed.py``), taken by that call. While discovering,
     what it adds is a ``CompressSpec``; while capturing ``(entry pool, fresh rows, rate,
     picks or None)``."""
+    index_pools: list[torch.Tensor] = field(default_factory=list)
+    """Sparse-attention layers with their own indexer (DSA): every indexer key pool, in
+    ``specs.index_pools`` order."""
+    index_index: dict[int, int] = field(default_factory=dict)
+    """KV pool index of a layer with its own indexer -> the index of its key pool."""
+    pending_index: tuple | None = None
+    """``(indexer module, IndexSpec, picks)``: set by a replaced indexer forward
+    (``frontend/sparse.py``), taken by its layer's attention call."""
+    picks_made: list[torch.Tensor] = field(default_factory=list)
+    """Every picks tensor an indexer returned in this forward: the only ``indices=`` an
+    attention call accepts (a model hands one layer's picks on to later layers)."""
     positions: torch.Tensor | None = None
     """``[bs, T]``: the positions the adapter's forward was called with (Hugging Face models),
     for layers that use them outside rotary (Llama 4's query temperature tuning)."""
@@ -95,6 +106,43 @@ class CaptureScope:
                 "compressor is another one; the compressed entries would reach the wrong layer")
         return pending[1]
 
+    def expect_index(self, indexer, spec, picks) -> None:
+        """An indexer ran: its layer's attention call takes its spec."""
+        if self.pending_index is not None:
+            raise NotImplementedError(
+                f"{self.site_names.get(id(indexer), '?')}: an indexer ran while the previous "
+                "indexer's attention call had not come yet; each indexer must be followed by "
+                "its own layer's attention call")
+        self.pending_index = (indexer, spec, picks)
+
+    def take_index(self, module):
+        """``(IndexSpec, picks)`` of the indexer ``module`` owns, which ran before this
+        attention call (None: it owns none). An indexer that ran must be ``module.indexer``."""
+        pending, self.pending_index = self.pending_index, None
+        own = getattr(module, "indexer", None)
+        if pending is None:
+            if isinstance(own, torch.nn.Module):
+                raise NotImplementedError(
+                    f"{self._site}: the layer has an indexer that did not run before its "
+                    "attention call; the sparse ops need the layer's own picks")
+            return None
+        if own is not pending[0]:
+            raise NotImplementedError(
+                f"{self._site}: the attention call after indexer "
+                f"{self.site_names.get(id(pending[0]), '?')!r} comes from a module whose "
+                "indexer is another one; the picks would reach the wrong layer")
+        return pending[1:]
+
+    def index_pool_of(self, key: int) -> torch.Tensor:
+        """The indexer key pool of the layer whose attention call is ``key``."""
+        index = self.pool_index.get(key)
+        if index not in self.index_index:
+            raise RuntimeError(
+                f"attention call {key} ran an indexer during the capture but had none when the "
+                "model's layers were discovered; the forward must make the same calls every "
+                "time")
+        return self.index_pools[self.index_index[index]]
+
     def compress_pools_of(self, key: int) -> list[torch.Tensor]:
         """The compressor pools of the layer whose attention call is ``key``."""
         index = self.pool_index.get(key)
@@ -115,12 +163,15 @@ class CaptureScope:
     def attend(self, key: object, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                scale: float, window: int = 0, softcap: float = 0.0,
                sinks: torch.Tensor | None = None, compressed=None,
-               chunk: int = 0) -> torch.Tensor:
+               chunk: int = 0, picks: torch.Tensor | None = None,
+               index=None) -> torch.Tensor:
         """Dense cached attention of layer ``key`` (None: the next call in forward order):
         q ``[bs, H, T, Dk]``, k ``[bs, Hkv, T, Dk]``, v ``[bs, Hkv, T, Dv]`` ->
         ``[bs, T, H, Dv]``. ``compressed``: what the layer's compressor added
         (``take_compressed``), None for a plain layer. ``chunk``: chunked attention (0:
-        none)."""
+        none). ``picks [bs, T, P]``: the keys each query attends to (a sparse layer), with
+        ``index`` the layer's own indexer's ``IndexSpec`` (None: the picks are an earlier
+        layer's)."""
         if key is None:
             key = self.attention_calls
         self.attention_calls += 1
@@ -136,7 +187,7 @@ class CaptureScope:
                 int(k.shape[1]), int(k.shape[-1]),
                 None if v.shape[-1] == k.shape[-1] else int(v.shape[-1]),
                 int(window), float(softcap), sinks is not None, self._site, compressed,
-                shared_kv=k is v, chunk=int(chunk)))
+                shared_kv=k is v, chunk=int(chunk), sparse=picks is not None, index=index))
             bs, heads, t, _ = q.shape
             return q.new_zeros(bs, t, heads, v.shape[-1])
         if key not in self.pool_index:
@@ -154,6 +205,10 @@ class CaptureScope:
                 "must call the same layers with the same shapes every time")
         # the semantics arguments only where a layer has them: a plain layer's node is the
         # same as before they existed
+        if picks is not None:
+            return torch.ops.dspark.dense_sparse_attention(
+                q, k, v, k_cache, v_cache, self.block_table, self.context_lens, float(scale),
+                picks, sinks)
         if compressed is not None:
             entries, fresh, rate, picks = compressed
             return torch.ops.dspark.dense_compressed_attention(

@@ -33,6 +33,7 @@ from ..graph_inputs import InputKind, fake_input
 from ..ops.compressed import COMPRESSED_RAGGED_OPS
 from ..ops.experts import EXPERTS_OPS
 from ..ops.linear_attention import LINEAR_RAGGED_OPS
+from ..ops.sparse import SPARSE_RAGGED_OPS
 from .base import EnsureError, PassContext, PassResult
 from .retrace import retrace
 from .token_axis import (DIM_OPS, LIKE_FACTORIES, NORM_OPS, SIZED_FACTORIES, AxisLabel,
@@ -46,7 +47,7 @@ SIZE_OPS = {aten.view, aten._unsafe_view, aten.reshape, aten.expand}
 AS_IS = {aten.embedding, aten.index, aten.mm, aten.addmm, aten.clone, aten._to_copy, aten.alias,
          aten.detach, aten.contiguous, aten.lift_fresh_copy,
          torch.ops.dspark.ragged_attention, *LINEAR_RAGGED_OPS,  # flat-native: rows in, rows out
-         *EXPERTS_OPS, *COMPRESSED_RAGGED_OPS,
+         *EXPERTS_OPS, *COMPRESSED_RAGGED_OPS, *SPARSE_RAGGED_OPS,
          *NORM_OPS,  # norms: trailing dims stay as they are
          *LIKE_FACTORIES, aten.view_as_complex, aten.view_as_real,  # shape follows the input
          aten.index_put, aten.index_put_}  # x[mask] = scalar: mask flattened as x (token_axis)

@@ -23,6 +23,10 @@ A compressed layer's ops (DeepSeek-V4, ``ops/compressed.py``) are rewritten the 
                                       %seq_lens, %block_table, %slot_mapping, ...), [bs, T, D])
     dense_index_topk -> index_topk, dense_compressed_attention -> compressed_attention
 
+A sparse layer's ops (DeepSeek Sparse Attention, ``ops/sparse.py``) likewise:
+``dense_sparse_index -> sparse_index`` (with ``slot_mapping``) and ``dense_sparse_attention ->
+sparse_attention``, the picks as ``[bs*T, P]`` rows.
+
 ``query_start_loc``, ``seq_lens`` and ``slot_mapping`` become graph inputs and
 ``context_lens`` goes away. On a uniform layout (every length ``T``) the rewritten graph
 computes exactly what the dense one did, so it can run between passes; ``flatten_tokens``
@@ -48,6 +52,10 @@ COMPRESSED = {  # DeepSeek-V4's compressed layers (ops/compressed.py): dense -> 
     torch.ops.dspark.dense_compress: torch.ops.dspark.compress,
     torch.ops.dspark.dense_index_topk: torch.ops.dspark.index_topk,
     torch.ops.dspark.dense_compressed_attention: torch.ops.dspark.compressed_attention,
+}
+SPARSE = {  # DeepSeek Sparse Attention layers (ops/sparse.py): dense -> ragged
+    torch.ops.dspark.dense_sparse_index: torch.ops.dspark.sparse_index,
+    torch.ops.dspark.dense_sparse_attention: torch.ops.dspark.sparse_attention,
 }
 
 
@@ -128,7 +136,7 @@ def _entry_table(gm: fx.GraphModule, ctx: PassContext, meta: dict, block_table: 
 
 def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResult]:
     result = PassResult("ragged_attention", changed=0)
-    packets = (DENSE, *COMPRESSED)
+    packets = (DENSE, *COMPRESSED, *SPARSE)
     if not any(is_op(n, p) for n in gm.graph.nodes for p in packets):
         # a model without attention layers (all linear attention) reads no context lengths
         _drop_unused_input(gm, ctx, next(i for i, s in enumerate(ctx.inputs)
@@ -141,13 +149,14 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
     exact = True  # every fake value after the replacements so far is current (retrace.py)
     for node in matches:
         packet = node.target.overloadpacket
-        if packet in COMPRESSED:
+        if packet in COMPRESSED or packet in SPARSE:
             with graph.inserting_before(node):
-                out = _compressed(gm, ctx, node, packet, meta, bs, t, rows, exact)
+                out = (_compressed if packet in COMPRESSED else _sparse)(
+                    gm, ctx, node, packet, meta, bs, t, rows, exact)
             exact = replace(node, out, exact)
             result.changed += 1
-            result.rewrites.append((f"{node.name} -> {COMPRESSED[packet].__name__}",
-                                    source_line(node)))
+            twin = COMPRESSED.get(packet) or SPARSE[packet]
+            result.rewrites.append((f"{node.name} -> {twin.__name__}", source_line(node)))
             continue
         q, k, v, k_cache, v_cache, block_table, _context_lens, scale, *semantics = node.args
         if node.kwargs:  # window / softcap / sinks / chunk, however the capture recorded them
@@ -182,7 +191,7 @@ def _check_all_rewritten(gm: fx.GraphModule, result: PassResult) -> None:
     """No dense op of the family is left, and the ragged ops are as many as the rewrites."""
     from .base import EnsureError
 
-    pairs = ((DENSE, RAGGED), *COMPRESSED.items())
+    pairs = ((DENSE, RAGGED), *COMPRESSED.items(), *SPARSE.items())
     left = [n.name for n in gm.graph.nodes for d, _ in pairs if is_op(n, d)]
     if left:
         raise EnsureError(f"{result.name}: dense ops left in the graph: {left}")
@@ -238,6 +247,37 @@ def _compressed(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, packet, met
                    a["v_cache"], *layout[:2], kv_table, kv_slots,
                    a["scale"], a["window"], a["softcap"], a["sinks"], a["entries"],
                    flat(a["fresh"]), a["rate"], flat(a["topk"]), entry_table)
+    return add_node(graph, node, aten.view.default, out, [bs, t, heads, v_dim])
+
+
+def _sparse(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, packet, meta: dict, bs, t,
+            rows, exact: bool) -> fx.Node:
+    """The ragged twin of one dense sparse-layer op, its rows viewed back to ``[bs, T, ...]``
+    (a sparse layer has no window: its keys and indexer keys follow the block table)."""
+    graph, aten = gm.graph, torch.ops.aten
+    a = _arguments(node)
+
+    def flat(x: fx.Node, lead: int = 2) -> fx.Node:
+        """``[bs, T, *rest] -> [bs*T, *rest]``."""
+        rest = list(x.meta["val"].shape[lead:])
+        return reshape_node(graph, node, x, [rows, *rest], decide=exact)
+
+    layout = (meta["query_start_loc"], meta["seq_lens"], a["block_table"], meta["slot_mapping"])
+    if packet is torch.ops.dspark.dense_sparse_index:
+        out = add_node(graph, node, torch.ops.dspark.sparse_index.default, flat(a["q"]),
+                       flat(a["weights"]), flat(a["k"]), a["key_pool"], *layout, a["topk"],
+                       a["softmax_scale"])
+        return add_node(graph, node, aten.view.default, out, [bs, t, a["topk"]])
+
+    def to_rows(x: fx.Node) -> fx.Node:  # [bs, h, T, d] -> [bs*T, h, d]
+        _, h, _, d = x.meta["val"].shape
+        x_t = add_node(graph, node, aten.transpose.int, x, 1, 2)
+        return reshape_node(graph, node, x_t, [rows, h, d], decide=exact)
+
+    heads, v_dim = a["q"].meta["val"].shape[1], a["v"].meta["val"].shape[-1]
+    out = add_node(graph, node, torch.ops.dspark.sparse_attention.default, to_rows(a["q"]),
+                   to_rows(a["k"]), to_rows(a["v"]), a["k_cache"], a["v_cache"], *layout,
+                   a["scale"], flat(a["picks"]), a["sinks"])
     return add_node(graph, node, aten.view.default, out, [bs, t, heads, v_dim])
 
 

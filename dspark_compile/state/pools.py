@@ -13,7 +13,7 @@ import numpy as np
 import torch
 
 from ..layout import VerifyLayout
-from ..specs import AttentionSpec, compress_pools
+from ..specs import AttentionSpec, compress_pools, index_pools
 from . import checks
 from .linear import LinearPools
 from .steps import StepLedger
@@ -106,6 +106,10 @@ class VerifierState:
     (``committed // rate``) are valid, and a step rewrites whatever lies past it. The entry
     pools use ``1 / rate`` of their rows (a known waste, kept for one page geometry); with
     ``window_rings`` the raw pools are rings (``window_maps``)."""
+    index_pools: list[torch.Tensor] = field(default_factory=list, repr=False)
+    """Sparse-attention layers with their own indexer (DSA), in ``specs.index_pools`` order:
+    one indexer key per token ``[num_pages, page_size, channels]``, paged like the KV pool.
+    Nothing to commit or roll back, as for the compressor pools."""
     window_maps: dict[int, torch.Tensor | None] = field(default_factory=dict, repr=False)
     """By span (``ring_spans``: plain sliding windows, compressors' raw rows): int32
     ``[num_pages]``, the ring page that holds each page of the block table
@@ -160,10 +164,12 @@ class VerifierState:
             rate = specs[layer].compress.rate
             compress_pages.append(max_requests * entries.get(rate, pages_per_request)
                                   if kind % 3 == 2 else slot_pages(spans[layer][1]))
+        index_widths = [w for _, w in index_pools(specs)]
         itemsize = torch.empty(0, dtype=dtype).element_size()
         checks.check_memory("new_state", page_size * itemsize * (sum(
             n * s.num_kv_heads * (s.head_dim + (0 if s.shared_kv else s.value_dim))
-            for n, s in zip(pages, specs)) + sum(n * w for n, w in zip(compress_pages, widths))),
+            for n, s in zip(pages, specs)) + sum(n * w for n, w in zip(compress_pages, widths))
+            + num_pages * sum(index_widths)),
             device,
             f"a KV pool of max_requests={max_requests} x max_context={max_context} tokens")
         # A fixed permutation (not random per run): the same state layout on every rank.
@@ -179,13 +185,16 @@ class VerifierState:
                 n, page_size, s.num_kv_heads, s.value_dim, dtype=dtype, device=device)))
         compressed = [torch.zeros(n, page_size, w, dtype=dtype, device=device)
                       for n, w in zip(compress_pages, widths)]
+        keys = [torch.zeros(num_pages, page_size, w, dtype=dtype, device=device)
+                for w in index_widths]
         maps = {w: None for pair in spans.values() for w in pair if w}
         maps.update({w: _page_map(block_table, n).to(device) for w, n in rings.items()})
         entry_maps = {s.compress.rate: None for s in specs if s.compress is not None}
         entry_maps.update({rate: _page_map(block_table, n).to(device)
                            for rate, n in entries.items()})
         return cls(max_requests, max_context, page_size, kv, block_table.to(device),
-                   compress_pools=compressed, window_maps=maps, entry_maps=entry_maps,
+                   compress_pools=compressed, index_pools=keys, window_maps=maps,
+                   entry_maps=entry_maps,
                    window_step_tokens=max_step_tokens if rings else 0)
 
     # ------------------------------------------------------------------ per-step metadata

@@ -102,6 +102,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "deepseek_v4": {"compress_rates": {"compressed_sparse_attention": 2,
                                        "heavily_compressed_attention": 4},
                     "index_topk": 2},
+    # DeepSeek Sparse Attention's indexers keep 2048 keys per query: the zoo's ~20-token
+    # sequences would attend to every key. Three kept, so most rows select; GLM-5's second
+    # layer reuses the first's picks ("shared"), as HY-V4's third does by default.
+    **{name: {"index_topk": 3} for name in ("deepseek_v32", "axk2", "hy_v4", "dots3_note",
+                                             "dots3_note_text")},
+    "glm_moe_dsa": {"index_topk": 3, "indexer_types": ["full", "shared"]},
     # DBRX's attention reads attn_config.rope_theta, which its default attention config lacks
     # (its model cannot build); DBRX's own values: theta 5e5, 8 KV heads (2 at tiny widths),
     # q/k/v clipped at 8
