@@ -56,6 +56,9 @@
 #   dsv4_step     dsv4_step.py                         (DeepSeek-V4-shaped verify step vs HF)
 #   dsv4_attr     dsv4_step.py --bs 1 --attribute      (its bf16 logits: ours and HF vs float32)
 #   dsv4_tests    pytest -m gpu on DeepSeek-V4 (kernels, float32 exactness, tier-graph replay)
+#   dsa_tests     the sparse-attention kernels at DeepSeek-V3.2's shapes (pytest -m gpu), then the
+#                 five DeepSeek Sparse Attention models through the Triton lowering (zoo --device
+#                 cuda, float32 and --static), results in zoo_gpu_dsa*.json
 #   e2e_small     e2e.py --concurrency 1 8, default draft and --mean-accepted 1.5 (planner at c <= 8)
 #   e2e_256       e2e.py --concurrency 256 --repeats 5, default draft and --mean-accepted 1.5
 #   packed_rotate packed_weights.py --quick --rotate (the model chain's stream, tiles dealt on
@@ -216,6 +219,12 @@ job() {
     dsv4_attr) python3 benchmarks/dsv4_step.py --bs 1 --attribute ;;
     dsv4_tests) python3 -m pytest -q -m gpu -p no:logging -p no:cacheprovider \
         tests/frontend/test_deepseek_v4_gpu.py tests/kernels/test_compressed_gpu.py ;;
+    dsa_tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_sparse_gpu.py &&
+      for extra in "" "--static"; do
+        python3 -m dspark_compile zoo --device cuda --jobs 1 $extra \
+          --only deepseek_v32 axk2 glm_moe_dsa dots3_note_text hy_v4 \
+          --out "$OUT/zoo_gpu_dsa${extra:+_static}.json" || exit 1
+      done ;;
     e2e_small) python3 benchmarks/e2e.py --concurrency 1 8 &&
       python3 benchmarks/e2e.py --concurrency 1 8 --mean-accepted 1.5 ;;
     moe_steps) python3 benchmarks/hybrid_step.py --variant a3b &&
