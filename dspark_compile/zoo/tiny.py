@@ -104,10 +104,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
                     "index_topk": 2},
     # DeepSeek Sparse Attention's indexers keep 2048 keys per query: the zoo's ~20-token
     # sequences would attend to every key. Three kept, so most rows select; GLM-5's second
-    # layer reuses the first's picks ("shared"), as HY-V4's third does by default.
-    **{name: {"index_topk": 3} for name in ("deepseek_v32", "axk2", "hy_v4", "dots3_note",
-                                             "dots3_note_text")},
-    "glm_moe_dsa": {"index_topk": 3, "indexer_types": ["full", "shared"]},
+    # layer reuses the first's picks ("shared"), as HY-V4's third does by default. 16 indexer
+    # heads (real ones have 32-64): with 4, a key whose every head's dot is negative scores an
+    # exact ReLU zero one time in 16, and such ties at the top-k boundary, which HF's own
+    # forwards break by the sequence's length, reach committed rows through a verify step's
+    # rejected drafts.
+    **{name: {"index_topk": 3, "index_n_heads": 16}
+       for name in ("deepseek_v32", "axk2", "hy_v4", "dots3_note", "dots3_note_text")},
+    "glm_moe_dsa": {"index_topk": 3, "index_n_heads": 16, "indexer_types": ["full", "shared"]},
     # DBRX's attention reads attn_config.rope_theta, which its default attention config lacks
     # (its model cannot build); DBRX's own values: theta 5e5, 8 KV heads (2 at tiny widths),
     # q/k/v clipped at 8
