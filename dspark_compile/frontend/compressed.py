@@ -38,7 +38,7 @@ from torch import nn
 
 from ..ops import compressed as _compressed_ops  # noqa: F401  (registers the ops)
 from ..specs import CompressSpec
-from .replaced import source_key
+from .replaced import bind_call, source_key
 from .rotary import FIXED_ROPE_TYPES
 from .scope import active_scope
 
@@ -91,22 +91,8 @@ def _rope(rotary: nn.Module, where: str) -> tuple[torch.Tensor, float]:
 
 
 def _arguments(where: str, args: tuple, kwargs: dict):
-    names = ("hidden_states", "q_residual", "position_ids", "cache", "layer_idx")
-    if len(args) > len(names):
-        raise _refuse(where, f"it is called with {len(args)} positional arguments")
-    given = dict(zip(names, args))
-    for k, v in kwargs.items():
-        if k == "past_key_values":  # the deprecated name of cache
-            k = "cache"
-        if k not in names or k in given:
-            raise _refuse(where, f"it is called with the keyword {k!r}")
-        given[k] = v
-    missing = [n for n in names[:3] if n not in given]
-    if missing:
-        raise _refuse(where, f"it is called without {missing}")
-    if given.get("cache") is not None:
-        raise _refuse(where, "it is called with a cache (the capture runs use_cache=False and "
-                      "owns the compressor state)")
+    given = bind_call(("hidden_states", "q_residual", "position_ids", "cache", "layer_idx"), 3,
+                      args, kwargs, lambda what: _refuse(where, what), "the compressor state")
     return given["hidden_states"], given["q_residual"], given["position_ids"]
 
 

@@ -18,7 +18,7 @@ from typing import Callable, Collection, Iterator
 import torch
 from torch import nn
 
-__all__ = ["PLAIN_FLOATS", "known_forward", "source_key", "swapped_forward"]
+__all__ = ["PLAIN_FLOATS", "bind_call", "known_forward", "source_key", "swapped_forward"]
 
 PLAIN_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 """Weight dtypes a replaced forward reads as they are (no quantized or packed storage)."""
@@ -45,3 +45,27 @@ def swapped_forward(cls, forward: Callable) -> Iterator[None]:
         yield
     finally:
         cls.forward = original
+
+
+def bind_call(names: tuple[str, ...], required: int, args: tuple, kwargs: dict,
+              refuse: Callable[[str], Exception], state: str) -> dict:
+    """A replaced forward's call bound to its parameter ``names`` (``past_key_values`` read as
+    ``cache``, its deprecated name): refused through ``refuse(what)`` for extra positional
+    arguments, an unknown or repeated keyword, a missing one of the first ``required`` names, or
+    a cache (the capture runs ``use_cache=False`` and owns ``state``)."""
+    if len(args) > len(names):
+        raise refuse(f"it is called with {len(args)} positional arguments")
+    given = dict(zip(names, args))
+    for k, v in kwargs.items():
+        if k == "past_key_values":
+            k = "cache"
+        if k not in names or k in given:
+            raise refuse(f"it is called with the keyword {k!r}")
+        given[k] = v
+    missing = [n for n in names[:required] if n not in given]
+    if missing:
+        raise refuse(f"it is called without {missing}")
+    if given.get("cache") is not None:
+        raise refuse(f"it is called with a cache (the capture runs use_cache=False and owns "
+                     f"{state})")
+    return given

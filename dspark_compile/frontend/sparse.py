@@ -43,7 +43,7 @@ from torch import nn
 
 from ..ops import sparse as _sparse_ops  # noqa: F401  (registers the ops)
 from ..specs import IndexSpec
-from .replaced import source_key
+from .replaced import bind_call, source_key
 from .scope import active_scope
 
 __all__ = ["IndexerMask", "KNOWN_ATTENTION", "KNOWN_INDEXERS", "indexer_hooks",
@@ -146,21 +146,8 @@ _ARGUMENTS = ("hidden_states", "q_resid", "position_embeddings", "attention_mask
 
 
 def _arguments(where: str, args: tuple, kwargs: dict) -> dict:
-    if len(args) > len(_ARGUMENTS):
-        raise _refuse(where, f"it is called with {len(args)} positional arguments")
-    given = dict(zip(_ARGUMENTS, args))
-    for k, v in kwargs.items():
-        if k == "past_key_values":  # the deprecated name of cache
-            k = "cache"
-        if k not in _ARGUMENTS or k in given:
-            raise _refuse(where, f"it is called with the keyword {k!r}")
-        given[k] = v
-    missing = [n for n in _ARGUMENTS[:4] if n not in given]
-    if missing:
-        raise _refuse(where, f"it is called without {missing}")
-    if given.get("cache") is not None:
-        raise _refuse(where, "it is called with a cache (the capture runs use_cache=False and "
-                      "owns the indexer's keys)")
+    given = bind_call(_ARGUMENTS, 4, args, kwargs, lambda what: _refuse(where, what),
+                      "the indexer's keys")
     mask = given["attention_mask"]
     if not isinstance(mask, IndexerMask) or mask.window or mask.chunk:
         what = f"window {mask.window}, chunk {mask.chunk}" if isinstance(mask, IndexerMask) \

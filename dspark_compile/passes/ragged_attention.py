@@ -201,6 +201,23 @@ def _check_all_rewritten(gm: fx.GraphModule, result: PassResult) -> None:
                           f"{found} ragged ones")
 
 
+def _row_views(graph: fx.Graph, node: fx.Node, rows, exact: bool):
+    """``(flat, to_rows)``, the row views a rewrite inserts before ``node``: ``[bs, T, *rest]
+    -> [bs*T, *rest]`` (None stays None) and ``[bs, h, T, d] -> [bs*T, h, d]``."""
+
+    def flat(x: fx.Node | None) -> fx.Node | None:
+        if x is None:
+            return None
+        return reshape_node(graph, node, x, [rows, *x.meta["val"].shape[2:]], decide=exact)
+
+    def to_rows(x: fx.Node) -> fx.Node:
+        _, h, _, d = x.meta["val"].shape
+        x_t = add_node(graph, node, torch.ops.aten.transpose.int, x, 1, 2)
+        return reshape_node(graph, node, x_t, [rows, h, d], decide=exact)
+
+    return flat, to_rows
+
+
 def _compressed(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, packet, meta: dict, bs,
                 t, rows, exact: bool) -> fx.Node:
     """The ragged twin of one dense compressed-layer op, its rows viewed back to ``[bs, T,
@@ -209,13 +226,7 @@ def _compressed(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, packet, met
     inputs (``_window_inputs``), its entries through the block table."""
     graph, aten = gm.graph, torch.ops.aten
     a = _arguments(node)
-
-    def flat(x: fx.Node | None, lead: int = 2) -> fx.Node | None:
-        """``[bs, T, *rest] -> [bs*T, *rest]``."""
-        if x is None:
-            return None
-        rest = list(x.meta["val"].shape[lead:])
-        return reshape_node(graph, node, x, [rows, *rest], decide=exact)
+    flat, to_rows = _row_views(graph, node, rows, exact)
 
     entry_table = _entry_table(gm, ctx, meta, a["block_table"], a["rate"])
     layout = (meta["query_start_loc"], meta["seq_lens"], entry_table)
@@ -234,11 +245,6 @@ def _compressed(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, packet, met
                        a["rate"], a["topk"], a["softmax_scale"])
         return add_node(graph, node, aten.view.default, out, [bs, t, a["topk"]])
 
-    def to_rows(x: fx.Node) -> fx.Node:  # [bs, h, T, d] -> [bs*T, h, d]
-        _, h, _, d = x.meta["val"].shape
-        x_t = add_node(graph, node, aten.transpose.int, x, 1, 2)
-        return reshape_node(graph, node, x_t, [rows, h, d], decide=exact)
-
     heads, v_dim = a["q"].meta["val"].shape[1], a["v"].meta["val"].shape[-1]
     kv_table, kv_slots = (a["block_table"], meta["slot_mapping"]) if a["window"] <= 0 else \
         _window_inputs(gm, ctx, meta, a["block_table"], a["window"])
@@ -256,11 +262,7 @@ def _sparse(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, packet, meta: d
     (a sparse layer has no window: its keys and indexer keys follow the block table)."""
     graph, aten = gm.graph, torch.ops.aten
     a = _arguments(node)
-
-    def flat(x: fx.Node, lead: int = 2) -> fx.Node:
-        """``[bs, T, *rest] -> [bs*T, *rest]``."""
-        rest = list(x.meta["val"].shape[lead:])
-        return reshape_node(graph, node, x, [rows, *rest], decide=exact)
+    flat, to_rows = _row_views(graph, node, rows, exact)
 
     layout = (meta["query_start_loc"], meta["seq_lens"], a["block_table"], meta["slot_mapping"])
     if packet is torch.ops.dspark.dense_sparse_index:
@@ -268,11 +270,6 @@ def _sparse(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, packet, meta: d
                        flat(a["weights"]), flat(a["k"]), a["key_pool"], *layout, a["topk"],
                        a["softmax_scale"])
         return add_node(graph, node, aten.view.default, out, [bs, t, a["topk"]])
-
-    def to_rows(x: fx.Node) -> fx.Node:  # [bs, h, T, d] -> [bs*T, h, d]
-        _, h, _, d = x.meta["val"].shape
-        x_t = add_node(graph, node, aten.transpose.int, x, 1, 2)
-        return reshape_node(graph, node, x_t, [rows, h, d], decide=exact)
 
     heads, v_dim = a["q"].meta["val"].shape[1], a["v"].meta["val"].shape[-1]
     out = add_node(graph, node, torch.ops.dspark.sparse_attention.default, to_rows(a["q"]),
