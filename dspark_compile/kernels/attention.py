@@ -797,16 +797,29 @@ _ARG_RULES = (("q", 3, _FLOATS), ("k", 3, _FLOATS), ("v", 3, _FLOATS), ("k_cache
               ("block_table", 2, _INTS), ("slot_mapping", 1, _INTS), ("out", 3, _FLOATS))
 
 
+class _Invalid(ValueError):
+    """A broken rule of :func:`_check_inputs`, named with the op by its caller."""
+
+
 def _fail(msg: str) -> None:
-    raise ValueError(f"ragged_attention_triton: {msg}")
+    raise _Invalid(msg)
 
 
-def _check_inputs(tensors: tuple, max_query_len, window, softcap, sinks, chunk=0) -> None:
-    """Raise ``ValueError`` naming the argument, its value and the rule it breaks.
+def _check_inputs(tensors: tuple, max_query_len, window, softcap, sinks, chunk=0,
+                  op: str = "ragged_attention_triton") -> None:
+    """Raise ``ValueError`` naming ``op``, the argument, its value and the rule it breaks.
 
-    ``tensors``: the op's tensor arguments in order, then ``out`` (None: allocated). Messages
-    are formatted only on failure: this runs on every call.
+    ``tensors``: the ragged attention's tensor arguments in order, then ``out`` (None:
+    allocated); ``sparse_attention_triton`` takes the same ones. Messages are formatted only on
+    failure: this runs on every call.
     """
+    try:
+        _check_tensors(tensors, max_query_len, window, softcap, sinks, chunk, op)
+    except _Invalid as err:
+        raise ValueError(f"{op}: {err}") from None
+
+
+def _check_tensors(tensors: tuple, max_query_len, window, softcap, sinks, chunk, op) -> None:
     device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else None
     for (name, dims, dtypes), t in zip(_ARG_RULES, tensors):
         if name == "out" and t is None:
@@ -819,8 +832,7 @@ def _check_inputs(tensors: tuple, max_query_len, window, softcap, sinks, chunk=0
     _check_shapes(*tensors)
     if max_query_len is not None and (type(max_query_len) is not int or max_query_len < 1):
         _fail(f"max_query_len={max_query_len!r}; it must be None or a python int >= 1")
-    check_semantics("ragged_attention_triton", window, softcap, sinks, tensors[0].shape[1],
-                    device, chunk=chunk)
+    check_semantics(op, window, softcap, sinks, tensors[0].shape[1], device, chunk=chunk)
     if sinks is not None and sinks.stride(0) != 1:
         _fail(f"sinks has stride {sinks.stride(0)}; it must be dense ([H], stride 1)")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":

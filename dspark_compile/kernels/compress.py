@@ -2,7 +2,7 @@
 
 Two launches, no host sync (it runs inside a CUDA graph):
 
-1. ``_raw_write``: program ``t`` copies packed row ``t``'s raw ``kv`` and ``gate`` into the raw
+1. ``rows.store_rows_triton`` copies each packed row's raw ``kv`` and ``gate`` into the raw
    pools at ``slot_mapping[t]`` (nothing for ``-1``);
 2. ``_entries``: program ``t`` finds its request (the number of requests whose rows end at or
    before ``t``, as ``kernels/metadata.py`` counts them) and its position ``p``. A row that
@@ -28,27 +28,12 @@ import triton.language as tl
 
 from .launch import launch, zeros_when_warming
 from .metadata import row_request
+from .rows import store_rows_triton
 
 __all__ = ["compress_triton"]
 
 CHUNK = 128
 """Requests counted per step when a row looks for its request."""
-
-
-@triton.jit
-def _raw_write(kv_ptr, gate_ptr, kv_pool_ptr, gate_pool_ptr, slot_ptr, width, stride_kv,
-               stride_gate, BLOCK_W: tl.constexpr):
-    t = tl.program_id(0)
-    slot = tl.load(slot_ptr + t).to(tl.int64)
-    if slot >= 0:
-        for c in range(0, width, BLOCK_W):
-            cols = c + tl.arange(0, BLOCK_W)
-            ok = cols < width
-            dst = slot * width + cols
-            tl.store(kv_pool_ptr + dst, tl.load(kv_ptr + t.to(tl.int64) * stride_kv + cols,
-                                                mask=ok), mask=ok)
-            tl.store(gate_pool_ptr + dst, tl.load(gate_ptr + t.to(tl.int64) * stride_gate + cols,
-                                                  mask=ok), mask=ok)
 
 
 @triton.jit
@@ -221,8 +206,7 @@ def compress_triton(kv: torch.Tensor, gate: torch.Tensor, kv_pool: torch.Tensor,
     if n == 0:
         return fresh
     num_reqs = seq_lens.shape[0]
-    launch(_raw_write, (n,), kv, gate, kv_pool, gate_pool, raw_slots, width, kv.stride(0),
-           gate.stride(0), BLOCK_W=min(triton.next_power_of_2(width), 1024))
+    store_rows_triton(kv, kv_pool, raw_slots, gate, gate_pool)
     slots = 2 * rate if overlap else rate
     launch(_entries, (n,), kv_pool, gate_pool, entry_pool, fresh, query_start_loc, seq_lens,
            block_table, raw_table, position_bias, norm_weight, inv_freq, num_reqs,

@@ -4,9 +4,8 @@ graphs); every launch's grid comes from shapes only.
 
 ``sparse_attention_triton`` is two launches on the stream:
 
-1. ``_store_rows_kernel`` writes the step's K and V rows into the paged pools at
-   ``slot_mapping`` (< 0: nothing), cast to the pools' dtype (rounded to nearest, as torch's
-   cast), grid ``(N, column blocks)``;
+1. ``rows.store_rows_triton`` writes the step's K and V rows into the paged pools at
+   ``slot_mapping`` (< 0: nothing), cast to the pools' dtype;
 2. ``_sparse_attention_kernel``, grid ``(N, Hkv * head blocks)``: program ``(t, g)`` takes
    packed row ``t`` and the ``BLOCK_H`` query heads of head block ``g % NUM_HB`` of KV head
    ``g // NUM_HB`` (GQA: query head ``h`` reads KV head ``h // (H / Hkv)``). It finds its
@@ -34,8 +33,7 @@ float32; float32 operands take ``ieee``. Under the interpreter (CPU tensors), or
 is not the pools', every tile is made float32 first (the interpreter's ``tl.dot`` of bf16 tiles
 is wrong).
 
-``sparse_index_triton`` stores the step's indexer keys into ``key_pool`` with the same store
-kernel, then runs :func:`.index_topk.index_topk_triton` over the pool with ``rate`` 1 (one entry
+``sparse_index_triton`` stores the step's indexer keys into ``key_pool`` with the same store, then runs :func:`.index_topk.index_topk_triton` over the pool with ``rate`` 1 (one entry
 per token), which reads the keys after that launch too.
 
 Semantics and the oracle: ``ops/sparse_reference``.
@@ -54,42 +52,16 @@ import triton.language as tl
 from .attention import _softmax_step, head_dim_pad
 from .launch import launch, zeros_when_warming
 from .metadata import row_request
-from .rotary import round_to
+from .rows import store_rows_triton
 
 __all__ = ["SparseAttentionPlan", "plan_sparse_attention", "sparse_attention_triton",
-           "sparse_index_triton", "store_rows_triton"]
+           "sparse_index_triton"]
 
 _LOG2E = 1.4426950408889634
 CHUNK = 128
 """Requests counted per step when a row looks for its request."""
-STORE_BLOCK = 1024
-"""Columns of one row a store program writes."""
 DOT_PRECISION = "ieee"
 """``input_precision`` of the dots on float32 operands."""
-
-
-@triton.jit
-def _store_block(src_ptr, dst_ptr, row, slot, width, cols, ok):
-    """Columns ``cols`` (where ``ok``) of row ``row`` of ``src [N, width]`` into row ``slot`` of
-    ``dst [rows, width]``, cast to ``dst``'s dtype (rounded to nearest)."""
-    dst_ty = dst_ptr.dtype.element_ty
-    x = tl.load(src_ptr + row * width + cols, mask=ok, other=0.0).to(tl.float32)
-    tl.store(dst_ptr + slot * width + cols, round_to(x, dst_ty).to(dst_ty), mask=ok)
-
-
-@triton.jit
-def _store_rows_kernel(a_src_ptr, a_dst_ptr, a_width, b_src_ptr, b_dst_ptr, b_width,
-                       slot_mapping_ptr, BLOCK_W: tl.constexpr, TWO: tl.constexpr):
-    """Row ``program_id(0)`` of ``a_src`` (and of ``b_src`` with ``TWO``) into pool row
-    ``slot_mapping[row]`` of ``a_dst`` (``b_dst``), columns ``program_id(1) * BLOCK_W ..``;
-    nothing for a slot < 0."""
-    row = tl.program_id(0).to(tl.int64)
-    cols = tl.program_id(1) * BLOCK_W + tl.arange(0, BLOCK_W)
-    slot = tl.load(slot_mapping_ptr + row).to(tl.int64)
-    live = (cols * 0 + slot) >= 0  # a [BLOCK_W] mask (the interpreter needs the broadcast)
-    _store_block(a_src_ptr, a_dst_ptr, row, slot, a_width, cols, live & (cols < a_width))
-    if TWO:
-        _store_block(b_src_ptr, b_dst_ptr, row, slot, b_width, cols, live & (cols < b_width))
 
 
 @triton.jit
@@ -217,65 +189,24 @@ def _check_interpreter(op: str, device: torch.device) -> None:
                   "on the CPU call dspark_compile.ops.sparse_reference instead")
 
 
-def store_rows_triton(src: torch.Tensor, dst: torch.Tensor, slot_mapping: torch.Tensor,
-                      src_b: torch.Tensor | None = None,
-                      dst_b: torch.Tensor | None = None) -> None:
-    """Row ``i`` of ``src [N, ...]`` into flat row ``slot_mapping[i]`` of the paged pool ``dst
-    [pages, page_size, ...]`` (a slot < 0: nothing), cast to ``dst``'s dtype; with ``src_b``
-    and ``dst_b``, the same for that pair in the same launch. The caller has checked shapes,
-    devices and contiguity."""
-    n = src.shape[0]
-    if n == 0:
-        return
-    a_width = src[0].numel()
-    b_width = src_b[0].numel() if src_b is not None else 0
-    block_w = min(STORE_BLOCK, triton.next_power_of_2(max(a_width, b_width, 1)))
-    blocks = triton.cdiv(max(a_width, b_width, 1), block_w)
-    two = src_b is not None
-    launch(_store_rows_kernel, (n, blocks), src, dst, a_width, src_b if two else src,
-           dst_b if two else dst, b_width, slot_mapping, BLOCK_W=block_w, TWO=two,
-           num_warps=4)
-
-
 def _check_attention(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                      slot_mapping, picks, sinks) -> None:
-    """Shapes, dtypes, devices and contiguity of ``sparse_attention_triton``'s arguments."""
-    from ..ops.attention_reference import check_semantics
+    """``sparse_attention_triton``'s arguments: the ragged attention's rules
+    (``attention._check_inputs``: dtypes, shapes, layout, sinks, the interpreter), the picks,
+    and every tensor contiguous (rows are indexed densely here)."""
     from ..ops.sparse_reference import check_picks
+    from .attention import _check_inputs
 
     op = "sparse_attention_triton"
-    if q.dim() != 3 or k.dim() != 3 or v.dim() != 3:
-        _fail(op, f"q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)}; they must be "
-                  "[N, H, Dk], [N, Hkv, Dk] and [N, Hkv, Dv]")
+    _check_inputs((q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
+                   slot_mapping, None), None, 0, 0.0, sinks, op=op)
     check_picks(op, q, picks, tuple(q.shape[:1]))
-    check_semantics(op, 0, 0.0, sinks, q.shape[1])
-    n, heads, dim = q.shape
-    if k_cache.dim() != 4:
-        _fail(op, f"k_cache is {tuple(k_cache.shape)}; it must be [pages, page_size, Hkv, Dk]")
-    pages, page_size, hkv, dc = k_cache.shape
-    dv = v.shape[2]
-    if k.shape != (n, hkv, dim) or v.shape[:2] != (n, hkv):
-        _fail(op, f"k {tuple(k.shape)} must be [N, Hkv, Dk] = {(n, hkv, dim)} and v "
-                  f"{tuple(v.shape)} [N, Hkv, Dv] = {(n, hkv, 'Dv')} (N, Dk from q, Hkv from "
-                  "k_cache)")
-    if dc != dim or hkv == 0 or heads % hkv:
-        _fail(op, f"k_cache {tuple(k_cache.shape)} must have head dim {dim} (q's) and a number "
-                  f"of KV heads that divides q's {heads} heads")
-    if v_cache.shape != (pages, page_size, hkv, dv) or v_cache.dtype != k_cache.dtype:
-        _fail(op, f"v_cache {tuple(v_cache.shape)} {v_cache.dtype} must match k_cache "
-                  f"{tuple(k_cache.shape)} {k_cache.dtype} but for v's head dim {dv}: "
-                  f"{(pages, page_size, hkv, dv)}")
-    for name, t in (("q", q), ("k", k), ("v", v), ("k_cache", k_cache)):
-        if not t.is_floating_point():
-            _fail(op, f"{name} is {t.dtype}; it must be floating point")
-    _check_layout(op, n, query_start_loc, seq_lens, block_table, slot_mapping)
     named = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache,
                  query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                  slot_mapping=slot_mapping, picks=picks)
     if sinks is not None:
         named["sinks"] = sinks
     _check_placement(op, q.device, named)
-    _check_interpreter(op, q.device)
 
 
 def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
@@ -335,6 +266,5 @@ def sparse_index_triton(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
         seq_lens=seq_lens, block_table=block_table, slot_mapping=slot_mapping))
     _check_interpreter(op, q.device)
     store_rows_triton(k, key_pool, slot_mapping)
-    return zeros_when_warming(index_topk_triton(q, weights, key_pool, k, query_start_loc,
-                                                seq_lens, block_table, 1, topk,
-                                                softmax_scale))
+    return index_topk_triton(q, weights, key_pool, k, query_start_loc, seq_lens, block_table, 1,
+                             topk, softmax_scale)

@@ -1,6 +1,7 @@
 """The compressed-attention kernels (DeepSeek-V4's HCA / CSA: ``kernels/compress.py``,
-``index_topk.py``, ``compressed_attention.py``) and the sparse-attention ones (DeepSeek-V3.2's
-DSA: ``kernels/sparse.py``) compile ahead of time for cuda:90, hip:gfx942 and gfx950.
+``index_topk.py``, ``compressed_attention.py``), the sparse-attention ones (DeepSeek-V3.2's
+DSA: ``kernels/sparse.py``) and the row store both use (``kernels/rows.py``) compile ahead of
+time for cuda:90, hip:gfx942 and gfx950.
 
 Same harness as ``test_aot_compile.py``: the compile runs in a subprocess without the
 interpreter (this file run as a script, printing one JSON line). Shapes are DeepSeek-V4-Flash's:
@@ -45,10 +46,6 @@ _SPARSE_SHAPE = {"BLOCK_H": 16, "PAGE_SIZE": 64, "CHUNK": 128, "UPCAST": False,
 
 # case -> (module, kernel attribute, pointer dtypes by argument, constexprs, float scalars)
 CASES = {
-    "raw_write_bf16": ("compress", "_raw_write",
-                       {"kv_ptr": "bf16", "gate_ptr": "bf16", "kv_pool_ptr": "bf16",
-                        "gate_pool_ptr": "bf16", "slot_ptr": "i64"},
-                       {"BLOCK_W": 1024}, {}),
     "entries_csa_bf16": ("compress", "_entries", _ENTRIES,
                          {"OVERLAP": True, "PAIRS": 256, "ROPE_PAIRS": 32, "SLOT_BLOCK": 8,
                           "NUM_SLOTS": 8, "CHUNK": 128},
@@ -68,10 +65,10 @@ CASES = {
     "attention_hca_bf16": ("compressed_attention", "_compressed_attention_kernel", _ATTENTION,
                            {**_ATTENTION_SHAPE, "RATE": 128, "UPCAST": False, "HAS_TOPK": False},
                            {"scale_log2": "fp32"}),
-    "sparse_store_kv_bf16": ("sparse", "_store_rows_kernel",
-                             {"a_src_ptr": "bf16", "a_dst_ptr": "bf16", "b_src_ptr": "bf16",
-                              "b_dst_ptr": "bf16", "slot_mapping_ptr": "i64"},
-                             {"BLOCK_W": 1024, "TWO": True}, {}),
+    "store_rows_bf16": ("rows", "_store_rows_kernel",
+                        {"a_src_ptr": "bf16", "a_dst_ptr": "bf16", "b_src_ptr": "bf16",
+                         "b_dst_ptr": "bf16", "slot_mapping_ptr": "i64"},
+                        {"BLOCK_W": 1024, "TWO": True}, {}),
     "sparse_attention_mla_bf16": ("sparse", "_sparse_attention_kernel", _sparse_pointers("bf16"),
                                   {**_SPARSE_SHAPE, "GROUP": 1, "NUM_HEADS": 128,
                                    "NUM_KV_HEADS": 128, "NUM_HB": 1, "HEAD_DIM": 192,
