@@ -133,25 +133,24 @@ class CaptureScope:
                 "indexer is another one; the picks would reach the wrong layer")
         return pending[1:]
 
-    def index_pool_of(self, key: int) -> torch.Tensor:
-        """The indexer key pool of the layer whose attention call is ``key``."""
+    def _first_pool(self, key: int, first: dict[int, int], what: str) -> int:
+        """``first[pool index]`` of the layer whose attention call is ``key``: its first pool
+        of kind ``what``, which it must have had when its layers were discovered."""
         index = self.pool_index.get(key)
-        if index not in self.index_index:
+        if index not in first:
             raise RuntimeError(
-                f"attention call {key} ran an indexer during the capture but had none when the "
+                f"attention call {key} ran {what} during the capture but had none when the "
                 "model's layers were discovered; the forward must make the same calls every "
                 "time")
-        return self.index_pools[self.index_index[index]]
+        return first[index]
+
+    def index_pool_of(self, key: int) -> torch.Tensor:
+        """The indexer key pool of the layer whose attention call is ``key``."""
+        return self.index_pools[self._first_pool(key, self.index_index, "an indexer")]
 
     def compress_pools_of(self, key: int) -> list[torch.Tensor]:
         """The compressor pools of the layer whose attention call is ``key``."""
-        index = self.pool_index.get(key)
-        if index not in self.compress_index:
-            raise RuntimeError(
-                f"attention call {key} ran a compressor during the capture but had none when "
-                "the model's layers were discovered; the forward must make the same calls every "
-                "time")
-        first = self.compress_index[index]
+        first = self._first_pool(key, self.compress_index, "a compressor")
         return self.compress_pools[first:first + 6]
 
     def attention_site(self, module) -> str:

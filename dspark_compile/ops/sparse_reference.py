@@ -94,7 +94,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     check_picks("sparse_attention", q, picks, tuple(q.shape[:1]))
     check_semantics("sparse_attention", 0, 0.0, sinks, q.shape[1])
     kv_write(k, v, k_cache, v_cache, slot_mapping)
-    num_heads = q.shape[1]
+    group = q.shape[1] // k_cache.shape[2]
     out = torch.zeros(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i in range(len(qsl) - 1):
@@ -102,7 +102,6 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         if end == start:
             continue
         context = lens[i] - (end - start)
-        group = num_heads // k_cache.shape[2]
         keys = _gather_keys(k_cache, block_table[i], 0, lens[i]).float()
         values = _gather_keys(v_cache, block_table[i], 0, lens[i]).float()
         keys = keys.repeat_interleave(group, dim=1)  # [S, H, Dk]
