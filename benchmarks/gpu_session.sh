@@ -56,9 +56,10 @@
 #   dsv4_step     dsv4_step.py                         (DeepSeek-V4-shaped verify step vs HF)
 #   dsv4_attr     dsv4_step.py --bs 1 --attribute      (its bf16 logits: ours and HF vs float32)
 #   dsv4_tests    pytest -m gpu on DeepSeek-V4 (kernels, float32 exactness, tier-graph replay)
-#   dsa_tests     the sparse-attention kernels at DeepSeek-V3.2's shapes (pytest -m gpu), then the
-#                 five DeepSeek Sparse Attention models through the Triton lowering (zoo --device
-#                 cuda, float32 and --static), results in zoo_gpu_dsa*.json
+#   dsa_tests     the sparse-attention kernels at DeepSeek-V3.2's and MiniMax-M3's shapes (pytest
+#                 -m gpu), then the five DeepSeek Sparse Attention models and MiniMax-M3's
+#                 block-sparse layers through the Triton lowering (zoo --device cuda, float32 and
+#                 --static), results in zoo_gpu_dsa*.json
 #   e2e_small     e2e.py --concurrency 1 8, default draft and --mean-accepted 1.5 (planner at c <= 8)
 #   e2e_256       e2e.py --concurrency 256 --repeats 5, default draft and --mean-accepted 1.5
 #   packed_rotate packed_weights.py --quick --rotate (the model chain's stream, tiles dealt on
@@ -76,6 +77,8 @@
 #   ws_step       ws_step.py --skips 0 1 2 8 11 --probe (the whole bs-1 verify step, attention
 #                 included, as one persistent warp-specialized launch; compare with v1_8 in the
 #                 same session)
+#   ws_tests      pytest -m gpu over the persistent chain and step (ws_chain, ws_step: every form,
+#                 the grouped tensor-core ones included)
 #   ws_hand_over  ws_chain.py --stages 8 --tiles 16x512 --mma --warp-release, then ws_step.py
 #                 --hand-over cta warp warp_mma warp_mma_b --skips 0 8 --probe --stress 6 (each
 #                 warp taking and handing back ring slots on its own; the grouped tensor-core
@@ -154,6 +157,8 @@ job() {
     ws_chain_layer) python3 benchmarks/ws_chain.py --layer --stages 8 --tiles 16x512 ;;
     ws_step) python3 benchmarks/ws_step.py --skips 0 1 2 8 11 --probe ;;
     ws_chain_mma) python3 benchmarks/ws_chain.py --stages 8 --tiles 16x512 --mma ;;
+    ws_tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/benchmarks/test_ws_chain_gpu.py \
+        tests/benchmarks/test_ws_step_gpu.py ;;
     ws_hand_over) python3 benchmarks/ws_chain.py --stages 8 --tiles 16x512 --mma --warp-release &&
       python3 benchmarks/ws_step.py --hand-over cta warp warp_mma warp_mma_b --skips 0 8 --probe \
         --stress 6 ;;
@@ -221,8 +226,8 @@ job() {
         tests/frontend/test_deepseek_v4_gpu.py tests/kernels/test_compressed_gpu.py ;;
     dsa_tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_sparse_gpu.py &&
       for extra in "" "--static"; do
-        python3 -m dspark_compile zoo --device cuda --jobs 1 $extra \
-          --only deepseek_v32 axk2 glm_moe_dsa dots3_note_text hy_v4 \
+        python3 -m dspark_compile zoo --device cuda --jobs 5 --timeout 200 $extra \
+          --only deepseek_v32 axk2 glm_moe_dsa dots3_note_text hy_v4 minimax_m3_vl_text \
           --out "$OUT/zoo_gpu_dsa${extra:+_static}.json" || exit 1
       done ;;
     e2e_small) python3 benchmarks/e2e.py --concurrency 1 8 &&

@@ -47,15 +47,22 @@ class CompressSpec:
 
 @dataclass(frozen=True)
 class IndexSpec:
-    """A sparse-attention layer's own lightning indexer (DeepSeek Sparse Attention): one key of
-    ``head_dim`` channels per token, ``topk`` keys kept per query (``ops/sparse_reference.py``)."""
+    """A sparse-attention layer's own lightning indexer: one key of ``head_dim`` channels per
+    token, ``topk`` keys kept per query (DeepSeek Sparse Attention), or ``topk`` blocks of
+    ``block`` keys per query and indexer head (MiniMax-M3's block-sparse layers;
+    ``ops/sparse_reference.py``)."""
 
     topk: int
-    """Keys the indexer keeps per query."""
+    """Keys (blocks) the indexer keeps per query."""
     heads: int
     """Indexer query heads."""
     head_dim: int
     """Channels of an indexer query head and key."""
+    block: int = 0
+    """Keys a pick stands for (0: one key, DSA's picks shared by every head); else the picks are
+    blocks, one row per indexer head."""
+    local: int = 0
+    """Blocks ending at a query's own that are always kept (block picks only)."""
 
 
 @dataclass(frozen=True)

@@ -464,9 +464,12 @@ class Verifier:
                               (f", indexer top-{c.index_topk} ({c.index_heads} heads x "
                                f"{c.index_head_dim})" if c.index_topk else ""))
             if spec.sparse:
-                traits.append(f"sparse: indexer top-{spec.index.topk} ({spec.index.heads} "
-                              f"heads x {spec.index.head_dim})" if spec.index else
-                              "sparse: an earlier layer's picks")
+                x = spec.index
+                traits.append("sparse: an earlier layer's picks" if x is None else
+                              f"sparse: indexer top-{x.topk} ({x.heads} heads x {x.head_dim})"
+                              if not x.block else
+                              f"block-sparse: top-{x.topk} blocks of {x.block} per indexer head "
+                              f"({x.local} local; {x.heads} heads x {x.head_dim})")
             dims = str(spec.head_dim) if spec.v_head_dim is None else \
                 f"{spec.head_dim} (q/k) / {spec.v_head_dim} (v)"
             lines.append(f"  attention {spec.name}: {', '.join(traits)}; "

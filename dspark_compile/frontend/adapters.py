@@ -118,9 +118,10 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
             f"{where} is not causal (is_causal=False); verify needs causal attention")
     window, chunk = _check_mask(where, attention_mask)
     index = scope.take_index(module)
-    picks = kwargs.pop("indices", None)
-    if picks is not None or index is not None:
-        _check_sparse(where, module, picks, index, scope)
+    picks, block_picks = kwargs.pop("indices", None), kwargs.pop("block_indices", None)
+    pick_block = 1
+    if picks is not None or block_picks is not None or index is not None:
+        picks, pick_block = _check_sparse(where, module, picks, block_picks, index, scope)
     softcap, sinks = _check_attention_arguments(where, dropout, kwargs, window, query)
     if picks is not None and (window or chunk or softcap):
         raise NotImplementedError(
@@ -143,31 +144,45 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
         raise NotImplementedError(f"{where} has both a compressor and an indexer's picks")
     return scope.attend(None, query, key, value, float(scaling), window=window,
                         softcap=softcap, sinks=sinks, compressed=compressed, chunk=chunk,
-                        picks=picks, index=None if index is None else index[0]), None
+                        picks=picks, index=None if index is None else index[0],
+                        pick_block=pick_block), None
 
 
-def _check_sparse(where: str, module, picks, index, scope) -> None:
-    """``indices=`` (DeepSeek Sparse Attention) is taken only from a known DSA attention class
-    and forward, and only as picks an indexer of this capture returned; a layer whose own
-    indexer ran must pass that indexer's picks."""
+def _check_sparse(where: str, module, picks, block_picks, index, scope):
+    """``indices=`` (DeepSeek Sparse Attention) and ``block_indices=`` (MiniMax-M3) are taken
+    only from a known sparse attention class and forward, and only as picks an indexer of this
+    capture returned, of the kind the keyword names; a layer whose own indexer ran must pass
+    that indexer's picks. Returns ``(picks, positions a pick stands for)``."""
+    given = "block_indices=" if block_picks is not None else "indices="
     if not sparse_attention_module(module):
         cls = type(module)
         raise NotImplementedError(
-            f"{where} passes indices= to its attention function, but {cls.__module__}."
-            f"{cls.__name__} is not a known DeepSeek Sparse Attention layer (class and forward "
-            "source); what its indices mean cannot be proven, so the model is refused rather "
-            "than verified wrong")
-    if picks is None:
+            f"{where} passes {given} to its attention function, but {cls.__module__}."
+            f"{cls.__name__} is not a known sparse attention layer (class and forward source); "
+            "what its indices mean cannot be proven, so the model is refused rather than "
+            "verified wrong")
+    if picks is not None and block_picks is not None:
+        raise NotImplementedError(f"{where} passes both indices= and block_indices=; a layer "
+                                  "attends to one indexer's picks")
+    if picks is None and block_picks is None:
         raise NotImplementedError(f"{where}: the layer's indexer ran but its attention call "
-                                  "passes no indices=; the picks would be dropped")
-    if not any(picks is p for p in scope.picks_made):
+                                  "passes no indices= or block_indices=; the picks would be "
+                                  "dropped")
+    picks = picks if picks is not None else block_picks
+    block = next((b for p, b in scope.picks_made if picks is p), None)
+    if block is None:
         raise NotImplementedError(
-            f"{where} passes indices= that no indexer of this forward returned (a "
+            f"{where} passes {given} that no indexer of this forward returned (a "
             f"{type(picks).__name__}); only an indexer's picks, or an earlier layer's handed "
             "on, are understood")
+    if (block > 1) != (block_picks is not None):
+        raise NotImplementedError(
+            f"{where} passes {given} with an indexer's picks of {block} position(s) each; "
+            "token picks are understood as indices= and block picks as block_indices= only")
     if index is not None and picks is not index[1]:
         raise NotImplementedError(f"{where}: the layer's own indexer ran but its attention "
                                   "call passes another layer's picks")
+    return picks, block
 
 
 _PASS_THROUGH = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions",

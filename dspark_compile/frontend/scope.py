@@ -76,9 +76,10 @@ class CaptureScope:
     pending_index: tuple | None = None
     """``(indexer module, IndexSpec, picks)``: set by a replaced indexer forward
     (``frontend/sparse.py``), taken by its layer's attention call."""
-    picks_made: list[torch.Tensor] = field(default_factory=list)
-    """Every picks tensor an indexer returned in this forward: the only ``indices=`` an
-    attention call accepts (a model hands one layer's picks on to later layers)."""
+    picks_made: list[tuple[torch.Tensor, int]] = field(default_factory=list)
+    """``(picks, positions a pick stands for)`` of every indexer that ran in this forward: the
+    only ``indices=`` / ``block_indices=`` an attention call accepts (a model hands one layer's
+    picks on to later layers)."""
     positions: torch.Tensor | None = None
     """``[bs, T]``: the positions the adapter's forward was called with (Hugging Face models),
     for layers that use them outside rotary (Llama 4's query temperature tuning)."""
@@ -163,14 +164,14 @@ class CaptureScope:
                scale: float, window: int = 0, softcap: float = 0.0,
                sinks: torch.Tensor | None = None, compressed=None,
                chunk: int = 0, picks: torch.Tensor | None = None,
-               index=None) -> torch.Tensor:
+               index=None, pick_block: int = 1) -> torch.Tensor:
         """Dense cached attention of layer ``key`` (None: the next call in forward order):
         q ``[bs, H, T, Dk]``, k ``[bs, Hkv, T, Dk]``, v ``[bs, Hkv, T, Dv]`` ->
         ``[bs, T, H, Dv]``. ``compressed``: what the layer's compressor added
         (``take_compressed``), None for a plain layer. ``chunk``: chunked attention (0:
         none). ``picks [bs, T, P]``: the keys each query attends to (a sparse layer), with
         ``index`` the layer's own indexer's ``IndexSpec`` (None: the picks are an earlier
-        layer's)."""
+        layer's); block picks ``[bs, T, Hi, topk]`` stand for ``pick_block`` positions each."""
         if key is None:
             key = self.attention_calls
         self.attention_calls += 1
@@ -205,9 +206,10 @@ class CaptureScope:
         # the semantics arguments only where a layer has them: a plain layer's node is the
         # same as before they existed
         if picks is not None:
+            extra = (int(pick_block),) if pick_block != 1 else ()
             return torch.ops.dspark.dense_sparse_attention(
                 q, k, v, k_cache, v_cache, self.block_table, self.context_lens, float(scale),
-                picks, sinks)
+                picks, sinks, *extra)
         if compressed is not None:
             entries, fresh, rate, picks = compressed
             return torch.ops.dspark.dense_compressed_attention(

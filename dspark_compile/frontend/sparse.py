@@ -26,6 +26,19 @@ The indexer takes the mask's ``[:, 0, :, :]`` (``[:, 0]``): the capture's mask b
 a proof object for masks the model asks to be built (``allow_is_causal_skip=False``), whose
 indexing gives :class:`IndexerMask`; the indexer replacement accepts plain causal only.
 
+MiniMax-M3's block-sparse layers run a block indexer the same way::
+
+    block_indices = self.indexer(hidden_states, position_embeddings, cache, position_ids)
+    attention_interface(self, q, k, v, attention_mask, ..., block_indices=block_indices)
+
+Its replacement (:func:`_block_index_forward`) keeps the query ``q_norm(q_proj(x))``, the key
+``k_norm(k_proj(x))`` and their rotary as graph code and emits ``dspark::dense_block_index``:
+each query's top blocks per indexer head. It takes ``position_ids`` only as the capture's own
+positions (the ops number positions by the block table), and its ``build_block_mask`` (the
+eager path's dense mask) is refused for the capture. The attention call accepts
+``block_indices=`` only as such picks, from a known attention class, and emits
+``dspark::dense_sparse_attention`` with ``pick_block`` the indexer's block size.
+
 Anything else is refused naming the module: an indexer class of another model or a subclass,
 a forward replaced on the instance or whose source differs, a call with a cache or unexpected
 arguments.
@@ -61,11 +74,14 @@ class _Variant:
     scale_in_weights: bool = False
     """``softmax_scale`` multiplies the head weights instead of the scores (before the ReLU);
     the key's norm runs in its weight's dtype."""
+    blocks: bool = False
+    """A block indexer (MiniMax-M3): per-head block picks, :func:`_block_index_forward`."""
 
 
 _V32 = _Variant()
 _INTERLEAVED = _Variant(interleaved=True)
 _HY = _Variant(rope_last=True, scale_in_weights=True)
+_BLOCKS = _Variant(blocks=True)
 
 KNOWN_INDEXERS: dict[tuple[str, str], tuple[_Variant, frozenset[str]]] = {
     ("deepseek_v32", "DeepseekV32Indexer"): (_V32, frozenset({"d661c778bc189986",
@@ -75,6 +91,8 @@ KNOWN_INDEXERS: dict[tuple[str, str], tuple[_Variant, frozenset[str]]] = {
                                                                    "c0bfda4dc45e68ce"})),
     ("dots3_note", "Dots3NoteTextIndexer"): (_INTERLEAVED, frozenset({"5b484bc355c707d6"})),
     ("hy_v4", "HYV4Indexer"): (_HY, frozenset({"1dc7cea02eefd0a1", "5657afa6a7bbcc74"})),
+    ("minimax_m3_vl", "MiniMaxM3VLIndexer"): (_BLOCKS, frozenset({"83606351ef7f4edc",
+                                                                  "a2cd7f4feb57909a"})),
 }
 """``(model package, indexer class)`` -> (how it computes, sha256 prefixes of the forward
 sources this was derived from: transformers 5.24, and 5.17 where the model exists there; the
@@ -86,10 +104,12 @@ KNOWN_ATTENTION: dict[tuple[str, str], frozenset[str]] = {
     ("glm_moe_dsa", "GlmMoeDsaAttention"): frozenset({"1dc62df14565fc63", "d15c9f26274052a3"}),
     ("dots3_note", "Dots3NoteTextAttention"): frozenset({"1251aa0ebdba74be"}),
     ("hy_v4", "HYV4Attention"): frozenset({"a1d3323c39ea3041", "bb7041dd79b52549"}),
+    ("minimax_m3_vl", "MiniMaxM3VLAttention"): frozenset({"513b464442143bf9",
+                                                          "0c1064c50a140cd4"}),
 }
-"""``(model package, attention class)`` -> forward sources whose ``indices=`` are the picks of
-the layer's indexer (or of an earlier layer's, handed on by the model) and whose eager path
-attends to the picked keys only."""
+"""``(model package, attention class)`` -> forward sources whose ``indices=`` (or
+``block_indices=``) are the picks of the layer's indexer (or of an earlier layer's, handed on
+by the model) and whose eager path attends to the picked keys (blocks) only, causally."""
 
 
 @dataclass(frozen=True)
@@ -136,7 +156,7 @@ def sparse_attention_module(module: nn.Module) -> bool:
 
 def _refuse(where: str, what: str) -> NotImplementedError:
     return NotImplementedError(
-        f"{where}: {what}; dspark_compile captures the DeepSeek Sparse Attention indexers of "
+        f"{where}: {what}; dspark_compile captures the sparse-attention indexers of "
         f"{sorted(c for _, c in KNOWN_INDEXERS)} with their own forward only, so the model is "
         "refused rather than verified wrong")
 
@@ -210,9 +230,55 @@ def _index_forward(module: nn.Module, where: str, variant: _Variant, *args, **kw
     # HF's indexer returns int32 positions: the conversion is graph code, and the attention
     # call recognises the result as this capture's picks
     out = picks.to(torch.int32)
-    scope.picks_made.append(out)
+    scope.picks_made.append((out, 1))
     scope.expect_index(module, spec, out)
     return out
+
+
+_BLOCK_ARGUMENTS = ("hidden_states", "position_embeddings", "cache", "position_ids")
+
+
+def _block_index_forward(module: nn.Module, where: str, *args, **kwargs):
+    """A block indexer's forward for the capture (module docstring): its picks
+    ``int64 [bs, T, Hi, topk]`` block ids."""
+    given = bind_call(_BLOCK_ARGUMENTS, 4, args, kwargs, lambda what: _refuse(where, what),
+                      "the indexer's keys")
+    scope = active_scope()
+    if scope is None:
+        raise RuntimeError(f"{where}'s forward was replaced by dspark_compile and runs only "
+                           "inside a capture")
+    positions, own = given["position_ids"], scope.positions
+    if own is None or not (positions is own or (
+            getattr(positions, "_base", None) is own and positions.shape == own.shape)):
+        raise _refuse(where, "its position_ids are not the positions the capture called the "
+                      "model with (the block ops number keys and blocks by the block table)")
+    modeling = sys.modules[type(module).__module__]
+    hidden = given["hidden_states"]
+    bs, t, _ = hidden.shape
+    heads, dim = int(module.num_heads), int(module.head_dim)
+    # the class's own computation, in its layout: [bs, Hi, T, Di] and [bs, 1, T, Di]
+    q = module.q_norm(module.q_proj(hidden).view(bs, t, -1, dim)).transpose(1, 2)
+    k = module.k_norm(module.k_proj(hidden).view(bs, t, 1, dim)).transpose(1, 2)
+    cos, sin = given["position_embeddings"]
+    q, k = modeling.apply_rotary_pos_emb(q, k, cos[..., :dim], sin[..., :dim])
+    spec = IndexSpec(int(module.topk_blocks), heads, dim, block=int(module.block_size),
+                     local=int(module.local_blocks))
+    if scope.discovered is not None:
+        picks = torch.zeros(bs, t, heads, spec.topk, dtype=torch.int64, device=hidden.device)
+    else:
+        pool = scope.index_pool_of(scope.attention_calls)
+        picks = torch.ops.dspark.dense_block_index(
+            q.transpose(1, 2), k[:, 0], pool, scope.block_table, scope.context_lens,
+            spec.block, spec.topk, spec.local)
+    scope.picks_made.append((picks, spec.block))
+    scope.expect_index(module, spec, picks)
+    return picks
+
+
+def _no_block_mask(where: str, *args, **kwargs):
+    raise _refuse(where, "its build_block_mask (the eager path's dense block mask) ran during "
+                  "the capture; the block picks reach the attention function as "
+                  "block_indices= instead")
 
 
 @contextlib.contextmanager
@@ -236,10 +302,17 @@ def indexer_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
                     else f"{cls.__module__}.{cls.__name__}.forward (sha256 {source_key(cls)}) " \
                     "is not one of the known indexer forwards"
                 raise _refuse(where, what)
-            m.forward = (lambda mod, w, v: lambda *a, **k: _index_forward(mod, w, v, *a, **k))(
-                m, where, entry[0])
+            if entry[0].blocks:
+                m.forward = (lambda mod, w: lambda *a, **k: _block_index_forward(
+                    mod, w, *a, **k))(m, where)
+                m.build_block_mask = (lambda w: lambda *a, **k: _no_block_mask(w, *a, **k))(
+                    where)
+            else:
+                m.forward = (lambda mod, w, v: lambda *a, **k: _index_forward(
+                    mod, w, v, *a, **k))(m, where, entry[0])
             patched.append(m)
         yield
     finally:
         for m in patched:
             m.__dict__.pop("forward", None)
+            m.__dict__.pop("build_block_mask", None)

@@ -15,7 +15,8 @@ from ..ops.attention_reference import check_semantics
 from ..ops.compressed_reference import (check_compress, check_entries, check_index,
                                         check_raw_layout)
 from ..ops import experts as _experts
-from ..ops.sparse_reference import check_picks, check_sparse_index
+from ..ops.sparse_reference import (check_block_index, check_pick_heads, check_picks,
+                                   check_sparse_index)
 from ..ops.linear import skinny_linear_fake as _skinny_fake  # also registers the reference ops
 from .launch import zeros_when_warming
 
@@ -352,22 +353,45 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             k_cache: torch.Tensor, v_cache: torch.Tensor,
                             query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
                             block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
-                            picks: torch.Tensor,
-                            sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            picks: torch.Tensor, sinks: Optional[torch.Tensor] = None,
+                            pick_block: int = 1) -> torch.Tensor:
     """``dspark::sparse_attention`` lowered to Triton: the K/V write, then a program per query
     row and block of 16 heads over its picks (``kernels/sparse.py``)."""
     from .sparse import sparse_attention_triton as kernel  # needs a GPU driver
 
     return zeros_when_warming(kernel(q, k, v, k_cache, v_cache, query_start_loc, seq_lens,
-                                     block_table, slot_mapping, scale, picks, sinks))
+                                     block_table, slot_mapping, scale, picks, sinks,
+                                     pick_block))
 
 
 @sparse_attention_triton.register_fake
 def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
-      picks, sinks=None):
-    check_picks("sparse_attention_triton", q, picks, tuple(q.shape[:1]))
+      picks, sinks=None, pick_block=1):
+    check_picks("sparse_attention_triton", q, picks, tuple(q.shape[:1]), pick_block)
+    check_pick_heads("sparse_attention_triton", q.shape[1], k_cache.shape[2], picks)
     check_semantics("sparse_attention_triton", 0, 0.0, sinks, q.shape[1])
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
+
+
+@torch.library.custom_op("dspark::block_index_triton", mutates_args=("key_pool",),
+                         device_types=("cuda",))
+def block_index_triton(q: torch.Tensor, k: torch.Tensor, key_pool: torch.Tensor,
+                       query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                       block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+                       topk: int, local: int) -> torch.Tensor:
+    """``dspark::block_index`` lowered to Triton: the key write, then the per-head block
+    maxima and ``torch.topk`` (``kernels/sparse.py``)."""
+    from .sparse import block_index_triton as kernel  # needs a GPU driver
+
+    return zeros_when_warming(kernel(q, k, key_pool, query_start_loc, seq_lens, block_table,
+                                     slot_mapping, block_size, topk, local))
+
+
+@block_index_triton.register_fake
+def _(q, k, key_pool, query_start_loc, seq_lens, block_table, slot_mapping, block_size, topk,
+      local):
+    check_block_index("block_index_triton", q, k, key_pool, block_size, topk, local, 1)
+    return q.new_empty(q.shape[0], q.shape[1], topk, dtype=torch.int64)
 
 
 @torch.library.custom_op("dspark::sparse_index_triton", mutates_args=("key_pool",),
@@ -398,6 +422,7 @@ LOWERED = {"triton": {
     torch.ops.dspark.compressed_attention: torch.ops.dspark.compressed_attention_triton,
     torch.ops.dspark.sparse_index: torch.ops.dspark.sparse_index_triton,
     torch.ops.dspark.sparse_attention: torch.ops.dspark.sparse_attention_triton,
+    torch.ops.dspark.block_index: torch.ops.dspark.block_index_triton,
     torch.ops.dspark.ragged_attention: torch.ops.dspark.ragged_attention_triton,
     torch.ops.dspark.linear_group: torch.ops.dspark.linear_group_triton,
     torch.ops.dspark.rotary_apply: torch.ops.dspark.rotary_apply_triton,

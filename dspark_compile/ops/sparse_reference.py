@@ -21,6 +21,17 @@ resolved as HF's indexer resolves them over the same sequence.
 causal mask. Picks of one row are distinct positions ``<= p`` (the indexer makes them so); a
 query with no valid pick outputs zeros (with ``sinks``, too: the sink alone takes the whole
 softmax and is dropped).
+
+Block picks (MiniMax-M3's block-sparse layers, ``MiniMaxM3VLIndexer``): ``block_index`` writes
+the step's keys into the same kind of key pool, then for each query (position ``p``) and
+indexer head ``h`` scores every key it may see, ``q[t, h] . key[s]`` in float32 for ``s <= p``,
+max-pools the scores into blocks of ``block_size`` positions (block ``b`` holds positions
+``b * block_size ..``), gives the ``local`` blocks ending at ``p``'s own block a score of +inf
+(they are always kept) and keeps the ``topk`` best blocks: int64 ``[N, Hi, topk]`` block ids,
+-1 where fewer blocks exist. ``sparse_attention`` reads such picks with ``pick_block =
+block_size``: pick ``b`` stands for the positions of block ``b`` up to ``p``, and picks with a
+head axis ``[N, Hp, P]`` give query head ``h`` the row ``h // (H / Hp)`` (HF's block mask
+repeats each indexer head over ``H / Hi`` query heads).
 """
 
 from __future__ import annotations
@@ -32,8 +43,8 @@ from typing import Optional
 from .attention_reference import _gather_keys, check_semantics, kv_write
 from .compressed_reference import index_topk
 
-__all__ = ["sparse_index", "sparse_attention", "check_sparse_index", "check_picks",
-           "store_rows"]
+__all__ = ["sparse_index", "sparse_attention", "block_index", "check_sparse_index",
+           "check_block_index", "check_picks", "store_rows"]
 
 
 def check_sparse_index(op: str, q, weights, k, key_pool, topk, rows_dim: int) -> None:
@@ -53,12 +64,54 @@ def check_sparse_index(op: str, q, weights, k, key_pool, topk, rows_dim: int) ->
                          f"page_size, Di] = [.., .., {q.shape[-1]}]")
 
 
-def check_picks(op: str, q, picks, rows: tuple) -> None:
-    """``picks``: integer ``[*rows, P]`` (q's rows), positions or -1."""
-    if picks.is_floating_point() or picks.dim() != len(rows) + 1 \
-            or tuple(picks.shape[:-1]) != tuple(rows):
+def check_block_index(op: str, q, k, key_pool, block_size, topk, local,
+                      rows_dim: int) -> None:
+    """The block indexer's arguments (q rows first: ``rows_dim`` row axes); raise
+    ``ValueError`` naming the argument and the rule."""
+    for name, value in (("block_size", block_size), ("topk", topk)):
+        if type(value) is not int or value < 1:
+            raise ValueError(f"{op}: {name}={value!r}; it must be an int >= 1")
+    if type(local) is not int or not 0 <= local <= topk:
+        raise ValueError(f"{op}: local={local!r}; it must be an int in 0 .. topk={topk} (the "
+                         "always-kept blocks must all fit in the picks, or which of them are "
+                         "kept would be a tie)")
+    if q.dim() != rows_dim + 2:
+        raise ValueError(f"{op}: q is {tuple(q.shape)}; it must be [rows, Hi, Di] (dense: "
+                         "[bs, T, Hi, Di])")
+    if tuple(k.shape) != (*q.shape[:-2], q.shape[-1]):
+        raise ValueError(f"{op}: k is {tuple(k.shape)}; it must be one indexer key per row "
+                         f"{(*q.shape[:-2], q.shape[-1])}")
+    if key_pool.dim() != 3 or key_pool.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{op}: key_pool is {tuple(key_pool.shape)}; it must be [pages, "
+                         f"page_size, Di] = [.., .., {q.shape[-1]}]")
+
+
+def check_picks(op: str, q, picks, rows: tuple, pick_block: int = 1) -> None:
+    """``picks``: integer ``[*rows, P]`` or ``[*rows, Hp, P]`` (q's rows; ``Hp`` dividing q's
+    heads, and of the KV heads a multiple or a divisor), positions or -1; ``pick_block``: an
+    int >= 1 (positions a pick stands for)."""
+    heads = q.shape[len(rows)] if q.dim() > len(rows) else None
+    ok = not picks.is_floating_point() and picks.dim() in (len(rows) + 1, len(rows) + 2) \
+        and tuple(picks.shape[:len(rows)]) == tuple(rows)
+    if ok and picks.dim() == len(rows) + 2:
+        hp = picks.shape[len(rows)]
+        ok = hp >= 1 and heads is not None and heads % hp == 0
+    if not ok:
         raise ValueError(f"{op}: picks is {picks.dtype} {tuple(picks.shape)}; it must be integer "
-                         f"{(*rows, 'P')}: each query's key positions, -1 for none")
+                         f"{(*rows, 'P')} or {(*rows, 'Hp', 'P')} with Hp dividing the "
+                         f"{heads} query heads: each query's key positions (blocks), -1 for "
+                         "none")
+    if type(pick_block) is not int or pick_block < 1:
+        raise ValueError(f"{op}: pick_block={pick_block!r}; it must be an int >= 1 (key "
+                         "positions one pick stands for)")
+
+
+def check_pick_heads(op: str, heads: int, kv_heads: int, picks) -> None:
+    """A head axis of ``picks`` must not split a query head block across KV heads in two ways:
+    ``Hp`` a multiple or a divisor of ``kv_heads``."""
+    if picks.dim() == 3 and picks.shape[1] % kv_heads and kv_heads % picks.shape[1]:
+        raise ValueError(f"{op}: picks has {picks.shape[1]} head rows and the KV pools "
+                         f"{kv_heads} heads; one must divide the other")
 
 
 def store_rows(rows: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -86,16 +139,23 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      v_cache: torch.Tensor, query_start_loc: torch.Tensor,
                      seq_lens: torch.Tensor, block_table: torch.Tensor,
                      slot_mapping: torch.Tensor, scale: float, picks: torch.Tensor,
-                     sinks: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     sinks: Optional[torch.Tensor] = None,
+                     pick_block: int = 1) -> torch.Tensor:
     """``attention_reference.ragged_attention``'s arguments (no window or softcap) and
-    ``picks [N, P]``: each query attends to the keys at its picks (module docstring); ``sinks``
-    ``[H]``: one more logit per head in the softmax denominator, as in ``ragged_attention``.
-    Returns ``[N, H, Dv]`` in q's dtype; rows past ``query_start_loc[R]`` are zeros."""
-    check_picks("sparse_attention", q, picks, tuple(q.shape[:1]))
+    ``picks [N, P]`` or ``[N, Hp, P]``: each query (head) attends to the keys at its picks, a
+    pick standing for ``pick_block`` positions (module docstring); ``sinks`` ``[H]``: one more
+    logit per head in the softmax denominator, as in ``ragged_attention``. Returns
+    ``[N, H, Dv]`` in q's dtype; rows past ``query_start_loc[R]`` are zeros."""
+    check_picks("sparse_attention", q, picks, tuple(q.shape[:1]), pick_block)
+    check_pick_heads("sparse_attention", q.shape[1], k_cache.shape[2], picks)
     check_semantics("sparse_attention", 0, 0.0, sinks, q.shape[1])
     kv_write(k, v, k_cache, v_cache, slot_mapping)
-    group = q.shape[1] // k_cache.shape[2]
+    heads = q.shape[1]
+    group = heads // k_cache.shape[2]
     out = torch.zeros(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
+    rows = picks[:, None, :] if picks.dim() == 2 else picks  # [N, Hp, P]
+    span = heads // rows.shape[1]  # query heads a pick row serves
+    offsets = torch.arange(pick_block, device=q.device)
     qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
     for i in range(len(qsl) - 1):
         start, end = qsl[i], qsl[i + 1]
@@ -107,15 +167,60 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         keys = keys.repeat_interleave(group, dim=1)  # [S, H, Dk]
         values = values.repeat_interleave(group, dim=1)
         for j in range(end - start):
-            row = picks[start + j].long()
-            row = row[(row >= 0) & (row <= context + j)]
-            if row.numel() == 0:
-                continue
-            scores = torch.einsum("hd,shd->hs", q[start + j].float(), keys[row]) * scale
-            if sinks is not None:  # one more logit per head in the denominator, then dropped
-                logits = torch.cat([scores, sinks.float()[:, None]], dim=1)
-                probs = torch.softmax(logits, dim=-1)[:, :-1]
-            else:
-                probs = torch.softmax(scores, dim=-1)
-            out[start + j] = torch.einsum("hs,shd->hd", probs, values[row])
+            for g in range(rows.shape[1]):
+                hs = slice(g * span, (g + 1) * span)
+                row = rows[start + j, g].long()
+                row = row[row >= 0]
+                row = (row[:, None] * pick_block + offsets[None]).flatten()
+                row = row[row <= context + j]
+                if row.numel() == 0:
+                    continue
+                scores = torch.einsum("hd,shd->hs", q[start + j, hs].float(),
+                                      keys[row, hs]) * scale
+                if sinks is not None:  # one more logit per head in the denominator, dropped
+                    logits = torch.cat([scores, sinks.float()[hs, None]], dim=1)
+                    probs = torch.softmax(logits, dim=-1)[:, :-1]
+                else:
+                    probs = torch.softmax(scores, dim=-1)
+                out[start + j, hs] = torch.einsum("hs,shd->hd", probs, values[row, hs])
     return out.to(q.dtype)
+
+
+def block_index(q: torch.Tensor, k: torch.Tensor, key_pool: torch.Tensor,
+                query_start_loc: torch.Tensor, seq_lens: torch.Tensor,
+                block_table: torch.Tensor, slot_mapping: torch.Tensor, block_size: int,
+                topk: int, local: int) -> torch.Tensor:
+    """Write ``k [N, Di]`` at ``slot_mapping``, then each query's blocks: ``q [N, Hi, Di]``
+    (normed and rotated) -> int64 ``[N, Hi, topk]`` block ids, -1 for none (module
+    docstring). Equal block scores are resolved as HF's indexer resolves them over the same
+    sequence: its op shapes, ``torch.topk`` with ``k = min(topk, blocks of the request)``."""
+    check_block_index("block_index", q, k, key_pool, block_size, topk, local, 1)
+    store_rows(k, key_pool, slot_mapping)
+    n, heads, _ = q.shape
+    out = torch.full((n, heads, topk), -1, dtype=torch.int64, device=q.device)
+    qsl, lens = query_start_loc.tolist(), seq_lens.tolist()
+    for i in range(len(qsl) - 1):
+        start, end = qsl[i], qsl[i + 1]
+        if end == start:
+            continue
+        length = end - start
+        context = lens[i] - length
+        blocks = -(-lens[i] // block_size)
+        keys = _gather_keys(key_pool, block_table[i], 0, lens[i])  # [S, Di]
+        # HF's scorer: [Hi, L, Di] @ [Di, S] -> [Hi, L, S], future keys -inf, padded to blocks
+        scores = torch.matmul(q[start:end].float().transpose(0, 1), keys.float().t())
+        pos = context + torch.arange(length, device=q.device)
+        future = torch.arange(lens[i], device=q.device)[None, :] > pos[:, None]  # [L, S]
+        scores = scores.masked_fill(future[None], float("-inf"))
+        scores = torch.nn.functional.pad(scores, (0, blocks * block_size - lens[i]),
+                                         value=float("-inf"))
+        block_scores = scores.view(heads, length, blocks, block_size).amax(dim=-1)
+        if local:
+            own = (pos // block_size)[:, None] - torch.arange(local, device=q.device)[None]
+            own = own.clamp(min=0)[None].expand(heads, -1, -1)
+            block_scores.scatter_(-1, own, float("inf"))
+        kept = min(topk, blocks)
+        best, ids = block_scores.topk(kept, dim=-1)  # [Hi, L, kept]
+        ids = ids.masked_fill(best == float("-inf"), -1)
+        out[start:end, :, :kept] = ids.transpose(0, 1)
+    return out

@@ -24,8 +24,9 @@ A compressed layer's ops (DeepSeek-V4, ``ops/compressed.py``) are rewritten the 
     dense_index_topk -> index_topk, dense_compressed_attention -> compressed_attention
 
 A sparse layer's ops (DeepSeek Sparse Attention, ``ops/sparse.py``) likewise:
-``dense_sparse_index -> sparse_index`` (with ``slot_mapping``) and ``dense_sparse_attention ->
-sparse_attention``, the picks as ``[bs*T, P]`` rows.
+``dense_sparse_index -> sparse_index`` and ``dense_block_index -> block_index`` (with
+``slot_mapping``) and ``dense_sparse_attention -> sparse_attention``, the picks as ``[bs*T, P]``
+(``[bs*T, Hp, P]``) rows.
 
 ``query_start_loc``, ``seq_lens`` and ``slot_mapping`` become graph inputs and
 ``context_lens`` goes away. On a uniform layout (every length ``T``) the rewritten graph
@@ -56,6 +57,7 @@ COMPRESSED = {  # DeepSeek-V4's compressed layers (ops/compressed.py): dense -> 
 SPARSE = {  # DeepSeek Sparse Attention layers (ops/sparse.py): dense -> ragged
     torch.ops.dspark.dense_sparse_index: torch.ops.dspark.sparse_index,
     torch.ops.dspark.dense_sparse_attention: torch.ops.dspark.sparse_attention,
+    torch.ops.dspark.dense_block_index: torch.ops.dspark.block_index,
 }
 
 
@@ -270,11 +272,19 @@ def _sparse(gm: fx.GraphModule, ctx: PassContext, node: fx.Node, packet, meta: d
                        flat(a["weights"]), flat(a["k"]), a["key_pool"], *layout, a["topk"],
                        a["softmax_scale"])
         return add_node(graph, node, aten.view.default, out, [bs, t, a["topk"]])
+    if packet is torch.ops.dspark.dense_block_index:
+        heads = a["q"].meta["val"].shape[2]
+        out = add_node(graph, node, torch.ops.dspark.block_index.default, flat(a["q"]),
+                       flat(a["k"]), a["key_pool"], *layout, a["block_size"], a["topk"],
+                       a["local"])
+        return add_node(graph, node, aten.view.default, out, [bs, t, heads, a["topk"]])
 
     heads, v_dim = a["q"].meta["val"].shape[1], a["v"].meta["val"].shape[-1]
+    # pick_block only where a layer has one: a token-picks layer's node is as before
+    extra = (a["pick_block"],) if a["pick_block"] != 1 else ()
     out = add_node(graph, node, torch.ops.dspark.sparse_attention.default, to_rows(a["q"]),
                    to_rows(a["k"]), to_rows(a["v"]), a["k_cache"], a["v_cache"], *layout,
-                   a["scale"], flat(a["picks"]), a["sinks"])
+                   a["scale"], flat(a["picks"]), a["sinks"], *extra)
     return add_node(graph, node, aten.view.default, out, [bs, t, heads, v_dim])
 
 

@@ -112,6 +112,12 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     **{name: {"index_topk": 3, "index_n_heads": 16}
        for name in ("deepseek_v32", "axk2", "hy_v4", "dots3_note", "dots3_note_text")},
     "glm_moe_dsa": {"index_topk": 3, "index_n_heads": 16, "indexer_types": ["full", "shared"]},
+    # MiniMax-M3's default config has no block-sparse layer, and its blocks are 128 keys with
+    # 16 kept: every other of its 60 layers block-sparse, blocks of 4 keys, 2 kept (one of them
+    # the local block), so the ~20-token sequences select
+    "minimax_m3_vl_text": {"layer_types": ["full_attention", "minimax_m3_sparse"] * 30,
+                           "index_block_size": 4, "index_topk_blocks": 2,
+                           "index_local_blocks": 1},
     # DBRX's attention reads attn_config.rope_theta, which its default attention config lacks
     # (its model cannot build); DBRX's own values: theta 5e5, 8 KV heads (2 at tiny widths),
     # q/k/v clipped at 8

@@ -82,7 +82,7 @@ def test_indices_from_an_unknown_attention_class_are_refused():
         pass
 
     attn.__class__ = MyAttention
-    with pytest.raises(NotImplementedError, match="not a known DeepSeek Sparse Attention"):
+    with pytest.raises(NotImplementedError, match="not a known sparse attention layer"):
         dspark_compile(model)
 
 

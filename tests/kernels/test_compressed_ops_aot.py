@@ -9,6 +9,8 @@ head dim 512 with a 64-channel rotary, 64 query heads, CSA windows of 4 (8 slots
 HCA windows of 128 (slot blocks of 16), an indexer of 64 heads x 128, in bf16 with float32
 position biases and norm weights. DSA's: HF's eager MLA attention (128 heads, each its own K/V
 head, Dk 192, Dv 128) in bf16, and a GQA build with sinks in float32 (the ``ieee`` dots).
+MiniMax-M3's block-sparse layers: 64 heads over 4 KV heads with a pick row each, blocks of 128
+keys, and its block indexer's maxima (4 heads x 128) in bf16.
 """
 
 from __future__ import annotations
@@ -71,18 +73,34 @@ CASES = {
                         {"BLOCK_W": 1024, "TWO": True}, {}),
     "sparse_attention_mla_bf16": ("sparse", "_sparse_attention_kernel", _sparse_pointers("bf16"),
                                   {**_SPARSE_SHAPE, "GROUP": 1, "NUM_HEADS": 128,
-                                   "NUM_KV_HEADS": 128, "NUM_HB": 1, "HEAD_DIM": 192,
+                                   "NUM_KV_HEADS": 128, "UNIT": 1, "SPAN": 128,
+                                   "PICK_ROWS": 1, "PICK_BLOCK": 1, "NUM_HB": 1,
+                                   "HEAD_DIM": 192,
                                    "HEAD_DIM_PAD": 256, "HEAD_DIM_V": 128,
                                    "HEAD_DIM_V_PAD": 128, "TILE_P": 16, "HAS_SINKS": False},
                                   {"scale_log2": "fp32"}),
     "sparse_attention_gqa_sinks_fp32": ("sparse", "_sparse_attention_kernel",
                                         _sparse_pointers("fp32"),
                                         {**_SPARSE_SHAPE, "GROUP": 8, "NUM_HEADS": 32,
-                                         "NUM_KV_HEADS": 4, "NUM_HB": 1, "HEAD_DIM": 128,
+                                         "NUM_KV_HEADS": 4, "UNIT": 8, "SPAN": 32,
+                                         "PICK_ROWS": 1, "PICK_BLOCK": 1, "NUM_HB": 1,
+                                         "HEAD_DIM": 128,
                                          "HEAD_DIM_PAD": 128, "HEAD_DIM_V": 128,
                                          "HEAD_DIM_V_PAD": 128, "TILE_P": 32,
                                          "HAS_SINKS": True},
                                         {"scale_log2": "fp32"}),
+    "block_sparse_attention_bf16": ("sparse", "_sparse_attention_kernel",
+                                    _sparse_pointers("bf16"),
+                                    {**_SPARSE_SHAPE, "GROUP": 16, "NUM_HEADS": 64,
+                                     "NUM_KV_HEADS": 4, "UNIT": 16, "SPAN": 16, "PICK_ROWS": 4,
+                                     "PICK_BLOCK": 128, "NUM_HB": 1, "HEAD_DIM": 128,
+                                     "HEAD_DIM_PAD": 128, "HEAD_DIM_V": 128,
+                                     "HEAD_DIM_V_PAD": 128, "TILE_P": 32, "HAS_SINKS": False},
+                                    {"scale_log2": "fp32"}),
+    "block_scores_bf16": ("sparse", "_block_scores",
+                          {"q_ptr": "bf16", "key_ptr": "bf16", "out_ptr": "fp32", **_LAYOUT},
+                          {"BLOCK": 128, "LOCAL": 1, "H_PAD": 16, "D_PAD": 128, "TILE_K": 64,
+                           "CHUNK": 128}, {}),
 }
 
 

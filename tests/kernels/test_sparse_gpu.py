@@ -135,3 +135,92 @@ def test_sparse_index_matches_reference_up_to_near_ties(dtype):
             b = scores[j, w[w >= 0]].sort().values
             torch.testing.assert_close(a, b, atol=1e-4 * scores[j].abs().max().item(), rtol=0)
     assert (got[starts[-1]:] == -1).all(), "padding rows pick nothing"
+
+
+# MiniMax-M3's block-sparse layers: 64 query heads, 4 KV heads and 4 indexer heads of 128, 16
+# blocks of 128 keys kept per indexer head, the query's own block always
+M3_HEADS, M3_KV, M3_DIM, M3_BLOCK, M3_TOPK = 64, 4, 128, 128, 16
+
+
+def _block_picks(gen, contexts, lens, n, rows):
+    """Each real query and pick row: up to ``M3_TOPK`` distinct blocks ``<=`` its own (its
+    own first), then -1."""
+    picks = torch.full((n, rows, M3_TOPK), -1, dtype=torch.int64)
+    row = 0
+    for c, length in zip(contexts, lens):
+        for j in range(length):
+            own = (c + j) // M3_BLOCK
+            for r in range(rows):
+                rest = torch.randperm(own, generator=gen)[:M3_TOPK - 1] if own else \
+                    torch.zeros(0, dtype=torch.int64)
+                chosen = torch.cat([torch.tensor([own]), rest])
+                picks[row, r, :chosen.numel()] = chosen
+            row += 1
+    return picks.to(DEV)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_block_sparse_attention_matches_reference(dtype):
+    from dspark_compile.kernels.sparse import sparse_attention_triton
+
+    gen = torch.Generator().manual_seed(5)
+    contexts, lens = [0, 300, 2100, 5, 40], [200, 3, 1, 0, 8]
+    qsl, seq_lens, table, slots, pages = _layout(contexts, lens, 2304, gen)
+    n = slots.shape[0]
+    q = _rnd(gen, n, M3_HEADS, M3_DIM, dtype=dtype)
+    k, v = (_rnd(gen, n, M3_KV, M3_DIM, dtype=dtype) for _ in range(2))
+    pools = [_rnd(gen, pages, PAGE, M3_KV, M3_DIM, dtype=dtype) for _ in range(2)]
+    picks = _block_picks(gen, contexts, lens, n, M3_KV)
+    got_pools, ref_pools = [p.clone() for p in pools], [p.clone() for p in pools]
+    rest = (qsl, seq_lens, table, slots, M3_DIM ** -0.5, picks, None, M3_BLOCK)
+    got = sparse_attention_triton(q, k, v, *got_pools, *rest)
+    want = OPS.sparse_attention(q, k, v, *ref_pools, *rest)
+    torch.testing.assert_close(got, want, **TOL[dtype])
+    real = int(qsl[-1])
+    assert torch.equal(got[real:], torch.zeros_like(got[real:]))
+    for a, b in zip(got_pools, ref_pools):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_block_index_matches_reference_up_to_near_ties(dtype):
+    """Each row and head picks as many blocks as the reference, and the sorted block maxima of
+    its picks equal the reference's picks' (a pick may differ only between nearly equal
+    maxima); the key pool after the call is the reference's."""
+    from dspark_compile.kernels.sparse import block_index_triton
+    from dspark_compile.ops.attention_reference import _gather_keys
+
+    gen = torch.Generator().manual_seed(6)
+    contexts, lens = [2100, 3000, 40, 0, 7], [4, 8, 1, 0, 300]
+    qsl, seq_lens, table, slots, pages = _layout(contexts, lens, 4096, gen)
+    n = slots.shape[0]
+    q = _rnd(gen, n, M3_KV, M3_DIM, dtype=dtype)
+    k = _rnd(gen, n, M3_DIM, dtype=dtype)
+    pool = _rnd(gen, pages, PAGE, M3_DIM, dtype=dtype)
+    got_pool, ref_pool = pool.clone(), pool.clone()
+    rest = (qsl, seq_lens, table, slots, M3_BLOCK, M3_TOPK, 1)
+    got = block_index_triton(q, k, got_pool, *rest)
+    want = OPS.block_index(q, k, ref_pool, *rest)
+    assert torch.equal(got_pool, ref_pool)
+    assert got.shape == want.shape == (n, M3_KV, M3_TOPK)
+    assert torch.equal((got >= 0).sum(-1), (want >= 0).sum(-1))
+    starts = qsl.tolist()
+    for i, c in enumerate(contexts):
+        if not lens[i]:
+            continue
+        rows = slice(starts[i], starts[i + 1])
+        keys = _gather_keys(ref_pool, table[i], 0, c + lens[i]).double()
+        dots = torch.einsum("lhd,sd->lhs", q[rows].double(), keys)  # [L, Hi, S]
+        for j in range(lens[i]):
+            pos = c + j
+            maxima = torch.stack([dots[j, :, b * M3_BLOCK:min(pos + 1, (b + 1) * M3_BLOCK)]
+                                  .amax(-1) for b in range(pos // M3_BLOCK + 1)], -1)
+            maxima[:, -1] = float("inf")  # the local block
+            for h in range(M3_KV):
+                g, w = got[rows][j, h], want[rows][j, h]
+                assert (g <= pos // M3_BLOCK).all() and (g[0] == pos // M3_BLOCK)
+                a = maxima[h, g[g >= 0]].sort().values
+                b = maxima[h, w[w >= 0]].sort().values
+                torch.testing.assert_close(a, b, atol=1e-4 * dots[j, h].abs().max().item(),
+                                           rtol=0)
+    assert (got[starts[-1]:] == -1).all(), "padding rows pick nothing"

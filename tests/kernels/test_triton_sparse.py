@@ -4,16 +4,17 @@ a ragged step of requests with contexts (one empty, one of a single row), pages 
 through the block table, padding rows (slot -1, past the last request), GQA and MHA, Dk != Dv
 and neither a power of two, picks with -1 holes, positions past the query (inside the step and
 past the sequence), rows with no valid pick, pick counts that are not a multiple of the tile,
-with and without sinks, over NaN-poisoned pools. The pools after the call equal the
-reference's; float32 within rounding, bf16 within a few bf16 ulps."""
+with and without sinks, over NaN-poisoned pools; per-head and block picks (MiniMax-M3) and the
+block indexer the same way. The pools after the call equal the reference's; float32 within
+rounding, bf16 within a few bf16 ulps."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from dspark_compile.kernels.sparse import (SparseAttentionPlan, sparse_attention_triton,
-                                           sparse_index_triton)
+from dspark_compile.kernels.sparse import (SparseAttentionPlan, block_index_triton,
+                                           sparse_attention_triton, sparse_index_triton)
 from dspark_compile.ops import sparse_reference as reference
 
 DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
@@ -170,6 +171,99 @@ def test_triton_sparse_index_matches_reference(topk, dtype):
     assert torch.equal(got_pool.nan_to_num(7.0), ref_pool.nan_to_num(7.0))
 
 
+BLOCK_CASES = {
+    # (H, Hkv, pick rows, pick block, picks per row, sinks, dtype)
+    "row_per_head_block3": (4, 2, 4, 3, 5, False, torch.float32),
+    "row_per_kv_head_block4": (8, 2, 2, 4, 3, False, torch.float32),
+    "rows_across_kv_heads_block2_sinks": (4, 4, 2, 2, 6, True, torch.float32),
+    "one_row_block5": (4, 2, 1, 5, 4, False, torch.float32),
+    "row_per_kv_head_bf16": (8, 2, 2, 4, 3, False, torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BLOCK_CASES))
+def test_triton_block_picks_match_reference(case):
+    """Picks ``[N, Hp, P]`` of blocks (ids up to past the sequence, -1 holes, padding rows
+    random), the query's own block cut at its position."""
+    heads, hkv, rows, block, num_picks, with_sinks, dtype = BLOCK_CASES[case]
+    gen = torch.Generator().manual_seed(heads * 10 + rows + block)
+    qsl, seq, table, slots = _layout(gen)
+    n, dk, dv = slots.shape[0], 24, 16
+    k_cache = _poisoned_pool(gen, table, (hkv, dk), dtype)
+    v_cache = _poisoned_pool(gen, table, (hkv, dv), dtype)
+    q = torch.randn(n, heads, dk, generator=gen).to(dtype)
+    k = torch.randn(n, hkv, dk, generator=gen).to(dtype)
+    v = torch.randn(n, hkv, dv, generator=gen).to(dtype)
+    picks = torch.full((n, rows, num_picks), -1, dtype=torch.int64)
+    for t in range(n):
+        for r in range(rows):
+            chosen = torch.randperm(40 // block, generator=gen)[:num_picks]
+            holes = torch.rand(num_picks, generator=gen) < 0.2
+            picks[t, r] = torch.where(holes, -1, chosen)
+    sinks = torch.randn(heads, generator=gen) if with_sinks else None
+    q, k, v, qsl, seq, table, slots, picks, sinks = _dev(q, k, v, qsl, seq, table, slots,
+                                                         picks, sinks)
+    ref_k, ref_v = [p.to(DEVICE) for p in (k_cache, v_cache)]
+    got_k, got_v = ref_k.clone(), ref_v.clone()
+    want = reference.sparse_attention(q, k, v, ref_k, ref_v, qsl, seq, table, slots, 0.3, picks,
+                                      sinks, block)
+    got = sparse_attention_triton(q, k, v, got_k, got_v, qsl, seq, table, slots, 0.3, picks,
+                                  sinks, block)
+    tol = dict(rtol=0, atol=3e-6) if dtype == torch.float32 else dict(rtol=2 ** -6,
+                                                                        atol=2 ** -6)
+    torch.testing.assert_close(got.float(), want.float(), **tol)
+    real = int(qsl[-1])
+    assert torch.equal(got[real:], torch.zeros_like(got[real:])), "padding rows are zeros"
+    assert torch.equal(got_k.nan_to_num(7.0), ref_k.nan_to_num(7.0)), "K rows as the reference"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("block, topk, local", [(4, 2, 1), (3, 3, 2), (5, 16, 0), (1, 6, 1)],
+                         ids=["b4_top2_local1", "b3_top3_local2", "b5_top_past_every_count",
+                              "b1_top6_local1"])
+def test_triton_block_index_matches_reference(block, topk, local, dtype):
+    """Per-head block maxima of random scores have no ties, so the picks are the reference's
+    (as sets; rows are compared sorted); -1 where a query has fewer blocks."""
+    gen = torch.Generator().manual_seed(block * 7 + topk)
+    heads, dim = 3, 24
+    qsl, seq, table, slots = _layout(gen)
+    n = slots.shape[0]
+    pool = _poisoned_pool(gen, table, (dim,), dtype)
+    q = torch.randn(n, heads, dim, generator=gen).to(dtype)
+    k = torch.randn(n, dim, generator=gen)  # float32 rows into the pool's dtype
+    q, k, qsl, seq, table, slots = _dev(q, k, qsl, seq, table, slots)
+    ref_pool = pool.to(DEVICE)
+    got_pool = ref_pool.clone()
+    want = reference.block_index(q, k, ref_pool, qsl, seq, table, slots, block, topk, local)
+    got = block_index_triton(q, k, got_pool, qsl, seq, table, slots, block, topk, local)
+    assert got.shape == want.shape == (n, heads, topk) and got.dtype == torch.int64
+    assert torch.equal(got.sort(dim=-1).values, want.sort(dim=-1).values)
+    assert (got[int(qsl[-1]):] == -1).all(), "padding rows pick nothing"
+    assert torch.equal(got_pool.nan_to_num(7.0), ref_pool.nan_to_num(7.0))
+
+
+@pytest.mark.parametrize("name, bad, match", [
+    ("block_size", 0, "block_size=0"),
+    ("local", 5, "local=5"),
+    ("k", torch.zeros(3, 6), "k is"),
+    ("key_pool", torch.zeros(8, PAGE, 16, dtype=torch.int32), "key_pool is"),
+    ("key_pool", torch.zeros(8, PAGE, 8, dtype=torch.int32), "key_pool is torch.int32"),
+    ("slot_mapping", torch.zeros(4, dtype=torch.int64), "slot_mapping .* N"),
+    ("q", torch.zeros(4, 3, 8).transpose(0, 1), "q is on .*not contiguous"),
+], ids=["block_size", "local_past_topk", "k_shape", "key_pool_dim", "key_pool_int",
+        "slot_mapping_len", "q_strided"])
+def test_triton_block_index_refuses_by_name(name, bad, match):
+    args = dict(q=torch.zeros(3, 4, 8), k=torch.zeros(3, 8), key_pool=torch.zeros(8, PAGE, 8),
+                query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
+                seq_lens=torch.tensor([3], dtype=torch.int32),
+                block_table=torch.zeros(1, 2, dtype=torch.int32),
+                slot_mapping=torch.full((3,), -1, dtype=torch.int64), block_size=4, topk=4,
+                local=1)
+    args[name] = bad
+    with pytest.raises(ValueError, match=f"block_index_triton: .*{match}"):
+        block_index_triton(**args)
+
+
 def _attention_args():
     n, heads, hkv, dk, dv, r = 3, 4, 2, 24, 16, 2
     return dict(q=torch.zeros(n, heads, dk), k=torch.zeros(n, hkv, dk),
@@ -192,8 +286,11 @@ def _attention_args():
     ("block_table", torch.zeros(2, 2), "block_table is torch.float32"),
     ("q", torch.zeros(4, 3, 24).transpose(0, 1), "q is on .*not contiguous"),
     ("sinks", torch.zeros(3), "sinks is torch.float32 of shape \\(3,\\)"),
+    ("picks", torch.zeros(3, 3, 5, dtype=torch.int64), "Hp dividing the 4 query heads"),
+    ("pick_block", 0, "pick_block=0"),
 ], ids=["picks_float", "picks_rows", "k_cache_dim", "k_cache_heads", "v_cache_dtype",
-        "slot_mapping_len", "block_table_float", "q_strided", "sinks_shape"])
+        "slot_mapping_len", "block_table_float", "q_strided", "sinks_shape", "pick_heads",
+        "pick_block"])
 def test_triton_sparse_attention_refuses_by_name(name, bad, match):
     args = {**_attention_args(), name: bad}
     with pytest.raises(ValueError, match=f"sparse_attention_triton: .*{match}"):
@@ -227,7 +324,8 @@ def test_sparse_ops_lower_to_triton_with_the_reference_arguments():
 
     ops = torch.ops.dspark
     for ref, lowered in ((ops.sparse_attention, ops.sparse_attention_triton),
-                         (ops.sparse_index, ops.sparse_index_triton)):
+                         (ops.sparse_index, ops.sparse_index_triton),
+                         (ops.block_index, ops.block_index_triton)):
         assert LOWERED["triton"][ref] is lowered
         a, b = ref.default._schema, lowered.default._schema
         assert [(x.name, str(x.type), x.alias_info is not None and x.alias_info.is_write)
