@@ -47,6 +47,16 @@ __all__ = ["sparse_index", "sparse_attention", "block_index", "check_sparse_inde
            "check_block_index", "check_picks", "store_rows"]
 
 
+def _check_keys(op: str, q, k, key_pool) -> None:
+    """One indexer key per query row, and a key pool ``[pages, page_size, Di]``."""
+    if tuple(k.shape) != (*q.shape[:-2], q.shape[-1]):
+        raise ValueError(f"{op}: k is {tuple(k.shape)}; it must be one indexer key per row "
+                         f"{(*q.shape[:-2], q.shape[-1])}")
+    if key_pool.dim() != 3 or key_pool.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{op}: key_pool is {tuple(key_pool.shape)}; it must be [pages, "
+                         f"page_size, Di] = [.., .., {q.shape[-1]}]")
+
+
 def check_sparse_index(op: str, q, weights, k, key_pool, topk, rows_dim: int) -> None:
     """The indexer's arguments (q rows first: ``rows_dim`` row axes); raise ``ValueError``
     naming the argument and the rule."""
@@ -56,12 +66,7 @@ def check_sparse_index(op: str, q, weights, k, key_pool, topk, rows_dim: int) ->
         raise ValueError(f"{op}: q {tuple(q.shape)}, weights {tuple(weights.shape)}; q must be "
                          "[rows, Hi, Di] (dense: [bs, T, Hi, Di]) and weights q's shape "
                          "without Di")
-    if tuple(k.shape) != (*q.shape[:-2], q.shape[-1]):
-        raise ValueError(f"{op}: k is {tuple(k.shape)}; it must be one indexer key per row "
-                         f"{(*q.shape[:-2], q.shape[-1])}")
-    if key_pool.dim() != 3 or key_pool.shape[-1] != q.shape[-1]:
-        raise ValueError(f"{op}: key_pool is {tuple(key_pool.shape)}; it must be [pages, "
-                         f"page_size, Di] = [.., .., {q.shape[-1]}]")
+    _check_keys(op, q, k, key_pool)
 
 
 def check_block_index(op: str, q, k, key_pool, block_size, topk, local,
@@ -78,12 +83,7 @@ def check_block_index(op: str, q, k, key_pool, block_size, topk, local,
     if q.dim() != rows_dim + 2:
         raise ValueError(f"{op}: q is {tuple(q.shape)}; it must be [rows, Hi, Di] (dense: "
                          "[bs, T, Hi, Di])")
-    if tuple(k.shape) != (*q.shape[:-2], q.shape[-1]):
-        raise ValueError(f"{op}: k is {tuple(k.shape)}; it must be one indexer key per row "
-                         f"{(*q.shape[:-2], q.shape[-1])}")
-    if key_pool.dim() != 3 or key_pool.shape[-1] != q.shape[-1]:
-        raise ValueError(f"{op}: key_pool is {tuple(key_pool.shape)}; it must be [pages, "
-                         f"page_size, Di] = [.., .., {q.shape[-1]}]")
+    _check_keys(op, q, k, key_pool)
 
 
 def check_picks(op: str, q, picks, rows: tuple, pick_block: int = 1) -> None:
