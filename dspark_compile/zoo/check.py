@@ -232,15 +232,18 @@ def _hf_logits(model, seq: torch.Tensor) -> torch.Tensor:
 
 
 def _equivalent_errors(model, seq: torch.Tensor, n: int, want: torch.Tensor,
-                       chunks: list[int] | None = None) -> torch.Tensor:
+                       chunks: list[int] | None = None,
+                       steps: list[tuple[torch.Tensor, int]] | None = None) -> torch.Tensor:
     """float64 ``[n]``: the largest error against ``want`` (HF's logits of ``seq``'s last ``n``
     rows over the whole of ``seq``) of HF's own forwards that a causal model must agree with:
-    each row's forward over ``seq`` cut right after it, and the rows' forward through HF's
-    cache after calls over the tokens before them in ``chunks`` (their lengths; default one
-    call), as ``generate`` runs a chunk; left out where the model's cache path fails. A row
-    where these differ is one the model itself leaves open: an exact tie (two top-k scores both
-    zero after a ReLU) that its top-k breaks by the sequence's length, so no implementation can
-    match every one of HF's forwards."""
+    each row's forward over ``seq`` cut right after it, the rows' forward through HF's cache
+    after calls over the tokens before them in ``chunks`` (their lengths; default one call), as
+    ``generate`` runs a chunk, and (``steps``: each earlier verify step's tokens, drafts
+    included, and how many of them were accepted) through a cache that ran every step whole and
+    was cropped to its accepted tokens, as speculative decoding runs the model; each left out
+    where the model's cache path fails. A row where these differ is one the model itself leaves
+    open: an exact tie (two top-k scores both zero after a ReLU) that its top-k breaks by the
+    sequence's length, so no implementation can match every one of HF's forwards."""
     worst = torch.zeros(n, dtype=torch.float64)
 
     def take(alt: torch.Tensor, rows: slice) -> None:
@@ -250,23 +253,41 @@ def _equivalent_errors(model, seq: torch.Tensor, n: int, want: torch.Tensor,
     total = seq.numel()
     for j in range(n - 1):  # the last row's cut forward is the whole sequence's
         take(_hf_logits(model, seq[:total - n + j + 1])[-1:], slice(j, j + 1))
-    pieces = [c for c in (chunks or [total - n]) if c > 0]
-    if total > n and sum(pieces) == total - n:
-        # the cache's keyword: ``cache`` where the forward takes it (DeepSeek-V4), else the
-        # older ``past_key_values``
-        key = ("cache" if "cache" in inspect.signature(model.forward).parameters
-               else "past_key_values")
+    # the cache's keyword: ``cache`` where the forward takes it (DeepSeek-V4), else the older
+    # ``past_key_values``
+    key = ("cache" if "cache" in inspect.signature(model.forward).parameters
+           else "past_key_values")
+
+    def through_cache(calls: list[tuple[torch.Tensor, int]]) -> None:
+        """HF over ``calls`` (tokens, how many to keep) then the last ``n`` rows, one cache."""
         try:
             with torch.no_grad():
-                ones, cache, start = torch.ones_like(seq[None]), None, 0
-                for length in pieces + [n]:
-                    out = model(input_ids=seq[None, start:start + length],
-                                attention_mask=ones[:, :start + length], use_cache=True,
-                                **{key: cache})
-                    cache, start = out.past_key_values, start + length
+                cache, start = None, 0
+                for tokens, keep in calls + [(seq[total - n:], n)]:
+                    tokens = tokens.to(seq.device)
+                    out = model(input_ids=tokens[None],
+                                attention_mask=torch.ones(1, start + tokens.numel(),
+                                                          dtype=seq.dtype, device=seq.device),
+                                use_cache=True, **{key: cache})
+                    cache = out.past_key_values
+                    if keep < tokens.numel():  # a negative count: drop that many (5.17 and on)
+                        cache.crop(keep - tokens.numel())
+                    for layer in getattr(cache, "layers", ()):  # sliding layers keep what a
+                        record = getattr(layer, "activate_past_recording", None)  # crop needs
+                        if record is not None:
+                            record()
+                    start += keep
             take(out.logits[0, -n:], slice(0, n))
         except Exception:  # noqa: BLE001 - a model without a usable cache path: the cuts only
             pass
+
+    pieces = [c for c in (chunks or [total - n]) if c > 0]
+    if total > n and sum(pieces) == total - n:
+        bounds = [0, *torch.tensor(pieces).cumsum(0).tolist()]
+        through_cache([(seq[a:b], b - a) for a, b in zip(bounds, bounds[1:])])
+    if steps and sum(keep for _, keep in steps) == total - n and \
+            any(keep < tokens.numel() for tokens, keep in steps):
+        through_cache(list(steps))
     return worst
 
 
@@ -429,6 +450,7 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
             verifier.capture(state, progress=False)
         seqs = [torch.empty(0, dtype=torch.int64) for _ in SLOTS]
         pieces = [[] for _ in SLOTS]  # each request's committed chunks, as the verifier took them
+        history = [[] for _ in SLOTS]  # each request's verify steps: (tokens, accepted)
         steps = [(PROMPTS, PROMPTS)] + [tuple(r) for r in ROUNDS]
         for lens, accept in steps:
             new = [draw(n) for n in lens]
@@ -452,7 +474,7 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
                 beyond = ~(err <= bound)
                 if beyond.any():  # rows HF's own forwards also move that far: ties
                     moved = _equivalent_errors(model if half is None else half, seq, n, want,
-                                               pieces[i])
+                                               pieces[i], history[i])
                     if half is not None:  # and under rounding-sized noise
                         moved = torch.maximum(moved, _perturbed_errors(half, seq, n, want, seed))
                     tie = beyond & torch.isfinite(err) & (moved >= err / HALF_RATIO)
@@ -465,6 +487,7 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
             verifier.commit(layout, list(accept), state)
             seqs = [torch.cat([s, t[:a]]) for s, t, a in zip(seqs, new, accept)]
             pieces = [p + [a] for p, a in zip(pieces, accept)]
+            history = [h + [(t.cpu(), a)] for h, t, a in zip(history, new, accept)]
     except Exception as err:  # noqa: BLE001
         result.max_error, result.rows = (worst if rows else None), rows
         _fail(result, "verify", err)
@@ -486,7 +509,8 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
                          + f"; {off} of {rows} rows off, {flipped} greedy tokens flipped "
                          f"({flipped / rows:.0%})")
     if ties:
-        how = "over the same tokens cut short or through its cache"
+        how = ("over the same tokens cut short, through its cache, or through a cache cropped "
+               "to each verify step's accepted tokens")
         how = (f"under rounding-sized noise, or {how}" if half is not None
                else f"{how}: a tie its top-k breaks by the sequence's length")
         result.reason = (f"{ties} of {rows} rows at near-ties (HF's own {dtype} forward moves "

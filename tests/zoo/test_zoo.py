@@ -304,6 +304,56 @@ def test_equivalent_forwards_measure_how_far_hf_itself_moves_a_row():
         assert calls == [(0, 5), (0, 6), (0, 2), (2, 2), (4, 3)]
 
 
+def test_the_judge_replays_verify_steps_through_a_cropped_cache():
+    """``steps`` (each verify step's tokens, drafts included, and how many were accepted): HF
+    runs each step whole through one cache, the rejected drafts cropped off (sliding layers
+    told to keep what a crop needs first), then the rows judged. A model whose rows depend on
+    what its cache once held moves by that much; the accepted-chunks replay does not see it."""
+    import sys
+
+    import torch
+
+    check_module = sys.modules["dspark_compile.zoo.check"]
+    calls = []
+
+    class Layer:
+        recording = False
+
+        def activate_past_recording(self):
+            self.recording = True
+
+    class Cache:
+        def __init__(self):
+            self.length, self.crops, self.layers = 0, 0, [Layer()]
+
+        def crop(self, count):
+            assert count < 0 and self.layers[0].recording
+            calls.append(("crop", count))
+            self.length += count
+            self.crops += 1
+
+    class Stub(torch.nn.Module):
+        def forward(self, input_ids, attention_mask=None, use_cache=None, past_key_values=None):
+            cache = past_key_values if past_key_values is not None else Cache()
+            start = cache.length if use_cache else 0
+            calls.append((start, input_ids.shape[1]))
+            pos = torch.arange(start, start + input_ids.shape[1], dtype=torch.float32)
+            row = pos[:, None] * torch.ones(1, 3) + 0.05 * cache.crops
+            cache.length = start + input_ids.shape[1]
+            out = type("Out", (), {})()
+            out.logits, out.past_key_values = row[None], cache
+            return out
+
+    seq = torch.arange(9)  # 4 prompt tokens, 2 accepted of a 3-token step, then 3 judged rows
+    model = Stub()
+    want = check_module._hf_logits(model, seq)[-3:]
+    calls.clear()
+    steps = [(torch.arange(4), 4), (torch.tensor([4, 5, 99]), 2)]
+    got = check_module._equivalent_errors(model, seq, 3, want, [4, 2], steps)
+    assert got.tolist() == pytest.approx([0.05] * 3, abs=1e-6)
+    assert calls[-4:] == [(0, 4), (4, 3), ("crop", -1), (6, 3)]
+
+
 def test_a_tie_hf_breaks_by_the_sequences_length_is_not_wrong():
     """DeepSeek-V4 under one KV head of 16 in a width of 112 with MLP biases: its lightning
     indexer scores two compressed entries of one query exactly zero (ReLU) and keeps the top 2
