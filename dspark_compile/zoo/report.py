@@ -105,8 +105,9 @@ def _exact_rule(report: dict) -> str:
                 f"{report['dtype']} forward moves as far under rounding-sized input noise")
     return (f"- **exact**: max \\|ragged − HF\\| ≤ {report.get('tolerance', TOLERANCE):g} over "
             f"all rows (on {where}), or a tie: a row HF's own forward gives otherwise over the "
-            "same tokens cut short or through its cache (an exact tie its top-k breaks by the "
-            "sequence's length; the row's reason counts them)")
+            "same tokens cut short, through its cache, or through a cache cropped to each "
+            "verify step's accepted tokens (an exact tie its top-k breaks by the sequence's "
+            "length; the row's reason counts them)")
 
 
 def markdown(report: dict) -> str:
