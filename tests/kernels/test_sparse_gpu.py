@@ -97,13 +97,19 @@ def _index_scores(q, weights, keys, scale):
     return (dots * weights.double()[:, :, None]).sum(1)
 
 
+@pytest.mark.parametrize("chunk", [None, 1000], ids=["one_buffer", "chunks1000"])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
-def test_sparse_index_matches_reference_up_to_near_ties(dtype):
+def test_sparse_index_matches_reference_up_to_near_ties(dtype, chunk, monkeypatch):
     """Each row picks as many keys as the reference, and the sorted scores of its picks equal
     the reference's picks' (a pick may differ only between equal or nearly equal scores); the
-    key pool after the call is the reference's."""
+    key pool after the call is the reference's. ``chunk``: positions scored at a time, each
+    chunk's top 2048 merged (the 4096-position slots take 5)."""
+    from dspark_compile.kernels import index_topk
     from dspark_compile.kernels.sparse import sparse_index_triton
     from dspark_compile.ops.attention_reference import _gather_keys
+
+    if chunk is not None:
+        monkeypatch.setattr(index_topk, "ENTRY_CHUNK", chunk)
 
     gen = torch.Generator().manual_seed(4)
     scale = INDEX_DIM ** -0.5

@@ -16,10 +16,14 @@ DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
 PAGE, PAGES = 4, 48
 
 
+@pytest.mark.parametrize("chunk", [None, 16, 7], ids=["one_buffer", "chunks16", "chunks7"])
 @pytest.mark.parametrize("rate, topk, heads, dim", [(2, 3, 8, 16), (4, 5, 4, 32),
                                                      (2, 40, 2, 16)],
                          ids=["csa", "rate4", "topk_past_every_count"])
-def test_triton_index_topk_matches_reference(rate, topk, heads, dim):
+def test_triton_index_topk_matches_reference(rate, topk, heads, dim, chunk):
+    """``chunk``: the entries scored at a time (the 48 pages of 4 hold 96 / 48 entries), each
+    chunk's top keys merged by one more top-k; 7 does not divide the entries or the score
+    block."""
     gen = torch.Generator().manual_seed(rate + topk)
     lens, ctx = [4, 0, 3], [37, 5, 0]
     pool = torch.full((PAGES, PAGE, dim), float("nan"))
@@ -36,7 +40,7 @@ def test_triton_index_topk_matches_reference(rate, topk, heads, dim):
     seq = torch.tensor([c + m for c, m in zip(ctx, lens)], dtype=torch.int32)
     args = [t.to(DEVICE) for t in (q, weights, pool, fresh, qsl, seq, table)]
     want = reference.index_topk(*args, rate, topk, 0.25)
-    got = index_topk_triton(*args, rate, topk, 0.25)
+    got = index_topk_triton(*args, rate, topk, 0.25, entry_chunk=chunk)
     assert got.shape == want.shape == (n + 1, topk) and got.dtype == torch.int64
     assert torch.equal(got.sort(dim=-1).values, want.sort(dim=-1).values)
     assert torch.equal(got[-1], torch.full_like(got[-1], -1))
