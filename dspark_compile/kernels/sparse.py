@@ -38,7 +38,7 @@ per token), which reads the keys after that launch too.
 
 Per-head and block picks (MiniMax-M3's block-sparse layers): picks ``[N, Hp, P]`` give query
 head ``h`` the row ``h // (H / Hp)``, so a program takes the heads that share both its KV head
-and its pick row (``min(H / Hkv, H / Hp)`` of them; ``[N, P]`` is ``Hp = 1``, a program per KV
+and its pick row (``gcd(H / Hkv, H / Hp)`` of them; ``[N, P]`` is ``Hp = 1``, a program per KV
 head's block of heads as above). With ``PICK_BLOCK`` B > 1 the softmax walks ``P * B`` key
 slots: slot ``j`` is position ``picks[j // B] * B + j % B``, counted when the pick is valid and
 the position at most the query's.
@@ -58,6 +58,7 @@ Semantics and the oracle: ``ops/sparse_reference``.
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -169,7 +170,7 @@ def plan_sparse_attention(num_heads: int, num_kv_heads: int, head_dim: int,
     """Tiles from host ints: 16 query heads a program (of a unit sharing a KV head and a pick
     row); 16 picks a step where a padded head dim passes 128 (the float32 accumulator and the
     K / V tiles stay in registers), else 32."""
-    unit = min(num_heads // num_kv_heads, num_heads // pick_rows)
+    unit = math.gcd(num_heads // num_kv_heads, num_heads // pick_rows)
     block_h = 16
     dpad = max(head_dim_pad(head_dim), head_dim_pad(head_dim_v))
     return SparseAttentionPlan(block_h, triton.cdiv(unit, block_h), 16 if dpad > 128 else 32,
@@ -218,14 +219,13 @@ def _check_attention(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block
     """``sparse_attention_triton``'s arguments: the ragged attention's rules
     (``attention._check_inputs``: dtypes, shapes, layout, sinks, the interpreter), the picks,
     and every tensor contiguous (rows are indexed densely here)."""
-    from ..ops.sparse_reference import check_pick_heads, check_picks
+    from ..ops.sparse_reference import check_picks
     from .attention import _check_inputs
 
     op = "sparse_attention_triton"
     _check_inputs((q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                    slot_mapping, None), None, 0, 0.0, sinks, op=op)
     check_picks(op, q, picks, tuple(q.shape[:1]), pick_block)
-    check_pick_heads(op, q.shape[1], k_cache.shape[2], picks)
     named = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache,
                  query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                  slot_mapping=slot_mapping, picks=picks)
@@ -260,7 +260,7 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     if r == 0 or num_picks == 0 or dv == 0:  # no request, or nothing to attend to: zeros
         return zeros_when_warming(out.zero_())
     plan = plan or plan_sparse_attention(heads, hkv, dim, dv, pick_rows)
-    unit = min(heads // hkv, heads // pick_rows)
+    unit = math.gcd(heads // hkv, heads // pick_rows)
     launch(_sparse_attention_kernel, (n, heads // unit * plan.num_hb),
            out, q, k_cache, v_cache, query_start_loc, seq_lens, block_table, picks,
            q if sinks is None else sinks, float(scale) * _LOG2E, r, num_picks,

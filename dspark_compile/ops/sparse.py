@@ -95,12 +95,11 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
       picks, sinks=None, pick_block=1):
     reference.check_picks("sparse_attention", q, picks, tuple(q.shape[:1]), pick_block)
-    reference.check_pick_heads("sparse_attention", q.shape[1], k_cache.shape[2], picks)
     check_semantics("sparse_attention", 0, 0.0, sinks, q.shape[1])
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 
-def _check_dense_picks(op: str, q, k_cache, picks, pick_block) -> None:
+def _check_dense_picks(op: str, q, picks, pick_block) -> None:
     """Dense picks ``[bs, T, (Hp,) P]`` against q ``[bs, H, T, Dk]``."""
     bs, heads, t, _ = q.shape
     if picks.dim() < 3 or tuple(picks.shape[:2]) != (bs, t):
@@ -108,7 +107,6 @@ def _check_dense_picks(op: str, q, k_cache, picks, pick_block) -> None:
                          f"[bs, T, Hp, P] with q's (bs, T) = {(bs, t)}")
     reference.check_picks(op, q.new_empty(bs * t, heads, 0), picks.flatten(0, 1),
                           (bs * t,), pick_block)
-    reference.check_pick_heads(op, heads, k_cache.shape[2], picks.flatten(0, 1))
 
 
 @torch.library.custom_op("dspark::dense_sparse_attention", mutates_args=("k_cache", "v_cache"))
@@ -120,7 +118,7 @@ def dense_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Dense form: q ``[bs, H, T, Dk]``, k/v ``[bs, Hkv, T, D]``, picks ``[bs, T, (Hp,) P]``
     -> ``[bs, T, H, Dv]``."""
     bs, heads, t, d = q.shape
-    _check_dense_picks("dense_sparse_attention", q, k_cache, picks, pick_block)
+    _check_dense_picks("dense_sparse_attention", q, picks, pick_block)
     qsl, lens, slots = dense_layout(bs, t, context_lens, block_table, k_cache.shape[1],
                                     q.device)
     dv = v.shape[3]
@@ -136,7 +134,7 @@ def dense_sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _(q, k, v, k_cache, v_cache, block_table, context_lens, scale, picks, sinks=None,
       pick_block=1):
     bs, heads, t, _ = q.shape
-    _check_dense_picks("dense_sparse_attention", q, k_cache, picks, pick_block)
+    _check_dense_picks("dense_sparse_attention", q, picks, pick_block)
     check_semantics("dense_sparse_attention", 0, 0.0, sinks, heads)
     return q.new_empty(bs, t, heads, v.shape[3])
 

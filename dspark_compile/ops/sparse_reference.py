@@ -88,8 +88,7 @@ def check_block_index(op: str, q, k, key_pool, block_size, topk, local,
 
 def check_picks(op: str, q, picks, rows: tuple, pick_block: int = 1) -> None:
     """``picks``: integer ``[*rows, P]`` or ``[*rows, Hp, P]`` (q's rows; ``Hp`` dividing q's
-    heads, and of the KV heads a multiple or a divisor), positions or -1; ``pick_block``: an
-    int >= 1 (positions a pick stands for)."""
+    heads), positions or -1; ``pick_block``: an int >= 1 (positions a pick stands for)."""
     heads = q.shape[len(rows)] if q.dim() > len(rows) else None
     ok = not picks.is_floating_point() and picks.dim() in (len(rows) + 1, len(rows) + 2) \
         and tuple(picks.shape[:len(rows)]) == tuple(rows)
@@ -104,14 +103,6 @@ def check_picks(op: str, q, picks, rows: tuple, pick_block: int = 1) -> None:
     if type(pick_block) is not int or pick_block < 1:
         raise ValueError(f"{op}: pick_block={pick_block!r}; it must be an int >= 1 (key "
                          "positions one pick stands for)")
-
-
-def check_pick_heads(op: str, heads: int, kv_heads: int, picks) -> None:
-    """A head axis of ``picks`` must not split a query head block across KV heads in two ways:
-    ``Hp`` a multiple or a divisor of ``kv_heads``."""
-    if picks.dim() == 3 and picks.shape[1] % kv_heads and kv_heads % picks.shape[1]:
-        raise ValueError(f"{op}: picks has {picks.shape[1]} head rows and the KV pools "
-                         f"{kv_heads} heads; one must divide the other")
 
 
 def store_rows(rows: torch.Tensor, pool: torch.Tensor, slot_mapping: torch.Tensor) -> None:
@@ -147,7 +138,6 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     logit per head in the softmax denominator, as in ``ragged_attention``. Returns
     ``[N, H, Dv]`` in q's dtype; rows past ``query_start_loc[R]`` are zeros."""
     check_picks("sparse_attention", q, picks, tuple(q.shape[:1]), pick_block)
-    check_pick_heads("sparse_attention", q.shape[1], k_cache.shape[2], picks)
     check_semantics("sparse_attention", 0, 0.0, sinks, q.shape[1])
     kv_write(k, v, k_cache, v_cache, slot_mapping)
     heads = q.shape[1]

@@ -28,6 +28,8 @@ def _entry(variant="", overrides=()):
     ("", ()),  # 4 indexer heads over 2 KV heads: a pick row per query head
     ("index_heads_kv", (("index_n_heads", 2),)),  # MiniMax-M3's own: a row per KV head
     ("mqa", (("num_key_value_heads", 1),)),
+    ("heads6_kv3_index2", (("hidden_size", 96), ("num_attention_heads", 6),
+                           ("num_key_value_heads", 3), ("index_n_heads", 2))),
     ("blocks3_top3_local2", (("index_block_size", 3), ("index_topk_blocks", 3),
                              ("index_local_blocks", 2))),
     ("no_local", (("index_local_blocks", 0),)),

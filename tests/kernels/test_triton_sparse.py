@@ -177,6 +177,7 @@ BLOCK_CASES = {
     "row_per_kv_head_block4": (8, 2, 2, 4, 3, False, torch.float32),
     "rows_across_kv_heads_block2_sinks": (4, 4, 2, 2, 6, True, torch.float32),
     "one_row_block5": (4, 2, 1, 5, 4, False, torch.float32),
+    "rows_and_kv_heads_gcd1": (6, 3, 2, 3, 4, False, torch.float32),
     "row_per_kv_head_bf16": (8, 2, 2, 4, 3, False, torch.bfloat16),
 }
 
