@@ -315,3 +315,21 @@ def assert_nan_drafts_contained(model, verifier, poison: int, slots, prompts, le
     finally:
         with torch.no_grad():
             embed[poison] = saved
+
+
+def paged_step(contexts, lens, page: int, pages: int, per: int, gen: torch.Generator,
+               pad_rows: int = 0):
+    """One ragged step's metadata over a pool of ``pages`` pages of ``page`` rows:
+    ``(query_start_loc, seq_lens, block_table, slot_mapping)`` (CPU tensors). Request ``i`` has
+    ``lens[i]`` new tokens after ``contexts[i]``; its ``per`` pages are drawn scattered
+    (``randperm(pages)``); ``pad_rows`` padding rows follow, slot -1."""
+    r = len(lens)
+    table = torch.randperm(pages, generator=gen)[: r * per].view(r, per).to(torch.int32)
+    qsl = torch.zeros(r + 1, dtype=torch.int32)
+    qsl[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
+    slots = torch.full((int(qsl[-1]) + pad_rows,), -1, dtype=torch.int64)
+    for i, (c, length) in enumerate(zip(contexts, lens)):
+        pos = torch.arange(c, c + length)
+        slots[int(qsl[i]):int(qsl[i]) + length] = table[i].long()[pos // page] * page + pos % page
+    seq_lens = torch.tensor([c + m for c, m in zip(contexts, lens)], dtype=torch.int32)
+    return qsl, seq_lens, table, slots

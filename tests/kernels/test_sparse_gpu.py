@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import paged_step
 
 pytestmark = pytest.mark.gpu
 OPS = torch.ops.dspark
@@ -24,20 +25,10 @@ TOL = {torch.bfloat16: dict(atol=3e-2, rtol=3e-2), torch.float32: dict(atol=1e-4
 def _layout(contexts, lens, max_context, gen, pad_rows=3):
     """Metadata of one ragged step on the device: ``(qsl, seq_lens, block_table,
     slot_mapping, pages)``; padding rows map to -1."""
-    r = len(lens)
     per = -(-max_context // PAGE)
-    pages = r * per + 2
-    table = torch.randperm(pages, generator=gen)[: r * per].view(r, per).to(torch.int32)
-    qsl = torch.zeros(r + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(lens, dtype=torch.int32), 0)
-    n = int(qsl[-1]) + pad_rows
-    slots = torch.full((n,), -1, dtype=torch.int64)
-    for i, (c, length) in enumerate(zip(contexts, lens)):
-        pos = torch.arange(c, c + length)
-        slots[int(qsl[i]):int(qsl[i]) + length] = \
-            table[i].long()[pos // PAGE] * PAGE + pos % PAGE
-    seq_lens = torch.tensor([c + m for c, m in zip(contexts, lens)], dtype=torch.int32)
-    return [t.to(DEV) for t in (qsl, seq_lens, table, slots)] + [pages]
+    pages = len(lens) * per + 2
+    step = paged_step(contexts, lens, PAGE, pages, per, gen, pad_rows)
+    return [t.to(DEV) for t in step] + [pages]
 
 
 def _rnd(gen, *shape, dtype, scale=1.0):

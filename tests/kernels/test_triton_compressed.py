@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import paged_step
 
 from dspark_compile.kernels.compress import compress_triton
 from dspark_compile.kernels.compressed_attention import compressed_attention_triton
@@ -29,19 +30,9 @@ CONTEXTS, LENS, POISON, PAD = [0, 5, 13, 6], [7, 0, 3, 9], 3, 2
 
 
 def _layout(gen, max_context=40):
-    r = len(LENS)
     per = -(-max_context // PAGE)
-    pages = r * per + 3
-    table = torch.randperm(pages, generator=gen)[: r * per].view(r, per).int()
-    qsl = torch.zeros(r + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(LENS), 0)
-    n = int(qsl[-1]) + PAD
-    slots = torch.full((n,), -1, dtype=torch.int64)
-    for i, (c, m) in enumerate(zip(CONTEXTS, LENS)):
-        p = torch.arange(c, c + m)
-        slots[int(qsl[i]):int(qsl[i]) + m] = table[i].long()[p // PAGE] * PAGE + p % PAGE
-    seq = torch.tensor([c + m for c, m in zip(CONTEXTS, LENS)], dtype=torch.int32)
-    return qsl, seq, table, slots, pages
+    pages = len(LENS) * per + 3
+    return (*paged_step(CONTEXTS, LENS, PAGE, pages, per, gen, PAD), pages)
 
 
 def _fill(pool, table, counts, gen):

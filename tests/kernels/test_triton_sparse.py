@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import paged_step
 
 from dspark_compile.kernels.sparse import (SparseAttentionPlan, block_index_triton,
                                            sparse_attention_triton, sparse_index_triton)
@@ -26,17 +27,7 @@ PAD_ROWS = 2
 def _layout(gen):
     """``(qsl, seq_lens, block_table, slot_mapping)`` of the step (padding rows: slot -1) and
     each request's context and row range."""
-    r = len(LENS)
-    table = torch.randperm(PAGES, generator=gen)[:r * 12].view(r, 12).int()
-    qsl = torch.zeros(r + 1, dtype=torch.int32)
-    qsl[1:] = torch.cumsum(torch.tensor(LENS), 0)
-    n = int(qsl[-1]) + PAD_ROWS
-    slots = torch.full((n,), -1, dtype=torch.int64)
-    for i, (c, length) in enumerate(zip(CONTEXTS, LENS)):
-        pos = torch.arange(c, c + length)
-        slots[int(qsl[i]):int(qsl[i + 1])] = table[i].long()[pos // PAGE] * PAGE + pos % PAGE
-    seq = torch.tensor([c + m for c, m in zip(CONTEXTS, LENS)], dtype=torch.int32)
-    return qsl, seq, table, slots
+    return paged_step(CONTEXTS, LENS, PAGE, PAGES, 12, gen, PAD_ROWS)
 
 
 def _poisoned_pool(gen, table, width_shape, dtype):
@@ -84,12 +75,11 @@ DTYPES = {"fp32": (torch.float32, torch.float32), "bf16": (torch.bfloat16, torch
           "fp32_rows_bf16_pools": (torch.float32, torch.bfloat16)}
 
 
-@pytest.mark.parametrize("dtypes", sorted(DTYPES))
-@pytest.mark.parametrize("case", sorted(CASES))
-def test_triton_sparse_attention_matches_reference(case, dtypes):
-    heads, hkv, dk, dv, num_picks, with_sinks, tile = CASES[case]
-    row_ty, pool_ty = DTYPES[dtypes]
-    gen = torch.Generator().manual_seed(num_picks + dk)
+def _attention_matches_reference(gen, heads, hkv, dk, dv, row_ty, pool_ty, make_picks,
+                                 with_sinks, pick_block=1, plan=None):
+    """Pools, rows, ``make_picks(qsl, seq_lens, n)`` and sinks drawn from ``gen``; the Triton
+    op against the reference: outputs within rounding (float32) or a few bf16 ulps, padding
+    rows zeros, the K and V pools the reference's. Returns the output (on the host's rows)."""
     qsl, seq, table, slots = _layout(gen)
     n = slots.shape[0]
     k_cache = _poisoned_pool(gen, table, (hkv, dk), pool_ty)
@@ -97,26 +87,38 @@ def test_triton_sparse_attention_matches_reference(case, dtypes):
     q = torch.randn(n, heads, dk, generator=gen).to(row_ty)
     k = torch.randn(n, hkv, dk, generator=gen).to(row_ty)
     v = torch.randn(n, hkv, dv, generator=gen).to(row_ty)
-    picks = _picks(gen, qsl, seq, num_picks)
+    picks = make_picks(qsl, seq, n)
     sinks = torch.randn(heads, generator=gen) if with_sinks else None
     q, k, v, qsl, seq, table, slots, picks, sinks = _dev(q, k, v, qsl, seq, table, slots,
                                                          picks, sinks)
     ref_k, ref_v = [p.to(DEVICE) for p in (k_cache, v_cache)]
     got_k, got_v = ref_k.clone(), ref_v.clone()
     want = reference.sparse_attention(q, k, v, ref_k, ref_v, qsl, seq, table, slots, 0.3, picks,
-                                      sinks)
-    plan = None if tile is None else SparseAttentionPlan(16, 1, tile, 4)
+                                      sinks, pick_block)
     got = sparse_attention_triton(q, k, v, got_k, got_v, qsl, seq, table, slots, 0.3, picks,
-                                  sinks, plan=plan)
+                                  sinks, pick_block, plan=plan)
     assert got.shape == (n, heads, dv) and got.dtype == q.dtype
     tol = dict(rtol=0, atol=3e-6) if row_ty == torch.float32 else dict(rtol=2 ** -6,
                                                                           atol=2 ** -6)
     torch.testing.assert_close(got.float(), want.float(), **tol)
     real = int(qsl[-1])
     assert torch.equal(got[real:], torch.zeros_like(got[real:])), "padding rows are zeros"
-    assert torch.equal(got[0], torch.zeros_like(got[0])), "no valid pick: zeros"
     assert torch.equal(got_k.nan_to_num(7.0), ref_k.nan_to_num(7.0)), "K rows as the reference"
     assert torch.equal(got_v.nan_to_num(7.0), ref_v.nan_to_num(7.0)), "V rows as the reference"
+    return got
+
+
+@pytest.mark.parametrize("dtypes", sorted(DTYPES))
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_triton_sparse_attention_matches_reference(case, dtypes):
+    heads, hkv, dk, dv, num_picks, with_sinks, tile = CASES[case]
+    row_ty, pool_ty = DTYPES[dtypes]
+    gen = torch.Generator().manual_seed(num_picks + dk)
+    plan = None if tile is None else SparseAttentionPlan(16, 1, tile, 4)
+    got = _attention_matches_reference(
+        gen, heads, hkv, dk, dv, row_ty, pool_ty,
+        lambda qsl, seq, n: _picks(gen, qsl, seq, num_picks), with_sinks, plan=plan)
+    assert torch.equal(got[0], torch.zeros_like(got[0])), "no valid pick: zeros"
 
 
 def test_triton_sparse_attention_long_pick_rows():
@@ -188,34 +190,18 @@ def test_triton_block_picks_match_reference(case):
     random), the query's own block cut at its position."""
     heads, hkv, rows, block, num_picks, with_sinks, dtype = BLOCK_CASES[case]
     gen = torch.Generator().manual_seed(heads * 10 + rows + block)
-    qsl, seq, table, slots = _layout(gen)
-    n, dk, dv = slots.shape[0], 24, 16
-    k_cache = _poisoned_pool(gen, table, (hkv, dk), dtype)
-    v_cache = _poisoned_pool(gen, table, (hkv, dv), dtype)
-    q = torch.randn(n, heads, dk, generator=gen).to(dtype)
-    k = torch.randn(n, hkv, dk, generator=gen).to(dtype)
-    v = torch.randn(n, hkv, dv, generator=gen).to(dtype)
-    picks = torch.full((n, rows, num_picks), -1, dtype=torch.int64)
-    for t in range(n):
-        for r in range(rows):
-            chosen = torch.randperm(40 // block, generator=gen)[:num_picks]
-            holes = torch.rand(num_picks, generator=gen) < 0.2
-            picks[t, r] = torch.where(holes, -1, chosen)
-    sinks = torch.randn(heads, generator=gen) if with_sinks else None
-    q, k, v, qsl, seq, table, slots, picks, sinks = _dev(q, k, v, qsl, seq, table, slots,
-                                                         picks, sinks)
-    ref_k, ref_v = [p.to(DEVICE) for p in (k_cache, v_cache)]
-    got_k, got_v = ref_k.clone(), ref_v.clone()
-    want = reference.sparse_attention(q, k, v, ref_k, ref_v, qsl, seq, table, slots, 0.3, picks,
-                                      sinks, block)
-    got = sparse_attention_triton(q, k, v, got_k, got_v, qsl, seq, table, slots, 0.3, picks,
-                                  sinks, block)
-    tol = dict(rtol=0, atol=3e-6) if dtype == torch.float32 else dict(rtol=2 ** -6,
-                                                                        atol=2 ** -6)
-    torch.testing.assert_close(got.float(), want.float(), **tol)
-    real = int(qsl[-1])
-    assert torch.equal(got[real:], torch.zeros_like(got[real:])), "padding rows are zeros"
-    assert torch.equal(got_k.nan_to_num(7.0), ref_k.nan_to_num(7.0)), "K rows as the reference"
+
+    def block_picks(qsl, seq, n):
+        picks = torch.full((n, rows, num_picks), -1, dtype=torch.int64)
+        for t in range(n):
+            for r in range(rows):
+                chosen = torch.randperm(40 // block, generator=gen)[:num_picks]
+                holes = torch.rand(num_picks, generator=gen) < 0.2
+                picks[t, r] = torch.where(holes, -1, chosen)
+        return picks
+
+    _attention_matches_reference(gen, heads, hkv, 24, 16, dtype, dtype, block_picks,
+                                 with_sinks, block)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])

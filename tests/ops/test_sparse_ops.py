@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from helpers import paged_step
 
 from dspark_compile.ops import sparse as _ops  # noqa: F401  (registers the ops)
 from dspark_compile.ops.compressed_reference import dense_layout
@@ -20,16 +21,9 @@ PAGE = 4
 
 def _layout(lens, contexts, pages_per_request=6, seed=0):
     """Packed layout of requests with ``lens`` new tokens after ``contexts``, pages scattered."""
-    g = torch.Generator().manual_seed(seed)
-    r = len(lens)
-    table = torch.randperm(r * pages_per_request, generator=g).view(r, -1).to(torch.int32)
-    qsl = torch.tensor([0] + list(torch.tensor(lens).cumsum(0)), dtype=torch.int32)
-    seq = torch.tensor([c + n for c, n in zip(contexts, lens)], dtype=torch.int32)
-    slots = []
-    for i, (c, n) in enumerate(zip(contexts, lens)):
-        for p in range(c, c + n):
-            slots.append(int(table[i, p // PAGE]) * PAGE + p % PAGE)
-    return qsl, seq, table, torch.tensor(slots, dtype=torch.int64)
+    pages = len(lens) * pages_per_request
+    return paged_step(contexts, lens, PAGE, pages, pages_per_request,
+                      torch.Generator().manual_seed(seed))
 
 
 def _masked_attention(q, keys, values, pos, picks, scale, sinks):
