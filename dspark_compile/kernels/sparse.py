@@ -66,7 +66,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .attention import _softmax_step, head_dim_pad
+from .attention import _pool_rows, _softmax_step, head_dim_pad
 from .launch import launch, zeros_when_warming
 from .metadata import row_request
 from .rows import store_rows_triton
@@ -302,7 +302,7 @@ def sparse_index_triton(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
 
 @triton.jit
 def _block_scores(q_ptr, key_ptr, qsl_ptr, seq_lens_ptr, table_ptr, out_ptr, num_reqs,
-                  stride_table, page_size, heads, dim, num_blocks,
+                  stride_table, heads, dim, num_blocks, PAGE_SIZE: tl.constexpr,
                   BLOCK: tl.constexpr, LOCAL: tl.constexpr, H_PAD: tl.constexpr,
                   D_PAD: tl.constexpr, TILE_K: tl.constexpr, CHUNK: tl.constexpr):
     """Row ``t``'s per-head block maxima of its blocks ``split, split + splits, ..`` (module
@@ -328,10 +328,8 @@ def _block_scores(q_ptr, key_ptr, qsl_ptr, seq_lens_ptr, table_ptr, out_ptr, num
             for c in tl.static_range(0, BLOCK, TILE_K):
                 s = b * BLOCK + c + offs_k
                 ok = (c + offs_k < BLOCK) & (s <= pos)
-                safe = tl.where(ok, s, 0)
-                page = tl.load(table_row + safe // page_size, mask=ok, other=0).to(tl.int64)
-                rows = page * page_size + safe % page_size
-                k = tl.load(key_ptr + rows[:, None] * dim + d[None, :],
+                rows = _pool_rows(table_row, tl.where(ok, s, 0), ok, 0, dim, PAGE_SIZE, 0)
+                k = tl.load(key_ptr + rows[:, None] + d[None, :],
                             mask=ok[:, None] & d_ok[None, :], other=0.0).to(tl.float32)
                 dots = tl.dot(q, tl.trans(k), input_precision="ieee")  # [H_PAD, TILE_K]
                 dots = tl.where(ok[None, :], dots, float("-inf"))
@@ -372,8 +370,8 @@ def block_index_triton(q: torch.Tensor, k: torch.Tensor, key_pool: torch.Tensor,
     scores = torch.empty(n, heads, blocks, dtype=torch.float32, device=q.device)
     launch(_block_scores, (n, plan_index(n, blocks, 1, device_sm_count(q.device))), q,
            key_pool, query_start_loc, seq_lens, block_table, scores,
-           query_start_loc.shape[0] - 1, block_table.stride(0), key_pool.shape[1], heads, dim,
-           blocks, BLOCK=int(block_size), LOCAL=int(local),
+           query_start_loc.shape[0] - 1, block_table.stride(0), heads, dim, blocks,
+           PAGE_SIZE=key_pool.shape[1], BLOCK=int(block_size), LOCAL=int(local),
            H_PAD=max(16, triton.next_power_of_2(heads)),
            D_PAD=max(16, triton.next_power_of_2(dim)),
            TILE_K=max(16, min(64, triton.next_power_of_2(block_size))), CHUNK=CHUNK)

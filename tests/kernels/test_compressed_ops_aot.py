@@ -99,8 +99,8 @@ CASES = {
                                     {"scale_log2": "fp32"}),
     "block_scores_bf16": ("sparse", "_block_scores",
                           {"q_ptr": "bf16", "key_ptr": "bf16", "out_ptr": "fp32", **_LAYOUT},
-                          {"BLOCK": 128, "LOCAL": 1, "H_PAD": 16, "D_PAD": 128, "TILE_K": 64,
-                           "CHUNK": 128}, {}),
+                          {"PAGE_SIZE": 64, "BLOCK": 128, "LOCAL": 1, "H_PAD": 16,
+                           "D_PAD": 128, "TILE_K": 64, "CHUNK": 128}, {}),
 }
 
 
