@@ -366,7 +366,7 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 @sparse_attention_triton.register_fake
 def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
       picks, sinks=None, pick_block=1):
-    check_picks("sparse_attention_triton", q, picks, tuple(q.shape[:1]), pick_block)
+    check_picks("sparse_attention_triton", q.shape, picks, pick_block)
     check_semantics("sparse_attention_triton", 0, 0.0, sinks, q.shape[1])
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 

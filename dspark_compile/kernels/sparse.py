@@ -225,7 +225,7 @@ def _check_attention(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block
     op = "sparse_attention_triton"
     _check_inputs((q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                    slot_mapping, None), None, 0, 0.0, sinks, op=op)
-    check_picks(op, q, picks, tuple(q.shape[:1]), pick_block)
+    check_picks(op, q.shape, picks, pick_block)
     named = dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache,
                  query_start_loc=query_start_loc, seq_lens=seq_lens, block_table=block_table,
                  slot_mapping=slot_mapping, picks=picks)

@@ -94,7 +94,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 @sparse_attention.register_fake
 def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
       picks, sinks=None, pick_block=1):
-    reference.check_picks("sparse_attention", q, picks, tuple(q.shape[:1]), pick_block)
+    reference.check_picks("sparse_attention", q.shape, picks, pick_block)
     check_semantics("sparse_attention", 0, 0.0, sinks, q.shape[1])
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
@@ -105,8 +105,7 @@ def _check_dense_picks(op: str, q, picks, pick_block) -> None:
     if picks.dim() < 3 or tuple(picks.shape[:2]) != (bs, t):
         raise ValueError(f"{op}: picks is {tuple(picks.shape)}; it must be [bs, T, P] or "
                          f"[bs, T, Hp, P] with q's (bs, T) = {(bs, t)}")
-    reference.check_picks(op, q.new_empty(bs * t, heads, 0), picks.flatten(0, 1),
-                          (bs * t,), pick_block)
+    reference.check_picks(op, (bs * t, heads), picks.flatten(0, 1), pick_block)
 
 
 @torch.library.custom_op("dspark::dense_sparse_attention", mutates_args=("k_cache", "v_cache"))

@@ -86,15 +86,16 @@ def check_block_index(op: str, q, k, key_pool, block_size, topk, local,
     _check_keys(op, q, k, key_pool)
 
 
-def check_picks(op: str, q, picks, rows: tuple, pick_block: int = 1) -> None:
-    """``picks``: integer ``[*rows, P]`` or ``[*rows, Hp, P]`` (q's rows; ``Hp`` dividing q's
-    heads), positions or -1; ``pick_block``: an int >= 1 (positions a pick stands for)."""
-    heads = q.shape[len(rows)] if q.dim() > len(rows) else None
-    ok = not picks.is_floating_point() and picks.dim() in (len(rows) + 1, len(rows) + 2) \
-        and tuple(picks.shape[:len(rows)]) == tuple(rows)
-    if ok and picks.dim() == len(rows) + 2:
-        hp = picks.shape[len(rows)]
-        ok = hp >= 1 and heads is not None and heads % hp == 0
+def check_picks(op: str, q_shape, picks, pick_block: int = 1) -> None:
+    """``picks``: integer ``[N, P]`` or ``[N, Hp, P]`` (the rows of q ``[N, H, ...]``, its
+    shape ``q_shape``; ``Hp`` dividing its heads), positions or -1; ``pick_block``: an int >= 1
+    (positions a pick stands for)."""
+    rows, heads = tuple(q_shape[:1]), q_shape[1]
+    ok = not picks.is_floating_point() and picks.dim() in (2, 3) \
+        and tuple(picks.shape[:1]) == rows
+    if ok and picks.dim() == 3:
+        hp = picks.shape[1]
+        ok = hp >= 1 and heads % hp == 0
     if not ok:
         raise ValueError(f"{op}: picks is {picks.dtype} {tuple(picks.shape)}; it must be integer "
                          f"{(*rows, 'P')} or {(*rows, 'Hp', 'P')} with Hp dividing the "
@@ -137,7 +138,7 @@ def sparse_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     pick standing for ``pick_block`` positions (module docstring); ``sinks`` ``[H]``: one more
     logit per head in the softmax denominator, as in ``ragged_attention``. Returns
     ``[N, H, Dv]`` in q's dtype; rows past ``query_start_loc[R]`` are zeros."""
-    check_picks("sparse_attention", q, picks, tuple(q.shape[:1]), pick_block)
+    check_picks("sparse_attention", q.shape, picks, pick_block)
     check_semantics("sparse_attention", 0, 0.0, sinks, q.shape[1])
     kv_write(k, v, k_cache, v_cache, slot_mapping)
     heads = q.shape[1]
