@@ -26,6 +26,7 @@ from ..specs import AttentionSpec, LinearSpec
 from .compressed import compressor_hooks
 from .sparse import INDEXER_KEYS, IndexerMask, indexer_hooks, sparse_attention_module
 from .dbrx import dbrx_hooks
+from .jetmoe import jetmoe_hooks
 from .longcat import longcat_hooks
 from .rotary import check_rotaries
 from .experts import experts_hooks
@@ -537,7 +538,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
             with route, hybrid_hooks(linear), \
                     vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
                     experts_hooks(model), dbrx_hooks(model, names), \
-                    longcat_hooks(model, names), \
+                    longcat_hooks(model, names), jetmoe_hooks(model, names), \
                     compressor_hooks(model, names), indexer_hooks(model, names), \
                     temperature_hooks(model, names):
                 yield

@@ -24,27 +24,33 @@ PLAIN_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 """Weight dtypes a replaced forward reads as they are (no quantized or packed storage)."""
 
 
-def source_key(cls) -> str:
-    """sha256 prefix of ``cls.forward``'s source: which forward a capture was derived from."""
-    return hashlib.sha256(inspect.getsource(cls.forward).encode()).hexdigest()[:16]
+def source_key(cls, method: str = "forward") -> str:
+    """sha256 prefix of ``cls.<method>``'s source: which forward a capture was derived from."""
+    return hashlib.sha256(inspect.getsource(getattr(cls, method)).encode()).hexdigest()[:16]
 
 
-def known_forward(module: nn.Module, cls: type, known: Collection[str]) -> bool:
-    """``module`` is exactly ``cls``, its forward is the class's (none set on the instance),
-    and ``cls.forward``'s :func:`source_key` is one of ``known``."""
-    return type(module) is cls and "forward" not in module.__dict__ and \
-        source_key(cls) in known
+def known_forward(module: nn.Module, cls: type, known: Collection[str],
+                  method: str = "forward") -> bool:
+    """``module`` is exactly ``cls``, its ``method`` is the class's (none set on the
+    instance), and that method's :func:`source_key` is one of ``known``."""
+    return type(module) is cls and method not in module.__dict__ and \
+        source_key(cls, method) in known
 
 
 @contextlib.contextmanager
-def swapped_forward(cls, forward: Callable) -> Iterator[None]:
-    """``cls.forward`` is ``forward`` inside the block, the original again after it."""
-    original = cls.forward
-    cls.forward = forward
+def swapped_forward(cls, forward: Callable, method: str = "forward") -> Iterator[None]:
+    """``cls.<method>`` (its forward unless named) is ``forward`` inside the block, the
+    original again after it."""
+    own = method in cls.__dict__
+    original = cls.__dict__.get(method)
+    setattr(cls, method, forward)
     try:
         yield
     finally:
-        cls.forward = original
+        if own:
+            setattr(cls, method, original)
+        else:  # inherited: the base class's again
+            delattr(cls, method)
 
 
 def bind_call(names: tuple[str, ...], required: int, args: tuple, kwargs: dict,
