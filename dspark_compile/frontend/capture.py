@@ -29,6 +29,7 @@ from typing import Iterator
 
 import sympy
 import torch
+from torch._decomp import get_decompositions
 from torch._dispatch.python import enable_python_dispatcher
 import torch.fx as fx
 from torch._subclasses.fake_tensor import FakeTensorMode
@@ -48,6 +49,11 @@ log = logging.getLogger("dspark_compile")
 
 SAMPLE_BS = 3
 SAMPLE_T = 5
+
+DECOMPOSED = get_decompositions([torch.ops.aten.log_sigmoid_forward])
+"""Ops traced as torch's own decompositions: ``log_sigmoid_forward`` returns a second output
+(a buffer for its backward) and is not tagged pointwise; decomposed it is ``min(x, 0) -
+log1p(exp(-|x|))``, plain pointwise ops the token-axis proof knows."""
 _SAMPLE_PAGES = 2
 _SAMPLE_PAGE_SIZE = 4
 
@@ -438,7 +444,8 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
         # calls specialised bs and T on torch 2.11 without it).
         with torch.no_grad(), mode, enable_python_dispatcher(), \
                 _refuse_model_failures(adapter):
-            gm = make_fx(dense_verify, tracing_mode="real", record_stack_traces=True)(*fakes)
+            gm = make_fx(dense_verify, tracing_mode="real", record_stack_traces=True,
+                         decomposition_table=DECOMPOSED)(*fakes)
     finally:
         model.train(was_training)
     _drop_empty_cats(gm)
