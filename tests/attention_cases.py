@@ -70,10 +70,12 @@ def make_case(lens, contexts, heads, kv_heads, dk, dv=None, page=4, num_pad=0, s
 
 
 def naive_attention(case: AttentionCase, scale: float, window: int = 0, softcap: float = 0.0,
-                    sinks: Optional[torch.Tensor] = None, chunk: int = 0) -> torch.Tensor:
+                    sinks: Optional[torch.Tensor] = None, chunk: int = 0,
+                    rel: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 ``[N, H, Dv]``: per request, every position's K/V (pool, then this step's rows),
     one dense masked softmax. Padding rows are zeros. Reads every position of the request, so
-    it is the oracle for values, not for containment."""
+    it is the oracle for values, not for containment. ``rel [N, H, E]``: HF's materialised
+    position bias, gathered by distance and zero past ``E`` (Inkling's)."""
     q, k, v = case.q.float(), case.k.float(), case.v.float()
     page = case.k_cache.shape[1]
     heads, group = q.shape[1], q.shape[1] // k.shape[1]
@@ -94,6 +96,12 @@ def naive_attention(case: AttentionCase, scale: float, window: int = 0, softcap:
         qpos = ctx + torch.arange(length)[:, None]
         kpos = torch.arange(ctx + length)[None, :]
         mask = kpos <= qpos
+        if rel is not None:
+            dist = (qpos - kpos).expand(length, ctx + length)  # [L, S]
+            extent = rel.shape[2]
+            table = rel[s:e].float().transpose(0, 1)  # [H, L, E]
+            bias = table.gather(2, dist.clamp(0, extent - 1).expand(heads, -1, -1))
+            scores = scores + bias.masked_fill((dist < 0) | (dist >= extent), 0.0)
         if window > 0:
             mask &= kpos > qpos - window
         if chunk > 0:  # transformers' chunked_overlay: the same chunk of positions

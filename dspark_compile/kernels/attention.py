@@ -39,7 +39,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.attention_reference import check_semantics
+from ..ops.attention_reference import check_rel, check_semantics
 from .launch import launch
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .device import device_target, fp32_dot_precision, register_cap
@@ -178,16 +178,35 @@ def _tanh(x):
 
 
 @triton.jit
+def _rel_tile(rel_ptr, rel_rows, row_ok, qpos, kpos, rel_extent, HAS_REL: tl.constexpr):
+    """Relative logits of a score tile in the log2 domain: ``rel[row, h, qpos - kpos]`` where
+    ``0 <= qpos - kpos < rel_extent``, else 0 (``rel_rows [BLOCK_M]``: each row's element
+    offset of distance 0, ``qpos [BLOCK_M]``, ``kpos [TILE]``); 0 without ``HAS_REL``."""
+    if HAS_REL:
+        dist = qpos[:, None] - kpos[None, :]  # [BLOCK_M, TILE]
+        near = (dist >= 0) & (dist < rel_extent) & row_ok[:, None]
+        bias = tl.load(rel_ptr + rel_rows[:, None] + dist, mask=near, other=0.0)
+        bias = bias.to(tl.float32) * 1.4426950408889634  # log2(e)
+    else:
+        bias = 0.0
+    return bias
+
+
+@triton.jit
 def _softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2, softcap_log2,
-                  DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr):
+                  DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
+                  bias=0.0, HAS_REL: tl.constexpr = False):
     """One online-softmax step over a key tile (scores in the log2 domain, fp32 state).
 
     ``HAS_SOFTCAP``: ``scale_log2`` is ``scale / softcap`` and ``softcap_log2`` is ``softcap *
     log2(e)``, so the score is ``softcap * tanh(scale * q.k / softcap)`` in the log2 domain,
-    capped before the mask (Gemma 2's order)."""
+    capped before the mask (Gemma 2's order). ``HAS_REL``: ``bias [BLOCK_M, TILE_N]`` (the
+    relative logits in the log2 domain, :func:`_rel_tile`) is added after the scaling."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
     if HAS_SOFTCAP:
         s = _tanh(s) * softcap_log2
+    if HAS_REL:
+        s = s + bias
     if MASKED:
         s = tl.where(s_mask, s, float("-inf"))  # before the max: hidden keys never count
     m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -202,10 +221,11 @@ def _softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2, softcap_log2,
 @triton.jit
 def _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, kv_head,
                   offs_n, offs_d, d_mask, offs_dv, dv_mask, m_i, l_i, acc, scale_log2,
-                  softcap_log2, stride_cache_row, PAGE_SIZE: tl.constexpr,
+                  softcap_log2, stride_cache_row, rel_ptr, rel_rows, row_ok, qpos, rel_extent,
+                  PAGE_SIZE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, TILE_N: tl.constexpr,
                   UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr):
+                  HAS_SOFTCAP: tl.constexpr, HAS_REL: tl.constexpr):
     """Key tiles ``t_lo .. t_end`` of the committed context (keys ``< context``, in the pool).
 
     Every such key is visible to every row of the q-block (with a window: these are the tiles
@@ -221,6 +241,7 @@ def _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context,
         key_ok = pos < context
         k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask, offs_dv,
                         dv_mask, HEAD_DIM, HEAD_DIM_V)
+        bias = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, pos, rel_extent, HAS_REL)
         pos = (t + 1) * TILE_N + offs_n
         rows = _pool_rows(bt_row_ptr, pos, pos < context, kv_head, stride_cache_row,
                           PAGE_SIZE, HEAD_DIM)
@@ -228,14 +249,15 @@ def _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context,
             k = k.to(tl.float32)
             v = v.to(tl.float32)
         m_i, l_i, acc = _softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, scale_log2,
-                                      softcap_log2, DOT_PRECISION, True, HAS_SOFTCAP)
+                                      softcap_log2, DOT_PRECISION, True, HAS_SOFTCAP, bias,
+                                      HAS_REL)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _guarded_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
                   UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr):
+                  HAS_SOFTCAP: tl.constexpr, bias=0.0, HAS_REL: tl.constexpr = False):
     """A softmax step over keys that some rows see and others do not (``visible [BLOCK_M,
     TILE]``): a non-finite V is zeroed before ``P @ V`` (``0 * NaN`` is NaN) and given back, as
     NaN, only to the rows that see it (the reference gives NaN there, or Inf for an Inf)."""
@@ -245,7 +267,7 @@ def _guarded_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
-                                  DOT_PRECISION, True, HAS_SOFTCAP)
+                                  DOT_PRECISION, True, HAS_SOFTCAP, bias, HAS_REL)
     hits = tl.dot(visible.to(tl.float16), bad.to(tl.float16), out_dtype=tl.float32)
     return m_i, l_i, tl.where(hits > 0, float("nan"), acc)
 
@@ -263,10 +285,11 @@ def _first_key(pos, window, CHUNKED: tl.constexpr):
 @triton.jit
 def _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, key_lo, row_lo,
                  kv_head, offs_n, offs_d, d_mask, offs_dv, dv_mask, m_i, l_i, acc, scale_log2,
-                 softcap_log2, stride_cache_row, PAGE_SIZE: tl.constexpr,
+                 softcap_log2, stride_cache_row, rel_ptr, rel_rows, row_ok, qpos, rel_extent,
+                 PAGE_SIZE: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, TILE_N: tl.constexpr,
                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr):
+                 HAS_SOFTCAP: tl.constexpr, HAS_REL: tl.constexpr):
     """Context tiles ``t_lo .. t_end`` of a windowed q-block's band: keys the first row's window
     reaches but a later row's does not (``row_lo [BLOCK_M]``: each row's first key). Keys below
     ``key_lo`` (the first row's) are not read, nor their page ids; at verify widths the band is
@@ -279,8 +302,10 @@ def _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, 
         k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask, offs_dv,
                         dv_mask, HEAD_DIM, HEAD_DIM_V)
         visible = key_ok[None, :] & (pos[None, :] >= row_lo[:, None])
+        bias = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, pos, rel_extent, HAS_REL)
         m_i, l_i, acc = _guarded_step(q, k, v, visible, m_i, l_i, acc, scale_log2,
-                                      softcap_log2, UPCAST, DOT_PRECISION, HAS_SOFTCAP)
+                                      softcap_log2, UPCAST, DOT_PRECISION, HAS_SOFTCAP, bias,
+                                      HAS_REL)
     return m_i, l_i, acc
 
 
@@ -288,9 +313,10 @@ def _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, 
 def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_own,
                    kv_head, offs_e, offs_d, d_mask, offs_dv, dv_mask, m_i, l_i, acc,
                    scale_log2, softcap_log2, window, context, stride_k_tok, stride_k_head,
-                   stride_v_tok, stride_v_head, UPCAST: tl.constexpr,
+                   stride_v_tok, stride_v_head, rel_ptr, rel_rows, row_ok, qpos, rel_extent,
+                   UPCAST: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, CHUNKED: tl.constexpr):
+                   HAS_SOFTCAP: tl.constexpr, CHUNKED: tl.constexpr, HAS_REL: tl.constexpr):
     """The request's own new keys ``e0 ..`` (rows ``row0 + e`` of ``k``/``v``), causal.
 
     Read from the inputs rather than the pool (no program reads a pool row written in this
@@ -317,8 +343,9 @@ def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_
     if HAS_WINDOW:  # key position context + e at or past the row's first key
         visible = visible & (context + e[None, :] >= _first_key(context + q_own[:, None],
                                                                  window, CHUNKED))
+    bias = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, context + e, rel_extent, HAS_REL)
     m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
-                                  DOT_PRECISION, True, HAS_SOFTCAP)
+                                  DOT_PRECISION, True, HAS_SOFTCAP, bias, HAS_REL)
     hits = tl.dot(visible.to(tl.float16), bad.to(tl.float16), out_dtype=tl.float32)
     return m_i, l_i, tl.where(hits > 0, float("nan"), acc)
 
@@ -373,10 +400,11 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
             key_lo, req_start, q0, n_q, q_idx, kv_head, n_ctx, u_lo, u_hi, e_skip, offs_d,
             d_mask, offs_dv, dv_mask, m_i, l_i, acc, scale_log2, softcap_log2, window,
             stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
+            rel_ptr, rel_rows, row_ok, rel_extent,
             PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             TILE_N: tl.constexpr, NEW_N: tl.constexpr, UPCAST: tl.constexpr,
             DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-            CHUNKED: tl.constexpr):
+            CHUNKED: tl.constexpr, HAS_REL: tl.constexpr):
     """This split's units ``u_lo .. u_hi`` (:func:`_split_units`): the first context tile,
     already loaded (``k0``, ``v0``, ``key_ok0``: :func:`_first_tile`; an all-masked tile
     leaves the state as it was), the rest of the context, then the new keys.
@@ -387,33 +415,40 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
     band are today's loop."""
     offs_n = tl.arange(0, TILE_N)
     t_end = tl.minimum(u_hi, n_ctx)
+    qpos = context + q0 + q_idx  # [BLOCK_M] each row's position (the relative logits')
+    bias0 = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, u_lo * TILE_N + offs_n, rel_extent,
+                      HAS_REL)
     if HAS_WINDOW:
         row_lo = _first_key(context + q0 + q_idx, window, CHUNKED)  # [BLOCK_M]
         last_lo = _first_key(context + q0 + n_q - 1, window, CHUNKED)  # the last row's
         pos0 = u_lo * TILE_N + offs_n
         visible0 = key_ok0[None, :] & (pos0[None, :] >= row_lo[:, None])
         m_i, l_i, acc = _guarded_step(q, k0, v0, visible0, m_i, l_i, acc, scale_log2,
-                                      softcap_log2, UPCAST, DOT_PRECISION, HAS_SOFTCAP)
+                                      softcap_log2, UPCAST, DOT_PRECISION, HAS_SOFTCAP, bias0,
+                                      HAS_REL)
         band_end = tl.cdiv(tl.maximum(last_lo, 0), TILE_N)
         m_i, l_i, acc = _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, u_lo + 1,
                                      tl.minimum(t_end, band_end), context, key_lo, row_lo,
                                      kv_head, offs_n, offs_d, d_mask, offs_dv, dv_mask, m_i,
                                      l_i, acc, scale_log2, softcap_log2, stride_cache_row,
+                                     rel_ptr, rel_rows, row_ok, qpos, rel_extent,
                                      PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, UPCAST,
-                                     DOT_PRECISION, HAS_SOFTCAP)
+                                     DOT_PRECISION, HAS_SOFTCAP, HAS_REL)
         t_lo = tl.maximum(u_lo + 1, band_end)
     else:
         if UPCAST:
             k0 = k0.to(tl.float32)
             v0 = v0.to(tl.float32)
         m_i, l_i, acc = _softmax_step(q, k0, v0, key_ok0[None, :], m_i, l_i, acc, scale_log2,
-                                      softcap_log2, DOT_PRECISION, True, HAS_SOFTCAP)
+                                      softcap_log2, DOT_PRECISION, True, HAS_SOFTCAP, bias0,
+                                      HAS_REL)
         t_lo = u_lo + 1
     m_i, l_i, acc = _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end,
                                   context, kv_head, offs_n, offs_d, d_mask, offs_dv, dv_mask,
                                   m_i, l_i, acc, scale_log2, softcap_log2, stride_cache_row,
+                                  rel_ptr, rel_rows, row_ok, qpos, rel_extent,
                                   PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, UPCAST,
-                                  DOT_PRECISION, HAS_SOFTCAP)
+                                  DOT_PRECISION, HAS_SOFTCAP, HAS_REL)
     for u in range(tl.maximum(u_lo, n_ctx), u_hi):
         if HAS_WINDOW:
             e0 = (u - n_ctx + e_skip) * NEW_N
@@ -423,8 +458,8 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
             q, k_ptr, v_ptr, k_cache_ptr.dtype.element_ty, req_start, e0, q0 + n_q,
             q0 + q_idx, kv_head, tl.arange(0, NEW_N), offs_d, d_mask, offs_dv, dv_mask, m_i,
             l_i, acc, scale_log2, softcap_log2, window, context, stride_k_tok, stride_k_head,
-            stride_v_tok, stride_v_head, UPCAST, DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP,
-            CHUNKED)
+            stride_v_tok, stride_v_head, rel_ptr, rel_rows, row_ok, qpos, rel_extent, UPCAST,
+            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, CHUNKED, HAS_REL)
     return m_i, l_i, acc
 
 
@@ -482,11 +517,13 @@ def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, tokens, heads, row_ok, off
     tl.store(ptrs + offs_d[None, :], out.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-@triton.jit(do_not_specialize=["num_tokens", "num_requests", "num_splits", "window"])
+@triton.jit(do_not_specialize=["num_tokens", "num_requests", "num_splits", "window",
+                             "rel_extent"])
 def _ragged_attention_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr,
         v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, slot_mapping_ptr,
-        sinks_ptr, scale_log2, softcap_log2, window,
+        sinks_ptr, rel_ptr, scale_log2, softcap_log2, window, rel_extent, stride_rel_tok,
+        stride_rel_head,
         num_tokens, num_requests, num_splits, stride_q_tok, stride_q_head, stride_k_tok,
         stride_k_head,
         stride_v_tok, stride_v_head, stride_out_tok, stride_out_head, stride_bt_req,
@@ -498,7 +535,8 @@ def _ragged_attention_kernel(
         SEARCH_ONCE: tl.constexpr, SPLIT: tl.constexpr, FOLD: tl.constexpr,
         MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
         EARLY: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr,
-        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, CHUNKED: tl.constexpr):
+        HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, CHUNKED: tl.constexpr,
+        HAS_REL: tl.constexpr):
     """One (q-block, KV head, split): fused KV write, then attention over the paged context.
 
     ``FOLD`` (with ``SPLIT``): the last of a q-block's programs to finish merges the partials
@@ -515,6 +553,8 @@ def _ragged_attention_kernel(
     chunk, ``window`` holding the chunk size), ``HAS_SOFTCAP`` (:func:`_softmax_step`), ``HAS_SINKS``
     (``sinks_ptr [H]``, any float dtype: split 0 starts each row's online softmax from the
     sink logit, ``m = sink``, ``l = 1``, so the merge of partials counts it exactly once).
+    ``HAS_REL`` (``rel_ptr [N, H, rel_extent]``, any float dtype, last dim dense: each score
+    gains its row's logit of the key's distance, :func:`_rel_tile`).
     ``HEAD_DIM_V`` may differ from ``HEAD_DIM`` (q/k): acc, partials and out have V's.
     """
     if not EARLY:
@@ -561,6 +601,7 @@ def _ragged_attention_kernel(
     row_ok = (q_idx < n_q) & (offs_m % GROUP_PAD < GROUP)  # [BLOCK_M]
     tokens = (req_start + q0 + q_idx).to(tl.int64)
     heads = kv_head * GROUP + offs_m % GROUP_PAD
+    rel_rows = tokens * stride_rel_tok + heads * stride_rel_head  # HAS_REL only
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], tl.float32)
@@ -584,8 +625,9 @@ def _ragged_attention_kernel(
                             n_ctx, u_lo, u_hi, e_skip, offs_d, d_mask, offs_dv, dv_mask, m_i,
                             l_i, acc, scale_log2, softcap_log2, window, stride_k_tok,
                             stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
+                            rel_ptr, rel_rows, row_ok, rel_extent,
                             PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, NEW_N, UPCAST,
-                            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, CHUNKED)
+                            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, CHUNKED, HAS_REL)
     _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads, row_ok,
                 offs_dv, dv_mask, split, num_tokens, stride_out_tok, stride_out_head,
                 NUM_HEADS, HEAD_DIM_V, SPLIT)
@@ -876,6 +918,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             block_table: torch.Tensor, slot_mapping: torch.Tensor, scale: float,
                             window: int = 0, softcap: float = 0.0,
                             sinks: torch.Tensor | None = None, chunk: int = 0,
+                            rel: torch.Tensor | None = None,
                             max_query_len: int | None = None, num_splits: int | None = None,
                             config: TargetConfig | None = None,
                             out: torch.Tensor | None = None,
@@ -883,8 +926,8 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             early_reads: bool = False) -> torch.Tensor:
     """Triton ``dspark::ragged_attention``: same arguments and result as the reference.
 
-    ``window``, ``softcap``, ``sinks``, ``chunk``: the reference's switches, checked on the
-    host before anything launches; each turns on a constexpr of the one kernel (all off: the
+    ``window``, ``softcap``, ``sinks``, ``chunk``, ``rel``: the reference's switches, checked on
+    the host before anything launches; each turns on a constexpr of the one kernel (all off: the
     plain causal build; a chunk runs the window's code with ``CHUNKED``, the chunk size in
     ``window``). A window or chunk that reaches past the block table's width (no key is ever
     outside it) is plain causal. ``max_query_len``: a host bound on any request's length (default ``N``, always
@@ -902,6 +945,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """
     _check_inputs((q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                    slot_mapping, out), max_query_len, window, softcap, sinks, chunk)
+    check_rel("ragged_attention_triton", rel, tuple(q.shape[:2]), softcap, q.device)
     n, h, d = q.shape
     dv = v.shape[2]
     r = query_start_loc.shape[0] - 1
@@ -934,8 +978,10 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     launch(_ragged_attention_kernel, plan.grid,
         out, part_acc, part_ml, out if counters is None else counters, q, k, v, k_cache,
         v_cache, query_start_loc, seq_lens,
-        block_table, slot_mapping, q if sinks is None else sinks, qk_scale,
-        float(softcap) * _LOG2E, window, n, r, plan.num_splits, q.stride(0),
+        block_table, slot_mapping, q if sinks is None else sinks, q if rel is None else rel,
+        qk_scale, float(softcap) * _LOG2E, window, 0 if rel is None else rel.shape[2],
+        0 if rel is None else rel.stride(0), 0 if rel is None else rel.stride(1),
+        n, r, plan.num_splits, q.stride(0),
         q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),
         block_table.stride(0), hkv * d, NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad,
@@ -946,7 +992,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         MAX_SPLITS=max_splits, UPCAST=q.dtype != k_cache.dtype,
         DOT_PRECISION=fp32_dot_precision(cfg), EARLY=pdl and early_reads and cfg.attn_early_reads,
         PDL=pdl, HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
-        HAS_SINKS=sinks is not None, CHUNKED=chunked,
+        HAS_SINKS=sinks is not None, CHUNKED=chunked, HAS_REL=rel is not None,
         num_warps=plan.num_warps, num_stages=plan.num_stages, **regs, **pdl_options(pdl))
     if split and counters is None:
         launch(_split_reduce_kernel, (n,),

@@ -21,6 +21,10 @@ Attention semantics (Hugging Face's conventions, checked against transformers 5.
   ``eager_attention_forward``: after the scaling, before mask and softmax); 0: none.
 - ``sinks`` ``[H]``: one extra logit per query head joins the softmax denominator, unscaled and
   not softcapped, and is dropped from the output (GPT-OSS's ``s_aux``).
+- ``rel`` ``[N, H, E]`` (relative logits, one row of ``E`` per query row and head): a query at
+  ``p`` adds ``rel[row, h, p - kpos]`` to its score of a key at ``kpos`` when ``0 <= p - kpos <
+  E``, nothing past that (Inkling's relative position bias: HF's eager ``attn_weights +
+  position_bias`` after the scaling, before mask and softmax); not with ``softcap``.
 - V's head dim may differ from q/k's (DeepSeek MLA expanded: 192 / 128); out has V's.
 """
 
@@ -32,7 +36,7 @@ from typing import Optional
 import torch
 
 __all__ = ["kv_write", "ragged_attention", "dense_cached_attention", "check_semantics",
-           "visible_from"]
+           "check_rel", "visible_from"]
 
 _SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -62,6 +66,27 @@ def check_semantics(op: str, window, softcap, sinks, num_heads: int, device=None
                          f"float tensor [H] = [{num_heads}] (one logit per query head)")
     if device is not None and sinks.device != device:
         raise ValueError(f"{op}: sinks is on {sinks.device} but q is on {device}; move it there")
+
+
+def check_rel(op: str, rel, lead: tuple, softcap, device=None) -> None:
+    """``rel`` is None or a float tensor ``[*lead, E]`` with ``E >= 1`` (``lead``: ``(N, H)`` for
+    the ragged op, ``(bs, H, T)`` for the dense one) and a dense last dim, on ``device`` when
+    given, and ``softcap`` is 0; else ``ValueError`` naming the argument and the rule."""
+    if rel is None:
+        return
+    shape = tuple(getattr(rel, "shape", ()))
+    if not isinstance(rel, torch.Tensor) or rel.dtype not in _SINK_DTYPES or \
+            len(shape) != len(lead) + 1 or shape[:-1] != tuple(lead) or shape[-1] < 1:
+        raise ValueError(f"{op}: rel is {getattr(rel, 'dtype', type(rel).__name__)} of shape "
+                         f"{shape}; it must be None or a float tensor [{', '.join(map(str, lead))}"
+                         f", E] with E >= 1 (q's rows and heads, one logit a distance)")
+    if rel.stride(-1) != 1:
+        raise ValueError(f"{op}: rel has stride {rel.stride(-1)} in its last dim; it must be 1")
+    if softcap:
+        raise ValueError(f"{op}: rel with softcap={softcap}; a relative bias is defined "
+                         "without a logit softcap only")
+    if device is not None and rel.device != device:
+        raise ValueError(f"{op}: rel is on {rel.device} but q is on {device}; move it there")
 
 
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
@@ -97,9 +122,11 @@ def visible_from(pos: int, window: int, chunk: int) -> int:
 
 def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_key: int,
                 context: int, scale: float, window: int, softcap: float,
-                sinks: Optional[torch.Tensor], chunk: int = 0) -> torch.Tensor:
+                sinks: Optional[torch.Tensor], chunk: int = 0,
+                rel: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of ``q [L, H, Dk]`` at positions ``context + j`` over ``keys [S, Hkv, Dk]``,
-    ``values [S, Hkv, Dv]`` holding positions ``first_key ..``; returns fp32 ``[L, H, Dv]``."""
+    ``values [S, Hkv, Dv]`` holding positions ``first_key ..`` (``rel [L, H, E]``: the rows'
+    relative logits); returns fp32 ``[L, H, Dv]``."""
     num_q, num_heads, _ = q.shape
     group = num_heads // keys.shape[1]
     kh = keys.float().repeat_interleave(group, dim=1)  # [S, H, Dk]
@@ -112,6 +139,10 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first
         scores = torch.einsum("hd,shd->hs", q[j].float(), kh[seen]) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
+        if rel is not None:  # key at kpos: distance pos - kpos, in range for the nearest E
+            dist = pos - torch.arange(lo, pos + 1, device=q.device)
+            near = dist < rel.shape[2]
+            scores[:, near] += rel[j][:, dist[near]].float()
         if sinks is not None:  # one more logit per head in the denominator, then dropped
             logits = torch.cat([scores, sinks.float()[:, None]], dim=1)
             probs = torch.softmax(logits, dim=-1)[:, :-1]
@@ -126,16 +157,17 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      seq_lens: torch.Tensor, block_table: torch.Tensor,
                      slot_mapping: torch.Tensor, scale: float, window: int = 0,
                      softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
-                     chunk: int = 0) -> torch.Tensor:
+                     chunk: int = 0, rel: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Write the new K/V, then causal paged attention for packed queries.
 
     q ``[N, H, Dk]``; k ``[N, Hkv, Dk]``, v ``[N, Hkv, Dv]``; pools ``[pages, page_size, Hkv,
     Dk or Dv]``; query_start_loc ``[R + 1]``; seq_lens ``[R]`` (context + own length);
     block_table ``[R, pages_per_request]``; slot_mapping ``[N]`` (< 0 for padding rows);
-    ``window``, ``softcap``, ``sinks``, ``chunk``: the module docstring. Returns ``[N, H, Dv]``
-    in q's dtype; rows past ``query_start_loc[R]`` are zeros.
+    ``window``, ``softcap``, ``sinks``, ``chunk``, ``rel``: the module docstring. Returns
+    ``[N, H, Dv]`` in q's dtype; rows past ``query_start_loc[R]`` are zeros.
     """
     check_semantics("ragged_attention", window, softcap, sinks, q.shape[1], chunk=chunk)
+    check_rel("ragged_attention", rel, tuple(q.shape[:2]), softcap)
     kv_write(k, v, k_cache, v_cache, slot_mapping)
     out = torch.zeros(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
     qsl = query_start_loc.tolist()
@@ -149,7 +181,8 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         keys = _gather_keys(k_cache, block_table[i], first, lens[i])
         values = _gather_keys(v_cache, block_table[i], first, lens[i])
         out[start:end] = _attend_one(q[start:end], keys, values, first, context, scale,
-                                     window, softcap, sinks, chunk)
+                                     window, softcap, sinks, chunk,
+                                     None if rel is None else rel[start:end])
     return out.to(q.dtype)
 
 
@@ -158,11 +191,11 @@ def dense_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            block_table: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, window: int = 0, softcap: float = 0.0,
                            sinks: Optional[torch.Tensor] = None,
-                           chunk: int = 0) -> torch.Tensor:
+                           chunk: int = 0, rel: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dense verify attention: every one of ``bs`` requests runs ``T`` tokens.
 
     q ``[bs, H, T, Dk]``, k ``[bs, Hkv, T, Dk]``, v ``[bs, Hkv, T, Dv]`` (the layout HF attention
-    functions receive); returns ``[bs, T, H, Dv]``. Token ``t`` of request ``b`` sits at
+    functions receive), rel ``[bs, H, T, E]``; returns ``[bs, T, H, Dv]``. Token ``t`` of request ``b`` sits at
     ``context_lens[b] + t``, writes its K/V there and attends keys ``0 .. context_lens[b] + t``
     (the last ``window`` of them with a window, those of its own chunk with ``chunk``). Defined
     as the ragged op on ``bs`` requests
@@ -177,11 +210,13 @@ def dense_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     page = block_table.long().gather(1, pos // page_size)
     slot_mapping = (page * page_size + pos % page_size).flatten()
     dv = v.shape[3]
+    check_rel("dense_cached_attention", rel, (bs, num_heads, t), softcap)
+    rows = None if rel is None else rel.transpose(1, 2).reshape(bs * t, num_heads, -1)
     out = ragged_attention(
         q.transpose(1, 2).reshape(bs * t, num_heads, d),
         k.transpose(1, 2).reshape(bs * t, k.shape[1], d),
         v.transpose(1, 2).reshape(bs * t, v.shape[1], dv),
         k_cache, v_cache, qsl, context_lens.long() + t, block_table, slot_mapping, scale,
-        window, softcap, sinks, chunk,
+        window, softcap, sinks, chunk, rows,
     )
     return out.view(bs, t, num_heads, dv)

@@ -161,8 +161,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
             result.rewrites.append((f"{node.name} -> {twin.__name__}", source_line(node)))
             continue
         q, k, v, k_cache, v_cache, block_table, _context_lens, scale, *semantics = node.args
-        if node.kwargs:  # window / softcap / sinks / chunk, however the capture recorded them
-            names = ("window", "softcap", "sinks", "chunk")[len(semantics):]
+        if node.kwargs:  # window / softcap / sinks / chunk / rel, as the capture recorded them
+            names = ("window", "softcap", "sinks", "chunk", "rel")[len(semantics):]
             semantics += [node.kwargs[n] for n in names if n in node.kwargs]
         _, heads, _, dim = q.meta["val"].shape
         kv_heads, v_dim = k.meta["val"].shape[1], v.meta["val"].shape[-1]
@@ -174,6 +174,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
                 x_t = add_node(graph, node, aten.transpose.int, x, 1, 2)  # [bs, T, h, d]
                 return reshape_node(graph, node, x_t, [rows, n_heads, d], decide=exact)
 
+            if len(semantics) > 4 and semantics[4] is not None:  # rel [bs, H, T, E] -> rows
+                semantics[4] = to_rows(semantics[4], heads, semantics[4].meta["val"].shape[-1])
             out = add_node(graph, node, RAGGED.default, to_rows(q, heads, dim),
                            to_rows(k, kv_heads, dim), to_rows(v, kv_heads, v_dim), k_cache,
                            v_cache, meta["query_start_loc"], meta["seq_lens"], table, slots,

@@ -16,7 +16,7 @@ import pytest
 from aot import TARGET_NAMES, aot_tests, compile_kernel
 
 # case -> (kernel, dtype of q/k/v/pools/out, shape (N, R, H, Hkv, D, page, max_query_len),
-# split count[, semantics: Dv, window / softcap / sinks / chunk switches]); constexprs and launch
+# split count[, semantics: Dv, window / softcap / sinks / chunk / rel switches]); constexprs and launch
 # options
 # come from plan_attention, as at run time.
 CASES = {
@@ -39,6 +39,10 @@ CASES = {
     # chunked attention (Llama 4): the window's code with per-row chunk starts, split 4
     "attention_bf16_chunked": ("_ragged_attention_kernel", "bf16", (24, 3, 8, 2, 128, 16, 8),
                                4, dict(window=True, chunk=True)),
+    # relative logits (Inkling) under a window, split 4: every step adds its tile's logits
+    "attention_bf16_relative_window": ("_ragged_attention_kernel", "bf16",
+                                       (24, 3, 8, 2, 128, 16, 8), 4,
+                                       dict(window=True, rel="bf16")),
 }
 
 
@@ -65,11 +69,13 @@ def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg,
     pointers.update({name: dtype for name in ("q_ptr", "k_ptr", "v_ptr", "k_cache_ptr",
                                               "v_cache_ptr")})
     pointers.update(seq_lens_ptr="i32", block_table_ptr="i32", slot_mapping_ptr="i64",
-                    counter_ptr="i32", sinks_ptr=sem.get("sinks", dtype))
+                    counter_ptr="i32", sinks_ptr=sem.get("sinks", dtype),
+                    rel_ptr=sem.get("rel", dtype))
     consts = dict(NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad, HEAD_DIM=d,
                   HEAD_DIM_PAD=head_dim_pad(d), HEAD_DIM_V=dv, HEAD_DIM_V_PAD=head_dim_pad(dv),
                   HAS_WINDOW=sem.get("window", False), HAS_SOFTCAP=sem.get("softcap", False),
-                  HAS_SINKS="sinks" in sem, CHUNKED=sem.get("chunk", False), PAGE_SIZE=page,
+                  HAS_SINKS="sinks" in sem, CHUNKED=sem.get("chunk", False),
+                  HAS_REL="rel" in sem, PAGE_SIZE=page,
                   BLOCK_Q=plan.block_q,
                   BLOCK_M=plan.block_m,
                   TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,

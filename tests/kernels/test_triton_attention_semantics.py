@@ -44,16 +44,16 @@ def _sinks(heads: int, device=DEVICE, dtype=torch.float32) -> torch.Tensor:
     return (torch.randn(heads, generator=g) * 2).to(dtype).to(device)
 
 
-def run_both(case, window=0, softcap=0.0, sinks=None, scale=0.3, chunk=0, **kw):
+def run_both(case, window=0, softcap=0.0, sinks=None, scale=0.3, chunk=0, rel=None, **kw):
     """(triton output, triton pools, reference output, reference pools); the output buffer
     starts as NaN so a row the kernel forgets cannot pass."""
     got_args, ref_args = case.args(), case.args()
     out = torch.full((case.q.shape[0], case.q.shape[1], case.v.shape[2]), float("nan"),
                      dtype=case.q.dtype, device=case.q.device)
     got = ragged_attention_triton(*got_args, scale, window, softcap, sinks, out=out,
-                                  chunk=chunk, **kw)
+                                  chunk=chunk, rel=rel, **kw)
     assert got is out
-    ref = reference.ragged_attention(*ref_args, scale, window, softcap, sinks, chunk)
+    ref = reference.ragged_attention(*ref_args, scale, window, softcap, sinks, chunk, rel)
     return got, got_args[3:5], ref, ref_args[3:5]
 
 
@@ -340,3 +340,43 @@ def test_random_chunked_layouts_match_reference(lens, contexts, chunk, hint, num
                      seed=chunk, device=DEVICE)
     _check(*run_both(case, chunk=chunk, num_splits=num_splits, max_query_len=hint,
                      fold_reduce=fold, config=SMALL_TILES), case.num_real)
+
+
+def _rel(case, extent: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(extent)
+    n, h = case.q.shape[:2]
+    return (torch.randn(n, h, extent, generator=g) * 2).to(dtype).to(case.q.device)
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("extent,window", [(3, 0), (20, 0), (70, 0), (12, 12), (5, 12)])
+def test_relative_logits_match_reference(extent: int, window: int, num_splits: int) -> None:
+    """Relative logits: extents inside the new keys, across context tiles and past every
+    context, under a window as wide as the extent (Inkling's sliding layers) and wider; sinks
+    on; unsplit and split (the first tile, the context loop, the band and the new keys all add
+    the logits of their own distances)."""
+    case = make_case([3, 0, 5, 1], [37, 5, 50, 0], 4, 2, 16, 16, page=8, num_pad=2,
+                     seed=extent, device=DEVICE)
+    _check(*run_both(case, window, 0.0, _sinks(4), rel=_rel(case, extent),
+                     num_splits=num_splits, max_query_len=5, config=SMALL_TILES),
+           case.num_real)
+
+
+@needs_kernel_device
+def test_relative_logits_over_a_prefill_in_bf16() -> None:
+    """A 26-token prefill after 20 keys in 8-query blocks (later blocks' rows far from the
+    first keys), bf16 logits on fp32 queries, reduce launch."""
+    case = make_case([26, 2], [20, 3], 2, 1, 16, 16, page=8, num_pad=1, seed=4, device=DEVICE)
+    _check(*run_both(case, rel=_rel(case, 30, torch.bfloat16), num_splits=2, max_query_len=1,
+                     fold_reduce=False, config=SMALL_TILES), case.num_real)
+
+
+@needs_kernel_device
+def test_relative_logits_refused_before_launch() -> None:
+    case = make_case([2, 1], [3, 0], 4, 2, 16, 16, page=8, device=DEVICE)
+    with pytest.raises(ValueError, match="ragged_attention_triton: rel with softcap=2.0"):
+        ragged_attention_triton(*case.args(), 0.3, softcap=2.0, rel=_rel(case, 4))
+    with pytest.raises(ValueError, match=r"ragged_attention_triton: rel is torch.float32 of "
+                                         r"shape \(\d+, 4, 4, 1\)"):
+        ragged_attention_triton(*case.args(), 0.3, rel=_rel(case, 4)[..., None])

@@ -249,3 +249,79 @@ def test_matches_transformers_attention_functions(family: str) -> None:
         kw = dict(window=window, sinks=module.sinks)
     got = OP(*case.args(), scale, **kw)
     torch.testing.assert_close(got, want[0, ctx:], atol=1e-5, rtol=1e-5)
+
+
+def _rel(case, extent: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    n, h = case.q.shape[:2]
+    return (torch.randn(n, h, extent, generator=g) * 2).to(dtype)
+
+
+@pytest.mark.parametrize("extent, window, with_sinks", [
+    (1, 0, False), (3, 0, False), (6, 5, True), (40, 0, True), (40, 4, False)])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_relative_logits_reference_matches_naive_dense(layout: str, extent: int, window: int,
+                                                       with_sinks: bool) -> None:
+    """Relative logits (Inkling): a query adds its own logit of each key's distance below the
+    extent, nothing past it; extents below and past the contexts, with windows and sinks."""
+    lens, contexts, h, hkv, dk, dv, page, pad = LAYOUTS[layout]
+    case = make_case(lens, contexts, h, hkv, dk, dv, page, num_pad=pad, seed=extent)
+    rel = _rel(case, extent, window)
+    sinks = _sinks(h, 1) if with_sinks else None
+    got = OP(*case.args(), 0.3, window=window, sinks=sinks, rel=rel)
+    want = naive_attention(case, 0.3, window, sinks=sinks, rel=rel)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[case.num_real:], torch.zeros_like(got[case.num_real:]))
+    assert not torch.allclose(got[: case.num_real], OP(*case.args(), 0.3, window=window,
+                                                       sinks=sinks)[: case.num_real])
+
+
+def test_relative_logits_in_bf16_compute_in_fp32() -> None:
+    case = make_case([3, 2], [9, 4], 4, 2, 8, page=4, seed=12)
+    rel = _rel(case, 5, 2)
+    got = OP(*case.args(), 0.3, rel=rel.to(torch.bfloat16))
+    want = OP(*case.args(), 0.3, rel=rel.to(torch.bfloat16).float())
+    assert torch.equal(got, want)
+
+
+def test_dense_op_with_relative_logits_equals_ragged_op() -> None:
+    """rel ``[bs, H, T, E]`` (the layout HF's position bias comes in) to the ragged rows."""
+    bs, t, h, hkv, d = 2, 3, 4, 2, 8
+    case = make_case([t] * bs, [2, 7], h, hkv, d, page=4, seed=8)
+    rel = _rel(case, 4, 3)  # [N, H, E]
+    ragged = OP(*case.args(), 0.3, window=3, rel=rel)
+    args = case.args()
+    dense = torch.ops.dspark.dense_cached_attention(
+        case.q.view(bs, t, h, d).transpose(1, 2), case.k.view(bs, t, hkv, d).transpose(1, 2),
+        case.v.view(bs, t, hkv, d).transpose(1, 2), args[3], args[4], case.block_table,
+        torch.tensor([2, 7], dtype=torch.int32), 0.3, 3, 0.0, None, 0,
+        rel.view(bs, t, h, 4).transpose(1, 2))
+    assert torch.equal(dense.reshape(bs * t, h, d), ragged)
+
+
+@pytest.mark.parametrize("bad, match", [
+    ("rank", r"rel is torch.float32 of shape \(\d+, 4\); it must be None or a float tensor "
+             r"\[\d+, 4, E\]"),
+    ("heads", r"rel is torch.float32 of shape \(\d+, 3, 2\)"),
+    ("empty", r"rel is torch.float32 of shape \(\d+, 4, 0\); .* E >= 1"),
+    ("int", r"rel is torch.int32"),
+    ("stride", r"rel has stride 2 in its last dim"),
+    ("softcap", r"rel with softcap=1.5; a relative bias is defined without a logit softcap"),
+])
+def test_bad_relative_logits_raise_value_error_eager_and_traced(bad: str, match: str) -> None:
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    case = make_case([2, 1], [3, 0], 4, 2, 8, page=4)
+    n = case.q.shape[0]
+    rel, kw = {
+        "rank": (torch.zeros(n, 4), {}), "heads": (torch.zeros(n, 3, 2), {}),
+        "empty": (torch.zeros(n, 4, 0), {}), "int": (torch.zeros(n, 4, 2, dtype=torch.int32), {}),
+        "stride": (torch.zeros(n, 4, 4)[..., ::2], {}),
+        "softcap": (torch.zeros(n, 4, 2), {"softcap": 1.5})}[bad]
+    with pytest.raises(ValueError, match=match):
+        reference.ragged_attention(*case.args(), 0.3, rel=rel, **kw)
+    args = case.args()
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(a) for a in args]
+        with pytest.raises(ValueError, match=match):
+            OP(*fake, 0.3, rel=mode.from_tensor(rel), **kw)
