@@ -98,6 +98,9 @@ class AttentionSpec:
     index: IndexSpec | None = None
     """The layer's own indexer (its key pool); None: none (a plain layer, or a sparse layer that
     reuses an earlier layer's picks)."""
+    relative: int = 0
+    """Relative logits (Inkling): each query adds its own logit for a key's distance when the
+    distance is below ``relative``; 0: none."""
 
     @property
     def value_dim(self) -> int:

@@ -457,6 +457,7 @@ class Verifier:
             traits = [f"window {spec.window}" if spec.window else
                       f"chunks of {spec.chunk}" if spec.chunk else "causal"]
             traits += [f"softcap {spec.softcap}"] * bool(spec.softcap) + ["sinks"] * spec.sinks
+            traits += [f"relative logits over {spec.relative} distances"] * bool(spec.relative)
             c = spec.compress
             if c is not None:
                 traits.append(f"compressed every {c.rate} tokens" +

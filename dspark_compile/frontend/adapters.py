@@ -27,6 +27,7 @@ from .compressed import compressor_hooks
 from .sparse import INDEXER_KEYS, IndexerMask, indexer_hooks, sparse_attention_module
 from .dbrx import dbrx_hooks
 from .jetmoe import jetmoe_hooks
+from .relative import RelativeLogits, relative_hooks
 from .longcat import longcat_hooks
 from .rotary import check_rotaries
 from .experts import experts_hooks
@@ -123,7 +124,17 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     pick_block = 1
     if picks is not None or block_picks is not None or index is not None:
         picks, pick_block = _check_sparse(where, module, picks, block_picks, index, scope)
+    rel = kwargs.pop("position_bias", None)
+    if isinstance(rel, RelativeLogits):  # only a replaced forward (relative.py) makes one
+        rel = rel.logits
+    elif rel is not None:
+        kwargs["position_bias"] = rel  # refused by name below
+        rel = None
     softcap, sinks = _check_attention_arguments(where, dropout, kwargs, window, query)
+    if rel is not None and (picks is not None or chunk or softcap):
+        raise NotImplementedError(
+            f"{where} passes relative logits with an indexer's picks, chunks or a softcap; "
+            "dspark::ragged_attention adds them to causal or sliding-window attention only")
     if picks is not None and (window or chunk or softcap):
         raise NotImplementedError(
             f"{where} attends to an indexer's picks under a window, chunks or a softcap; "
@@ -146,7 +157,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     return scope.attend(None, query, key, value, float(scaling), window=window,
                         softcap=softcap, sinks=sinks, compressed=compressed, chunk=chunk,
                         picks=picks, index=None if index is None else index[0],
-                        pick_block=pick_block), None
+                        pick_block=pick_block, rel=rel), None
 
 
 def _check_sparse(where: str, module, picks, block_picks, index, scope):
@@ -539,6 +550,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
                     vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
                     experts_hooks(model), dbrx_hooks(model, names), \
                     longcat_hooks(model, names), jetmoe_hooks(model, names), \
+                    relative_hooks(model, names), \
                     compressor_hooks(model, names), indexer_hooks(model, names), \
                     temperature_hooks(model, names):
                 yield

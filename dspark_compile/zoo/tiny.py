@@ -118,6 +118,10 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "minimax_m3_vl_text": {"layer_types": ["full_attention", "minimax_m3_sparse"] * 30,
                            "index_block_size": 4, "index_topk_blocks": 2,
                            "index_local_blocks": 1},
+    # Inkling's full layers: relative logits over 6 distances (its 1024 reach past every zoo
+    # sequence), the log scaling on from position 4 (off by default), and weights of std 0.3
+    # (HF's 0.02 leaves the logits near zero), so each is exercised
+    "inkling_text": {"rel_extent": 6, "log_scaling_n_floor": 4, "initializer_range": 0.3},
     # DBRX's attention reads attn_config.rope_theta, which its default attention config lacks
     # (its model cannot build); DBRX's own values: theta 5e5, 8 KV heads (2 at tiny widths),
     # q/k/v clipped at 8
