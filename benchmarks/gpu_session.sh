@@ -60,6 +60,9 @@
 #                 -m gpu), then the five DeepSeek Sparse Attention models and MiniMax-M3's
 #                 block-sparse layers through the Triton lowering (zoo --device cuda, float32 and
 #                 --static), results in zoo_gpu_dsa*.json
+#   reach_tests   Inkling's relative logits and JetMoE's experts on the GPU: their pytest -m gpu
+#                 model tests, the relative-logit kernel cases, and both models through the Triton
+#                 lowering (zoo --device cuda, float32 and --static), zoo_gpu_reach*.json
 #   e2e_small     e2e.py --concurrency 1 8, default draft and --mean-accepted 1.5 (planner at c <= 8)
 #   e2e_256       e2e.py --concurrency 256 --repeats 5, default draft and --mean-accepted 1.5
 #   packed_rotate packed_weights.py --quick --rotate (the model chain's stream, tiles dealt on
@@ -229,6 +232,14 @@ job() {
         python3 -m dspark_compile zoo --device cuda --jobs 5 --timeout 200 $extra \
           --only deepseek_v32 axk2 glm_moe_dsa dots3_note_text hy_v4 minimax_m3_vl_text \
           --out "$OUT/zoo_gpu_dsa${extra:+_static}.json" || exit 1
+      done ;;
+    reach_tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/frontend/test_inkling.py \
+        tests/frontend/test_jetmoe.py &&
+      python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention_semantics.py \
+        -k relative &&
+      for extra in "" "--static"; do
+        python3 -m dspark_compile zoo --device cuda --jobs 2 --timeout 200 $extra \
+          --only inkling_text jetmoe --out "$OUT/zoo_gpu_reach${extra:+_static}.json" || exit 1
       done ;;
     e2e_small) python3 benchmarks/e2e.py --concurrency 1 8 &&
       python3 benchmarks/e2e.py --concurrency 1 8 --mean-accepted 1.5 ;;
