@@ -74,7 +74,8 @@ def naive_attention(case: AttentionCase, scale: float, window: int = 0, softcap:
                     rel: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 ``[N, H, Dv]``: per request, every position's K/V (pool, then this step's rows),
     one dense masked softmax. Padding rows are zeros. Reads every position of the request, so
-    it is the oracle for values, not for containment. ``rel [N, H, E]``: HF's materialised
+    it is the oracle for values, not for containment. ``sinks``: ``[H]`` or a row's own
+    ``[N, H]``. ``rel [N, H, E]``: HF's materialised
     position bias, gathered by distance and zero past ``E`` (Inkling's)."""
     q, k, v = case.q.float(), case.k.float(), case.v.float()
     page = case.k_cache.shape[1]
@@ -108,7 +109,8 @@ def naive_attention(case: AttentionCase, scale: float, window: int = 0, softcap:
             mask &= kpos // chunk == qpos // chunk
         scores = scores.masked_fill(~mask, float("-inf"))
         if sinks is not None:
-            sink_col = sinks.float().view(heads, 1, 1).expand(heads, length, 1)
+            sink_col = sinks[s:e].float().t()[:, :, None] if sinks.dim() == 2 else \
+                sinks.float().view(heads, 1, 1).expand(heads, length, 1)  # [H, L, 1]
             probs = torch.cat([scores, sink_col], -1).softmax(-1)[..., :-1]
         else:
             probs = scores.softmax(-1)

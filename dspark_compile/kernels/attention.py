@@ -523,7 +523,7 @@ def _ragged_attention_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr,
         v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, slot_mapping_ptr,
         sinks_ptr, rel_ptr, scale_log2, softcap_log2, window, rel_extent, stride_rel_tok,
-        stride_rel_head,
+        stride_rel_head, stride_sink_tok,
         num_tokens, num_requests, num_splits, stride_q_tok, stride_q_head, stride_k_tok,
         stride_k_head,
         stride_v_tok, stride_v_head, stride_out_tok, stride_out_head, stride_bt_req,
@@ -551,8 +551,8 @@ def _ragged_attention_kernel(
     (a query at ``p`` sees keys ``p - window < kpos <= p``; tiles below the block's first
     window are no work units; with ``CHUNKED`` it sees ``p - p % window <= kpos <= p``, its
     chunk, ``window`` holding the chunk size), ``HAS_SOFTCAP`` (:func:`_softmax_step`), ``HAS_SINKS``
-    (``sinks_ptr [H]``, any float dtype: split 0 starts each row's online softmax from the
-    sink logit, ``m = sink``, ``l = 1``, so the merge of partials counts it exactly once).
+    (``sinks_ptr [H]``, or ``[N, H]`` with ``stride_sink_tok`` (0 for ``[H]``), any float dtype:
+    split 0 starts each row's online softmax from the sink logit, ``m = sink``, ``l = 1``, so the merge of partials counts it exactly once).
     ``HAS_REL`` (``rel_ptr [N, H, rel_extent]``, any float dtype, last dim dense: each score
     gains its row's logit of the key's distance, :func:`_rel_tile`).
     ``HEAD_DIM_V`` may differ from ``HEAD_DIM`` (q/k): acc, partials and out have V's.
@@ -616,7 +616,8 @@ def _ragged_attention_kernel(
     if UPCAST:
         q = q.to(tl.float32)
     if HAS_SINKS:  # the sink logit (natural units) in the log2 domain, counted by split 0 only
-        sink = tl.load(sinks_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
+        sink = tl.load(sinks_ptr + tokens * stride_sink_tok + heads, mask=row_ok,
+                       other=0.0).to(tl.float32)
         sink = sink * 1.4426950408889634  # log2(e)
         m_i = tl.where(split == 0, sink, m_i)
         l_i = tl.where(split == 0, 1.0, l_i)
@@ -848,20 +849,21 @@ def _fail(msg: str) -> None:
 
 
 def _check_inputs(tensors: tuple, max_query_len, window, softcap, sinks, chunk=0,
-                  op: str = "ragged_attention_triton") -> None:
+                  op: str = "ragged_attention_triton", row_sinks: bool = False) -> None:
     """Raise ``ValueError`` naming ``op``, the argument, its value and the rule it breaks.
 
     ``tensors``: the ragged attention's tensor arguments in order, then ``out`` (None:
-    allocated); ``sparse_attention_triton`` takes the same ones. Messages are formatted only on
-    failure: this runs on every call.
+    allocated); ``sparse_attention_triton`` takes the same ones. ``row_sinks``: sinks may also
+    be ``[N, H]``. Messages are formatted only on failure: this runs on every call.
     """
     try:
-        _check_tensors(tensors, max_query_len, window, softcap, sinks, chunk, op)
+        _check_tensors(tensors, max_query_len, window, softcap, sinks, chunk, op, row_sinks)
     except _Invalid as err:
         raise ValueError(f"{op}: {err}") from None
 
 
-def _check_tensors(tensors: tuple, max_query_len, window, softcap, sinks, chunk, op) -> None:
+def _check_tensors(tensors: tuple, max_query_len, window, softcap, sinks, chunk, op,
+                   row_sinks: bool = False) -> None:
     device = tensors[0].device if isinstance(tensors[0], torch.Tensor) else None
     for (name, dims, dtypes), t in zip(_ARG_RULES, tensors):
         if name == "out" and t is None:
@@ -874,9 +876,10 @@ def _check_tensors(tensors: tuple, max_query_len, window, softcap, sinks, chunk,
     _check_shapes(*tensors)
     if max_query_len is not None and (type(max_query_len) is not int or max_query_len < 1):
         _fail(f"max_query_len={max_query_len!r}; it must be None or a python int >= 1")
-    check_semantics(op, window, softcap, sinks, tensors[0].shape[1], device, chunk=chunk)
-    if sinks is not None and sinks.stride(0) != 1:
-        _fail(f"sinks has stride {sinks.stride(0)}; it must be dense ([H], stride 1)")
+    check_semantics(op, window, softcap, sinks, tensors[0].shape[1], device, chunk=chunk,
+                    row_sinks=tuple(tensors[0].shape[:2]) if row_sinks else None)
+    if sinks is not None and sinks.stride(-1) != 1:
+        _fail(f"sinks has stride {sinks.stride(-1)} in its last dim; it must be 1")
     if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
         _fail("CPU tensors need TRITON_INTERPRET=1 set before triton kernels are imported; "
               "for the CPU path call dspark_compile.ops.attention_reference.ragged_attention")
@@ -944,7 +947,8 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     ``[N, H, Dv]`` in q's dtype.
     """
     _check_inputs((q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
-                   slot_mapping, out), max_query_len, window, softcap, sinks, chunk)
+                   slot_mapping, out), max_query_len, window, softcap, sinks, chunk,
+                  row_sinks=True)
     check_rel("ragged_attention_triton", rel, tuple(q.shape[:2]), softcap, q.device)
     n, h, d = q.shape
     dv = v.shape[2]
@@ -981,6 +985,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         block_table, slot_mapping, q if sinks is None else sinks, q if rel is None else rel,
         qk_scale, float(softcap) * _LOG2E, window, 0 if rel is None else rel.shape[2],
         0 if rel is None else rel.stride(0), 0 if rel is None else rel.stride(1),
+        sinks.stride(0) if sinks is not None and sinks.dim() == 2 else 0,
         n, r, plan.num_splits, q.stride(0),
         q.stride(1), k.stride(0),
         k.stride(1), v.stride(0), v.stride(1), out.stride(0), out.stride(1),

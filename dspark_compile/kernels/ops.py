@@ -54,7 +54,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
       max_query_len, early_reads=False, window=0, softcap=0.0, sinks=None, chunk=0, rel=None):
     check_semantics("ragged_attention_triton", window, softcap, sinks, q.shape[1],
-                    chunk=chunk)
+                    chunk=chunk, row_sinks=tuple(q.shape[:2]))
     check_rel("ragged_attention_triton", rel, tuple(q.shape[:2]), softcap)
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 

@@ -42,7 +42,7 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
 def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
       window=0, softcap=0.0, sinks=None, chunk=0, rel=None):
     reference.check_semantics("ragged_attention", window, softcap, sinks, q.shape[1],
-                              chunk=chunk)
+                              chunk=chunk, row_sinks=tuple(q.shape[:2]))
     reference.check_rel("ragged_attention", rel, tuple(q.shape[:2]), softcap)
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
@@ -65,7 +65,7 @@ def dense_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def _(q, k, v, k_cache, v_cache, block_table, context_lens, scale, window=0, softcap=0.0,
       sinks=None, chunk=0, rel=None):
     reference.check_semantics("dense_cached_attention", window, softcap, sinks, q.shape[1],
-                              chunk=chunk)
+                              chunk=chunk, row_sinks=tuple(q.shape[:3]))
     reference.check_rel("dense_cached_attention", rel, tuple(q.shape[:3]), softcap)
     bs, num_heads, t, _ = q.shape
     return q.new_empty(bs, t, num_heads, v.shape[3])

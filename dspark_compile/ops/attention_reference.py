@@ -20,7 +20,8 @@ Attention semantics (Hugging Face's conventions, checked against transformers 5.
 - ``softcap > 0``: ``s = softcap * tanh(scale * q.k / softcap)`` (Gemma 2's
   ``eager_attention_forward``: after the scaling, before mask and softmax); 0: none.
 - ``sinks`` ``[H]``: one extra logit per query head joins the softmax denominator, unscaled and
-  not softcapped, and is dropped from the output (GPT-OSS's ``s_aux``).
+  not softcapped, and is dropped from the output (GPT-OSS's ``s_aux``); ``[N, H]`` (the
+  attention ops only): one per query row and head (Inkling 2's, projected from each token).
 - ``rel`` ``[N, H, E]`` (relative logits, one row of ``E`` per query row and head): a query at
   ``p`` adds ``rel[row, h, p - kpos]`` to its score of a key at ``kpos`` when ``0 <= p - kpos <
   E``, nothing past that (Inkling's relative position bias: HF's eager ``attn_weights +
@@ -42,10 +43,11 @@ _SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
 
 def check_semantics(op: str, window, softcap, sinks, num_heads: int, device=None,
-                    chunk=0) -> None:
+                    chunk=0, row_sinks: tuple | None = None) -> None:
     """Raise ``ValueError`` naming the argument, its value and the rule, for the attention
     switches: ``window`` and ``chunk`` python ints >= 0, not both set, ``softcap`` a finite
-    number >= 0, ``sinks`` None or a float tensor ``[num_heads]`` (on ``device``, when given)."""
+    number >= 0, ``sinks`` None or a float tensor ``[num_heads]`` or, where the op takes one a
+    row, of shape ``row_sinks`` (on ``device``, when given)."""
     if type(window) is not int or window < 0:
         raise ValueError(f"{op}: window={window!r}; it must be an int >= 0 (0: no window; w: "
                          f"a query at p sees keys p - w < kpos <= p)")
@@ -59,11 +61,14 @@ def check_semantics(op: str, window, softcap, sinks, num_heads: int, device=None
         raise ValueError(f"{op}: softcap={softcap!r}; it must be a finite float >= 0 (0: none)")
     if sinks is None:
         return
+    shape = tuple(getattr(sinks, "shape", ()))
     if not isinstance(sinks, torch.Tensor) or sinks.dtype not in _SINK_DTYPES \
-            or tuple(sinks.shape) != (num_heads,):
+            or (shape != (num_heads,) and (row_sinks is None or shape != tuple(row_sinks))):
+        rows = "" if row_sinks is None else \
+            f" or {list(row_sinks)} (one logit per query row and head)"
         raise ValueError(f"{op}: sinks is {getattr(sinks, 'dtype', type(sinks).__name__)} of "
-                         f"shape {tuple(getattr(sinks, 'shape', ()))}; it must be None or a "
-                         f"float tensor [H] = [{num_heads}] (one logit per query head)")
+                         f"shape {shape}; it must be None or a float tensor [H] = [{num_heads}] "
+                         f"(one logit per query head){rows}")
     if device is not None and sinks.device != device:
         raise ValueError(f"{op}: sinks is on {sinks.device} but q is on {device}; move it there")
 
@@ -144,7 +149,8 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first
             near = dist < rel.shape[2]
             scores[:, near] += rel[j][:, dist[near]].float()
         if sinks is not None:  # one more logit per head in the denominator, then dropped
-            logits = torch.cat([scores, sinks.float()[:, None]], dim=1)
+            sink = sinks[j] if sinks.dim() == 2 else sinks  # [L, H]: the row's own
+            logits = torch.cat([scores, sink.float()[:, None]], dim=1)
             probs = torch.softmax(logits, dim=-1)[:, :-1]
         else:
             probs = torch.softmax(scores, dim=-1)
@@ -166,7 +172,8 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
     ``window``, ``softcap``, ``sinks``, ``chunk``, ``rel``: the module docstring. Returns
     ``[N, H, Dv]`` in q's dtype; rows past ``query_start_loc[R]`` are zeros.
     """
-    check_semantics("ragged_attention", window, softcap, sinks, q.shape[1], chunk=chunk)
+    check_semantics("ragged_attention", window, softcap, sinks, q.shape[1], chunk=chunk,
+                    row_sinks=tuple(q.shape[:2]))
     check_rel("ragged_attention", rel, tuple(q.shape[:2]), softcap)
     kv_write(k, v, k_cache, v_cache, slot_mapping)
     out = torch.zeros(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
@@ -181,7 +188,9 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
         keys = _gather_keys(k_cache, block_table[i], first, lens[i])
         values = _gather_keys(v_cache, block_table[i], first, lens[i])
         out[start:end] = _attend_one(q[start:end], keys, values, first, context, scale,
-                                     window, softcap, sinks, chunk,
+                                     window, softcap,
+                                     sinks[start:end] if sinks is not None and sinks.dim() == 2
+                                     else sinks, chunk,
                                      None if rel is None else rel[start:end])
     return out.to(q.dtype)
 
@@ -195,7 +204,8 @@ def dense_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     """Dense verify attention: every one of ``bs`` requests runs ``T`` tokens.
 
     q ``[bs, H, T, Dk]``, k ``[bs, Hkv, T, Dk]``, v ``[bs, Hkv, T, Dv]`` (the layout HF attention
-    functions receive), rel ``[bs, H, T, E]``; returns ``[bs, T, H, Dv]``. Token ``t`` of request ``b`` sits at
+    functions receive), rel ``[bs, H, T, E]``, sinks ``[H]`` or ``[bs, H, T]``; returns
+    ``[bs, T, H, Dv]``. Token ``t`` of request ``b`` sits at
     ``context_lens[b] + t``, writes its K/V there and attends keys ``0 .. context_lens[b] + t``
     (the last ``window`` of them with a window, those of its own chunk with ``chunk``). Defined
     as the ragged op on ``bs`` requests
@@ -210,8 +220,12 @@ def dense_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     page = block_table.long().gather(1, pos // page_size)
     slot_mapping = (page * page_size + pos % page_size).flatten()
     dv = v.shape[3]
+    check_semantics("dense_cached_attention", window, softcap, sinks, num_heads, chunk=chunk,
+                    row_sinks=(bs, num_heads, t))
     check_rel("dense_cached_attention", rel, (bs, num_heads, t), softcap)
     rows = None if rel is None else rel.transpose(1, 2).reshape(bs * t, num_heads, -1)
+    if sinks is not None and sinks.dim() == 3:  # [bs, H, T] -> a row's own [N, H]
+        sinks = sinks.transpose(1, 2).reshape(bs * t, num_heads)
     out = ragged_attention(
         q.transpose(1, 2).reshape(bs * t, num_heads, d),
         k.transpose(1, 2).reshape(bs * t, k.shape[1], d),

@@ -176,6 +176,10 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
 
             if len(semantics) > 4 and semantics[4] is not None:  # rel [bs, H, T, E] -> rows
                 semantics[4] = to_rows(semantics[4], heads, semantics[4].meta["val"].shape[-1])
+            sinks = semantics[2] if len(semantics) > 2 else None
+            if isinstance(sinks, fx.Node) and sinks.meta["val"].dim() == 3:  # [bs, H, T] rows
+                sinks_t = add_node(graph, node, aten.transpose.int, sinks, 1, 2)
+                semantics[2] = reshape_node(graph, node, sinks_t, [rows, heads], decide=exact)
             out = add_node(graph, node, RAGGED.default, to_rows(q, heads, dim),
                            to_rows(k, kv_heads, dim), to_rows(v, kv_heads, v_dim), k_cache,
                            v_cache, meta["query_start_loc"], meta["seq_lens"], table, slots,

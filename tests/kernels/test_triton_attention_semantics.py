@@ -380,3 +380,19 @@ def test_relative_logits_refused_before_launch() -> None:
     with pytest.raises(ValueError, match=r"ragged_attention_triton: rel is torch.float32 of "
                                          r"shape \(\d+, 4, 4, 1\)"):
         ragged_attention_triton(*case.args(), 0.3, rel=_rel(case, 4)[..., None])
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("num_splits,fold", [(1, True), (3, True), (4, False)])
+@pytest.mark.parametrize("window,extent", [(0, 0), (12, 12)])
+def test_row_sinks_match_reference(window: int, extent: int, num_splits: int,
+                                   fold: bool) -> None:
+    """Sinks ``[N, H]`` (a logit a query row and head), counted once over the splits, with a
+    window and relative logits (Inkling 2's sliding layers)."""
+    case = make_case([3, 0, 5, 1], [37, 5, 50, 0], 4, 2, 16, 16, page=8, num_pad=2,
+                     seed=window + 1, device=DEVICE)
+    sinks = (torch.randn(case.q.shape[0], 4, generator=torch.Generator().manual_seed(3)) * 2
+             ).to(DEVICE)
+    _check(*run_both(case, window, 0.0, sinks, rel=_rel(case, extent) if extent else None,
+                     num_splits=num_splits, max_query_len=5, fold_reduce=fold,
+                     config=SMALL_TILES), case.num_real)

@@ -325,3 +325,46 @@ def test_bad_relative_logits_raise_value_error_eager_and_traced(bad: str, match:
         fake = [mode.from_tensor(a) for a in args]
         with pytest.raises(ValueError, match=match):
             OP(*fake, 0.3, rel=mode.from_tensor(rel), **kw)
+
+
+@pytest.mark.parametrize("window, extent", [(0, 0), (4, 0), (5, 5), (0, 40)])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_row_sinks_reference_matches_naive_dense(layout: str, window: int, extent: int) -> None:
+    """Sinks ``[N, H]`` (Inkling 2: one logit per query row and head), alone and with windows
+    and relative logits."""
+    lens, contexts, h, hkv, dk, dv, page, pad = LAYOUTS[layout]
+    case = make_case(lens, contexts, h, hkv, dk, dv, page, num_pad=pad, seed=window + extent)
+    n = case.q.shape[0]
+    sinks = torch.randn(n, h, generator=torch.Generator().manual_seed(7)) * 2
+    rel = _rel(case, extent, 3) if extent else None
+    got = OP(*case.args(), 0.3, window=window, sinks=sinks, rel=rel)
+    torch.testing.assert_close(got, naive_attention(case, 0.3, window, sinks=sinks, rel=rel),
+                               atol=1e-5, rtol=1e-5)
+    assert torch.equal(got[case.num_real:], torch.zeros_like(got[case.num_real:]))
+    per_head = OP(*case.args(), 0.3, window=window, sinks=sinks[0], rel=rel)
+    assert not torch.allclose(got[1: case.num_real], per_head[1: case.num_real])
+
+
+def test_dense_op_with_row_sinks_equals_ragged_op() -> None:
+    bs, t, h, hkv, d = 2, 3, 4, 2, 8
+    case = make_case([t] * bs, [2, 7], h, hkv, d, page=4, seed=8)
+    sinks = torch.randn(bs * t, h, generator=torch.Generator().manual_seed(1))
+    ragged = OP(*case.args(), 0.3, sinks=sinks)
+    args = case.args()
+    dense = torch.ops.dspark.dense_cached_attention(
+        case.q.view(bs, t, h, d).transpose(1, 2), case.k.view(bs, t, hkv, d).transpose(1, 2),
+        case.v.view(bs, t, hkv, d).transpose(1, 2), args[3], args[4], case.block_table,
+        torch.tensor([2, 7], dtype=torch.int32), 0.3, 0, 0.0,
+        sinks.view(bs, t, h).transpose(1, 2))
+    assert torch.equal(dense.reshape(bs * t, h, d), ragged)
+
+
+def test_row_sinks_of_another_shape_are_refused() -> None:
+    case = make_case([2, 1], [3, 0], 4, 2, 8, page=4)
+    n = case.q.shape[0]
+    with pytest.raises(ValueError, match=r"sinks is torch.float32 of shape \(\d+, 3\); .* or "
+                                         r"\[\d+, 4\] \(one logit per query row and head\)"):
+        OP(*case.args(), 0.3, sinks=torch.zeros(n, 3))
+    with pytest.raises(ValueError, match=r"dspark::sparse_attention|sparse_attention: sinks is"):
+        from dspark_compile.ops.attention_reference import check_semantics
+        check_semantics("sparse_attention", 0, 0.0, torch.zeros(n, 4), 4)
