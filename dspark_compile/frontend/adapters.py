@@ -27,6 +27,7 @@ from .compressed import compressor_hooks
 from .sparse import INDEXER_KEYS, IndexerMask, indexer_hooks, sparse_attention_module
 from .dbrx import dbrx_hooks
 from .jetmoe import jetmoe_hooks
+from .inkling2 import inkling2_hooks, row_sinks_module
 from .relative import RelativeLogits, relative_hooks
 from .longcat import longcat_hooks
 from .rotary import check_rotaries
@@ -130,7 +131,15 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     elif rel is not None:
         kwargs["position_bias"] = rel  # refused by name below
         rel = None
+    row_sinks = kwargs.pop("sinks", None) if row_sinks_module(module) else None
     softcap, sinks = _check_attention_arguments(where, dropout, kwargs, window, query)
+    if row_sinks is not None:  # [bs, H, T, 1]: the model's eager joins it as one more column
+        bs, heads, t, _ = query.shape
+        if sinks is not None or tuple(row_sinks.shape) != (bs, heads, t, 1):
+            raise NotImplementedError(
+                f"{where} passes sinks= of shape {tuple(row_sinks.shape)} (or beside s_aux=); "
+                f"a row's own sinks are understood as [bs, H, T, 1] = {(bs, heads, t, 1)}")
+        sinks = row_sinks.squeeze(-1)
     if rel is not None and (picks is not None or chunk or softcap):
         raise NotImplementedError(
             f"{where} passes relative logits with an indexer's picks, chunks or a softcap; "
@@ -550,7 +559,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
                     vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
                     experts_hooks(model), dbrx_hooks(model, names), \
                     longcat_hooks(model, names), jetmoe_hooks(model, names), \
-                    relative_hooks(model, names), \
+                    relative_hooks(model, names), inkling2_hooks(model, names), \
                     compressor_hooks(model, names), indexer_hooks(model, names), \
                     temperature_hooks(model, names):
                 yield

@@ -12,7 +12,9 @@ tracked by hooks on every module of the model) and:
   forward returns, its calls decide its kind: ``causal_conv1d_fn`` + a gated delta rule is a
   Gated DeltaNet layer, ``causal_conv1d_fn`` + ``mamba2_chunk_scan`` a Mamba-2 layer,
   ``causal_conv1d_fn`` alone a short-conv layer (LFM2); anything else is refused naming the
-  module. Layers are numbered in the order their forwards return.
+  module. Layers are numbered in the order their forwards return; a module whose forward runs
+  more than once in one model forward (a looped block, Inkling 2 Loop) is one layer, with a
+  state of its own, per run.
 * during the capture emits the dense op over that layer's pools (``CaptureScope.conv`` /
   ``gated_delta_rule`` / ``ssd``).
 
@@ -68,12 +70,15 @@ class RecurrentLayers:
     specs: list[LinearSpec] = field(default_factory=list)
     """One per mixer, in layer order; filled in place by the discovery forward (the adapter's
     ``linear_specs`` is this list)."""
-    index: dict[int, int] = field(default_factory=dict)
-    """``id(module)`` -> its layer index."""
+    index: dict[int, list[int]] = field(default_factory=dict)
+    """``id(module)`` -> the layer index of each of its forward's runs, in order."""
     _names: dict[int, str] = field(default_factory=dict)
     _stack: list[nn.Module] = field(default_factory=list)
     _pending: dict[int, dict[str, tuple]] = field(default_factory=dict)
     _discovery: object = None
+    _capture: object = None
+    _runs: dict[int, int] = field(default_factory=dict)
+    """Runs so far of each layer module's forward in the capture forward ``_capture``."""
 
     def __post_init__(self) -> None:
         self._names = {id(m): name for name, m in self.model.named_modules()}
@@ -102,11 +107,13 @@ class RecurrentLayers:
                 self.index.clear()
                 self._pending.clear()
             return Site(scope, module, where, None)
-        if id(module) not in self.index:
+        runs, run = self.index.get(id(module), []), self._runs.get(id(module), 0)
+        if not 1 <= run <= len(runs):
             raise RuntimeError(
-                f"{where} was called during the capture but made no such call when the model's "
-                "layers were discovered; the forward must make the same calls every time")
-        return Site(scope, module, where, self.index[id(module)])
+                f"{where} was called during the capture in run {run} of its forward but made "
+                f"such calls in {len(runs)} runs when the model's layers were discovered; the "
+                "forward must make the same calls every time")
+        return Site(scope, module, where, runs[run - 1])
 
     def record(self, site: Site, kind: str, shape: tuple) -> None:
         """Discovery: ``site``'s module made a ``kind`` call whose state has ``shape``."""
@@ -132,9 +139,10 @@ class RecurrentLayers:
                 "lightning scan alone, and refuses any other mixer")
         conv_dim, width = calls.get("conv", (0, 0))  # a lightning scan: no conv window
         heads = (0, 0, 0) if kind == "conv" else calls[kind]
-        self.index[id(module)] = len(self.specs)
-        self.specs.append(LinearSpec(conv_dim, width, *heads, kind=kind,
-                                     name=self._names.get(id(module), "?")))
+        runs = self.index.setdefault(id(module), [])
+        name = self._names.get(id(module), "?") + (f"[run {len(runs)}]" if runs else "")
+        runs.append(len(self.specs))
+        self.specs.append(LinearSpec(conv_dim, width, *heads, kind=kind, name=name))
 
     # ---------------------------------------------------------------- module tracking
     def _enter(self, module: nn.Module, args) -> None:
@@ -146,6 +154,12 @@ class RecurrentLayers:
                 "module's causal_conv1d_fn; dspark_compile could not own its conv window, so "
                 "the model is refused")
         self._stack.append(module)
+        if id(module) in self.index:  # a layer module: count its runs in this capture forward
+            scope = active_scope()
+            if scope is not None and scope.discovered is None:
+                if self._capture is not scope:
+                    self._capture, self._runs = scope, {}
+                self._runs[id(module)] = self._runs.get(id(module), 0) + 1
 
     def _exit(self, module: nn.Module, args, output) -> None:
         if self._stack and self._stack[-1] is module:

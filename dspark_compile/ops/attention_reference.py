@@ -63,7 +63,8 @@ def check_semantics(op: str, window, softcap, sinks, num_heads: int, device=None
         return
     shape = tuple(getattr(sinks, "shape", ()))
     if not isinstance(sinks, torch.Tensor) or sinks.dtype not in _SINK_DTYPES \
-            or (shape != (num_heads,) and (row_sinks is None or shape != tuple(row_sinks))):
+            or not (_same(shape, (num_heads,)) or
+                    (row_sinks is not None and _same(shape, tuple(row_sinks)))):
         rows = "" if row_sinks is None else \
             f" or {list(row_sinks)} (one logit per query row and head)"
         raise ValueError(f"{op}: sinks is {getattr(sinks, 'dtype', type(sinks).__name__)} of "
@@ -71,6 +72,12 @@ def check_semantics(op: str, window, softcap, sinks, num_heads: int, device=None
                          f"(one logit per query head){rows}")
     if device is not None and sinks.device != device:
         raise ValueError(f"{op}: sinks is on {sinks.device} but q is on {device}; move it there")
+
+
+def _same(shape: tuple, want: tuple) -> bool:
+    """``shape == want``, lengths first: a tuple compares items before lengths, and a symbolic
+    size compared with another tuple's item would guard the capture on it."""
+    return len(shape) == len(want) and shape == want
 
 
 def check_rel(op: str, rel, lead: tuple, softcap, device=None) -> None:
@@ -81,7 +88,7 @@ def check_rel(op: str, rel, lead: tuple, softcap, device=None) -> None:
         return
     shape = tuple(getattr(rel, "shape", ()))
     if not isinstance(rel, torch.Tensor) or rel.dtype not in _SINK_DTYPES or \
-            len(shape) != len(lead) + 1 or shape[:-1] != tuple(lead) or shape[-1] < 1:
+            not _same(shape[:-1], tuple(lead)) or len(shape) != len(lead) + 1 or shape[-1] < 1:
         raise ValueError(f"{op}: rel is {getattr(rel, 'dtype', type(rel).__name__)} of shape "
                          f"{shape}; it must be None or a float tensor [{', '.join(map(str, lead))}"
                          f", E] with E >= 1 (q's rows and heads, one logit a distance)")

@@ -122,6 +122,8 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     # sequence), the log scaling on from position 4 (off by default), and weights of std 0.3
     # (HF's 0.02 leaves the logits near zero), so each is exercised
     "inkling_text": {"rel_extent": 6, "log_scaling_n_floor": 4, "initializer_range": 0.3},
+    # Inkling 2: the same, and a block residual every 2 layers (6 by default: one block in 3)
+    "inkling2_text": {"rel_extent": 6, "log_scaling_n_floor": 4, "n_layers_per_attn_res_block": 2},
     # DBRX's attention reads attn_config.rope_theta, which its default attention config lacks
     # (its model cannot build); DBRX's own values: theta 5e5, 8 KV heads (2 at tiny widths),
     # q/k/v clipped at 8
