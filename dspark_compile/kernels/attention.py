@@ -24,8 +24,10 @@ Kernels, then launch plan and host wrapper (the Triton tutorials' order); the or
   differ): a sliding window (the work units start at the first tile the block's first query's
   window reaches, so neither those pages nor their block-table entries are read; the few tiles
   only some rows see take per-row masks and guarded V), a logit softcap (``tanh`` from
-  ``exp2``), per-head sinks (split 0 starts the online softmax from them) and a V head dim of
-  its own (acc, partials and out have V's; the pools each their own row width).
+  ``exp2``), sinks a head or a row and head (split 0 starts the online softmax from them),
+  relative logits (each key tile adds its row's logits of the tile's distances, masked past
+  the extent) and a V head dim of its own (acc, partials and out have V's; the pools each
+  their own row width).
 """
 
 from __future__ import annotations
