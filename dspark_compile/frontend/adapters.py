@@ -29,6 +29,7 @@ from .dbrx import dbrx_hooks
 from .jetmoe import jetmoe_hooks
 from .inkling2 import inkling2_hooks, row_sinks_module
 from .relative import RelativeLogits, relative_hooks
+from .zaya import zaya_hooks
 from .longcat import longcat_hooks
 from .rotary import check_rotaries
 from .experts import experts_hooks
@@ -560,6 +561,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
                     experts_hooks(model), dbrx_hooks(model, names), \
                     longcat_hooks(model, names), jetmoe_hooks(model, names), \
                     relative_hooks(model, names), inkling2_hooks(model, names), \
+                    zaya_hooks(model, names), \
                     compressor_hooks(model, names), indexer_hooks(model, names), \
                     temperature_hooks(model, names):
                 yield

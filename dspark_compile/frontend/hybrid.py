@@ -36,7 +36,26 @@ from torch import nn
 from . import mamba, minimax
 from .recurrent import RecurrentLayers
 
-__all__ = ["RecurrentLayers", "hybrid_hooks"]
+__all__ = ["RecurrentLayers", "WINDOW_MODULES", "hybrid_hooks", "window"]
+
+WINDOW_MODULES: set[str] = set()
+"""``module.qualname`` of classes whose replaced forward (``frontend/inkling2.py``,
+``frontend/zaya.py``) reads a window of past inputs through :func:`window`: a model holding one
+gets the recurrent-layer tracking even when its modeling module defines none of the functions
+below."""
+
+_active: list[RecurrentLayers] = []
+"""The RecurrentLayers of the capture running now (hybrid_hooks sets it)."""
+
+
+def window(x, taps):
+    """A causal depthwise conv over the tokens, ``x [bs, dim, T]``, ``taps [dim, W]`` (the
+    oldest of the ``W`` positions first, as ``causal_conv1d_fn``'s weight), whose state of the
+    last ``W - 1`` inputs the capture owns: one call per run of the calling module's forward,
+    counted as that module's conv layer. One-hot taps make it a window of past inputs."""
+    if not _active:
+        raise RuntimeError("dspark_compile's window conv runs only inside a capture")
+    return _conv(_active[-1], x, taps, None)
 
 _GDN = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
         "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
@@ -111,7 +130,9 @@ def hybrid_hooks(layers: RecurrentLayers) -> Iterator[None]:
     none of the functions is left untouched."""
     modules = _modeling_modules(layers.model)
     lightning = minimax.has_lightning(layers.model)
-    if not modules and not lightning:
+    windows = any(f"{type(m).__module__}.{type(m).__qualname__}" in WINDOW_MODULES
+                  for m in layers.model.modules())
+    if not modules and not lightning and not windows:
         yield
         return
     saved = []
@@ -121,8 +142,11 @@ def hybrid_hooks(layers: RecurrentLayers) -> Iterator[None]:
                 if hasattr(module, name):
                     saved.append((module, name, getattr(module, name)))
                     setattr(module, name, functools.partial(fn, layers))
+        _active.append(layers)
         with layers.tracking(), minimax.lightning_hooks(layers):
             yield
     finally:
+        if _active and _active[-1] is layers:
+            _active.pop()
         for module, name, fn in reversed(saved):
             setattr(module, name, fn)

@@ -16,8 +16,8 @@ the capture with KV and conv states of its own.
   weights plus weights projected from each token, shared within a head) reads a window of the
   past ``W - 1`` inputs by padding and unfolding the block: no state across steps. Replaced, the
   window comes from one causal depthwise conv over the input repeated ``W`` times with one-hot
-  taps (``causal_conv1d_fn``, so the capture owns its ``W * C`` channel state like any short
-  conv: ``W`` times the state of a static conv), and the per-token taps are graph code.
+  taps (``hybrid.window``, so the capture owns its ``W * C`` channel state like any short conv:
+  ``W`` times the state of a static conv), and the per-token taps are graph code.
 - ``Inkling2BlockAttentionResidual`` (and Inkling 2 Loop's ``MessageAttentionResidual``, one
   query per message of each looped layer) mixes each token's block states through the attention
   interface with ``is_causal=False`` over the blocks (not the tokens). Replaced, that attention
@@ -33,6 +33,8 @@ from typing import Iterator
 import torch
 from torch import nn
 
+from .hybrid import WINDOW_MODULES, window
+from .zaya import one_hot_taps
 from .relative import RelativeLogits
 from .replaced import PLAIN_FLOATS, known_forward, source_key, swapped_forward
 
@@ -81,7 +83,7 @@ def _dynamic_conv_forward(self, hidden_states, dynamic_input, cache=None, conv_m
         raise NotImplementedError(
             f"{type(self).__name__}: called with a cache or seq_idx; the capture runs "
             "use_cache=False over whole requests and owns the conv state")
-    modeling = sys.modules[type(self).__module__]
+    modeling = sys.modules[type(self).__module__]  # its padding mask helper
     input_dtype = hidden_states.dtype
     batch_size, seq_len, hidden_size = hidden_states.shape
     width = self.conv_kernel_size
@@ -90,13 +92,10 @@ def _dynamic_conv_forward(self, hidden_states, dynamic_input, cache=None, conv_m
     weights = self.static_weight.float().T.view(self.num_heads, -1, width) + dynamic_weights
     hidden_states = hidden_states.float()
     # channel lag * C + c of the conv's output is channel c of the token `lag` steps back
-    taps = torch.zeros(width, hidden_size, width, dtype=torch.float32,
-                       device=hidden_states.device)
-    for lag in range(width):
-        taps[lag, :, width - 1 - lag] = 1.0
+    lags = torch.arange(width, device=hidden_states.device).repeat_interleave(hidden_size)
     context = modeling.apply_mask_to_padding_states(hidden_states, conv_mask)
     context = context.transpose(1, 2).repeat(1, width, 1)  # [bs, W * C, T]
-    windows = modeling.causal_conv1d_fn(context, taps.view(width * hidden_size, width), None)
+    windows = window(context, one_hot_taps(lags, width, torch.float32))
     windows = windows.view(batch_size, width, hidden_size, seq_len).permute(0, 3, 2, 1)
     windows = windows.reshape(batch_size, seq_len, self.num_heads, -1, width)
     out = (windows * weights).sum(-1).reshape(batch_size, seq_len, hidden_size)
@@ -151,6 +150,9 @@ _REPLACED = {"RelativePositionBias": _relative_forward,
              "BlockAttentionResidual": _block_residual_forward,
              "MessageAttentionResidual": _message_residual_forward}
 """Role -> the forward that replaces it for the capture."""
+
+WINDOW_MODULES.update(f"{module}.{prefix}DynamicShortConvolution"
+                      for module, prefix in _MODELING.items())
 
 
 @contextlib.contextmanager
