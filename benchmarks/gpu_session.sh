@@ -60,7 +60,7 @@
 #                 -m gpu), then the five DeepSeek Sparse Attention models and MiniMax-M3's
 #                 block-sparse layers through the Triton lowering (zoo --device cuda, float32 and
 #                 --static), results in zoo_gpu_dsa*.json
-#   reach_tests   Inkling's relative logits and JetMoE's experts on the GPU: their pytest -m gpu
+#   reach_tests   Inkling's relative logits, JetMoE's experts, ZAYA's windows on the GPU: pytest -m gpu
 #                 model tests, the relative-logit kernel cases, and both models through the Triton
 #                 lowering (zoo --device cuda, float32 and --static), zoo_gpu_reach*.json
 #   e2e_small     e2e.py --concurrency 1 8, default draft and --mean-accepted 1.5 (planner at c <= 8)
@@ -239,7 +239,7 @@ job() {
         -k relative &&
       for extra in "" "--static"; do
         python3 -m dspark_compile zoo --device cuda --jobs 2 --timeout 200 $extra \
-          --only inkling_text jetmoe --out "$OUT/zoo_gpu_reach${extra:+_static}.json" || exit 1
+          --only inkling_text jetmoe zaya --out "$OUT/zoo_gpu_reach${extra:+_static}.json" || exit 1
       done ;;
     e2e_small) python3 benchmarks/e2e.py --concurrency 1 8 &&
       python3 benchmarks/e2e.py --concurrency 1 8 --mean-accepted 1.5 ;;
