@@ -234,9 +234,10 @@ job() {
           --out "$OUT/zoo_gpu_dsa${extra:+_static}.json" || exit 1
       done ;;
     reach_tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/frontend/test_inkling.py \
+        tests/frontend/test_zaya.py \
         tests/frontend/test_jetmoe.py &&
       python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention_semantics.py \
-        -k relative &&
+        -k "relative or row_sinks" &&
       for extra in "" "--static"; do
         python3 -m dspark_compile zoo --device cuda --jobs 2 --timeout 200 $extra \
           --only inkling_text jetmoe zaya --out "$OUT/zoo_gpu_reach${extra:+_static}.json" || exit 1

@@ -137,11 +137,8 @@ def row_sinks_module(module: nn.Module) -> bool:
 
 
 def _eager_known(modeling) -> bool:
-    import hashlib
-    import inspect
-
-    source = inspect.getsource(modeling.eager_attention_forward)
-    return hashlib.sha256(source.encode()).hexdigest()[:16] in \
+    """The modeling module's eager attention (what ``sinks=`` means there) is the known one."""
+    return source_key(modeling, "eager_attention_forward") in \
         KNOWN_SOURCES["eager_attention_forward"]
 
 

@@ -81,3 +81,12 @@ def test_changed_source_is_refused(monkeypatch):
                        match=r"ZayaCCAProjection 'model.layers.0.self_attn.qkv_proj'.*refused "
                              r"rather than verified wrong"):
         dspark_compile(tiny_zaya())
+
+
+@pytest.mark.gpu
+def test_float32_on_gpu_through_triton_matches_hf():
+    """The window conv and the attention through the Triton lowering, on the GPU."""
+    from helpers import triton_rounds_error
+
+    err = triton_rounds_error(tiny_zaya(3, 2, True), [1, 0, 2], [7, 4, 9], VOCAB, seed=5)
+    assert err < 2e-3, err
