@@ -62,7 +62,9 @@
 #                 --static), results in zoo_gpu_dsa*.json
 #   reach_tests   Inkling's relative logits, JetMoE's experts, ZAYA's windows on the GPU: pytest -m gpu
 #                 model tests, the relative-logit kernel cases, and both models through the Triton
-#                 lowering (zoo --device cuda, float32 and --static), zoo_gpu_reach*.json
+#                 lowering (zoo --device cuda), zoo_gpu_reach.json
+#   reach_static  the same three models through the tier session (--static), zoo_gpu_reach_static.json
+#   dsa_zoo       dsa_tests' zoo runs alone (models this transformers lacks are skipped)
 #   e2e_small     e2e.py --concurrency 1 8, default draft and --mean-accepted 1.5 (planner at c <= 8)
 #   e2e_256       e2e.py --concurrency 256 --repeats 5, default draft and --mean-accepted 1.5
 #   packed_rotate packed_weights.py --quick --rotate (the model chain's stream, tiles dealt on
@@ -228,8 +230,9 @@ job() {
     dsv4_tests) python3 -m pytest -q -m gpu -p no:logging -p no:cacheprovider \
         tests/frontend/test_deepseek_v4_gpu.py tests/kernels/test_compressed_gpu.py ;;
     dsa_tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/kernels/test_sparse_gpu.py &&
-      for extra in "" "--static"; do
-        python3 -m dspark_compile zoo --device cuda --jobs 5 --timeout 200 $extra \
+      job dsa_zoo ;;
+    dsa_zoo) for extra in "" "--static"; do
+        python3 -m dspark_compile zoo --device cuda --jobs 5 --timeout 200 $extra --skip-unknown \
           --only deepseek_v32 axk2 glm_moe_dsa dots3_note_text hy_v4 minimax_m3_vl_text \
           --out "$OUT/zoo_gpu_dsa${extra:+_static}.json" || exit 1
       done ;;
@@ -238,10 +241,10 @@ job() {
         tests/frontend/test_jetmoe.py &&
       python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention_semantics.py \
         -k "relative or row_sinks" &&
-      for extra in "" "--static"; do
-        python3 -m dspark_compile zoo --device cuda --jobs 2 --timeout 200 $extra \
-          --only inkling_text jetmoe zaya --out "$OUT/zoo_gpu_reach${extra:+_static}.json" || exit 1
-      done ;;
+      python3 -m dspark_compile zoo --device cuda --jobs 3 --timeout 200 \
+        --only inkling_text jetmoe zaya --out "$OUT/zoo_gpu_reach.json" ;;
+    reach_static) python3 -m dspark_compile zoo --device cuda --jobs 3 --timeout 200 --static \
+        --only inkling_text jetmoe zaya --out "$OUT/zoo_gpu_reach_static.json" ;;
     e2e_small) python3 benchmarks/e2e.py --concurrency 1 8 &&
       python3 benchmarks/e2e.py --concurrency 1 8 --mean-accepted 1.5 ;;
     moe_steps) python3 benchmarks/hybrid_step.py --variant a3b &&
