@@ -130,6 +130,9 @@ class LinearSpec:
     attention), whose conv fields are 0 (no conv window)."""
     name: str = ""
     """Where the layer is in the model (for messages)."""
+    conv_dtype: torch.dtype | None = None
+    """The conv's input dtype where it is not the model's (Inkling's short convolutions run in
+    float32 in a 16-bit model): its state's dtype; None: the model's."""
 
 
 @dataclass(frozen=True)

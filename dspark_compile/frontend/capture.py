@@ -117,7 +117,7 @@ def _linear_samples(adapter: ModelAdapter, dtype: torch.dtype, device: torch.dev
     for i, s in enumerate(adapter.linear_specs):
         meta.append((InputSpec("conv_state", f"conv_state_{i}"),
                      torch.zeros(SAMPLE_BS, s.conv_dim, max(s.conv_width - 1, 0),
-                                 dtype=dtype, device=device), ()))
+                                 dtype=s.conv_dtype or dtype, device=device), ()))
     for i, s in enumerate(adapter.linear_specs):
         meta.append((InputSpec("recurrent_state", f"recurrent_state_{i}"),
                      torch.zeros(SAMPLE_BS, s.num_v_heads, s.head_k_dim, s.head_v_dim,

@@ -67,7 +67,7 @@ def _conv(layers: RecurrentLayers, x, weight, bias=None, activation=None, **kwar
     """Replacement of ``causal_conv1d_fn``: x ``[bs, dim, T]`` -> ``[bs, dim, T]``."""
     site = layers.site("causal_conv1d_fn")
     if site.discovering:
-        layers.record(site, "conv", (int(weight.shape[0]), int(weight.shape[-1])))
+        layers.record(site, "conv", (int(weight.shape[0]), int(weight.shape[-1])), x.dtype)
         return x.new_zeros(x.shape)
     return site.scope.conv(site.layer, x, weight, bias, activation or "none")
 

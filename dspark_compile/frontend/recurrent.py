@@ -115,8 +115,9 @@ class RecurrentLayers:
                 "forward must make the same calls every time")
         return Site(scope, module, where, runs[run - 1])
 
-    def record(self, site: Site, kind: str, shape: tuple) -> None:
-        """Discovery: ``site``'s module made a ``kind`` call whose state has ``shape``."""
+    def record(self, site: Site, kind: str, shape: tuple, dtype=None) -> None:
+        """Discovery: ``site``'s module made a ``kind`` call whose state has ``shape`` (a conv:
+        and its input ``dtype``)."""
         calls = self._pending.setdefault(id(site.module), {})
         if kind in calls:
             raise NotImplementedError(
@@ -124,12 +125,17 @@ class RecurrentLayers:
                 "one state per mixer, so a module that mixes tokens through two of them is "
                 "refused")
         calls[kind] = shape
+        if dtype is not None:
+            calls[f"{kind}_dtype"] = dtype
 
     def _finish(self, module: nn.Module) -> None:
         """Discovery: ``module``'s forward returned; its calls make it a layer (or a refusal)."""
         calls = self._pending.pop(id(module), None)
         if not calls:
             return
+        conv_dtype = calls.pop("conv_dtype", None)
+        if conv_dtype == next(self.model.parameters()).dtype:
+            conv_dtype = None  # the model's: the state takes the model dtype
         kind = KINDS.get(frozenset(calls))
         if kind is None:
             raise NotImplementedError(
@@ -142,7 +148,8 @@ class RecurrentLayers:
         runs = self.index.setdefault(id(module), [])
         name = self._names.get(id(module), "?") + (f"[run {len(runs)}]" if runs else "")
         runs.append(len(self.specs))
-        self.specs.append(LinearSpec(conv_dim, width, *heads, kind=kind, name=name))
+        self.specs.append(LinearSpec(conv_dim, width, *heads, kind=kind, name=name,
+                                     conv_dtype=conv_dtype))
 
     # ---------------------------------------------------------------- module tracking
     def _enter(self, module: nn.Module, args) -> None:

@@ -3,6 +3,7 @@
 Per linear layer ``i``::
 
     conv_states[i]       [max_requests, conv_dim, W-1]   model dtype   last W-1 committed inputs
+                         (the conv's input dtype where its spec names one)
     recurrent_states[i]  [max_requests, Hv, K, V]        float32       committed recurrent state
                          (Mamba-2: [max_requests, H, N, P]; a short-conv layer's is empty)
     rings["conv_ring_i"], and rings["gdn_ring_{k,v,g,beta}_i"] (GDN) or
@@ -41,8 +42,9 @@ class LinearPools:
     @classmethod
     def allocate(cls, specs: list[LinearSpec], rings: list[RingSpec], max_requests: int,
                  max_step_tokens: int, dtype: torch.dtype, device) -> "LinearPools":
-        conv = [torch.zeros(max_requests, s.conv_dim, max(s.conv_width - 1, 0), dtype=dtype,
-                            device=device) for s in specs]  # a scan alone: [R, 0, 0]
+        conv = [torch.zeros(max_requests, s.conv_dim, max(s.conv_width - 1, 0),
+                            dtype=s.conv_dtype or dtype, device=device)
+                for s in specs]  # a scan alone: [R, 0, 0]
         rec = [torch.zeros(max_requests, s.num_v_heads, s.head_k_dim, s.head_v_dim,
                            dtype=torch.float32, device=device) for s in specs]
         buffers = {r.name: torch.zeros(max_step_tokens, *r.row_shape, dtype=r.dtype,

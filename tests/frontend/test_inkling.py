@@ -143,3 +143,26 @@ def test_float32_on_gpu_through_triton_matches_hf():
     """The relative logits through the Triton attention kernel, on the GPU."""
     err = triton_rounds_error(tiny_inkling(), [1, 0, 2], [7, 4, 9], VOCAB, seed=5)
     assert err < 2e-3, err
+
+
+def test_float32_convolutions_of_a_bf16_model_keep_float32_states():
+    """Inkling's short convolutions run in float32 in a bf16 model: their states are float32
+    (the conv's input dtype, read at discovery), the rest of the model's state bf16."""
+    from dspark_compile.state.linear import LinearPools
+
+    model = tiny_inkling().to(torch.bfloat16)
+    verifier = dspark_compile(model)
+    specs = verifier.adapter.linear_specs
+    assert specs and all(s.conv_dtype == torch.float32 for s in specs)
+    pools = LinearPools.allocate(specs, [], 2, 8, torch.bfloat16, "cpu")
+    assert all(p.dtype == torch.float32 for p in pools.conv_states)
+    err = ragged_rounds_error(model, verifier, [1, 0], [5, 8], VOCAB, seed=3)
+    assert err < 0.25, err  # bf16 against HF's own bf16 forward
+
+
+def test_conv_dtype_is_none_where_the_conv_runs_in_the_model_dtype():
+    from helpers import tiny_qwen3_next
+
+    verifier = dspark_compile(tiny_qwen3_next())
+    assert verifier.adapter.linear_specs
+    assert all(s.conv_dtype is None for s in verifier.adapter.linear_specs)
