@@ -19,6 +19,13 @@ projections run as ``experts_up`` (``map``'s queries come back in pair order, ``
 layout HF's ``map`` returns) and ``experts_down`` (the gated sum), the activation and product as
 the module's own graph code. No weight is copied.
 
+``JetMoeAttention`` tiles its K and V ``K`` times so that query head ``k * Hkv + j`` (slot
+``k``'s head ``j``) reads KV head ``j``; stored as passed, the KV cache would hold every head
+``K`` times. ``JetMoeAttention.forward`` is replaced too: the same attention with the query
+heads regrouped by KV head (head ``j * K + k``, the grouping ``dspark::ragged_attention`` reads)
+over the untiled K and V, and the output put back in slot order: each head computes what it did,
+and the cache holds each KV head once.
+
 HF adds each pair's rows in expert order; the sums here run in another order, so results agree
 to float rounding. Only the exact classes with the sources this was derived from (transformers
 5.24 and 5.17 read the same) are taken; anything else is refused naming the module.
@@ -27,6 +34,7 @@ to float rounding. Only the exact classes with the sources this was derived from
 from __future__ import annotations
 
 import contextlib
+import sys
 from typing import Iterator
 
 import torch
@@ -43,6 +51,7 @@ KNOWN_SOURCES = {
     ("JetMoeMoA", "reduce"): frozenset({"f8e309330b152917"}),
     ("JetMoeTopKGating", "forward"): frozenset({"a83a4201867ddc15"}),
     ("JetMoeParallelExperts", "forward"): frozenset({"8b3dc71286eb7c1a"}),
+    ("JetMoeAttention", "forward"): frozenset({"41906daf27373618", "8f588ea5360c43dc"}),
 }
 """sha256 prefixes of the sources this capture was derived from, per (class, method)."""
 
@@ -93,6 +102,45 @@ def _moa_reduce(module: nn.Module, layer_input: torch.Tensor, topo_info) -> torc
     return out.to(layer_input.dtype).view(bsz, length, module.input_size) + module.bias
 
 
+def _by_kv_head(query_states: torch.Tensor, top_k: int, kv_heads: int) -> torch.Tensor:
+    """``[bs, K * Hkv, T, d]`` (head ``k * Hkv + j``) -> ``[bs, Hkv * K, T, d]`` (head ``j * K +
+    k``): each query head next to the others that read its KV head."""
+    bs, _, t, d = query_states.shape
+    return query_states.view(bs, top_k, kv_heads, t, d).transpose(1, 2).reshape(
+        bs, kv_heads * top_k, t, d)
+
+
+def _attention_forward(self, hidden_states: torch.Tensor, attention_mask=None,
+                       position_embeddings=None, cache=None, past_key_values=None, **kwargs):
+    """``JetMoeAttention.forward`` over untiled K and V (module docstring)."""
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    if cache is not None or past_key_values is not None:
+        raise NotImplementedError(f"{type(self).__name__}: called with a cache; the capture "
+                                  "runs use_cache=False and owns the KV")
+    modeling = sys.modules[type(self).__module__]
+    input_shape = hidden_states.shape[:-1]
+    hidden_shape = (*input_shape, -1, self.head_dim)
+    query_states, router_logits, topo_info = self.experts.map(hidden_states)
+    key_states, value_states = self.kv_proj(hidden_states).chunk(2, dim=-1)
+    query_states = query_states.view(hidden_shape).transpose(1, 2)  # head k * Hkv + j
+    key_states = key_states.view(hidden_shape).transpose(1, 2)
+    value_states = value_states.view(hidden_shape).transpose(1, 2)
+    cos, sin = position_embeddings
+    query_states, key_states = modeling.apply_rotary_pos_emb(query_states, key_states, cos, sin)
+    kv_heads, d = key_states.shape[1], key_states.shape[-1]
+    query_states = _by_kv_head(query_states, self.top_k, kv_heads)
+    attention = ALL_ATTENTION_FUNCTIONS.get_interface(self.config._attn_implementation,
+                                                      modeling.eager_attention_forward)
+    attn_output, attn_weights = attention(self, query_states, key_states, value_states,
+                                          attention_mask, dropout=0.0, scaling=self.scaling,
+                                          **kwargs)
+    attn_output = attn_output.view(*input_shape, kv_heads, self.top_k, d).transpose(-3, -2)
+    attn_output = self.experts.reduce(attn_output.reshape(*input_shape, self.top_k, -1),
+                                      topo_info)
+    return attn_output.view(*input_shape, -1), attn_weights, router_logits
+
+
 def _known(m: nn.Module, cls: type, method: str) -> bool:
     return known_forward(m, cls, KNOWN_SOURCES[(cls.__name__, method)], method)
 
@@ -103,15 +151,23 @@ def jetmoe_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     restored after. A model without them is left untouched."""
     try:
         from transformers.models.jetmoe.modeling_jetmoe import (
-            JetMoeMoA, JetMoeMoE, JetMoeParallelExperts, JetMoeTopKGating)
+            JetMoeAttention, JetMoeMoA, JetMoeMoE, JetMoeParallelExperts, JetMoeTopKGating)
     except ImportError:  # a transformers without JetMoE
         yield
         return
-    found = [m for m in model.modules() if isinstance(m, (JetMoeMoE, JetMoeMoA))]
+    found = [m for m in model.modules()
+             if isinstance(m, (JetMoeMoE, JetMoeMoA, JetMoeAttention))]
     if not found:
         yield
         return
     for m in found:
+        if isinstance(m, JetMoeAttention):
+            if not _known(m, JetMoeAttention, "forward") or not isinstance(m.experts, JetMoeMoA):
+                raise NotImplementedError(
+                    f"JetMoeAttention {names.get(id(m), '?')!r}: JetMoE's attention is captured "
+                    "from its own forward (transformers 5.24, 5.17) only, and this one reads "
+                    "otherwise; the model is refused rather than verified wrong")
+            continue
         own = [(JetMoeMoE, "forward")] if isinstance(m, JetMoeMoE) else \
             [(JetMoeMoA, "map"), (JetMoeMoA, "reduce")]
         parts = [m.input_linear, m.output_linear]
@@ -127,5 +183,6 @@ def jetmoe_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
                 "read otherwise; the model is refused rather than verified wrong")
     with swapped_forward(JetMoeMoE, _moe_forward), \
             swapped_forward(JetMoeMoA, _moa_map, "map"), \
-            swapped_forward(JetMoeMoA, _moa_reduce, "reduce"):
+            swapped_forward(JetMoeMoA, _moa_reduce, "reduce"), \
+            swapped_forward(JetMoeAttention, _attention_forward):
         yield

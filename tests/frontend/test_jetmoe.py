@@ -3,10 +3,11 @@ projections per expert) as the experts ops.
 
 ``frontend/jetmoe.py`` replaces ``JetMoeMoE.forward``, ``JetMoeMoA.map`` and
 ``JetMoeMoA.reduce`` for the capture (HF groups the pairs with ``expert_size.tolist()``, a host
-sync a capture refuses). Every ragged logit row equals HF's forward over that request's whole
+sync a capture refuses), and ``JetMoeAttention.forward`` so that K and V are stored once, not
+once per routed slot. Every ragged logit row equals HF's forward over that request's whole
 sequence alone over a prefill and four ragged rounds (float32, CPU, reference ops), with every
 expert of both routers picked; the gates and the slot layout matter (a mutated replacement is
-caught); a changed source of any of the four classes is refused naming the module.
+caught); a changed source of any of the five classes is refused naming the module.
 """
 
 import pytest
@@ -74,6 +75,14 @@ def test_experts_are_the_ops(compiled):
         assert sum(op in t for t in targets) == 2 * layers, op
 
 
+def test_kv_heads_are_stored_once(compiled):
+    """HF tiles K and V once per routed slot; the capture regroups the query heads instead, so
+    each layer's pool holds the model's KV heads, not top_k times as many."""
+    model, verifier = compiled
+    assert [s.num_kv_heads for s in verifier.adapter.specs] == \
+        [model.config.num_key_value_heads] * model.config.num_hidden_layers
+
+
 @pytest.mark.parametrize("slots,prompts", [([1, 0, 2], [7, 4, 9]), ([0], [6])])
 def test_ragged_equals_hf_forward(compiled, slots, prompts):
     model, verifier = compiled
@@ -87,7 +96,7 @@ def test_one_expert_a_token_equals_hf_forward():
     assert err < TOL, f"max |ragged - HF| = {err}"
 
 
-@pytest.mark.parametrize("mutation", ["gates", "slots"])
+@pytest.mark.parametrize("mutation", ["gates", "slots", "head_groups"])
 def test_a_wrong_replacement_is_caught(monkeypatch, mutation):
     """The check above can fail: equal gates, or the slots of each token swapped, make the
     ragged logits differ from HF's."""
@@ -98,10 +107,12 @@ def test_a_wrong_replacement_is_caught(monkeypatch, mutation):
         monkeypatch.setattr(hook, "_route", lambda router, rows: (
             lambda ids, gates, logits: (ids, torch.full_like(gates, 1 / gates.shape[1]),
                                         logits))(*route(router, rows)))
-    else:
+    elif mutation == "slots":
         reduce = hook._moa_reduce
         monkeypatch.setattr(hook, "_moa_reduce", lambda module, x, topo: reduce(
             module, x.flip(2), topo))
+    else:  # the query heads left in slot order: each would read another slot's KV head
+        monkeypatch.setattr(hook, "_by_kv_head", lambda q, top_k, kv_heads: q)
     model = tiny_jetmoe()
     err = ragged_rounds_error(model, dspark_compile(model), [1, 0], [5, 8], VOCAB, seed=3)
     assert err > 1e-2, err
@@ -109,13 +120,15 @@ def test_a_wrong_replacement_is_caught(monkeypatch, mutation):
 
 @pytest.mark.parametrize("key", [("JetMoeMoE", "forward"), ("JetMoeMoA", "map"),
                                  ("JetMoeMoA", "reduce"), ("JetMoeTopKGating", "forward"),
-                                 ("JetMoeParallelExperts", "forward")])
+                                 ("JetMoeParallelExperts", "forward"),
+                                 ("JetMoeAttention", "forward")])
 def test_changed_source_is_refused(monkeypatch, key):
     from dspark_compile.frontend import jetmoe as hook
 
     monkeypatch.setitem(hook.KNOWN_SOURCES, key, frozenset())
     with pytest.raises(NotImplementedError,
-                       match=r"JetMoe(MoA|MoE) 'model.layers.0.(self_attention.experts|mlp)'"
+                       match=r"JetMoe(MoA|MoE|Attention) "
+                             r"'model.layers.0.(self_attention.experts|mlp|self_attention)'"
                              r".*refused rather than verified wrong"):
         dspark_compile(tiny_jetmoe())
 
