@@ -69,6 +69,13 @@ def tiny_ssm(family: str, seed: int = 0):
             **small, num_experts=4, num_experts_per_tok=2, attn_layer_period=2,
             attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
             mamba_d_state=8, mamba_dt_rank=8)).eval()
+    if family == "zamba":  # Mamba-1 mixers of two heads (a scan each) and a shared attention
+        return tf.ZambaForCausalLM(tf.ZambaConfig(
+            vocab_size=VOCAB, hidden_size=32, attention_hidden_size=64, intermediate_size=48,
+            num_hidden_layers=3, num_attention_heads=4, attention_head_dim=16,
+            num_key_value_heads=4, n_mamba_heads=2, attn_layer_period=2, attn_layer_offset=1,
+            mamba_d_state=8, mamba_d_conv=4, mamba_expand=2, mamba_dt_rank=8,
+            max_position_embeddings=256, tie_word_embeddings=False)).eval()
     mamba1 = dict(state_size=8, expand=2, conv_kernel=4, time_step_rank=8,
                   num_hidden_layers=2, **_COMMON)
     if family == "mamba":

@@ -100,7 +100,7 @@ def selective_scan(layers: RecurrentLayers, hidden_states, dt, A, B, C, D=None, 
                    use_mambapy=False, use_associative_scan=False, **kwargs):
     """Replacement of ``mamba_selective_scan``: ``[bs, D, T]`` (see the module docstring).
     ``use_mambapy`` / ``use_associative_scan`` pick HF's algorithm, not the result."""
-    site = layers.site("mamba_selective_scan")
+    site = layers.site("mamba_selective_scan", scan=True)
     if return_last_state:
         raise NotImplementedError(
             f"{site.where} asks for its last state; dspark::ssd owns the state (the capture "

@@ -14,7 +14,8 @@ tracked by hooks on every module of the model) and:
   ``causal_conv1d_fn`` alone a short-conv layer (LFM2); anything else is refused naming the
   module. Layers are numbered in the order their forwards return; a module whose forward runs
   more than once in one model forward (a looped block, Inkling 2 Loop) is one layer, with a
-  state of its own, per run.
+  state of its own, per run; a Mamba-1 mixer that scans once per head (Zamba) is a layer for
+  its conv and first scan and a ``"scan"`` layer for each further scan.
 * during the capture emits the dense op over that layer's pools (``CaptureScope.conv`` /
   ``gated_delta_rule`` / ``ssd``).
 
@@ -79,6 +80,8 @@ class RecurrentLayers:
     _capture: object = None
     _runs: dict[int, int] = field(default_factory=dict)
     """Runs so far of each layer module's forward in the capture forward ``_capture``."""
+    _scans: dict[int, int] = field(default_factory=dict)
+    """Scans so far in each layer module's current run (Zamba: one a mamba head)."""
 
     def __post_init__(self) -> None:
         self._names = {id(m): name for name, m in self.model.named_modules()}
@@ -87,8 +90,10 @@ class RecurrentLayers:
         return f"{type(module).__name__} {self._names.get(id(module), '?')!r}"
 
     # ---------------------------------------------------------------- attribution
-    def site(self, function: str) -> Site:
-        """The scope and module of a call of ``function`` (a replaced modeling function)."""
+    def site(self, function: str, scan: bool = False) -> Site:
+        """The scope and module of a call of ``function`` (a replaced modeling function).
+        ``scan``: a Mamba-1 scan, of which one run may make several (each its own layer, after
+        the run's first: :meth:`record`)."""
         scope = active_scope()
         if scope is None:
             raise RuntimeError(
@@ -113,17 +118,27 @@ class RecurrentLayers:
                 f"{where} was called during the capture in run {run} of its forward but made "
                 f"such calls in {len(runs)} runs when the model's layers were discovered; the "
                 "forward must make the same calls every time")
-        return Site(scope, module, where, runs[run - 1])
+        layer = runs[run - 1]
+        if scan:  # the run's k-th scan: the layers after its first are its scans 1, 2, ...
+            k = self._scans.get(id(module), 0)
+            self._scans[id(module)] = k + 1
+            layer += k
+        return Site(scope, module, where, layer)
 
     def record(self, site: Site, kind: str, shape: tuple, dtype=None) -> None:
         """Discovery: ``site``'s module made a ``kind`` call whose state has ``shape`` (a conv:
         and its input ``dtype``)."""
         calls = self._pending.setdefault(id(site.module), {})
+        if kind in calls and kind == "ssd" and "scans" in calls:  # Mamba-1 scans, one a head
+            calls["scans"].append(shape)
+            return
         if kind in calls:
             raise NotImplementedError(
                 f"{site.where} made a second {kind!r} call in one forward; dspark_compile owns "
                 "one state per mixer, so a module that mixes tokens through two of them is "
-                "refused")
+                "refused (several Mamba-1 scans of one mixer, Zamba's heads, are the exception)")
+        if kind == "ssd" and site.where.endswith("(mamba_selective_scan)"):
+            calls["scans"] = []  # later scans of this run, each a "scan" layer of its own
         calls[kind] = shape
         if dtype is not None:
             calls[f"{kind}_dtype"] = dtype
@@ -134,6 +149,7 @@ class RecurrentLayers:
         if not calls:
             return
         conv_dtype = calls.pop("conv_dtype", None)
+        scans = calls.pop("scans", [])
         if conv_dtype == next(self.model.parameters()).dtype:
             conv_dtype = None  # the model's: the state takes the model dtype
         kind = KINDS.get(frozenset(calls))
@@ -150,6 +166,8 @@ class RecurrentLayers:
         runs.append(len(self.specs))
         self.specs.append(LinearSpec(conv_dim, width, *heads, kind=kind, name=name,
                                      conv_dtype=conv_dtype))
+        for k, shape in enumerate(scans, 1):  # a mixer's further scans: no conv window
+            self.specs.append(LinearSpec(0, 0, *shape, kind="scan", name=f"{name}[scan {k}]"))
 
     # ---------------------------------------------------------------- module tracking
     def _enter(self, module: nn.Module, args) -> None:
@@ -167,6 +185,7 @@ class RecurrentLayers:
                 if self._capture is not scope:
                     self._capture, self._runs = scope, {}
                 self._runs[id(module)] = self._runs.get(id(module), 0) + 1
+                self._scans[id(module)] = 0
 
     def _exit(self, module: nn.Module, args, output) -> None:
         if self._stack and self._stack[-1] is module:

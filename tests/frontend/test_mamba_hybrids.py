@@ -8,8 +8,9 @@ and accepted prefixes (float32, CPU, reference ops). HF scans in chunks of 4, th
 token, so rows agree to float32 rounding (max errors 6e-8 to 6e-7 at f31adbe), not bitwise.
 Containment: a NaN token at rejected draft positions leaves the accepted outputs and the
 committed conv and SSM state bit-identical to a clean run. Mamba-1 mixers (Mamba, Falcon-Mamba,
-Jamba) run as one-element Mamba-2 heads and equal HF too; mixers that run their conv
-themselves are refused naming the module (two scans in one mixer, Zamba's, too: the zoo).
+Jamba) run as one-element Mamba-2 heads and equal HF too, and so does Zamba, whose mixer runs
+one conv and a Mamba-1 scan per head (each scan after the first a layer of its own, with no conv
+window); mixers that run their conv themselves are refused naming the module.
 """
 
 import random
@@ -119,6 +120,31 @@ def test_mamba1_equals_hf_forward(family):
     err = ragged_rounds_error(model, verifier, [1, 0], [6, 4], POISON, seed=3, rounds=3,
                              max_len=6)
     assert err < TOL, f"{family}: max |ragged - HF| = {err}"
+
+
+def test_zamba_scans_per_head_equal_hf_forward():
+    """Zamba's mixer: one conv, then a scan per mamba head; the first scan goes with the conv,
+    each further one is a scan layer of its own. Every ragged row equals HF's."""
+    model, verifier = compiled("zamba")
+    specs = verifier.adapter.linear_specs
+    heads = model.config.n_mamba_heads
+    assert [s.kind for s in specs] == (["ssd"] + ["scan"] * (heads - 1)) * \
+        (len(specs) // heads)
+    err = ragged_rounds_error(model, verifier, [1, 0], [6, 4], POISON, seed=3, rounds=3,
+                              max_len=6)
+    assert err < TOL, f"zamba: max |ragged - HF| = {err}"
+
+
+def test_zamba_scans_sharing_one_state_are_refused(monkeypatch):
+    """Every scan of a run reading the mixer's first state is caught by the call check."""
+    from dspark_compile.frontend import recurrent
+
+    site = recurrent.RecurrentLayers.site
+    monkeypatch.setattr(recurrent.RecurrentLayers, "site",
+                        lambda self, function, scan=False: site(self, function))
+    with pytest.raises(RuntimeError, match=r"made the calls \['conv', 'ssd', 'ssd'\] while "
+                                           r"captured but \['conv', 'ssd'\]"):
+        dspark_compile(tiny_ssm("zamba"))
 
 
 def test_mamba1_nan_draft_cannot_reach_accepted_rows_or_state():
