@@ -27,6 +27,7 @@ from .compressed import compressor_hooks
 from .sparse import INDEXER_KEYS, IndexerMask, indexer_hooks, sparse_attention_module
 from .dbrx import dbrx_hooks
 from .jetmoe import jetmoe_hooks
+from .griffin import griffin_hooks
 from .inkling2 import inkling2_hooks, row_sinks_module
 from .relative import RelativeLogits, relative_hooks
 from .zaya import zaya_hooks
@@ -561,7 +562,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
                     experts_hooks(model), dbrx_hooks(model, names), \
                     longcat_hooks(model, names), jetmoe_hooks(model, names), \
                     relative_hooks(model, names), inkling2_hooks(model, names), \
-                    zaya_hooks(model, names), \
+                    zaya_hooks(model, names), griffin_hooks(model, names), \
                     compressor_hooks(model, names), indexer_hooks(model, names), \
                     temperature_hooks(model, names):
                 yield

@@ -36,26 +36,37 @@ from torch import nn
 from . import mamba, minimax
 from .recurrent import RecurrentLayers
 
-__all__ = ["RecurrentLayers", "WINDOW_MODULES", "hybrid_hooks", "window"]
+__all__ = ["RecurrentLayers", "WINDOW_MODULES", "diagonal_scan", "hybrid_hooks", "window"]
 
 WINDOW_MODULES: set[str] = set()
 """``module.qualname`` of classes whose replaced forward (``frontend/inkling2.py``,
-``frontend/zaya.py``) reads a window of past inputs through :func:`window`: a model holding one
-gets the recurrent-layer tracking even when its modeling module defines none of the functions
-below."""
+``frontend/zaya.py``, ``frontend/griffin.py``) reads past inputs through :func:`window` or
+:func:`diagonal_scan`: a model holding one gets the recurrent-layer tracking even when its
+modeling module defines none of the functions below."""
 
 _active: list[RecurrentLayers] = []
 """The RecurrentLayers of the capture running now (hybrid_hooks sets it)."""
 
 
-def window(x, taps):
+def _layers() -> RecurrentLayers:
+    if not _active:
+        raise RuntimeError("dspark_compile's capture-owned convs and scans run only inside a "
+                           "capture")
+    return _active[-1]
+
+
+def window(x, taps, bias=None):
     """A causal depthwise conv over the tokens, ``x [bs, dim, T]``, ``taps [dim, W]`` (the
     oldest of the ``W`` positions first, as ``causal_conv1d_fn``'s weight), whose state of the
     last ``W - 1`` inputs the capture owns: one call per run of the calling module's forward,
     counted as that module's conv layer. One-hot taps make it a window of past inputs."""
-    if not _active:
-        raise RuntimeError("dspark_compile's window conv runs only inside a capture")
-    return _conv(_active[-1], x, taps, None)
+    return _conv(_layers(), x, taps, bias)
+
+
+def diagonal_scan(x, dt, A, B, C):
+    """A Mamba-1 selective scan (``mamba_selective_scan``'s arguments and result, no skip and no
+    gate) whose state the capture owns, counted as the calling module's scan."""
+    return mamba.selective_scan(_layers(), x, dt, A, B, C)
 
 _GDN = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule",
         "chunk_kimi_delta_attention", "recurrent_kimi_delta_attention")
