@@ -101,6 +101,8 @@ class AttentionSpec:
     relative: int = 0
     """Relative logits (Inkling): each query adds its own logit for a key's distance when the
     distance is below ``relative``; 0: none."""
+    alibi: bool = False
+    """ALiBi: each head adds its slope times ``kpos - qpos`` (Bloom)."""
 
     @property
     def value_dim(self) -> int:

@@ -458,6 +458,7 @@ class Verifier:
                       f"chunks of {spec.chunk}" if spec.chunk else "causal"]
             traits += [f"softcap {spec.softcap}"] * bool(spec.softcap) + ["sinks"] * spec.sinks
             traits += [f"relative logits over {spec.relative} distances"] * bool(spec.relative)
+            traits += ["ALiBi"] * spec.alibi
             c = spec.compress
             if c is not None:
                 traits.append(f"compressed every {c.rate} tokens" +

@@ -71,7 +71,8 @@ def make_case(lens, contexts, heads, kv_heads, dk, dv=None, page=4, num_pad=0, s
 
 def naive_attention(case: AttentionCase, scale: float, window: int = 0, softcap: float = 0.0,
                     sinks: Optional[torch.Tensor] = None, chunk: int = 0,
-                    rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+                    rel: Optional[torch.Tensor] = None,
+                    alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """fp32 ``[N, H, Dv]``: per request, every position's K/V (pool, then this step's rows),
     one dense masked softmax. Padding rows are zeros. Reads every position of the request, so
     it is the oracle for values, not for containment. ``sinks``: ``[H]`` or a row's own
@@ -103,6 +104,8 @@ def naive_attention(case: AttentionCase, scale: float, window: int = 0, softcap:
             table = rel[s:e].float().transpose(0, 1)  # [H, L, E]
             bias = table.gather(2, dist.clamp(0, extent - 1).expand(heads, -1, -1))
             scores = scores + bias.masked_fill((dist < 0) | (dist >= extent), 0.0)
+        if alibi is not None:  # BLOOM's form: slope * kpos (a row's constant from kpos - qpos)
+            scores = scores + alibi.float().view(heads, 1, 1) * kpos.float()[None]
         if window > 0:
             mask &= kpos > qpos - window
         if chunk > 0:  # transformers' chunked_overlay: the same chunk of positions

@@ -25,6 +25,7 @@ from .plain import CachedAttention
 from ..specs import AttentionSpec, LinearSpec
 from .compressed import compressor_hooks
 from .sparse import INDEXER_KEYS, IndexerMask, indexer_hooks, sparse_attention_module
+from .bloom import AlibiSlopes, bloom_hooks
 from .dbrx import dbrx_hooks
 from .jetmoe import jetmoe_hooks
 from .griffin import griffin_hooks
@@ -133,6 +134,12 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     elif rel is not None:
         kwargs["position_bias"] = rel  # refused by name below
         rel = None
+    alibi = kwargs.pop("alibi", None)
+    if isinstance(alibi, AlibiSlopes):  # only a replaced forward (bloom.py) makes one
+        alibi = alibi.slopes
+    elif alibi is not None:
+        kwargs["alibi"] = alibi  # refused by name below
+        alibi = None
     row_sinks = kwargs.pop("sinks", None) if row_sinks_module(module) else None
     softcap, sinks = _check_attention_arguments(where, dropout, kwargs, window, query)
     if row_sinks is not None:  # [bs, H, T, 1]: the model's eager joins it as one more column
@@ -142,6 +149,10 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
                 f"{where} passes sinks= of shape {tuple(row_sinks.shape)} (or beside s_aux=); "
                 f"a row's own sinks are understood as [bs, H, T, 1] = {(bs, heads, t, 1)}")
         sinks = row_sinks.squeeze(-1)
+    if alibi is not None and (picks is not None or softcap):
+        raise NotImplementedError(
+            f"{where} passes ALiBi slopes with an indexer's picks or a softcap; "
+            "dspark::ragged_attention adds them to causal, windowed or chunked attention only")
     if rel is not None and (picks is not None or chunk or softcap):
         raise NotImplementedError(
             f"{where} passes relative logits with an indexer's picks, chunks or a softcap; "
@@ -168,7 +179,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     return scope.attend(None, query, key, value, float(scaling), window=window,
                         softcap=softcap, sinks=sinks, compressed=compressed, chunk=chunk,
                         picks=picks, index=None if index is None else index[0],
-                        pick_block=pick_block, rel=rel), None
+                        pick_block=pick_block, rel=rel, alibi=alibi), None
 
 
 def _check_sparse(where: str, module, picks, block_picks, index, scope):
@@ -563,6 +574,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
                     longcat_hooks(model, names), jetmoe_hooks(model, names), \
                     relative_hooks(model, names), inkling2_hooks(model, names), \
                     zaya_hooks(model, names), griffin_hooks(model, names), \
+                    bloom_hooks(model, names), \
                     compressor_hooks(model, names), indexer_hooks(model, names), \
                     temperature_hooks(model, names):
                 yield

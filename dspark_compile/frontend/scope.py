@@ -165,7 +165,8 @@ class CaptureScope:
                sinks: torch.Tensor | None = None, compressed=None,
                chunk: int = 0, picks: torch.Tensor | None = None,
                index=None, pick_block: int = 1,
-               rel: torch.Tensor | None = None) -> torch.Tensor:
+               rel: torch.Tensor | None = None,
+               alibi: torch.Tensor | None = None) -> torch.Tensor:
         """Dense cached attention of layer ``key`` (None: the next call in forward order):
         q ``[bs, H, T, Dk]``, k ``[bs, Hkv, T, Dk]``, v ``[bs, Hkv, T, Dv]`` ->
         ``[bs, T, H, Dv]``. ``compressed``: what the layer's compressor added
@@ -173,7 +174,8 @@ class CaptureScope:
         none). ``picks [bs, T, P]``: the keys each query attends to (a sparse layer), with
         ``index`` the layer's own indexer's ``IndexSpec`` (None: the picks are an earlier
         layer's); block picks ``[bs, T, Hi, topk]`` stand for ``pick_block`` positions each.
-        ``rel [bs, H, T, E]``: relative logits (a query's logit per key distance below E)."""
+        ``rel [bs, H, T, E]``: relative logits (a query's logit per key distance below E);
+        ``alibi [H]``: ALiBi slopes."""
         if key is None:
             key = self.attention_calls
         self.attention_calls += 1
@@ -190,7 +192,7 @@ class CaptureScope:
                 None if v.shape[-1] == k.shape[-1] else int(v.shape[-1]),
                 int(window), float(softcap), sinks is not None, self._site, compressed,
                 shared_kv=k is v, chunk=int(chunk), sparse=picks is not None, index=index,
-                relative=0 if rel is None else int(rel.shape[-1])))
+                relative=0 if rel is None else int(rel.shape[-1]), alibi=alibi is not None))
             bs, heads, t, _ = q.shape
             return q.new_zeros(bs, t, heads, v.shape[-1])
         if key not in self.pool_index:
@@ -218,10 +220,12 @@ class CaptureScope:
             return torch.ops.dspark.dense_compressed_attention(
                 q, k, v, k_cache, v_cache, self.block_table, self.context_lens, float(scale),
                 int(window), float(softcap), sinks, entries, fresh, rate, picks)
+        more = rel is not None or alibi is not None
         extra = (int(window), float(softcap), sinks) if window or softcap or \
-            sinks is not None or chunk or rel is not None else ()
-        extra += (int(chunk),) if chunk or rel is not None else ()
-        extra += (rel,) if rel is not None else ()
+            sinks is not None or chunk or more else ()
+        extra += (int(chunk),) if chunk or more else ()
+        extra += (rel,) if more else ()
+        extra += (alibi,) if alibi is not None else ()
         return torch.ops.dspark.dense_cached_attention(
             q, k, v, k_cache, v_cache, self.block_table, self.context_lens, float(scale),
             *extra)

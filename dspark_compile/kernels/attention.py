@@ -26,7 +26,8 @@ Kernels, then launch plan and host wrapper (the Triton tutorials' order); the or
   only some rows see take per-row masks and guarded V), a logit softcap (``tanh`` from
   ``exp2``), sinks a head or a row and head (split 0 starts the online softmax from them),
   relative logits (each key tile adds its row's logits of the tile's distances, masked past
-  the extent) and a V head dim of its own (acc, partials and out have V's; the pools each
+  the extent), ALiBi slopes (a head's slope times the distance, no load) and a V head dim of
+  its own (acc, partials and out have V's; the pools each
   their own row width).
 """
 
@@ -41,7 +42,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ..ops.attention_reference import check_rel, check_semantics
+from ..ops.attention_reference import check_alibi, check_rel, check_semantics
 from .launch import launch
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .device import device_target, fp32_dot_precision, register_cap
@@ -180,15 +181,22 @@ def _tanh(x):
 
 
 @triton.jit
-def _rel_tile(rel_ptr, rel_rows, row_ok, qpos, kpos, rel_extent, HAS_REL: tl.constexpr):
-    """Relative logits of a score tile in the log2 domain: ``rel[row, h, qpos - kpos]`` where
-    ``0 <= qpos - kpos < rel_extent``, else 0 (``rel_rows [BLOCK_M]``: each row's element
-    offset of distance 0, ``qpos [BLOCK_M]``, ``kpos [TILE]``); 0 without ``HAS_REL``."""
-    if HAS_REL:
-        dist = qpos[:, None] - kpos[None, :]  # [BLOCK_M, TILE]
+def _rel_tile(rel_ptr, rel_rows, row_ok, qpos, kpos, rel_extent, slopes,
+              HAS_REL: tl.constexpr):
+    """A score tile's position bias in the log2 domain. ``HAS_REL`` bit 1: relative logits
+    ``rel[row, h, qpos - kpos]`` where ``0 <= qpos - kpos < rel_extent``, else 0 (``rel_rows
+    [BLOCK_M]``: each row's element offset of distance 0); bit 2: ALiBi, ``slopes[row] * (kpos
+    - qpos)`` (``slopes [BLOCK_M]`` already in the log2 domain). ``qpos [BLOCK_M]``, ``kpos
+    [TILE]``; 0 without either."""
+    dist = qpos[:, None] - kpos[None, :]  # [BLOCK_M, TILE]
+    if (HAS_REL & 1) != 0:
         near = (dist >= 0) & (dist < rel_extent) & row_ok[:, None]
         bias = tl.load(rel_ptr + rel_rows[:, None] + dist, mask=near, other=0.0)
         bias = bias.to(tl.float32) * 1.4426950408889634  # log2(e)
+        if (HAS_REL & 2) != 0:
+            bias = bias - slopes[:, None] * dist.to(tl.float32)
+    elif (HAS_REL & 2) != 0:
+        bias = -slopes[:, None] * dist.to(tl.float32)
     else:
         bias = 0.0
     return bias
@@ -224,6 +232,7 @@ def _softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2, softcap_log2,
 def _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, kv_head,
                   offs_n, offs_d, d_mask, offs_dv, dv_mask, m_i, l_i, acc, scale_log2,
                   softcap_log2, stride_cache_row, rel_ptr, rel_rows, row_ok, qpos, rel_extent,
+                  slopes,
                   PAGE_SIZE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, TILE_N: tl.constexpr,
                   UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -243,7 +252,7 @@ def _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context,
         key_ok = pos < context
         k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask, offs_dv,
                         dv_mask, HEAD_DIM, HEAD_DIM_V)
-        bias = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, pos, rel_extent, HAS_REL)
+        bias = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, pos, rel_extent, slopes, HAS_REL)
         pos = (t + 1) * TILE_N + offs_n
         rows = _pool_rows(bt_row_ptr, pos, pos < context, kv_head, stride_cache_row,
                           PAGE_SIZE, HEAD_DIM)
@@ -288,6 +297,7 @@ def _first_key(pos, window, CHUNKED: tl.constexpr):
 def _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, key_lo, row_lo,
                  kv_head, offs_n, offs_d, d_mask, offs_dv, dv_mask, m_i, l_i, acc, scale_log2,
                  softcap_log2, stride_cache_row, rel_ptr, rel_rows, row_ok, qpos, rel_extent,
+                 slopes,
                  PAGE_SIZE: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, TILE_N: tl.constexpr,
                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -304,7 +314,7 @@ def _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, 
         k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask, offs_dv,
                         dv_mask, HEAD_DIM, HEAD_DIM_V)
         visible = key_ok[None, :] & (pos[None, :] >= row_lo[:, None])
-        bias = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, pos, rel_extent, HAS_REL)
+        bias = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, pos, rel_extent, slopes, HAS_REL)
         m_i, l_i, acc = _guarded_step(q, k, v, visible, m_i, l_i, acc, scale_log2,
                                       softcap_log2, UPCAST, DOT_PRECISION, HAS_SOFTCAP, bias,
                                       HAS_REL)
@@ -315,7 +325,7 @@ def _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, 
 def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_own,
                    kv_head, offs_e, offs_d, d_mask, offs_dv, dv_mask, m_i, l_i, acc,
                    scale_log2, softcap_log2, window, context, stride_k_tok, stride_k_head,
-                   stride_v_tok, stride_v_head, rel_ptr, rel_rows, row_ok, qpos, rel_extent,
+                   stride_v_tok, stride_v_head, rel_ptr, rel_rows, row_ok, qpos, rel_extent, slopes,
                    UPCAST: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
                    HAS_SOFTCAP: tl.constexpr, CHUNKED: tl.constexpr, HAS_REL: tl.constexpr):
@@ -345,7 +355,7 @@ def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_
     if HAS_WINDOW:  # key position context + e at or past the row's first key
         visible = visible & (context + e[None, :] >= _first_key(context + q_own[:, None],
                                                                  window, CHUNKED))
-    bias = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, context + e, rel_extent, HAS_REL)
+    bias = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, context + e, rel_extent, slopes, HAS_REL)
     m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
                                   DOT_PRECISION, True, HAS_SOFTCAP, bias, HAS_REL)
     hits = tl.dot(visible.to(tl.float16), bad.to(tl.float16), out_dtype=tl.float32)
@@ -402,7 +412,7 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
             key_lo, req_start, q0, n_q, q_idx, kv_head, n_ctx, u_lo, u_hi, e_skip, offs_d,
             d_mask, offs_dv, dv_mask, m_i, l_i, acc, scale_log2, softcap_log2, window,
             stride_k_tok, stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
-            rel_ptr, rel_rows, row_ok, rel_extent,
+            rel_ptr, rel_rows, row_ok, rel_extent, slopes,
             PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             TILE_N: tl.constexpr, NEW_N: tl.constexpr, UPCAST: tl.constexpr,
             DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
@@ -419,7 +429,7 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
     t_end = tl.minimum(u_hi, n_ctx)
     qpos = context + q0 + q_idx  # [BLOCK_M] each row's position (the relative logits')
     bias0 = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, u_lo * TILE_N + offs_n, rel_extent,
-                      HAS_REL)
+                      slopes, HAS_REL)
     if HAS_WINDOW:
         row_lo = _first_key(context + q0 + q_idx, window, CHUNKED)  # [BLOCK_M]
         last_lo = _first_key(context + q0 + n_q - 1, window, CHUNKED)  # the last row's
@@ -433,7 +443,7 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
                                      tl.minimum(t_end, band_end), context, key_lo, row_lo,
                                      kv_head, offs_n, offs_d, d_mask, offs_dv, dv_mask, m_i,
                                      l_i, acc, scale_log2, softcap_log2, stride_cache_row,
-                                     rel_ptr, rel_rows, row_ok, qpos, rel_extent,
+                                     rel_ptr, rel_rows, row_ok, qpos, rel_extent, slopes,
                                      PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, UPCAST,
                                      DOT_PRECISION, HAS_SOFTCAP, HAS_REL)
         t_lo = tl.maximum(u_lo + 1, band_end)
@@ -448,7 +458,7 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
     m_i, l_i, acc = _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end,
                                   context, kv_head, offs_n, offs_d, d_mask, offs_dv, dv_mask,
                                   m_i, l_i, acc, scale_log2, softcap_log2, stride_cache_row,
-                                  rel_ptr, rel_rows, row_ok, qpos, rel_extent,
+                                  rel_ptr, rel_rows, row_ok, qpos, rel_extent, slopes,
                                   PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, UPCAST,
                                   DOT_PRECISION, HAS_SOFTCAP, HAS_REL)
     for u in range(tl.maximum(u_lo, n_ctx), u_hi):
@@ -460,7 +470,8 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
             q, k_ptr, v_ptr, k_cache_ptr.dtype.element_ty, req_start, e0, q0 + n_q,
             q0 + q_idx, kv_head, tl.arange(0, NEW_N), offs_d, d_mask, offs_dv, dv_mask, m_i,
             l_i, acc, scale_log2, softcap_log2, window, context, stride_k_tok, stride_k_head,
-            stride_v_tok, stride_v_head, rel_ptr, rel_rows, row_ok, qpos, rel_extent, UPCAST,
+            stride_v_tok, stride_v_head, rel_ptr, rel_rows, row_ok, qpos, rel_extent, slopes,
+            UPCAST,
             DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, CHUNKED, HAS_REL)
     return m_i, l_i, acc
 
@@ -524,7 +535,8 @@ def _merge_splits(out_ptr, part_acc_ptr, part_ml_ptr, tokens, heads, row_ok, off
 def _ragged_attention_kernel(
         out_ptr, part_acc_ptr, part_ml_ptr, counter_ptr, q_ptr, k_ptr, v_ptr, k_cache_ptr,
         v_cache_ptr, query_start_loc_ptr, seq_lens_ptr, block_table_ptr, slot_mapping_ptr,
-        sinks_ptr, rel_ptr, scale_log2, softcap_log2, window, rel_extent, stride_rel_tok,
+        sinks_ptr, rel_ptr, alibi_ptr, scale_log2, softcap_log2, window, rel_extent,
+        stride_rel_tok,
         stride_rel_head, stride_sink_tok,
         num_tokens, num_requests, num_splits, stride_q_tok, stride_q_head, stride_k_tok,
         stride_k_head,
@@ -555,8 +567,9 @@ def _ragged_attention_kernel(
     chunk, ``window`` holding the chunk size), ``HAS_SOFTCAP`` (:func:`_softmax_step`), ``HAS_SINKS``
     (``sinks_ptr [H]``, or ``[N, H]`` with ``stride_sink_tok`` (0 for ``[H]``), any float dtype:
     split 0 starts each row's online softmax from the sink logit, ``m = sink``, ``l = 1``, so the merge of partials counts it exactly once).
-    ``HAS_REL`` (``rel_ptr [N, H, rel_extent]``, any float dtype, last dim dense: each score
-    gains its row's logit of the key's distance, :func:`_rel_tile`).
+    ``HAS_REL`` bit 1 (``rel_ptr [N, H, rel_extent]``, any float dtype, last dim dense: each
+    score gains its row's logit of the key's distance), bit 2 (``alibi_ptr [H]``: each score
+    gains its head's slope times ``kpos - qpos``), :func:`_rel_tile`.
     ``HEAD_DIM_V`` may differ from ``HEAD_DIM`` (q/k): acc, partials and out have V's.
     """
     if not EARLY:
@@ -603,7 +616,12 @@ def _ragged_attention_kernel(
     row_ok = (q_idx < n_q) & (offs_m % GROUP_PAD < GROUP)  # [BLOCK_M]
     tokens = (req_start + q0 + q_idx).to(tl.int64)
     heads = kv_head * GROUP + offs_m % GROUP_PAD
-    rel_rows = tokens * stride_rel_tok + heads * stride_rel_head  # HAS_REL only
+    rel_rows = tokens * stride_rel_tok + heads * stride_rel_head  # HAS_REL bit 1 only
+    if (HAS_REL & 2) != 0:  # ALiBi: each row's head's slope, in the log2 domain
+        slopes = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
+        slopes = slopes * 1.4426950408889634
+    else:
+        slopes = 0.0
     m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
     l_i = tl.zeros([BLOCK_M], tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM_V_PAD], tl.float32)
@@ -628,7 +646,7 @@ def _ragged_attention_kernel(
                             n_ctx, u_lo, u_hi, e_skip, offs_d, d_mask, offs_dv, dv_mask, m_i,
                             l_i, acc, scale_log2, softcap_log2, window, stride_k_tok,
                             stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
-                            rel_ptr, rel_rows, row_ok, rel_extent,
+                            rel_ptr, rel_rows, row_ok, rel_extent, slopes,
                             PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, NEW_N, UPCAST,
                             DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, CHUNKED, HAS_REL)
     _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads, row_ok,
@@ -924,6 +942,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             window: int = 0, softcap: float = 0.0,
                             sinks: torch.Tensor | None = None, chunk: int = 0,
                             rel: torch.Tensor | None = None,
+                            alibi: torch.Tensor | None = None,
                             max_query_len: int | None = None, num_splits: int | None = None,
                             config: TargetConfig | None = None,
                             out: torch.Tensor | None = None,
@@ -931,8 +950,8 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             early_reads: bool = False) -> torch.Tensor:
     """Triton ``dspark::ragged_attention``: same arguments and result as the reference.
 
-    ``window``, ``softcap``, ``sinks``, ``chunk``, ``rel``: the reference's switches, checked on
-    the host before anything launches; each turns on a constexpr of the one kernel (all off: the
+    ``window``, ``softcap``, ``sinks``, ``chunk``, ``rel``, ``alibi``: the reference's switches,
+    checked on the host before anything launches; each turns on a constexpr of the one kernel (all off: the
     plain causal build; a chunk runs the window's code with ``CHUNKED``, the chunk size in
     ``window``). A window or chunk that reaches past the block table's width (no key is ever
     outside it) is plain causal. ``max_query_len``: a host bound on any request's length (default ``N``, always
@@ -952,6 +971,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                    slot_mapping, out), max_query_len, window, softcap, sinks, chunk,
                   row_sinks=True)
     check_rel("ragged_attention_triton", rel, tuple(q.shape[:2]), softcap, q.device)
+    check_alibi("ragged_attention_triton", alibi, q.shape[1], softcap, q.device)
     n, h, d = q.shape
     dv = v.shape[2]
     r = query_start_loc.shape[0] - 1
@@ -985,6 +1005,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         out, part_acc, part_ml, out if counters is None else counters, q, k, v, k_cache,
         v_cache, query_start_loc, seq_lens,
         block_table, slot_mapping, q if sinks is None else sinks, q if rel is None else rel,
+        q if alibi is None else alibi,
         qk_scale, float(softcap) * _LOG2E, window, 0 if rel is None else rel.shape[2],
         0 if rel is None else rel.stride(0), 0 if rel is None else rel.stride(1),
         sinks.stride(0) if sinks is not None and sinks.dim() == 2 else 0,
@@ -999,7 +1020,8 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         MAX_SPLITS=max_splits, UPCAST=q.dtype != k_cache.dtype,
         DOT_PRECISION=fp32_dot_precision(cfg), EARLY=pdl and early_reads and cfg.attn_early_reads,
         PDL=pdl, HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
-        HAS_SINKS=sinks is not None, CHUNKED=chunked, HAS_REL=rel is not None,
+        HAS_SINKS=sinks is not None, CHUNKED=chunked, 
+        HAS_REL=(rel is not None) + 2 * (alibi is not None),
         num_warps=plan.num_warps, num_stages=plan.num_stages, **regs, **pdl_options(pdl))
     if split and counters is None:
         launch(_split_reduce_kernel, (n,),

@@ -11,7 +11,7 @@ from typing import Optional
 
 import torch
 
-from ..ops.attention_reference import check_rel, check_semantics
+from ..ops.attention_reference import check_alibi, check_rel, check_semantics
 from ..ops.compressed_reference import (check_compress, check_entries, check_index,
                                         check_raw_layout)
 from ..ops import experts as _experts
@@ -31,14 +31,15 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                             scale: float, max_query_len: int,
                             early_reads: bool = False, window: int = 0, softcap: float = 0.0,
                             sinks: Optional[torch.Tensor] = None,
-                            chunk: int = 0, rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+                            chunk: int = 0, rel: Optional[torch.Tensor] = None,
+                            alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``dspark::ragged_attention`` lowered to Triton (CUDA and ROCm devices).
 
     ``max_query_len`` sizes the query tile (the verify block); results are exact for any
     value, a longer request (a prefill) just spans more tiles. ``early_reads``: the launch
     before this one writes none of the metadata nor the pools' committed rows, so they may be
     read before the PDL wait (``select.early_attention_reads`` decides it from the graph).
-    ``window``, ``softcap``, ``sinks``, ``chunk``, ``rel``: the reference op's switches
+    ``window``, ``softcap``, ``sinks``, ``chunk``, ``rel``, ``alibi``: the reference op's switches
     (keywords after the launch choices: ``lower`` appends those to the reference call's ten
     leading arguments).
     """
@@ -46,16 +47,18 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 
     return zeros_when_warming(kernel(
         q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
-        window=window, softcap=softcap, sinks=sinks, chunk=chunk, rel=rel,
+        window=window, softcap=softcap, sinks=sinks, chunk=chunk, rel=rel, alibi=alibi,
         max_query_len=max_query_len, early_reads=early_reads))
 
 
 @ragged_attention_triton.register_fake
 def _(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table, slot_mapping, scale,
-      max_query_len, early_reads=False, window=0, softcap=0.0, sinks=None, chunk=0, rel=None):
+      max_query_len, early_reads=False, window=0, softcap=0.0, sinks=None, chunk=0, rel=None,
+      alibi=None):
     check_semantics("ragged_attention_triton", window, softcap, sinks, q.shape[1],
                     chunk=chunk, row_sinks=tuple(q.shape[:2]))
     check_rel("ragged_attention_triton", rel, tuple(q.shape[:2]), softcap)
+    check_alibi("ragged_attention_triton", alibi, q.shape[1], softcap)
     return q.new_empty(q.shape[0], q.shape[1], v.shape[2])
 
 

@@ -26,6 +26,9 @@ Attention semantics (Hugging Face's conventions, checked against transformers 5.
   ``p`` adds ``rel[row, h, p - kpos]`` to its score of a key at ``kpos`` when ``0 <= p - kpos <
   E``, nothing past that (Inkling's relative position bias: HF's eager ``attn_weights +
   position_bias`` after the scaling, before mask and softmax); not with ``softcap``.
+- ``alibi`` ``[H]`` (ALiBi slopes): a query at ``p`` adds ``alibi[h] * (kpos - p)`` to its score
+  of a key at ``kpos`` (Bloom adds ``alibi[h] * kpos``: the same softmax); not with
+  ``softcap``.
 - V's head dim may differ from q/k's (DeepSeek MLA expanded: 192 / 128); out has V's.
 """
 
@@ -37,7 +40,7 @@ from typing import Optional
 import torch
 
 __all__ = ["kv_write", "ragged_attention", "dense_cached_attention", "check_semantics",
-           "check_rel", "visible_from"]
+           "check_alibi", "check_rel", "visible_from"]
 
 _SINK_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -101,6 +104,24 @@ def check_rel(op: str, rel, lead: tuple, softcap, device=None) -> None:
         raise ValueError(f"{op}: rel is on {rel.device} but q is on {device}; move it there")
 
 
+def check_alibi(op: str, alibi, num_heads: int, softcap, device=None) -> None:
+    """``alibi`` is None or a float tensor ``[num_heads]`` (on ``device`` when given) and
+    ``softcap`` is 0; else ``ValueError`` naming the argument and the rule."""
+    if alibi is None:
+        return
+    shape = tuple(getattr(alibi, "shape", ()))
+    if not isinstance(alibi, torch.Tensor) or alibi.dtype not in _SINK_DTYPES or \
+            not _same(shape, (num_heads,)):
+        raise ValueError(f"{op}: alibi is {getattr(alibi, 'dtype', type(alibi).__name__)} of "
+                         f"shape {shape}; it must be None or a float tensor [H] = [{num_heads}] "
+                         "(one slope per query head)")
+    if softcap:
+        raise ValueError(f"{op}: alibi with softcap={softcap}; ALiBi is defined without a logit "
+                         "softcap only")
+    if device is not None and alibi.device != device:
+        raise ValueError(f"{op}: alibi is on {alibi.device} but q is on {device}; move it there")
+
+
 def kv_write(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
              slot_mapping: torch.Tensor) -> None:
     """Write packed ``k [N, Hkv, Dk]``, ``v [N, Hkv, Dv]`` into pool rows ``slot_mapping [N]``
@@ -135,7 +156,8 @@ def visible_from(pos: int, window: int, chunk: int) -> int:
 def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first_key: int,
                 context: int, scale: float, window: int, softcap: float,
                 sinks: Optional[torch.Tensor], chunk: int = 0,
-                rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+                rel: Optional[torch.Tensor] = None,
+                alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Attention of ``q [L, H, Dk]`` at positions ``context + j`` over ``keys [S, Hkv, Dk]``,
     ``values [S, Hkv, Dv]`` holding positions ``first_key ..`` (``rel [L, H, E]``: the rows'
     relative logits); returns fp32 ``[L, H, Dv]``."""
@@ -155,6 +177,9 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first
             dist = pos - torch.arange(lo, pos + 1, device=q.device)
             near = dist < rel.shape[2]
             scores[:, near] += rel[j][:, dist[near]].float()
+        if alibi is not None:  # the head's slope times kpos - pos
+            kpos = torch.arange(lo, pos + 1, device=q.device)
+            scores += alibi.float()[:, None] * (kpos - pos).float()
         if sinks is not None:  # one more logit per head in the denominator, then dropped
             sink = sinks[j] if sinks.dim() == 2 else sinks  # [L, H]: the row's own
             logits = torch.cat([scores, sink.float()[:, None]], dim=1)
@@ -170,18 +195,20 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                      seq_lens: torch.Tensor, block_table: torch.Tensor,
                      slot_mapping: torch.Tensor, scale: float, window: int = 0,
                      softcap: float = 0.0, sinks: Optional[torch.Tensor] = None,
-                     chunk: int = 0, rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+                     chunk: int = 0, rel: Optional[torch.Tensor] = None,
+                     alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Write the new K/V, then causal paged attention for packed queries.
 
     q ``[N, H, Dk]``; k ``[N, Hkv, Dk]``, v ``[N, Hkv, Dv]``; pools ``[pages, page_size, Hkv,
     Dk or Dv]``; query_start_loc ``[R + 1]``; seq_lens ``[R]`` (context + own length);
     block_table ``[R, pages_per_request]``; slot_mapping ``[N]`` (< 0 for padding rows);
-    ``window``, ``softcap``, ``sinks``, ``chunk``, ``rel``: the module docstring. Returns
+    ``window``, ``softcap``, ``sinks``, ``chunk``, ``rel``, ``alibi``: the module docstring. Returns
     ``[N, H, Dv]`` in q's dtype; rows past ``query_start_loc[R]`` are zeros.
     """
     check_semantics("ragged_attention", window, softcap, sinks, q.shape[1], chunk=chunk,
                     row_sinks=tuple(q.shape[:2]))
     check_rel("ragged_attention", rel, tuple(q.shape[:2]), softcap)
+    check_alibi("ragged_attention", alibi, q.shape[1], softcap)
     kv_write(k, v, k_cache, v_cache, slot_mapping)
     out = torch.zeros(*q.shape[:2], v.shape[2], dtype=torch.float32, device=q.device)
     qsl = query_start_loc.tolist()
@@ -198,7 +225,7 @@ def ragged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_cache:
                                      window, softcap,
                                      sinks[start:end] if sinks is not None and sinks.dim() == 2
                                      else sinks, chunk,
-                                     None if rel is None else rel[start:end])
+                                     None if rel is None else rel[start:end], alibi)
     return out.to(q.dtype)
 
 
@@ -207,7 +234,8 @@ def dense_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                            block_table: torch.Tensor, context_lens: torch.Tensor,
                            scale: float, window: int = 0, softcap: float = 0.0,
                            sinks: Optional[torch.Tensor] = None,
-                           chunk: int = 0, rel: Optional[torch.Tensor] = None) -> torch.Tensor:
+                           chunk: int = 0, rel: Optional[torch.Tensor] = None,
+                           alibi: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Dense verify attention: every one of ``bs`` requests runs ``T`` tokens.
 
     q ``[bs, H, T, Dk]``, k ``[bs, Hkv, T, Dk]``, v ``[bs, Hkv, T, Dv]`` (the layout HF attention
@@ -238,6 +266,6 @@ def dense_cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         k.transpose(1, 2).reshape(bs * t, k.shape[1], d),
         v.transpose(1, 2).reshape(bs * t, v.shape[1], dv),
         k_cache, v_cache, qsl, context_lens.long() + t, block_table, slot_mapping, scale,
-        window, softcap, sinks, chunk, rows,
+        window, softcap, sinks, chunk, rows, alibi,
     )
     return out.view(bs, t, num_heads, dv)

@@ -54,8 +54,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> PassResult:
             node.target = table[packet].default
             if packet is torch.ops.dspark.ragged_attention:
                 # the Triton op takes its launch choices after the ten leading arguments and
-                # the switches (window, softcap, sinks, chunk, rel) as keywords
-                switches = dict(zip(("window", "softcap", "sinks", "chunk", "rel"),
+                # the switches (window, softcap, sinks, chunk, rel, alibi) as keywords
+                switches = dict(zip(("window", "softcap", "sinks", "chunk", "rel", "alibi"),
                                     node.args[10:]))
                 node.args = (*node.args[:10], ctx.settings.block, early_attention_reads(node))
                 node.kwargs = {**switches, **node.kwargs}

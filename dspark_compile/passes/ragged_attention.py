@@ -161,8 +161,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
             result.rewrites.append((f"{node.name} -> {twin.__name__}", source_line(node)))
             continue
         q, k, v, k_cache, v_cache, block_table, _context_lens, scale, *semantics = node.args
-        if node.kwargs:  # window / softcap / sinks / chunk / rel, as the capture recorded them
-            names = ("window", "softcap", "sinks", "chunk", "rel")[len(semantics):]
+        if node.kwargs:  # window / softcap / sinks / chunk / rel / alibi, as the capture gave
+            names = ("window", "softcap", "sinks", "chunk", "rel", "alibi")[len(semantics):]
             semantics += [node.kwargs[n] for n in names if n in node.kwargs]
         _, heads, _, dim = q.meta["val"].shape
         kv_heads, v_dim = k.meta["val"].shape[1], v.meta["val"].shape[-1]

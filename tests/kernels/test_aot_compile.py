@@ -43,6 +43,9 @@ CASES = {
     "attention_bf16_relative_window": ("_ragged_attention_kernel", "bf16",
                                        (24, 3, 8, 2, 128, 16, 8), 4,
                                        dict(window=True, rel="bf16")),
+    # ALiBi slopes (BLOOM), fp32 slopes, split 4
+    "attention_bf16_alibi": ("_ragged_attention_kernel", "bf16", (24, 3, 8, 2, 128, 16, 8), 4,
+                             dict(alibi="fp32")),
 }
 
 
@@ -70,12 +73,12 @@ def _launch_spec(kernel_name: str, dtype: str, shape: tuple, splits: int, cfg,
                                               "v_cache_ptr")})
     pointers.update(seq_lens_ptr="i32", block_table_ptr="i32", slot_mapping_ptr="i64",
                     counter_ptr="i32", sinks_ptr=sem.get("sinks", dtype),
-                    rel_ptr=sem.get("rel", dtype))
+                    rel_ptr=sem.get("rel", dtype), alibi_ptr=sem.get("alibi", dtype))
     consts = dict(NUM_HEADS=h, GROUP=h // hkv, GROUP_PAD=plan.group_pad, HEAD_DIM=d,
                   HEAD_DIM_PAD=head_dim_pad(d), HEAD_DIM_V=dv, HEAD_DIM_V_PAD=head_dim_pad(dv),
                   HAS_WINDOW=sem.get("window", False), HAS_SOFTCAP=sem.get("softcap", False),
                   HAS_SINKS="sinks" in sem, CHUNKED=sem.get("chunk", False),
-                  HAS_REL="rel" in sem, PAGE_SIZE=page,
+                  HAS_REL=("rel" in sem) + 2 * ("alibi" in sem), PAGE_SIZE=page,
                   BLOCK_Q=plan.block_q,
                   BLOCK_M=plan.block_m,
                   TILE_N=plan.tile_n, NEW_N=plan.new_n, SEARCH=plan.search,

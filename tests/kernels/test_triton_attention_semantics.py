@@ -44,16 +44,18 @@ def _sinks(heads: int, device=DEVICE, dtype=torch.float32) -> torch.Tensor:
     return (torch.randn(heads, generator=g) * 2).to(dtype).to(device)
 
 
-def run_both(case, window=0, softcap=0.0, sinks=None, scale=0.3, chunk=0, rel=None, **kw):
+def run_both(case, window=0, softcap=0.0, sinks=None, scale=0.3, chunk=0, rel=None, alibi=None,
+             **kw):
     """(triton output, triton pools, reference output, reference pools); the output buffer
     starts as NaN so a row the kernel forgets cannot pass."""
     got_args, ref_args = case.args(), case.args()
     out = torch.full((case.q.shape[0], case.q.shape[1], case.v.shape[2]), float("nan"),
                      dtype=case.q.dtype, device=case.q.device)
     got = ragged_attention_triton(*got_args, scale, window, softcap, sinks, out=out,
-                                  chunk=chunk, rel=rel, **kw)
+                                  chunk=chunk, rel=rel, alibi=alibi, **kw)
     assert got is out
-    ref = reference.ragged_attention(*ref_args, scale, window, softcap, sinks, chunk, rel)
+    ref = reference.ragged_attention(*ref_args, scale, window, softcap, sinks, chunk, rel,
+                                     alibi)
     return got, got_args[3:5], ref, ref_args[3:5]
 
 
@@ -396,3 +398,17 @@ def test_row_sinks_match_reference(window: int, extent: int, num_splits: int,
     _check(*run_both(case, window, 0.0, sinks, rel=_rel(case, extent) if extent else None,
                      num_splits=num_splits, max_query_len=5, fold_reduce=fold,
                      config=SMALL_TILES), case.num_real)
+
+
+@needs_kernel_device
+@pytest.mark.parametrize("num_splits", [1, 3])
+@pytest.mark.parametrize("window,extent", [(0, 0), (12, 0), (0, 20)])
+def test_alibi_matches_reference(window: int, extent: int, num_splits: int) -> None:
+    """ALiBi slopes (a head's slope times kpos - qpos), alone, under a window and beside
+    relative logits; sinks on; unsplit and split."""
+    case = make_case([3, 0, 5, 1], [37, 5, 50, 0], 4, 2, 16, 16, page=8, num_pad=2,
+                     seed=window + extent + 2, device=DEVICE)
+    alibi = torch.tensor([0.5, 0.125, 1 / 32, 1 / 128]).to(DEVICE)
+    _check(*run_both(case, window, 0.0, _sinks(4), alibi=alibi,
+                     rel=_rel(case, extent) if extent else None, num_splits=num_splits,
+                     max_query_len=5, config=SMALL_TILES), case.num_real)

@@ -368,3 +368,27 @@ def test_row_sinks_of_another_shape_are_refused() -> None:
     with pytest.raises(ValueError, match=r"dspark::sparse_attention|sparse_attention: sinks is"):
         from dspark_compile.ops.attention_reference import check_semantics
         check_semantics("sparse_attention", 0, 0.0, torch.zeros(n, 4), 4)
+
+
+@pytest.mark.parametrize("window", [0, 4])
+@pytest.mark.parametrize("layout", sorted(LAYOUTS))
+def test_alibi_reference_matches_naive_dense(layout: str, window: int) -> None:
+    """ALiBi: a head's slope times ``kpos - qpos`` added to its scores (BLOOM adds slope *
+    kpos: a constant a row away, the same softmax)."""
+    lens, contexts, h, hkv, dk, dv, page, pad = LAYOUTS[layout]
+    case = make_case(lens, contexts, h, hkv, dk, dv, page, num_pad=pad, seed=window + 4)
+    slopes = 2.0 ** -torch.arange(1, h + 1, dtype=torch.float32)
+    got = OP(*case.args(), 0.3, window=window, alibi=slopes)
+    want = naive_attention(case, 0.3, window, alibi=slopes)
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(got[: case.num_real],
+                              OP(*case.args(), 0.3, window=window)[: case.num_real])
+
+
+def test_bad_alibi_is_refused() -> None:
+    case = make_case([2, 1], [3, 0], 4, 2, 8, page=4)
+    with pytest.raises(ValueError, match=r"alibi is torch.float32 of shape \(3,\); it must be "
+                                         r"None or a float tensor \[H\] = \[4\]"):
+        OP(*case.args(), 0.3, alibi=torch.zeros(3))
+    with pytest.raises(ValueError, match=r"alibi with softcap=1.0"):
+        OP(*case.args(), 0.3, softcap=1.0, alibi=torch.zeros(4))
