@@ -60,7 +60,8 @@
 #                 -m gpu), then the five DeepSeek Sparse Attention models and MiniMax-M3's
 #                 block-sparse layers through the Triton lowering (zoo --device cuda, float32 and
 #                 --static), results in zoo_gpu_dsa*.json
-#   reach_tests   Inkling's relative logits, JetMoE's experts, ZAYA's windows on the GPU: pytest -m gpu
+#   reach_tests   the models this session's reach added (Inkling, JetMoE, ZAYA, BLOOM, RecurrentGemma,
+#                 Zamba) on the GPU: pytest -m gpu
 #                 model tests, the relative-logit kernel cases, and both models through the Triton
 #                 lowering (zoo --device cuda), zoo_gpu_reach.json
 #   reach_static  the same three models through the tier session (--static), zoo_gpu_reach_static.json
@@ -237,14 +238,16 @@ job() {
           --out "$OUT/zoo_gpu_dsa${extra:+_static}.json" || exit 1
       done ;;
     reach_tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/frontend/test_inkling.py \
-        tests/frontend/test_zaya.py \
+        tests/frontend/test_zaya.py tests/frontend/test_bloom.py \
         tests/frontend/test_jetmoe.py &&
       python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention_semantics.py \
-        -k "relative or row_sinks" &&
+        -k "relative or row_sinks or alibi" &&
       python3 -m dspark_compile zoo --device cuda --jobs 3 --timeout 200 \
-        --only inkling_text jetmoe zaya --out "$OUT/zoo_gpu_reach.json" ;;
+        --only inkling_text jetmoe zaya bloom recurrent_gemma zamba \
+        --out "$OUT/zoo_gpu_reach.json" ;;
     reach_static) python3 -m dspark_compile zoo --device cuda --jobs 3 --timeout 200 --static \
-        --only inkling_text jetmoe zaya --out "$OUT/zoo_gpu_reach_static.json" ;;
+        --only inkling_text jetmoe zaya bloom recurrent_gemma zamba \
+        --out "$OUT/zoo_gpu_reach_static.json" ;;
     e2e_small) python3 benchmarks/e2e.py --concurrency 1 8 &&
       python3 benchmarks/e2e.py --concurrency 1 8 --mean-accepted 1.5 ;;
     moe_steps) python3 benchmarks/hybrid_step.py --variant a3b &&
