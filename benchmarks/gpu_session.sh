@@ -60,11 +60,10 @@
 #                 -m gpu), then the five DeepSeek Sparse Attention models and MiniMax-M3's
 #                 block-sparse layers through the Triton lowering (zoo --device cuda, float32 and
 #                 --static), results in zoo_gpu_dsa*.json
-#   reach_tests   the models this session's reach added (Inkling, JetMoE, ZAYA, BLOOM, RecurrentGemma,
-#                 Zamba) on the GPU: pytest -m gpu
-#                 model tests, the relative-logit kernel cases, and both models through the Triton
-#                 lowering (zoo --device cuda), zoo_gpu_reach.json
-#   reach_static  the same three models through the tier session (--static), zoo_gpu_reach_static.json
+#   reach_tests   Inkling, JetMoE, ZAYA, BLOOM, RecurrentGemma and Zamba on the GPU: their pytest -m
+#                 gpu model tests, the relative-logit, row-sink and ALiBi kernel cases, and the six
+#                 models through the Triton lowering (zoo --device cuda), zoo_gpu_reach.json
+#   reach_static  the same six models through the tier session (--static), zoo_gpu_reach_static.json
 #   dsa_zoo       dsa_tests' zoo runs alone (models this transformers lacks are skipped)
 #   e2e_small     e2e.py --concurrency 1 8, default draft and --mean-accepted 1.5 (planner at c <= 8)
 #   e2e_256       e2e.py --concurrency 256 --repeats 5, default draft and --mean-accepted 1.5
