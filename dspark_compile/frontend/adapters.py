@@ -14,7 +14,7 @@ Two kinds of model are understood:
 from __future__ import annotations
 
 import contextlib
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Callable, Iterator
 
 import torch
@@ -38,11 +38,9 @@ from .experts import experts_hooks
 from .hybrid import RecurrentLayers, hybrid_hooks
 from .llama4 import temperature_hooks, tuned_queries
 from .multimodal import MRopeSpec, mrope_spec, vision_hook
-from .scope import active_scope
+from .scope import HF_ATTENTION_NAME, active_scope
 
 __all__ = ["ModelAdapter", "adapter_for"]
-
-HF_ATTENTION_NAME = "dspark"
 
 
 @dataclass
@@ -128,18 +126,8 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     pick_block = 1
     if picks is not None or block_picks is not None or index is not None:
         picks, pick_block = _check_sparse(where, module, picks, block_picks, index, scope)
-    rel = kwargs.pop("position_bias", None)
-    if isinstance(rel, RelativeLogits):  # only a replaced forward (relative.py) makes one
-        rel = rel.logits
-    elif rel is not None:
-        kwargs["position_bias"] = rel  # refused by name below
-        rel = None
-    alibi = kwargs.pop("alibi", None)
-    if isinstance(alibi, AlibiSlopes):  # only a replaced forward (bloom.py) makes one
-        alibi = alibi.slopes
-    elif alibi is not None:
-        kwargs["alibi"] = alibi  # refused by name below
-        alibi = None
+    rel = _take_marked(kwargs, "position_bias", RelativeLogits)  # relative.py, inkling2.py
+    alibi = _take_marked(kwargs, "alibi", AlibiSlopes)  # bloom.py
     row_sinks = kwargs.pop("sinks", None) if row_sinks_module(module) else None
     softcap, sinks = _check_attention_arguments(where, dropout, kwargs, window, query)
     if row_sinks is not None:  # [bs, H, T, 1]: the model's eager joins it as one more column
@@ -180,6 +168,17 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
                         softcap=softcap, sinks=sinks, compressed=compressed, chunk=chunk,
                         picks=picks, index=None if index is None else index[0],
                         pick_block=pick_block, rel=rel, alibi=alibi), None
+
+
+def _take_marked(kwargs: dict, name: str, marker: type):
+    """The tensor of ``kwargs[name]`` when it is a ``marker`` (a dataclass of one tensor that
+    only a replaced forward makes), popped; None otherwise, anything else left in ``kwargs`` to
+    be refused by name."""
+    value = kwargs.get(name)
+    if not isinstance(value, marker):
+        return None
+    del kwargs[name]
+    return getattr(value, fields(marker)[0].name)
 
 
 def _check_sparse(where: str, module, picks, block_picks, index, scope):

@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from .replaced import PLAIN_FLOATS, known_forward, swapped_forward
+from .scope import HF_ATTENTION_NAME
 
 __all__ = ["AlibiSlopes", "KNOWN_SOURCES", "bloom_hooks"]
 
@@ -42,7 +43,7 @@ class AlibiSlopes:
 def _forward(self, hidden_states, residual, alibi, attention_mask, layer_past=None,
              use_cache: bool = False, output_attentions: bool = False, cache=None, **kwargs):
     """``BloomAttention.forward`` through the attention function (module docstring)."""
-    from .adapters import _hf_attention  # here: adapters imports this module
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
     if layer_past is not None or cache is not None:
         raise NotImplementedError(f"{type(self).__name__}: called with a cache; the capture "
@@ -52,10 +53,11 @@ def _forward(self, hidden_states, residual, alibi, attention_mask, layer_past=No
     query, key, value = self._reshape(self.query_key_value(hidden_states))
     ones = torch.ones(1, 2, device=hidden_states.device)
     slopes = modeling.build_alibi_tensor(ones, self.num_heads, torch.float32)[:, 0, 1]
-    # the capture's attention function itself: BLOOM cannot choose an implementation, so its
-    # interface name is "sdpa", whose HF wrapper would drop alibi=
-    out, _ = _hf_attention(self, query, key, value, attention_mask,
-                           scaling=self.inv_norm_factor, alibi=AlibiSlopes(slopes))
+    # the capture's attention function itself, by its registered name: BLOOM cannot choose an
+    # implementation, so its config names "sdpa", whose HF wrapper would drop alibi=
+    attention = ALL_ATTENTION_FUNCTIONS[HF_ATTENTION_NAME]
+    out, _ = attention(self, query, key, value, attention_mask, scaling=self.inv_norm_factor,
+                       alibi=AlibiSlopes(slopes))
     output = self.dense(out.reshape(bs, t, -1))
     return modeling.dropout_add(output, residual, self.hidden_dropout, self.training), None
 

@@ -18,7 +18,11 @@ import torch
 from .. import ops  # noqa: F401  (registers the dspark:: ops)
 from ..specs import AttentionSpec
 
-__all__ = ["CaptureScope", "active_scope", "open_scope"]
+__all__ = ["CaptureScope", "HF_ATTENTION_NAME", "active_scope", "open_scope"]
+
+HF_ATTENTION_NAME = "dspark"
+"""Name of the capture's function in transformers' attention interface (``adapters.py``
+registers it for the duration of a capture)."""
 
 
 @dataclass
