@@ -23,7 +23,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .replaced import PLAIN_FLOATS, known_forward, swapped_forward
+from .replaced import PLAIN_FLOATS, known_forward, modeling_instances, swapped_forward
 from .scope import HF_ATTENTION_NAME
 
 __all__ = ["AlibiSlopes", "KNOWN_SOURCES", "bloom_hooks"]
@@ -66,15 +66,12 @@ def _forward(self, hidden_states, residual, alibi, attention_mask, layer_past=No
 def bloom_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Run ``model``'s BLOOM attention through the attention function for the capture; restored
     after. A model without it is left untouched."""
-    try:
-        from transformers.models.bloom.modeling_bloom import BloomAttention
-    except ImportError:  # a transformers without BLOOM
-        yield
-        return
-    found = [m for m in model.modules() if isinstance(m, BloomAttention)]
+    classes, found = modeling_instances(model, "transformers.models.bloom.modeling_bloom",
+                                        ("BloomAttention",))
     if not found:
         yield
         return
+    BloomAttention, = classes
     for m in found:
         known = all(known_forward(m, BloomAttention, keys, method)
                     for method, keys in KNOWN_SOURCES.items()) and \

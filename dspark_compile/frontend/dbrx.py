@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from ..ops import experts as _experts_ops  # noqa: F401  (registers the dspark::experts_* ops)
-from .replaced import PLAIN_FLOATS, known_forward, swapped_forward
+from .replaced import PLAIN_FLOATS, known_forward, modeling_instances, swapped_forward
 
 __all__ = ["KNOWN_SOURCES", "dbrx_hooks"]
 
@@ -59,15 +59,12 @@ def _forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.
 @contextlib.contextmanager
 def dbrx_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Run ``model``'s DBRX experts as the experts ops for the capture; restored after."""
-    try:
-        from transformers.models.dbrx.modeling_dbrx import DbrxExpertGLU, DbrxExperts
-    except ImportError:  # a transformers without DBRX
-        yield
-        return
-    found = [m for m in model.modules() if isinstance(m, DbrxExperts)]
+    classes, found = modeling_instances(model, "transformers.models.dbrx.modeling_dbrx",
+                                        ("DbrxExperts", "DbrxExpertGLU"))
     if not found:
         yield
         return
+    DbrxExperts, DbrxExpertGLU = classes
     for m in found:
         known = known_forward(m, DbrxExperts, KNOWN_SOURCES["DbrxExperts"]) and \
             known_forward(m.mlp, DbrxExpertGLU, KNOWN_SOURCES["DbrxExpertGLU"])

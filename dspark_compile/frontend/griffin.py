@@ -28,7 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .hybrid import WINDOW_MODULES, diagonal_scan, window
-from .replaced import PLAIN_FLOATS, known_forward, swapped_forward
+from .replaced import PLAIN_FLOATS, known_forward, modeling_instances, swapped_forward
 
 __all__ = ["KNOWN_SOURCES", "griffin_hooks"]
 
@@ -88,16 +88,13 @@ def _forward(self, input_states: torch.Tensor, position_ids: torch.Tensor, atten
 def griffin_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Run ``model``'s RecurrentGemma recurrent blocks over capture-owned states; restored
     after. A model without them is left untouched."""
-    try:
-        from transformers.models.recurrent_gemma.modeling_recurrent_gemma import (
-            RecurrentGemmaRecurrentBlock, RecurrentGemmaRglru)
-    except ImportError:  # a transformers without RecurrentGemma
-        yield
-        return
-    found = [m for m in model.modules() if isinstance(m, RecurrentGemmaRecurrentBlock)]
+    classes, found = modeling_instances(
+        model, "transformers.models.recurrent_gemma.modeling_recurrent_gemma",
+        ("RecurrentGemmaRecurrentBlock", "RecurrentGemmaRglru"))
     if not found:
         yield
         return
+    RecurrentGemmaRecurrentBlock, RecurrentGemmaRglru = classes
     for m in found:
         conv = m.conv_1d
         known = known_forward(m, RecurrentGemmaRecurrentBlock,

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from ..ops import experts as _experts_ops  # noqa: F401  (registers the dspark::experts_* ops)
-from .replaced import PLAIN_FLOATS, known_forward, swapped_forward
+from .replaced import PLAIN_FLOATS, known_forward, modeling_instances, swapped_forward
 
 __all__ = ["KNOWN_SOURCES", "jetmoe_hooks"]
 
@@ -149,17 +149,13 @@ def _known(m: nn.Module, cls: type, method: str) -> bool:
 def jetmoe_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Run ``model``'s JetMoE experts (MLP and attention) as the experts ops for the capture;
     restored after. A model without them is left untouched."""
-    try:
-        from transformers.models.jetmoe.modeling_jetmoe import (
-            JetMoeAttention, JetMoeMoA, JetMoeMoE, JetMoeParallelExperts, JetMoeTopKGating)
-    except ImportError:  # a transformers without JetMoE
-        yield
-        return
-    found = [m for m in model.modules()
-             if isinstance(m, (JetMoeMoE, JetMoeMoA, JetMoeAttention))]
+    classes, found = modeling_instances(model, "transformers.models.jetmoe.modeling_jetmoe",
+                                        ("JetMoeMoE", "JetMoeMoA", "JetMoeAttention",
+                                         "JetMoeParallelExperts", "JetMoeTopKGating"), held=3)
     if not found:
         yield
         return
+    JetMoeMoE, JetMoeMoA, JetMoeAttention, JetMoeParallelExperts, JetMoeTopKGating = classes
     for m in found:
         if isinstance(m, JetMoeAttention):
             if not _known(m, JetMoeAttention, "forward") or not isinstance(m.experts, JetMoeMoA):

@@ -32,7 +32,7 @@ import torch
 from torch import nn
 
 from ..ops import experts as _experts_ops  # noqa: F401  (registers the dspark::experts_* ops)
-from .replaced import PLAIN_FLOATS, known_forward, swapped_forward
+from .replaced import PLAIN_FLOATS, known_forward, modeling_instances, swapped_forward
 
 __all__ = ["KNOWN_SOURCES", "longcat_hooks"]
 
@@ -61,15 +61,13 @@ def _forward(module: nn.Module, hidden_states: torch.Tensor, top_k_index: torch.
 def longcat_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Run ``model``'s LongCat-Flash experts as the experts ops for the capture; restored
     after. A model without them is left untouched."""
-    try:
-        from transformers.models.longcat_flash.modeling_longcat_flash import LongcatFlashExperts
-    except ImportError:  # a transformers without LongCat-Flash
-        yield
-        return
-    found = [m for m in model.modules() if isinstance(m, LongcatFlashExperts)]
+    classes, found = modeling_instances(
+        model, "transformers.models.longcat_flash.modeling_longcat_flash",
+        ("LongcatFlashExperts",))
     if not found:
         yield
         return
+    LongcatFlashExperts, = classes
     for m in found:
         routed = m.num_routed_experts > 0 and m.gate_up_proj is not None
         if not known_forward(m, LongcatFlashExperts, KNOWN_SOURCES) or not routed or \

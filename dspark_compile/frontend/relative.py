@@ -28,7 +28,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .replaced import PLAIN_FLOATS, known_forward, swapped_forward
+from .replaced import PLAIN_FLOATS, known_forward, modeling_instances, swapped_forward
 from .scope import active_scope
 
 __all__ = ["KNOWN_SOURCES", "RelativeLogits", "relative_hooks"]
@@ -101,16 +101,12 @@ def _forward(self, hidden_states: torch.Tensor, attention_mask=None, conv_mask=N
 def relative_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Run ``model``'s Inkling attention with its relative logits handed to the attention
     function for the capture; restored after. A model without it is left untouched."""
-    try:
-        from transformers.models.inkling.modeling_inkling import (InklingAttention,
-                                                                  InklingRelativeLogits)
-    except ImportError:  # a transformers without Inkling
-        yield
-        return
-    found = [m for m in model.modules() if isinstance(m, InklingAttention)]
+    classes, found = modeling_instances(model, "transformers.models.inkling.modeling_inkling",
+                                        ("InklingAttention", "InklingRelativeLogits"))
     if not found:
         yield
         return
+    InklingAttention, InklingRelativeLogits = classes
     for m in found:
         known = known_forward(m, InklingAttention, KNOWN_SOURCES["InklingAttention"]) and \
             known_forward(m.rel_logits_proj, InklingRelativeLogits,

@@ -12,16 +12,31 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import importlib
 import inspect
 from typing import Callable, Collection, Iterator
 
 import torch
 from torch import nn
 
-__all__ = ["PLAIN_FLOATS", "bind_call", "known_forward", "source_key", "swapped_forward"]
+__all__ = ["PLAIN_FLOATS", "bind_call", "known_forward", "modeling_instances", "source_key",
+           "swapped_forward"]
 
 PLAIN_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 """Weight dtypes a replaced forward reads as they are (no quantized or packed storage)."""
+
+
+def modeling_instances(model: nn.Module, module: str, names: tuple[str, ...],
+                       held: int = 1) -> tuple[tuple[type, ...], list[nn.Module]]:
+    """The classes ``names`` of transformers' modeling module ``module`` and the modules of
+    ``model`` that are instances of the first ``held`` of them; ``((), [])`` where this
+    transformers has no such module or class (a hook then leaves the model untouched)."""
+    try:
+        modeling = importlib.import_module(module)
+        classes = tuple(getattr(modeling, name) for name in names)
+    except (ImportError, AttributeError):
+        return (), []
+    return classes, [m for m in model.modules() if isinstance(m, classes[:held])]
 
 
 def source_key(cls, method: str = "forward") -> str:

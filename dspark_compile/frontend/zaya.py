@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .hybrid import WINDOW_MODULES, window
-from .replaced import PLAIN_FLOATS, known_forward, swapped_forward
+from .replaced import PLAIN_FLOATS, known_forward, modeling_instances, swapped_forward
 from .scope import active_scope
 
 __all__ = ["KNOWN_SOURCES", "one_hot_taps", "zaya_hooks"]
@@ -108,15 +108,12 @@ def _forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=None,
 def zaya_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Run ``model``'s CCA projections over capture-owned windows; restored after. A model
     without them is left untouched."""
-    try:
-        from transformers.models.zaya.modeling_zaya import ZayaCCAProjection
-    except ImportError:  # a transformers without ZAYA
-        yield
-        return
-    found = [m for m in model.modules() if isinstance(m, ZayaCCAProjection)]
+    classes, found = modeling_instances(model, "transformers.models.zaya.modeling_zaya",
+                                        ("ZayaCCAProjection",))
     if not found:
         yield
         return
+    ZayaCCAProjection, = classes
     for m in found:
         convs = (m.conv_qk_depthwise, m.conv_qk_grouped)
         plain = all(c.padding == (0,) and c.stride == (1,) and c.dilation == (1,) and
