@@ -31,12 +31,14 @@ import functools
 import sys
 from typing import Iterator
 
+import torch.nn.functional as F
 from torch import nn
 
 from . import mamba, minimax
 from .recurrent import RecurrentLayers
 
-__all__ = ["RecurrentLayers", "WINDOW_MODULES", "diagonal_scan", "hybrid_hooks", "window"]
+__all__ = ["RecurrentLayers", "WINDOW_MODULES", "diagonal_scan", "hybrid_hooks",
+           "one_hot_taps", "window"]
 
 WINDOW_MODULES: set[str] = set()
 """``module.qualname`` of classes whose replaced forward (``frontend/inkling2.py``,
@@ -61,6 +63,12 @@ def window(x, taps, bias=None):
     last ``W - 1`` inputs the capture owns: one call per run of the calling module's forward,
     counted as that module's conv layer. One-hot taps make it a window of past inputs."""
     return _conv(_layers(), x, taps, bias)
+
+
+def one_hot_taps(lags, width: int, dtype):
+    """One-hot :func:`window` taps ``[len(lags), width]``: row ``i`` picks the input ``lags[i]``
+    tokens back."""
+    return F.one_hot(width - 1 - lags, width).to(dtype)
 
 
 def diagonal_scan(x, dt, A, B, C):

@@ -33,8 +33,7 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .hybrid import WINDOW_MODULES, window
-from .zaya import one_hot_taps
+from .hybrid import WINDOW_MODULES, one_hot_taps, window
 from .relative import RelativeLogits
 from .replaced import PLAIN_FLOATS, known_forward, source_key, swapped_forward
 
@@ -103,27 +102,25 @@ def _dynamic_conv_forward(self, hidden_states, dynamic_input, cache=None, conv_m
     return out.to(input_dtype)
 
 
-def _block_residual_forward(self, block_states, partial_block_states):
-    """``Inkling2BlockAttentionResidual.forward``: its attention over each token's blocks as
-    the eager softmax (``is_causal=False``, no mask), token by token."""
+def _over_blocks(module, block_states, partial_block_states, queries):
+    """The residual's eager attention (``is_causal=False``, no mask) of ``queries [Q, D]`` (the
+    same at every token) over each token's normed blocks, token by token: ``[bs, T, Q, D]``."""
     stacked = torch.cat([block_states, partial_block_states.unsqueeze(-2)], dim=-2).float()
-    stacked = self.norm(stacked)  # [bs, T, blocks, D]
-    hidden_size = stacked.shape[-1]
-    queries = self.query.float().view(-1, hidden_size)  # [Q, D], the same at every token
-    scores = torch.matmul(queries, stacked.transpose(-1, -2)) * hidden_size ** -0.5
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32)  # [bs, T, Q, blocks]
-    return torch.matmul(probs, stacked).unbind(-2)
+    stacked = module.norm(stacked)  # [bs, T, blocks, D]
+    scores = torch.matmul(queries.float(), stacked.transpose(-1, -2)) * stacked.shape[-1] ** -0.5
+    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32), stacked)
+
+
+def _block_residual_forward(self, block_states, partial_block_states):
+    """``Inkling2BlockAttentionResidual.forward``: one output per query, unbound."""
+    queries = self.query.view(-1, block_states.shape[-1])
+    return _over_blocks(self, block_states, partial_block_states, queries).unbind(-2)
 
 
 def _message_residual_forward(self, block_states, partial_block_states, loop_layer_idx: int):
-    """``Inkling2LoopMessageAttentionResidual.forward``: the looped layer's four message queries
-    over each token's blocks, as the eager softmax; ``[bs, T, 4, D]``."""
-    stacked = torch.cat([block_states, partial_block_states.unsqueeze(-2)], dim=-2).float()
-    stacked = self.norm(stacked)
-    hidden_size = stacked.shape[-1]
-    queries = self.query[loop_layer_idx].float()  # [4, D]
-    scores = torch.matmul(queries, stacked.transpose(-1, -2)) * hidden_size ** -0.5
-    return torch.matmul(torch.softmax(scores, dim=-1, dtype=torch.float32), stacked)
+    """``Inkling2LoopMessageAttentionResidual.forward``: the looped layer's four message
+    queries; ``[bs, T, 4, D]``."""
+    return _over_blocks(self, block_states, partial_block_states, self.query[loop_layer_idx])
 
 
 def row_sinks_module(module: nn.Module) -> bool:

@@ -122,7 +122,7 @@ def selective_scan(layers: RecurrentLayers, hidden_states, dt, A, B, C, D=None, 
     x = hidden_states.transpose(1, 2)[:, :, None, :].expand(bs, t, n, d).reshape(bs, t, h, 1)
     dts = dt.transpose(1, 2)[:, :, None, :].expand(bs, t, n, d).reshape(bs, t, h)
     if site.discovering:
-        layers.record(site, "ssd", (h, 1, 1))
+        layers.record(site, "ssd", (h, 1, 1), repeats=True)
         out = x.new_zeros(x.shape, dtype=torch.float32)
     else:
         groups = (B.transpose(1, 2)[..., None], C.transpose(1, 2)[..., None])  # [bs, T, N, 1]

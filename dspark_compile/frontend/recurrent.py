@@ -125,11 +125,13 @@ class RecurrentLayers:
             layer += k
         return Site(scope, module, where, layer)
 
-    def record(self, site: Site, kind: str, shape: tuple, dtype=None) -> None:
+    def record(self, site: Site, kind: str, shape: tuple, dtype=None,
+               repeats: bool = False) -> None:
         """Discovery: ``site``'s module made a ``kind`` call whose state has ``shape`` (a conv:
-        and its input ``dtype``)."""
+        and its input ``dtype``). ``repeats``: a call a run may make several times (Mamba-1
+        scans, one a head): each after the first becomes a ``"scan"`` layer of its own."""
         calls = self._pending.setdefault(id(site.module), {})
-        if kind in calls and kind == "ssd" and "scans" in calls:  # Mamba-1 scans, one a head
+        if kind in calls and repeats and "scans" in calls:
             calls["scans"].append(shape)
             return
         if kind in calls:
@@ -137,8 +139,8 @@ class RecurrentLayers:
                 f"{site.where} made a second {kind!r} call in one forward; dspark_compile owns "
                 "one state per mixer, so a module that mixes tokens through two of them is "
                 "refused (several Mamba-1 scans of one mixer, Zamba's heads, are the exception)")
-        if kind == "ssd" and site.where.endswith("(mamba_selective_scan)"):
-            calls["scans"] = []  # later scans of this run, each a "scan" layer of its own
+        if repeats:
+            calls["scans"] = []  # later calls of this run, each a "scan" layer of its own
         calls[kind] = shape
         if dtype is not None:
             calls[f"{kind}_dtype"] = dtype

@@ -26,22 +26,16 @@ from typing import Iterator
 import torch
 from torch import nn
 
-from .hybrid import WINDOW_MODULES, window
+from .hybrid import WINDOW_MODULES, one_hot_taps, window
 from .replaced import PLAIN_FLOATS, known_forward, modeling_instances, swapped_forward
 from .scope import active_scope
 
-__all__ = ["KNOWN_SOURCES", "one_hot_taps", "zaya_hooks"]
+__all__ = ["KNOWN_SOURCES", "zaya_hooks"]
 
 KNOWN_SOURCES = frozenset({"babdc65709b5bb07", "69b47ca6d0c17e57"})
 """sha256 prefixes of ``ZayaCCAProjection.forward`` (transformers 5.24, 5.17)."""
 
 WINDOW_MODULES.add("transformers.models.zaya.modeling_zaya.ZayaCCAProjection")
-
-
-def one_hot_taps(lags: torch.Tensor, width: int, dtype: torch.dtype) -> torch.Tensor:
-    """One-hot depthwise taps ``[len(lags), width]``: row ``i`` picks the input ``lags[i]``
-    tokens back (``causal_conv1d_fn``'s weight holds the oldest position first)."""
-    return torch.nn.functional.one_hot(width - 1 - lags, width).to(dtype)
 
 
 def _forward(self, hidden_states: torch.Tensor, cache=None, conv_mask=None,
