@@ -181,21 +181,21 @@ def _tanh(x):
 
 
 @triton.jit
-def _rel_tile(rel_ptr, rel_rows, row_ok, qpos, kpos, rel_extent, slopes,
-              HAS_REL: tl.constexpr):
-    """A score tile's position bias in the log2 domain. ``HAS_REL`` bit 1: relative logits
+def _bias_tile(rel_ptr, rel_rows, row_ok, qpos, kpos, rel_extent, slopes,
+              POS_BIAS: tl.constexpr):
+    """A score tile's position bias in the log2 domain. ``POS_BIAS`` bit 1: relative logits
     ``rel[row, h, qpos - kpos]`` where ``0 <= qpos - kpos < rel_extent``, else 0 (``rel_rows
     [BLOCK_M]``: each row's element offset of distance 0); bit 2: ALiBi, ``slopes[row] * (kpos
     - qpos)`` (``slopes [BLOCK_M]`` already in the log2 domain). ``qpos [BLOCK_M]``, ``kpos
     [TILE]``; 0 without either."""
     dist = qpos[:, None] - kpos[None, :]  # [BLOCK_M, TILE]
-    if (HAS_REL & 1) != 0:
+    if (POS_BIAS & 1) != 0:
         near = (dist >= 0) & (dist < rel_extent) & row_ok[:, None]
         bias = tl.load(rel_ptr + rel_rows[:, None] + dist, mask=near, other=0.0)
         bias = bias.to(tl.float32) * 1.4426950408889634  # log2(e)
-        if (HAS_REL & 2) != 0:
+        if (POS_BIAS & 2) != 0:
             bias = bias - slopes[:, None] * dist.to(tl.float32)
-    elif (HAS_REL & 2) != 0:
+    elif (POS_BIAS & 2) != 0:
         bias = -slopes[:, None] * dist.to(tl.float32)
     else:
         bias = 0.0
@@ -205,17 +205,18 @@ def _rel_tile(rel_ptr, rel_rows, row_ok, qpos, kpos, rel_extent, slopes,
 @triton.jit
 def _softmax_step(q, k, v, s_mask, m_i, l_i, acc, scale_log2, softcap_log2,
                   DOT_PRECISION: tl.constexpr, MASKED: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-                  bias=0.0, HAS_REL: tl.constexpr = False):
+                  bias=0.0, POS_BIAS: tl.constexpr = 0):
     """One online-softmax step over a key tile (scores in the log2 domain, fp32 state).
 
     ``HAS_SOFTCAP``: ``scale_log2`` is ``scale / softcap`` and ``softcap_log2`` is ``softcap *
     log2(e)``, so the score is ``softcap * tanh(scale * q.k / softcap)`` in the log2 domain,
-    capped before the mask (Gemma 2's order). ``HAS_REL``: ``bias [BLOCK_M, TILE_N]`` (the
-    relative logits in the log2 domain, :func:`_rel_tile`) is added after the scaling."""
+    capped before the mask (Gemma 2's order). ``POS_BIAS`` (nonzero): ``bias [BLOCK_M, TILE_N]``
+    (relative logits and/or ALiBi in the log2 domain, :func:`_bias_tile`) is added after the
+    scaling."""
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, TILE_N]
     if HAS_SOFTCAP:
         s = _tanh(s) * softcap_log2
-    if HAS_REL:
+    if POS_BIAS:
         s = s + bias
     if MASKED:
         s = tl.where(s_mask, s, float("-inf"))  # before the max: hidden keys never count
@@ -236,7 +237,7 @@ def _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context,
                   PAGE_SIZE: tl.constexpr,
                   HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, TILE_N: tl.constexpr,
                   UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, HAS_REL: tl.constexpr):
+                  HAS_SOFTCAP: tl.constexpr, POS_BIAS: tl.constexpr):
     """Key tiles ``t_lo .. t_end`` of the committed context (keys ``< context``, in the pool).
 
     Every such key is visible to every row of the q-block (with a window: these are the tiles
@@ -252,7 +253,7 @@ def _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context,
         key_ok = pos < context
         k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask, offs_dv,
                         dv_mask, HEAD_DIM, HEAD_DIM_V)
-        bias = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, pos, rel_extent, slopes, HAS_REL)
+        bias = _bias_tile(rel_ptr, rel_rows, row_ok, qpos, pos, rel_extent, slopes, POS_BIAS)
         pos = (t + 1) * TILE_N + offs_n
         rows = _pool_rows(bt_row_ptr, pos, pos < context, kv_head, stride_cache_row,
                           PAGE_SIZE, HEAD_DIM)
@@ -261,14 +262,14 @@ def _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context,
             v = v.to(tl.float32)
         m_i, l_i, acc = _softmax_step(q, k, v, key_ok[None, :], m_i, l_i, acc, scale_log2,
                                       softcap_log2, DOT_PRECISION, True, HAS_SOFTCAP, bias,
-                                      HAS_REL)
+                                      POS_BIAS)
     return m_i, l_i, acc
 
 
 @triton.jit
 def _guarded_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
                   UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                  HAS_SOFTCAP: tl.constexpr, bias=0.0, HAS_REL: tl.constexpr = False):
+                  HAS_SOFTCAP: tl.constexpr, bias=0.0, POS_BIAS: tl.constexpr = 0):
     """A softmax step over keys that some rows see and others do not (``visible [BLOCK_M,
     TILE]``): a non-finite V is zeroed before ``P @ V`` (``0 * NaN`` is NaN) and given back, as
     NaN, only to the rows that see it (the reference gives NaN there, or Inf for an Inf)."""
@@ -278,7 +279,7 @@ def _guarded_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
         k = k.to(tl.float32)
         v = v.to(tl.float32)
     m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
-                                  DOT_PRECISION, True, HAS_SOFTCAP, bias, HAS_REL)
+                                  DOT_PRECISION, True, HAS_SOFTCAP, bias, POS_BIAS)
     hits = tl.dot(visible.to(tl.float16), bad.to(tl.float16), out_dtype=tl.float32)
     return m_i, l_i, tl.where(hits > 0, float("nan"), acc)
 
@@ -301,7 +302,7 @@ def _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, 
                  PAGE_SIZE: tl.constexpr,
                  HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr, TILE_N: tl.constexpr,
                  UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
-                 HAS_SOFTCAP: tl.constexpr, HAS_REL: tl.constexpr):
+                 HAS_SOFTCAP: tl.constexpr, POS_BIAS: tl.constexpr):
     """Context tiles ``t_lo .. t_end`` of a windowed q-block's band: keys the first row's window
     reaches but a later row's does not (``row_lo [BLOCK_M]``: each row's first key). Keys below
     ``key_lo`` (the first row's) are not read, nor their page ids; at verify widths the band is
@@ -314,10 +315,10 @@ def _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end, context, 
         k, v = _kv_tile(k_cache_ptr, v_cache_ptr, rows, key_ok, offs_d, d_mask, offs_dv,
                         dv_mask, HEAD_DIM, HEAD_DIM_V)
         visible = key_ok[None, :] & (pos[None, :] >= row_lo[:, None])
-        bias = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, pos, rel_extent, slopes, HAS_REL)
+        bias = _bias_tile(rel_ptr, rel_rows, row_ok, qpos, pos, rel_extent, slopes, POS_BIAS)
         m_i, l_i, acc = _guarded_step(q, k, v, visible, m_i, l_i, acc, scale_log2,
                                       softcap_log2, UPCAST, DOT_PRECISION, HAS_SOFTCAP, bias,
-                                      HAS_REL)
+                                      POS_BIAS)
     return m_i, l_i, acc
 
 
@@ -328,7 +329,7 @@ def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_
                    stride_v_tok, stride_v_head, rel_ptr, rel_rows, row_ok, qpos, rel_extent, slopes,
                    UPCAST: tl.constexpr,
                    DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr,
-                   HAS_SOFTCAP: tl.constexpr, CHUNKED: tl.constexpr, HAS_REL: tl.constexpr):
+                   HAS_SOFTCAP: tl.constexpr, CHUNKED: tl.constexpr, POS_BIAS: tl.constexpr):
     """The request's own new keys ``e0 ..`` (rows ``row0 + e`` of ``k``/``v``), causal.
 
     Read from the inputs rather than the pool (no program reads a pool row written in this
@@ -355,9 +356,10 @@ def _new_keys_step(q, k_ptr, v_ptr, cache_ty: tl.constexpr, row0, e0, n_keys, q_
     if HAS_WINDOW:  # key position context + e at or past the row's first key
         visible = visible & (context + e[None, :] >= _first_key(context + q_own[:, None],
                                                                  window, CHUNKED))
-    bias = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, context + e, rel_extent, slopes, HAS_REL)
+    bias = _bias_tile(rel_ptr, rel_rows, row_ok, qpos, context + e, rel_extent, slopes,
+                      POS_BIAS)
     m_i, l_i, acc = _softmax_step(q, k, v, visible, m_i, l_i, acc, scale_log2, softcap_log2,
-                                  DOT_PRECISION, True, HAS_SOFTCAP, bias, HAS_REL)
+                                  DOT_PRECISION, True, HAS_SOFTCAP, bias, POS_BIAS)
     hits = tl.dot(visible.to(tl.float16), bad.to(tl.float16), out_dtype=tl.float32)
     return m_i, l_i, tl.where(hits > 0, float("nan"), acc)
 
@@ -416,7 +418,7 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
             PAGE_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DIM_V: tl.constexpr,
             TILE_N: tl.constexpr, NEW_N: tl.constexpr, UPCAST: tl.constexpr,
             DOT_PRECISION: tl.constexpr, HAS_WINDOW: tl.constexpr, HAS_SOFTCAP: tl.constexpr,
-            CHUNKED: tl.constexpr, HAS_REL: tl.constexpr):
+            CHUNKED: tl.constexpr, POS_BIAS: tl.constexpr):
     """This split's units ``u_lo .. u_hi`` (:func:`_split_units`): the first context tile,
     already loaded (``k0``, ``v0``, ``key_ok0``: :func:`_first_tile`; an all-masked tile
     leaves the state as it was), the rest of the context, then the new keys.
@@ -428,8 +430,8 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
     offs_n = tl.arange(0, TILE_N)
     t_end = tl.minimum(u_hi, n_ctx)
     qpos = context + q0 + q_idx  # [BLOCK_M] each row's position (the relative logits')
-    bias0 = _rel_tile(rel_ptr, rel_rows, row_ok, qpos, u_lo * TILE_N + offs_n, rel_extent,
-                      slopes, HAS_REL)
+    bias0 = _bias_tile(rel_ptr, rel_rows, row_ok, qpos, u_lo * TILE_N + offs_n, rel_extent,
+                      slopes, POS_BIAS)
     if HAS_WINDOW:
         row_lo = _first_key(context + q0 + q_idx, window, CHUNKED)  # [BLOCK_M]
         last_lo = _first_key(context + q0 + n_q - 1, window, CHUNKED)  # the last row's
@@ -437,7 +439,7 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
         visible0 = key_ok0[None, :] & (pos0[None, :] >= row_lo[:, None])
         m_i, l_i, acc = _guarded_step(q, k0, v0, visible0, m_i, l_i, acc, scale_log2,
                                       softcap_log2, UPCAST, DOT_PRECISION, HAS_SOFTCAP, bias0,
-                                      HAS_REL)
+                                      POS_BIAS)
         band_end = tl.cdiv(tl.maximum(last_lo, 0), TILE_N)
         m_i, l_i, acc = _window_band(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, u_lo + 1,
                                      tl.minimum(t_end, band_end), context, key_lo, row_lo,
@@ -445,7 +447,7 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
                                      l_i, acc, scale_log2, softcap_log2, stride_cache_row,
                                      rel_ptr, rel_rows, row_ok, qpos, rel_extent, slopes,
                                      PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, UPCAST,
-                                     DOT_PRECISION, HAS_SOFTCAP, HAS_REL)
+                                     DOT_PRECISION, HAS_SOFTCAP, POS_BIAS)
         t_lo = tl.maximum(u_lo + 1, band_end)
     else:
         if UPCAST:
@@ -453,14 +455,14 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
             v0 = v0.to(tl.float32)
         m_i, l_i, acc = _softmax_step(q, k0, v0, key_ok0[None, :], m_i, l_i, acc, scale_log2,
                                       softcap_log2, DOT_PRECISION, True, HAS_SOFTCAP, bias0,
-                                      HAS_REL)
+                                      POS_BIAS)
         t_lo = u_lo + 1
     m_i, l_i, acc = _context_loop(q, k_cache_ptr, v_cache_ptr, bt_row_ptr, t_lo, t_end,
                                   context, kv_head, offs_n, offs_d, d_mask, offs_dv, dv_mask,
                                   m_i, l_i, acc, scale_log2, softcap_log2, stride_cache_row,
                                   rel_ptr, rel_rows, row_ok, qpos, rel_extent, slopes,
                                   PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, UPCAST,
-                                  DOT_PRECISION, HAS_SOFTCAP, HAS_REL)
+                                  DOT_PRECISION, HAS_SOFTCAP, POS_BIAS)
     for u in range(tl.maximum(u_lo, n_ctx), u_hi):
         if HAS_WINDOW:
             e0 = (u - n_ctx + e_skip) * NEW_N
@@ -472,7 +474,7 @@ def _attend(q, k0, v0, key_ok0, k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, bt_row_p
             l_i, acc, scale_log2, softcap_log2, window, context, stride_k_tok, stride_k_head,
             stride_v_tok, stride_v_head, rel_ptr, rel_rows, row_ok, qpos, rel_extent, slopes,
             UPCAST,
-            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, CHUNKED, HAS_REL)
+            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, CHUNKED, POS_BIAS)
     return m_i, l_i, acc
 
 
@@ -550,7 +552,7 @@ def _ragged_attention_kernel(
         MAX_SPLITS: tl.constexpr, UPCAST: tl.constexpr, DOT_PRECISION: tl.constexpr,
         EARLY: tl.constexpr, PDL: tl.constexpr, HAS_WINDOW: tl.constexpr,
         HAS_SOFTCAP: tl.constexpr, HAS_SINKS: tl.constexpr, CHUNKED: tl.constexpr,
-        HAS_REL: tl.constexpr):
+        POS_BIAS: tl.constexpr):
     """One (q-block, KV head, split): fused KV write, then attention over the paged context.
 
     ``FOLD`` (with ``SPLIT``): the last of a q-block's programs to finish merges the partials
@@ -567,9 +569,9 @@ def _ragged_attention_kernel(
     chunk, ``window`` holding the chunk size), ``HAS_SOFTCAP`` (:func:`_softmax_step`), ``HAS_SINKS``
     (``sinks_ptr [H]``, or ``[N, H]`` with ``stride_sink_tok`` (0 for ``[H]``), any float dtype:
     split 0 starts each row's online softmax from the sink logit, ``m = sink``, ``l = 1``, so the merge of partials counts it exactly once).
-    ``HAS_REL`` bit 1 (``rel_ptr [N, H, rel_extent]``, any float dtype, last dim dense: each
+    ``POS_BIAS`` bit 1 (``rel_ptr [N, H, rel_extent]``, any float dtype, last dim dense: each
     score gains its row's logit of the key's distance), bit 2 (``alibi_ptr [H]``: each score
-    gains its head's slope times ``kpos - qpos``), :func:`_rel_tile`.
+    gains its head's slope times ``kpos - qpos``), :func:`_bias_tile`.
     ``HEAD_DIM_V`` may differ from ``HEAD_DIM`` (q/k): acc, partials and out have V's.
     """
     if not EARLY:
@@ -616,8 +618,8 @@ def _ragged_attention_kernel(
     row_ok = (q_idx < n_q) & (offs_m % GROUP_PAD < GROUP)  # [BLOCK_M]
     tokens = (req_start + q0 + q_idx).to(tl.int64)
     heads = kv_head * GROUP + offs_m % GROUP_PAD
-    rel_rows = tokens * stride_rel_tok + heads * stride_rel_head  # HAS_REL bit 1 only
-    if (HAS_REL & 2) != 0:  # ALiBi: each row's head's slope, in the log2 domain
+    rel_rows = tokens * stride_rel_tok + heads * stride_rel_head  # POS_BIAS bit 1 only
+    if (POS_BIAS & 2) != 0:  # ALiBi: each row's head's slope, in the log2 domain
         slopes = tl.load(alibi_ptr + heads, mask=row_ok, other=0.0).to(tl.float32)
         slopes = slopes * 1.4426950408889634
     else:
@@ -648,7 +650,7 @@ def _ragged_attention_kernel(
                             stride_k_head, stride_v_tok, stride_v_head, stride_cache_row,
                             rel_ptr, rel_rows, row_ok, rel_extent, slopes,
                             PAGE_SIZE, HEAD_DIM, HEAD_DIM_V, TILE_N, NEW_N, UPCAST,
-                            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, CHUNKED, HAS_REL)
+                            DOT_PRECISION, HAS_WINDOW, HAS_SOFTCAP, CHUNKED, POS_BIAS)
     _store_rows(out_ptr, part_acc_ptr, part_ml_ptr, acc, m_i, l_i, tokens, heads, row_ok,
                 offs_dv, dv_mask, split, num_tokens, stride_out_tok, stride_out_head,
                 NUM_HEADS, HEAD_DIM_V, SPLIT)
@@ -1021,7 +1023,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         DOT_PRECISION=fp32_dot_precision(cfg), EARLY=pdl and early_reads and cfg.attn_early_reads,
         PDL=pdl, HAS_WINDOW=window > 0, HAS_SOFTCAP=softcap > 0,
         HAS_SINKS=sinks is not None, CHUNKED=chunked, 
-        HAS_REL=(rel is not None) + 2 * (alibi is not None),
+        POS_BIAS=(rel is not None) + 2 * (alibi is not None),
         num_warps=plan.num_warps, num_stages=plan.num_stages, **regs, **pdl_options(pdl))
     if split and counters is None:
         launch(_split_reduce_kernel, (n,),

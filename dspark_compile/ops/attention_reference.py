@@ -173,13 +173,12 @@ def _attend_one(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, first
         scores = torch.einsum("hd,shd->hs", q[j].float(), kh[seen]) * scale
         if softcap:
             scores = softcap * torch.tanh(scores / softcap)
-        if rel is not None:  # key at kpos: distance pos - kpos, in range for the nearest E
-            dist = pos - torch.arange(lo, pos + 1, device=q.device)
+        dist = pos - torch.arange(lo, pos + 1, device=q.device)  # each seen key's distance
+        if rel is not None:  # in range for the nearest E
             near = dist < rel.shape[2]
             scores[:, near] += rel[j][:, dist[near]].float()
         if alibi is not None:  # the head's slope times kpos - pos
-            kpos = torch.arange(lo, pos + 1, device=q.device)
-            scores += alibi.float()[:, None] * (kpos - pos).float()
+            scores -= alibi.float()[:, None] * dist.float()
         if sinks is not None:  # one more logit per head in the denominator, then dropped
             sink = sinks[j] if sinks.dim() == 2 else sinks  # [L, H]: the row's own
             logits = torch.cat([scores, sink.float()[:, None]], dim=1)
