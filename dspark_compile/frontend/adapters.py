@@ -24,7 +24,8 @@ from torch import nn
 from .plain import CachedAttention
 from ..specs import AttentionSpec, LinearSpec
 from .compressed import compressor_hooks
-from .sparse import INDEXER_KEYS, IndexerMask, indexer_hooks, sparse_attention_module
+from .sparse import indexer_hooks, sparse_attention_module
+from .masks import causal_only, check_mask, proof_object
 from .bloom import AlibiSlopes, bloom_hooks
 from .dbrx import dbrx_hooks
 from .jetmoe import jetmoe_hooks
@@ -120,7 +121,7 @@ def _hf_attention(module, query, key, value, attention_mask, scaling=None, dropo
     if not getattr(module, "is_causal", True):
         raise NotImplementedError(
             f"{where} is not causal (is_causal=False); verify needs causal attention")
-    window, chunk = _check_mask(where, attention_mask)
+    window, chunk = check_mask(where, attention_mask)
     index = scope.take_index(module)
     picks, block_picks = kwargs.pop("indices", None), kwargs.pop("block_indices", None)
     pick_block = 1
@@ -224,22 +225,6 @@ _PASS_THROUGH = frozenset({"position_ids", "cache_position", "use_cache", "outpu
 (positions reach the graph as the layout's own input)."""
 
 
-def _check_mask(where: str, attention_mask) -> tuple[int, int]:
-    """``(window, chunk)`` a layer's mask proves (both 0: plain causal); anything else is
-    refused."""
-    if attention_mask is None:
-        return 0, 0
-    if isinstance(attention_mask, _WindowMask):
-        return attention_mask.window, attention_mask.chunk
-    what = f"builds {attention_mask.description}" if isinstance(attention_mask, _UnprovenMask) \
-        else f"passes a mask of type {type(attention_mask).__name__} built outside the capture"
-    raise NotImplementedError(
-        f"{where}: the model {what}, not causal attention with an optional left window or "
-        "chunks. dspark::ragged_attention computes causal, sliding-window and chunked "
-        "attention only (bidirectional, blockwise or padding masks are not implemented), so "
-        "the model is refused rather than verified wrong")
-
-
 def _check_attention_arguments(where: str, dropout, kwargs: dict, window: int = 0,
                                query: torch.Tensor | None = None):
     """Whitelist of what reaches the attention function; returns ``(softcap, sinks)``.
@@ -284,207 +269,6 @@ def _check_attention_arguments(where: str, dropout, kwargs: dict, window: int = 
     return softcap, sinks
 
 
-_CAUSAL = "causal_mask_function"
-"""The causal leaf."""
-_WINDOW = "sliding_window_overlay.<locals>.inner_mask"
-"""The left-window leaf (its closure holds ``sliding_window``)."""
-_CHUNK = "chunked_overlay.<locals>.inner_mask"
-"""The chunk leaf (its closure holds ``chunk_size`` and ``left_padding``)."""
-_AND = "and_masks.<locals>.and_mask"
-"""Intersection of ``mask_functions``."""
-_TRANSPARENT = {"remap_positions_for_packed_sequence.<locals>.inner_mask": "mask_function"}
-"""Combinators that keep what their child computes within one request's positions."""
-_OFFSETS = "add_offsets_to_mask_function.<locals>.inner_mask"
-"""Shifts q and kv positions; transparent when both shifts are the same integer."""
-_ALWAYS_TRUE_IN_VERIFY = {"packed_sequence_mask_function.<locals>.inner_mask"}
-"""Leaves that hold for every pair a verify computes: each request is one sequence."""
-
-
-def _causal_only(*args, mask_function=None, attention_mask=None, **kwargs):
-    """Mask builder for the dspark implementation. The ragged op computes the mask itself, so
-    no mask tensor is built; instead the model's own mask function (transformers'
-    ``masking_utils`` closures) must be proven equal to causal attention with an optional left
-    window or chunks: its leaves are read by structure (``causal_mask_function``, a
-    sliding-window overlay, a chunk overlay, a same-sequence test that holds in a verify),
-    combined only by intersection, position remapping or equal offsets, and each leaf is
-    evaluated on probe positions against the ragged op's own rule. Returns None (plain
-    causal), a ``_WindowMask``, or an ``_UnprovenMask`` naming what was found: sliding-window
-    variants, a window with chunks, bidirectional or blockwise overlays, ``or_masks``, padding
-    and mask functions of the model's own are refused by the layer that receives them."""
-    if attention_mask is not None:
-        raise NotImplementedError("the model passed an attention_mask (padding) into the "
-                                  "capture; verify takes none: padding is the layout's job")
-    if mask_function is None:
-        return None
-    proof = _prove(mask_function)
-    if proof is None or not proof[0]:
-        return _UnprovenMask(_describe(mask_function))
-    if proof[1] or proof[2] or kwargs.get("allow_is_causal_skip", True) is False:
-        # a model that asks for the mask to be built (DSA indexers read it) gets a proof
-        # object for plain causal too, never None
-        return _WindowMask(proof[1], proof[2])
-    return None
-
-
-@dataclass(frozen=True)
-class _UnprovenMask:
-    """What the mask builder returns for a mask it cannot prove. A model may build masks it
-    never uses (one per layer type), so the refusal comes from the attention call that
-    receives it (``_check_mask``), naming the layer."""
-
-    description: str
-
-
-@dataclass(frozen=True)
-class _WindowMask:
-    """A mask proven equal to causal attention over the last ``window`` positions, or (with
-    ``chunk``) over the positions of the query's own chunk of ``chunk``."""
-
-    window: int
-    chunk: int = 0
-
-    def __getitem__(self, key):
-        """A DSA layer hands its indexer ``mask[:, 0, :, :]`` (``[:, 0]``): an
-        :class:`IndexerMask` of the same proof. Any other indexing is refused: what it would
-        select is not proven."""
-        if isinstance(key, tuple) and key in INDEXER_KEYS:
-            return IndexerMask(self.window, self.chunk)
-        raise NotImplementedError(
-            f"the model indexes its attention mask with {key!r}; dspark_compile proves masks "
-            "instead of building them and understands only the head axis dropped for a "
-            "DeepSeek Sparse Attention indexer ([:, 0, :, :] or [:, 0]), so the model is "
-            "refused rather than verified wrong")
-
-
-def _hf_mask_name(fn) -> str | None:
-    """The qualified name of a transformers ``masking_utils`` mask function, else None."""
-    if getattr(fn, "__module__", None) != "transformers.masking_utils":
-        return None
-    return getattr(fn, "__qualname__", None)
-
-
-def _closure(fn, var: str):
-    cells = dict(zip(fn.__code__.co_freevars, fn.__closure__ or ()))
-    return cells[var].cell_contents if var in cells else None
-
-
-def _children(fn, var: str) -> tuple:
-    value = _closure(fn, var)
-    return tuple(value) if isinstance(value, (tuple, list)) else (value,)
-
-
-def _prove(fn) -> tuple[bool, int, int] | None:
-    """``(causal, window, chunk)`` that ``fn`` equals on every (query, key) pair of a verify,
-    where ``causal`` says whether keys after the query are hidden, ``window`` is the left
-    window and ``chunk`` the chunk size (0: none); None when ``fn`` is anything else."""
-    name = _hf_mask_name(fn)
-    if name == _CAUSAL:
-        return (True, 0, 0) if _probe(fn, True, 0) else None
-    if name == _WINDOW:
-        window = _closure(fn, "sliding_window")
-        if not _positive_int(window):
-            return None
-        return (False, window, 0) if _probe(fn, False, window) else None
-    if name == _CHUNK:
-        chunk = _closure(fn, "chunk_size")
-        if not _positive_int(chunk):
-            return None
-        leaf = _without_left_padding(fn)
-        return (False, 0, chunk) if leaf is not None and _probe(leaf, False, 0, chunk) \
-            else None
-    if name in _ALWAYS_TRUE_IN_VERIFY:
-        return (False, 0, 0)
-    if name in _TRANSPARENT:
-        (child,) = _children(fn, _TRANSPARENT[name])
-        return _prove(child)
-    if name == _OFFSETS:
-        q_off, kv_off = _closure(fn, "q_offset"), _closure(fn, "kv_offset")
-        if not (isinstance(q_off, int) and isinstance(kv_off, int) and q_off == kv_off):
-            return None
-        proof = _prove(_closure(fn, "mask_function"))
-        # equal shifts keep differences (causal, windows), not chunk edges unless whole chunks
-        return proof if proof is None or not proof[2] or q_off % proof[2] == 0 else None
-    if name == _AND:
-        parts = [_prove(k) for k in _children(fn, "mask_functions")]
-        if any(p is None for p in parts):
-            return None
-        windows = [w for _, w, _ in parts if w]
-        chunks = {c for _, _, c in parts if c}
-        if len(chunks) > 1 or (chunks and windows):
-            return None  # two chunk sizes, or a window within chunks: not implemented
-        return any(c for c, _, _ in parts), min(windows, default=0), min(chunks, default=0)
-    return None
-
-
-def _positive_int(value) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
-
-
-def _without_left_padding(fn):
-    """The chunk leaf ``fn`` with its ``left_padding`` closure cell replaced by real zeros, to
-    be probed outside the trace; None if the cell is not a 1-D integer tensor.
-
-    transformers makes ``left_padding`` from the attention mask (``create_chunked_causal_mask``:
-    zeros when there is none), and a verify capture never passes one (``_causal_only`` refuses
-    it before any leaf is read), so the zeros are the values the model computes with."""
-    import types
-
-    padding = _closure(fn, "left_padding")
-    if not isinstance(padding, torch.Tensor) or padding.dim() != 1 or \
-            padding.dtype not in (torch.int32, torch.int64):
-        return None
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
-        zeros = torch.zeros(1, dtype=padding.dtype)
-    cells = tuple(types.CellType(zeros) if var == "left_padding" else cell
-                  for var, cell in zip(fn.__code__.co_freevars, fn.__closure__))
-    return types.FunctionType(fn.__code__, fn.__globals__, fn.__name__, fn.__defaults__, cells)
-
-
-_PROBE_SPAN = 64
-"""Positions probed past each window edge."""
-
-
-def _probe(fn, causal: bool, window: int, chunk: int = 0) -> bool:
-    """Evaluate the leaf ``fn`` itself on real index tensors (outside the trace) at query
-    positions around 0, the window or chunk edges and far out, and check it equals the rule the
-    proof claims for it: ``k <= q`` (causal), ``k > q - window`` (window) and
-    ``k // chunk == q // chunk`` (chunk; keys probed below the chunk too)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-    span = window or chunk
-    edges = {0, 1, 2, _PROBE_SPAN, 10_007} | ({span - 1, span, span + 1, 2 * span + 3}
-                                             if span else set())
-    with unset_fake_temporarily(), disable_proxy_modes_tracing():
-        for q in sorted(e for e in edges if e >= 0):
-            kv = torch.arange(max(0, q - span - _PROBE_SPAN), q + _PROBE_SPAN)
-            qi = torch.full_like(kv, q)
-            zero = torch.zeros_like(kv)
-            got = torch.as_tensor(fn(zero, zero, qi, kv), dtype=torch.bool).expand_as(kv)
-            want = (kv <= qi) if causal else (kv // chunk == qi // chunk) if chunk else \
-                (kv > qi - window)
-            if not torch.equal(got, want):
-                return False
-    return True
-
-
-def _describe(fn) -> str:
-    name = _hf_mask_name(fn)
-    if name == _AND or name in _TRANSPARENT or name == _OFFSETS or \
-            name == "or_masks.<locals>.or_mask":
-        var = {_AND: "mask_functions", "or_masks.<locals>.or_mask": "mask_functions",
-               _OFFSETS: "mask_function", **_TRANSPARENT}[name]
-        parts = ", ".join(_describe(k) for k in _children(fn, var))
-        return f"{name.split('.')[0]}({parts})"
-    if name == _WINDOW:
-        return f"sliding_window_overlay({_closure(fn, 'sliding_window')!r})"
-    if name == _CHUNK:
-        return f"chunked_overlay({_closure(fn, 'chunk_size')!r})"
-    return name.split(".")[0] if name else getattr(fn, "__qualname__", repr(fn))
-
-
 @contextlib.contextmanager
 def _sdpa_route(config) -> Iterator[None]:
     """Models that call ``torch.nn.functional.scaled_dot_product_attention`` themselves
@@ -503,7 +287,7 @@ def _sdpa_route(config) -> Iterator[None]:
     saved_mask, saved_sdpa = masks.get("sdpa"), F.scaled_dot_product_attention
     saved_impl = config._attn_implementation
     config._attn_implementation = "sdpa"
-    masks["sdpa"] = _proof_object
+    masks["sdpa"] = proof_object
     F.scaled_dot_product_attention = _sdpa_attention
     try:
         yield
@@ -511,13 +295,6 @@ def _sdpa_route(config) -> Iterator[None]:
         F.scaled_dot_product_attention = saved_sdpa
         masks["sdpa"] = saved_mask
         config._attn_implementation = saved_impl
-
-
-def _proof_object(*args, **kwargs):
-    """``_causal_only`` for models that test ``mask is None`` on their own: plain causal comes
-    back as ``_WindowMask(0)`` so the model never branches on its (symbolic) length."""
-    proof = _causal_only(*args, **kwargs)
-    return _WindowMask(0) if proof is None else proof
 
 
 def _sdpa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False,
@@ -532,7 +309,7 @@ def _sdpa_attention(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=
     if attn_mask is None and is_causal is True:
         window = chunk = 0
     else:
-        window, chunk = _check_mask(where, attn_mask)
+        window, chunk = check_mask(where, attn_mask)
         if is_causal:
             raise NotImplementedError(f"{where} passes both a mask and is_causal=True")
     _check_attention_arguments(where, dropout_p, {})
@@ -559,7 +336,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
     @contextlib.contextmanager
     def hooks():
         AttentionInterface.register(HF_ATTENTION_NAME, _hf_attention)
-        AttentionMaskInterface.register(HF_ATTENTION_NAME, _causal_only)
+        AttentionMaskInterface.register(HF_ATTENTION_NAME, causal_only)
         previous = config._attn_implementation
         if model._can_set_attn_implementation():
             model.set_attn_implementation(HF_ATTENTION_NAME)

@@ -10,8 +10,8 @@ import torch
 import transformers as T
 
 from dspark_compile import dspark_compile
-from dspark_compile.frontend.adapters import (_causal_only, _check_attention_arguments,
-                                              _UnprovenMask, _WindowMask)
+from dspark_compile.frontend.adapters import _check_attention_arguments
+from dspark_compile.frontend.masks import UnprovenMask, WindowMask, causal_only
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -63,19 +63,19 @@ def test_attention_keywords_are_implemented_or_refused():
 def test_mask_functions_are_proven_by_structure_and_probe():
     from transformers import masking_utils as M
 
-    assert _causal_only(mask_function=M.causal_mask_function) is None
+    assert causal_only(mask_function=M.causal_mask_function) is None
     packed = M.and_masks(M.remap_positions_for_packed_sequence(
         M.causal_mask_function, torch.zeros(1, 4, dtype=torch.long)),
         M.packed_sequence_mask_function(torch.zeros(1, 4, dtype=torch.long)))
-    assert _causal_only(mask_function=packed) is None
-    assert _causal_only(mask_function=M.sliding_window_causal_mask_function(8)) == \
-        _WindowMask(8)
+    assert causal_only(mask_function=packed) is None
+    assert causal_only(mask_function=M.sliding_window_causal_mask_function(8)) == \
+        WindowMask(8)
     nested = M.and_masks(M.sliding_window_causal_mask_function(4096), M.causal_mask_function)
-    assert _causal_only(mask_function=nested) == _WindowMask(4096)
-    assert _causal_only(mask_function=M.add_offsets_to_mask_function(
-        M.sliding_window_causal_mask_function(5), 3, 3)) == _WindowMask(5)
-    assert _causal_only(mask_function=M.chunked_causal_mask_function(
-        8, torch.zeros(1, dtype=torch.long))) == _WindowMask(0, 8)
+    assert causal_only(mask_function=nested) == WindowMask(4096)
+    assert causal_only(mask_function=M.add_offsets_to_mask_function(
+        M.sliding_window_causal_mask_function(5), 3, 3)) == WindowMask(5)
+    assert causal_only(mask_function=M.chunked_causal_mask_function(
+        8, torch.zeros(1, dtype=torch.long))) == WindowMask(0, 8)
     for unproven in (M.chunked_overlay(8, torch.zeros(1, dtype=torch.long)),  # no causality
                      M.sliding_window_overlay(8),  # a window without causality
                      M.bidirectional_mask_function,
@@ -83,9 +83,9 @@ def test_mask_functions_are_proven_by_structure_and_probe():
                      M.or_masks(M.causal_mask_function, M.bidirectional_mask_function),
                      M.add_offsets_to_mask_function(M.causal_mask_function, 0, 2),
                      lambda b, h, q, kv: kv <= q):  # causal, but not provably so: refused
-        assert isinstance(_causal_only(mask_function=unproven), _UnprovenMask), unproven
+        assert isinstance(causal_only(mask_function=unproven), UnprovenMask), unproven
     with pytest.raises(NotImplementedError, match="attention_mask"):
-        _causal_only(mask_function=M.causal_mask_function, attention_mask=torch.ones(1, 4))
+        causal_only(mask_function=M.causal_mask_function, attention_mask=torch.ones(1, 4))
 
 
 def test_a_leaf_that_computes_something_else_under_a_known_name_fails_the_probe():
@@ -101,8 +101,8 @@ def test_a_leaf_that_computes_something_else_under_a_known_name_fails_the_probe(
     impostor = overlay(8)
     impostor.__module__ = "transformers.masking_utils"
     impostor.__qualname__ = "sliding_window_overlay.<locals>.inner_mask"
-    mask = _causal_only(mask_function=M.and_masks(impostor, M.causal_mask_function))
-    assert isinstance(mask, _UnprovenMask)
+    mask = causal_only(mask_function=M.and_masks(impostor, M.causal_mask_function))
+    assert isinstance(mask, UnprovenMask)
     assert "sliding_window_overlay(8)" in mask.description
 
     def chunked(chunk_size, left_padding):  # chunk edges one position off HF's
@@ -114,8 +114,8 @@ def test_a_leaf_that_computes_something_else_under_a_known_name_fails_the_probe(
     impostor = chunked(8, torch.zeros(1, dtype=torch.long))
     impostor.__module__ = "transformers.masking_utils"
     impostor.__qualname__ = "chunked_overlay.<locals>.inner_mask"
-    mask = _causal_only(mask_function=M.and_masks(impostor, M.causal_mask_function))
-    assert isinstance(mask, _UnprovenMask)
+    mask = causal_only(mask_function=M.and_masks(impostor, M.causal_mask_function))
+    assert isinstance(mask, UnprovenMask)
     assert "chunked_overlay(8)" in mask.description
 
 

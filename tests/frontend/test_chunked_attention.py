@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dspark_compile import dspark_compile
-from dspark_compile.frontend import adapters
+from dspark_compile.frontend import masks
 from helpers import Session
 
 tf = pytest.importorskip("transformers")
@@ -76,17 +76,17 @@ def test_llama4_temperature_tuning_from_another_forward_is_refused(monkeypatch):
 def test_chunk_proof_reads_the_overlay_and_refuses_what_it_does_not_cover():
     zeros = torch.zeros(1, dtype=torch.long)
     chunked = mu.chunked_causal_mask_function(4, zeros)
-    assert adapters._prove(chunked) == (True, 0, 4)
-    assert adapters._causal_only(mask_function=chunked) == adapters._WindowMask(0, 4)
+    assert masks.prove(chunked) == (True, 0, 4)
+    assert masks.causal_only(mask_function=chunked) == masks.WindowMask(0, 4)
     window_in_chunks = mu.and_masks(chunked, mu.sliding_window_overlay(3))
     two_sizes = mu.and_masks(chunked, mu.chunked_overlay(6, zeros))
     for fn in (window_in_chunks, two_sizes):
-        assert adapters._prove(fn) is None
-        assert isinstance(adapters._causal_only(mask_function=fn), adapters._UnprovenMask)
+        assert masks.prove(fn) is None
+        assert isinstance(masks.causal_only(mask_function=fn), masks.UnprovenMask)
     shifted = mu.add_offsets_to_mask_function(chunked, 2, 2)  # moves the chunk edges
-    assert adapters._prove(shifted) is None
-    assert adapters._prove(mu.add_offsets_to_mask_function(chunked, 8, 8)) == (True, 0, 4)
+    assert masks.prove(shifted) is None
+    assert masks.prove(mu.add_offsets_to_mask_function(chunked, 8, 8)) == (True, 0, 4)
     with pytest.raises(NotImplementedError, match=r"layer: the model builds and_masks\("
                        r"and_masks\(chunked_overlay\(4\), causal_mask_function\), "
                        r"sliding_window_overlay\(3\)\), not causal attention"):
-        adapters._check_mask("layer", adapters._causal_only(mask_function=window_in_chunks))
+        masks.check_mask("layer", masks.causal_only(mask_function=window_in_chunks))

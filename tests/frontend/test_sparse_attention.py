@@ -87,10 +87,10 @@ def test_indices_from_an_unknown_attention_class_are_refused():
 
 
 def test_a_proven_mask_gives_the_indexer_its_rows_and_nothing_else():
-    from dspark_compile.frontend.adapters import _WindowMask
+    from dspark_compile.frontend.masks import WindowMask
     from dspark_compile.frontend.sparse import IndexerMask
 
-    mask = _WindowMask(0)
+    mask = WindowMask(0)
     assert mask[:, 0, :, :] == IndexerMask(0, 0) and mask[:, 0] == IndexerMask(0, 0)
     for key in ((slice(None), slice(None), slice(-1, None), slice(None)), 0,
                 (slice(None), 1)):
