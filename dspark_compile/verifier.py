@@ -115,7 +115,11 @@ class Verifier:
         model = adapter.model
         self._weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
         stack_weights(self._weights, inputs)  # concat_linears' stacked inputs, if any
-        bound = [n for spec in (*inputs, *dense.inputs) if spec.kind in WEIGHT_KINDS
+        # the tensors a graph reads: a placeholder no node uses is left unbound, so a buffer
+        # the model replaces while the capture never reads it (a table HF grows) stays legal
+        bound = [n for graph in (gm, dense.gm)
+                 for node in graph.graph.find_nodes(op="placeholder") if node.users
+                 for spec in (node.meta["dspark_input"],) if spec.kind in WEIGHT_KINDS
                  for n in (spec.name, *(getattr(spec, "parts", None) or ()))]
         self._binding = WeightBinding(model, self._weights, bound)
         """Every model tensor the graphs bind, checked on each call (``session/weights.py``)."""

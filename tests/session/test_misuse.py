@@ -86,6 +86,21 @@ def test_in_place_updates_and_unrelated_modules_are_served(llama):
             up.div_(2.0)
 
 
+def test_a_buffer_no_graph_reads_may_be_replaced():
+    """Only the tensors a graph reads are bound: a model that assigns a buffer anew which the
+    capture never reads (HF's XGLM grows its position table so) is still served, and right."""
+    model = tiny_llama(seed=3, layers=1)
+    model.model.register_buffer("unread", torch.zeros(3), persistent=False)
+    verifier = dspark_compile(model)
+    state = verifier.new_state(max_requests=2, max_context=16)
+    seq = tokens(4)
+    layout = VerifyLayout.pack([4], [0], [0])
+    verifier(seq, layout, state)
+    model.model.unread = torch.ones(5)
+    torch.testing.assert_close(verifier(seq, layout, state), full_logits(model, seq),
+                               rtol=1e-4, atol=1e-4)
+
+
 # ---------------------------------------------------------------------------- forward hooks
 def _steer(vector):
     def steer(module, args, out):
