@@ -1,0 +1,318 @@
+"""Attention written inline in a model's own layer (GPT-Neo, XGLM, MPT), captured through the
+attention function.
+
+These layers compute ``softmax(q k^T + mask) v`` themselves instead of calling transformers'
+attention interface, so the capture would meet their mask as a tensor (it proves masks instead of
+building them, and refuses such a model). While a model is captured, :func:`inline_hooks`
+replaces each layer's forward with one that keeps the layer's projections, head split and
+scaling as written and hands the scores' part to the capture's attention function:
+
+- **GPT-Neo** (``GPTNeoSelfAttention``): no softmax scale (1.0); a ``local`` layer attends to
+  the last ``window_size`` positions, read off the layer's own band buffer (``bias``), which is
+  checked to be that band. Its scores run in float32, as the op's do.
+- **XGLM** (``XGLMAttention``): the queries scaled before the product, as written; the op's
+  scale is then 1.0. Cross-attention (``key_value_states``) is refused.
+- **MPT** (``MptAttention``): ALiBi, ``slope[h] * (kpos - (L - 1))`` in the model's own
+  ``position_bias`` ``[H, 1, L]``; the slopes are read off that tensor (the difference of its
+  last two columns) and handed over as :class:`~.bloom.AlibiSlopes`: the op adds
+  ``slope * (kpos - qpos)``, a constant per query row away, so the same softmax. ``clip_qkv``
+  clamps as written. ``MptModel`` casts its mask to bool before handing it down: for the capture
+  its ``create_causal_mask`` returns the proof wrapped so that this one cast gives the proof
+  back.
+
+Only the exact classes with the sources this was derived from (transformers 5.24 and 5.17) are
+taken, and only plain float weights; anything else is refused by name.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import sys
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from .masks import WindowMask
+from .bloom import AlibiSlopes
+from .replaced import PLAIN_FLOATS, known_forward, modeling_instances, source_key, \
+    swapped_forward
+from .scope import HF_ATTENTION_NAME
+
+__all__ = ["KNOWN_SOURCES", "inline_hooks"]
+
+KNOWN_SOURCES = {
+    ("GPTNeoSelfAttention", "forward"): frozenset({"ad4d8004c2f68047"}),
+    ("GPTNeoSelfAttention", "_attn"): frozenset({"c40796a749af347a"}),
+    ("GPTNeoSelfAttention", "_split_heads"): frozenset({"74e7569b79f5acce"}),
+    ("GPTNeoSelfAttention", "_merge_heads"): frozenset({"77783133b511675f"}),
+    ("GPTNeoSelfAttention", "__init__"): frozenset({"0c3749eedbdb1245"}),
+    ("XGLMAttention", "forward"): frozenset({"80931b93538263f3", "214633c2552a06d8"}),
+    ("XGLMAttention", "__init__"): frozenset({"9d8431f88ddca032"}),
+    ("XGLMSinusoidalPositionalEmbedding", "forward"): frozenset({"f1dbfaf245e507f6",
+                                                                 "ca685b075549e6c2"}),
+    ("XGLMSinusoidalPositionalEmbedding", "get_embedding"): frozenset({"356597ed25c6c26a"}),
+    ("XGLMSinusoidalPositionalEmbedding", "__init__"): frozenset({"9307539c5a0cb490"}),
+    ("MptAttention", "forward"): frozenset({"acd08620f748187a", "c38160120bf5efcb"}),
+    ("MptAttention", "__init__"): frozenset({"53bdb0bfafaf1ed0"}),
+    ("MptModel", "forward"): frozenset({"e67fc628f88d14ba", "b389f245c2701a25"}),
+    ("MptModel", "build_mpt_alibi_tensor"): frozenset({"31a8329daad38f1c"}),
+    ("modeling_mpt", "build_mpt_alibi_tensor"): frozenset({"ceac1cf0eb0d182c"}),
+}
+"""sha256 prefixes (:func:`~.replaced.source_key`) of the methods each replacement was derived
+from, by (class or module, method): transformers 5.24 and 5.17 (XGLM's and MPT's forwards differ
+only in the cache argument's name)."""
+
+_CACHE_NAMES = ("layer_past", "cache", "past_key_values")
+
+
+def _refuse(self, what: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{type(self).__name__}: {what}; its attention is captured for a verify "
+        "(use_cache=False, the capture owns the KV, no attention weights returned), so the "
+        "model is refused rather than verified wrong")
+
+
+def _plain_call(self, kwargs: dict) -> None:
+    """Refuses a cache, returned attention weights or cross-attention states."""
+    for name in _CACHE_NAMES:
+        if kwargs.get(name) is not None:
+            raise _refuse(self, f"called with a cache ({name}=)")
+    if kwargs.get("output_attentions"):
+        raise _refuse(self, "called with output_attentions=True")
+    if kwargs.get("key_value_states") is not None:
+        raise _refuse(self, "called as cross-attention (key_value_states=)")
+
+
+def _attention():
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    return ALL_ATTENTION_FUNCTIONS[HF_ATTENTION_NAME]
+
+
+def _causal(self, mask):
+    """The proof a layer received, which must be plain causal (None or a window of 0)."""
+    if mask is None or (isinstance(mask, WindowMask) and not mask.window and not mask.chunk):
+        return mask
+    raise _refuse(self, f"handed the mask {mask!r}, where its model builds plain causal")
+
+
+def _gpt_neo_forward(windows: dict[int, int]) -> Callable:
+    def forward(self, hidden_states, attention_mask=None, layer_past=None, use_cache=False,
+                output_attentions=False, **kwargs):
+        """``GPTNeoSelfAttention.forward`` through the attention function (module docstring)."""
+        _plain_call(self, dict(kwargs, layer_past=layer_past,
+                               output_attentions=output_attentions))
+        bs, t, _ = hidden_states.shape
+        query = self._split_heads(self.q_proj(hidden_states), self.num_heads, self.head_dim)
+        key = self._split_heads(self.k_proj(hidden_states), self.num_heads, self.head_dim)
+        value = self._split_heads(self.v_proj(hidden_states), self.num_heads, self.head_dim)
+        mask = _causal(self, attention_mask)
+        if windows[id(self)]:
+            mask = WindowMask(windows[id(self)])
+        out, _ = _attention()(self, query, key, value, mask, scaling=1.0)
+        out = self.out_proj(out.reshape(bs, t, -1))
+        return self.resid_dropout(out), None
+    return forward
+
+
+def _xglm_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None,
+                  **kwargs):
+    """``XGLMAttention.forward`` through the attention function (module docstring)."""
+    _plain_call(self, dict(kwargs, cache=cache, key_value_states=key_value_states))
+    bs, t, _ = hidden_states.shape
+    shape = (bs, t, -1, self.head_dim)
+    query = (self.q_proj(hidden_states) * self.scaling).view(shape).transpose(1, 2)
+    key = self.k_proj(hidden_states).view(shape).transpose(1, 2)
+    value = self.v_proj(hidden_states).view(shape).transpose(1, 2)
+    out, _ = _attention()(self, query, key, value, _causal(self, attention_mask), scaling=1.0,
+                          dropout=0.0)
+    return self.out_proj(out.reshape(bs, t, self.embed_dim)), None
+
+
+def _xglm_positions_forward(dtypes: dict[int, torch.dtype]) -> Callable:
+    def forward(self, position_ids, *args, **kwargs):
+        """``XGLMSinusoidalPositionalEmbedding.forward`` (:func:`_xglm_positions`)."""
+        return _xglm_positions(self, position_ids, dtypes[id(self)])
+    return forward
+
+
+def _xglm_positions(self, position_ids, dtype: torch.dtype):
+    """The rows of ``get_embedding`` computed at the positions themselves, as the same float32
+    products, so any position is covered (HF grows its table on a length check the capture
+    cannot branch on, replacing the buffer, which is therefore never read here: ``dtype`` is
+    the table's, taken when the hook starts)."""
+    index = position_ids + self.offset
+    half = self.embedding_dim // 2
+    step = math.log(10000) / (half - 1)
+    freqs = torch.exp(torch.arange(half, dtype=torch.int64, device=index.device).float() * -step)
+    angles = index.float().unsqueeze(-1) * freqs
+    emb = torch.cat([torch.sin(angles), torch.cos(angles)], dim=-1)
+    if self.embedding_dim % 2 == 1:
+        emb = torch.nn.functional.pad(emb, (0, 1))
+    if self.padding_idx is not None:
+        emb = emb.masked_fill((index == self.padding_idx).unsqueeze(-1), 0.0)
+    return emb.to(torch.get_default_dtype()).to(dtype).detach()
+
+
+def _mpt_forward(self, hidden_states, position_bias=None, cache=None, attention_mask=None,
+                 **kwargs):
+    """``MptAttention.forward`` through the attention function (module docstring)."""
+    _plain_call(self, dict(kwargs, cache=cache))
+    heads = self.n_heads
+    if not isinstance(position_bias, torch.Tensor) or position_bias.dim() != 3 or \
+            position_bias.shape[0] != heads or position_bias.shape[1] != 1 or \
+            position_bias.shape[2] < 2:
+        shape = tuple(position_bias.shape) if isinstance(position_bias, torch.Tensor) else \
+            position_bias
+        raise _refuse(self, f"handed position_bias {shape}, where MptModel builds "
+                            f"[{heads}, 1, max_seq_len] ALiBi")
+    slopes = (position_bias[:, 0, -1] - position_bias[:, 0, -2]).float()
+    bs, t, _ = hidden_states.shape
+    mixed = self.Wqkv(hidden_states)
+    if self.clip_qkv:
+        mixed = mixed.clamp(min=-self.clip_qkv, max=self.clip_qkv)
+    query, key, value = (s.reshape(bs, t, heads, self.head_dim).transpose(1, 2)
+                         for s in mixed.chunk(3, dim=2))
+    out, _ = _attention()(self, query, key, value, _causal(self, attention_mask),
+                          scaling=self.softmax_scale, dropout=0.0, alibi=AlibiSlopes(slopes))
+    return self.out_proj(out.reshape(bs, t, -1)), None
+
+
+class _BoolCast:
+    """What ``MptModel``'s ``create_causal_mask`` returns for the capture: the proof, given back
+    by the one cast the model applies (``.to(torch.bool)``); any other use is refused."""
+
+    def __init__(self, proof):
+        self.proof = proof
+
+    def to(self, *args, **kwargs):
+        if args == (torch.bool,) and not kwargs:
+            return self.proof
+        raise NotImplementedError(f"MptModel casts its mask with .to{args, kwargs}; only "
+                                  ".to(torch.bool) is understood, so the model is refused")
+
+
+@contextlib.contextmanager
+def _mpt_mask(modeling) -> Iterator[None]:
+    original = modeling.create_causal_mask
+    modeling.create_causal_mask = lambda *a, **k: _BoolCast(original(*a, **k))
+    try:
+        yield
+    finally:
+        modeling.create_causal_mask = original
+
+
+def _local_window(m: nn.Module) -> int | None:
+    """A GPT-Neo layer's left window read off its band buffer (0: global), None where the
+    buffer is not the band its attention type names."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        return _band_window(m)
+
+
+def _band_window(m: nn.Module) -> int | None:
+    bias = getattr(m, "bias", None)
+    if not isinstance(bias, torch.Tensor) or bias.dtype != torch.bool or bias.dim() != 4 or \
+            bias.shape[-1] != bias.shape[-2] or m.attention_type not in ("global", "local"):
+        return None
+    n = bias.shape[-1]
+    window = int(bias[0, 0, -1].sum()) if m.attention_type == "local" else n
+    if window < 1:
+        return None
+    distance = torch.arange(n).view(n, 1) - torch.arange(n).view(1, n)
+    band = (distance >= 0) & (distance < window)
+    if tuple(bias.shape[:2]) != (1, 1) or not torch.equal(bias[0, 0].cpu(), band):
+        return None
+    return window if m.attention_type == "local" and window < n else 0
+
+
+def _known(m, cls, method: str) -> bool:
+    return known_forward(m, cls, KNOWN_SOURCES[(cls.__name__, method)], method)
+
+
+def _plain_weights(m: nn.Module) -> bool:
+    return {p.dtype for p in m.parameters()} <= PLAIN_FLOATS
+
+
+@contextlib.contextmanager
+def inline_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
+    """Run ``model``'s inline GPT-Neo, XGLM or MPT attention through the attention function for
+    the capture; restored after. A model without them is left untouched."""
+    with contextlib.ExitStack() as stack:
+        for hook in (_gpt_neo, _xglm, _mpt):
+            stack.enter_context(hook(model, names))
+        yield
+
+
+def _refuse_layer(m, names, family: str) -> NotImplementedError:
+    return NotImplementedError(
+        f"{type(m).__name__} {names.get(id(m), '?')!r}: {family}'s attention is captured from "
+        "its own sources (transformers 5.24, 5.17) with plain float weights only, and this one "
+        "reads otherwise; the model is refused rather than verified wrong")
+
+
+@contextlib.contextmanager
+def _gpt_neo(model, names) -> Iterator[None]:
+    classes, found = modeling_instances(
+        model, "transformers.models.gpt_neo.modeling_gpt_neo", ("GPTNeoSelfAttention",))
+    if not found:
+        yield
+        return
+    cls, = classes
+    windows = {}
+    for m in found:
+        window = _local_window(m)
+        if window is None or not _plain_weights(m) or not all(
+                _known(m, cls, method) for method in
+                ("forward", "_attn", "_split_heads", "_merge_heads", "__init__")):
+            raise _refuse_layer(m, names, "GPT-Neo")
+        windows[id(m)] = window
+    with swapped_forward(cls, _gpt_neo_forward(windows)):
+        yield
+
+
+@contextlib.contextmanager
+def _xglm(model, names) -> Iterator[None]:
+    classes, found = modeling_instances(
+        model, "transformers.models.xglm.modeling_xglm",
+        ("XGLMAttention", "XGLMSinusoidalPositionalEmbedding"), held=2)
+    if not found:
+        yield
+        return
+    attention, positions = classes
+    dtypes = {id(m): m.weights.dtype for m in found if isinstance(m, positions)}
+    for m in found:
+        cls = attention if isinstance(m, attention) else positions
+        own = ("forward", "__init__", "get_embedding") if cls is positions else \
+            ("forward", "__init__")
+        if not (all(_known(m, cls, method) for method in own) and _plain_weights(m)):
+            raise _refuse_layer(m, names, "XGLM")
+    with swapped_forward(attention, _xglm_forward), swapped_forward(positions,
+                                                                 _xglm_positions_forward(dtypes)):
+        yield
+
+
+@contextlib.contextmanager
+def _mpt(model, names) -> Iterator[None]:
+    classes, found = modeling_instances(
+        model, "transformers.models.mpt.modeling_mpt", ("MptAttention", "MptModel"), held=2)
+    if not found:
+        yield
+        return
+    attention, mpt_model = classes
+    modeling = sys.modules[attention.__module__]
+    shared = source_key(modeling, "build_mpt_alibi_tensor") in \
+        KNOWN_SOURCES[("modeling_mpt", "build_mpt_alibi_tensor")]
+    for m in found:
+        cls = attention if isinstance(m, attention) else mpt_model
+        own = ("forward", "__init__") if cls is attention else \
+            ("forward", "build_mpt_alibi_tensor")
+        if not (shared and all(_known(m, cls, method) for method in own) and
+                _plain_weights(m)):
+            raise _refuse_layer(m, names, "MPT")
+    with swapped_forward(attention, _mpt_forward), _mpt_mask(modeling):
+        yield

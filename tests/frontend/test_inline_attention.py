@@ -1,0 +1,160 @@
+"""GPT-Neo, XGLM and MPT: attention written inline in the layer, captured through the attention
+function (``frontend/inline.py``).
+
+Every ragged logit row equals HF's forward over that request's whole sequence alone, over a
+prefill and four ragged rounds (float32, CPU, reference ops): GPT-Neo's global and local layers
+(a window shorter than the sequences, no softmax scale), XGLM's pre-scaled queries and its
+sinusoidal positions past the table HF starts with, MPT's ALiBi (a power-of-two head count and
+another) with clipped q/k/v. A capture that drops the window, shifts the positions or drops the
+slopes is caught; a changed source, a band buffer that is not a band and an unknown mask cast are
+refused by name.
+"""
+
+import pytest
+import torch
+
+from dspark_compile import dspark_compile
+from helpers import ragged_rounds_error, triton_rounds_error
+
+neo = pytest.importorskip("transformers.models.gpt_neo.modeling_gpt_neo")
+xglm = pytest.importorskip("transformers.models.xglm.modeling_xglm")
+mpt = pytest.importorskip("transformers.models.mpt.modeling_mpt")
+
+VOCAB = 89
+TOL = 1e-4
+
+
+def _randomised(model):
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "ln" not in name and "norm" not in name:
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
+def tiny_neo(window: int = 3):
+    from transformers import GPTNeoConfig
+
+    torch.manual_seed(0)
+    cfg = GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
+                       attention_types=[[["global", "local"], 1]], window_size=window,
+                       max_position_embeddings=64, intermediate_size=64)
+    return _randomised(neo.GPTNeoForCausalLM(cfg))
+
+
+def tiny_xglm(positions: int = 8):
+    from transformers import XGLMConfig
+
+    torch.manual_seed(0)
+    cfg = XGLMConfig(vocab_size=VOCAB, d_model=32, ffn_dim=64, num_layers=2, attention_heads=4,
+                     max_position_embeddings=positions, pad_token_id=1, bos_token_id=0,
+                     eos_token_id=2)
+    return _randomised(xglm.XGLMForCausalLM(cfg))
+
+
+def tiny_mpt(heads: int = 4, clip: float | None = 0.5):
+    from transformers import MptConfig
+
+    torch.manual_seed(0)
+    cfg = MptConfig(vocab_size=VOCAB, d_model=8 * heads, n_heads=heads, n_layers=2,
+                    max_seq_len=64, attn_config={"clip_qkv": clip})
+    return _randomised(mpt.MptForCausalLM(cfg))
+
+
+def _rounds(model, **kwargs) -> float:
+    return ragged_rounds_error(model, dspark_compile(model), [1, 0, 2], [7, 4, 9], VOCAB,
+                               seed=5, **kwargs)
+
+
+def test_gpt_neo_global_and_local_layers_equal_hf():
+    model = tiny_neo(window=3)
+    verifier = dspark_compile(model)
+    assert [s.window for s in verifier.adapter.specs] == [0, 3]
+    err = ragged_rounds_error(model, verifier, [1, 0, 2], [7, 4, 9], VOCAB, seed=5)
+    assert err < TOL, f"max |ragged - HF| = {err}"
+
+
+def test_xglm_equals_hf_past_its_first_position_table():
+    """Positions run to about 40 over the rounds, where HF's table starts at 8 + 2 rows."""
+    err = _rounds(tiny_xglm(positions=8), max_len=8)
+    assert err < TOL, f"max |ragged - HF| = {err}"
+
+
+@pytest.mark.parametrize("heads", [4, 6])
+def test_mpt_alibi_equals_hf(heads):
+    model = tiny_mpt(heads)
+    verifier = dspark_compile(model)
+    assert all(s.alibi for s in verifier.adapter.specs)
+    err = ragged_rounds_error(model, verifier, [1, 0, 2], [7, 4, 9], VOCAB, seed=5)
+    assert err < TOL, f"max |ragged - HF| = {err}"
+
+
+def test_a_dropped_window_is_caught(monkeypatch):
+    from dspark_compile.frontend import inline
+
+    monkeypatch.setattr(inline, "_local_window", lambda m: 0)
+    assert _rounds(tiny_neo(window=2)) > 1e-2
+
+
+def test_shifted_positions_are_caught(monkeypatch):
+    from dspark_compile.frontend import inline
+
+    real = inline._xglm_positions
+
+    def shifted(self, position_ids, dtype):
+        return real(self, position_ids + 1, dtype)
+
+    monkeypatch.setattr(inline, "_xglm_positions", shifted)
+    assert _rounds(tiny_xglm()) > 1e-2
+
+
+def test_dropped_slopes_are_caught(monkeypatch):
+    from dspark_compile.frontend import inline
+
+    real = inline.AlibiSlopes
+    monkeypatch.setattr(inline, "AlibiSlopes", lambda s: real(s * 0))
+    assert _rounds(tiny_mpt()) > 1e-2
+
+
+@pytest.mark.parametrize("key,build,where", [
+    (("GPTNeoSelfAttention", "_attn"), tiny_neo, "transformer.h.0.attn.attention"),
+    (("XGLMSinusoidalPositionalEmbedding", "get_embedding"), tiny_xglm,
+     "model.embed_positions"),
+    (("MptModel", "forward"), tiny_mpt, "transformer"),
+])
+def test_changed_source_is_refused(monkeypatch, key, build, where):
+    from dspark_compile.frontend import inline
+
+    monkeypatch.setitem(inline.KNOWN_SOURCES, key, frozenset())
+    with pytest.raises(NotImplementedError,
+                       match=rf"'{where}': .*refused rather than verified wrong"):
+        dspark_compile(build())
+
+
+def test_a_band_that_is_not_the_window_is_refused():
+    model = tiny_neo(window=3)
+    with torch.no_grad():
+        model.transformer.h[1].attn.attention.bias[0, 0, 10, 2] = True
+    with pytest.raises(NotImplementedError, match=r"GPTNeoSelfAttention "
+                       r"'transformer.h.1.attn.attention'.*refused"):
+        dspark_compile(model)
+
+
+def test_only_the_bool_cast_of_mpts_mask_is_understood():
+    from dspark_compile.frontend.inline import _BoolCast
+    from dspark_compile.frontend.masks import WindowMask
+
+    proof = WindowMask(0)
+    assert _BoolCast(proof).to(torch.bool) is proof
+    for args in ((torch.float32,), ("cpu",)):
+        with pytest.raises(NotImplementedError, match="only .to\\(torch.bool\\) is understood"):
+            _BoolCast(proof).to(*args)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("build", [tiny_neo, tiny_xglm, lambda: tiny_mpt(6)])
+def test_float32_on_gpu_through_triton_matches_hf(build):
+    """The window, the positions and the slopes through the Triton kernels, on the GPU."""
+    err = triton_rounds_error(build(), [1, 0, 2], [7, 4, 9], VOCAB, seed=5)
+    assert err < 2e-3, err
