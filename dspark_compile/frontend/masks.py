@@ -18,7 +18,7 @@ import torch
 
 from .sparse import INDEXER_KEYS, IndexerMask
 
-__all__ = ["UnprovenMask", "WindowMask", "causal_only", "check_mask", "proof_object", "prove"]
+__all__ = ["UnprovenMask", "WindowMask", "all_ones", "causal_only", "check_mask", "proof_object", "prove"]
 
 _CAUSAL = "causal_mask_function"
 """The causal leaf."""
@@ -47,7 +47,7 @@ def causal_only(*args, mask_function=None, attention_mask=None, **kwargs):
     causal), a ``WindowMask``, or an ``UnprovenMask`` naming what was found: sliding-window
     variants, a window with chunks, bidirectional or blockwise overlays, ``or_masks``, padding
     and mask functions of the model's own are refused by the layer that receives them."""
-    if attention_mask is not None:
+    if attention_mask is not None and not _masks_nothing(attention_mask):
         raise NotImplementedError("the model passed an attention_mask (padding) into the "
                                   "capture; verify takes none: padding is the layout's job")
     if mask_function is None:
@@ -60,6 +60,68 @@ def causal_only(*args, mask_function=None, attention_mask=None, **kwargs):
         # object for plain causal too, never None
         return WindowMask(proof[1], proof[2])
     return None
+
+
+_ONES = frozenset({"aten.ones.default", "aten.ones_like.default", "aten.new_ones.default"})
+"""Factories of a tensor of ones."""
+_SAME_VALUES = frozenset({
+    "aten._to_copy.default", "aten.view.default", "aten._unsafe_view.default",
+    "aten.expand.default", "aten.slice.Tensor", "aten.unsqueeze.default",
+    "aten.squeeze.dim", "aten.alias.default", "aten.clone.default", "aten.reshape.default"})
+"""Ops whose output holds only values of their first input (ones stay ones, or True)."""
+
+
+def _masks_nothing(mask) -> bool:
+    """:func:`all_ones` in the capture's trace. The discovery forward that comes before it runs
+    without a trace, so nothing there says where a mask came from: it lets the mask pass, and
+    the trace, which every capture runs next over the same forward, decides."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode
+
+    from .scope import active_scope
+
+    if get_proxy_mode() is None:
+        scope = active_scope()
+        return scope is not None and scope.discovered is not None
+    return all_ones(mask)
+
+
+def all_ones(mask) -> bool:
+    """Whether the padding mask ``mask`` is, in the capture's trace, a tensor of ones the
+    model made itself (``torch.ones(bs, T)`` where the caller passed no mask: BioGPT), read
+    through casts, views and slices only, with no in-place write to it or its source so far:
+    a padding mask that masks nothing, so the same as none. Anything else (a mask the trace
+    did not make, another factory, a computed mask, one written in place) is not."""
+    from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
+
+    mode = get_proxy_mode()
+    if mode is None or not isinstance(mask, torch.Tensor):
+        return False
+    slot = get_proxy_slot(mask, mode.tracer, None)
+    node = None if slot is None else slot.proxy.node
+    chain = []
+    while node is not None and str(node.target) in _SAME_VALUES:
+        chain.append(node)
+        node = node.args[0] if node.args and hasattr(node.args[0], "target") else None
+    if node is None or str(node.target) not in _ONES:
+        return False
+    return not any(_writes(user, seen) for seen in (node, *chain) for user in seen.users)
+
+
+def _writes(node, source) -> bool:
+    """Whether ``node`` writes ``source`` (an argument its schema marks written), or, where its
+    output aliases its input (any view: a slice, a select, a transpose), whether a user of that
+    output does. A node that is no aten op is taken as a write."""
+    schema = getattr(node.target, "_schema", None)
+    if schema is None:
+        return True
+    given = [*zip(schema.arguments, node.args),
+             *((a, node.kwargs[a.name]) for a in schema.arguments if a.name in node.kwargs)]
+    for arg, value in given:
+        if value is source and arg.alias_info is not None and arg.alias_info.is_write:
+            return True
+    if any(r.alias_info is not None for r in schema.returns):
+        return any(_writes(user, node) for user in node.users)
+    return False
 
 
 @dataclass(frozen=True)

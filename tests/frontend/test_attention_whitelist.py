@@ -88,6 +88,67 @@ def test_mask_functions_are_proven_by_structure_and_probe():
         causal_only(mask_function=M.causal_mask_function, attention_mask=torch.ones(1, 4))
 
 
+def _traced_all_ones(make_mask) -> bool:
+    """:func:`all_ones` of the mask ``make_mask(x)`` builds inside a trace over ``x [2, 5]``."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dspark_compile.frontend.masks import all_ones
+
+    seen = []
+
+    def f(x):
+        seen.append(all_ones(make_mask(x)))
+        return x + 1
+
+    make_fx(f, tracing_mode="symbolic")(torch.zeros(2, 5, dtype=torch.long))
+    return seen[0]
+
+
+def _written(x):
+    mask = torch.ones(x.shape[0], x.shape[1])
+    mask[:, 0] = 0
+    return mask
+
+
+def _view_written(x):
+    mask = torch.ones(x.shape[0], x.shape[1])
+    mask.view(-1)[1:3].zero_()
+    return mask.bool()
+
+
+@pytest.mark.parametrize("make_mask, ones", [
+    (lambda x: torch.ones(x.shape[0], x.shape[1]), True),
+    (lambda x: torch.ones_like(x), True),
+    (lambda x: torch.ones(x.shape[0], x.shape[1], dtype=torch.long).bool()[:, -3:], True),
+    (lambda x: torch.ones(x.shape[0], x.shape[1]) * 2, False),
+    (lambda x: torch.zeros(x.shape[0], x.shape[1]), False),
+    (lambda x: x, False),  # the traced input: its values are not known
+    (lambda x: x.ne(7), False),
+    (_written, False),
+    (_view_written, False),
+])
+def test_a_padding_mask_is_taken_only_as_ones_the_model_made(make_mask, ones):
+    """BioGPT builds ``torch.ones(bs, T)`` where it is passed no mask: a padding mask that masks
+    nothing. The trace's provenance proves it (a ones factory, read through casts, views and
+    slices, never written in place); any other mask stays refused."""
+    assert _traced_all_ones(make_mask) is ones
+
+
+def test_biogpt_with_its_own_ones_mask_equals_hf():
+    from helpers import ragged_rounds_error
+
+    torch.manual_seed(0)
+    cfg = T.BioGptConfig(vocab_size=64, hidden_size=32, num_hidden_layers=2,
+                         num_attention_heads=4, intermediate_size=64, pad_token_id=0)
+    model = T.BioGptForCausalLM(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "layer_norm" not in name:
+                p.normal_(0.0, 0.2)
+    err = ragged_rounds_error(model, dspark_compile(model), [1, 0], [6, 3], 64, seed=2)
+    assert err < 1e-4, err
+
+
 def test_a_leaf_that_computes_something_else_under_a_known_name_fails_the_probe():
     """The structure names the leaves; the probe evaluates each one: a window overlay that
     admitted one key more than HF's rule (``>=``) is not taken for a window."""
