@@ -24,7 +24,12 @@ The variants, by name (applied only where the config has the field):
 - ``rope_linear``, ``rope_yarn``, ``rope_llama3``: scaled rotaries with an original context
   (8) shorter than the sequences; ``rope_dynamic``: NTK scaling past an 8-position context,
   which must be refused (its frequencies follow the batch's longest position);
-- ``window5``: a sliding window of 5 (switched on where the config has a switch);
+- ``window5``: a sliding window of 5 (switched on where the config has a switch; GPT-Neo's
+  ``window_size``);
+- ``heads6``: 6 heads over a width of 96 where the config names no KV heads (a head count no
+  power of two: ALiBi's second slope series, and the old families' head split);
+- ``clip_qkv``: q/k/v clamped at 0.5 (OLMo, and MPT's and DBRX's attention configs, MPT's
+  softmax scale set to 0.2 beside it);
 - ``final_softcap``, ``attn_softcap``: logit softcaps of 3 and 2;
 - ``eps``: an RMSNorm or LayerNorm epsilon of 0.01 (a wrong epsilon shows at that size);
 - ``conv3``, ``conv2``: causal-conv windows of 3 and 2 (Mamba, Mamba-2, Gated DeltaNet, short
@@ -38,13 +43,14 @@ The variants, by name (applied only where the config has the field):
 - ``no_q_lora``: MLA without the query LoRA (DeepSeek-V2-Lite);
 - ``multipliers``, ``qscale``, ``logit_scale``, ``<switch>_on`` / ``_off``: muP multipliers
   (Granite, Falcon-H1) away from 1, Gemma's query scalar apart from the head dim, Cohere's logit
-  scale, and the q/k norm and attention-temperature switches flipped.
+  scale, and the q/k norm, attention-temperature, embedding-scale (``scale_embedding``) and
+  MPT's ``no_bias`` switches flipped.
 """
 
 from __future__ import annotations
 
 from .check import Entry
-from .tiny import SIZES
+from .tiny import _HEADS, _HIDDEN, _KV_HEADS, OVERRIDES, SIZES
 
 __all__ = ["variant_entries", "combo_entries"]
 
@@ -60,6 +66,10 @@ _TYPE_KEYS = frozenset({
     "low_freq_factor", "high_freq_factor", "attention_factor", "long_factor", "short_factor",
     "long_mscale", "short_mscale", "truncate"})
 """Rotary fields that belong to a scaling type: a variant replaces them with its own type's."""
+
+
+def _count(value) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _rope(base) -> dict:
@@ -131,6 +141,18 @@ def _overrides(text: dict) -> list[tuple[str, tuple]]:
     if "sliding_window" in text:
         switch = (("use_sliding_window", True),) if "use_sliding_window" in text else ()
         out.append(("window5", (("sliding_window", 5),) + switch))
+    elif _count(text.get("window_size")):  # GPT-Neo's local layers
+        out.append(("window5", (("window_size", 5),)))
+    heads = next((k for k in _HEADS if _count(text.get(k))), None)
+    hidden = next((k for k in _HIDDEN if _count(text.get(k))), None)
+    if not _KV_HEADS & text.keys() and heads and hidden:
+        out.append(("heads6", ((hidden, 96), (heads, 6))))
+    if "clip_qkv" in text:
+        out.append(("clip_qkv", (("clip_qkv", 0.5),)))
+    attn = text.get("attn_config")
+    if isinstance(attn, dict) and "clip_qkv" in attn:  # MPT, DBRX
+        scale = {"softmax_scale": 0.2} if "softmax_scale" in attn else {}
+        out.append(("clip_qkv", (("attn_config", {**attn, "clip_qkv": 0.5, **scale}),)))
     if "final_logit_softcapping" in text:
         out.append(("final_softcap", (("final_logit_softcapping", 3.0),)))
     if "attn_logit_softcapping" in text:
@@ -186,7 +208,8 @@ def _scale_overrides(text: dict) -> list[tuple[str, tuple]]:
     if isinstance(text.get("logit_scale"), float):
         out.append(("logit_scale", (("logit_scale", 0.25),)))
     flips = tuple((k, not text[k]) for k in ("use_qk_norm", "qk_layernorm", "use_qk_layernorm",
-                                             "attn_temperature_tuning")
+                                             "attn_temperature_tuning", "scale_embedding",
+                                             "no_bias")
                   if isinstance(text.get(k), bool))
     for key, value in flips:
         out.append((f"{key}_{'on' if value else 'off'}", ((key, value),)))
@@ -240,6 +263,10 @@ def variant_entries(entries: list[Entry]) -> list[Entry]:
             text = CONFIG_MAPPING[entry.model_type]().get_text_config().to_dict()
         except Exception:  # noqa: BLE001 - a config that cannot be built has no variants
             continue
+        for key, value in OVERRIDES.get(entry.model_type, {}).items():  # a variant that sets
+            base = text.get(key)  # a whole sub-config (MPT's, DBRX's attn_config) keeps these
+            text[key] = {**base, **value} if isinstance(base, dict) and \
+                isinstance(value, dict) else value
         out += [Entry(entry.model_type, entry.architecture, name, overrides)
                 for name, overrides in _overrides(text)]
     return out
