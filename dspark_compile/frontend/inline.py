@@ -1,4 +1,4 @@
-"""Attention written inline in a model's own layer (GPT-Neo, XGLM, MPT), captured through the
+"""Attention written inline in a model's own layer (GPT-Neo, XGLM, GPT, MPT), captured through the
 attention function.
 
 These layers compute ``softmax(q k^T + mask) v`` themselves instead of calling transformers'
@@ -12,6 +12,9 @@ scaling as written and hands the scores' part to the capture's attention functio
   checked to be that band. Its scores run in float32, as the op's do.
 - **XGLM** (``XGLMAttention``): the queries scaled before the product, as written; the op's
   scale is then 1.0. Cross-attention (``key_value_states``) is refused.
+- **GPT** (openai-gpt's ``Attention``): scores scaled by ``1/sqrt(d)`` where the layer says
+  so, future keys pushed to ``-1e4`` through its causal buffer (checked to be the lower
+  triangle): zero weight in float32 as in the op, whose masked keys get none. No padding mask.
 - **MPT** (``MptAttention``): ALiBi, ``slope[h] * (kpos - (L - 1))`` in the model's own
   ``position_bias`` ``[H, 1, L]``; the slopes are read off that tensor (the difference of its
   last two columns) and handed over as :class:`~.bloom.AlibiSlopes`: the op adds
@@ -54,6 +57,11 @@ KNOWN_SOURCES = {
                                                                  "ca685b075549e6c2"}),
     ("XGLMSinusoidalPositionalEmbedding", "get_embedding"): frozenset({"356597ed25c6c26a"}),
     ("XGLMSinusoidalPositionalEmbedding", "__init__"): frozenset({"9307539c5a0cb490"}),
+    ("Attention", "forward"): frozenset({"1b1e08f969e157d5"}),  # openai-gpt's
+    ("Attention", "_attn"): frozenset({"78bf8e63d53051e8"}),
+    ("Attention", "split_heads"): frozenset({"1d5b56d9887dd0c0"}),
+    ("Attention", "merge_heads"): frozenset({"65a8b304cbf25698"}),
+    ("Attention", "__init__"): frozenset({"7e1af9588a8d39a7"}),
     ("MptAttention", "forward"): frozenset({"acd08620f748187a", "c38160120bf5efcb"}),
     ("MptAttention", "__init__"): frozenset({"53bdb0bfafaf1ed0"}),
     ("MptModel", "forward"): frozenset({"e67fc628f88d14ba", "b389f245c2701a25"}),
@@ -156,6 +164,18 @@ def _xglm_positions(self, position_ids, dtype: torch.dtype):
     return emb.to(torch.get_default_dtype()).to(dtype).detach()
 
 
+def _openai_forward(self, x, attention_mask=None, output_attentions=False):
+    """openai-gpt's ``Attention.forward`` through the attention function (module docstring)."""
+    _plain_call(self, {"output_attentions": output_attentions})
+    if attention_mask is not None:
+        raise _refuse(self, "called with a padding mask")
+    query, key, value = self.c_attn(x).split(self.split_size, dim=2)
+    query, key, value = (self.split_heads(t) for t in (query, key, value))
+    scaling = value.shape[-1] ** -0.5 if self.scale else 1.0
+    out, _ = _attention()(self, query, key, value, None, scaling=scaling, dropout=0.0)
+    return [self.resid_dropout(self.c_proj(out.reshape(*x.shape[:-1], -1)))]
+
+
 def _mpt_forward(self, hidden_states, position_bias=None, cache=None, attention_mask=None,
                  **kwargs):
     """``MptAttention.forward`` through the attention function (module docstring)."""
@@ -243,7 +263,7 @@ def inline_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Run ``model``'s inline GPT-Neo, XGLM or MPT attention through the attention function for
     the capture; restored after. A model without them is left untouched."""
     with contextlib.ExitStack() as stack:
-        for hook in (_gpt_neo, _xglm, _mpt):
+        for hook in (_gpt_neo, _xglm, _openai, _mpt):
             stack.enter_context(hook(model, names))
         yield
 
@@ -294,6 +314,36 @@ def _xglm(model, names) -> Iterator[None]:
     with swapped_forward(attention, _xglm_forward), swapped_forward(positions,
                                                                  _xglm_positions_forward(dtypes)):
         yield
+
+
+@contextlib.contextmanager
+def _openai(model, names) -> Iterator[None]:
+    classes, found = modeling_instances(
+        model, "transformers.models.openai.modeling_openai", ("Attention",))
+    if not found:
+        yield
+        return
+    cls, = classes
+    for m in found:
+        if not (all(_known(m, cls, method) for method in
+                    ("forward", "_attn", "split_heads", "merge_heads", "__init__")) and
+                _plain_weights(m) and _lower_triangle(m.bias)):
+            raise _refuse_layer(m, names, "GPT")
+    with swapped_forward(cls, _openai_forward):
+        yield
+
+
+def _lower_triangle(bias) -> bool:
+    """openai-gpt's causal buffer is ones on and below the diagonal and zeros above."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        if not isinstance(bias, torch.Tensor) or bias.dim() != 4 or \
+                tuple(bias.shape[:2]) != (1, 1) or bias.shape[2] != bias.shape[3]:
+            return False
+        n = bias.shape[-1]
+        return torch.equal(bias[0, 0].cpu(), torch.ones(n, n, dtype=bias.dtype).tril())
 
 
 @contextlib.contextmanager

@@ -1,13 +1,14 @@
-"""GPT-Neo, XGLM and MPT: attention written inline in the layer, captured through the attention
+"""GPT-Neo, XGLM, GPT (openai-gpt) and MPT: attention written inline in the layer, captured through the attention
 function (``frontend/inline.py``).
 
 Every ragged logit row equals HF's forward over that request's whole sequence alone, over a
 prefill and four ragged rounds (float32, CPU, reference ops): GPT-Neo's global and local layers
 (a window shorter than the sequences, no softmax scale), XGLM's pre-scaled queries and its
-sinusoidal positions past the table HF starts with, MPT's ALiBi (a power-of-two head count and
-another) with clipped q/k/v. A capture that drops the window, shifts the positions or drops the
-slopes is caught; a changed source, a band buffer that is not a band and an unknown mask cast are
-refused by name.
+sinusoidal positions past the table HF starts with, GPT's scaled scores under its causal
+buffer, MPT's ALiBi (a power-of-two head count and
+another) with clipped q/k/v. A capture that drops the window, shifts the positions, drops GPT's scale
+or drops the slopes is caught; a changed source, a band or causal buffer that is not one and an
+unknown mask cast are refused by name.
 """
 
 import pytest
@@ -19,6 +20,7 @@ from helpers import ragged_rounds_error, triton_rounds_error
 neo = pytest.importorskip("transformers.models.gpt_neo.modeling_gpt_neo")
 xglm = pytest.importorskip("transformers.models.xglm.modeling_xglm")
 mpt = pytest.importorskip("transformers.models.mpt.modeling_mpt")
+gpt = pytest.importorskip("transformers.models.openai.modeling_openai")
 
 VOCAB = 89
 TOL = 1e-4
@@ -62,6 +64,14 @@ def tiny_mpt(heads: int = 4, clip: float | None = 0.5):
     return _randomised(mpt.MptForCausalLM(cfg))
 
 
+def tiny_gpt():
+    from transformers import OpenAIGPTConfig
+
+    torch.manual_seed(0)
+    cfg = OpenAIGPTConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    return _randomised(gpt.OpenAIGPTLMHeadModel(cfg))
+
+
 def _rounds(model, **kwargs) -> float:
     return ragged_rounds_error(model, dspark_compile(model), [1, 0, 2], [7, 4, 9], VOCAB,
                                seed=5, **kwargs)
@@ -88,6 +98,31 @@ def test_mpt_alibi_equals_hf(heads):
     assert all(s.alibi for s in verifier.adapter.specs)
     err = ragged_rounds_error(model, verifier, [1, 0, 2], [7, 4, 9], VOCAB, seed=5)
     assert err < TOL, f"max |ragged - HF| = {err}"
+
+
+def test_gpt_equals_hf():
+    err = _rounds(tiny_gpt())
+    assert err < TOL, f"max |ragged - HF| = {err}"
+
+
+def test_an_unscaled_gpt_is_caught(monkeypatch):
+    """GPT's layers scale their scores (``scale=True``); a capture that read them unscaled."""
+    from dspark_compile.frontend import inline
+
+    model = tiny_gpt()
+    assert all(block.attn.scale for block in model.transformer.h)
+
+    real = inline._openai_forward
+
+    def unscaled(self, *args, **kwargs):
+        self.scale = False
+        try:
+            return real(self, *args, **kwargs)
+        finally:
+            self.scale = True
+
+    monkeypatch.setattr(inline, "_openai_forward", unscaled)
+    assert _rounds(model) > 1e-2
 
 
 def test_a_dropped_window_is_caught(monkeypatch):
@@ -122,6 +157,7 @@ def test_dropped_slopes_are_caught(monkeypatch):
     (("XGLMSinusoidalPositionalEmbedding", "get_embedding"), tiny_xglm,
      "model.embed_positions"),
     (("MptModel", "forward"), tiny_mpt, "transformer"),
+    (("Attention", "split_heads"), tiny_gpt, "transformer.h.0.attn"),
 ])
 def test_changed_source_is_refused(monkeypatch, key, build, where):
     from dspark_compile.frontend import inline
@@ -130,6 +166,14 @@ def test_changed_source_is_refused(monkeypatch, key, build, where):
     with pytest.raises(NotImplementedError,
                        match=rf"'{where}': .*refused rather than verified wrong"):
         dspark_compile(build())
+
+
+def test_a_causal_buffer_that_is_not_the_triangle_is_refused():
+    model = tiny_gpt()
+    with torch.no_grad():
+        model.transformer.h[1].attn.bias[0, 0, 3, 5] = 1.0
+    with pytest.raises(NotImplementedError, match=r"Attention 'transformer.h.1.attn'.*refused"):
+        dspark_compile(model)
 
 
 def test_a_band_that_is_not_the_window_is_refused():
@@ -153,7 +197,7 @@ def test_only_the_bool_cast_of_mpts_mask_is_understood():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", [tiny_neo, tiny_xglm, lambda: tiny_mpt(6)])
+@pytest.mark.parametrize("build", [tiny_neo, tiny_xglm, tiny_gpt, lambda: tiny_mpt(6)])
 def test_float32_on_gpu_through_triton_matches_hf(build):
     """The window, the positions and the slopes through the Triton kernels, on the GPU."""
     err = triton_rounds_error(build(), [1, 0, 2], [7, 4, 9], VOCAB, seed=5)
