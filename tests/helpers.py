@@ -250,10 +250,10 @@ def packed_graph(model, dtype=torch.float32, device_type: str = "cpu", stages=("
 
 
 def ragged_rounds_error(model, verifier, slots, prompts, vocab: int, seed: int, rounds: int = 4,
-                        max_len: int = 8, device: str = "cpu") -> float:
+                        max_len: int = 8, device: str = "cpu", max_context: int = 128) -> float:
     """Prefill ``prompts`` (all accepted), then ``rounds`` ragged verify/commit rounds of random
     lengths 1..max_len; the max |ragged - HF| over every verified row (tokens below ``vocab``)."""
-    session = Session(model, verifier, slots, seed=seed, device=device)
+    session = Session(model, verifier, slots, max_context=max_context, seed=seed, device=device)
     session.vocab = vocab
     session.step(prompts, accept=prompts)
     rng = random.Random(seed)

@@ -41,7 +41,7 @@ def tiny_neo(window: int = 3):
     torch.manual_seed(0)
     cfg = GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
                        attention_types=[[["global", "local"], 1]], window_size=window,
-                       max_position_embeddings=64, intermediate_size=64)
+                       max_position_embeddings=128, intermediate_size=64)
     return _randomised(neo.GPTNeoForCausalLM(cfg))
 
 
@@ -68,7 +68,7 @@ def tiny_gpt():
     from transformers import OpenAIGPTConfig
 
     torch.manual_seed(0)
-    cfg = OpenAIGPTConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64)
+    cfg = OpenAIGPTConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128)
     return _randomised(gpt.OpenAIGPTLMHeadModel(cfg))
 
 

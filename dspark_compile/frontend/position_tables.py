@@ -1,0 +1,118 @@
+"""How far a captured model's position tables reach: the context a state may be sized for.
+
+A model with learned absolute positions (GPT-2, OPT, GPT-Neo, BioGPT, GPT) or another table
+indexed by position reads row ``f(position)`` of a fixed table. Past its last row HF's own forward
+fails, a CPU gather raises, and a GPU gather reads out of bounds: a wrong answer or a dead
+device, never a refusal. :func:`position_limit` finds every gather in the dense graph whose
+indices are computed from the positions alone, evaluates that computation on the positions
+``0, 1, 2, ...`` and returns the first position whose row falls outside its table (or None where
+no table bounds the positions), so ``Verifier.new_state`` refuses a ``max_context`` past it
+before anything runs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.fx as fx
+
+from ..graph_inputs import InputKind
+
+__all__ = ["PositionLimit", "position_limit"]
+
+_GATHERS = {
+    "aten.embedding.default": lambda node: [(node.args[0], node.args[1], 0)],
+    "aten.index_select.default": lambda node: [(node.args[0], node.args[2], node.args[1])],
+    "aten.index.Tensor": lambda node: [(node.args[0], index, dim)
+                                       for dim, index in enumerate(node.args[1]) if index
+                                       is not None],
+}
+"""Gathers by target: ``node -> [(table, indices, dim)]``."""
+
+_PROBE_PAST = 64
+"""Positions probed past a table's rows (a table read modulo its rows has no limit)."""
+
+
+@dataclass(frozen=True)
+class PositionLimit:
+    """The first position a table cannot serve: ``positions`` (so a state of that many tokens
+    fits), the table's graph name and its rows."""
+
+    positions: int
+    table: str
+    rows: int
+
+
+def _ancestors(node: fx.Node) -> set[fx.Node]:
+    seen, todo = set(), [node]
+    while todo:
+        n = todo.pop()
+        for a in n.all_input_nodes:
+            if a not in seen:
+                seen.add(a)
+                todo.append(a)
+    return seen
+
+
+def _evaluate(index: fx.Node, inputs: set[fx.Node], positions: fx.Node,
+              probe: torch.Tensor) -> torch.Tensor | None:
+    """``index`` computed from ``probe`` in place of the positions; None where a node of that
+    computation cannot run outside the trace."""
+    values: dict[fx.Node, object] = {positions: probe}
+    order = [n for n in index.graph.nodes if n in inputs or n is index]
+    try:
+        for n in order:
+            if n in values:
+                continue
+            if n.op == "get_attr":  # a constant the capture folded
+                owner = index.graph.owning_module
+                for part in n.target.split("."):
+                    owner = getattr(owner, part)
+                values[n] = owner
+                continue
+            if n.op != "call_function":
+                return None
+            args = fx.node.map_arg(n.args, lambda a: values[a])
+            kwargs = fx.node.map_arg(n.kwargs, lambda a: values[a])
+            values[n] = n.target(*args, **kwargs)
+    except Exception:  # noqa: BLE001 - a computation that needs the trace is not evaluated
+        return None
+    out = values[index]
+    return out if isinstance(out, torch.Tensor) else None
+
+
+def position_limit(gm: fx.GraphModule) -> PositionLimit | None:
+    """The tightest :class:`PositionLimit` of ``gm``'s position-indexed tables (module
+    docstring); None where no table is read at a position."""
+    positions = next((n for n in gm.graph.find_nodes(op="placeholder")
+                      if n.meta["dspark_input"].kind == InputKind.POSITIONS), None)
+    if positions is None or positions.meta["val"].dim() != 2:
+        return None  # mRoPE's [3, bs, T] positions only become rotary angles (flat_mrope)
+    best = None
+    for node in gm.graph.nodes:
+        gather = _GATHERS.get(str(node.target)) if node.op == "call_function" else None
+        for table, index, dim in (gather(node) if gather else ()):
+            if not isinstance(index, fx.Node) or not isinstance(table, fx.Node):
+                continue
+            inputs = _ancestors(index) | {index}
+            sources = {n for n in inputs if n.op == "placeholder"}
+            if sources != {positions}:
+                continue  # token ids, or nothing a position decides
+            rows = int(table.meta["val"].shape[dim])
+            val = positions.meta["val"]
+            probe = torch.arange(rows + _PROBE_PAST, dtype=val.dtype, device=val.device)[None]
+            got = _evaluate(index, inputs, positions, probe)
+            if got is None or got.numel() != probe.numel():
+                raise NotImplementedError(
+                    f"dspark_compile: {node.name} gathers rows of {table.name} at indices "
+                    "computed from the positions in a way that cannot be evaluated position "
+                    "by position, so the context its table allows is unknown; the model is "
+                    "refused rather than read out of bounds")
+            bad = ((got < 0) | (got >= rows)).flatten().nonzero()
+            if bad.numel():
+                spec = table.meta.get("dspark_input")
+                limit = PositionLimit(int(bad[0]), spec.name if spec else table.name, rows)
+                if best is None or limit.positions < best.positions:
+                    best = limit
+    return best

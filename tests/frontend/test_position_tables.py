@@ -1,0 +1,86 @@
+"""Position tables bound the context: a state longer than a model's learned positions is refused
+by ``new_state``, naming the table, before any gather could read past its last row.
+
+GPT-2 reads ``wpe[position]``, OPT ``embed_positions[position + 2]``: each serves exactly its
+``max_position_embeddings`` positions, and a state of that many tokens verifies equal to HF.
+Rotary models have no table and no limit.
+"""
+
+import pytest
+import torch
+import transformers as T
+
+from dspark_compile import dspark_compile
+from dspark_compile.frontend.position_tables import position_limit
+from helpers import ragged_rounds_error
+
+VOCAB = 64
+
+
+def _gpt2(positions):
+    torch.manual_seed(0)
+    return T.GPT2LMHeadModel(T.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4,
+                                          n_positions=positions)).eval()
+
+
+def _opt(positions):
+    torch.manual_seed(0)
+    return T.OPTForCausalLM(T.OPTConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        ffn_dim=64, max_position_embeddings=positions, word_embed_proj_dim=32)).eval()
+
+
+@pytest.mark.parametrize("build, table, rows", [
+    (_gpt2, "transformer.wpe.weight", 24),
+    (_opt, "model.decoder.embed_positions.weight", 26),  # two rows of offset
+])
+def test_a_learned_position_table_bounds_the_context(build, table, rows):
+    model = build(24)
+    verifier = dspark_compile(model)
+    limit = verifier.position_limit
+    assert (limit.positions, limit.table, limit.rows) == (24, table, rows)
+    with pytest.raises(ValueError, match=rf"max_context=25 exceeds the 24 positions the "
+                                         rf"model's position table {table} \({rows} rows\)"):
+        verifier.new_state(max_requests=1, max_context=25)
+    # a state of exactly that many tokens
+    err = ragged_rounds_error(model, verifier, [0, 1], [10, 16], VOCAB, seed=1, rounds=3,
+                              max_len=2, max_context=24)
+    assert err < 1e-4, err
+
+
+def test_rotary_positions_have_no_table():
+    torch.manual_seed(0)
+    model = T.LlamaForCausalLM(T.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+        intermediate_size=64, max_position_embeddings=24)).eval()
+    verifier = dspark_compile(model)
+    assert verifier.position_limit is None
+    verifier.new_state(max_requests=1, max_context=4096)
+
+
+def test_the_limit_is_read_off_the_index_computation():
+    """A table read at ``position % rows`` never runs out; one read at ``position + 5`` runs out
+    five positions early; one read at token ids is not a position table."""
+    import torch.fx as fx
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from dspark_compile.graph_inputs import InputSpec, name_placeholders
+
+    table = torch.randn(10, 4)
+
+    def graphs(index):
+        def f(ids, pos, weight):
+            return torch.nn.functional.embedding(index(ids, pos), weight)
+        gm = make_fx(f)(torch.zeros(1, 3, dtype=torch.long), torch.zeros(1, 3, dtype=torch.long),
+                        table)
+        name_placeholders(gm, [InputSpec("input_ids", "input_ids"),
+                               InputSpec("positions", "positions"), InputSpec("param", "w")])
+        for node, val in zip(gm.graph.find_nodes(op="placeholder"),
+                             (torch.zeros(1, 3, dtype=torch.long),) * 2 + (table,)):
+            node.meta["val"] = val
+        return gm
+
+    assert position_limit(graphs(lambda ids, pos: pos % 10)) is None
+    assert position_limit(graphs(lambda ids, pos: pos + 5)).positions == 5
+    assert position_limit(graphs(lambda ids, pos: ids)) is None
+    assert isinstance(graphs(lambda ids, pos: pos), fx.GraphModule)
