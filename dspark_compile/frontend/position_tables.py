@@ -24,6 +24,7 @@ __all__ = ["PositionLimit", "position_limit"]
 _GATHERS = {
     "aten.embedding.default": lambda node: [(node.args[0], node.args[1], 0)],
     "aten.index_select.default": lambda node: [(node.args[0], node.args[2], node.args[1])],
+    "aten.gather.default": lambda node: [(node.args[0], node.args[2], node.args[1])],
     "aten.index.Tensor": lambda node: [(node.args[0], index, dim)
                                        for dim, index in enumerate(node.args[1]) if index
                                        is not None],
@@ -82,6 +83,34 @@ def _evaluate(index: fx.Node, inputs: set[fx.Node], positions: fx.Node,
     return out if isinstance(out, torch.Tensor) else None
 
 
+def _serves(index: fx.Node, inputs: set[fx.Node], positions: fx.Node, rows: int) -> int | None:
+    """How many positions ``0..P-1`` the gather serves: the largest ``P`` (up to ``rows`` +
+    :data:`_PROBE_PAST`) whose indices all lie in ``0..rows-1``, found by bisection (a token-wise
+    graph computes each position's indices from that position alone, however it repeats or
+    broadcasts them, so a prefix that fits stays fitting); None where the computation cannot
+    be evaluated."""
+    val = positions.meta["val"]
+
+    def fits(count: int) -> bool | None:
+        probe = torch.arange(count, dtype=val.dtype, device=val.device)[None]
+        got = _evaluate(index, inputs, positions, probe)
+        return None if got is None else bool(((got >= 0) & (got < rows)).all())
+
+    low, high = 0, rows + _PROBE_PAST  # fits(low) holds (no positions); find the last that fits
+    top = fits(high)
+    if top is None:
+        return None
+    if top:
+        return high
+    while high - low > 1:
+        mid = (low + high) // 2
+        ok = fits(mid)
+        if ok is None:
+            return None
+        low, high = (mid, high) if ok else (low, mid)
+    return low
+
+
 def position_limit(gm: fx.GraphModule) -> PositionLimit | None:
     """The tightest :class:`PositionLimit` of ``gm``'s position-indexed tables (module
     docstring); None where no table is read at a position."""
@@ -99,20 +128,19 @@ def position_limit(gm: fx.GraphModule) -> PositionLimit | None:
             sources = {n for n in inputs if n.op == "placeholder"}
             if sources != {positions}:
                 continue  # token ids, or nothing a position decides
-            rows = int(table.meta["val"].shape[dim])
-            val = positions.meta["val"]
-            probe = torch.arange(rows + _PROBE_PAST, dtype=val.dtype, device=val.device)[None]
-            got = _evaluate(index, inputs, positions, probe)
-            if got is None or got.numel() != probe.numel():
+            rows = table.meta["val"].shape[dim]
+            if not isinstance(rows, int):
+                continue  # a table whose length follows the batch is built per step, not read
+            serves = _serves(index, inputs, positions, rows)
+            if serves is None:
                 raise NotImplementedError(
                     f"dspark_compile: {node.name} gathers rows of {table.name} at indices "
-                    "computed from the positions in a way that cannot be evaluated position "
-                    "by position, so the context its table allows is unknown; the model is "
-                    "refused rather than read out of bounds")
-            bad = ((got < 0) | (got >= rows)).flatten().nonzero()
-            if bad.numel():
+                    "computed from the positions in a way that cannot be evaluated outside the "
+                    "trace, so the context its table allows is unknown; the model is refused "
+                    "rather than read out of bounds")
+            if serves < rows + _PROBE_PAST:
                 spec = table.meta.get("dspark_input")
-                limit = PositionLimit(int(bad[0]), spec.name if spec else table.name, rows)
+                limit = PositionLimit(serves, spec.name if spec else table.name, rows)
                 if best is None or limit.positions < best.positions:
                     best = limit
     return best

@@ -1,7 +1,8 @@
 """Position tables bound the context: a state longer than a model's learned positions is refused
 by ``new_state``, naming the table, before any gather could read past its last row.
 
-GPT-2 reads ``wpe[position]``, OPT ``embed_positions[position + 2]``: each serves exactly its
+GPT-2 reads ``wpe[position]``, OPT ``embed_positions[position + 2]``, GPT-J gathers its sin/cos
+table at each position repeated over the rotary dims: each serves exactly its
 ``max_position_embeddings`` positions, and a state of that many tokens verifies equal to HF.
 Rotary models have no table and no limit.
 """
@@ -30,9 +31,16 @@ def _opt(positions):
         ffn_dim=64, max_position_embeddings=positions, word_embed_proj_dim=32)).eval()
 
 
+def _gptj(positions):
+    torch.manual_seed(0)
+    return T.GPTJForCausalLM(T.GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=4,
+                                          rotary_dim=4, n_positions=positions)).eval()
+
+
 @pytest.mark.parametrize("build, table, rows", [
     (_gpt2, "transformer.wpe.weight", 24),
     (_opt, "model.decoder.embed_positions.weight", 26),  # two rows of offset
+    (_gptj, "transformer.rotary_emb.embed_positions", 24),  # a sin/cos table, gathered repeated
 ])
 def test_a_learned_position_table_bounds_the_context(build, table, rows):
     model = build(24)
