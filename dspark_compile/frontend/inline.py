@@ -1,5 +1,5 @@
-"""Attention written inline in a model's own layer (GPT-Neo, XGLM, GPT, MPT), captured through the
-attention function.
+"""Attention written inline in a model's own layer (GPT-Neo, XGLM, GPT, GPT-NeoX-Japanese,
+MPT), captured through the attention function.
 
 These layers compute ``softmax(q k^T + mask) v`` themselves instead of calling transformers'
 attention interface, so the capture would meet their mask as a tensor (it proves masks instead of
@@ -15,6 +15,9 @@ scaling as written and hands the scores' part to the capture's attention functio
 - **GPT** (openai-gpt's ``Attention``): scores scaled by ``1/sqrt(d)`` where the layer says
   so, future keys pushed to ``-1e4`` through its causal buffer (checked to be the lower
   triangle): zero weight in float32 as in the op, whose masked keys get none. No padding mask.
+- **GPT-NeoX-Japanese** (``GPTNeoXJapaneseAttention``): its partial rotary as written, the
+  scores scaled by ``1/sqrt(head size)`` (its ``baddbmm``'s alpha); the layer's own output bias
+  handed back as it is.
 - **MPT** (``MptAttention``): ALiBi, ``slope[h] * (kpos - (L - 1))`` in the model's own
   ``position_bias`` ``[H, 1, L]``; the slopes are read off that tensor (the difference of its
   last two columns) and handed over as :class:`~.bloom.AlibiSlopes`: the op adds
@@ -62,6 +65,12 @@ KNOWN_SOURCES = {
     ("Attention", "split_heads"): frozenset({"1d5b56d9887dd0c0"}),
     ("Attention", "merge_heads"): frozenset({"65a8b304cbf25698"}),
     ("Attention", "__init__"): frozenset({"7e1af9588a8d39a7"}),
+    ("GPTNeoXJapaneseAttention", "forward"): frozenset({"a9089eaad0a2ec6a",
+                                                        "fb4308bda2d90355"}),
+    ("GPTNeoXJapaneseAttention", "_attn"): frozenset({"454d79e6355d64c9"}),
+    ("GPTNeoXJapaneseAttention", "_merge_heads"): frozenset({"d1acc31d8678add8"}),
+    ("GPTNeoXJapaneseAttention", "__init__"): frozenset({"f42fdad30a6d8646"}),
+    ("modeling_gpt_neox_japanese", "apply_rotary_pos_emb"): frozenset({"795d9e03deecd20c"}),
     ("MptAttention", "forward"): frozenset({"acd08620f748187a", "c38160120bf5efcb"}),
     ("MptAttention", "__init__"): frozenset({"53bdb0bfafaf1ed0"}),
     ("MptModel", "forward"): frozenset({"e67fc628f88d14ba", "b389f245c2701a25"}),
@@ -176,6 +185,26 @@ def _openai_forward(self, x, attention_mask=None, output_attentions=False):
     return [self.resid_dropout(self.c_proj(out.reshape(*x.shape[:-1], -1)))]
 
 
+def _neox_japanese_forward(self, hidden_states, attention_mask=None, position_ids=None,
+                           layer_past=None, use_cache=False, output_attentions=False,
+                           position_embeddings=None, **kwargs):
+    """``GPTNeoXJapaneseAttention.forward`` through the attention function (module docstring)."""
+    _plain_call(self, dict(kwargs, layer_past=layer_past, output_attentions=output_attentions))
+    modeling = sys.modules[type(self).__module__]
+    size, rot = self.head_size, self.rotary_ndims
+    qkv = self.query_key_value(hidden_states)
+    qkv = qkv.view(*qkv.shape[:-1], self.num_attention_heads, 3 * size)
+    query, key, value = (qkv[..., i * size:(i + 1) * size].permute(0, 2, 1, 3)
+                         for i in range(3))
+    cos, sin = position_embeddings
+    query_rot, key_rot = modeling.apply_rotary_pos_emb(query[..., :rot], key[..., :rot], cos, sin)
+    query = torch.cat((query_rot, query[..., rot:]), dim=-1)
+    key = torch.cat((key_rot, key[..., rot:]), dim=-1)
+    out, _ = _attention()(self, query, key, value, _causal(self, attention_mask),
+                          scaling=1.0 / self.norm_factor, dropout=0.0)
+    return self.dense(out.reshape(*hidden_states.shape[:-1], -1)), None, self.dense_bias
+
+
 def _mpt_forward(self, hidden_states, position_bias=None, cache=None, attention_mask=None,
                  **kwargs):
     """``MptAttention.forward`` through the attention function (module docstring)."""
@@ -263,7 +292,7 @@ def inline_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Run ``model``'s inline GPT-Neo, XGLM or MPT attention through the attention function for
     the capture; restored after. A model without them is left untouched."""
     with contextlib.ExitStack() as stack:
-        for hook in (_gpt_neo, _xglm, _openai, _mpt):
+        for hook in (_gpt_neo, _xglm, _openai, _neox_japanese, _mpt):
             stack.enter_context(hook(model, names))
         yield
 
@@ -344,6 +373,27 @@ def _lower_triangle(bias) -> bool:
             return False
         n = bias.shape[-1]
         return torch.equal(bias[0, 0].cpu(), torch.ones(n, n, dtype=bias.dtype).tril())
+
+
+@contextlib.contextmanager
+def _neox_japanese(model, names) -> Iterator[None]:
+    classes, found = modeling_instances(
+        model, "transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese",
+        ("GPTNeoXJapaneseAttention",))
+    if not found:
+        yield
+        return
+    cls, = classes
+    modeling = sys.modules[cls.__module__]
+    rotary = source_key(modeling, "apply_rotary_pos_emb") in \
+        KNOWN_SOURCES[("modeling_gpt_neox_japanese", "apply_rotary_pos_emb")]
+    for m in found:
+        if not (rotary and all(_known(m, cls, method) for method in
+                               ("forward", "_attn", "_merge_heads", "__init__")) and
+                _plain_weights(m)):
+            raise _refuse_layer(m, names, "GPT-NeoX-Japanese")
+    with swapped_forward(cls, _neox_japanese_forward):
+        yield
 
 
 @contextlib.contextmanager

@@ -1,11 +1,11 @@
-"""GPT-Neo, XGLM, GPT (openai-gpt) and MPT: attention written inline in the layer, captured through the attention
+"""GPT-Neo, XGLM, GPT (openai-gpt), GPT-NeoX-Japanese and MPT: attention written inline in the layer, captured through the attention
 function (``frontend/inline.py``).
 
 Every ragged logit row equals HF's forward over that request's whole sequence alone, over a
 prefill and four ragged rounds (float32, CPU, reference ops): GPT-Neo's global and local layers
 (a window shorter than the sequences, no softmax scale), XGLM's pre-scaled queries and its
 sinusoidal positions past the table HF starts with, GPT's scaled scores under its causal
-buffer, MPT's ALiBi (a power-of-two head count and
+buffer, GPT-NeoX-Japanese's partial rotary, MPT's ALiBi (a power-of-two head count and
 another) with clipped q/k/v. A capture that drops the window, shifts the positions, drops GPT's scale
 or drops the slopes is caught; a changed source, a band or causal buffer that is not one and an
 unknown mask cast are refused by name.
@@ -21,6 +21,7 @@ neo = pytest.importorskip("transformers.models.gpt_neo.modeling_gpt_neo")
 xglm = pytest.importorskip("transformers.models.xglm.modeling_xglm")
 mpt = pytest.importorskip("transformers.models.mpt.modeling_mpt")
 gpt = pytest.importorskip("transformers.models.openai.modeling_openai")
+neox_ja = pytest.importorskip("transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese")
 
 VOCAB = 89
 TOL = 1e-4
@@ -72,6 +73,18 @@ def tiny_gpt():
     return _randomised(gpt.OpenAIGPTLMHeadModel(cfg))
 
 
+def tiny_neox_ja():
+    from transformers import GPTNeoXJapaneseConfig
+
+    torch.manual_seed(0)
+    cfg = GPTNeoXJapaneseConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                                num_attention_heads=4, intermediate_multiple_size=2,
+                                max_position_embeddings=128, rope_parameters={
+                                    "rope_type": "default", "rope_theta": 10000.0,
+                                    "partial_rotary_factor": 0.5})
+    return _randomised(neox_ja.GPTNeoXJapaneseForCausalLM(cfg))
+
+
 def _rounds(model, **kwargs) -> float:
     return ragged_rounds_error(model, dspark_compile(model), [1, 0, 2], [7, 4, 9], VOCAB,
                                seed=5, **kwargs)
@@ -103,6 +116,26 @@ def test_mpt_alibi_equals_hf(heads):
 def test_gpt_equals_hf():
     err = _rounds(tiny_gpt())
     assert err < TOL, f"max |ragged - HF| = {err}"
+
+
+def test_gpt_neox_japanese_with_partial_rotary_equals_hf():
+    err = _rounds(tiny_neox_ja())
+    assert err < TOL, f"max |ragged - HF| = {err}"
+
+
+def test_a_dropped_rotary_is_caught(monkeypatch):
+    """GPT-NeoX-Japanese's layers rotate their heads' first half; a capture that did not."""
+    from dspark_compile.frontend import inline
+
+    real = inline._neox_japanese_forward
+
+    def unrotated(self, *args, position_embeddings=None, **kwargs):
+        cos, sin = position_embeddings
+        return real(self, *args, position_embeddings=(torch.ones_like(cos),
+                                                      torch.zeros_like(sin)), **kwargs)
+
+    monkeypatch.setattr(inline, "_neox_japanese_forward", unrotated)
+    assert _rounds(tiny_neox_ja()) > 1e-2
 
 
 def test_an_unscaled_gpt_is_caught(monkeypatch):
@@ -158,6 +191,7 @@ def test_dropped_slopes_are_caught(monkeypatch):
      "model.embed_positions"),
     (("MptModel", "forward"), tiny_mpt, "transformer"),
     (("Attention", "split_heads"), tiny_gpt, "transformer.h.0.attn"),
+    (("GPTNeoXJapaneseAttention", "_attn"), tiny_neox_ja, "gpt_neox_japanese.layers.0.attention"),
 ])
 def test_changed_source_is_refused(monkeypatch, key, build, where):
     from dspark_compile.frontend import inline
@@ -197,7 +231,8 @@ def test_only_the_bool_cast_of_mpts_mask_is_understood():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("build", [tiny_neo, tiny_xglm, tiny_gpt, lambda: tiny_mpt(6)])
+@pytest.mark.parametrize("build", [tiny_neo, tiny_xglm, tiny_gpt, tiny_neox_ja,
+                                   lambda: tiny_mpt(6)])
 def test_float32_on_gpu_through_triton_matches_hf(build):
     """The window, the positions and the slopes through the Triton kernels, on the GPU."""
     err = triton_rounds_error(build(), [1, 0, 2], [7, 4, 9], VOCAB, seed=5)
