@@ -60,10 +60,12 @@
 #                 -m gpu), then the five DeepSeek Sparse Attention models and MiniMax-M3's
 #                 block-sparse layers through the Triton lowering (zoo --device cuda, float32 and
 #                 --static), results in zoo_gpu_dsa*.json
-#   reach_tests   Inkling, JetMoE, ZAYA, BLOOM, RecurrentGemma and Zamba on the GPU: their pytest -m
-#                 gpu model tests, the relative-logit, row-sink and ALiBi kernel cases, and the six
-#                 models through the Triton lowering (zoo --device cuda), zoo_gpu_reach.json
-#   reach_static  the same six models through the tier session (--static), zoo_gpu_reach_static.json
+#   reach_tests   Inkling, JetMoE, ZAYA, BLOOM, RecurrentGemma, Zamba and the inline-attention
+#                 families (GPT-Neo, XGLM, GPT, GPT-NeoX-Japanese, MPT; BioGPT) on the GPU: their
+#                 pytest -m gpu model tests, the relative-logit, row-sink and ALiBi kernel cases,
+#                 and the models through the Triton lowering (zoo --device cuda),
+#                 zoo_gpu_reach.json
+#   reach_static  the same models through the tier session (--static), zoo_gpu_reach_static.json
 #   dsa_zoo       dsa_tests' zoo runs alone (models this transformers lacks are skipped)
 #   e2e_small     e2e.py --concurrency 1 8, default draft and --mean-accepted 1.5 (planner at c <= 8)
 #   e2e_256       e2e.py --concurrency 256 --repeats 5, default draft and --mean-accepted 1.5
@@ -238,15 +240,13 @@ job() {
       done ;;
     reach_tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/frontend/test_inkling.py \
         tests/frontend/test_zaya.py tests/frontend/test_bloom.py \
-        tests/frontend/test_jetmoe.py &&
+        tests/frontend/test_jetmoe.py tests/frontend/test_inline_attention.py &&
       python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention_semantics.py \
         -k "relative or row_sinks or alibi" &&
       python3 -m dspark_compile zoo --device cuda --jobs 3 --timeout 200 \
-        --only inkling_text jetmoe zaya bloom recurrent_gemma zamba \
-        --out "$OUT/zoo_gpu_reach.json" ;;
+        --only $REACH --out "$OUT/zoo_gpu_reach.json" ;;
     reach_static) python3 -m dspark_compile zoo --device cuda --jobs 3 --timeout 200 --static \
-        --only inkling_text jetmoe zaya bloom recurrent_gemma zamba \
-        --out "$OUT/zoo_gpu_reach_static.json" ;;
+        --only $REACH --out "$OUT/zoo_gpu_reach_static.json" ;;
     e2e_small) python3 benchmarks/e2e.py --concurrency 1 8 &&
       python3 benchmarks/e2e.py --concurrency 1 8 --mean-accepted 1.5 ;;
     moe_steps) python3 benchmarks/hybrid_step.py --variant a3b &&
@@ -302,6 +302,9 @@ ZOO_FAMILIES="llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe qwen3_next g
   gemma3_text phi3 gpt_oss deepseek_v3 glm4 cohere2 granite starcoder2 olmo2 olmoe falcon gpt_neox
   smollm3 ernie4_5 seed_oss minimax_m2 nemotron_h granitemoehybrid lfm2 exaone4 hunyuan_v1_dense
   ministral falcon_h1 mamba2 bamba zamba2 jamba kimi_linear qwen3_5_text longcat_flash"
+
+REACH="inkling_text jetmoe zaya bloom recurrent_gemma zamba gpt_neo xglm openai-gpt
+  gpt_neox_japanese mpt biogpt"
 
 if [ "${1:-}" = "--one" ]; then  # one job, under the caller's timeout
   job "$2"
