@@ -78,8 +78,8 @@ KNOWN_SOURCES = {
     ("modeling_mpt", "build_mpt_alibi_tensor"): frozenset({"ceac1cf0eb0d182c"}),
 }
 """sha256 prefixes (:func:`~.replaced.source_key`) of the methods each replacement was derived
-from, by (class or module, method): transformers 5.24 and 5.17 (XGLM's and MPT's forwards differ
-only in the cache argument's name)."""
+from, by (class or module, method): transformers 5.24 and 5.17 (where a method has two, they
+differ only in an argument's name or a type annotation)."""
 
 _CACHE_NAMES = ("layer_past", "cache", "past_key_values")
 
