@@ -418,7 +418,7 @@ def _consumer(tab_ptr, act_ptr, counter_ptr, err_ptr, resid_ptr, gamma_ptr, w_ri
             done = 0
             if MMA >= 2:
                 if (MMA == 3) and (k == 4 * BK):  # the phase's B operands built once
-                    b0, b1, b2, b3 = mma_b_operands(x_smem, BK, CW)
+                    b0, b1, b2, b3 = mma_b_operands(x_smem, 3, 1, BK, CW)
                     it, done = _mma_phase(w_ring, full, empty, x_smem, k, it, dst, width, first,
                                           n // BN, b0, b1, b2, b3, BN, BK, STAGES, CW, FULL0,
                                           EMPTY0, True)
@@ -491,7 +491,7 @@ def _mma_unit(w_ring, full, empty, x_smem, k, it, out, width, BN: gl.constexpr,
         take_slot(full, slot, (it // STAGES) & 1, WREL, FULL0, CW)
         a = as_view(w_ring.index(slot), gl.bfloat16, [CW, BN, KC], chunks).load(
             _mma_operand(CW, 0))
-        acc = mma_v2(a, _mma_b(x_smem, (kk // BK) * 3, CW, KC, _mma_operand(CW, 1)), acc)
+        acc = mma_v2(a, _mma_b(x_smem, (kk // BK) * 3, 1, CW, KC, _mma_operand(CW, 1)), acc)
         give_slot(empty, slot, WREL, EMPTY0, CW)
         it += 1
     tot = gl.sum(acc, axis=0)  # [BN, 8]: column r is row r's outputs
@@ -533,26 +533,30 @@ _PART_SUM_ASM = gl.constexpr(_part_sum_asm(8, 16 * 3 * 4))
 
 
 @gluon.jit
-def _mma_b(x_smem, xs, CW: gl.constexpr, KC: gl.constexpr, BL: gl.constexpr):
-    """The B operand of K step ``xs / 3``: ``[CW, KC, 8]``, column ``r < 3`` row ``r``'s
-    columns of each warp's chunk, columns 3-7 zero."""
+def _mma_b(x_smem, xs, xrow, CW: gl.constexpr, KC: gl.constexpr, BL: gl.constexpr):
+    """The B operand of one K step whose row ``r`` is staged in slot ``xs + r * xrow`` (this
+    chain stages K step ``i`` of row ``r`` in slot ``3 i + r``: ``xs = 3 i``, ``xrow = 1``;
+    ws_step stages a row's K steps together: ``xs = i``, ``xrow = K / BK``): ``[CW, KC, 8]``,
+    column ``r < 3`` row ``r``'s columns of each warp's chunk, columns 3-7 zero."""
     XS: gl.constexpr = gl.SliceLayout(2, BL)
     col = gl.arange(0, 8, layout=gl.SliceLayout(0, gl.SliceLayout(1, BL)))[None, None, :]
     x0 = x_smem.index(xs).reshape([CW, KC]).load(XS)[:, :, None]
-    x1 = x_smem.index(xs + 1).reshape([CW, KC]).load(XS)[:, :, None]
-    x2 = x_smem.index(xs + 2).reshape([CW, KC]).load(XS)[:, :, None]
+    x1 = x_smem.index(xs + xrow).reshape([CW, KC]).load(XS)[:, :, None]
+    x2 = x_smem.index(xs + 2 * xrow).reshape([CW, KC]).load(XS)[:, :, None]
     return gl.where(col == 0, x0, gl.where(col == 1, x1, gl.where(col == 2, x2, 0.0))).to(
         gl.bfloat16)
 
 
 @gluon.jit
-def mma_b_operands(x_smem, BK: gl.constexpr, CW: gl.constexpr):
-    """The B operands of a phase's four K steps (:func:`_mma_b`), built once for all its units
-    when its K is four slots (``CACHED`` in :func:`_mma_partial`)."""
+def mma_b_operands(x_smem, xstep, xrow, BK: gl.constexpr, CW: gl.constexpr):
+    """The B operands of a phase's four K steps (:func:`_mma_b`; K step ``i`` of row ``r`` in
+    slot ``i xstep + r xrow``), built once for all its units when its K is four slots
+    (``CACHED`` in :func:`_mma_partial`)."""
     BL: gl.constexpr = _mma_operand(CW, 1)
     KC: gl.constexpr = BK // CW
-    return (_mma_b(x_smem, 0, CW, KC, BL), _mma_b(x_smem, 3, CW, KC, BL),
-            _mma_b(x_smem, 6, CW, KC, BL), _mma_b(x_smem, 9, CW, KC, BL))
+    return (_mma_b(x_smem, 0, xrow, CW, KC, BL), _mma_b(x_smem, xstep, xrow, CW, KC, BL),
+            _mma_b(x_smem, 2 * xstep, xrow, CW, KC, BL),
+            _mma_b(x_smem, 3 * xstep, xrow, CW, KC, BL))
 
 
 @gluon.jit
@@ -569,8 +573,8 @@ def _mma_slot(w_ring, full, empty, it, acc, b, STAGES: gl.constexpr, BN: gl.cons
 
 
 @gluon.jit
-def _mma_partial(w_ring, full, empty, x_smem, k, it, block, b0, b1, b2, b3, BN: gl.constexpr,
-                 BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr,
+def _mma_partial(w_ring, full, empty, x_smem, xstep, xrow, k, it, block, b0, b1, b2, b3,
+                 BN: gl.constexpr, BK: gl.constexpr, STAGES: gl.constexpr, CW: gl.constexpr,
                  FULL0: gl.constexpr, EMPTY0: gl.constexpr, CACHED: gl.constexpr):
     """One unit on the tensor cores, each warp on its own: warp ``j`` multiplies the ``j``-th
     128-byte column chunk of every slot (as :func:`_mma_unit`), takes and hands back the slots
@@ -578,7 +582,8 @@ def _mma_partial(w_ring, full, empty, x_smem, k, it, block, b0, b1, b2, b3, BN: 
     the unit's block of partials at byte ``block`` of the shared window (``[CW, BN, 3]``),
     through inline PTX, which no barrier orders. ``CACHED``: K is four slots and ``b0``-``b3``
     are their B operands (:func:`mma_b_operands`); else each slot's is built from the staged
-    rows. Returns the ring's position."""
+    rows, K step ``i`` of row ``r`` in slot ``i xstep + r xrow``. Returns the ring's
+    position."""
     KC: gl.constexpr = BK // CW
     MMA: gl.constexpr = _mma_layout(CW)
     BL: gl.constexpr = _mma_operand(CW, 1)
@@ -596,8 +601,8 @@ def _mma_partial(w_ring, full, empty, x_smem, k, it, block, b0, b1, b2, b3, BN: 
     else:
         for kk in range(0, k, BK):
             acc = _mma_slot(w_ring, full, empty, it, acc,
-                            _mma_b(x_smem, (kk // BK) * 3, CW, KC, BL), STAGES, BN, KC, CW,
-                            FULL0, EMPTY0)
+                            _mma_b(x_smem, (kk // BK) * xstep, xrow, CW, KC, BL), STAGES, BN,
+                            KC, CW, FULL0, EMPTY0)
             it += 1
     gl.inline_asm_elementwise(_PART_ST_ASM, "=r,r,r,r",
                               [zero + (block + ((wi * BN + ri) * 3 + ci) * 4), acc, zero + ci],
@@ -627,8 +632,9 @@ def _mma_phase(w_ring, full, empty, x_smem, k, it, dst, width, first, units, b0,
     done = 0
     g0 = first  # the group's first unit
     for t in range(first, units, nprog):
-        it = _mma_partial(w_ring, full, empty, x_smem, k, it, SCR0 + (done % PART_UNITS) * PB,
-                          b0, b1, b2, b3, BN, BK, STAGES, CW, FULL0, EMPTY0, CACHED)
+        it = _mma_partial(w_ring, full, empty, x_smem, 3, 1, k, it,
+                          SCR0 + (done % PART_UNITS) * PB, b0, b1, b2, b3, BN, BK, STAGES, CW,
+                          FULL0, EMPTY0, CACHED)
         done += 1
         if done % PART_UNITS == 0:
             _flush_partials(dst, width, g0, PART_UNITS, nprog, SCR0, BN, CW)

@@ -164,7 +164,7 @@ def _matmuls(w_ring, full, empty, x_smem, dst, width, k, first, units, epi, it, 
     done = 0
     if MMA >= 2:
         if (MMA == 3) and (k == 4 * BK):  # the phase's B operands built once
-            b0, b1, b2, b3 = mma_b_operands(x_smem, BK, CW)
+            b0, b1, b2, b3 = mma_b_operands(x_smem, 1, k // BK, BK, CW)  # rows staged whole
             it, done = _grouped_units(w_ring, full, empty, x_smem, dst, width, k, first, units,
                                       epi, it, ctx, layer, pages_per_layer, kc_ptr, vc_ptr,
                                       bt_ptr, cos_ptr, sin_ptr, offs, b0, b1, b2, b3, BN, BK,
@@ -213,8 +213,10 @@ def _grouped_units(w_ring, full, empty, x_smem, dst, width, k, first, units, epi
     done = 0
     g0 = first
     for t in range(first, units, nprog):
-        it = _mma_partial(w_ring, full, empty, x_smem, k, it, SCR0 + (done % PART_UNITS) * PB,
-                          b0, b1, b2, b3, BN, BK, STAGES, CW, FULL0, EMPTY0, CACHED)
+        # _stage puts K step i of row r in slot r k / BK + i (ws_chain's own: 3 i + r)
+        it = _mma_partial(w_ring, full, empty, x_smem, 1, k // BK, k, it,
+                          SCR0 + (done % PART_UNITS) * PB, b0, b1, b2, b3, BN, BK, STAGES, CW,
+                          FULL0, EMPTY0, CACHED)
         done += 1
         if done % PART_UNITS == 0:
             _group_epilogues(dst, width, g0, PART_UNITS, nprog, epi, ctx, layer,
