@@ -69,7 +69,6 @@ def test_rotary_positions_have_no_table():
 def test_the_limit_is_read_off_the_index_computation():
     """A table read at ``position % rows`` never runs out; one read at ``position + 5`` runs out
     five positions early; one read at token ids is not a position table."""
-    import torch.fx as fx
     from torch.fx.experimental.proxy_tensor import make_fx
 
     from dspark_compile.graph_inputs import InputSpec, name_placeholders
@@ -91,4 +90,5 @@ def test_the_limit_is_read_off_the_index_computation():
     assert position_limit(graphs(lambda ids, pos: pos % 10)) is None
     assert position_limit(graphs(lambda ids, pos: pos + 5)).positions == 5
     assert position_limit(graphs(lambda ids, pos: ids)) is None
-    assert isinstance(graphs(lambda ids, pos: pos), fx.GraphModule)
+    repeated = position_limit(graphs(lambda ids, pos: pos.unsqueeze(-1).repeat(1, 1, 2) + 1))
+    assert repeated.positions == 9  # each position read twice, one row on
