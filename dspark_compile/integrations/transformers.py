@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import logging
 import threading
 from typing import Any
 
@@ -68,6 +69,11 @@ from transformers.modeling_outputs import CausalLMOutputWithPast
 
 from ..layout import VerifyLayout
 from ..verifier import Verifier, dspark_compile
+
+log = logging.getLogger("dspark_compile")
+
+DEFAULT_MAX_CONTEXT = 2048
+"""``DSparkGeneration``'s ``max_context`` when none is given and the model's positions allow."""
 
 __all__ = ["DSparkCache", "DSparkGeneration", "UnsupportedGenerationError"]
 
@@ -244,11 +250,14 @@ class DSparkGeneration:
     """``model.generate`` over a compiled verifier (see the module docstring).
 
     ``verifier``: ``dspark_compile(model)`` when None (``compile_options`` go to it);
-    ``max_context``: tokens one sequence may hold (prompt, output and one draft block);
-    ``max_requests``: caches that may be open at once (one per ``generate`` call in flight);
-    ``capture``: capture tier graphs for up to ``block`` tokens a step (default: on a GPU)."""
+    ``max_context``: tokens one sequence may hold (prompt, output and one draft block; default
+    :data:`DEFAULT_MAX_CONTEXT`, or fewer where the model's position table serves fewer: one log
+    line says so); ``max_requests``: caches that may be open at once (one per ``generate`` call
+    in flight); ``capture``: capture tier graphs for up to ``block`` tokens a step (default: on
+    a GPU)."""
 
-    def __init__(self, model, verifier: Verifier | None = None, *, max_context: int = 2048,
+    def __init__(self, model, verifier: Verifier | None = None, *,
+                 max_context: int | None = None,
                  max_requests: int = 1, capture: bool | None = None, block: int | None = None,
                  **compile_options: Any) -> None:
         if getattr(model.config, "is_encoder_decoder", False):
@@ -258,6 +267,13 @@ class DSparkGeneration:
         self.model = model
         self.verifier = verifier if verifier is not None else dspark_compile(model,
                                                                              **compile_options)
+        if max_context is None:
+            max_context = DEFAULT_MAX_CONTEXT
+            limit = self.verifier.position_limit
+            if limit is not None and limit.positions < max_context:
+                max_context = limit.positions
+                log.info("DSparkGeneration: max_context %d, the positions %s serves (the default "
+                         "is %d)", max_context, limit.table, DEFAULT_MAX_CONTEXT)
         self.state = self.verifier.new_state(max_requests=max_requests, max_context=max_context)
         self._free = list(range(max_requests))
         self._lock = threading.Lock()

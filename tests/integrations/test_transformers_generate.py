@@ -257,3 +257,28 @@ def test_a_prompt_longer_than_a_step_is_verified_in_chunks():
     with pytest.raises(ValueError, match="only the last forward's 5 rows can be dropped"):
         cache.crop(-6)
     cache.close()
+
+
+def test_the_default_context_follows_a_models_position_table(caplog):
+    """GPT-2 serves ``n_positions`` positions: the default ``max_context`` is cut to them, said
+    in one log line; a longer one given explicitly is refused by ``new_state``; a rotary model
+    keeps the default."""
+    import logging
+
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from dspark_compile.integrations.transformers import DEFAULT_MAX_CONTEXT
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=1, n_head=4,
+                                       n_positions=40)).eval()
+    verifier = dspark_compile(model)
+    with caplog.at_level(logging.INFO, logger="dspark_compile"):
+        gen = DSparkGeneration(model, verifier)
+    assert gen.state.max_context == 40
+    assert "max_context 40, the positions transformer.wpe.weight serves" in caplog.text
+    with pytest.raises(ValueError, match="max_context=41 exceeds the 40 positions"):
+        DSparkGeneration(model, verifier, max_context=41)
+    llama = tiny_llama(seed=3, layers=1)
+    assert DSparkGeneration(llama, dspark_compile(llama)).state.max_context == \
+        DEFAULT_MAX_CONTEXT
