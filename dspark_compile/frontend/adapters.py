@@ -27,6 +27,7 @@ from .compressed import compressor_hooks
 from .sparse import indexer_hooks, sparse_attention_module
 from .masks import causal_only, check_mask, proof_object
 from .inline import inline_hooks
+from .counted_positions import counted_positions_hooks
 from .bloom import AlibiSlopes, bloom_hooks
 from .dbrx import dbrx_hooks
 from .jetmoe import jetmoe_hooks
@@ -352,6 +353,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
                     relative_hooks(model, names), inkling2_hooks(model, names), \
                     zaya_hooks(model, names), griffin_hooks(model, names), \
                     bloom_hooks(model, names), inline_hooks(model, names), \
+                    counted_positions_hooks(model, names), \
                     compressor_hooks(model, names), indexer_hooks(model, names), \
                     temperature_hooks(model, names):
                 yield
