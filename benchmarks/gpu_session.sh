@@ -306,7 +306,8 @@ ZOO_FAMILIES="llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe qwen3_next g
   ministral falcon_h1 mamba2 bamba zamba2 jamba kimi_linear qwen3_5_text longcat_flash"
 
 REACH="inkling_text jetmoe zaya bloom recurrent_gemma zamba gpt_neo xglm openai-gpt
-  gpt_neox_japanese mpt biogpt bart mbart plbart blenderbot blenderbot-small marian pegasus"
+  gpt_neox_japanese mpt biogpt bart mbart plbart blenderbot blenderbot-small marian pegasus
+  mvp trocr"
 
 if [ "${1:-}" = "--one" ]; then  # one job, under the caller's timeout
   job "$2"

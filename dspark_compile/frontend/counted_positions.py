@@ -1,7 +1,7 @@
 """Decoders that count their positions themselves (the BART family's decoders as causal LMs).
 
-``BartDecoder`` and its copies (mBART, PLBart, Blenderbot, Blenderbot-Small, Marian, Pegasus)
-ignore the positions they are handed: each forward makes ``arange(T) + cache length`` and reads
+``BartDecoder`` and its copies (mBART, PLBart, Blenderbot, Blenderbot-Small, Marian, Pegasus,
+MVP, TrOCR's learned table) ignore the positions they are handed: each forward makes ``arange(T) + cache length`` and reads
 its position table there. In a dense capture that is one position list for every request, not
 each request's own (its committed context plus the row), and the capture refuses the ``arange``.
 
@@ -40,8 +40,15 @@ FAMILIES = {
     "blenderbot_small": ("BlenderbotSmallLearnedPositionalEmbedding", "BlenderbotSmallDecoder"),
     "marian": ("MarianSinusoidalPositionalEmbedding", "MarianDecoder"),
     "pegasus": ("PegasusSinusoidalPositionalEmbedding", "PegasusDecoder"),
+    "mvp": ("MvpLearnedPositionalEmbedding", "MvpDecoder"),
+    "trocr": ("TrOCRLearnedPositionalEmbedding", "TrOCRDecoder"),
 }
 """Modeling module -> (position embedding class, decoder class)."""
+
+REFUSED = {"trocr": ("TrOCRSinusoidalPositionalEmbedding",
+                     "counts positions from the token ids' padding and keeps its table outside "
+                     "the model's buffers")}
+"""Self-counting position modules not taken, with why."""
 
 KNOWN_SOURCES = {
     "embedding": _LEARNED_OFFSET | _PLAIN,
@@ -52,6 +59,8 @@ KNOWN_SOURCES = {
     "BlenderbotSmallDecoder": frozenset({"f4b75f067a653328", "c75acdc49c74bc0a"}),
     "MarianDecoder": frozenset({"0a49830088cbec96", "93556fbce2edb942"}),
     "PegasusDecoder": frozenset({"c69d888c1f6e58d1", "be958c4ec76fe257"}),
+    "MvpDecoder": frozenset({"57f37dd0dbfd9f93", "afddd8f92bd2a7c3"}),
+    "TrOCRDecoder": frozenset({"d7e8a4da55863b0d", "884dd0697ec909f1"}),
 }
 """sha256 prefixes (:func:`~.replaced.source_key`) of the embeddings' and decoders' forwards,
 transformers 5.24 and 5.17 (which differ in the cache length's name)."""
@@ -72,6 +81,13 @@ def _forward(offsets: dict[int, int]):
 def counted_positions_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Read ``model``'s self-counted position tables at the capture's positions; restored
     after. A model without them is left untouched."""
+    for family, (name, why) in REFUSED.items():
+        cls = getattr(sys.modules.get(f"transformers.models.{family}.modeling_{family}"), name,
+                      None)
+        for m in model.modules() if cls is not None else ():
+            if isinstance(m, cls):
+                raise NotImplementedError(f"{name} {names.get(id(m), '?')!r} {why}; the model is "
+                                          "refused rather than verified wrong")
     with contextlib.ExitStack() as stack:
         for family, (embedding_name, decoder_name) in FAMILIES.items():
             # a model holds this family's modules only where its modeling module is loaded

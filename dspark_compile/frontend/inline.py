@@ -1,5 +1,5 @@
-"""Attention written inline in a model's own layer (GPT-Neo, XGLM, GPT, GPT-NeoX-Japanese,
-MPT), captured through the attention function.
+"""Attention written inline in a model's own layer (GPT-Neo, XGLM, MVP, TrOCR, GPT,
+GPT-NeoX-Japanese, MPT), captured through the attention function.
 
 These layers compute ``softmax(q k^T + mask) v`` themselves instead of calling transformers'
 attention interface, so the capture would meet their mask as a tensor (it proves masks instead of
@@ -10,8 +10,9 @@ scaling as written and hands the scores' part to the capture's attention functio
 - **GPT-Neo** (``GPTNeoSelfAttention``): no softmax scale (1.0); a ``local`` layer attends to
   the last ``window_size`` positions, read off the layer's own band buffer (``bias``), which is
   checked to be that band. Its scores run in float32, as the op's do.
-- **XGLM** (``XGLMAttention``): the queries scaled before the product, as written; the op's
-  scale is then 1.0. Cross-attention (``key_value_states``) is refused.
+- **XGLM** (``XGLMAttention``), and MVP's and TrOCR's attention, which read the same: the
+  queries scaled before the product, as written; the op's scale is then 1.0. Cross-attention
+  (``key_value_states``) and MVP's prompt keys are refused.
 - **GPT** (openai-gpt's ``Attention``): scores scaled by ``1/sqrt(d)`` where the layer says
   so, future keys pushed to ``-1e4`` through its causal buffer (checked to be the lower
   triangle): zero weight in float32 as in the op, whose masked keys get none. No padding mask.
@@ -56,6 +57,10 @@ KNOWN_SOURCES = {
     ("GPTNeoSelfAttention", "__init__"): frozenset({"0c3749eedbdb1245"}),
     ("XGLMAttention", "forward"): frozenset({"80931b93538263f3", "214633c2552a06d8"}),
     ("XGLMAttention", "__init__"): frozenset({"9d8431f88ddca032"}),
+    ("MvpAttention", "forward"): frozenset({"510c1b5f245203c0", "7a88e4885d0d7dd5"}),
+    ("MvpAttention", "__init__"): frozenset({"9d8431f88ddca032"}),
+    ("TrOCRAttention", "forward"): frozenset({"084ddf1e40f1738b", "571f354bbe1f0a15"}),
+    ("TrOCRAttention", "__init__"): frozenset({"141da444af6f8bd8"}),
     ("XGLMSinusoidalPositionalEmbedding", "forward"): frozenset({"f1dbfaf245e507f6",
                                                                  "ca685b075549e6c2"}),
     ("XGLMSinusoidalPositionalEmbedding", "get_embedding"): frozenset({"356597ed25c6c26a"}),
@@ -135,9 +140,12 @@ def _gpt_neo_forward(windows: dict[int, int]) -> Callable:
 
 
 def _xglm_forward(self, hidden_states, key_value_states=None, cache=None, attention_mask=None,
-                  **kwargs):
-    """``XGLMAttention.forward`` through the attention function (module docstring)."""
+                  attn_prompt=None, **kwargs):
+    """``XGLMAttention.forward`` through the attention function (module docstring); MVP's and
+    TrOCR's attention read the same, MVP's prompt keys (``attn_prompt``) refused."""
     _plain_call(self, dict(kwargs, cache=cache, key_value_states=key_value_states))
+    if attn_prompt is not None:
+        raise _refuse(self, "called with prompt keys (attn_prompt=, MVP's use_prompt)")
     bs, t, _ = hidden_states.shape
     shape = (bs, t, -1, self.head_dim)
     query = (self.q_proj(hidden_states) * self.scaling).view(shape).transpose(1, 2)
@@ -292,7 +300,9 @@ def inline_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Run ``model``'s inline GPT-Neo, XGLM or MPT attention through the attention function for
     the capture; restored after. A model without them is left untouched."""
     with contextlib.ExitStack() as stack:
-        for hook in (_gpt_neo, _xglm, _openai, _neox_japanese, _mpt):
+        for hook in (_gpt_neo, _xglm, _bart_style("mvp", "MvpAttention", "MVP"),
+                     _bart_style("trocr", "TrOCRAttention", "TrOCR"), _openai, _neox_japanese,
+                     _mpt):
             stack.enter_context(hook(model, names))
         yield
 
@@ -343,6 +353,26 @@ def _xglm(model, names) -> Iterator[None]:
     with swapped_forward(attention, _xglm_forward), swapped_forward(positions,
                                                                  _xglm_positions_forward(dtypes)):
         yield
+
+
+def _bart_style(family: str, name: str, title: str) -> Callable:
+    """The hook of a BART-style inline attention class ``name`` of ``family``'s modeling
+    module, run through :func:`_xglm_forward`."""
+    @contextlib.contextmanager
+    def hook(model, names) -> Iterator[None]:
+        classes, found = modeling_instances(
+            model, f"transformers.models.{family}.modeling_{family}", (name,))
+        if not found:
+            yield
+            return
+        cls, = classes
+        for m in found:
+            if not (_known(m, cls, "forward") and _known(m, cls, "__init__") and
+                    _plain_weights(m)):
+                raise _refuse_layer(m, names, title)
+        with swapped_forward(cls, _xglm_forward):
+            yield
+    return hook
 
 
 @contextlib.contextmanager

@@ -3,9 +3,10 @@
 BART's decoder (and its copies) makes ``arange(T) + cache length`` and reads its position table
 there; the capture reads it at each token's own position instead. Every ragged logit row equals
 HF's forward over that request's whole sequence alone, over a prefill and four ragged rounds
-(float32, CPU): BART (a learned table read two rows on), Blenderbot (a learned table) and Marian
-(a sinusoid table). Positions one off are caught; an embedding outside its decoder, or a changed
-decoder source, is refused by name; the table bounds the context.
+(float32, CPU): BART (a learned table read two rows on), Blenderbot (a learned table), Marian
+(a sinusoid table), MVP and TrOCR (BART's table under their inline attention). Positions one
+off are caught; an embedding outside its decoder, a changed decoder source, MVP's prompt keys
+and TrOCR's sinusoids are refused by name; the table bounds the context.
 """
 
 import pytest
@@ -18,15 +19,18 @@ from helpers import ragged_rounds_error, triton_rounds_error
 VOCAB = 64
 
 
-def _tiny(name: str, positions: int = 128):
+def _tiny(name: str, positions: int = 128, **extra):
     config, model = {"bart": (T.BartConfig, T.BartForCausalLM),
                      "blenderbot": (T.BlenderbotConfig, T.BlenderbotForCausalLM),
-                     "marian": (T.MarianConfig, T.MarianForCausalLM)}[name]
+                     "marian": (T.MarianConfig, T.MarianForCausalLM),
+                     "mvp": (T.MvpConfig, T.MvpForCausalLM),
+                     "trocr": (T.TrOCRConfig, T.TrOCRForCausalLM)}[name]
     torch.manual_seed(0)
-    cfg = config(vocab_size=VOCAB, d_model=32, decoder_layers=2, encoder_layers=1,
-                 decoder_attention_heads=4, encoder_attention_heads=4, decoder_ffn_dim=64,
-                 encoder_ffn_dim=64, max_position_embeddings=positions, pad_token_id=1,
-                 bos_token_id=0, eos_token_id=2, decoder_start_token_id=2)
+    encoder = {} if name == "trocr" else dict(encoder_layers=1, encoder_attention_heads=4,
+                                              encoder_ffn_dim=64)
+    cfg = config(vocab_size=VOCAB, d_model=32, decoder_layers=2, decoder_attention_heads=4,
+                 decoder_ffn_dim=64, max_position_embeddings=positions, pad_token_id=1,
+                 bos_token_id=0, eos_token_id=2, decoder_start_token_id=2, **encoder, **extra)
     m = model(cfg).eval()
     with torch.no_grad():
         for pname, p in m.named_parameters():
@@ -42,7 +46,7 @@ def _rounds(model, **kwargs) -> float:
                                seed=5, **kwargs)
 
 
-@pytest.mark.parametrize("name", ["bart", "blenderbot", "marian"])
+@pytest.mark.parametrize("name", ["bart", "blenderbot", "marian", "mvp", "trocr"])
 def test_ragged_equals_hf_forward(name):
     err = _rounds(_tiny(name))
     assert err < 1e-4, f"max |ragged - HF| = {err}"
@@ -67,6 +71,23 @@ def test_a_changed_decoder_source_is_refused(monkeypatch):
     with pytest.raises(NotImplementedError, match=r"BartLearnedPositionalEmbedding "
                        r"'model.decoder.embed_positions'.*inside BartDecoder.*refused"):
         dspark_compile(_tiny("bart"))
+
+
+def test_mvps_prompt_keys_and_trocrs_sinusoids_are_refused():
+    """MVP's attention takes prompt keys (its causal LM never passes them: equal to HF with
+    ``use_prompt`` on); given some, they are refused. TrOCR's sinusoid table counts positions from
+    the ids' padding: refused by name."""
+    from dspark_compile.frontend import inline
+
+    model = _tiny("mvp", use_prompt=True, prompt_length=3, prompt_mid_dim=16)
+    assert _rounds(model) < 1e-4
+    attention = model.model.decoder.layers[0].self_attn
+    with pytest.raises(NotImplementedError, match="MvpAttention: called with prompt keys"):
+        inline._xglm_forward(attention, torch.zeros(1, 2, 32),
+                             attn_prompt=torch.zeros(2, 1, 4, 3, 8))
+    with pytest.raises(NotImplementedError, match=r"TrOCRSinusoidalPositionalEmbedding "
+                       r"'model.decoder.embed_positions' counts positions from the token ids"):
+        dspark_compile(_tiny("trocr", use_learned_position_embeddings=False))
 
 
 def test_the_table_bounds_the_context():
