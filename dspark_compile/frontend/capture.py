@@ -368,22 +368,32 @@ def _model_frame(tb) -> str | None:
     return None
 
 
+_REAL_TENSOR = "Please convert all Tensors to FakeTensors"
+"""torch's fake-tensor mode meeting a real tensor (one the model keeps as a plain attribute)."""
+
+
 @contextlib.contextmanager
 def _refuse_model_failures(adapter: ModelAdapter) -> Iterator[None]:
     """A model whose forward fails under the capture is refused at its own line: code that uses
     the attention mask as a tensor (the capture proves masks and builds none: plain causal is
-    None), or that branches on data (a guard on a value only known at run time). A failure
-    inside dspark_compile itself is not a refusal and propagates as it is."""
+    None), that branches on data (a guard on a value only known at run time), or that computes
+    with a tensor it holds outside its parameters and buffers (fake-tensor mode meets a real
+    one: TrOCR's sinusoid table). A failure inside dspark_compile itself is not a refusal and
+    propagates as it is."""
     from torch.fx.experimental.symbolic_shapes import GuardOnDataDependentSymNode
 
     try:
         yield
-    except (TypeError, AttributeError, IndexError, GuardOnDataDependentSymNode) as err:
+    except (TypeError, AttributeError, IndexError, GuardOnDataDependentSymNode,
+            AssertionError) as err:
         where = _model_frame(err.__traceback__)
-        if where is None:
+        held = isinstance(err, AssertionError) and _REAL_TENSOR in str(err)
+        if where is None or (isinstance(err, AssertionError) and not held):
             raise
         mask = "Mask" in str(err) or "NoneType" in str(err)
-        what = ("uses its attention mask outside the attention function (dspark_compile "
+        what = ("computes with a tensor it holds outside its parameters and buffers (a plain "
+                "attribute), which the capture cannot take as an input" if held else
+                "uses its attention mask outside the attention function (dspark_compile "
                 "proves masks instead of building them: plain causal is None, a window a proof "
                 "object), which is not supported" if mask else
                 "branches on a value known only at run time (data-dependent control flow or "

@@ -45,11 +45,6 @@ FAMILIES = {
 }
 """Modeling module -> (position embedding class, decoder class)."""
 
-REFUSED = {"trocr": ("TrOCRSinusoidalPositionalEmbedding",
-                     "counts positions from the token ids' padding and keeps its table outside "
-                     "the model's buffers")}
-"""Self-counting position modules not taken, with why."""
-
 KNOWN_SOURCES = {
     "embedding": _LEARNED_OFFSET | _PLAIN,
     "BartDecoder": frozenset({"782d6fd442ae095b", "2ece3a0a913944b5"}),
@@ -81,13 +76,6 @@ def _forward(offsets: dict[int, int]):
 def counted_positions_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Read ``model``'s self-counted position tables at the capture's positions; restored
     after. A model without them is left untouched."""
-    for family, (name, why) in REFUSED.items():
-        cls = getattr(sys.modules.get(f"transformers.models.{family}.modeling_{family}"), name,
-                      None)
-        for m in model.modules() if cls is not None else ():
-            if isinstance(m, cls):
-                raise NotImplementedError(f"{name} {names.get(id(m), '?')!r} {why}; the model is "
-                                          "refused rather than verified wrong")
     with contextlib.ExitStack() as stack:
         for family, (embedding_name, decoder_name) in FAMILIES.items():
             # a model holds this family's modules only where its modeling module is loaded

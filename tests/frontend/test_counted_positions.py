@@ -6,7 +6,8 @@ HF's forward over that request's whole sequence alone, over a prefill and four r
 (float32, CPU): BART (a learned table read two rows on), Blenderbot (a learned table), Marian
 (a sinusoid table), MVP and TrOCR (BART's table under their inline attention). Positions one
 off are caught; an embedding outside its decoder, a changed decoder source, MVP's prompt keys
-and TrOCR's sinusoids are refused by name; the table bounds the context.
+and TrOCR's sinusoids (a table outside the buffers) are refused by name; the table bounds
+the context.
 """
 
 import pytest
@@ -75,8 +76,8 @@ def test_a_changed_decoder_source_is_refused(monkeypatch):
 
 def test_mvps_prompt_keys_and_trocrs_sinusoids_are_refused():
     """MVP's attention takes prompt keys (its causal LM never passes them: equal to HF with
-    ``use_prompt`` on); given some, they are refused. TrOCR's sinusoid table counts positions from
-    the ids' padding: refused by name."""
+    ``use_prompt`` on); given some, they are refused. TrOCR's sinusoid table is a plain tensor
+    attribute, not a buffer: refused naming the model line that reads it."""
     from dspark_compile.frontend import inline
 
     model = _tiny("mvp", use_prompt=True, prompt_length=3, prompt_mid_dim=16)
@@ -85,8 +86,8 @@ def test_mvps_prompt_keys_and_trocrs_sinusoids_are_refused():
     with pytest.raises(NotImplementedError, match="MvpAttention: called with prompt keys"):
         inline._xglm_forward(attention, torch.zeros(1, 2, 32),
                              attn_prompt=torch.zeros(2, 1, 4, 3, 8))
-    with pytest.raises(NotImplementedError, match=r"TrOCRSinusoidalPositionalEmbedding "
-                       r"'model.decoder.embed_positions' counts positions from the token ids"):
+    with pytest.raises(NotImplementedError, match=r"TrOCRForCausalLM computes with a tensor it "
+                       r"holds outside its parameters and buffers.*modeling_trocr.py:\d+"):
         dspark_compile(_tiny("trocr", use_learned_position_embeddings=False))
 
 
