@@ -35,7 +35,7 @@ from torch import nn
 
 from ..ops import experts as _experts_ops  # noqa: F401  (registers the dspark::experts_* ops)
 from ..ops.experts_reference import ACTIVATIONS, activate
-from .scope import active_scope
+from .scope import active_scope, outside_trace
 
 __all__ = ["EXPERTS_NAME", "experts_hooks", "fused_activation"]
 
@@ -134,10 +134,7 @@ def fused_activation(module: nn.Module, columns: int) -> str:
     own graph code between the two ops. Evaluated on real tensors, outside any trace."""
     if not module.has_gate or columns % 2:
         return "none"
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-    with unset_fake_temporarily(), disable_proxy_modes_tracing(), torch.no_grad():
+    with outside_trace(), torch.no_grad():
         probe = _probe_rows(columns)
         try:
             want = module._apply_gate(probe)

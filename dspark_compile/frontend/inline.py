@@ -45,7 +45,7 @@ from .masks import WindowMask
 from .bloom import AlibiSlopes
 from .replaced import PLAIN_FLOATS, known_forward, modeling_instances, source_key, \
     swapped_forward
-from .scope import HF_ATTENTION_NAME
+from .scope import HF_ATTENTION_NAME, outside_trace
 
 __all__ = ["KNOWN_SOURCES", "inline_hooks"]
 
@@ -264,10 +264,7 @@ def _mpt_mask(modeling) -> Iterator[None]:
 def _local_window(m: nn.Module) -> int | None:
     """A GPT-Neo layer's left window read off its band buffer (0: global), None where the
     buffer is not the band its attention type names."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+    with outside_trace():
         return _band_window(m)
 
 
@@ -287,12 +284,12 @@ def _band_window(m: nn.Module) -> int | None:
     return window if m.attention_type == "local" and window < n else 0
 
 
-def _known(m, cls, method: str) -> bool:
-    return known_forward(m, cls, KNOWN_SOURCES[(cls.__name__, method)], method)
-
-
-def _plain_weights(m: nn.Module) -> bool:
-    return {p.dtype for p in m.parameters()} <= PLAIN_FLOATS
+def _taken(m: nn.Module, cls: type, methods: tuple[str, ...]) -> bool:
+    """``m`` is exactly ``cls``, each of its ``methods`` reads as a source in
+    :data:`KNOWN_SOURCES`, and its weights are plain floats."""
+    return all(known_forward(m, cls, KNOWN_SOURCES[(cls.__name__, method)], method)
+               for method in methods) and \
+        {p.dtype for p in m.parameters()} <= PLAIN_FLOATS
 
 
 @contextlib.contextmanager
@@ -325,9 +322,8 @@ def _gpt_neo(model, names) -> Iterator[None]:
     windows = {}
     for m in found:
         window = _local_window(m)
-        if window is None or not _plain_weights(m) or not all(
-                _known(m, cls, method) for method in
-                ("forward", "_attn", "_split_heads", "_merge_heads", "__init__")):
+        if window is None or not _taken(
+                m, cls, ("forward", "_attn", "_split_heads", "_merge_heads", "__init__")):
             raise _refuse_layer(m, names, "GPT-Neo")
         windows[id(m)] = window
     with swapped_forward(cls, _gpt_neo_forward(windows)):
@@ -348,7 +344,7 @@ def _xglm(model, names) -> Iterator[None]:
         cls = attention if isinstance(m, attention) else positions
         own = ("forward", "__init__", "get_embedding") if cls is positions else \
             ("forward", "__init__")
-        if not (all(_known(m, cls, method) for method in own) and _plain_weights(m)):
+        if not _taken(m, cls, own):
             raise _refuse_layer(m, names, "XGLM")
     with swapped_forward(attention, _xglm_forward), swapped_forward(positions,
                                                                  _xglm_positions_forward(dtypes)):
@@ -367,8 +363,7 @@ def _bart_style(family: str, name: str, title: str) -> Callable:
             return
         cls, = classes
         for m in found:
-            if not (_known(m, cls, "forward") and _known(m, cls, "__init__") and
-                    _plain_weights(m)):
+            if not _taken(m, cls, ("forward", "__init__")):
                 raise _refuse_layer(m, names, title)
         with swapped_forward(cls, _xglm_forward):
             yield
@@ -384,9 +379,8 @@ def _openai(model, names) -> Iterator[None]:
         return
     cls, = classes
     for m in found:
-        if not (all(_known(m, cls, method) for method in
-                    ("forward", "_attn", "split_heads", "merge_heads", "__init__")) and
-                _plain_weights(m) and _lower_triangle(m.bias)):
+        if not (_taken(m, cls, ("forward", "_attn", "split_heads", "merge_heads", "__init__"))
+                and _lower_triangle(m.bias)):
             raise _refuse_layer(m, names, "GPT")
     with swapped_forward(cls, _openai_forward):
         yield
@@ -394,10 +388,7 @@ def _openai(model, names) -> Iterator[None]:
 
 def _lower_triangle(bias) -> bool:
     """openai-gpt's causal buffer is ones on and below the diagonal and zeros above."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
-    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+    with outside_trace():
         if not isinstance(bias, torch.Tensor) or bias.dim() != 4 or \
                 tuple(bias.shape[:2]) != (1, 1) or bias.shape[2] != bias.shape[3]:
             return False
@@ -418,9 +409,7 @@ def _neox_japanese(model, names) -> Iterator[None]:
     rotary = source_key(modeling, "apply_rotary_pos_emb") in \
         KNOWN_SOURCES[("modeling_gpt_neox_japanese", "apply_rotary_pos_emb")]
     for m in found:
-        if not (rotary and all(_known(m, cls, method) for method in
-                               ("forward", "_attn", "_merge_heads", "__init__")) and
-                _plain_weights(m)):
+        if not (rotary and _taken(m, cls, ("forward", "_attn", "_merge_heads", "__init__"))):
             raise _refuse_layer(m, names, "GPT-NeoX-Japanese")
     with swapped_forward(cls, _neox_japanese_forward):
         yield
@@ -441,8 +430,7 @@ def _mpt(model, names) -> Iterator[None]:
         cls = attention if isinstance(m, attention) else mpt_model
         own = ("forward", "__init__") if cls is attention else \
             ("forward", "build_mpt_alibi_tensor")
-        if not (shared and all(_known(m, cls, method) for method in own) and
-                _plain_weights(m)):
+        if not (shared and _taken(m, cls, own)):
             raise _refuse_layer(m, names, "MPT")
     with swapped_forward(attention, _mpt_forward), _mpt_mask(modeling):
         yield

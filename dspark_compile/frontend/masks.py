@@ -16,6 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
+from .scope import active_scope, outside_trace
 from .sparse import INDEXER_KEYS, IndexerMask
 
 __all__ = ["UnprovenMask", "WindowMask", "all_ones", "causal_only", "check_mask", "proof_object", "prove"]
@@ -76,8 +77,6 @@ def _masks_nothing(mask) -> bool:
     without a trace, so nothing there says where a mask came from: it lets the mask pass, and
     the trace, which every capture runs next over the same forward, decides."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
-
-    from .scope import active_scope
 
     if get_proxy_mode() is None:
         scope = active_scope()
@@ -231,9 +230,7 @@ def _without_left_padding(fn):
     if not isinstance(padding, torch.Tensor) or padding.dim() != 1 or \
             padding.dtype not in (torch.int32, torch.int64):
         return None
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-
-    with unset_fake_temporarily():
+    with outside_trace():
         zeros = torch.zeros(1, dtype=padding.dtype)
     cells = tuple(types.CellType(zeros) if var == "left_padding" else cell
                   for var, cell in zip(fn.__code__.co_freevars, fn.__closure__))
@@ -249,13 +246,10 @@ def _probe(fn, causal: bool, window: int, chunk: int = 0) -> bool:
     positions around 0, the window or chunk edges and far out, and check it equals the rule the
     proof claims for it: ``k <= q`` (causal), ``k > q - window`` (window) and
     ``k // chunk == q // chunk`` (chunk; keys probed below the chunk too)."""
-    from torch._subclasses.fake_tensor import unset_fake_temporarily
-    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
-
     span = window or chunk
     edges = {0, 1, 2, _PROBE_SPAN, 10_007} | ({span - 1, span, span + 1, 2 * span + 3}
                                              if span else set())
-    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+    with outside_trace():
         for q in sorted(e for e in edges if e >= 0):
             kv = torch.arange(max(0, q - span - _PROBE_SPAN), q + _PROBE_SPAN)
             qi = torch.full_like(kv, q)

@@ -18,7 +18,7 @@ import torch
 from .. import ops  # noqa: F401  (registers the dspark:: ops)
 from ..specs import AttentionSpec
 
-__all__ = ["CaptureScope", "HF_ATTENTION_NAME", "active_scope", "open_scope"]
+__all__ = ["CaptureScope", "HF_ATTENTION_NAME", "active_scope", "open_scope", "outside_trace"]
 
 HF_ATTENTION_NAME = "dspark"
 """Name of the capture's function in transformers' attention interface (``adapters.py``
@@ -279,3 +279,14 @@ def open_scope(scope: CaptureScope):
         yield scope
     finally:
         _ACTIVE.reset(token)
+
+
+@contextlib.contextmanager
+def outside_trace():
+    """Real tensors inside a capture: neither the fake-tensor mode nor the tracer sees what runs
+    in the block (reading a model's buffers as they are, probing a function on real values)."""
+    from torch._subclasses.fake_tensor import unset_fake_temporarily
+    from torch.fx.experimental.proxy_tensor import disable_proxy_modes_tracing
+
+    with unset_fake_temporarily(), disable_proxy_modes_tracing():
+        yield
