@@ -43,7 +43,7 @@ from .guards import describe, locate, needs_locating, token_names
 from .recurrent import check_linear_calls
 from .scope import CaptureScope, open_scope
 
-__all__ = ["CapturedGraph", "capture_dense", "SAMPLE_BS", "SAMPLE_T"]
+__all__ = ["CapturedGraph", "capture_dense", "evaluate_node", "SAMPLE_BS", "SAMPLE_T"]
 
 log = logging.getLogger("dspark_compile")
 
@@ -264,15 +264,16 @@ def _moves_to_constant(source: fx.Node, memo: dict) -> tuple[fx.Node, list[fx.No
     return source, moves[::-1]
 
 
-def _evaluate(gm: fx.GraphModule, node: fx.Node, values: dict):
-    """The real value of host-constant ``node``: its ops run on the values they ran on while
-    traced (``values`` caches them)."""
+def evaluate_node(gm: fx.GraphModule, node: fx.Node, values: dict):
+    """The real value of ``node``: its ops run on real values (``values`` caches them; seed it
+    with the inputs a computation starts from). A host constant's ops run on the values they
+    ran on while traced."""
     if node not in values:
         if node.op == "get_attr":
             values[node] = getattr(gm, node.target)
         else:
             args, kwargs = fx.node.map_arg((node.args, node.kwargs),
-                                           lambda n: _evaluate(gm, n, values))
+                                           lambda n: evaluate_node(gm, n, values))
             values[node] = node.target(*args, **kwargs)
     return values[node]
 
@@ -311,7 +312,7 @@ def _fold_host_constants(gm: fx.GraphModule, mode: FakeTensorMode | None = None)
         constant, moves = found
         try:
             with torch.no_grad():
-                tensor = _evaluate(gm, constant, values).to(device)
+                tensor = evaluate_node(gm, constant, values).to(device)
         except Exception as err:  # noqa: BLE001 - the copy stays; said once, by name
             log.warning("dspark_compile: the host value %s copied to %s on every call could not "
                         "be computed once at capture (%s: %s); the copy stays in the graph, "

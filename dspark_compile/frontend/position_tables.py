@@ -18,6 +18,7 @@ import torch
 import torch.fx as fx
 
 from ..graph_inputs import InputKind
+from .capture import evaluate_node
 
 __all__ = ["PositionLimit", "position_limit"]
 
@@ -56,34 +57,7 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _evaluate(index: fx.Node, inputs: set[fx.Node], positions: fx.Node,
-              probe: torch.Tensor) -> torch.Tensor | None:
-    """``index`` computed from ``probe`` in place of the positions; None where a node of that
-    computation cannot run outside the trace."""
-    values: dict[fx.Node, object] = {positions: probe}
-    order = [n for n in index.graph.nodes if n in inputs or n is index]
-    try:
-        for n in order:
-            if n in values:
-                continue
-            if n.op == "get_attr":  # a constant the capture folded
-                owner = index.graph.owning_module
-                for part in n.target.split("."):
-                    owner = getattr(owner, part)
-                values[n] = owner
-                continue
-            if n.op != "call_function":
-                return None
-            args = fx.node.map_arg(n.args, lambda a: values[a])
-            kwargs = fx.node.map_arg(n.kwargs, lambda a: values[a])
-            values[n] = n.target(*args, **kwargs)
-    except Exception:  # noqa: BLE001 - a computation that needs the trace is not evaluated
-        return None
-    out = values[index]
-    return out if isinstance(out, torch.Tensor) else None
-
-
-def _serves(index: fx.Node, inputs: set[fx.Node], positions: fx.Node, rows: int) -> int | None:
+def _serves(gm: fx.GraphModule, index: fx.Node, positions: fx.Node, rows: int) -> int | None:
     """How many positions ``0..P-1`` the gather serves: the largest ``P`` (up to ``rows`` +
     :data:`_PROBE_PAST`) whose indices all lie in ``0..rows-1``, found by bisection (a token-wise
     graph computes each position's indices from that position alone, however it repeats or
@@ -93,8 +67,13 @@ def _serves(index: fx.Node, inputs: set[fx.Node], positions: fx.Node, rows: int)
 
     def fits(count: int) -> bool | None:
         probe = torch.arange(count, dtype=val.dtype, device=val.device)[None]
-        got = _evaluate(index, inputs, positions, probe)
-        return None if got is None else bool(((got >= 0) & (got < rows)).all())
+        try:  # every input of the computation is the positions (position_limit checks)
+            got = evaluate_node(gm, index, {positions: probe})
+        except Exception:  # noqa: BLE001 - a computation that needs the trace is not evaluated
+            return None
+        if not isinstance(got, torch.Tensor):
+            return None
+        return bool(((got >= 0) & (got < rows)).all())
 
     low, high = 0, rows + _PROBE_PAST  # fits(low) holds (no positions); find the last that fits
     top = fits(high)
@@ -124,14 +103,13 @@ def position_limit(gm: fx.GraphModule) -> PositionLimit | None:
         for table, index, dim in (gather(node) if gather else ()):
             if not isinstance(index, fx.Node) or not isinstance(table, fx.Node):
                 continue
-            inputs = _ancestors(index) | {index}
-            sources = {n for n in inputs if n.op == "placeholder"}
+            sources = {n for n in _ancestors(index) if n.op == "placeholder"}
             if sources != {positions}:
                 continue  # token ids, or nothing a position decides
             rows = table.meta["val"].shape[dim]
             if not isinstance(rows, int):
                 continue  # a table whose length follows the batch is built per step, not read
-            serves = _serves(index, inputs, positions, rows)
+            serves = _serves(gm, index, positions, rows)
             if serves is None:
                 raise NotImplementedError(
                     f"dspark_compile: {node.name} gathers rows of {table.name} at indices "
