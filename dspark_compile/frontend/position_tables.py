@@ -103,7 +103,7 @@ def position_limit(gm: fx.GraphModule) -> PositionLimit | None:
         for table, index, dim in (gather(node) if gather else ()):
             if not isinstance(index, fx.Node) or not isinstance(table, fx.Node):
                 continue
-            sources = {n for n in _ancestors(index) if n.op == "placeholder"}
+            sources = {n for n in _ancestors(index) | {index} if n.op == "placeholder"}
             if sources != {positions}:
                 continue  # token ids, or nothing a position decides
             rows = table.meta["val"].shape[dim]
