@@ -12,8 +12,8 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
-import importlib
 import inspect
+import sys
 from typing import Callable, Collection, Iterator
 
 import torch
@@ -29,12 +29,12 @@ PLAIN_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 def modeling_instances(model: nn.Module, module: str, names: tuple[str, ...],
                        held: int = 1) -> tuple[tuple[type, ...], list[nn.Module]]:
     """The classes ``names`` of transformers' modeling module ``module`` and the modules of
-    ``model`` that are instances of the first ``held`` of them; ``((), [])`` where this
-    transformers has no such module or class (a hook then leaves the model untouched)."""
-    try:
-        modeling = importlib.import_module(module)
-        classes = tuple(getattr(modeling, name) for name in names)
-    except (ImportError, AttributeError):
+    ``model`` that are instances of the first ``held`` of them; ``((), [])`` where that module
+    is not loaded (a model holds none of its classes then, so it is not imported for nothing)
+    or has no such class (a hook then leaves the model untouched)."""
+    modeling = sys.modules.get(module)
+    classes = tuple(getattr(modeling, name, None) for name in names)
+    if modeling is None or None in classes:
         return (), []
     return classes, [m for m in model.modules() if isinstance(m, classes[:held])]
 
