@@ -111,14 +111,14 @@ def test_a_host_value_that_cannot_be_computed_stays_and_is_logged(caplog, monkey
     from dspark_compile.frontend import capture
 
     gm = make_fx(_forward)(torch.empty(4, device="meta"))
-    evaluate = capture._evaluate
+    evaluate = capture.evaluate_node
 
     def failing(gm, node, values):  # the torch.tensor table's value cannot be had
         if node.op == "get_attr":
             raise RuntimeError("no host copy of this constant")
         return evaluate(gm, node, values)
 
-    monkeypatch.setattr(capture, "_evaluate", failing)
+    monkeypatch.setattr(capture, "evaluate_node", failing)
     with caplog.at_level("WARNING", logger="dspark_compile"):
         assert _fold_host_constants(gm) == ["_dspark_host_constant0"]  # the arange one only
     assert "copied to meta on every call could not be computed once at capture " \
