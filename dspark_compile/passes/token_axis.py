@@ -553,6 +553,8 @@ def _check_dims(node: fx.Node, packet, out: AxisLabel) -> str | None:
     token-wise whatever their name: stack, unbind, scatter, gather, ...)."""
     x, others = _dim_operands(node, packet)
     lab = axis(x)
+    if packet is aten.gather and lab.kind == "broadcast":
+        return _check_table_gather(node, x)
     why = _check_operands(node, packet, x, others)
     if why is not None:
         return why
@@ -570,6 +572,25 @@ def _check_dims(node: fx.Node, packet, out: AxisLabel) -> str | None:
     if _kinds(out) != _kinds(lab):
         return (f"its result {tuple(node.meta['val'].shape)} does not keep the token axes of "
                 f"{x.name} {tuple(x.meta['val'].shape)} (it drops or narrows some tokens' rows)")
+    return None
+
+
+def _check_table_gather(node: fx.Node, table: fx.Node) -> str | None:
+    """``gather(table, dim, ids)`` of a table that is the same for every request (a buffer
+    expanded over the request axis: BERT's ``token_type_ids`` read at each token's position):
+    ``out[b, t] = table[b, ids[b, t]]`` reads row ``b`` of the table only along ``dim``, so it is
+    a lookup by each token's own ids when the ids hold the request axis where the table does
+    and the token axis at ``dim`` itself (at any other dim a token would read the table's row
+    of its own position, which no flat row knows)."""
+    ids, lab, rank = _arg(node, 2), axis(table), table.meta["val"].dim()
+    lab_ids = axis(ids)
+    dim = _arg(node, 1) % rank
+    if lab.bs_factor != 1 or lab_ids.bs_factor != 1 or lab_ids.bs_dim != lab.bs_dim or \
+            lab_ids.t_dim != dim or lab_ids.flat_dim is not None:
+        return (f"it gathers along dim {dim} of {table.name} {tuple(table.meta['val'].shape)}, "
+                f"the same for every request, by {ids.name} {tuple(ids.meta['val'].shape)}; "
+                "only ids holding the request axis where the table does and the token axis at "
+                "the gathered dim are known to read each token's own entries")
     return None
 
 

@@ -91,9 +91,14 @@ def masked_fills(x, positions):  # Gemma 3's llm_input_ids[special_image_mask] =
     return y
 
 
+def table_by_position(x, positions):  # BERT's token_type_ids buffer read at each position
+    table = (torch.arange(40.0) * 0.01).view(1, 40).expand(positions.shape[0], -1)
+    return x + torch.gather(table, 1, positions).unsqueeze(-1)
+
+
 @pytest.mark.parametrize("mix", [interleaved_rotary, complex_rotary, constant_fills,
                                  router_scatter_gather, constant_index_rows, experts_tiled,
-                                 masked_fills])
+                                 masked_fills, table_by_position])
 def test_ops_along_other_dims_compile_and_match(mix):
     model = Mixer(mix).eval()
     verifier = dspark_compile(model)
@@ -137,6 +142,12 @@ def scatter_along_tokens(x, positions):
 
 def gather_along_tokens(x, positions):
     return x.gather(1, positions.unsqueeze(-1).expand(*x.shape).clamp(max=0))
+
+
+def table_row_by_position(x, positions):  # row t of a shared table for token t
+    table = torch.linspace(0, 1, 64 * H).view(1, 64, H).expand(x.shape[0], -1, -1)
+    ids = (x * 4).long().clamp(0, 15)
+    return x + torch.gather(table, 2, ids)
 
 
 def index_add_by_token_ids(x, positions):
@@ -212,6 +223,15 @@ def test_same_ops_across_tokens_are_refused_with_op_and_line(mix, op, why):
     # The model's source line (the innermost forward() frame), not one of ours.
     assert "test_token_axis_rules.py" in message and \
         "x = self.mix(self.norm(self.embed(ids)), positions)" in message, message
+
+
+def test_a_shared_tables_row_by_token_position_is_refused():
+    """``gather`` of a table the same for every request along a dim other than the ids' token
+    axis reads, for token t, the table's row t: no flat row knows t. Torch's own size check
+    makes it a guard on T, refused at the model's line."""
+    with pytest.raises(NotImplementedError, match=r"specialises on its batch or token count "
+                       r"\(guard T <= 64 .*test_token_axis_rules\.py.*aten\.gather"):
+        dspark_compile(Mixer(table_row_by_position))
 
 
 def test_tiled_experts_paired_with_token_major_weights_are_refused():

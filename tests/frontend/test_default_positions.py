@@ -1,0 +1,103 @@
+"""The positions the capture passes must be the model's own (``frontend/default_positions.py``),
+and BERT-family decoders read their ``token_type_ids`` buffer at each token's position.
+
+The RoBERTa family counts its positions from the token ids (``padding_idx + 1 + cumsum``): given
+``0, 1, 2, ...`` it runs another model. It is refused by name; with the check taken out it
+compiles and verifies wrong, which is what the check is for. BERT's own positions are
+``0, 1, 2, ...``; its ``token_type_ids`` buffer, expanded over the requests and gathered at each
+position, is a table lookup: ragged rounds equal HF's forward.
+"""
+
+import logging
+
+import pytest
+import torch
+import transformers as T
+
+from dspark_compile import dspark_compile
+from helpers import ragged_rounds_error
+
+VOCAB = 64
+
+
+def _tiny(config_cls, model_cls, **extra):
+    torch.manual_seed(0)
+    cfg = config_cls(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
+                     num_attention_heads=4, intermediate_size=64, max_position_embeddings=128,
+                     is_decoder=True, hidden_dropout_prob=0.0,
+                     attention_probs_dropout_prob=0.0, **extra)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "LayerNorm" not in name:
+                p.normal_(0.0, 0.2)
+    return model
+
+
+def _roberta():
+    return _tiny(T.RobertaConfig, T.RobertaForCausalLM, pad_token_id=1)
+
+
+def _rounds(model) -> float:
+    return ragged_rounds_error(model, dspark_compile(model), [1, 0, 2], [7, 4, 9], VOCAB,
+                               seed=3, max_context=64)
+
+
+@pytest.mark.parametrize("name", ["bert", "electra"])
+def test_bert_family_decoders_equal_hf(name):
+    config_cls, model_cls, extra = {
+        "bert": (T.BertConfig, T.BertLMHeadModel, {}),
+        "electra": (T.ElectraConfig, T.ElectraForCausalLM, dict(embedding_size=16)),
+    }[name]
+    err = _rounds(_tiny(config_cls, model_cls, **extra))
+    assert err < 1e-4, f"max |ragged - HF| = {err}"
+
+
+def test_roberta_is_refused_by_name():
+    with pytest.raises(NotImplementedError, match=r"RobertaForCausalLM computes its own "
+                       r"positions when given none, and they are not 0, 1, 2, \.\.\.: over 12 "
+                       r"tokens .* differ .* by [0-9.e+-]+ \(first at token 0\).*refused"):
+        dspark_compile(_roberta())
+
+
+def test_without_the_check_roberta_verifies_wrong(monkeypatch):
+    from dspark_compile.frontend import capture
+
+    monkeypatch.setattr(capture, "check_default_positions", lambda *args: None)
+    assert _rounds(_roberta()) > 1e-2
+
+
+def test_positions_that_count_a_pad_id_are_caught(monkeypatch):
+    """A default that skips the pad id only where it appears (no offset): the probe holds the
+    config's pad id inside the sequence, so this default differs from 0, 1, 2, ..."""
+    model = _tiny(T.BertConfig, T.BertLMHeadModel, pad_token_id=5)
+    embeddings = model.bert.embeddings
+    forward = embeddings.forward
+
+    def counted(input_ids=None, token_type_ids=None, position_ids=None, **kwargs):
+        if position_ids is None and input_ids is not None:
+            position_ids = (input_ids != 5).long().cumsum(-1) - 1
+        return forward(input_ids=input_ids, token_type_ids=token_type_ids,
+                       position_ids=position_ids, **kwargs)
+
+    monkeypatch.setattr(embeddings, "forward", counted)
+    with pytest.raises(NotImplementedError, match="BertLMHeadModel computes its own positions"):
+        dspark_compile(model)
+
+
+def test_meta_weights_and_a_forward_that_needs_positions_are_logged(caplog):
+    from dspark_compile.frontend.default_positions import check_default_positions
+
+    model = _tiny(T.BertConfig, T.BertLMHeadModel)
+
+    def needs_positions(ids, positions):
+        if positions is None:
+            raise ValueError("position_ids are required")
+        return model(input_ids=ids, position_ids=positions, use_cache=False).logits
+
+    with caplog.at_level(logging.WARNING, logger="dspark_compile"):
+        check_default_positions(model, needs_positions, None)
+        check_default_positions(model.to("meta"), needs_positions, None)
+    assert "its forward without position_ids fails (ValueError: position_ids are required)" \
+        in caplog.text
+    assert "BertLMHeadModel: its weights are on the meta device" in caplog.text
