@@ -60,7 +60,7 @@
 #                 -m gpu), then the five DeepSeek Sparse Attention models and MiniMax-M3's
 #                 block-sparse layers through the Triton lowering (zoo --device cuda, float32 and
 #                 --static), results in zoo_gpu_dsa*.json
-#   reach_tests   Inkling, JetMoE, ZAYA, BLOOM, RecurrentGemma, Zamba and the inline-attention
+#   reach_tests   Inkling, JetMoE, ZAYA, BLOOM, RecurrentGemma, Zamba, the BERT family and the inline-attention
 #                 families (GPT-Neo, XGLM, GPT, GPT-NeoX-Japanese, MPT; BioGPT; the BART
 #                 family's decoders) on the GPU: their
 #                 pytest -m gpu model tests, the relative-logit, row-sink and ALiBi kernel cases,
@@ -307,7 +307,7 @@ ZOO_FAMILIES="llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe qwen3_next g
 
 REACH="inkling_text jetmoe zaya bloom recurrent_gemma zamba gpt_neo xglm openai-gpt
   gpt_neox_japanese mpt biogpt bart mbart plbart blenderbot blenderbot-small marian pegasus
-  mvp trocr"
+  mvp trocr bert electra ernie roc_bert roberta camembert"
 
 if [ "${1:-}" = "--one" ]; then  # one job, under the caller's timeout
   job "$2"
