@@ -39,7 +39,7 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from ..graph_inputs import InputKind, InputSpec, fake_input, name_placeholders
 from ..specs import AttentionSpec, compress_pools, index_pools
 from .adapters import ModelAdapter
-from .default_positions import check_default_positions
+from .own_forward import check_own_forward
 from .guards import describe, locate, needs_locating, token_names
 from .recurrent import check_linear_calls
 from .scope import CaptureScope, open_scope
@@ -414,8 +414,8 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     A model whose attention layers are not known yet (Hugging Face) is first run once to
     discover them (:func:`discover_attention`)."""
     if adapter.kind == "hf":
-        check_default_positions(adapter.model, lambda ids, pos: adapter.forward(
-            adapter.model, ids, pos), adapter.mrope.sections if adapter.mrope else None)
+        check_own_forward(adapter.model, adapter.forward,
+                          adapter.mrope.sections if adapter.mrope else None)
     if adapter.specs is None:
         adapter.specs = discover_attention(adapter, dtype, device)
         adapter.keys = list(range(len(adapter.specs)))

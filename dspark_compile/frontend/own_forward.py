@@ -1,4 +1,4 @@
-"""Are the positions the capture passes the model's own?
+"""Is the capture's call of a model the model's own forward?
 
 The capture calls a Hugging Face model with ``position_ids`` set to each token's place in its
 sequence (``cache length + i``), because a forward without a cache cannot know the cache's
@@ -7,22 +7,26 @@ would use the same numbers. Most decoders do (``arange(past, past + T)``). Some 
 RoBERTa family counts positions from the token ids (``padding_idx + 1 + cumsum(ids != pad)``),
 so passing ``0, 1, 2, ...`` runs a different model, which verifies every draft wrong.
 
-:func:`check_default_positions` runs the model on one short real sequence with and without
-``position_ids`` (the capture's own call otherwise), and refuses the model by name where the
-logits differ by more than float noise (a second run with the positions measures the model's
-own run-to-run noise). The sequence holds the config's special token ids (a pad id among them), so a
-default that counts or skips particular ids is seen. Weights that are not materialised (the meta
-device) cannot run: the check is skipped and says so in one log line.
+The capture also passes no ``attention_mask``, where ``generate`` passes an all-ones one; a
+model that builds another mask (or none) without one would differ the same way.
+
+:func:`check_own_forward` runs the model on one short real sequence as the capture calls it,
+without ``position_ids``, and with an all-ones mask, and refuses the model by name where the
+logits differ by more than float noise (a second run of the capture's call measures the model's
+own run-to-run noise). The sequence holds the config's special token ids (a pad id among them),
+so a default that counts or skips particular ids is seen. Weights that are not materialised (the
+meta device) cannot run: the check is skipped and says so in one log line.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 
 import torch
 import torch.nn as nn
 
-__all__ = ["PositionsNotOwnError", "check_default_positions"]
+__all__ = ["NotOwnForwardError", "check_own_forward"]
 
 log = logging.getLogger("dspark_compile")
 
@@ -31,17 +35,16 @@ _LENGTH = 12
 
 _TOLERANCE = 1e-5
 """Largest difference allowed, times max(1, the largest |logit|): both forwards run the same
-kernels on the same numbers where the positions agree."""
-
+kernels on the same numbers where the calls agree."""
 
 _NOISE_TIMES = 8
-"""Or this many times the difference between two forwards with the same positions, where the
+"""Or this many times the difference between two runs of the capture's call, where the
 model's kernels are not deterministic (atomics summing a mixture of experts' rows in bfloat16 on
 a GPU): a position default that differs moves the logits far more than summation order."""
 
 
-class PositionsNotOwnError(NotImplementedError):
-    """The model's own positions (without ``position_ids``) are not ``cache length + i``."""
+class NotOwnForwardError(NotImplementedError):
+    """The capture's call of a model is not the model's own forward."""
 
 
 def _special_ids(config, vocab: int) -> list[int]:
@@ -74,45 +77,58 @@ def _probe_ids(model: nn.Module, device: torch.device) -> torch.Tensor:
     return ids[None].to(device)
 
 
-def check_default_positions(model: nn.Module, forward, mrope_sections: int | None) -> None:
-    """Refuse ``model`` where its forward without ``position_ids`` differs from its forward
-    with ``position_ids = 0, 1, ..., T-1`` (``forward(ids, positions_or_None) -> logits``, the
-    capture's call on the real model). ``mrope_sections``: positions ``[sections, 1, T]``."""
+def check_own_forward(model: nn.Module, forward, mrope_sections: int | None) -> None:
+    """Refuse ``model`` where the capture's call of it differs from its own forward on a short
+    real sequence: without ``position_ids`` (its own positions), or with an all-ones
+    ``attention_mask`` (as ``generate`` calls it). ``forward(call, ids, positions_or_None) ->
+    logits`` is the capture's call (``call``: the model, or the model with a mask bound);
+    ``mrope_sections``: positions ``[sections, 1, T]``."""
     tensors = [*model.parameters(), *model.buffers()]
     if any(t.device.type == "meta" for t in tensors):
         log.warning("%s: its weights are on the meta device, so whether its own positions are "
-                    "0, 1, 2, ... (the positions the capture passes) was not checked",
-                    type(model).__name__)
+                    "0, 1, 2, ... (the positions the capture passes) and an all-ones attention "
+                    "mask is no mask was not checked", type(model).__name__)
         return
     device = tensors[0].device if tensors else torch.device("cpu")
     ids = _probe_ids(model, device)
     positions = torch.arange(_LENGTH, device=device)[None]
     if mrope_sections is not None:
         positions = positions[None].expand(mrope_sections, 1, _LENGTH)
+    masked = functools.partial(model, attention_mask=torch.ones_like(ids))
     was_training = model.training
     model.eval()
     try:
         with torch.no_grad():
-            given = forward(ids, positions).float()
-            again = forward(ids, positions).float()
+            given = forward(model, ids, positions).float()
+            noise = (given - forward(model, ids, positions).float()).abs().nan_to_num(
+                nan=0.0).amax().item()
+            bound = max(_TOLERANCE * max(1.0, given.abs().nan_to_num(nan=0.0).amax().item()),
+                        _NOISE_TIMES * noise)
+            _compare(model, given, forward(masked, ids, positions), bound,
+                     "with an all-ones attention_mask (as generate calls it) differ from those "
+                     "without one", "passes no mask")
             try:
-                own = forward(ids, None).float()
+                own = forward(model, ids, None)
             except Exception as err:  # noqa: BLE001 - any failure: the default cannot be run
                 log.warning("%s: its forward without position_ids fails (%s: %s), so the "
                             "positions the capture passes (0, 1, 2, ...) are taken as its own",
                             type(model).__name__, type(err).__name__, str(err)[:200])
                 return
+            _compare(model, given, own.float(), bound,
+                     f"without position_ids differ from those with position_ids "
+                     f"0..{_LENGTH - 1}: it computes its own positions when given none, and "
+                     "they are not 0, 1, 2, ...", "passes each token's place in its sequence "
+                     "as its position")
     finally:
         model.train(was_training)
+
+
+def _compare(model: nn.Module, given: torch.Tensor, own: torch.Tensor, bound: float,
+             what: str, capture: str) -> None:
     diff = (given - own).abs().nan_to_num(nan=float("inf"))
-    noise = (given - again).abs().nan_to_num(nan=0.0).amax().item()
-    bound = max(_TOLERANCE * max(1.0, own.abs().nan_to_num(nan=0.0).amax().item()),
-                _NOISE_TIMES * noise)
     if diff.amax().item() > bound:
         row = int(diff.amax(-1).flatten().argmax())
-        raise PositionsNotOwnError(
-            f"{type(model).__name__} computes its own positions when given none, and they are "
-            f"not 0, 1, 2, ...: over {_LENGTH} tokens its logits without position_ids differ "
-            f"from those with position_ids 0..{_LENGTH - 1} by {diff.amax().item():.3g} (first "
-            f"at token {row}). dspark_compile passes each token's place in its sequence as its "
-            "position, which would run a different model; the model is refused")
+        raise NotOwnForwardError(
+            f"{type(model).__name__}: over {_LENGTH} tokens its logits {what}, by "
+            f"{diff.amax().item():.3g} (first at token {row}). dspark_compile {capture}, which "
+            "would run a different model; the model is refused")

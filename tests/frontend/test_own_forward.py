@@ -1,5 +1,6 @@
-"""The positions the capture passes must be the model's own (``frontend/default_positions.py``),
-and BERT-family decoders read their ``token_type_ids`` buffer at each token's position.
+"""The capture's call must be the model's own forward (``frontend/own_forward.py``): its own
+positions and an all-ones mask; BERT-family decoders read their ``token_type_ids`` buffer at
+each token's position.
 
 The RoBERTa family counts its positions from the token ids (``padding_idx + 1 + cumsum``): given
 ``0, 1, 2, ...`` it runs another model. It is refused by name; with the check taken out it
@@ -54,16 +55,17 @@ def test_bert_family_decoders_equal_hf(name):
 
 
 def test_roberta_is_refused_by_name():
-    with pytest.raises(NotImplementedError, match=r"RobertaForCausalLM computes its own "
-                       r"positions when given none, and they are not 0, 1, 2, \.\.\.: over 12 "
-                       r"tokens .* differ .* by [0-9.e+-]+ \(first at token 0\).*refused"):
+    with pytest.raises(NotImplementedError, match=r"RobertaForCausalLM: over 12 tokens its "
+                       r"logits without position_ids differ from those with position_ids "
+                       r"0\.\.11: it computes its own positions when given none, and they are "
+                       r"not 0, 1, 2, \.\.\., by [0-9.e+-]+ \(first at token 0\).*refused"):
         dspark_compile(_roberta())
 
 
 def test_without_the_check_roberta_verifies_wrong(monkeypatch):
     from dspark_compile.frontend import capture
 
-    monkeypatch.setattr(capture, "check_default_positions", lambda *args: None)
+    monkeypatch.setattr(capture, "check_own_forward", lambda *args: None)
     assert _rounds(_roberta()) > 1e-2
 
 
@@ -81,23 +83,44 @@ def test_positions_that_count_a_pad_id_are_caught(monkeypatch):
                        position_ids=position_ids, **kwargs)
 
     monkeypatch.setattr(embeddings, "forward", counted)
-    with pytest.raises(NotImplementedError, match="BertLMHeadModel computes its own positions"):
+    with pytest.raises(NotImplementedError, match="BertLMHeadModel: .* computes its own positions"):
         dspark_compile(model)
 
 
 def test_meta_weights_and_a_forward_that_needs_positions_are_logged(caplog):
-    from dspark_compile.frontend.default_positions import check_default_positions
+    from dspark_compile.frontend.own_forward import check_own_forward
 
     model = _tiny(T.BertConfig, T.BertLMHeadModel)
 
-    def needs_positions(ids, positions):
+    def needs_positions(call, ids, positions):
         if positions is None:
             raise ValueError("position_ids are required")
-        return model(input_ids=ids, position_ids=positions, use_cache=False).logits
+        return call(input_ids=ids, position_ids=positions, use_cache=False).logits
 
     with caplog.at_level(logging.WARNING, logger="dspark_compile"):
-        check_default_positions(model, needs_positions, None)
-        check_default_positions(model.to("meta"), needs_positions, None)
+        check_own_forward(model, needs_positions, None)
+        check_own_forward(model.to("meta"), needs_positions, None)
     assert "its forward without position_ids fails (ValueError: position_ids are required)" \
         in caplog.text
     assert "BertLMHeadModel: its weights are on the meta device" in caplog.text
+
+
+def test_a_model_that_differs_under_an_all_ones_mask_is_refused(monkeypatch):
+    """``generate`` passes an all-ones mask; the capture none. A model whose forward differs
+    between the two (here: one that drops the last token's embedding where a mask is given)
+    is refused by name."""
+    model = _tiny(T.BertConfig, T.BertLMHeadModel)
+    forward = model.bert.forward
+
+    def masked_differs(*args, attention_mask=None, **kwargs):
+        out = forward(*args, attention_mask=attention_mask, **kwargs)
+        if attention_mask is not None:
+            out.last_hidden_state[:, -1] = 0.0
+        return out
+
+    monkeypatch.setattr(model.bert, "forward", masked_differs)
+    with pytest.raises(NotImplementedError, match=r"BertLMHeadModel: over 12 tokens its logits "
+                       r"with an all-ones attention_mask \(as generate calls it\) differ from "
+                       r"those without one, by .* \(first at token 11\)\. dspark_compile passes "
+                       r"no mask"):
+        dspark_compile(model)
