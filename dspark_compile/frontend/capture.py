@@ -39,8 +39,8 @@ from torch.fx.experimental.symbolic_shapes import ShapeEnv
 from ..graph_inputs import InputKind, InputSpec, fake_input, name_placeholders
 from ..specs import AttentionSpec, compress_pools, index_pools
 from .adapters import ModelAdapter
-from .own_forward import check_own_forward
 from .guards import describe, locate, needs_locating, token_names
+from .own_forward import check_own_forward
 from .recurrent import check_linear_calls
 from .scope import CaptureScope, open_scope
 
@@ -413,9 +413,6 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     """Trace ``adapter``'s dense verify forward into an aten graph (see module docstring).
     A model whose attention layers are not known yet (Hugging Face) is first run once to
     discover them (:func:`discover_attention`)."""
-    if adapter.kind == "hf":
-        check_own_forward(adapter.model, adapter.forward,
-                          adapter.mrope.sections if adapter.mrope else None)
     if adapter.specs is None:
         adapter.specs = discover_attention(adapter, dtype, device)
         adapter.keys = list(range(len(adapter.specs)))
@@ -470,6 +467,9 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     gm.recompile()
     bs, tokens = _token_symbols(gm, mode.shape_env)
     _check_guards(mode.shape_env, bs, tokens, gm)
+    if adapter.kind == "hf":  # after the capture's own refusals, which name more
+        check_own_forward(adapter.model, adapter.forward,
+                          adapter.mrope.sections if adapter.mrope else None)
     return CapturedGraph(gm, specs, bs, tokens)
 
 
