@@ -124,3 +124,16 @@ def test_a_model_that_differs_under_an_all_ones_mask_is_refused(monkeypatch):
                        r"those without one, by .* \(first at token 11\)\. dspark_compile passes "
                        r"no mask"):
         dspark_compile(model)
+
+
+def test_in_bfloat16_roberta_is_still_refused_and_bert_is_not():
+    """Half precision is judged at 5e-2 of the logits' scale (another attention kernel may
+    round differently): RoBERTa's positions still move them past it, BERT's call passes."""
+    from dspark_compile.frontend.own_forward import check_own_forward
+
+    def call(call, ids, positions):
+        return call(input_ids=ids, position_ids=positions, use_cache=False).logits
+
+    with pytest.raises(NotImplementedError, match="computes its own positions"):
+        check_own_forward(_roberta().to(torch.bfloat16), call, None)
+    check_own_forward(_tiny(T.BertConfig, T.BertLMHeadModel).to(torch.bfloat16), call, None)
