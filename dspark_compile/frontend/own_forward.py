@@ -76,7 +76,7 @@ def _probe_ids(model: nn.Module, device: torch.device) -> torch.Tensor:
     placed inside the sequence, not only at its start."""
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
-    ids = torch.randint(2, max(vocab, 3), (_LENGTH,), generator=generator)
+    ids = torch.randint(2 if vocab > 2 else 0, vocab, (_LENGTH,), generator=generator)
     special = ([0, 1] if vocab > 1 else [0]) + _special_ids(model.config, vocab)
     for j, x in enumerate(dict.fromkeys(special)):
         place = 2 + 3 * j
@@ -114,17 +114,13 @@ def check_own_forward(model: nn.Module, forward, mrope_sections: int | None) -> 
             scale = given.abs().nan_to_num(nan=0.0, posinf=0.0).amax().item()
             bound = max(_tolerance(_model_dtype(model), device) * max(1.0, scale),
                         _NOISE_TIMES * noise)
-            _compare(model, given, forward(masked, ids, positions), bound,
+            _compare(model, given, _run(model, lambda: forward(masked, ids, positions),
+                                        "with an all-ones attention_mask", "no mask is"), bound,
                      "with an all-ones attention_mask (as generate calls it) differ from those "
                      "without one", "passes no mask")
-            try:
-                own = forward(model, ids, None)
-            except Exception as err:  # noqa: BLE001 - any failure: the default cannot be run
-                log.warning("%s: its forward without position_ids fails (%s: %s), so the "
-                            "positions the capture passes (0, 1, 2, ...) are taken as its own",
-                            type(model).__name__, type(err).__name__, str(err)[:200])
-                return
-            _compare(model, given, own.float(), bound,
+            _compare(model, given, _run(model, lambda: forward(model, ids, None),
+                                        "without position_ids", "the positions the capture "
+                                        "passes (0, 1, 2, ...) are"), bound,
                      f"without position_ids differ from those with position_ids "
                      f"0..{_LENGTH - 1}: it computes its own positions when given none, and "
                      "they are not 0, 1, 2, ...", "passes each token's place in its sequence "
@@ -145,13 +141,26 @@ def _tolerance(dtype: torch.dtype, device: torch.device) -> float:
     return _TOLERANCE if device.type == "cpu" else _GPU_TOLERANCE
 
 
-def _compare(model: nn.Module, given: torch.Tensor, own: torch.Tensor, bound: float,
+def _run(model: nn.Module, call, how: str, taken: str) -> torch.Tensor | None:
+    """The logits of ``call()`` in float32, or None (said in one log line) where the model's
+    forward fails called ``how``: then what the capture passes is taken as its own."""
+    try:
+        return call().float()
+    except Exception as err:  # noqa: BLE001 - any failure: that call cannot be compared
+        log.warning("%s: its forward %s fails (%s: %s), so %s taken as its own",
+                    type(model).__name__, how, type(err).__name__, str(err)[:200], taken)
+        return None
+
+
+def _compare(model: nn.Module, given: torch.Tensor, own: torch.Tensor | None, bound: float,
              what: str, capture: str) -> None:
+    if own is None:
+        return
     same = (given == own) | (given.isnan() & own.isnan())  # a poisoned row in both, or inf
     diff = torch.where(same, 0.0, (given - own).abs().nan_to_num(nan=float("inf")))
     if diff.amax().item() > bound:
         row = int(diff.amax(-1).flatten().argmax())
         raise NotOwnForwardError(
             f"{type(model).__name__}: over {_LENGTH} tokens its logits {what}, by "
-            f"{diff.amax().item():.3g} (first at token {row}). dspark_compile {capture}, which "
-            "would run a different model; the model is refused")
+            f"{diff.amax().item():.3g} (the most at token {row}). dspark_compile {capture}, "
+            "which would run a different model; the model is refused")

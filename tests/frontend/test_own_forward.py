@@ -58,7 +58,7 @@ def test_roberta_is_refused_by_name():
     with pytest.raises(NotImplementedError, match=r"RobertaForCausalLM: over 12 tokens its "
                        r"logits without position_ids differ from those with position_ids "
                        r"0\.\.11: it computes its own positions when given none, and they are "
-                       r"not 0, 1, 2, \.\.\., by [0-9.e+-]+ \(first at token 0\).*refused"):
+                       r"not 0, 1, 2, \.\.\., by [0-9.e+-]+ \(the most at token 0\).*refused"):
         dspark_compile(_roberta())
 
 
@@ -100,8 +100,8 @@ def test_meta_weights_and_a_forward_that_needs_positions_are_logged(caplog):
     with caplog.at_level(logging.WARNING, logger="dspark_compile"):
         check_own_forward(model, needs_positions, None)
         check_own_forward(model.to("meta"), needs_positions, None)
-    assert "its forward without position_ids fails (ValueError: position_ids are required)" \
-        in caplog.text
+    assert "its forward without position_ids fails (ValueError: position_ids are required), so " \
+        "the positions the capture passes (0, 1, 2, ...) are taken as its own" in caplog.text
     assert "BertLMHeadModel: its weights are on the meta device" in caplog.text
 
 
@@ -121,7 +121,7 @@ def test_a_model_that_differs_under_an_all_ones_mask_is_refused(monkeypatch):
     monkeypatch.setattr(model.bert, "forward", masked_differs)
     with pytest.raises(NotImplementedError, match=r"BertLMHeadModel: over 12 tokens its logits "
                        r"with an all-ones attention_mask \(as generate calls it\) differ from "
-                       r"those without one, by .* \(first at token 11\)\. dspark_compile passes "
+                       r"those without one, by .* \(the most at token 11\)\. dspark_compile passes "
                        r"no mask"):
         dspark_compile(model)
 
