@@ -22,11 +22,12 @@ from __future__ import annotations
 
 import functools
 import logging
+import re
 
 import torch
 import torch.nn as nn
 
-__all__ = ["NotOwnForwardError", "check_own_forward"]
+__all__ = ["TOKEN_ID_KEY", "NotOwnForwardError", "check_own_forward", "config_token_ids"]
 
 log = logging.getLogger("dspark_compile")
 
@@ -56,33 +57,39 @@ class NotOwnForwardError(NotImplementedError):
     """The capture's call of a model is not the model's own forward."""
 
 
-def _special_ids(config, vocab: int) -> list[int]:
-    """The config's token ids (pad, bos, eos, ...) within the vocabulary, in a fixed order."""
+TOKEN_ID_KEY = re.compile(r"token_id$|token_ids$|^(unk|mask|pad|bos|eos)_index$")
+"""A config key that names special token ids (``pad_token_id``, ``eos_token_ids``,
+``pad_index``, ...)."""
+
+
+def config_token_ids(d: dict) -> set[int]:
+    """Every integer id a config's dict (``config.to_dict()``) names under a
+    :data:`TOKEN_ID_KEY` key, its sub-configs (a dict with a ``model_type``: ``text_config``,
+    ``decoder``, ...) included."""
     ids: set[int] = set()
-    configs = [config] + [getattr(config, name) for name in ("text_config", "decoder")
-                          if hasattr(config, name) and getattr(config, name) is not None]
-    for c in configs:
-        for key, value in vars(c).items():
-            if not key.endswith("token_id"):
-                continue
-            for x in value if isinstance(value, (list, tuple)) else [value]:
-                if isinstance(x, int) and not isinstance(x, bool) and 0 <= x < vocab:
-                    ids.add(x)
-    return sorted(ids)
+    todo = [d]
+    while todo:
+        d = todo.pop()
+        for key, value in d.items():
+            if isinstance(value, dict) and "model_type" in value:
+                todo.append(value)
+            elif TOKEN_ID_KEY.search(key):
+                for x in value if isinstance(value, list) else [value]:
+                    if isinstance(x, int) and not isinstance(x, bool):
+                        ids.add(x)
+    return ids
 
 
 def _probe_ids(model: nn.Module, device: torch.device) -> torch.Tensor:
-    """``[1, _LENGTH]``: ordinary ids with the special ids (and 0 and 1, the usual pad ids)
-    placed inside the sequence, not only at its start."""
+    """``[1, _LENGTH]``: ordinary ids with the config's special ids, then 0 and 1 (the usual pad
+    ids), at every other place from the second on (inside the sequence, not only at its
+    start)."""
     vocab = model.get_input_embeddings().num_embeddings
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(2 if vocab > 2 else 0, vocab, (_LENGTH,), generator=generator)
-    special = ([0, 1] if vocab > 1 else [0]) + _special_ids(model.config, vocab)
-    for j, x in enumerate(dict.fromkeys(special)):
-        place = 2 + 3 * j
-        if place >= _LENGTH:
-            break
-        ids[place] = x
+    special = [*sorted(config_token_ids(model.config.to_dict())), 0, 1]
+    special = [x for x in dict.fromkeys(special) if 0 <= x < vocab][:_LENGTH // 2]
+    ids[1:2 * len(special):2] = torch.tensor(special, dtype=ids.dtype)
     return ids[None].to(device)
 
 

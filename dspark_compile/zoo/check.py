@@ -18,7 +18,8 @@ from typing import Callable
 
 import torch
 
-from .tiny import _TOKEN_ID, _walk, tiny_config
+from ..frontend.own_forward import config_token_ids
+from .tiny import tiny_config
 
 __all__ = ["STATUSES", "TOLERANCE", "GPU_TOLERANCE", "HALF_RATIO", "HALF_FLOOR", "DTYPES",
            "Entry", "entries", "check", "classify", "tolerance"]
@@ -223,16 +224,6 @@ def classify(err: BaseException) -> tuple[str, str, str]:
     return "error", f"{type(err).__name__}: {message}", where
 
 
-def _special_ids(config) -> set[int]:
-    ids = set()
-    for _, key, value in _walk(config.to_dict()):
-        if _TOKEN_ID.search(key):
-            for x in value if isinstance(value, list) else [value]:
-                if isinstance(x, int) and not isinstance(x, bool):
-                    ids.add(x)
-    return ids
-
-
 def _hf_logits(model, seq: torch.Tensor) -> torch.Tensor:
     """HF's logits over ``seq`` as ``generate`` calls the model: with an all-ones attention
     mask. Without one some models build no mask at all, and their eager attention then sees
@@ -345,7 +336,7 @@ def _reference_model(model_cls, config, impl: str, seed: int, result: Result, ph
     model = model_cls._from_config(config, attn_implementation=impl,
                                    dtype=torch.float32).eval().to(device)
     vocab = model.get_input_embeddings().num_embeddings
-    allowed = torch.tensor(sorted(set(range(vocab)) - _special_ids(config)))
+    allowed = torch.tensor(sorted(set(range(vocab)) - config_token_ids(config.to_dict())))
     probe = allowed[torch.randint(0, allowed.numel(), (24,),  # the longest check sequence: 19
                                   generator=torch.Generator().manual_seed(seed))].to(device)
     _enter(result, phase, "reference")

@@ -29,6 +29,8 @@ from typing import Any
 
 import torch
 
+from ..frontend.own_forward import TOKEN_ID_KEY, config_token_ids
+
 __all__ = ["SIZES", "MAX_LAYERS", "OVERRIDES", "TinyConfig", "tiny_config", "special_token_ids",
            "layer_kinds", "decoder_stacks"]
 
@@ -86,7 +88,6 @@ _WINDOWS = {"sliding_window", "sliding_window_size", "attention_window_size",
 _POSITIONS = {"max_position_embeddings", "n_positions", "n_ctx", "max_seq_len",
               "max_target_positions", "max_source_positions", "seq_length", "context_length"}
 _INTERMEDIATE = re.compile(r"intermediate|ffn|^d_ff$|^dim_ff$|^dff$|^n_inner$|feed_forward")
-_TOKEN_ID = re.compile(r"token_id$|token_ids$|^(unk|mask|pad|bos|eos)_index$")
 _DROPOUT = re.compile(r"dropout|pdrop|drop_path|layerdrop")
 _LAYER_INDEX_LIST = re.compile(r"layer|idxs|indexes|indices")
 _ROPE_DICTS = {"rope_parameters", "rope_scaling"}
@@ -305,12 +306,7 @@ def special_token_ids(d: dict, vocab: int) -> dict[str, Any]:
     """Move every special token id (``*_token_id(s)``, ``*_index``) at or past ``vocab`` to the
     top of the vocabulary, one new id per old id (ids that were equal stay equal), skipping
     ids already inside; returns ``field: new value`` for the fields that changed."""
-    inside = set()
-    for _, key, value in _walk(d):
-        if _TOKEN_ID.search(key):
-            for x in value if isinstance(value, list) else [value]:
-                if isinstance(x, int) and 0 <= x < vocab:
-                    inside.add(x)
+    inside = {x for x in config_token_ids(d) if 0 <= x < vocab}
     moved: dict[int, int] = {}
     free = iter(range(vocab - 1, -1, -1))
 
@@ -323,7 +319,7 @@ def special_token_ids(d: dict, vocab: int) -> dict[str, Any]:
 
     out = {}
     for owner, key, value in list(_walk(d)):
-        if not _TOKEN_ID.search(key):
+        if not TOKEN_ID_KEY.search(key):
             continue
         new = [remap(x) for x in value] if isinstance(value, list) else remap(value)
         if new != value:
@@ -376,7 +372,7 @@ def _per_layer_fields(d: dict, n: int) -> tuple[list[str], list[str], list[str]]
                 isinstance(x, int) and not isinstance(x, bool) and 0 <= x < n for x in value) \
                 and value == sorted(set(value)):
             index.append(key)
-        elif len(value) == n and n > 1 and not _TOKEN_ID.search(key):
+        elif len(value) == n and n > 1 and not TOKEN_ID_KEY.search(key):
             per.append(key)
     return per, index, keyed
 

@@ -137,3 +137,13 @@ def test_in_bfloat16_roberta_is_still_refused_and_bert_is_not():
     with pytest.raises(NotImplementedError, match="computes its own positions"):
         check_own_forward(_roberta().to(torch.bfloat16), call, None)
     check_own_forward(_tiny(T.BertConfig, T.BertLMHeadModel).to(torch.bfloat16), call, None)
+
+
+def test_config_token_ids_reads_sub_configs_and_index_keys():
+    from dspark_compile.frontend.own_forward import config_token_ids
+
+    d = {"bos_token_id": 3, "eos_token_id": [4, 5], "pad_index": 6, "use_cache": True,
+         "tie_token_ids": False, "vocab_size": 99,
+         "text_config": {"model_type": "x", "image_token_id": 7, "hidden_size": 8},
+         "plain": {"pad_token_id": 9}}  # a dict that is no sub-config: not read
+    assert config_token_ids(d) == {3, 4, 5, 6, 7}

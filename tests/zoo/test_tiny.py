@@ -12,17 +12,8 @@ import sys
 import pytest
 import transformers as T
 
-from dspark_compile.zoo.tiny import (SIZES, _TOKEN_ID, _fix_rope, _walk, special_token_ids,
-                                     tiny_config)
-
-
-def _ids(config) -> list[int]:
-    out = []
-    for _, key, value in _walk(config.to_dict()):
-        if _TOKEN_ID.search(key):
-            out += [x for x in (value if isinstance(value, list) else [value])
-                    if isinstance(x, int)]
-    return out
+from dspark_compile.frontend.own_forward import config_token_ids
+from dspark_compile.zoo.tiny import SIZES, _fix_rope, special_token_ids, tiny_config
 
 
 @pytest.mark.parametrize("model_type, cls", [
@@ -37,7 +28,7 @@ def test_sizes_and_special_token_ids(model_type, cls):
     assert text.hidden_size == SIZES["hidden"] and text.num_attention_heads == SIZES["heads"]
     assert text.vocab_size == SIZES["vocab"]
     assert text.max_position_embeddings >= 256
-    ids = _ids(config)
+    ids = config_token_ids(config.to_dict())
     assert ids and all(0 <= i < SIZES["vocab"] for i in ids), ids
     if model_type == "gpt2":
         assert config.bos_token_id == config.eos_token_id  # equal ids stay equal
