@@ -1,5 +1,6 @@
 """Attention written inline in a model's own layer (GPT-Neo, XGLM, MVP, TrOCR, GPT,
-GPT-NeoX-Japanese, MPT), captured through the attention function.
+GPT-NeoX-Japanese, MPT, MegatronBERT, RemBERT, RoFormer), captured through the attention
+function.
 
 These layers compute ``softmax(q k^T + mask) v`` themselves instead of calling transformers'
 attention interface, so the capture would meet their mask as a tensor (it proves masks instead of
@@ -27,6 +28,15 @@ scaling as written and hands the scores' part to the capture's attention functio
   its ``create_causal_mask`` returns the proof wrapped so that this one cast gives the proof
   back.
 
+- **BERT-style self-attention** (``MegatronBertSelfAttention``, ``RemBertSelfAttention``,
+  ``RoFormerSelfAttention``): ``query``/``key``/``value``
+  projections split into heads of ``attention_head_size``, scores divided by its square root, the
+  model's mask added (built by ``create_causal_mask``: the capture's proof). RoFormer rotates q
+  and k (and v where ``rotary_value``) by its own ``apply_rotary_position_embeddings`` with the
+  sinusoid table its encoder reads at ``arange(T) + cache length``: read here at each token's own
+  position instead, as the BART family's counted positions are. Cross-attention and returned
+  attention weights are refused.
+
 Only the exact classes with the sources this was derived from (transformers 5.24 and 5.17) are
 taken, and only plain float weights; anything else is refused by name.
 """
@@ -43,9 +53,9 @@ from torch import nn
 
 from .masks import WindowMask
 from .bloom import AlibiSlopes
-from .replaced import PLAIN_FLOATS, known_forward, modeling_instances, source_key, \
-    swapped_forward
-from .scope import HF_ATTENTION_NAME, outside_trace
+from .replaced import PLAIN_FLOATS, bind_call, known_forward, modeling_instances, \
+    source_key, swapped_forward
+from .scope import HF_ATTENTION_NAME, active_scope, outside_trace
 
 __all__ = ["KNOWN_SOURCES", "inline_hooks"]
 
@@ -81,6 +91,16 @@ KNOWN_SOURCES = {
     ("MptModel", "forward"): frozenset({"e67fc628f88d14ba", "b389f245c2701a25"}),
     ("MptModel", "build_mpt_alibi_tensor"): frozenset({"31a8329daad38f1c"}),
     ("modeling_mpt", "build_mpt_alibi_tensor"): frozenset({"ceac1cf0eb0d182c"}),
+    ("MegatronBertSelfAttention", "forward"): frozenset({"12dd72a5c5d51c33"}),
+    ("MegatronBertSelfAttention", "__init__"): frozenset({"94c5e7f5b8bc8f6d"}),
+    ("RemBertSelfAttention", "forward"): frozenset({"3640bdb35aab6fe1"}),
+    ("RemBertSelfAttention", "__init__"): frozenset({"94c5e7f5b8bc8f6d"}),
+    ("RoFormerSelfAttention", "forward"): frozenset({"1f1d988992c832ab"}),
+    ("RoFormerSelfAttention", "__init__"): frozenset({"3de09cc66edfc60a"}),
+    ("RoFormerSelfAttention", "apply_rotary_position_embeddings"):
+        frozenset({"b53a670b77dfe3ee"}),
+    ("RoFormerSinusoidalPositionalEmbedding", "forward"): frozenset({"6307e1e648a167f7"}),
+    ("RoFormerEncoder", "forward"): frozenset({"0576bd618fadf2e7"}),
 }
 """sha256 prefixes (:func:`~.replaced.source_key`) of the methods each replacement was derived
 from, by (class or module, method): transformers 5.24 and 5.17 (where a method has two, they
@@ -294,12 +314,12 @@ def _taken(m: nn.Module, cls: type, methods: tuple[str, ...]) -> bool:
 
 @contextlib.contextmanager
 def inline_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
-    """Run ``model``'s inline GPT-Neo, XGLM or MPT attention through the attention function for
-    the capture; restored after. A model without them is left untouched."""
+    """Run ``model``'s inline attention (module docstring) through the attention function for
+    the capture; restored after. A model without it is left untouched."""
     with contextlib.ExitStack() as stack:
         for hook in (_gpt_neo, _xglm, _bart_style("mvp", "MvpAttention", "MVP"),
                      _bart_style("trocr", "TrOCRAttention", "TrOCR"), _openai, _neox_japanese,
-                     _mpt):
+                     _mpt, *_BERT_STYLE_HOOKS, _roformer):
             stack.enter_context(hook(model, names))
         yield
 
@@ -433,4 +453,118 @@ def _mpt(model, names) -> Iterator[None]:
         if not (shared and _taken(m, cls, own)):
             raise _refuse_layer(m, names, "MPT")
     with swapped_forward(attention, _mpt_forward), _mpt_mask(modeling):
+        yield
+
+
+_BERT_CALL = ("hidden_states", "attention_mask", "encoder_hidden_states", "cache",
+              "output_attentions")
+_ROFORMER_CALL = ("hidden_states", "attention_mask", "sinusoidal_pos", "encoder_hidden_states",
+                  "cache", "output_attentions", "position_ids")
+"""RoFormer's layers hand their keywords down to the attention, the capture's ``position_ids``
+among them, which its own forward never reads (its positions are the sinusoid table's)."""
+
+
+def _bert_forward(params: tuple[str, ...], rotary: bool = False) -> Callable:
+    def forward(self, *args, **kwargs):
+        """A BERT-style self-attention's forward through the attention function (module
+        docstring); ``params`` are its own forward's parameters."""
+        call = bind_call(params, 1, args, kwargs, lambda what: _refuse(self, what), "the KV")
+        if call.get("encoder_hidden_states") is not None:
+            raise _refuse(self, "called as cross-attention (encoder_hidden_states=)")
+        if call.get("output_attentions"):
+            raise _refuse(self, "called with output_attentions=True")
+        hidden = call["hidden_states"]
+        shape = (*hidden.shape[:-1], -1, self.attention_head_size)
+        query, key, value = (proj(hidden).view(shape).transpose(1, 2)
+                             for proj in (self.query, self.key, self.value))
+        if rotary:
+            query, key, value = _roformer_rotate(self, call.get("sinusoidal_pos"), query, key,
+                                                 value)
+        out, _ = _attention()(self, query, key, value,
+                              _causal(self, call.get("attention_mask")),
+                              scaling=1.0 / math.sqrt(self.attention_head_size), dropout=0.0)
+        return out.reshape(*hidden.shape[:-1], self.all_head_size), None
+    return forward
+
+
+def _roformer_rotate(self, table, query, key, value):
+    """q and k (and v where the layer says so) rotated as the layer's own
+    ``apply_rotary_position_embeddings`` does, by the table rows :func:`_roformer_positions`
+    read at each token's position: ``[bs, T, D]`` there, indexed ``[None, None]`` by the
+    encoder, so ``[1, 1, bs, T, D]`` here and ``[bs, 1, T, D]`` (one row a token, every head)
+    handed on."""
+    if not isinstance(table, torch.Tensor) or table.dim() != 5 or \
+            tuple(table.shape[:2]) != (1, 1) or table.shape[-1] != query.shape[-1]:
+        shape = tuple(table.shape) if isinstance(table, torch.Tensor) else table
+        raise _refuse(self, f"handed sinusoidal_pos {shape}, where its encoder indexes the "
+                            "position rows read at each token's position with [None, None]")
+    table = table[0, 0].unsqueeze(1)
+    if self.rotary_value:
+        return self.apply_rotary_position_embeddings(table, query, key, value)
+    query, key = self.apply_rotary_position_embeddings(table, query, key)
+    return query, key, value
+
+
+def _roformer_positions(self, *args, **kwargs):
+    """``RoFormerSinusoidalPositionalEmbedding.forward``: its table at each token's own
+    position (``[bs, T]`` from the capture), where its encoder asks for ``arange(T)``."""
+    scope = active_scope()
+    if scope is None or scope.positions is None:
+        raise RuntimeError(f"{type(self).__name__}: replaced by dspark_compile for a capture "
+                           "and called outside one")
+    return nn.Embedding.forward(self, scope.positions)
+
+
+def _bert_style(family: str, name: str, title: str, params: tuple[str, ...]) -> Callable:
+    """The hook of a BERT-style self-attention class ``name`` of ``family``'s modeling
+    module, run through :func:`_bert_forward`."""
+    @contextlib.contextmanager
+    def hook(model, names) -> Iterator[None]:
+        classes, found = modeling_instances(
+            model, f"transformers.models.{family}.modeling_{family}", (name,))
+        if not found:
+            yield
+            return
+        cls, = classes
+        for m in found:
+            if not _taken(m, cls, ("forward", "__init__")):
+                raise _refuse_layer(m, names, title)
+        with swapped_forward(cls, _bert_forward(params)):
+            yield
+    return hook
+
+
+_BERT_STYLE_HOOKS = (
+    _bert_style("megatron_bert", "MegatronBertSelfAttention", "MegatronBERT", _BERT_CALL),
+    _bert_style("rembert", "RemBertSelfAttention", "RemBERT", _BERT_CALL),
+)
+
+
+@contextlib.contextmanager
+def _roformer(model, names) -> Iterator[None]:
+    """RoFormer: its self-attention through :func:`_bert_forward` with its rotation, and its
+    sinusoid table read at each token's position, only where the table is its encoder's own
+    and the encoder reads as :data:`KNOWN_SOURCES` says (the ``[None, None]`` indexing)."""
+    classes, found = modeling_instances(
+        model, "transformers.models.roformer.modeling_roformer",
+        ("RoFormerSelfAttention", "RoFormerSinusoidalPositionalEmbedding", "RoFormerEncoder"),
+        held=3)
+    if not found:
+        yield
+        return
+    attention, positions, encoder = classes
+    owned = {id(m.embed_positions) for m in found
+             if isinstance(m, encoder) and _taken(m, encoder, ("forward",))}
+    for m in found:
+        if isinstance(m, attention):
+            own = _taken(m, attention,
+                         ("forward", "__init__", "apply_rotary_position_embeddings"))
+        elif isinstance(m, positions):
+            own = id(m) in owned and _taken(m, positions, ("forward",))
+        else:
+            own = _taken(m, encoder, ("forward",))
+        if not own:
+            raise _refuse_layer(m, names, "RoFormer")
+    with swapped_forward(attention, _bert_forward(_ROFORMER_CALL, rotary=True)), \
+            swapped_forward(positions, _roformer_positions):
         yield
