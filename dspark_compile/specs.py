@@ -103,6 +103,10 @@ class AttentionSpec:
     distance is below ``relative``; 0: none."""
     alibi: bool = False
     """ALiBi: each head adds its slope times ``kpos - qpos`` (Bloom)."""
+    kv_from: int | None = None
+    """The layer attends over an earlier layer's keys and values, handed on as the same tensors
+    (Gemma 3n's and Gemma 4's KV-shared layers): its K/V pools are that layer's (this index in
+    the specs), stored once; its step writes the same rows there again. None: its own pools."""
 
     @property
     def value_dim(self) -> int:

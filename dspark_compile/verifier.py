@@ -491,7 +491,9 @@ class Verifier:
                 f"{spec.head_dim} (q/k) / {spec.v_head_dim} (v)"
             lines.append(f"  attention {spec.name}: {', '.join(traits)}; "
                          f"{spec.num_kv_heads} kv heads x {dims}" +
-                         (", K=V (one pool)" if spec.shared_kv else ""))
+                         (", K=V (one pool)" if spec.shared_kv else "") +
+                         (f", the K/V pools of {self.adapter.specs[spec.kv_from].name}"
+                          if spec.kv_from is not None else ""))
         for r in self.results:
             details = ", ".join(f"{k}={v}" for k, v in sorted(r.details.items()))
             lines.append(f"  pass {r.name}: {r.changed} rewritten" +

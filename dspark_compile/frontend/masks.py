@@ -142,15 +142,30 @@ class WindowMask:
 
     def __getitem__(self, key):
         """A DSA layer hands its indexer ``mask[:, 0, :, :]`` (``[:, 0]``): an
-        :class:`IndexerMask` of the same proof. Any other indexing is refused: what it would
-        select is not proven."""
+        :class:`IndexerMask` of the same proof. Slices that keep every row of every axis
+        (``[:, :, 0:, :]``: Gemma 4 keeping ``logits_to_keep=0`` rows before its KV-shared
+        layers) are the same mask. Any other indexing is refused: what it would select is not
+        proven."""
         if isinstance(key, tuple) and key in INDEXER_KEYS:
             return IndexerMask(self.window, self.chunk)
+        if _keeps_everything(key):
+            return self
         raise NotImplementedError(
             f"the model indexes its attention mask with {key!r}; dspark_compile proves masks "
             "instead of building them and understands only the head axis dropped for a "
             "DeepSeek Sparse Attention indexer ([:, 0, :, :] or [:, 0]), so the model is "
             "refused rather than verified wrong")
+
+
+def _keeps_everything(key) -> bool:
+    """``key`` is a slice, or a tuple of slices, that selects every row of each axis it
+    indexes (start 0 or none, no stop, step 1 or none)."""
+    keys = key if isinstance(key, tuple) else (key,)
+    return bool(keys) and all(
+        isinstance(k, slice) and k.stop is None and
+        all(x is None or (type(x) is int and x == keep) for x, keep in ((k.start, 0),
+                                                                        (k.step, 1)))
+        for k in keys)
 
 
 def _hf_mask_name(fn) -> str | None:

@@ -59,6 +59,10 @@ class CaptureScope:
     discovered: list[AttentionSpec] | None = None
     """Set while the frontend discovers a model's attention layers: ``attend`` records each
     call's spec here and returns zeros instead of emitting an op (there are no pools yet)."""
+    discovered_kv: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list,
+                                                                  repr=False)
+    """While discovering: each call's keys and values, so that a later call handed the same
+    tensors is seen reading that call's pools (``AttentionSpec.kv_from``)."""
     attention_calls: int = 0
     """Attention calls seen so far in this forward; call ``k`` owns pool ``k`` when the layer
     key is the call order (Hugging Face models)."""
@@ -191,12 +195,15 @@ class CaptureScope:
                     f"{tuple(k.shape)}, v {tuple(v.shape)}; dspark::ragged_attention needs "
                     "q [bs, H, T, D], k [bs, Hkv, T, D], v [bs, Hkv, T, Dv] with H a multiple "
                     "of Hkv")
+            kv_from = self._kv_source(k, v, int(window), compressed)
+            self.discovered_kv.append((k, v))
             self.discovered.append(AttentionSpec(
                 int(k.shape[1]), int(k.shape[-1]),
                 None if v.shape[-1] == k.shape[-1] else int(v.shape[-1]),
                 int(window), float(softcap), sinks is not None, self._site, compressed,
                 shared_kv=k is v, chunk=int(chunk), sparse=picks is not None, index=index,
-                relative=0 if rel is None else int(rel.shape[-1]), alibi=alibi is not None))
+                relative=0 if rel is None else int(rel.shape[-1]), alibi=alibi is not None,
+                kv_from=kv_from))
             bs, heads, t, _ = q.shape
             return q.new_zeros(bs, t, heads, v.shape[-1])
         if key not in self.pool_index:
@@ -233,6 +240,21 @@ class CaptureScope:
         return torch.ops.dspark.dense_cached_attention(
             q, k, v, k_cache, v_cache, self.block_table, self.context_lens, float(scale),
             *extra)
+
+    def _kv_source(self, k: torch.Tensor, v: torch.Tensor, window: int,
+                   compressed) -> int | None:
+        """The earlier call whose keys and values are ``k`` and ``v`` themselves, where its
+        pools can serve this call as they are (the same window, so the same ring; no
+        compressor on either): None otherwise, and the layer gets pools of its own (the same
+        rows written twice)."""
+        for j, (kj, vj) in enumerate(self.discovered_kv):
+            if kj is k and vj is v:
+                earlier = self.discovered[j]
+                if earlier.window == window and earlier.compress is None and \
+                        compressed is None:
+                    return earlier.kv_from if earlier.kv_from is not None else j
+                return None
+        return None
 
     def conv(self, layer: int, x: torch.Tensor, weight: torch.Tensor,
              bias: torch.Tensor | None, activation: str) -> torch.Tensor:

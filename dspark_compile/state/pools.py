@@ -91,7 +91,8 @@ class VerifierState:
     """Tokens per KV page."""
     kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
     """Per attention layer: K and V pools ``[num_pages, page_size, kv_heads, head_dim]`` (V:
-    the layer's value head dim); one tensor twice for a K=V layer (``AttentionSpec.shared_kv``)."""
+    the layer's value head dim); one tensor twice for a K=V layer (``AttentionSpec.shared_kv``),
+    an earlier layer's pair for a KV-shared one (``AttentionSpec.kv_from``)."""
     block_table: torch.Tensor
     """int32 ``[max_requests, pages_per_request]`` on the pool's device: page ids per slot."""
     committed_lens: torch.Tensor = field(default=None)  # type: ignore[assignment]
@@ -168,7 +169,7 @@ class VerifierState:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         checks.check_memory("new_state", page_size * itemsize * (sum(
             n * s.num_kv_heads * (s.head_dim + (0 if s.shared_kv else s.value_dim))
-            for n, s in zip(pages, specs)) + sum(n * w for n, w in zip(compress_pages, widths))
+            for n, s in zip(pages, specs) if s.kv_from is None) + sum(n * w for n, w in zip(compress_pages, widths))
             + num_pages * sum(index_widths)),
             device,
             f"a KV pool of max_requests={max_requests} x max_context={max_context} tokens")
@@ -177,6 +178,9 @@ class VerifierState:
         block_table = perm.view(max_requests, pages_per_request).to(torch.int32)
         kv = []
         for n, s in zip(pages, specs):
+            if s.kv_from is not None:  # an earlier layer's pools, handed on (kv_from)
+                kv.append(kv[s.kv_from])
+                continue
             k = torch.zeros(n, page_size, s.num_kv_heads, s.head_dim, dtype=dtype,
                             device=device)
             # K=V layers: one pool passed as both; the step writes the same rows through
