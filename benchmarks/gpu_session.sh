@@ -243,7 +243,8 @@ job() {
     reach_tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/frontend/test_inkling.py \
         tests/frontend/test_zaya.py tests/frontend/test_bloom.py \
         tests/frontend/test_jetmoe.py tests/frontend/test_inline_attention.py \
-        tests/frontend/test_counted_positions.py tests/frontend/test_bert_style_attention.py &&
+        tests/frontend/test_counted_positions.py tests/frontend/test_bert_style_attention.py \
+        tests/frontend/test_kv_shared_layers.py &&
       python3 -m pytest -q -p no:cacheprovider tests/kernels/test_triton_attention_semantics.py \
         -k "relative or row_sinks or alibi" &&
       python3 -m dspark_compile zoo --device cuda --jobs 3 --timeout 200 \
@@ -308,7 +309,8 @@ ZOO_FAMILIES="llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe qwen3_next g
 
 REACH="inkling_text jetmoe zaya bloom recurrent_gemma zamba gpt_neo xglm openai-gpt
   gpt_neox_japanese mpt biogpt bart mbart plbart blenderbot blenderbot-small marian pegasus
-  mvp trocr bert electra ernie roc_bert roberta camembert megatron-bert rembert roformer"
+  mvp trocr bert electra ernie roc_bert roberta camembert megatron-bert rembert roformer
+  gemma3n_text dory"
 
 if [ "${1:-}" = "--one" ]; then  # one job, under the caller's timeout
   job "$2"

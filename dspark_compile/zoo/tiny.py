@@ -136,6 +136,16 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     **{name: {"indexer_n_heads": 2, "indexer_kv_heads": 1, "indexer_head_dim": 16,
               "indexer_budget": 4, "indexer_compress_ratio": 2}
        for name in ("qwen4_exp", "qwen4_exp_text")},
+    # Gemma 3n's last 15 of 35 layers read the KV of the last earlier layer of their type; cut
+    # to one layer of each kind, 15 shared layers are more than there are (its config refuses
+    # to build): the last 2 shared, so the first two (one of each attention type) serve them
+    "gemma3n_text": {"num_kv_shared_layers": 2},
+    # Dory loops its middle section (the layer count is three sections' sum, which no cut of the
+    # per-layer fields keeps): two layers a section, the looped one an attention layer and an
+    # MLP-only one, the two attention types each in a section of their own
+    "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2,
+             "n_output_layers": 2, "layer_types": ["sliding_attention", "mlp", "full_attention",
+                                                   "mlp", "sliding_attention", "mlp"]},
 }
 """Per model type, fields no name rule can guess (applied to the text config last)."""
 
@@ -482,6 +492,9 @@ def tiny_config(model_type: str, model_cls=None, overrides: dict | None = None) 
         return TinyConfig(_for_model(_build(config_cls, full), model_cls),
                           text.get(layer_key) or 0, 1, 1, changed)
     given = set(OVERRIDES.get(model_type, {})) | set(overrides or {})
+    if layer_key in given:  # an override that sets the layer count sets the layers too
+        return TinyConfig(_for_model(_build(config_cls, full), model_cls), text[layer_key], 1,
+                          1, changed)
     fields = [set(f) - given for f in _per_layer_fields(text_default, n_full)]
     medium = copy.deepcopy(full)
     mtext = medium[text_key] if text_key else medium
