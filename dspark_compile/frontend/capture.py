@@ -40,7 +40,7 @@ from ..graph_inputs import InputKind, InputSpec, fake_input, name_placeholders
 from ..specs import AttentionSpec, compress_pools, index_pools
 from .adapters import ModelAdapter
 from .guards import describe, locate, needs_locating, token_names
-from .own_forward import check_own_forward
+from .own_forward import check_cache_windows, check_own_forward
 from .recurrent import check_linear_calls
 from .scope import CaptureScope, open_scope
 
@@ -470,6 +470,7 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     if adapter.kind == "hf":  # after the capture's own refusals, which name more
         check_own_forward(adapter.model, adapter.forward,
                           adapter.mrope.sections if adapter.mrope else None)
+        check_cache_windows(adapter.model, adapter.specs)
     return CapturedGraph(gm, specs, bs, tokens)
 
 

@@ -16,6 +16,13 @@ logits differ by more than float noise (a second run of the capture's call measu
 own run-to-run noise). The sequence holds the config's special token ids (a pad id among them),
 so a default that counts or skips particular ids is seen. Weights that are not materialised (the
 meta device) cannot run: the check is skipped and says so in one log line.
+
+A verify is the model's decoding only where its own cached decoding is its forward.
+:func:`check_cache_windows` reads the cache ``generate`` builds for the model
+(``DynamicCache(config=...)``): a layer whose cache keeps only the last ``w`` positions (a
+sliding-window layer of its config) while its forward attends further back (Moshi's: its mask is
+plain causal, its config's ``sliding_window`` 3000) decodes otherwise than its forward once a
+sequence outgrows ``w``, by how many tokens each step carries; such a model is refused by name.
 """
 
 from __future__ import annotations
@@ -27,7 +34,8 @@ import re
 import torch
 import torch.nn as nn
 
-__all__ = ["TOKEN_ID_KEY", "NotOwnForwardError", "check_own_forward", "config_token_ids"]
+__all__ = ["TOKEN_ID_KEY", "NotOwnForwardError", "check_cache_windows", "check_own_forward",
+           "config_token_ids"]
 
 log = logging.getLogger("dspark_compile")
 
@@ -171,3 +179,56 @@ def _compare(model: nn.Module, given: torch.Tensor, own: torch.Tensor | None, bo
             f"{type(model).__name__}: over {_LENGTH} tokens its logits {what}, by "
             f"{diff.amax().item():.3g} (the most at token {row}). dspark_compile {capture}, "
             "which would run a different model; the model is refused")
+
+
+def check_cache_windows(model: nn.Module, specs) -> None:
+    """Refuse ``model`` where the cache ``generate`` builds for it keeps fewer past positions of
+    an attention layer than the layer's forward reads (``specs``: the capture's attention specs,
+    by module name; a layer is found by its module's ``layer_idx``). Layers reading another's
+    keys (``kv_from``), compressed or sparse layers, and layers without a ``layer_idx`` are not
+    compared. Where the cache cannot be built for a config that names a window, one log line
+    says the check was skipped."""
+    config = getattr(model, "config", None)
+    try:
+        from transformers import DynamicCache
+
+        layers = DynamicCache(config=config).layers
+    except Exception as err:  # noqa: BLE001 - a model generate builds another cache for
+        if any(isinstance(getattr(c, "sliding_window", None), int)
+               for c in _configs(config)):
+            log.warning("%s: transformers' DynamicCache cannot be built for its config (%s: "
+                        "%s), so whether its cache keeps every position its forward reads was "
+                        "not checked", type(model).__name__, type(err).__name__, str(err)[:200])
+        return
+    for spec in specs:
+        if spec.kv_from is not None or spec.compress is not None or spec.sparse:
+            continue
+        try:
+            idx = getattr(model.get_submodule(spec.name), "layer_idx", None)
+        except AttributeError:
+            continue
+        if type(idx) is not int or not 0 <= idx < len(layers):
+            continue
+        keep = getattr(layers[idx], "sliding_window", None)
+        if type(keep) is not int or keep <= 0:
+            continue
+        reach = spec.chunk or spec.window
+        if reach == 0 or reach > keep:
+            reads = "every earlier position" if reach == 0 else f"the last {reach} positions"
+            raise NotOwnForwardError(
+                f"{type(model).__name__}: the cache generate builds for it "
+                f"(DynamicCache(config=...)) keeps only the last {keep} positions of layer "
+                f"{idx} ({spec.name!r}, a sliding-window layer of its config), where its "
+                f"forward reads {reads}: past {keep} tokens its cached decoding is not its "
+                "forward (and depends on how many tokens each step carries), so no verify can "
+                "match it; the model is refused")
+
+
+def _configs(config) -> list:
+    """``config`` and its text (decoder) config, where it has one."""
+    out = [config]
+    try:
+        out.append(config.get_text_config(decoder=True))
+    except Exception:  # noqa: BLE001 - a config without sub-configs
+        pass
+    return out
