@@ -7,8 +7,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["AttentionSpec", "CompressSpec", "IndexSpec", "LinearSpec", "RingSpec",
-           "compress_pools", "index_pools"]
+__all__ = ["AttentionSpec", "CompressSpec", "IndexSpec", "LinearSpec", "PositionLimit",
+           "RingSpec", "compress_pools", "index_pools"]
 
 
 @dataclass(frozen=True)
@@ -164,3 +164,26 @@ def index_pools(specs) -> list[tuple[int, int]]:
     """``(attention layer, channels)`` of every indexer key pool of ``specs``, in pool order:
     ``index_pool_<j>`` is entry ``j``."""
     return [(i, s.index.head_dim) for i, s in enumerate(specs or ()) if s.index is not None]
+
+
+@dataclass(frozen=True)
+class PositionLimit:
+    """The first position a table cannot serve: ``positions`` (so a state of that many tokens
+    fits), the table's graph name and its rows. With ``cache``: the positions the cache
+    ``generate`` builds keeps of the attention layer ``table`` (``rows``), whose forward reads
+    further back (``own_forward.cache_window_limit``)."""
+
+    positions: int
+    table: str
+    rows: int
+    cache: bool = False
+
+    def reason(self) -> str:
+        """What serves only ``positions`` tokens, for messages."""
+        if self.cache:
+            return (f"the {self.rows} positions that the cache generate builds for the model "
+                    f"keeps of layer {self.table} (a sliding-window layer of its config, whose "
+                    "forward reads every earlier position: past them its cached decoding is "
+                    "not its forward, so no verify can match both)")
+        return (f"the {self.positions} positions the model's position table {self.table} "
+                f"({self.rows} rows) serves")

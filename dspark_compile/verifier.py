@@ -24,7 +24,7 @@ from torch import nn
 
 from .config import DSparkConfig
 from .frontend.adapters import ModelAdapter, adapter_for
-from .frontend.position_tables import position_limit
+from .frontend.position_tables import position_limit, tightest
 from .frontend.capture import CapturedGraph, capture_dense
 from .layout import VerifyLayout
 from .graph_inputs import (COMPRESS_KINDS, INDEX_KINDS, KV_KINDS, LINEAR_KINDS, RING_KINDS,
@@ -130,9 +130,11 @@ class Verifier:
         """Token ids must lie in ``0..vocab_size-1``: the rows of the input embedding (the ids
         the model can read; Mllama's are its logits' vocabulary plus 8 image tokens), or the
         logits' vocabulary where the model has no embedding table to ask."""
-        self.position_limit = position_limit(dense.gm)
+        self.position_limit = tightest(position_limit(dense.gm), dense.cache_limit)
         """The first position one of the model's position tables cannot serve (learned
-        absolute positions: ``new_state`` refuses a longer ``max_context``), or None."""
+        absolute positions), or past which its own cache drops keys its forward reads
+        (``own_forward.cache_window_limit``): ``new_state`` refuses a longer ``max_context``;
+        None: no limit."""
         self.id_check = "host" if device.type == "cpu" else "device"
         """Where out-of-vocabulary ids are caught (``session/ids.py``): ``"host"``, before the
         forward (CPU ids); ``"device"``, clamped and flagged in the forward, refused at commit
@@ -175,9 +177,8 @@ class Verifier:
         if limit is not None and isinstance(max_context, int) and \
                 not isinstance(max_context, bool) and max_context > limit.positions:
             raise ValueError(
-                f"new_state: max_context={max_context} exceeds the {limit.positions} positions "
-                f"the model's position table {limit.table} ({limit.rows} rows) serves; a "
-                f"context must be at most {limit.positions} tokens for this model")
+                f"new_state: max_context={max_context} exceeds {limit.reason()}; a context "
+                f"must be at most {limit.positions} tokens for this model")
         with torch.inference_mode(False):
             if not isinstance(window_rings, bool):
                 raise ValueError(f"new_state: window_rings={window_rings!r}; it must be a bool")

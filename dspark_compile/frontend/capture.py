@@ -37,10 +37,10 @@ from torch.fx.experimental.proxy_tensor import make_fx
 from torch.fx.experimental.symbolic_shapes import ShapeEnv
 
 from ..graph_inputs import InputKind, InputSpec, fake_input, name_placeholders
-from ..specs import AttentionSpec, compress_pools, index_pools
+from ..specs import AttentionSpec, PositionLimit, compress_pools, index_pools
 from .adapters import ModelAdapter
 from .guards import describe, locate, needs_locating, token_names
-from .own_forward import check_cache_windows, check_own_forward
+from .own_forward import cache_window_limit, check_own_forward
 from .recurrent import check_linear_calls
 from .scope import CaptureScope, open_scope
 
@@ -69,6 +69,9 @@ class CapturedGraph:
     """The symbol of the request axis."""
     tokens: sympy.Symbol
     """The symbol of the per-request token axis ``T``."""
+    cache_limit: PositionLimit | None = None
+    """Contexts past which the model's own cache drops keys its forward reads
+    (:func:`~.own_forward.cache_window_limit`), None: none."""
 
 
 def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.device):
@@ -470,8 +473,8 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     if adapter.kind == "hf":  # after the capture's own refusals, which name more
         check_own_forward(adapter.model, adapter.forward,
                           adapter.mrope.sections if adapter.mrope else None)
-        check_cache_windows(adapter.model, adapter.specs)
-    return CapturedGraph(gm, specs, bs, tokens)
+    limit = cache_window_limit(adapter.model, adapter.specs) if adapter.kind == "hf" else None
+    return CapturedGraph(gm, specs, bs, tokens, limit)
 
 
 def _token_symbols(gm: fx.GraphModule, shape_env: ShapeEnv) -> tuple[sympy.Symbol, sympy.Symbol]:

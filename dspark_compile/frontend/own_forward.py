@@ -18,11 +18,12 @@ so a default that counts or skips particular ids is seen. Weights that are not m
 meta device) cannot run: the check is skipped and says so in one log line.
 
 A verify is the model's decoding only where its own cached decoding is its forward.
-:func:`check_cache_windows` reads the cache ``generate`` builds for the model
+:func:`cache_window_limit` reads the cache ``generate`` builds for the model
 (``DynamicCache(config=...)``): a layer whose cache keeps only the last ``w`` positions (a
 sliding-window layer of its config) while its forward attends further back (Moshi's: its mask is
 plain causal, its config's ``sliding_window`` 3000) decodes otherwise than its forward once a
-sequence outgrows ``w``, by how many tokens each step carries; such a model is refused by name.
+sequence outgrows ``w`` (and by how many tokens each step carries), so contexts are limited to
+``w`` tokens, as a learned position table's rows limit them.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ import re
 import torch
 import torch.nn as nn
 
-__all__ = ["TOKEN_ID_KEY", "NotOwnForwardError", "check_cache_windows", "check_own_forward",
+__all__ = ["TOKEN_ID_KEY", "NotOwnForwardError", "cache_window_limit", "check_own_forward",
            "config_token_ids"]
 
 log = logging.getLogger("dspark_compile")
@@ -181,13 +182,17 @@ def _compare(model: nn.Module, given: torch.Tensor, own: torch.Tensor | None, bo
             "which would run a different model; the model is refused")
 
 
-def check_cache_windows(model: nn.Module, specs) -> None:
-    """Refuse ``model`` where the cache ``generate`` builds for it keeps fewer past positions of
-    an attention layer than the layer's forward reads (``specs``: the capture's attention specs,
-    by module name; a layer is found by its module's ``layer_idx``). Layers reading another's
-    keys (``kv_from``), compressed or sparse layers, and layers without a ``layer_idx`` are not
-    compared. Where the cache cannot be built for a config that names a window, one log line
-    says the check was skipped."""
+def cache_window_limit(model: nn.Module, specs):
+    """The :class:`~.position_tables.PositionLimit` of ``model``'s own cache: the fewest
+    positions the cache ``generate`` builds for it (``DynamicCache(config=...)``) keeps of an
+    attention layer whose forward reads further back (``specs``: the capture's attention specs,
+    by module name; a layer is found by its module's ``layer_idx``), or None. Up to that many
+    tokens a sequence's cached decoding reads every key its forward does; past it, not. Layers
+    reading another's keys (``kv_from``), compressed or sparse layers, and layers without a
+    ``layer_idx`` are not compared. Where the cache cannot be built for a config that names a
+    window, one log line says the check was skipped."""
+    from ..specs import PositionLimit
+
     config = getattr(model, "config", None)
     try:
         from transformers import DynamicCache
@@ -199,7 +204,8 @@ def check_cache_windows(model: nn.Module, specs) -> None:
             log.warning("%s: transformers' DynamicCache cannot be built for its config (%s: "
                         "%s), so whether its cache keeps every position its forward reads was "
                         "not checked", type(model).__name__, type(err).__name__, str(err)[:200])
-        return
+        return None
+    limit = None
     for spec in specs:
         if spec.kv_from is not None or spec.compress is not None or spec.sparse:
             continue
@@ -210,18 +216,14 @@ def check_cache_windows(model: nn.Module, specs) -> None:
         if type(idx) is not int or not 0 <= idx < len(layers):
             continue
         keep = getattr(layers[idx], "sliding_window", None)
-        if type(keep) is not int or keep <= 0:
-            continue
         reach = spec.chunk or spec.window
-        if reach == 0 or reach > keep:
-            reads = "every earlier position" if reach == 0 else f"the last {reach} positions"
-            raise NotOwnForwardError(
-                f"{type(model).__name__}: the cache generate builds for it "
-                f"(DynamicCache(config=...)) keeps only the last {keep} positions of layer "
-                f"{idx} ({spec.name!r}, a sliding-window layer of its config), where its "
-                f"forward reads {reads}: past {keep} tokens its cached decoding is not its "
-                "forward (and depends on how many tokens each step carries), so no verify can "
-                "match it; the model is refused")
+        if type(keep) is int and keep > 0 and (reach == 0 or reach > keep) and \
+                (limit is None or keep < limit.positions):
+            limit = PositionLimit(keep, f"{idx} ({spec.name!r})", keep, cache=True)
+    if limit is not None:
+        log.info("%s: its own cache keeps %s; contexts are limited to %d tokens",
+                 type(model).__name__, limit.reason(), limit.positions)
+    return limit
 
 
 def _configs(config) -> list:

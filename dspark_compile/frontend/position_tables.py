@@ -12,15 +12,14 @@ before anything runs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 import torch.fx as fx
 
 from ..graph_inputs import InputKind
+from ..specs import PositionLimit
 from .capture import evaluate_node
 
-__all__ = ["PositionLimit", "position_limit"]
+__all__ = ["PositionLimit", "position_limit", "tightest"]
 
 _GATHERS = {
     "aten.embedding.default": lambda node: [(node.args[0], node.args[1], 0)],
@@ -34,16 +33,6 @@ _GATHERS = {
 
 _PROBE_PAST = 64
 """Positions probed past a table's rows (a table read modulo its rows has no limit)."""
-
-
-@dataclass(frozen=True)
-class PositionLimit:
-    """The first position a table cannot serve: ``positions`` (so a state of that many tokens
-    fits), the table's graph name and its rows."""
-
-    positions: int
-    table: str
-    rows: int
 
 
 def _ancestors(node: fx.Node) -> set[fx.Node]:
@@ -122,3 +111,9 @@ def position_limit(gm: fx.GraphModule) -> PositionLimit | None:
                 if best is None or limit.positions < best.positions:
                     best = limit
     return best
+
+
+def tightest(*limits: PositionLimit | None) -> PositionLimit | None:
+    """The limit with the fewest positions (the first of equals), None where none is set."""
+    given = [x for x in limits if x is not None]
+    return min(given, key=lambda x: x.positions) if given else None

@@ -272,8 +272,8 @@ class DSparkGeneration:
             limit = self.verifier.position_limit
             if limit is not None and limit.positions < max_context:
                 max_context = limit.positions
-                log.info("DSparkGeneration: max_context %d, the positions %s serves (the default "
-                         "is %d)", max_context, limit.table, DEFAULT_MAX_CONTEXT)
+                log.info("DSparkGeneration: max_context %d, %s (the default is %d)", max_context,
+                         limit.reason(), DEFAULT_MAX_CONTEXT)
         self.state = self.verifier.new_state(max_requests=max_requests, max_context=max_context)
         self._free = list(range(max_requests))
         self._lock = threading.Lock()

@@ -147,3 +147,52 @@ def test_config_token_ids_reads_sub_configs_and_index_keys():
          "text_config": {"model_type": "x", "image_token_id": 7, "hidden_size": 8},
          "plain": {"pad_token_id": 9}}  # a dict that is no sub-config: not read
     assert config_token_ids(d) == {3, 4, 5, 6, 7}
+
+
+def _moshi(window):
+    from dspark_compile.zoo.tiny import tiny_config
+
+    torch.manual_seed(0)
+    config = tiny_config("moshi", T.MoshiForCausalLM, {"sliding_window": window}).config
+    return T.MoshiForCausalLM._from_config(config, dtype=torch.float32).eval()
+
+
+def test_contexts_are_limited_to_the_positions_the_models_own_cache_keeps():
+    """Moshi's config names a sliding window that shapes the cache generate builds
+    (DynamicCache keeps its last 8 positions) while its mask is plain causal: past 8 tokens its
+    cached decoding differs from its forward (measured here), so no verify can match both. A
+    state of more tokens is refused by name; up to 8 the rows equal HF's forward."""
+    from helpers import Session
+
+    model = _moshi(8)
+    ids = torch.randint(3, 120, (1, 12), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(input_ids=ids, use_cache=False).logits[0, 8:]
+        out = model(input_ids=ids[:, :8], use_cache=True)
+        cached = model(input_ids=ids[:, 8:], cache=out.cache, use_cache=True).logits[0]
+    assert (full - cached).abs().max() > 1e-2
+    verifier = dspark_compile(model)
+    limit = verifier.position_limit
+    assert (limit.positions, limit.cache, limit.table) == (8, True,
+                                                           "0 ('model.layers.0.self_attn')")
+    with pytest.raises(ValueError, match=r"max_context=64 exceeds the 8 positions that the cache "
+                       r"generate builds for the model keeps of layer 0 .*at most 8 tokens"):
+        verifier.new_state(max_requests=3, max_context=64)
+    session = Session(model, verifier, [1, 0, 2], max_context=8, seed=5)
+    session.vocab = 120
+    session.step([3, 2, 4], accept=[3, 2, 4])
+    session.step([3, 3, 3])
+    assert session.max_err < 1e-4
+    wide = _moshi(256)  # its positions' own bound: every context keeps every key
+    assert dspark_compile(wide).position_limit.positions == 256
+
+
+def test_a_window_the_cache_keeps_verifies():
+    """Mistral's window shapes its mask and its cache alike: not refused."""
+    torch.manual_seed(0)
+    cfg = T.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          max_position_embeddings=128, sliding_window=4)
+    model = T.MistralForCausalLM(cfg).eval()
+    assert ragged_rounds_error(model, dspark_compile(model), [1, 0, 2], [7, 4, 9], VOCAB,
+                               seed=5) < 1e-4
