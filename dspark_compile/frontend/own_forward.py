@@ -35,8 +35,8 @@ import re
 import torch
 import torch.nn as nn
 
-__all__ = ["TOKEN_ID_KEY", "NotOwnForwardError", "cache_window_limit", "check_own_forward",
-           "config_token_ids"]
+__all__ = ["TOKEN_ID_KEY", "NotOwnForwardError", "cache_window_limit", "check_cache_mode",
+           "check_own_forward", "config_token_ids"]
 
 log = logging.getLogger("dspark_compile")
 
@@ -64,6 +64,28 @@ a GPU): a position default that differs moves the logits far more than summation
 
 class NotOwnForwardError(NotImplementedError):
     """The capture's call of a model is not the model's own forward."""
+
+
+_APPROXIMATE_CACHES = {
+    "dory": ("recurrent_kv_cache_mode", "last_loop",
+             "its cached decoding keeps the keys of its looped layers' last loop only and lets "
+             "each earlier loop read them for past tokens, where its forward reads each loop's "
+             "own (recurrent_kv_cache_mode='per_loop' keeps them all)"),
+}
+"""Model type -> (config field, value, why): configs whose own cache makes decoding differ from
+the forward by design."""
+
+
+def check_cache_mode(model: nn.Module) -> None:
+    """Refuse a config whose own cache is an approximation of its forward
+    (:data:`_APPROXIMATE_CACHES`): no verify can match both its decoding and its forward."""
+    for config in _configs(getattr(model, "config", None)):
+        known = _APPROXIMATE_CACHES.get(getattr(config, "model_type", None))
+        if known is not None and getattr(config, known[0], None) == known[1]:
+            raise NotOwnForwardError(
+                f"{type(model).__name__}: {known[0]}={known[1]!r}: {known[2]}. Its cached "
+                "decoding is not its forward, so no verify can match both; the model is "
+                "refused")
 
 
 TOKEN_ID_KEY = re.compile(r"token_id$|token_ids$|^(unk|mask|pad|bos|eos)_index$")
@@ -108,6 +130,7 @@ def check_own_forward(model: nn.Module, forward, mrope_sections: int | None) -> 
     ``attention_mask`` (as ``generate`` calls it). ``forward(call, ids, positions_or_None) ->
     logits`` is the capture's call (``call``: the model, or the model with a mask bound);
     ``mrope_sections``: positions ``[sections, 1, T]``."""
+    check_cache_mode(model)
     tensors = [*model.parameters(), *model.buffers()]
     if any(t.device.type == "meta" for t in tensors):
         log.warning("%s: its weights are on the meta device, so whether its own positions are "

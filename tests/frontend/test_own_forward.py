@@ -196,3 +196,38 @@ def test_a_window_the_cache_keeps_verifies():
     model = T.MistralForCausalLM(cfg).eval()
     assert ragged_rounds_error(model, dspark_compile(model), [1, 0, 2], [7, 4, 9], VOCAB,
                                seed=5) < 1e-4
+
+
+def _dory(mode):
+    from transformers.models.dory.modeling_dory import DoryForCausalLM
+
+    torch.manual_seed(0)
+    cfg = T.CONFIG_MAPPING["dory"](
+        vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_attention_heads=4,
+        num_key_value_heads=2, head_dim=8, num_hidden_layers=6, n_input_layers=2,
+        n_recurrent_layers=2, n_output_layers=2, sliding_window=4, max_position_embeddings=128,
+        layer_types=["sliding_attention", "mlp", "full_attention", "mlp", "sliding_attention",
+                     "mlp"], recurrent_kv_cache_mode=mode)
+    return DoryForCausalLM(cfg).eval()
+
+
+def test_a_cache_mode_that_approximates_the_forward_is_refused():
+    """Dory's looped section: 'per_loop' keeps each loop's keys and verifies (a pool per loop);
+    'last_loop' keeps the last loop's only, and its one-token decoding differs from its forward
+    (measured here), so it is refused by name."""
+    from dspark_compile.frontend.own_forward import NotOwnForwardError
+
+    model = _dory("last_loop")
+    ids = torch.randint(3, VOCAB, (1, 10), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        full = model(ids).logits[0]
+        cache = model(ids[:, :7], use_cache=True).cache
+        steps = torch.stack([model(ids[:, p:p + 1], cache=cache, use_cache=True).logits[0, 0]
+                             for p in range(7, 10)])
+    assert (full[7:] - steps).abs().max() > 1e-3 * full.abs().max()
+    with pytest.raises(NotOwnForwardError, match=r"recurrent_kv_cache_mode='last_loop'"):
+        dspark_compile(model)
+    plain = _dory("per_loop")
+    verifier = dspark_compile(plain)
+    assert len(verifier.adapter.specs) == 4  # the looped attention layer once a loop
+    assert ragged_rounds_error(plain, verifier, [1, 0, 2], [7, 4, 9], VOCAB, seed=5) < 1e-4
