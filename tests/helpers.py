@@ -249,6 +249,18 @@ def packed_graph(model, dtype=torch.float32, device_type: str = "cpu", stages=("
     return gm, ctx
 
 
+def randomised(model, keep: tuple[str, ...] = ("ln", "norm", "LayerNorm")):
+    """``model`` in eval mode with every parameter whose name holds none of ``keep`` (the
+    norms) drawn from N(0, 0.2) (seed 1): HF's 0.02 init leaves tiny models' logits near zero,
+    where a wrong capture could still pass."""
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if not any(k in name for k in keep):
+                p.normal_(0.0, 0.2)
+    return model.eval()
+
+
 def ragged_rounds_error(model, verifier, slots, prompts, vocab: int, seed: int, rounds: int = 4,
                         max_len: int = 8, device: str = "cpu", max_context: int = 128) -> float:
     """Prefill ``prompts`` (all accepted), then ``rounds`` ragged verify/commit rounds of random

@@ -317,9 +317,9 @@ def inline_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     """Run ``model``'s inline attention (module docstring) through the attention function for
     the capture; restored after. A model without it is left untouched."""
     with contextlib.ExitStack() as stack:
-        for hook in (_gpt_neo, _xglm, _bart_style("mvp", "MvpAttention", "MVP"),
-                     _bart_style("trocr", "TrOCRAttention", "TrOCR"), _openai, _neox_japanese,
-                     _mpt, *_BERT_STYLE_HOOKS, _roformer):
+        for hook in (_gpt_neo, _xglm, _one_class("mvp", "MvpAttention", "MVP", _xglm_forward),
+                     _one_class("trocr", "TrOCRAttention", "TrOCR", _xglm_forward), _openai,
+                     _neox_japanese, _mpt, *_BERT_STYLE_HOOKS, _roformer):
             stack.enter_context(hook(model, names))
         yield
 
@@ -371,9 +371,10 @@ def _xglm(model, names) -> Iterator[None]:
         yield
 
 
-def _bart_style(family: str, name: str, title: str) -> Callable:
-    """The hook of a BART-style inline attention class ``name`` of ``family``'s modeling
-    module, run through :func:`_xglm_forward`."""
+def _one_class(family: str, name: str, title: str, forward: Callable) -> Callable:
+    """The hook that runs the inline attention class ``name`` of ``family``'s modeling module
+    through ``forward``, where each instance is exactly that class with the known sources of
+    its ``forward`` and ``__init__``."""
     @contextlib.contextmanager
     def hook(model, names) -> Iterator[None]:
         classes, found = modeling_instances(
@@ -385,7 +386,7 @@ def _bart_style(family: str, name: str, title: str) -> Callable:
         for m in found:
             if not _taken(m, cls, ("forward", "__init__")):
                 raise _refuse_layer(m, names, title)
-        with swapped_forward(cls, _xglm_forward):
+        with swapped_forward(cls, forward):
             yield
     return hook
 
@@ -515,28 +516,10 @@ def _roformer_positions(self, *args, **kwargs):
     return nn.Embedding.forward(self, scope.positions)
 
 
-def _bert_style(family: str, name: str, title: str, params: tuple[str, ...]) -> Callable:
-    """The hook of a BERT-style self-attention class ``name`` of ``family``'s modeling
-    module, run through :func:`_bert_forward`."""
-    @contextlib.contextmanager
-    def hook(model, names) -> Iterator[None]:
-        classes, found = modeling_instances(
-            model, f"transformers.models.{family}.modeling_{family}", (name,))
-        if not found:
-            yield
-            return
-        cls, = classes
-        for m in found:
-            if not _taken(m, cls, ("forward", "__init__")):
-                raise _refuse_layer(m, names, title)
-        with swapped_forward(cls, _bert_forward(params)):
-            yield
-    return hook
-
-
 _BERT_STYLE_HOOKS = (
-    _bert_style("megatron_bert", "MegatronBertSelfAttention", "MegatronBERT", _BERT_CALL),
-    _bert_style("rembert", "RemBertSelfAttention", "RemBERT", _BERT_CALL),
+    _one_class("megatron_bert", "MegatronBertSelfAttention", "MegatronBERT",
+               _bert_forward(_BERT_CALL)),
+    _one_class("rembert", "RemBertSelfAttention", "RemBERT", _bert_forward(_BERT_CALL)),
 )
 
 

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from dspark_compile import dspark_compile
-from helpers import ragged_rounds_error, triton_rounds_error
+from helpers import randomised, ragged_rounds_error, triton_rounds_error
 
 megatron = pytest.importorskip("transformers.models.megatron_bert.modeling_megatron_bert")
 rembert = pytest.importorskip("transformers.models.rembert.modeling_rembert")
@@ -23,15 +23,6 @@ VOCAB = 89
 TOL = 1e-4
 
 
-def _randomised(model):
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "LayerNorm" not in name and "norm" not in name:
-                p.normal_(0.0, 0.2)
-    return model.eval()
-
-
 def tiny_megatron():
     from transformers import MegatronBertConfig
 
@@ -39,7 +30,7 @@ def tiny_megatron():
     cfg = MegatronBertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2,
                              num_attention_heads=4, intermediate_size=64,
                              max_position_embeddings=128, is_decoder=True)
-    return _randomised(megatron.MegatronBertForCausalLM(cfg))
+    return randomised(megatron.MegatronBertForCausalLM(cfg))
 
 
 def tiny_rembert():
@@ -49,7 +40,7 @@ def tiny_rembert():
     cfg = RemBertConfig(vocab_size=VOCAB, hidden_size=32, input_embedding_size=16,
                         output_embedding_size=24, num_hidden_layers=2, num_attention_heads=4,
                         intermediate_size=64, max_position_embeddings=128, is_decoder=True)
-    return _randomised(rembert.RemBertForCausalLM(cfg))
+    return randomised(rembert.RemBertForCausalLM(cfg))
 
 
 def tiny_roformer(rotary_value: bool = False):
@@ -60,7 +51,7 @@ def tiny_roformer(rotary_value: bool = False):
                          num_hidden_layers=2, num_attention_heads=4, intermediate_size=64,
                          max_position_embeddings=128, is_decoder=True,
                          rotary_value=rotary_value)
-    return _randomised(roformer.RoFormerForCausalLM(cfg))
+    return randomised(roformer.RoFormerForCausalLM(cfg))
 
 
 def _rounds(model, **kwargs) -> float:

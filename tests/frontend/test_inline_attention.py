@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from dspark_compile import dspark_compile
-from helpers import ragged_rounds_error, triton_rounds_error
+from helpers import randomised, ragged_rounds_error, triton_rounds_error
 
 neo = pytest.importorskip("transformers.models.gpt_neo.modeling_gpt_neo")
 xglm = pytest.importorskip("transformers.models.xglm.modeling_xglm")
@@ -27,15 +27,6 @@ VOCAB = 89
 TOL = 1e-4
 
 
-def _randomised(model):
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "ln" not in name and "norm" not in name:
-                p.normal_(0.0, 0.2)
-    return model.eval()
-
-
 def tiny_neo(window: int = 3):
     from transformers import GPTNeoConfig
 
@@ -43,7 +34,7 @@ def tiny_neo(window: int = 3):
     cfg = GPTNeoConfig(vocab_size=VOCAB, hidden_size=32, num_layers=2, num_heads=4,
                        attention_types=[[["global", "local"], 1]], window_size=window,
                        max_position_embeddings=128, intermediate_size=64)
-    return _randomised(neo.GPTNeoForCausalLM(cfg))
+    return randomised(neo.GPTNeoForCausalLM(cfg))
 
 
 def tiny_xglm(positions: int = 8):
@@ -53,7 +44,7 @@ def tiny_xglm(positions: int = 8):
     cfg = XGLMConfig(vocab_size=VOCAB, d_model=32, ffn_dim=64, num_layers=2, attention_heads=4,
                      max_position_embeddings=positions, pad_token_id=1, bos_token_id=0,
                      eos_token_id=2)
-    return _randomised(xglm.XGLMForCausalLM(cfg))
+    return randomised(xglm.XGLMForCausalLM(cfg))
 
 
 def tiny_mpt(heads: int = 4, clip: float | None = 0.5):
@@ -62,7 +53,7 @@ def tiny_mpt(heads: int = 4, clip: float | None = 0.5):
     torch.manual_seed(0)
     cfg = MptConfig(vocab_size=VOCAB, d_model=8 * heads, n_heads=heads, n_layers=2,
                     max_seq_len=64, attn_config={"clip_qkv": clip})
-    return _randomised(mpt.MptForCausalLM(cfg))
+    return randomised(mpt.MptForCausalLM(cfg))
 
 
 def tiny_gpt():
@@ -70,7 +61,7 @@ def tiny_gpt():
 
     torch.manual_seed(0)
     cfg = OpenAIGPTConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128)
-    return _randomised(gpt.OpenAIGPTLMHeadModel(cfg))
+    return randomised(gpt.OpenAIGPTLMHeadModel(cfg))
 
 
 def tiny_neox_ja():
@@ -82,7 +73,7 @@ def tiny_neox_ja():
                                 max_position_embeddings=128, rope_parameters={
                                     "rope_type": "default", "rope_theta": 10000.0,
                                     "partial_rotary_factor": 0.5})
-    return _randomised(neox_ja.GPTNeoXJapaneseForCausalLM(cfg))
+    return randomised(neox_ja.GPTNeoXJapaneseForCausalLM(cfg))
 
 
 def _rounds(model, **kwargs) -> float:

@@ -17,19 +17,19 @@ from helpers import Session
 
 VOCAB = 128
 TOL = 1e-4
-TYPES = ["sliding_attention", "full_attention"] * 2
+SHAPE = dict(vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64,
+             hidden_size_per_layer_input=16, intermediate_size=128, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=256, sliding_window=4,
+             layer_types=["sliding_attention", "full_attention"] * 2)
 
 
 def tiny_gemma3n(shared: int = 2):
     from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
 
     torch.manual_seed(0)
-    cfg = Gemma3nTextConfig(
-        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64,
-        hidden_size_per_layer_input=16, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
-        sliding_window=4, laurel_rank=8, num_kv_shared_layers=shared, layer_types=TYPES,
-        activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0])
+    cfg = Gemma3nTextConfig(**SHAPE, laurel_rank=8, num_kv_shared_layers=shared,
+                            activation_sparsity_pattern=[0.95, 0.0, 0.0, 0.0])
     return Gemma3nForCausalLM(cfg).eval()
 
 
@@ -37,12 +37,7 @@ def tiny_gemma4(shared: int = 2):
     from transformers import Gemma4ForCausalLM, Gemma4TextConfig
 
     torch.manual_seed(0)
-    cfg = Gemma4TextConfig(
-        vocab_size=VOCAB, vocab_size_per_layer_input=VOCAB, hidden_size=64,
-        hidden_size_per_layer_input=16, intermediate_size=128, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, global_head_dim=16,
-        max_position_embeddings=256, sliding_window=4, num_kv_shared_layers=shared,
-        layer_types=TYPES)
+    cfg = Gemma4TextConfig(**SHAPE, global_head_dim=16, num_kv_shared_layers=shared)
     return Gemma4ForCausalLM(cfg).eval()
 
 
