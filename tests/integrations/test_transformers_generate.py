@@ -276,7 +276,8 @@ def test_the_default_context_follows_a_models_position_table(caplog):
     with caplog.at_level(logging.INFO, logger="dspark_compile"):
         gen = DSparkGeneration(model, verifier)
     assert gen.state.max_context == 40
-    assert "max_context 40, the positions transformer.wpe.weight serves" in caplog.text
+    assert "max_context 40, the 40 positions the model's position table transformer.wpe.weight " \
+        "(40 rows) serves" in caplog.text
     with pytest.raises(ValueError, match="max_context=41 exceeds the 40 positions"):
         DSparkGeneration(model, verifier, max_context=41)
     llama = tiny_llama(seed=3, layers=1)
