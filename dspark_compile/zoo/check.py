@@ -159,6 +159,13 @@ class Result:
     hf_error: float | None = None
     """Half-precision checks: the largest |HF's forward in that dtype - its float32 forward|
     (``max_error`` is then the verifier's against the float32 forward)."""
+    decode_error: float | None = None
+    """float32 checks: the largest |HF's own one-token cached decoding - its forward over the
+    same tokens| of a request's final sequence (:func:`_decode_errors`); None where the model's
+    cache path fails. A model whose decoding is not its forward is ``wrong`` however exactly the
+    verifier matches the forward."""
+    decode_rows: int | None = None
+    """Of those rows, how many are beyond the exactness bound."""
     message: str = ""
     """The whole exception text (refused / error rows)."""
     where: str = ""
@@ -291,6 +298,42 @@ def _equivalent_errors(model, seq: torch.Tensor, n: int, want: torch.Tensor,
             any(keep < tokens.numel() for tokens, keep in steps):
         through_cache(list(steps))
     return worst
+
+
+DECODE_PREFILL = 4
+"""Tokens :func:`_decode_errors` prefills before decoding one token a call."""
+
+
+def _decode_errors(model, seq: torch.Tensor, prefill: int,
+                   device: str) -> tuple[float, int] | None:
+    """``(largest error, rows beyond row_bound)`` of HF's own decoding of ``seq`` through its
+    cache (``prefill`` tokens in one call, then one token a call, as ``generate`` runs) against
+    its forward over the same tokens (each row's forward over ``seq`` cut right after it, so a
+    tie the model breaks by the sequence's length breaks alike); None where the model's cache
+    path fails. A model whose cache keeps less than its forward reads (a sliding-window cache
+    under a plain causal mask) or approximates it decodes otherwise than it forwards, and no
+    verify can match both."""
+    key = ("cache" if "cache" in inspect.signature(model.forward).parameters
+           else "past_key_values")
+    worst, off = 0.0, 0
+    try:
+        with torch.no_grad():
+            out = model(input_ids=seq[None, :prefill], attention_mask=torch.ones_like(
+                seq[None, :prefill]), use_cache=True)
+            cache = out.past_key_values
+            for j in range(prefill, seq.numel()):
+                out = model(input_ids=seq[None, j:j + 1],
+                            attention_mask=torch.ones_like(seq[None, :j + 1]), use_cache=True,
+                            **{key: cache})
+                cache = out.past_key_values
+                got = out.logits[0, -1:].float().cpu()
+                want = _hf_logits(model, seq[:j + 1])[-1:].cpu()
+                err = (got - want).abs().double().amax(-1)
+                worst = max(worst, float(err.max()))
+                off += int((~(err <= row_bound(want, device))).sum())
+    except Exception:  # noqa: BLE001 - a model without a usable cache path
+        return None
+    return worst, off
 
 
 PERTURB_TRIALS = 8
@@ -493,6 +536,10 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
     except Exception as err:  # noqa: BLE001
         result.max_error, result.rows = (worst if rows else None), rows
         _fail(result, "verify", err)
+    if half is None:
+        decoded = _decode_errors(model, seqs[0].to(device), DECODE_PREFILL, device)
+        if decoded is not None:
+            result.decode_error, result.decode_rows = decoded
     result.phase = "done"
     result.max_error, result.rows = worst, rows
     result.flipped = flipped / rows if rows else None
@@ -501,7 +548,13 @@ def _run(entry: Entry, result: Result, phase, seed: int, device: str,
         result.hf_error = hf_worst
     if half is not None or ties:
         result.tie_rows = ties
-    if off == 0:
+    if result.decode_rows:
+        result.status = "wrong"
+        result.reason = (f"HF's own one-token cached decoding differs from its forward over the "
+                         f"same tokens at {result.decode_rows} rows (by {result.decode_error:.3g}"
+                         "): the model's decoding is not its forward, which the verifier "
+                         "matches")
+    elif off == 0:
         result.status = "exact"
     else:
         result.status = "wrong"

@@ -185,7 +185,9 @@ def readme_section(report: dict, link: str = "docs/models.md") -> str:
         "`python -m dspark_compile zoo` builds a tiny random config of every `*ForCausalLM` "
         "in the installed transformers and checks the compiled ragged verify against HF's own "
         "forward (a prefill and three ragged verify/commit rounds, float32, CPU; transformers "
-        f"{env.get('transformers')}; the run's commit is in the linked report): "
+        f"{env.get('transformers')}; the run's commit is in the linked report), and HF's own "
+        "one-token cached decoding against that forward (a model that decodes otherwise is "
+        "wrong however exactly it is verified): "
         f"{_summary_line(report)}. Per architecture, with each refusal's reason: "
         f"[{link}]({link}).",
         "",

@@ -472,3 +472,19 @@ def test_a_static_check_verifies_through_the_tier_session(name, monkeypatch):
     assert result.status == "exact", (result.reason, result.message[:300])
     assert len(calls) >= len(ROUNDS), "the verify rounds went through the tier session"
     assert any(t.tokens > sum(lens) for t, (lens, _) in zip(calls, ROUNDS)), "rows were padded"
+
+
+def test_a_model_whose_decoding_is_not_its_forward_is_wrong(monkeypatch):
+    """The zoo also decodes one token a call through HF's own cache and compares it with the
+    forward: Moshi's sliding-window cache under a plain causal mask decodes otherwise past its
+    window. With the verifier's cache-window limit taken out, the verifier matches the forward
+    exactly and the zoo still calls the model wrong; Llama's decoding is its forward."""
+    import dspark_compile.frontend.capture as capture
+
+    monkeypatch.setattr(capture, "cache_window_limit", lambda model, specs: None)
+    result = check(Entry("moshi", "MoshiForCausalLM"))
+    assert result.status == "wrong" and result.decode_rows, (result.status, result.reason)
+    assert result.off_rows == 0
+    assert "HF's own one-token cached decoding differs from its forward" in result.reason
+    llama = check(Entry("llama", "LlamaForCausalLM"))
+    assert llama.status == "exact" and llama.decode_rows == 0 and llama.decode_error < 1e-5
