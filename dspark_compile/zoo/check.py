@@ -306,32 +306,39 @@ DECODE_PREFILL = 4
 
 def _decode_errors(model, seq: torch.Tensor, prefill: int,
                    device: str) -> tuple[float, int] | None:
-    """``(largest error, rows beyond row_bound)`` of HF's own decoding of ``seq`` through its
-    cache (``prefill`` tokens in one call, then one token a call, as ``generate`` runs) against
-    its forward over the same tokens (each row's forward over ``seq`` cut right after it, so a
-    tie the model breaks by the sequence's length breaks alike); None where the model's cache
-    path fails. A model whose cache keeps less than its forward reads (a sliding-window cache
-    under a plain causal mask) or approximates it decodes otherwise than it forwards, and no
-    verify can match both."""
-    key = ("cache" if "cache" in inspect.signature(model.forward).parameters
-           else "past_key_values")
+    """``(largest error, rows beyond row_bound)`` of HF's own decoding of ``seq``: ``generate``
+    over its first ``prefill`` tokens, greedy, each next token forced to ``seq``'s, its raw
+    logits at each step against the model's forward over the same tokens (each row's forward
+    over ``seq`` cut right after it, so a tie the model breaks by the sequence's length breaks
+    alike); None where ``generate`` fails. A model whose cache keeps less than its forward reads
+    (a sliding-window cache under a plain causal mask) or approximates it decodes otherwise
+    than it forwards, and no verify can match both."""
+    from transformers import LogitsProcessor, LogitsProcessorList
+
+    class Forced(LogitsProcessor):
+        def __call__(self, input_ids, scores):
+            out = torch.full_like(scores, float("-inf"))
+            out[:, seq[input_ids.shape[-1]]] = 0.0
+            return out
+
     worst, off = 0.0, 0
     try:
         with torch.no_grad():
-            out = model(input_ids=seq[None, :prefill], attention_mask=torch.ones_like(
-                seq[None, :prefill]), use_cache=True)
-            cache = out.past_key_values
-            for j in range(prefill, seq.numel()):
-                out = model(input_ids=seq[None, j:j + 1],
-                            attention_mask=torch.ones_like(seq[None, :j + 1]), use_cache=True,
-                            **{key: cache})
-                cache = out.past_key_values
-                got = out.logits[0, -1:].float().cpu()
-                want = _hf_logits(model, seq[:j + 1])[-1:].cpu()
-                err = (got - want).abs().double().amax(-1)
-                worst = max(worst, float(err.max()))
-                off += int((~(err <= row_bound(want, device))).sum())
-    except Exception:  # noqa: BLE001 - a model without a usable cache path
+            out = model.generate(
+                input_ids=seq[None, :prefill], attention_mask=torch.ones_like(seq[None, :prefill]),
+                max_new_tokens=seq.numel() - prefill, min_new_tokens=seq.numel() - prefill,
+                do_sample=False, num_beams=1, use_cache=True,
+                logits_processor=LogitsProcessorList([Forced()]), output_logits=True,
+                return_dict_in_generate=True, pad_token_id=int(seq[0]))
+        if not torch.equal(out.sequences[0].cpu(), seq.cpu()):
+            return None
+        for j, logits in enumerate(out.logits):
+            got = logits[:1].float().cpu()
+            want = _hf_logits(model, seq[:prefill + j])[-1:].cpu()
+            err = (got - want).abs().double().amax(-1)
+            worst = max(worst, float(err.max()))
+            off += int((~(err <= row_bound(want, device))).sum())
+    except Exception:  # noqa: BLE001 - a model generate cannot run
         return None
     return worst, off
 
