@@ -746,6 +746,14 @@ def fit_tiles(block_m: int, tile_n: int, stages: int, head_dim_pad: int, elem_by
     return tile_n, stages
 
 
+def dense_heads(t: torch.Tensor | None) -> torch.Tensor | None:
+    """``t`` (ALiBi slopes ``[H]``) with its head dim dense: the kernel reads head ``h`` at
+    offset ``h``. A view with another stride (Bloom's slopes are a column of its ALiBi tensor,
+    stride 2) is copied (one small launch, graph-capturable); a dense one is passed as it is.
+    (Sinks of another stride are refused by the op's input check.)"""
+    return t if t is None or t.stride(-1) == 1 else t.contiguous()
+
+
 def head_dim_pad(head_dim: int) -> int:
     """Head dim as the kernels tile it: a power of two, at least 16 (``tl.dot`` needs K >= 16
     on a GPU; the interpreter does not check it)."""
@@ -974,6 +982,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   row_sinks=True)
     check_rel("ragged_attention_triton", rel, tuple(q.shape[:2]), softcap, q.device)
     check_alibi("ragged_attention_triton", alibi, q.shape[1], softcap, q.device)
+    alibi = dense_heads(alibi)
     n, h, d = q.shape
     dv = v.shape[2]
     r = query_start_loc.shape[0] - 1

@@ -39,6 +39,21 @@ SWITCHES = {  # name -> (Dv, window, softcap, sinks)
 }
 
 
+@needs_kernel_device
+def test_slopes_that_are_a_strided_view_match_reference() -> None:
+    """Bloom hands its slopes over as a column of its ALiBi tensor (a view of stride 2): the
+    kernel reads head ``h`` at offset ``h``, so the op makes such a view dense first (the
+    reference indexes it as a tensor). Without that, Bloom verified wrong on a GPU."""
+    case = make_case([3, 0, 5, 1], [37, 5, 50, 0], 4, 4, 16, 16, page=8, num_pad=2, seed=9,
+                     device=DEVICE)
+    table = torch.tensor([[0.0, 0.5], [0.0, 0.125], [0.0, 1 / 32], [0.0, 1 / 128]]).to(DEVICE)
+    alibi = table[:, 1]
+    assert alibi.stride(0) == 2
+    for num_splits in (1, 3):
+        _check(*run_both(case, 0, 0.0, _sinks(4), alibi=alibi, num_splits=num_splits,
+                         max_query_len=5, config=SMALL_TILES), case.num_real)
+
+
 def _sinks(heads: int, device=DEVICE, dtype=torch.float32) -> torch.Tensor:
     g = torch.Generator().manual_seed(heads)
     return (torch.randn(heads, generator=g) * 2).to(dtype).to(device)
