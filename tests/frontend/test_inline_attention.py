@@ -226,5 +226,11 @@ def test_only_the_bool_cast_of_mpts_mask_is_understood():
                                    lambda: tiny_mpt(6)])
 def test_float32_on_gpu_through_triton_matches_hf(build):
     """The window, the positions and the slopes through the Triton kernels, on the GPU."""
-    err = triton_rounds_error(build(), [1, 0, 2], [7, 4, 9], VOCAB, seed=5)
+    model = build()
+    try:
+        with torch.no_grad():
+            model(torch.arange(4)[None])
+    except RuntimeError as err:  # transformers 5.17's GPT-NeoX-Japanese: rotary of the full
+        pytest.skip(f"HF's own forward fails here: {err}")  # head under a partial factor
+    err = triton_rounds_error(model, [1, 0, 2], [7, 4, 9], VOCAB, seed=5)
     assert err < 2e-3, err
