@@ -143,6 +143,31 @@ def test_triton_sparse_attention_long_pick_rows():
         assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
 
 
+def test_triton_sparse_attention_takes_rows_that_are_views():
+    """DeepSeek-V3.2 hands over its values as a slice of its key-value projection (and its
+    queries as views): the op makes such rows dense and matches the reference (it refused
+    them on a GPU before)."""
+    gen = torch.Generator().manual_seed(11)
+    qsl, seq, table, slots = _layout(gen)
+    n = slots.shape[0]
+    k_cache = _poisoned_pool(gen, table, (1, 24), torch.float32)
+    v_cache = _poisoned_pool(gen, table, (1, 16), torch.float32)
+    kv = torch.randn(n, 1, 24 + 16, generator=gen)
+    q = torch.randn(n, 32, 2, generator=gen).transpose(1, 2)[:, :, :24]
+    k, v = kv[..., :24], kv[..., 24:]
+    assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
+    picks = _picks(gen, qsl, seq, 21)
+    args = _dev(q, k, v, k_cache, v_cache, qsl, seq, table, slots)
+    picks = picks.to(DEVICE)
+    ref_pools = [args[3], args[4]]
+    got_pools = [p.clone() for p in ref_pools]
+    want = reference.sparse_attention(*args, 0.25, picks)
+    got = sparse_attention_triton(*args[:3], *got_pools, *args[5:], 0.25, picks)
+    torch.testing.assert_close(got, want, rtol=0, atol=3e-6)
+    for a, b in zip(got_pools, ref_pools):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
 @pytest.mark.parametrize("topk", [6, 40], ids=["topk6", "topk_past_every_count"])
 def test_triton_sparse_index_matches_reference(topk, dtype):
@@ -236,9 +261,9 @@ def test_triton_block_index_matches_reference(block, topk, local, dtype):
     ("key_pool", torch.zeros(8, PAGE, 16, dtype=torch.int32), "key_pool is"),
     ("key_pool", torch.zeros(8, PAGE, 8, dtype=torch.int32), "key_pool is torch.int32"),
     ("slot_mapping", torch.zeros(4, dtype=torch.int64), "slot_mapping .* N"),
-    ("q", torch.zeros(4, 3, 8).transpose(0, 1), "q is on .*not contiguous"),
+    ("key_pool", torch.zeros(8, 8, PAGE).transpose(1, 2), "key_pool is on .*not contiguous"),
 ], ids=["block_size", "local_past_topk", "k_shape", "key_pool_dim", "key_pool_int",
-        "slot_mapping_len", "q_strided"])
+        "slot_mapping_len", "key_pool_strided"])
 def test_triton_block_index_refuses_by_name(name, bad, match):
     args = dict(q=torch.zeros(3, 4, 8), k=torch.zeros(3, 8), key_pool=torch.zeros(8, PAGE, 8),
                 query_start_loc=torch.tensor([0, 3], dtype=torch.int32),
@@ -271,12 +296,12 @@ def _attention_args():
     ("v_cache", torch.zeros(8, PAGE, 2, 16, dtype=torch.bfloat16), "v_cache .* must match"),
     ("slot_mapping", torch.zeros(2, dtype=torch.int64), "slot_mapping .* N"),
     ("block_table", torch.zeros(2, 2), "block_table is torch.float32"),
-    ("q", torch.zeros(4, 3, 24).transpose(0, 1), "q is on .*not contiguous"),
+    ("v_cache", torch.zeros(8, PAGE, 16, 2).transpose(2, 3), "the KV pools must be contiguous"),
     ("sinks", torch.zeros(3), "sinks is torch.float32 of shape \\(3,\\)"),
     ("picks", torch.zeros(3, 3, 5, dtype=torch.int64), "Hp dividing the 4 query heads"),
     ("pick_block", 0, "pick_block=0"),
 ], ids=["picks_float", "picks_rows", "k_cache_dim", "k_cache_heads", "v_cache_dtype",
-        "slot_mapping_len", "block_table_float", "q_strided", "sinks_shape", "pick_heads",
+        "slot_mapping_len", "block_table_float", "v_cache_strided", "sinks_shape", "pick_heads",
         "pick_block"])
 def test_triton_sparse_attention_refuses_by_name(name, bad, match):
     args = {**_attention_args(), name: bad}
@@ -289,8 +314,8 @@ def test_triton_sparse_attention_refuses_by_name(name, bad, match):
     ("k", torch.zeros(3, 6), "k is"),
     ("key_pool", torch.zeros(8, PAGE, 16), "key_pool is"),
     ("slot_mapping", torch.zeros(4, dtype=torch.int64), "slot_mapping .* N"),
-    ("weights", torch.zeros(3, 4).t().contiguous().t(), "weights is on .*not contiguous"),
-], ids=["topk", "k_shape", "key_pool_dim", "slot_mapping_len", "weights_strided"])
+    ("key_pool", torch.zeros(8, 8, PAGE).transpose(1, 2), "key_pool is on .*not contiguous"),
+], ids=["topk", "k_shape", "key_pool_dim", "slot_mapping_len", "key_pool_strided"])
 def test_triton_sparse_index_refuses_by_name(name, bad, match):
     args = dict(q=torch.zeros(3, 4, 8), weights=torch.zeros(3, 4), k=torch.zeros(3, 8),
                 key_pool=torch.zeros(8, PAGE, 8),
