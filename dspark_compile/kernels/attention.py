@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from ..ops.attention_reference import check_alibi, check_rel, check_semantics
-from .launch import launch
+from .launch import dense, launch
 from .pdl import pdl_enter, pdl_options, use_pdl
 from .device import device_target, fp32_dot_precision, register_cap
 from .targets import TargetConfig
@@ -746,14 +746,6 @@ def fit_tiles(block_m: int, tile_n: int, stages: int, head_dim_pad: int, elem_by
     return tile_n, stages
 
 
-def dense_heads(t: torch.Tensor | None) -> torch.Tensor | None:
-    """``t`` (ALiBi slopes ``[H]``) with its head dim dense: the kernel reads head ``h`` at
-    offset ``h``. A view with another stride (Bloom's slopes are a column of its ALiBi tensor,
-    stride 2) is copied (one small launch, graph-capturable); a dense one is passed as it is.
-    (Sinks of another stride are refused by the op's input check.)"""
-    return t if t is None or t.stride(-1) == 1 else t.contiguous()
-
-
 def head_dim_pad(head_dim: int) -> int:
     """Head dim as the kernels tile it: a power of two, at least 16 (``tl.dot`` needs K >= 16
     on a GPU; the interpreter does not check it)."""
@@ -982,7 +974,7 @@ def ragged_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                   row_sinks=True)
     check_rel("ragged_attention_triton", rel, tuple(q.shape[:2]), softcap, q.device)
     check_alibi("ragged_attention_triton", alibi, q.shape[1], softcap, q.device)
-    alibi = dense_heads(alibi)
+    alibi, = dense(alibi)
     n, h, d = q.shape
     dv = v.shape[2]
     r = query_start_loc.shape[0] - 1

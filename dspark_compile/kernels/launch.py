@@ -32,7 +32,8 @@ import torch
 
 from .ir_check import check_compiled, triton_drops_bound_only_carries
 
-__all__ = ["launch", "warming", "zeros_when_warming", "compile_ahead", "tensor_descriptor"]
+__all__ = ["launch", "warming", "zeros_when_warming", "compile_ahead", "tensor_descriptor",
+           "dense"]
 
 _CHECK_IR = triton_drops_bound_only_carries()
 """Check each kernel Triton compiles for a construct this Triton compiles wrong
@@ -40,6 +41,15 @@ _CHECK_IR = triton_drops_bound_only_carries()
 _warming = False
 _warmed: set = set()
 """Inside :func:`compile_ahead`: the :func:`_launch_key` of every launch warmed up so far."""
+
+
+def dense(*tensors):
+    """A kernel's activation inputs (rows, picks, per-head vectors; never a pool it writes nor
+    the layout's metadata) made dense where a model hands over a view (Bloom's ALiBi slopes are
+    a column of its ALiBi tensor, DeepSeek-V3.2's values a slice of its key-value projection):
+    the kernels index them densely. One copy a view, graph-capturable; a dense tensor (or None)
+    is passed as it is."""
+    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)
 
 
 def warming() -> bool:

@@ -67,7 +67,7 @@ import triton
 import triton.language as tl
 
 from .attention import _pool_rows, _softmax_step, head_dim_pad
-from .launch import launch, zeros_when_warming
+from .launch import dense, launch, zeros_when_warming
 from .metadata import row_request
 from .rows import store_rows_triton
 
@@ -181,14 +181,6 @@ def _fail(op: str, message: str) -> None:
     raise ValueError(f"{op}: {message}")
 
 
-def _dense(*tensors):
-    """The step's activations (rows, picks, sinks; never a pool or the layout's metadata) made
-    dense where a model hands over a view (DeepSeek-V3.2's values are a slice of its key-value
-    projection): the kernels index rows densely. One copy a view, graph-capturable; a dense
-    tensor (or None) is passed as it is."""
-    return tuple(t if t is None or t.is_contiguous() else t.contiguous() for t in tensors)
-
-
 def _check_placement(op: str, device: torch.device, named: dict) -> None:
     """Every tensor of ``named`` is contiguous on ``device``."""
     for name, t in named.items():
@@ -254,7 +246,7 @@ def sparse_attention_triton(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     valid pick are zeros). ``picks``: ``[N, P]`` or ``[N, Hp, P]``, each standing for
     ``pick_block`` positions. ``sinks``: None or ``[H]``, one more logit per head in the softmax
     denominator. ``plan`` overrides the tiles (tests)."""
-    q, k, v, picks, sinks = _dense(q, k, v, picks, sinks)
+    q, k, v, picks, sinks = dense(q, k, v, picks, sinks)
     _check_attention(q, k, v, k_cache, v_cache, query_start_loc, seq_lens, block_table,
                      slot_mapping, picks, sinks, pick_block)
     n, heads, dim = q.shape
@@ -296,7 +288,7 @@ def sparse_index_triton(q: torch.Tensor, weights: torch.Tensor, k: torch.Tensor,
     from .index_topk import index_topk_triton
 
     op = "sparse_index_triton"
-    q, weights, k = _dense(q, weights, k)
+    q, weights, k = dense(q, weights, k)
     check_sparse_index(op, q, weights, k, key_pool, topk, 1)
     if not key_pool.is_floating_point():
         _fail(op, f"key_pool is {key_pool.dtype}; it must be floating point")
@@ -361,7 +353,7 @@ def block_index_triton(q: torch.Tensor, k: torch.Tensor, key_pool: torch.Tensor,
     from .device import device_sm_count
 
     op = "block_index_triton"
-    q, k = _dense(q, k)
+    q, k = dense(q, k)
     check_block_index(op, q, k, key_pool, block_size, topk, local, 1)
     if not key_pool.is_floating_point():
         _fail(op, f"key_pool is {key_pool.dtype}; it must be floating point")
