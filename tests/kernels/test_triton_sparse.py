@@ -121,6 +121,20 @@ def test_triton_sparse_attention_matches_reference(case, dtypes):
     assert torch.equal(got[0], torch.zeros_like(got[0])), "no valid pick: zeros"
 
 
+def _float32_matches_reference(q, k, v, k_cache, v_cache, qsl, seq, table, slots, picks):
+    """The Triton op (scale 0.25, no sinks) against the reference on the device: outputs within
+    float32 rounding, the K and V pools the reference's."""
+    args = _dev(q, k, v, k_cache, v_cache, qsl, seq, table, slots)
+    picks = picks.to(DEVICE)
+    ref_pools = [args[3], args[4]]
+    got_pools = [p.clone() for p in ref_pools]
+    want = reference.sparse_attention(*args, 0.25, picks)
+    got = sparse_attention_triton(*args[:3], *got_pools, *args[5:], 0.25, picks)
+    torch.testing.assert_close(got, want, rtol=0, atol=3e-6)
+    for a, b in zip(got_pools, ref_pools):
+        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+
+
 def test_triton_sparse_attention_long_pick_rows():
     """Rows of 300 picks (ten tiles, the last partial), most of them -1 or past the query, as
     an indexer's ``topk`` row is on a short sequence."""
@@ -132,15 +146,7 @@ def test_triton_sparse_attention_long_pick_rows():
     q = torch.randn(n, 2, 32, generator=gen)
     k, v = torch.randn(n, 1, 32, generator=gen), torch.randn(n, 1, 32, generator=gen)
     picks = _picks(gen, qsl, seq, 300)
-    args = _dev(q, k, v, k_cache, v_cache, qsl, seq, table, slots)
-    picks = picks.to(DEVICE)
-    ref_pools = [args[3], args[4]]
-    got_pools = [p.clone() for p in ref_pools]
-    want = reference.sparse_attention(*args, 0.25, picks)
-    got = sparse_attention_triton(*args[:3], *got_pools, *args[5:], 0.25, picks)
-    torch.testing.assert_close(got, want, rtol=0, atol=3e-6)
-    for a, b in zip(got_pools, ref_pools):
-        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    _float32_matches_reference(q, k, v, k_cache, v_cache, qsl, seq, table, slots, picks)
 
 
 def test_triton_sparse_attention_takes_rows_that_are_views():
@@ -157,15 +163,7 @@ def test_triton_sparse_attention_takes_rows_that_are_views():
     k, v = kv[..., :24], kv[..., 24:]
     assert not (q.is_contiguous() or k.is_contiguous() or v.is_contiguous())
     picks = _picks(gen, qsl, seq, 21)
-    args = _dev(q, k, v, k_cache, v_cache, qsl, seq, table, slots)
-    picks = picks.to(DEVICE)
-    ref_pools = [args[3], args[4]]
-    got_pools = [p.clone() for p in ref_pools]
-    want = reference.sparse_attention(*args, 0.25, picks)
-    got = sparse_attention_triton(*args[:3], *got_pools, *args[5:], 0.25, picks)
-    torch.testing.assert_close(got, want, rtol=0, atol=3e-6)
-    for a, b in zip(got_pools, ref_pools):
-        assert torch.equal(a.nan_to_num(7.0), b.nan_to_num(7.0))
+    _float32_matches_reference(q, k, v, k_cache, v_cache, qsl, seq, table, slots, picks)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
