@@ -61,7 +61,10 @@ KNOWN_SOURCES = {
 transformers 5.24 and 5.17 (which differ in the cache length's name)."""
 
 
-def _forward(offsets: dict[int, int]):
+def table_at_positions(offsets: dict[int, int]):
+    """A position table's replaced forward: the table (an ``nn.Embedding``) read at each
+    token's own position from the capture (``[bs, T]``), plus ``offsets[id(table)]``, whatever
+    the call's arguments (the ``arange`` they stand for)."""
     def forward(self, *args, **kwargs):
         """The table at each token's own position (module docstring)."""
         scope = active_scope()
@@ -102,5 +105,5 @@ def counted_positions_hooks(model: nn.Module, names: dict[int, str]) -> Iterator
                         "this one reads otherwise; the model is refused rather than verified "
                         "wrong")
                 offsets[id(m)] = m.offset if key in _LEARNED_OFFSET else 0
-            stack.enter_context(swapped_forward(embedding, _forward(offsets)))
+            stack.enter_context(swapped_forward(embedding, table_at_positions(offsets)))
         yield

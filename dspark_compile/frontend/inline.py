@@ -55,7 +55,8 @@ from .masks import WindowMask
 from .bloom import AlibiSlopes
 from .replaced import PLAIN_FLOATS, bind_call, known_forward, modeling_instances, \
     source_key, swapped_forward
-from .scope import HF_ATTENTION_NAME, active_scope, outside_trace
+from .counted_positions import table_at_positions
+from .scope import HF_ATTENTION_NAME, outside_trace
 
 __all__ = ["KNOWN_SOURCES", "inline_hooks"]
 
@@ -490,10 +491,10 @@ def _bert_forward(params: tuple[str, ...], rotary: bool = False) -> Callable:
 
 def _roformer_rotate(self, table, query, key, value):
     """q and k (and v where the layer says so) rotated as the layer's own
-    ``apply_rotary_position_embeddings`` does, by the table rows :func:`_roformer_positions`
-    read at each token's position: ``[bs, T, D]`` there, indexed ``[None, None]`` by the
-    encoder, so ``[1, 1, bs, T, D]`` here and ``[bs, 1, T, D]`` (one row a token, every head)
-    handed on."""
+    ``apply_rotary_position_embeddings`` does, by the table rows
+    :func:`~.counted_positions.table_at_positions` read at each token's position: ``[bs, T,
+    D]`` there, indexed ``[None, None]`` by the encoder, so ``[1, 1, bs, T, D]`` here and
+    ``[bs, 1, T, D]`` (one row a token, every head) handed on."""
     if not isinstance(table, torch.Tensor) or table.dim() != 5 or \
             tuple(table.shape[:2]) != (1, 1) or table.shape[-1] != query.shape[-1]:
         shape = tuple(table.shape) if isinstance(table, torch.Tensor) else table
@@ -504,16 +505,6 @@ def _roformer_rotate(self, table, query, key, value):
         return self.apply_rotary_position_embeddings(table, query, key, value)
     query, key = self.apply_rotary_position_embeddings(table, query, key)
     return query, key, value
-
-
-def _roformer_positions(self, *args, **kwargs):
-    """``RoFormerSinusoidalPositionalEmbedding.forward``: its table at each token's own
-    position (``[bs, T]`` from the capture), where its encoder asks for ``arange(T)``."""
-    scope = active_scope()
-    if scope is None or scope.positions is None:
-        raise RuntimeError(f"{type(self).__name__}: replaced by dspark_compile for a capture "
-                           "and called outside one")
-    return nn.Embedding.forward(self, scope.positions)
 
 
 _BERT_STYLE_HOOKS = (
@@ -549,5 +540,6 @@ def _roformer(model, names) -> Iterator[None]:
         if not own:
             raise _refuse_layer(m, names, "RoFormer")
     with swapped_forward(attention, _bert_forward(_ROFORMER_CALL, rotary=True)), \
-            swapped_forward(positions, _roformer_positions):
+            swapped_forward(positions, table_at_positions(
+                {id(m): 0 for m in found if isinstance(m, positions)})):
         yield

@@ -206,7 +206,7 @@ def _compare(model: nn.Module, given: torch.Tensor, own: torch.Tensor | None, bo
 
 
 def cache_window_limit(model: nn.Module, specs):
-    """The :class:`~.position_tables.PositionLimit` of ``model``'s own cache: the fewest
+    """The :class:`~dspark_compile.specs.PositionLimit` of ``model``'s own cache: the fewest
     positions the cache ``generate`` builds for it (``DynamicCache(config=...)``) keeps of an
     attention layer whose forward reads further back (``specs``: the capture's attention specs,
     by module name; a layer is found by its module's ``layer_idx``), or None. Up to that many

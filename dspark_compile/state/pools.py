@@ -169,7 +169,8 @@ class VerifierState:
         itemsize = torch.empty(0, dtype=dtype).element_size()
         checks.check_memory("new_state", page_size * itemsize * (sum(
             n * s.num_kv_heads * (s.head_dim + (0 if s.shared_kv else s.value_dim))
-            for n, s in zip(pages, specs) if s.kv_from is None) + sum(n * w for n, w in zip(compress_pages, widths))
+            for n, s in zip(pages, specs) if s.kv_from is None)
+            + sum(n * w for n, w in zip(compress_pages, widths))
             + num_pages * sum(index_widths)),
             device,
             f"a KV pool of max_requests={max_requests} x max_context={max_context} tokens")

@@ -77,7 +77,7 @@ def test_a_dropped_rotation_is_caught(monkeypatch):
 def test_positions_one_off_are_caught(monkeypatch):
     """The table read at each token's position, not at ``arange(T)``: one off is caught (and
     ``arange`` itself is refused by the capture, the positions then being no request's own)."""
-    from dspark_compile.frontend import inline, scope
+    from dspark_compile.frontend import counted_positions, scope
 
     real = scope.active_scope
 
@@ -85,7 +85,7 @@ def test_positions_one_off_are_caught(monkeypatch):
         def __init__(self, inner):
             self.positions = inner.positions + 1
 
-    monkeypatch.setattr(inline, "active_scope", lambda: Shifted(real()))
+    monkeypatch.setattr(counted_positions, "active_scope", lambda: Shifted(real()))
     assert _rounds(tiny_roformer(), max_context=64) > 1e-2
 
 

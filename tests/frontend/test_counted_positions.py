@@ -56,12 +56,12 @@ def test_ragged_equals_hf_forward(name):
 def test_positions_one_off_are_caught(monkeypatch):
     from dspark_compile.frontend import counted_positions as hook
 
-    real = hook._forward
+    real = hook.table_at_positions
 
     def shifted(offsets):
         return real({k: v + 1 for k, v in offsets.items()})
 
-    monkeypatch.setattr(hook, "_forward", shifted)
+    monkeypatch.setattr(hook, "table_at_positions", shifted)
     assert _rounds(_tiny("bart"), max_context=64) > 1e-2
 
 
