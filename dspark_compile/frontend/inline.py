@@ -92,16 +92,18 @@ KNOWN_SOURCES = {
     ("MptModel", "forward"): frozenset({"e67fc628f88d14ba", "b389f245c2701a25"}),
     ("MptModel", "build_mpt_alibi_tensor"): frozenset({"31a8329daad38f1c"}),
     ("modeling_mpt", "build_mpt_alibi_tensor"): frozenset({"ceac1cf0eb0d182c"}),
-    ("MegatronBertSelfAttention", "forward"): frozenset({"12dd72a5c5d51c33"}),
+    ("MegatronBertSelfAttention", "forward"): frozenset({"12dd72a5c5d51c33",
+                                                          "222e1db0aebc57b5"}),
     ("MegatronBertSelfAttention", "__init__"): frozenset({"94c5e7f5b8bc8f6d"}),
-    ("RemBertSelfAttention", "forward"): frozenset({"3640bdb35aab6fe1"}),
+    ("RemBertSelfAttention", "forward"): frozenset({"3640bdb35aab6fe1", "8bfe0e96b8e1d008"}),
     ("RemBertSelfAttention", "__init__"): frozenset({"94c5e7f5b8bc8f6d"}),
-    ("RoFormerSelfAttention", "forward"): frozenset({"1f1d988992c832ab"}),
+    ("RoFormerSelfAttention", "forward"): frozenset({"1f1d988992c832ab", "48ced5fb3d5d67d0"}),
     ("RoFormerSelfAttention", "__init__"): frozenset({"3de09cc66edfc60a"}),
     ("RoFormerSelfAttention", "apply_rotary_position_embeddings"):
         frozenset({"b53a670b77dfe3ee"}),
-    ("RoFormerSinusoidalPositionalEmbedding", "forward"): frozenset({"6307e1e648a167f7"}),
-    ("RoFormerEncoder", "forward"): frozenset({"0576bd618fadf2e7"}),
+    ("RoFormerSinusoidalPositionalEmbedding", "forward"): frozenset({"6307e1e648a167f7",
+                                                                      "fb59f370f8725dd7"}),
+    ("RoFormerEncoder", "forward"): frozenset({"0576bd618fadf2e7", "5c0480a7e69dbdc9"}),
 }
 """sha256 prefixes (:func:`~.replaced.source_key`) of the methods each replacement was derived
 from, by (class or module, method): transformers 5.24 and 5.17 (where a method has two, they
