@@ -85,7 +85,7 @@ def build_layer(lens: list[int], s: dict, device: str, seed: int,
     bs, ctx, page = len(lens), s["context"], s["page_size"]
     hkv, d = s["num_kv_heads"], s["head_dim"]
     per_req = -(-(ctx + max(lens)) // page)
-    table = torch.randperm(bs * per_req, generator=g).view(bs, per_req)
+    table = page_table(bs, per_req, s.get("page_order", "shuffled"), g)
     lens_t = torch.tensor(lens)
     qsl = torch.zeros(bs + 1, dtype=torch.int32)
     qsl[1:] = torch.cumsum(lens_t, 0)
@@ -101,6 +101,24 @@ def build_layer(lens: list[int], s: dict, device: str, seed: int,
                 k_cache=rnd(bs * per_req, page, hkv, d), v_cache=rnd(bs * per_req, page, hkv, d),
                 query_start_loc=qsl.to(device), seq_lens=(lens_t + ctx).int().to(device),
                 block_table=table.int().to(device), slot_mapping=slots.to(device))
+
+
+def page_table(bs: int, per_req: int, order: str, g: torch.Generator) -> torch.Tensor:
+    """``[bs, per_req]`` page ids of a pool of ``bs * per_req`` pages: ``shuffled`` (every page
+    anywhere, the default), ``in_order`` (each request's pages one run, requests in order), or
+    ``runs:N`` (runs of N consecutive pages in a random order, as an allocator that hands out N
+    pages at a time would leave them)."""
+    pages = bs * per_req
+    if order == "shuffled":
+        return torch.randperm(pages, generator=g).view(bs, per_req)
+    if order == "in_order":
+        return torch.arange(pages).view(bs, per_req)
+    run = int(order.split(":", 1)[1]) if order.startswith("runs:") else 0
+    if run < 1 or pages % run:
+        raise ValueError(f"page order {order!r}: 'shuffled', 'in_order' or 'runs:N' with N "
+                         f"dividing the {pages} pages")
+    starts = torch.randperm(pages // run, generator=g) * run
+    return (starts[:, None] + torch.arange(run)[None]).reshape(bs, per_req)
 
 
 def call_args(layer: dict, scale: float) -> list:
@@ -308,10 +326,15 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--semantics", action="store_true",
                     help="only time window / softcap / sinks against plain "
                          "(attention_semantics.json)")
+    ap.add_argument("--page-order", default="shuffled",
+                    help="the pools' page order with --tiles: shuffled (default), in_order or "
+                         "runs:N (page_table); other than shuffled the file is "
+                         "attention_tiles_<order>.json")
     ap.add_argument("--smoke", action="store_true", help="tiny CPU run under the interpreter")
     ap.add_argument("--out", help="results folder (default: $OUT, else benchmarks/results)")
     opts = ap.parse_args(argv)
     s, device = (SMOKE, "cpu") if opts.smoke else (SETTINGS, "cuda")
+    s = dict(s, page_order=opts.page_order)
     import triton
     if opts.semantics:
         report = dict(environment=versions(device == "cuda"), settings=s,
@@ -328,7 +351,9 @@ def main(argv: list[str] | None = None) -> None:
                       tiles=tile_sweep(opts.tiles, opts.tile_bs, s, device))
         folder = Path(opts.out or os.environ.get("OUT") or Path(__file__).parent / "results")
         folder.mkdir(parents=True, exist_ok=True)
-        (folder / "attention_tiles.json").write_text(json.dumps(report, indent=1))
+        name = "attention_tiles" + ("" if opts.page_order == "shuffled" else
+                                    "_" + opts.page_order.replace(":", ""))
+        (folder / f"{name}.json").write_text(json.dumps(report, indent=1))
         return
     report = dict(gpu=torch.cuda.get_device_name() if device == "cuda" else platform.processor(),
                   torch=torch.__version__, triton=triton.__version__, settings=s,

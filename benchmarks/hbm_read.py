@@ -21,6 +21,7 @@ import torch
 import triton
 import triton.language as tl
 
+from attention_kernel import page_table
 from common import time_calls
 
 LAYER_KV_BYTES = 64 * 1024 * 8 * 128 * 2 * 2
@@ -109,18 +110,24 @@ PAGED = dict(requests=64, context=1024, page=16, kv_heads=8, head_dim=128)
 DOTS_CONFIGS = ((False, 32, 4, 3), (True, 16, 4, 3), (True, 16, 4, 4), (True, 16, 4, 6),
                 (True, 16, 8, 4))
 PAGED_TILES = ((32, 4, 3), (32, 4, 4), (64, 4, 3), (64, 8, 3))
+PAGE_ORDERS = ("shuffled", "in_order", "runs:4", "runs:16")
+"""How the pool's pages fall in each request's block table (``attention_kernel.page_table``):
+the rows above read a shuffled pool; these time the first and third tiles over each order."""
 
 
 def paged(dev, sms: int) -> dict:
     """The attention's access pattern at bs 64: pools ``[pages, page, Hkv, D]`` (this
     project's layout: a (page, head) is 16 rows of 256 B, 2 KB apart) against ``[pages, Hkv,
-    page, D]`` (each (page, head) 4 KB in one piece), pages in a random order."""
+    page, D]`` (each (page, head) 4 KB in one piece), pages in a random order; then this
+    project's layout over each of :data:`PAGE_ORDERS`."""
     r, ctx, pg, hkv, d = (PAGED[k] for k in ("requests", "context", "page", "kv_heads",
                                              "head_dim"))
     per_req = ctx // pg
     pages = r * per_req
     gen = torch.Generator().manual_seed(0)
-    bt = torch.randperm(pages, generator=gen).to(torch.int32).view(r, per_req).to(dev)
+    tables = {order: page_table(r, per_req, order, gen).to(torch.int32).to(dev)
+              for order in PAGE_ORDERS}
+    bt = tables["shuffled"]
     pools = [(torch.randn(pages, pg, hkv, d, device=dev, dtype=torch.bfloat16),
               torch.randn(pages, pg, hkv, d, device=dev, dtype=torch.bfloat16))
              for _ in range(BUFFERS)]
@@ -140,6 +147,19 @@ def paged(dev, sms: int) -> dict:
             rows.append({"layout": name, "tile": tile, "warps": warps, "stages": stages,
                          "us": us, "bytes_per_s": LAYER_KV_BYTES / (us * 1e-6)})
             print(rows[-1], flush=True)
+    orders = []  # this project's layout, the first tiles, each page order
+    for order, table in tables.items():
+        for tile, warps, stages in PAGED_TILES[:3:2]:
+            def read(k, v, tile=tile, warps=warps, stages=stages, table=table):
+                _paged_read_kernel[(r, hkv)](k, v, table, out, per_req,
+                                             *layouts["page_row_head"], HKV=hkv, TILE=tile,
+                                             PAGE=pg, D=d, num_warps=warps, num_stages=stages)
+
+            us = time_calls([lambda k=k, v=v, f=read: f(k, v) for k, v in pools], TIMING,
+                            "cuda")["graph_us"]
+            orders.append({"order": order, "tile": tile, "warps": warps, "stages": stages,
+                           "us": us, "bytes_per_s": LAYER_KV_BYTES / (us * 1e-6)})
+            print(orders[-1], flush=True)
     from triton.tools.tensor_descriptor import TensorDescriptor
 
     q = torch.randn(16, d, device=dev, dtype=torch.bfloat16) * 0.05
@@ -171,7 +191,7 @@ def paged(dev, sms: int) -> dict:
                      "max_abs_err": err})
         print(dots[-1], flush=True)
     return {"settings": PAGED, "programs": r * hkv, "sm_count": sms, "rows": rows,
-            "dots": dots}
+            "page_orders": orders, "dots": dots}
 
 
 def main() -> None:

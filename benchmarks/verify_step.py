@@ -28,6 +28,7 @@ from common import (BF16_FLOPS, BLOCK, CONTEXT, HBM_BYTES_PER_S, PAGE, add_varia
                     plot_step_ms, time_ms, versions, write_json)
 from common import mix_lens as _mix_lens
 from dspark_compile.session.tiers import tier_set
+from dspark_compile.state.pools import PAGE_ORDERS
 
 BATCHES = (1, 8, 64, 256)
 
@@ -84,7 +85,8 @@ def run(args, save) -> dict:
 
     batches = tuple(args.bs) if args.bs else (1, 8) if args.quick else BATCHES
     max_bs = max(batches)
-    state = verifier.new_state(max_requests=max_bs, max_context=CONTEXT + BLOCK)
+    state = verifier.new_state(max_requests=max_bs, max_context=CONTEXT + BLOCK,
+                               page_order=args.page_order)
     fill_context(state, CONTEXT)
     shapes = {bs: {"mix3": mix_lens(bs), "uniform3": [3] * bs, "all8": [BLOCK] * bs}
               for bs in batches}
@@ -161,9 +163,15 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="bs 1 and 8 only, fewer iters")
     parser.add_argument("--bs", type=int, nargs="+",
                         help="these batch sizes instead (files get a suffix)")
+    parser.add_argument("--page-order", choices=PAGE_ORDERS, default="shuffled",
+                        help="new_state's page_order (files get a suffix unless shuffled)")
     add_variant_args(parser)
     args = parser.parse_args()
     suffix, flags, options = apply_variant(args)
+    if args.page_order != "shuffled":
+        suffix += "_pages_" + args.page_order
+        flags += " --page-order " + args.page_order
+    options["page_order"] = args.page_order
     if not torch.cuda.is_available():
         sys.exit("verify_step.py needs a GPU")
     os.makedirs(args.out, exist_ok=True)
