@@ -89,6 +89,10 @@ _POSITIONS = {"max_position_embeddings", "n_positions", "n_ctx", "max_seq_len",
               "max_target_positions", "max_source_positions", "seq_length", "context_length"}
 _INTERMEDIATE = re.compile(r"intermediate|ffn|^d_ff$|^dim_ff$|^dff$|^n_inner$|feed_forward")
 _DROPOUT = re.compile(r"dropout|pdrop|drop_path|layerdrop")
+_ADAPTER_IN = re.compile(r"^adapter_in(put)?_(dim|size)$")
+"""A multimodal tower's adapter input, which must equal the tower's own width."""
+_ADAPTER_OUT = re.compile(r"^adapter_out(put)?_(dim|size)$")
+"""Its output, which must equal the text model's width."""
 _LAYER_INDEX_LIST = re.compile(r"layer|idxs|indexes|indices")
 _ROPE_DICTS = {"rope_parameters", "rope_scaling"}
 
@@ -250,7 +254,8 @@ def _shrink(d: dict, changed: dict, prefix: str = "") -> dict:
             put(key, 0.0)
         if not isinstance(value, int):
             continue
-        if key in _HIDDEN:
+        if key in _HIDDEN or (_ADAPTER_IN.search(key) and hidden_key
+                              and value == old.get(hidden_key)):
             base = old.get(hidden_key)
             ratio = value // base if key != hidden_key and base and value % base == 0 else 1
             put(key, SIZES["hidden"] * ratio)
@@ -303,7 +308,35 @@ def _shrink(d: dict, changed: dict, prefix: str = "") -> dict:
         fixed = _fix_rope(d[key], _rotary_half(d))
         if fixed != d[key]:
             put(key, fixed)
+    layers = next((d[k] for k in _LAYERS if isinstance(d.get(k), int) and k in changed_here(
+        changed, prefix)), None)
+    if layers is not None:  # per-layer override dicts past the new depth name no layer
+        for key, value in list(d.items()):
+            if isinstance(value, dict) and _is_layer_dict(value) and \
+                    any(int(k) >= layers for k in value):
+                put(key, {k: v for k, v in value.items() if int(k) < layers})
     return d
+
+
+def _adapters_to_text(full: dict, text_key: str, text_default: dict, changed: dict) -> None:
+    """A tower's adapter output (``adapter_out_dim``), which its config checks against the
+    text model's width, follows the text width where it equalled it."""
+    hidden_key = next((k for k in _HIDDEN if isinstance(text_default.get(k), int)), None)
+    if hidden_key is None:
+        return
+    for key, sub in full.items():
+        if key == text_key or not isinstance(sub, dict) or "model_type" not in sub:
+            continue
+        for field, value in list(sub.items()):
+            if _ADAPTER_OUT.search(field) and value == text_default[hidden_key]:
+                changed[f"{key}.{field}"] = (value, full[text_key][hidden_key])
+                sub[field] = full[text_key][hidden_key]
+
+
+def changed_here(changed: dict, prefix: str) -> set[str]:
+    """Keys of the config at ``prefix`` that :func:`_shrink` rewrote."""
+    return {k[len(prefix):] for k in changed if k.startswith(prefix) and
+            "." not in k[len(prefix):]}
 
 
 def _is_layer_dict(value: dict) -> bool:
@@ -476,6 +509,8 @@ def tiny_config(model_type: str, model_cls=None, overrides: dict | None = None) 
     text_key = _text_key(default)
     changed: dict[str, tuple[Any, Any]] = {}
     _shrink(full, changed)
+    if text_key:
+        _adapters_to_text(full, text_key, default.get_text_config().to_dict(), changed)
     vocab_owner = full[text_key] if text_key else full
     vocab = vocab_owner.get("vocab_size", SIZES["vocab"])
     special_token_ids(full, vocab if isinstance(vocab, int) else SIZES["vocab"])

@@ -144,3 +144,21 @@ def test_rope_parameters_follow_the_head_dim():
     per_type = _fix_rope({"full_attention": {"rope_type": "default", "mrope_section": [8, 8]},
                           "sliding_attention": {"rope_type": "default"}}, 8)
     assert per_type["full_attention"]["mrope_section"] == [4, 4]
+
+
+def test_towers_keep_per_layer_overrides_and_adapters_consistent_with_their_new_widths():
+    """dots.3 Note's vision and audio towers: per-layer override dicts past a tower's new depth
+    are dropped (its config refuses a key naming no layer), each adapter's input follows its
+    tower's width and its output the text model's; the composite config then builds."""
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    if "dots3_note" not in CONFIG_MAPPING:
+        pytest.skip("this transformers has no dots3_note")
+    default = CONFIG_MAPPING["dots3_note"]().to_dict()
+    assert any(int(k) >= 2 for k in default["vision_config"]["per_layer_config"])
+    config = tiny_config("dots3_note").config
+    vision, audio, text = config.vision_config, config.audio_config, config.get_text_config()
+    assert vision.num_hidden_layers == 2
+    assert all(int(k) < 2 for k in (vision.to_dict().get("per_layer_config") or {}))
+    assert vision.adapter_in_dim == vision.hidden_size < default["vision_config"]["hidden_size"]
+    assert vision.adapter_out_dim == audio.adapter_out_dim == text.hidden_size
+    assert audio.adapter_input_size == audio.hidden_size
