@@ -150,6 +150,14 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2,
              "n_output_layers": 2, "layer_types": ["sliding_attention", "mlp", "full_attention",
                                                    "mlp", "sliding_attention", "mlp"]},
+    # Cohere Compass's text config defaults to no rotary parameters at all (its model cannot
+    # build: they are per layer type); a checkpoint's pattern instead: sliding layers rotated
+    # (multimodal sections summing to the tiny head's half), full layers without positions
+    "cohere_compass_text": {
+        "layer_types": ["sliding_attention", "full_attention"],
+        "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 5e4,
+                                                  "mrope_section": [4, 2, 2]},
+                            "full_attention": None}},
 }
 """Per model type, fields no name rule can guess (applied to the text config last)."""
 
