@@ -1,6 +1,6 @@
 """Attention written inline in a model's own layer (GPT-Neo, XGLM, MVP, TrOCR, GPT,
-GPT-NeoX-Japanese, MPT, MegatronBERT, RemBERT, RoFormer), captured through the attention
-function.
+GPT-NeoX-Japanese, MPT, MegatronBERT, RemBERT, RoFormer; GPT-J and CodeGen as transformers 5.17
+writes them), captured through the attention function.
 
 These layers compute ``softmax(q k^T + mask) v`` themselves instead of calling transformers'
 attention interface, so the capture would meet their mask as a tensor (it proves masks instead of
@@ -27,6 +27,12 @@ scaling as written and hands the scores' part to the capture's attention functio
   clamps as written. ``MptModel`` casts its mask to bool before handing it down: for the capture
   its ``create_causal_mask`` returns the proof wrapped so that this one cast gives the proof
   back.
+
+- **GPT-J, CodeGen** (``GPTJAttention``, ``CodeGenAttention`` where they compute their scores
+  in ``_attn``, as in transformers 5.17): their own head split (CodeGen's four model-parallel
+  groups), interleaved rotary of the first ``rotary_dim`` channels by rows of their sinusoid
+  table at each token's position, scores divided by ``sqrt(head_dim)``. The table's rows past
+  its end are the position limit ``new_state`` enforces (``position_tables``).
 
 - **BERT-style self-attention** (``MegatronBertSelfAttention``, ``RemBertSelfAttention``,
   ``RoFormerSelfAttention``): ``query``/``key``/``value``
@@ -104,6 +110,17 @@ KNOWN_SOURCES = {
     ("RoFormerSinusoidalPositionalEmbedding", "forward"): frozenset({"6307e1e648a167f7",
                                                                       "fb59f370f8725dd7"}),
     ("RoFormerEncoder", "forward"): frozenset({"0576bd618fadf2e7", "5c0480a7e69dbdc9"}),
+    # GPT-J and CodeGen: their inline form only (5.17; 5.24's call the attention interface)
+    ("GPTJAttention", "forward"): frozenset({"bcd9a349a34c8d90"}),
+    ("GPTJAttention", "_split_heads"): frozenset({"8ab28f5fbe78e6c4"}),
+    ("GPTJAttention", "__init__"): frozenset({"33ff2547bc0a231a"}),
+    ("modeling_gptj", "apply_rotary_pos_emb"): frozenset({"9b5cb620ce997c13"}),
+    ("modeling_gptj", "rotate_every_two"): frozenset({"19e9edb6c5eaf7b9"}),
+    ("CodeGenAttention", "forward"): frozenset({"68043ab162e23fbb"}),
+    ("CodeGenAttention", "_split_heads"): frozenset({"61ce852829057cb6"}),
+    ("CodeGenAttention", "__init__"): frozenset({"12cbb81a5372ff3b"}),
+    ("modeling_codegen", "apply_rotary_pos_emb"): frozenset({"9b5cb620ce997c13"}),
+    ("modeling_codegen", "rotate_every_two"): frozenset({"19e9edb6c5eaf7b9"}),
 }
 """sha256 prefixes (:func:`~.replaced.source_key`) of the methods each replacement was derived
 from, by (class or module, method): transformers 5.24 and 5.17 (where a method has two, they
@@ -322,7 +339,9 @@ def inline_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
     with contextlib.ExitStack() as stack:
         for hook in (_gpt_neo, _xglm, _one_class("mvp", "MvpAttention", "MVP", _xglm_forward),
                      _one_class("trocr", "TrOCRAttention", "TrOCR", _xglm_forward), _openai,
-                     _neox_japanese, _mpt, *_BERT_STYLE_HOOKS, _roformer):
+                     _neox_japanese, _mpt, *_BERT_STYLE_HOOKS, _roformer,
+                     _sinusoid_rotary("gptj", "GPTJAttention", "GPT-J"),
+                     _sinusoid_rotary("codegen", "CodeGenAttention", "CodeGen")):
             stack.enter_context(hook(model, names))
         yield
 
@@ -458,6 +477,69 @@ def _mpt(model, names) -> Iterator[None]:
             raise _refuse_layer(m, names, "MPT")
     with swapped_forward(attention, _mpt_forward), _mpt_mask(modeling):
         yield
+
+
+def _sinusoid_rotary_forward(self, hidden_states, layer_past=None, attention_mask=None,
+                             position_ids=None, use_cache=False, output_attentions=False,
+                             **kwargs):
+    """GPT-J's and CodeGen's inline ``forward`` (transformers 5.17) through the attention
+    function: their projections and head split as written (CodeGen's one ``qkv_proj`` cut in
+    its four model-parallel groups, query / value / key, by its own ``_split_heads``), q and k
+    rotated in interleaved pairs by their module's ``apply_rotary_pos_emb`` with the rows of
+    their ``embed_positions`` table at ``position_ids`` (GPT-J gathers those same rows, cast to
+    the keys' dtype), scores divided by ``sqrt(head_dim)``. Their scores run in float32, as the
+    op's do; q and k reach the op in v's dtype (CodeGen's float32 table leaves them float32:
+    its own cached decoding stores the keys in the model's dtype)."""
+    _plain_call(self, dict(kwargs, layer_past=layer_past, output_attentions=output_attentions))
+    if position_ids is None:
+        raise _refuse(self, "called without position_ids, which its rotary reads")
+    modeling = sys.modules[type(self).__module__]
+    heads, dim = self.num_attention_heads, self.head_dim
+    if hasattr(self, "qkv_proj"):  # CodeGen
+        qkv = self.qkv_proj(hidden_states)
+        qkv = qkv.reshape(qkv.shape[:-1] + (4, -1))
+        query, value, key = torch.split(qkv, dim * heads // 4, dim=-1)
+        query, key, value = (self._split_heads(t, heads, dim, mp_num=4)
+                             for t in (query, key, value))
+        value = value.permute(0, 2, 1, 3)
+        sincos = self.embed_positions[position_ids]
+    else:  # GPT-J
+        query, key = (self._split_heads(proj(hidden_states), heads, dim, True)
+                      for proj in (self.q_proj, self.k_proj))
+        value = self._split_heads(self.v_proj(hidden_states), heads, dim, False)
+        sincos = self.embed_positions[position_ids].to(key.dtype)
+    sin, cos = torch.split(sincos, sincos.shape[-1] // 2, dim=-1)
+    rot = self.rotary_dim if self.rotary_dim is not None else dim
+    query, key = (torch.cat([modeling.apply_rotary_pos_emb(t[..., :rot], sin, cos),
+                             t[..., rot:]], dim=-1).permute(0, 2, 1, 3).to(value.dtype)
+                  for t in (query, key))
+    out, _ = _attention()(self, query, key, value, _causal(self, attention_mask),
+                          scaling=1.0 / self.scale_attn, dropout=0.0)
+    out = self.out_proj(out.reshape(*hidden_states.shape[:-1], heads * dim))
+    return self.resid_dropout(out), None
+
+
+def _sinusoid_rotary(family: str, name: str, title: str) -> Callable:
+    """The hook of GPT-J's or CodeGen's attention: only their inline form (which has an
+    ``_attn``) is replaced, where every instance reads as :data:`KNOWN_SOURCES` says; a class
+    without ``_attn`` calls the attention interface and is left as it is."""
+    @contextlib.contextmanager
+    def hook(model, names) -> Iterator[None]:
+        classes, found = modeling_instances(
+            model, f"transformers.models.{family}.modeling_{family}", (name,))
+        if not found or not hasattr(classes[0], "_attn"):
+            yield
+            return
+        cls, = classes
+        modeling = sys.modules[cls.__module__]
+        shared = all(source_key(modeling, fn) in KNOWN_SOURCES[(f"modeling_{family}", fn)]
+                     for fn in ("apply_rotary_pos_emb", "rotate_every_two"))
+        for m in found:
+            if not (shared and _taken(m, cls, ("forward", "_split_heads", "__init__"))):
+                raise _refuse_layer(m, names, title)
+        with swapped_forward(cls, _sinusoid_rotary_forward):
+            yield
+    return hook
 
 
 _BERT_CALL = ("hidden_states", "attention_mask", "encoder_hidden_states", "cache",

@@ -1,12 +1,13 @@
-"""GPT-Neo, XGLM, GPT (openai-gpt), GPT-NeoX-Japanese and MPT: attention written inline in the layer, captured through the attention
-function (``frontend/inline.py``).
+"""GPT-Neo, XGLM, GPT (openai-gpt), GPT-NeoX-Japanese, MPT, and GPT-J and CodeGen where
+transformers writes them inline (5.17): attention written inline in the layer, captured through
+the attention function (``frontend/inline.py``).
 
 Every ragged logit row equals HF's forward over that request's whole sequence alone, over a
 prefill and four ragged rounds (float32, CPU, reference ops): GPT-Neo's global and local layers
 (a window shorter than the sequences, no softmax scale), XGLM's pre-scaled queries and its
 sinusoidal positions past the table HF starts with, GPT's scaled scores under its causal
 buffer, GPT-NeoX-Japanese's partial rotary, MPT's ALiBi (a power-of-two head count and
-another) with clipped q/k/v. A capture that drops the window, shifts the positions, drops GPT's scale
+another) with clipped q/k/v, GPT-J's and CodeGen's interleaved rotary (partial and whole). A capture that drops the window, shifts the positions, drops GPT's scale
 or drops the slopes is caught; a changed source, a band or causal buffer that is not one and an
 unknown mask cast are refused by name.
 """
@@ -22,6 +23,11 @@ xglm = pytest.importorskip("transformers.models.xglm.modeling_xglm")
 mpt = pytest.importorskip("transformers.models.mpt.modeling_mpt")
 gpt = pytest.importorskip("transformers.models.openai.modeling_openai")
 neox_ja = pytest.importorskip("transformers.models.gpt_neox_japanese.modeling_gpt_neox_japanese")
+gptj = pytest.importorskip("transformers.models.gptj.modeling_gptj")
+codegen = pytest.importorskip("transformers.models.codegen.modeling_codegen")
+INLINE_SINUSOID = hasattr(gptj.GPTJAttention, "_attn")
+"""GPT-J and CodeGen score in their own ``_attn`` (transformers 5.17): the inline hook's form;
+later versions call the attention interface and need none."""
 
 VOCAB = 89
 TOL = 1e-4
@@ -76,6 +82,24 @@ def tiny_neox_ja():
     return randomised(neox_ja.GPTNeoXJapaneseForCausalLM(cfg))
 
 
+def tiny_gptj(rotary_dim: int = 4):
+    from transformers import GPTJConfig
+
+    torch.manual_seed(0)
+    cfg = GPTJConfig(vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=128,
+                     rotary_dim=rotary_dim, n_inner=64)
+    return randomised(gptj.GPTJForCausalLM(cfg))
+
+
+def tiny_codegen(rotary_dim: int = 4):
+    from transformers import CodeGenConfig
+
+    torch.manual_seed(0)
+    cfg = CodeGenConfig(vocab_size=VOCAB, n_embd=64, n_layer=2, n_head=4, n_positions=128,
+                        rotary_dim=rotary_dim, n_inner=64)
+    return randomised(codegen.CodeGenForCausalLM(cfg))
+
+
 def _rounds(model, **kwargs) -> float:
     return ragged_rounds_error(model, dspark_compile(model), [1, 0, 2], [7, 4, 9], VOCAB,
                                seed=5, **kwargs)
@@ -112,6 +136,40 @@ def test_gpt_equals_hf():
 def test_gpt_neox_japanese_with_partial_rotary_equals_hf():
     err = _rounds(tiny_neox_ja())
     assert err < TOL, f"max |ragged - HF| = {err}"
+
+
+@pytest.mark.parametrize("build,head", [(tiny_gptj, 8), (tiny_codegen, 16)])
+@pytest.mark.parametrize("whole", [False, True])
+def test_gptj_and_codegen_with_partial_and_whole_rotary_equal_hf(build, head, whole):
+    """Whichever form this transformers writes them in (inline: the hook's forward)."""
+    assert _rounds(build(head if whole else 4)) <= TOL
+
+
+@pytest.mark.skipif(not INLINE_SINUSOID, reason="GPT-J calls the attention interface here")
+def test_the_sinusoid_hooks_rotary_is_needed(monkeypatch):
+    """Rows of the table at position 0 for every token (no rotation) are caught."""
+    from dspark_compile.frontend import inline
+
+    real = inline._sinusoid_rotary_forward
+
+    def unrotated(self, *args, position_ids=None, **kwargs):
+        return real(self, *args, position_ids=position_ids * 0, **kwargs)
+    monkeypatch.setattr(inline, "_sinusoid_rotary_forward", unrotated)
+    assert _rounds(tiny_gptj()) > 1e-2
+
+
+@pytest.mark.skipif(not INLINE_SINUSOID, reason="GPT-J calls the attention interface here")
+@pytest.mark.parametrize("key,build,where", [
+    (("GPTJAttention", "_split_heads"), tiny_gptj, "transformer.h.0.attn"),
+    (("modeling_codegen", "rotate_every_two"), tiny_codegen, "transformer.h.0.attn"),
+])
+def test_a_changed_sinusoid_source_is_refused(monkeypatch, key, build, where):
+    from dspark_compile.frontend import inline
+
+    monkeypatch.setitem(inline.KNOWN_SOURCES, key, frozenset())
+    with pytest.raises(NotImplementedError,
+                       match=rf"'{where}': .*refused rather than verified wrong"):
+        dspark_compile(build())
 
 
 def test_a_dropped_rotary_is_caught(monkeypatch):
@@ -223,7 +281,7 @@ def test_only_the_bool_cast_of_mpts_mask_is_understood():
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("build", [tiny_neo, tiny_xglm, tiny_gpt, tiny_neox_ja,
-                                   lambda: tiny_mpt(6)])
+                                   lambda: tiny_mpt(6), tiny_gptj, tiny_codegen])
 def test_float32_on_gpu_through_triton_matches_hf(build):
     """The window, the positions and the slopes through the Triton kernels, on the GPU."""
     model = build()
