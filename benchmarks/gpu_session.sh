@@ -60,7 +60,7 @@
 #                 -m gpu), then the five DeepSeek Sparse Attention models and MiniMax-M3's
 #                 block-sparse layers through the Triton lowering (zoo --device cuda, float32 and
 #                 --static), results in zoo_gpu_dsa*.json
-#   reach_tests   Inkling, JetMoE, ZAYA, BLOOM, RecurrentGemma, Zamba, the BERT family,
+#   reach_tests   Inkling, JetMoE, ZAYA, BLOOM, RecurrentGemma, Zamba, the BERT family, GPT-J, CodeGen,
 #                 MegatronBERT, RemBERT, RoFormer and the inline-attention
 #                 families (GPT-Neo, XGLM, GPT, GPT-NeoX-Japanese, MPT; BioGPT; the BART
 #                 family's decoders) on the GPU: their
@@ -310,7 +310,7 @@ ZOO_FAMILIES="llama mistral mixtral qwen2 qwen2_moe qwen3 qwen3_moe qwen3_next g
 REACH="inkling_text jetmoe zaya bloom recurrent_gemma zamba gpt_neo xglm openai-gpt
   gpt_neox_japanese mpt biogpt bart mbart plbart blenderbot blenderbot-small marian pegasus
   mvp trocr bert electra ernie roc_bert roberta camembert megatron-bert rembert roformer
-  gemma3n_text dory"
+  gemma3n_text dory gptj codegen"
 
 if [ "${1:-}" = "--one" ]; then  # one job, under the caller's timeout
   job "$2"
