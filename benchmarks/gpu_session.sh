@@ -60,8 +60,8 @@
 #                 -m gpu), then the five DeepSeek Sparse Attention models and MiniMax-M3's
 #                 block-sparse layers through the Triton lowering (zoo --device cuda, float32 and
 #                 --static), results in zoo_gpu_dsa*.json
-#   reach_tests   Inkling, JetMoE, ZAYA, BLOOM, RecurrentGemma, Zamba, the BERT family, GPT-J, CodeGen,
-#                 MegatronBERT, RemBERT, RoFormer and the inline-attention
+#   reach_tests   Inkling, JetMoE, ZAYA, BLOOM, RecurrentGemma, Zamba, the BERT family,
+#                 MegatronBERT, RemBERT, RoFormer, GPT-J, CodeGen and the inline-attention
 #                 families (GPT-Neo, XGLM, GPT, GPT-NeoX-Japanese, MPT; BioGPT; the BART
 #                 family's decoders) on the GPU: their
 #                 pytest -m gpu model tests, the relative-logit, row-sink and ALiBi kernel cases,
