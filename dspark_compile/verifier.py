@@ -16,6 +16,7 @@ it was.
 
 from __future__ import annotations
 
+import logging
 import weakref
 from collections import Counter
 
@@ -44,6 +45,8 @@ from .state.checks import positive_size
 
 __all__ = ["Verifier", "dspark_compile", "ProtocolError", "TokenIdError", "StaleWeightsError",
            "HookedModelError", "ConcurrentUseError"]
+
+log = logging.getLogger("dspark_compile")
 
 
 def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
@@ -129,7 +132,14 @@ class Verifier:
         self.vocab_size = int(getattr(embed, "num_embeddings", vocab))
         """Token ids must lie in ``0..vocab_size-1``: the rows of the input embedding (the ids
         the model can read; Mllama's are its logits' vocabulary plus 8 image tokens), or the
-        logits' vocabulary where the model has no embedding table to ask."""
+        logits' vocabulary where the model has no embedding table to ask; fewer where another
+        table the ids index directly has fewer rows (``position_tables.token_id_limit``)."""
+        id_limit = dense.id_limit
+        if id_limit is not None and id_limit[0] < self.vocab_size:
+            log.warning("%s: token ids are limited to 0..%d, the rows of %s, which the model "
+                        "indexes by the ids as they are (its input embedding has %d)",
+                        type(model).__name__, id_limit[0] - 1, id_limit[1], self.vocab_size)
+            self.vocab_size = id_limit[0]
         self.position_limit = tightest(position_limit(dense.gm), dense.cache_limit)
         """The first position one of the model's position tables cannot serve (learned
         absolute positions), or past which its own cache drops keys its forward reads

@@ -72,6 +72,9 @@ class CapturedGraph:
     cache_limit: PositionLimit | None = None
     """Contexts past which the model's own cache drops keys its forward reads
     (:func:`~.own_forward.cache_window_limit`), None: none."""
+    id_limit: tuple[int, str] | None = None
+    """``(ids, table)``: token ids past ``ids - 1`` would read past a table the ids index
+    directly (:func:`~.position_tables.token_id_limit`), None: no such table."""
 
 
 def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.device):
@@ -470,11 +473,15 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     gm.recompile()
     bs, tokens = _token_symbols(gm, mode.shape_env)
     _check_guards(mode.shape_env, bs, tokens, gm)
+    from .position_tables import token_id_limit  # it evaluates graph nodes with this module
+
+    id_limit = token_id_limit(gm)
     if adapter.kind == "hf":  # after the capture's own refusals, which name more
         check_own_forward(adapter.model, adapter.forward,
-                          adapter.mrope.sections if adapter.mrope else None)
+                          adapter.mrope.sections if adapter.mrope else None,
+                          id_limit[0] if id_limit else None)
     limit = cache_window_limit(adapter.model, adapter.specs) if adapter.kind == "hf" else None
-    return CapturedGraph(gm, specs, bs, tokens, limit)
+    return CapturedGraph(gm, specs, bs, tokens, limit, id_limit)
 
 
 def _token_symbols(gm: fx.GraphModule, shape_env: ShapeEnv) -> tuple[sympy.Symbol, sympy.Symbol]:

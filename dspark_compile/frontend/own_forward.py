@@ -111,11 +111,15 @@ def config_token_ids(d: dict) -> set[int]:
     return ids
 
 
-def _probe_ids(model: nn.Module, device: torch.device) -> torch.Tensor:
+def _probe_ids(model: nn.Module, device: torch.device, id_limit: int | None = None
+               ) -> torch.Tensor:
     """``[1, _LENGTH]``: ordinary ids with the config's special ids, then 0 and 1 (the usual pad
     ids), at every other place from the second on (inside the sequence, not only at its
-    start)."""
+    start); all below ``id_limit`` where a table the ids index has fewer rows than the
+    embedding (ids past it are refused before any verify)."""
     vocab = model.get_input_embeddings().num_embeddings
+    if id_limit is not None:
+        vocab = min(vocab, id_limit)
     generator = torch.Generator().manual_seed(0)
     ids = torch.randint(2 if vocab > 2 else 0, vocab, (_LENGTH,), generator=generator)
     special = [*sorted(config_token_ids(model.config.to_dict())), 0, 1]
@@ -124,12 +128,14 @@ def _probe_ids(model: nn.Module, device: torch.device) -> torch.Tensor:
     return ids[None].to(device)
 
 
-def check_own_forward(model: nn.Module, forward, mrope_sections: int | None) -> None:
+def check_own_forward(model: nn.Module, forward, mrope_sections: int | None,
+                      id_limit: int | None = None) -> None:
     """Refuse ``model`` where the capture's call of it differs from its own forward on a short
     real sequence: without ``position_ids`` (its own positions), or with an all-ones
     ``attention_mask`` (as ``generate`` calls it). ``forward(call, ids, positions_or_None) ->
     logits`` is the capture's call (``call``: the model, or the model with a mask bound);
-    ``mrope_sections``: positions ``[sections, 1, T]``."""
+    ``mrope_sections``: positions ``[sections, 1, T]``; ``id_limit``: the ids the model can
+    take (``position_tables.token_id_limit``), the probe's bound."""
     check_cache_mode(model)
     tensors = [*model.parameters(), *model.buffers()]
     if any(t.device.type == "meta" for t in tensors):
@@ -138,7 +144,7 @@ def check_own_forward(model: nn.Module, forward, mrope_sections: int | None) -> 
                     "mask is no mask was not checked", type(model).__name__)
         return
     device = tensors[0].device if tensors else torch.device("cpu")
-    ids = _probe_ids(model, device)
+    ids = _probe_ids(model, device, id_limit)
     positions = torch.arange(_LENGTH, device=device)[None]
     if mrope_sections is not None:
         positions = positions[None].expand(mrope_sections, 1, _LENGTH)

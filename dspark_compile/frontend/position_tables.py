@@ -19,7 +19,7 @@ from ..graph_inputs import InputKind
 from ..specs import PositionLimit
 from .capture import evaluate_node
 
-__all__ = ["PositionLimit", "position_limit", "tightest"]
+__all__ = ["PositionLimit", "position_limit", "tightest", "token_id_limit"]
 
 _GATHERS = {
     "aten.embedding.default": lambda node: [(node.args[0], node.args[1], 0)],
@@ -47,11 +47,11 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
 
 
 def _serves(gm: fx.GraphModule, index: fx.Node, positions: fx.Node, rows: int) -> int | None:
-    """How many positions ``0..P-1`` the gather serves: the largest ``P`` (up to ``rows`` +
-    :data:`_PROBE_PAST`) whose indices all lie in ``0..rows-1``, found by bisection (a token-wise
-    graph computes each position's indices from that position alone, however it repeats or
-    broadcasts them, so a prefix that fits stays fitting); None where the computation cannot
-    be evaluated."""
+    """How many values ``0..P-1`` of the input ``positions`` (the positions, or the token ids)
+    the gather serves: the largest ``P`` (up to ``rows`` + :data:`_PROBE_PAST`) whose indices
+    all lie in ``0..rows-1``, found by bisection (a token-wise graph computes each token's
+    indices from that token's value alone, however it repeats or broadcasts them, so a prefix
+    that fits stays fitting); None where the computation cannot be evaluated."""
     val = positions.meta["val"]
 
     def fits(count: int) -> bool | None:
@@ -110,6 +110,42 @@ def position_limit(gm: fx.GraphModule) -> PositionLimit | None:
                 limit = PositionLimit(serves, spec.name if spec else table.name, rows)
                 if best is None or limit.positions < best.positions:
                     best = limit
+    return best
+
+
+def token_id_limit(gm: fx.GraphModule) -> tuple[int, str] | None:
+    """``(ids, table)``: how many token ids ``0..ids-1`` every table the dense graph reads at
+    indices computed from the token ids alone can serve, and the tightest table's name; None
+    where every such table serves past its rows (ids clamped or masked into it, as Gemma 3n's
+    per-layer table is in later transformers) or none is read. A second table of fewer rows
+    than the input embedding (Gemma 3n's per-layer inputs in transformers 5.17, indexed by the
+    raw ids) would otherwise be read out of bounds by an id the embedding accepts. A gather
+    whose indices cannot be evaluated outside the trace refuses the model by name."""
+    ids = next((n for n in gm.graph.find_nodes(op="placeholder")
+                if n.meta["dspark_input"].kind == InputKind.INPUT_IDS), None)
+    if ids is None or ids.meta["val"].dim() != 2:
+        return None
+    best = None
+    for node in gm.graph.nodes:
+        gather = _GATHERS.get(str(node.target)) if node.op == "call_function" else None
+        for table, index, dim in (gather(node) if gather else ()):
+            if not isinstance(index, fx.Node) or not isinstance(table, fx.Node):
+                continue
+            if {n for n in _ancestors(index) | {index} if n.op == "placeholder"} != {ids}:
+                continue
+            rows = table.meta["val"].shape[dim]
+            if not isinstance(rows, int):
+                continue
+            serves = _serves(gm, index, ids, rows)
+            if serves is None:
+                raise NotImplementedError(
+                    f"dspark_compile: {node.name} gathers rows of {table.name} at indices "
+                    "computed from the token ids in a way that cannot be evaluated outside the "
+                    "trace, so the ids its table serves are unknown; the model is refused "
+                    "rather than read out of bounds")
+            if serves < rows + _PROBE_PAST and (best is None or serves < best[0]):
+                spec = table.meta.get("dspark_input")
+                best = (serves, spec.name if spec else table.name)
     return best
 
 

@@ -7,6 +7,8 @@ table at each position repeated over the rotary dims: each serves exactly its
 Rotary models have no table and no limit.
 """
 
+import logging
+
 import pytest
 import torch
 import transformers as T
@@ -92,3 +94,53 @@ def test_the_limit_is_read_off_the_index_computation():
     assert position_limit(graphs(lambda ids, pos: ids)) is None
     repeated = position_limit(graphs(lambda ids, pos: pos.unsqueeze(-1).repeat(1, 1, 2) + 1))
     assert repeated.positions == 9  # each position read twice, one row on
+
+
+def _gemma3n_with_a_short_per_layer_table(raw: bool):
+    """A tiny Gemma 3n whose per-layer table has 100 rows under a 128-id embedding, its ids
+    masked into it (as transformers 5.24 writes ``get_per_layer_inputs``) or indexed raw (5.17)."""
+    from transformers import Gemma3nForCausalLM, Gemma3nTextConfig
+    from transformers.models.gemma3n import modeling_gemma3n as m
+
+    torch.manual_seed(0)
+    cfg = Gemma3nTextConfig(vocab_size=128, vocab_size_per_layer_input=100, hidden_size=64,
+                            hidden_size_per_layer_input=16, intermediate_size=128,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            head_dim=16, max_position_embeddings=256, laurel_rank=8,
+                            num_kv_shared_layers=0, activation_sparsity_pattern=[0.0, 0.0],
+                            layer_types=["sliding_attention", "full_attention"],
+                            sliding_window=4)
+    model = Gemma3nForCausalLM(cfg).eval()
+
+    def per_layer(self, input_ids):
+        if not raw:
+            input_ids = torch.where((input_ids >= 0) & (input_ids < 100), input_ids, 0)
+        return self.embed_tokens_per_layer(input_ids).reshape(
+            *input_ids.shape, self.config.num_hidden_layers, self.hidden_size_per_layer_input)
+    return model, m.Gemma3nTextModel, per_layer
+
+
+@pytest.mark.parametrize("raw", [False, True])
+def test_a_second_token_table_bounds_the_ids_only_where_read_raw(monkeypatch, caplog, raw):
+    """Ids the embedding accepts but a table indexed by the raw ids lacks are refused by name
+    before anything runs (they would read out of bounds); ids masked into that table are not
+    limited by it."""
+    from dspark_compile import TokenIdError, VerifyLayout
+
+    model, cls, per_layer = _gemma3n_with_a_short_per_layer_table(raw)
+    monkeypatch.setattr(cls, "get_per_layer_inputs", per_layer)
+    with caplog.at_level(logging.WARNING, logger="dspark_compile"):
+        verifier = dspark_compile(model)
+    assert verifier.vocab_size == (100 if raw else 128)
+    assert ("limited to 0..99, the rows of" in caplog.text) == raw
+    state = verifier.new_state(max_requests=1, max_context=16)
+    layout = VerifyLayout.pack([3], [0], [0])
+    ids = torch.tensor([5, 120, 7])
+    if raw:
+        with pytest.raises(TokenIdError, match=r"token id 120 .* outside the vocabulary 0..99"):
+            verifier(ids, layout, state)
+    else:
+        got = verifier(ids, layout, state)
+        with torch.no_grad():
+            want = model(ids[None]).logits[0]
+        assert (got - want).abs().max().item() < 1e-4
