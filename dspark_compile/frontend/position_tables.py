@@ -79,38 +79,45 @@ def _serves(gm: fx.GraphModule, index: fx.Node, positions: fx.Node, rows: int) -
     return low
 
 
-def position_limit(gm: fx.GraphModule) -> PositionLimit | None:
-    """The tightest :class:`PositionLimit` of ``gm``'s position-indexed tables (module
-    docstring); None where no table is read at a position."""
-    positions = next((n for n in gm.graph.find_nodes(op="placeholder")
-                      if n.meta["dspark_input"].kind == InputKind.POSITIONS), None)
-    if positions is None or positions.meta["val"].dim() != 2:
-        return None  # mRoPE's [3, bs, T] positions only become rotary angles (flat_mrope)
-    best = None
+def _bounded_tables(gm: fx.GraphModule, kind: InputKind, what: str
+                    ) -> list[tuple[int, str, int]]:
+    """``[(served, table name, rows)]`` of every table ``gm`` gathers at indices computed from
+    its ``kind`` input alone (``what`` names it), where the table serves fewer values than its
+    rows plus :data:`_PROBE_PAST`; empty where that input is not ``[bs, T]``. A gather whose
+    indices cannot be evaluated outside the trace refuses the model by name."""
+    source = next((n for n in gm.graph.find_nodes(op="placeholder")
+                   if n.meta["dspark_input"].kind == kind), None)
+    if source is None or source.meta["val"].dim() != 2:
+        return []  # mRoPE's [3, bs, T] positions only become rotary angles (flat_mrope)
+    found = []
     for node in gm.graph.nodes:
         gather = _GATHERS.get(str(node.target)) if node.op == "call_function" else None
         for table, index, dim in (gather(node) if gather else ()):
             if not isinstance(index, fx.Node) or not isinstance(table, fx.Node):
                 continue
-            sources = {n for n in _ancestors(index) | {index} if n.op == "placeholder"}
-            if sources != {positions}:
-                continue  # token ids, or nothing a position decides
+            if {n for n in _ancestors(index) | {index} if n.op == "placeholder"} != {source}:
+                continue  # another input decides it too, or none does
             rows = table.meta["val"].shape[dim]
             if not isinstance(rows, int):
                 continue  # a table whose length follows the batch is built per step, not read
-            serves = _serves(gm, index, positions, rows)
+            serves = _serves(gm, index, source, rows)
             if serves is None:
                 raise NotImplementedError(
                     f"dspark_compile: {node.name} gathers rows of {table.name} at indices "
-                    "computed from the positions in a way that cannot be evaluated outside the "
-                    "trace, so the context its table allows is unknown; the model is refused "
+                    f"computed from the {what} in a way that cannot be evaluated outside the "
+                    f"trace, so the {what} its table serves are unknown; the model is refused "
                     "rather than read out of bounds")
             if serves < rows + _PROBE_PAST:
                 spec = table.meta.get("dspark_input")
-                limit = PositionLimit(serves, spec.name if spec else table.name, rows)
-                if best is None or limit.positions < best.positions:
-                    best = limit
-    return best
+                found.append((serves, spec.name if spec else table.name, rows))
+    return found
+
+
+def position_limit(gm: fx.GraphModule) -> PositionLimit | None:
+    """The tightest :class:`PositionLimit` of ``gm``'s position-indexed tables (module
+    docstring); None where no table is read at a position."""
+    return tightest(*(PositionLimit(serves, name, rows) for serves, name, rows in
+                      _bounded_tables(gm, InputKind.POSITIONS, "positions")))
 
 
 def token_id_limit(gm: fx.GraphModule) -> tuple[int, str] | None:
@@ -121,32 +128,9 @@ def token_id_limit(gm: fx.GraphModule) -> tuple[int, str] | None:
     than the input embedding (Gemma 3n's per-layer inputs in transformers 5.17, indexed by the
     raw ids) would otherwise be read out of bounds by an id the embedding accepts. A gather
     whose indices cannot be evaluated outside the trace refuses the model by name."""
-    ids = next((n for n in gm.graph.find_nodes(op="placeholder")
-                if n.meta["dspark_input"].kind == InputKind.INPUT_IDS), None)
-    if ids is None or ids.meta["val"].dim() != 2:
-        return None
-    best = None
-    for node in gm.graph.nodes:
-        gather = _GATHERS.get(str(node.target)) if node.op == "call_function" else None
-        for table, index, dim in (gather(node) if gather else ()):
-            if not isinstance(index, fx.Node) or not isinstance(table, fx.Node):
-                continue
-            if {n for n in _ancestors(index) | {index} if n.op == "placeholder"} != {ids}:
-                continue
-            rows = table.meta["val"].shape[dim]
-            if not isinstance(rows, int):
-                continue
-            serves = _serves(gm, index, ids, rows)
-            if serves is None:
-                raise NotImplementedError(
-                    f"dspark_compile: {node.name} gathers rows of {table.name} at indices "
-                    "computed from the token ids in a way that cannot be evaluated outside the "
-                    "trace, so the ids its table serves are unknown; the model is refused "
-                    "rather than read out of bounds")
-            if serves < rows + _PROBE_PAST and (best is None or serves < best[0]):
-                spec = table.meta.get("dspark_input")
-                best = (serves, spec.name if spec else table.name)
-    return best
+    found = _bounded_tables(gm, InputKind.INPUT_IDS, "token ids")
+    return min(((serves, name) for serves, name, _ in found), key=lambda x: x[0],
+               default=None)
 
 
 def tightest(*limits: PositionLimit | None) -> PositionLimit | None:
