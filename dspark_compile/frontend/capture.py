@@ -40,7 +40,9 @@ from ..graph_inputs import InputKind, InputSpec, fake_input, name_placeholders
 from ..specs import AttentionSpec, PositionLimit, compress_pools, index_pools
 from .adapters import ModelAdapter
 from .guards import describe, locate, needs_locating, token_names
+from .evaluate import evaluate_node
 from .own_forward import cache_window_limit, check_own_forward
+from .position_tables import token_id_limit
 from .recurrent import check_linear_calls
 from .scope import CaptureScope, open_scope
 
@@ -271,20 +273,6 @@ def _moves_to_constant(source: fx.Node, memo: dict) -> tuple[fx.Node, list[fx.No
     return source, moves[::-1]
 
 
-def evaluate_node(gm: fx.GraphModule, node: fx.Node, values: dict):
-    """The real value of ``node``: its ops run on real values (``values`` caches them; seed it
-    with the inputs a computation starts from). A host constant's ops run on the values they
-    ran on while traced."""
-    if node not in values:
-        if node.op == "get_attr":
-            values[node] = getattr(gm, node.target)
-        else:
-            args, kwargs = fx.node.map_arg((node.args, node.kwargs),
-                                           lambda n: evaluate_node(gm, n, values))
-            values[node] = node.target(*args, **kwargs)
-    return values[node]
-
-
 def _fold_host_constants(gm: fx.GraphModule, mode: FakeTensorMode | None = None) -> list[str]:
     """A value the forward makes on the host and copies to the model's device on every call
     (Phi-MoE computes its rotary frequencies with ``torch.arange`` on the CPU and moves them
@@ -473,8 +461,6 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     gm.recompile()
     bs, tokens = _token_symbols(gm, mode.shape_env)
     _check_guards(mode.shape_env, bs, tokens, gm)
-    from .position_tables import token_id_limit  # it evaluates graph nodes with this module
-
     id_limit = token_id_limit(gm)
     if adapter.kind == "hf":  # after the capture's own refusals, which name more
         check_own_forward(adapter.model, adapter.forward,

@@ -12,14 +12,18 @@ before anything runs.
 
 from __future__ import annotations
 
+import logging
+
 import torch
 import torch.fx as fx
 
 from ..graph_inputs import InputKind
 from ..specs import PositionLimit
-from .capture import evaluate_node
+from .evaluate import evaluate_node
 
 __all__ = ["PositionLimit", "position_limit", "tightest", "token_id_limit"]
+
+log = logging.getLogger("dspark_compile")
 
 _GATHERS = {
     "aten.embedding.default": lambda node: [(node.args[0], node.args[1], 0)],
@@ -89,6 +93,10 @@ def _bounded_tables(gm: fx.GraphModule, kind: InputKind, what: str
                    if n.meta["dspark_input"].kind == kind), None)
     if source is None or source.meta["val"].dim() != 2:
         return []  # mRoPE's [3, bs, T] positions only become rotary angles (flat_mrope)
+    if source.meta["val"].device.type == "meta":
+        log.warning("dspark_compile: the model is on the meta device, so the %s its tables "
+                    "serve were not computed (nothing bounds them)", what)
+        return []
     found = []
     for node in gm.graph.nodes:
         gather = _GATHERS.get(str(node.target)) if node.op == "call_function" else None

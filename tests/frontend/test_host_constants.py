@@ -108,17 +108,18 @@ def test_gpu_phimoe_verifies_exact_in_tier_graphs():
 
 
 def test_a_host_value_that_cannot_be_computed_stays_and_is_logged(caplog, monkeypatch):
-    from dspark_compile.frontend import capture
+    from dspark_compile.frontend import capture, evaluate as evaluate_module
 
     gm = make_fx(_forward)(torch.empty(4, device="meta"))
-    evaluate = capture.evaluate_node
+    evaluate = evaluate_module.evaluate_node
 
     def failing(gm, node, values):  # the torch.tensor table's value cannot be had
         if node.op == "get_attr":
             raise RuntimeError("no host copy of this constant")
         return evaluate(gm, node, values)
 
-    monkeypatch.setattr(capture, "evaluate_node", failing)
+    monkeypatch.setattr(capture, "evaluate_node", failing)  # the capture's call
+    monkeypatch.setattr(evaluate_module, "evaluate_node", failing)  # and its recursion
     with caplog.at_level("WARNING", logger="dspark_compile"):
         assert _fold_host_constants(gm) == ["_dspark_host_constant0"]  # the arange one only
     assert "copied to meta on every call could not be computed once at capture " \
