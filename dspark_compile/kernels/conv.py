@@ -44,6 +44,7 @@ import triton.language as tl
 from .launch import launch
 from ..ops.linear_attention_reference import check_conv, check_conv_commit
 from .device import device_sm_count
+from .experts import _gate
 
 __all__ = ["ConvPlan", "plan_conv", "causal_conv1d_triton",
            "causal_conv1d_commit_triton"]
@@ -86,12 +87,27 @@ def _state_columns(state_ptr, slot, num_slots, offs_d, d_ok, stride_s_slot, stri
     return sc0, sc1, sc2.to(tl.float32)
 
 
+_ACT = {"none": 0, "silu": 1, "gelu": 2, "gelu_pytorch_tanh": 3}
+"""The kernel's code of each of ``ACTIVATIONS`` (the GELUs as the experts kernel's ``_gate``
+numbers them)."""
+
+
+@triton.jit
+def _activate(acc, ACT: tl.constexpr):
+    """The conv's activation in fp32 (:data:`_ACT`): SiLU, or a GELU by ``_gate``."""
+    if ACT == 1:
+        acc = acc * tl.sigmoid(acc)
+    elif ACT != 0:
+        acc = _gate(acc, ACT)
+    return acc
+
+
 @triton.jit
 def _causal_conv1d_kernel(
         out_ptr, x_ptr, weight_ptr, bias_ptr, state_ptr, query_start_loc_ptr, slots_ptr,
         ring_ptr, num_tokens, num_requests, num_slots, dim, stride_x, stride_out, stride_ring,
         stride_w, stride_s_slot, stride_s_dim, stride_s_col, WIDTH: tl.constexpr,
-        HAS_BIAS: tl.constexpr, SILU: tl.constexpr, BLOCK_T: tl.constexpr,
+        HAS_BIAS: tl.constexpr, ACT: tl.constexpr, BLOCK_T: tl.constexpr,
         BLOCK_D: tl.constexpr, SEARCH: tl.constexpr):
     """One chunk of <= ``BLOCK_T`` rows of one request x ``BLOCK_D`` channels."""
     chunk = tl.program_id(0)
@@ -131,8 +147,7 @@ def _causal_conv1d_kernel(
         acc += tap.to(tl.float32)[None, :] * value
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs_d, mask=d_ok, other=0.0).to(tl.float32)[None, :]
-    if SILU:
-        acc = acc * tl.sigmoid(acc)
+    acc = _activate(acc, ACT)
     # every load above is issued before the first store (nothing may alias, as far as the
     # compiler knows): the whole chunk is in flight at once
     tl.store(ring_ptr + rows[:, None] * stride_ring + offs_d[None, :], xt, mask=tile_ok)
@@ -232,7 +247,7 @@ def causal_conv1d_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
         slots, ring, n, r, conv_state.shape[0], dim, x.stride(0), out.stride(0),
         ring.stride(0), weight.stride(0), conv_state.stride(0), conv_state.stride(1),
         conv_state.stride(2), WIDTH=width, HAS_BIAS=bias is not None,
-        SILU=activation == "silu", BLOCK_T=plan.block_t, BLOCK_D=plan.block_d,
+        ACT=_ACT[activation], BLOCK_T=plan.block_t, BLOCK_D=plan.block_d,
         SEARCH=plan.search, num_warps=_NUM_WARPS)
     return out
 

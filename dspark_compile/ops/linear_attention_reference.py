@@ -19,7 +19,9 @@ __all__ = ["ACTIVATIONS", "check_conv", "check_conv_commit", "check_gdn", "check
            "causal_conv1d", "causal_conv1d_commit", "gated_delta_rule",
            "gated_delta_rule_commit", "l2norm"]
 
-ACTIVATIONS = ("silu", "none")
+ACTIVATIONS = ("silu", "none", "gelu", "gelu_pytorch_tanh")
+"""The conv's activations, by the names HF hands ``causal_conv1d_fn`` (``config.hidden_act``):
+``ACT2FN``'s SiLU, erf GELU and tanh-approximated GELU; anything else is refused by name."""
 """Activations of ``dspark::causal_conv1d`` (HF's GDN and Mamba2 layers use ``silu``)."""
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INTS = (torch.int32, torch.int64)
@@ -224,6 +226,8 @@ def causal_conv1d(x, weight, bias, conv_state, qsl, slots, ring, activation):
     y = y[..., :seq.shape[-1]]
     if activation == "silu":
         y = F.silu(y)
+    elif activation != "none":
+        y = F.gelu(y, approximate="tanh" if activation == "gelu_pytorch_tanh" else "none")
     y = y[..., width - 1:].transpose(1, 2).to(x.dtype)  # [R, Tmax, dim]
     out[rows[valid]] = y[valid]
     return out

@@ -156,7 +156,8 @@ def test_opcheck_all_ops():
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))
 @pytest.mark.parametrize("width, activation, bias", [(4, "silu", True), (3, "none", False),
-                                                     (2, "silu", False)])
+                                                     (2, "silu", False), (4, "gelu", True),
+                                                     (3, "gelu_pytorch_tanh", False)])
 def test_conv_bitwise_hf_and_commit(name, width, activation, bias):
     layout = make_layout(*LAYOUTS[name], seed=width)
     c = conv_case(layout, width=width, bias=bias, seed=width)
@@ -289,7 +290,7 @@ def test_padding_only_and_zero_accepts_change_nothing(lens, accept, triton):
 
 
 @pytest.mark.parametrize("change, match", [
-    (lambda a: a.update(activation="gelu"), "activation='gelu'"),
+    (lambda a: a.update(activation="gelu_new"), "activation='gelu_new'"),
     (lambda a: a.update(weight=a["weight"][:, :3]), "conv_state has shape"),
     (lambda a: a.update(qsl=torch.tensor([1, 3, 5], dtype=torch.int32)), "must start at 0"),
     (lambda a: a.update(qsl=torch.tensor([0, 4, 3], dtype=torch.int32)), "non-decreasing"),
@@ -351,7 +352,8 @@ PREFILL = ([19, 2, 0, 11], 10)  # several chunks per request, padding over two c
 @pytest.mark.parametrize("name, dim, width, activation, bias, tiles", [
     ("mixed", 37, 4, "silu", True, None), ("empty_ends", 130, 3, "none", False, None),
     ("full", 64, 2, "silu", True, None), ("prefill", 45, 4, "silu", True, None),
-    ("prefill", 45, 3, "none", True, (4, 16, 16, 2))])
+    ("prefill", 45, 3, "none", True, (4, 16, 16, 2)), ("mixed", 37, 4, "gelu", True, None),
+    ("prefill", 45, 3, "gelu_pytorch_tanh", False, (4, 16, 16, 2))])
 def test_triton_conv_matches_reference(name, dim, width, activation, bias, tiles):
     """Default tiles, and 4-row chunks (windows that start in the previous chunk's rows)."""
     from dspark_compile.kernels.conv import (ConvPlan, causal_conv1d_commit_triton,
