@@ -177,9 +177,17 @@ class PositionLimit:
     table: str
     rows: int
     cache: bool = False
+    rotary: bool = False
+    """A dynamic rotary (``table``: the module and its type) that keeps its frequencies below
+    ``positions`` only (``frontend/rotary.py``)."""
 
     def reason(self) -> str:
         """What serves only ``positions`` tokens, for messages."""
+        if self.rotary:
+            return (f"the {self.positions} positions below which the rotary {self.table} "
+                    "keeps its frequencies (past them transformers rescales them from the "
+                    "batch's longest position, so one request's logits would depend on the "
+                    "others verified with it)")
         if self.cache:
             return (f"the {self.rows} positions that the cache generate builds for the model "
                     f"keeps of layer {self.table} (a sliding-window layer of its config, whose "

@@ -140,11 +140,13 @@ class Verifier:
                         "indexes by the ids as they are (its input embedding has %d)",
                         type(model).__name__, id_limit[0] - 1, id_limit[1], self.vocab_size)
             self.vocab_size = id_limit[0]
-        self.position_limit = tightest(position_limit(dense.gm), dense.cache_limit)
+        self.position_limit = tightest(position_limit(dense.gm), dense.cache_limit,
+                                       self.adapter.rotary_limit)
         """The first position one of the model's position tables cannot serve (learned
-        absolute positions), or past which its own cache drops keys its forward reads
-        (``own_forward.cache_window_limit``): ``new_state`` refuses a longer ``max_context``;
-        None: no limit."""
+        absolute positions), past which its own cache drops keys its forward reads
+        (``own_forward.cache_window_limit``), or past which a dynamic rotary rescales
+        (``rotary.check_rotaries``): ``new_state`` refuses a longer ``max_context``; None: no
+        limit."""
         self.id_check = "host" if device.type == "cpu" else "device"
         """Where out-of-vocabulary ids are caught (``session/ids.py``): ``"host"``, before the
         forward (CPU ids); ``"device"``, clamped and flagged in the forward, refused at commit

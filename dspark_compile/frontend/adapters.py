@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from .plain import CachedAttention
-from ..specs import AttentionSpec, LinearSpec
+from ..specs import AttentionSpec, LinearSpec, PositionLimit
 from .compressed import compressor_hooks
 from .sparse import indexer_hooks, sparse_attention_module
 from .masks import causal_only, check_mask, proof_object
@@ -36,7 +36,7 @@ from .inkling2 import inkling2_hooks, row_sinks_module
 from .relative import RelativeLogits, relative_hooks
 from .zaya import zaya_hooks
 from .longcat import longcat_hooks
-from .rotary import check_rotaries
+from .rotary import check_rotaries, fixed_rotaries
 from .experts import experts_hooks
 from .hybrid import RecurrentLayers, hybrid_hooks
 from .llama4 import temperature_hooks, tuned_queries
@@ -72,6 +72,9 @@ class ModelAdapter:
     ``[3, bs, T]`` and ``vision_embeds [bs, T, hidden]`` is one more input; None otherwise."""
     site_names: dict[int, str] = field(default_factory=dict)
     """``id(module)`` -> qualified module name, for naming layers in messages."""
+    rotary_limit: PositionLimit | None = None
+    """The context below which a dynamic rotary keeps its frequencies (``rotary.py``), None:
+    no such rotary."""
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter:
@@ -333,7 +336,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
     linear = RecurrentLayers(model)
     mrope = mrope_spec(model)
     names = {id(m): name for name, m in model.named_modules()}
-    check_rotaries(model, names)
+    rotary_limit = check_rotaries(model, names)
 
     @contextlib.contextmanager
     def hooks():
@@ -346,7 +349,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         else:
             route = _sdpa_route(config)
         try:
-            with route, hybrid_hooks(linear), \
+            with route, fixed_rotaries(model), hybrid_hooks(linear), \
                     vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
                     experts_hooks(model), dbrx_hooks(model, names), \
                     longcat_hooks(model, names), jetmoe_hooks(model, names), \
@@ -368,4 +371,4 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         return call(input_ids=ids, position_ids=pos, use_cache=False).logits
 
     return ModelAdapter(model, None, None, forward, hooks, "hf",
-                        linear.specs, mrope, names)
+                        linear.specs, mrope, names, rotary_limit)

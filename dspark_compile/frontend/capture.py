@@ -43,6 +43,7 @@ from .guards import describe, locate, needs_locating, token_names
 from .evaluate import evaluate_node
 from .own_forward import cache_window_limit, check_own_forward
 from .position_tables import token_id_limit
+from .rotary import fixed_rotaries
 from .recurrent import check_linear_calls
 from .scope import CaptureScope, open_scope
 
@@ -463,9 +464,10 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     _check_guards(mode.shape_env, bs, tokens, gm)
     id_limit = token_id_limit(gm)
     if adapter.kind == "hf":  # after the capture's own refusals, which name more
-        check_own_forward(adapter.model, adapter.forward,
-                          adapter.mrope.sections if adapter.mrope else None,
-                          id_limit[0] if id_limit else None)
+        with fixed_rotaries(adapter.model):  # a probe past a dynamic rotary's bound: as built
+            check_own_forward(adapter.model, adapter.forward,
+                              adapter.mrope.sections if adapter.mrope else None,
+                              id_limit[0] if id_limit else None)
     limit = cache_window_limit(adapter.model, adapter.specs) if adapter.kind == "hf" else None
     return CapturedGraph(gm, specs, bs, tokens, limit, id_limit)
 

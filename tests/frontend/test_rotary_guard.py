@@ -1,10 +1,13 @@
-"""Rotary types whose frequencies follow the batch's longest position are refused by name.
+"""Rotary types whose frequencies follow the batch's longest position: bounded or refused.
 
 HF's ``"dynamic"`` (NTK) and ``"longrope"`` rotaries pick their frequencies from
 ``max(position_ids)`` of the whole batch in every forward, so a request's logits would depend on
-the requests verified with it. Such a model is refused before any trace, naming the module and
-the type; so is a type the library does not know. Scaled types with fixed frequencies (linear,
-YaRN, Llama 3) verify exactly, with sequences past their original context.
+the requests verified with it. A dynamic rotary never rescales below its original context: it
+verifies exactly there, ``new_state`` refuses a longer context naming it, and one that has
+already rescaled (a forward past that context) is refused, as is one whose buffers HF replaces
+after the capture (a stale weight). ``"longrope"`` and a type the library does not know are
+refused before any trace, naming the module and the type. Scaled types with fixed frequencies
+(linear, YaRN, Llama 3) verify exactly, with sequences past their original context.
 """
 
 from __future__ import annotations
@@ -32,12 +35,37 @@ def llama(rope: dict, **extra):
     return T.LlamaForCausalLM(cfg).eval()
 
 
-def test_dynamic_ntk_is_refused_naming_the_module_and_type():
+def test_dynamic_ntk_verifies_below_its_original_context_and_no_further():
+    model = llama({"rope_type": "dynamic", "factor": 2.0}, positions=128)
+    verifier = dspark_compile(model)
+    limit = verifier.position_limit
+    assert (limit.positions, limit.rotary) == (128, True)
+    assert "model.rotary_emb (rope_type='dynamic')" in limit.table
+    err = prefill_and_rounds(model, verifier, VOCAB)
+    assert err < 1e-5, err
+    verifier.new_state(max_requests=2, max_context=128)
+    with pytest.raises(ValueError, match=r"max_context=129 exceeds the 128 positions below which "
+                                         r"the rotary model.rotary_emb \(rope_type='dynamic'\) "
+                                         r"keeps its frequencies"):
+        verifier.new_state(max_requests=2, max_context=129)
+
+
+def test_a_dynamic_rotary_that_rescaled_is_refused_and_one_rescaled_later_is_stale():
+    from dspark_compile import StaleWeightsError, VerifyLayout
+
     model = llama({"rope_type": "dynamic", "factor": 2.0}, positions=ORIGINAL)
-    with pytest.raises(NotImplementedError,
-                       match=r"LlamaRotaryEmbedding 'model.rotary_emb': rope_type='dynamic' "
-                             r"recomputes its frequencies from the batch's longest position"):
+    with torch.no_grad():
+        model(torch.arange(2 * ORIGINAL)[None] % VOCAB)  # past the original: it rescales
+    with pytest.raises(NotImplementedError, match=r"rope_type='dynamic' has rescaled its "
+                                                  r"frequencies for 16 positions"):
         dspark_compile(model)
+    model = llama({"rope_type": "dynamic", "factor": 2.0}, positions=ORIGINAL)
+    verifier = dspark_compile(model)
+    state = verifier.new_state(max_requests=1, max_context=ORIGINAL)
+    with torch.no_grad():
+        model(torch.arange(2 * ORIGINAL)[None] % VOCAB)
+    with pytest.raises(StaleWeightsError, match="inv_freq"):
+        verifier(torch.tensor([3, 4]), VerifyLayout.pack([2], [0], [0]), state)
 
 
 def test_longrope_is_refused():
@@ -65,12 +93,17 @@ class _Model(nn.Module):
 
 def test_per_layer_types_and_unknown_types_are_checked():
     check_rotaries(_Model({"full_attention": "default", "sliding_attention": "linear"}), {})
-    model = _Model({"full_attention": "default", "sliding_attention": "dynamic"})
+    model = _Model({"full_attention": "default", "sliding_attention": "longrope"})
     names = {id(model.rotary): "model.rotary"}
     with pytest.raises(NotImplementedError,
                        match=r"_Rotary 'model.rotary': rope_type\['sliding_attention'\]="
-                             r"'dynamic' recomputes"):
+                             r"'longrope' recomputes"):
         check_rotaries(model, names)
+    model = _Model({"full_attention": "default", "sliding_attention": "dynamic"})
+    with pytest.raises(NotImplementedError,
+                       match=r"rope_type\['sliding_attention'\]='dynamic' lacks the original "
+                             r"context"):  # none of dynamic_rope_update's bookkeeping
+        check_rotaries(model, {})
     with pytest.raises(NotImplementedError, match=r"rope_type='mystery' is not a rope type "
                                                   r"whose frequencies are known to be fixed"):
         check_rotaries(_Model("mystery"), {})
