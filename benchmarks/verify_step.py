@@ -28,7 +28,6 @@ from common import (BF16_FLOPS, BLOCK, CONTEXT, HBM_BYTES_PER_S, PAGE, add_varia
                     plot_step_ms, time_ms, versions, write_json)
 from common import mix_lens as _mix_lens
 from dspark_compile.session.tiers import tier_set
-from dspark_compile.state.pools import PAGE_ORDERS
 
 BATCHES = (1, 8, 64, 256)
 
@@ -85,8 +84,10 @@ def run(args, save) -> dict:
 
     batches = tuple(args.bs) if args.bs else (1, 8) if args.quick else BATCHES
     max_bs = max(batches)
-    state = verifier.new_state(max_requests=max_bs, max_context=CONTEXT + BLOCK,
-                               page_order=args.page_order)
+    state = verifier.new_state(max_requests=max_bs, max_context=CONTEXT + BLOCK)
+    if args.page_order == "in_order":  # each slot's pages one run (the model has no rings)
+        table = state.block_table
+        table.copy_(torch.arange(table.numel(), dtype=table.dtype).view_as(table))
     fill_context(state, CONTEXT)
     shapes = {bs: {"mix3": mix_lens(bs), "uniform3": [3] * bs, "all8": [BLOCK] * bs}
               for bs in batches}
@@ -163,8 +164,9 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="bs 1 and 8 only, fewer iters")
     parser.add_argument("--bs", type=int, nargs="+",
                         help="these batch sizes instead (files get a suffix)")
-    parser.add_argument("--page-order", choices=PAGE_ORDERS, default="shuffled",
-                        help="new_state's page_order (files get a suffix unless shuffled)")
+    parser.add_argument("--page-order", choices=("shuffled", "in_order"), default="shuffled",
+                        help="the state's block table as new_state lays it out (a fixed "
+                             "permutation) or each slot's pages one run (files get a suffix)")
     add_variant_args(parser)
     args = parser.parse_args()
     suffix, flags, options = apply_variant(args)

@@ -168,7 +168,7 @@ class Verifier:
     # ------------------------------------------------------------------ state
     def new_state(self, max_requests: int, max_context: int, page_size: int | None = None,
                   max_step_tokens: int | None = None,
-                  window_rings: bool = False, page_order: str = "shuffled") -> VerifierState:
+                  window_rings: bool = False) -> VerifierState:
         """An engine-owned paged KV pool for ``max_requests`` slots of ``max_context`` tokens.
 
         Hybrid models also get their linear-attention pools and replay rings of
@@ -177,9 +177,7 @@ class Verifier:
         max_step_tokens - 1`` positions of each slot (a KV ring, ``state.pools.window_rings``)
         where that is fewer pages than ``max_context``; a request may then put at most
         ``max_step_tokens`` tokens in one step (a longer prompt is prefilled in chunks), and
-        ``run_dense`` is refused. ``page_order``: ``"shuffled"`` (each slot's pages a fixed
-        permutation of the pool's) or ``"in_order"`` (one run of consecutive pages a slot).
-        Sizes are ints
+        ``run_dense`` is refused. Sizes are ints
         >= 1 (None: the config's); anything else is refused. The pools are normal tensors even
         when made under ``torch.inference_mode`` (inference tensors could not be updated by a
         commit or a release outside it).
@@ -198,8 +196,7 @@ class Verifier:
                 raise ValueError(f"new_state: window_rings={window_rings!r}; it must be a bool")
             state = VerifierState.allocate(self.adapter.specs, max_requests, max_context,
                                            page_size, self.dtype, self.device,
-                                           max_step_tokens if window_rings else None,
-                                           page_order)
+                                           max_step_tokens if window_rings else None)
             state.max_step_tokens = max_step_tokens
             if self.adapter.linear_specs:
                 state.linear = LinearPools.allocate(

@@ -50,25 +50,25 @@ def _ancestors(node: fx.Node) -> set[fx.Node]:
     return seen
 
 
-def _serves(gm: fx.GraphModule, index: fx.Node, positions: fx.Node, rows: int) -> int | None:
-    """How many values ``0..P-1`` of the input ``positions`` (the positions, or the token ids)
+def _serves(gm: fx.GraphModule, index: fx.Node, source: fx.Node, rows: int) -> int | None:
+    """How many values ``0..P-1`` of the input ``source`` (the positions, or the token ids)
     the gather serves: the largest ``P`` (up to ``rows`` + :data:`_PROBE_PAST`) whose indices
     all lie in ``0..rows-1``, found by bisection (a token-wise graph computes each token's
     indices from that token's value alone, however it repeats or broadcasts them, so a prefix
     that fits stays fitting); None where the computation cannot be evaluated."""
-    val = positions.meta["val"]
+    val = source.meta["val"]
 
     def fits(count: int) -> bool | None:
         probe = torch.arange(count, dtype=val.dtype, device=val.device)[None]
-        try:  # every input of the computation is the positions (position_limit checks)
-            got = evaluate_node(gm, index, {positions: probe})
+        try:  # every input of the computation is the source (_bounded_tables checks)
+            got = evaluate_node(gm, index, {source: probe})
         except Exception:  # noqa: BLE001 - a computation that needs the trace is not evaluated
             return None
         if not isinstance(got, torch.Tensor):
             return None
         return bool(((got >= 0) & (got < rows)).all())
 
-    low, high = 0, rows + _PROBE_PAST  # fits(low) holds (no positions); find the last that fits
+    low, high = 0, rows + _PROBE_PAST  # fits(low) holds (no values); find the last that fits
     top = fits(high)
     if top is None:
         return None

@@ -20,9 +20,9 @@ __all__ = ["ACTIVATIONS", "check_conv", "check_conv_commit", "check_gdn", "check
            "gated_delta_rule_commit", "l2norm"]
 
 ACTIVATIONS = ("silu", "none", "gelu", "gelu_pytorch_tanh")
-"""The conv's activations, by the names HF hands ``causal_conv1d_fn`` (``config.hidden_act``):
-``ACT2FN``'s SiLU, erf GELU and tanh-approximated GELU; anything else is refused by name."""
-"""Activations of ``dspark::causal_conv1d`` (HF's GDN and Mamba2 layers use ``silu``)."""
+"""Activations of ``dspark::causal_conv1d``, by the names HF hands ``causal_conv1d_fn``
+(``config.hidden_act``; its GDN and Mamba-2 layers use ``silu``): ``ACT2FN``'s SiLU, erf GELU
+and tanh-approximated GELU; anything else is refused by name."""
 _FLOATS = (torch.float16, torch.bfloat16, torch.float32)
 _INTS = (torch.int32, torch.int64)
 

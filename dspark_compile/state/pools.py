@@ -1,9 +1,8 @@
 """Engine-owned verify state: the paged KV pool, its block tables and committed lengths.
 
 Each state-pool row (a *slot*) owns ``pages_per_request`` pages of ``page_size`` tokens. The
-pages of a slot are spread over the pool by a fixed permutation (``page_order="shuffled"``, the
-default), so the block table is always exercised (no kernel may assume a slot's pages are
-contiguous), or laid out as one run of consecutive pages per slot (``"in_order"``).
+pages of a slot are spread over the pool by a fixed permutation, so the block table is always
+exercised (no kernel may assume a slot's pages are contiguous).
 """
 
 from __future__ import annotations
@@ -19,10 +18,7 @@ from . import checks
 from .linear import LinearPools
 from .steps import StepLedger
 
-__all__ = ["PAGE_ORDERS", "VerifierState", "entry_pages", "ring_spans", "window_rings"]
-
-PAGE_ORDERS = ("shuffled", "in_order")
-"""How a state's slots own the pool's pages (``new_state(page_order=...)``)."""
+__all__ = ["VerifierState", "entry_pages", "ring_spans", "window_rings"]
 
 
 def window_rings(specs: list[AttentionSpec], pages_per_request: int, page_size: int,
@@ -145,15 +141,9 @@ class VerifierState:
         dtype: torch.dtype,
         device: torch.device,
         max_step_tokens: int | None = None,
-        page_order: str = "shuffled",
     ) -> "VerifierState":
         """Pools for ``specs``. With ``max_step_tokens``, a plain sliding-window layer's K/V
-        (``window_rings``) holds only the pages its window and one step can reach.
-        ``page_order`` (:data:`PAGE_ORDERS`): each slot's pages a fixed permutation of the
-        pool's, or one run of consecutive pages per slot."""
-        if page_order not in PAGE_ORDERS:
-            raise ValueError(f"new_state: page_order={page_order!r}; it must be one of "
-                             f"{', '.join(map(repr, PAGE_ORDERS))}")
+        (``window_rings``) holds only the pages its window and one step can reach."""
         for name, value in (("max_requests", max_requests), ("max_context", max_context),
                             ("page_size", page_size)):
             checks.positive_size("new_state", name, value)
@@ -185,8 +175,7 @@ class VerifierState:
             device,
             f"a KV pool of max_requests={max_requests} x max_context={max_context} tokens")
         # A fixed permutation (not random per run): the same state layout on every rank.
-        perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0)) \
-            if page_order == "shuffled" else torch.arange(num_pages)
+        perm = torch.randperm(num_pages, generator=torch.Generator().manual_seed(0))
         block_table = perm.view(max_requests, pages_per_request).to(torch.int32)
         kv = []
         for n, s in zip(pages, specs):

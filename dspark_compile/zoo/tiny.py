@@ -316,8 +316,8 @@ def _shrink(d: dict, changed: dict, prefix: str = "") -> dict:
         fixed = _fix_rope(d[key], _rotary_half(d))
         if fixed != d[key]:
             put(key, fixed)
-    layers = next((d[k] for k in _LAYERS if isinstance(d.get(k), int) and k in changed_here(
-        changed, prefix)), None)
+    layers = next((d[k] for k in _LAYERS if isinstance(d.get(k), int) and d[k] != old[k]),
+                  None)
     if layers is not None:  # per-layer override dicts past the new depth name no layer
         for key, value in list(d.items()):
             if isinstance(value, dict) and _is_layer_dict(value) and \
@@ -339,12 +339,6 @@ def _adapters_to_text(full: dict, text_key: str, text_default: dict, changed: di
             if _ADAPTER_OUT.search(field) and value == text_default[hidden_key]:
                 changed[f"{key}.{field}"] = (value, full[text_key][hidden_key])
                 sub[field] = full[text_key][hidden_key]
-
-
-def changed_here(changed: dict, prefix: str) -> set[str]:
-    """Keys of the config at ``prefix`` that :func:`_shrink` rewrote."""
-    return {k[len(prefix):] for k in changed if k.startswith(prefix) and
-            "." not in k[len(prefix):]}
 
 
 def _is_layer_dict(value: dict) -> bool:
