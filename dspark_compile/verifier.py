@@ -36,7 +36,7 @@ from .passes.concat_linear import stack_weights
 from .passes.lower import reference_only_ops
 from .passes.inductor import compile_rest
 from .session import (ConcurrentUseError, HookedModelError, StaleWeightsError, Tier, TierGraphs,
-                      VerifySession, WeightBinding, refuse_hooks, tier_set)
+                      VerifySession, WeightBinding, named_tensors, refuse_hooks, tier_set)
 from .session.ids import DeviceIdGuard, TokenIdError, check_ids_host
 from .session.inputs import check_input_ids, check_mrope_inputs
 from .specs import RingSpec
@@ -117,7 +117,7 @@ class Verifier:
         self.dense_graph_module = dense.gm
         self._dense_inputs = dense.inputs
         model = adapter.model
-        self._weights = {**dict(model.named_parameters()), **dict(model.named_buffers())}
+        self._weights = named_tensors(model)
         stack_weights(self._weights, inputs)  # concat_linears' stacked inputs, if any
         # the tensors a graph reads: a placeholder no node uses is left unbound, so a buffer
         # the model replaces while the capture never reads it (a table HF grows) stays legal

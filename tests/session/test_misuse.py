@@ -66,6 +66,28 @@ def test_weights_changed_under_the_verifier_are_refused(llama, change, match):
                                rtol=1e-4, atol=1e-4)
 
 
+def test_an_lm_head_untied_from_the_embedding_is_refused():
+    """A tied model's graphs read one tensor under two names; giving the LM head its own (an
+    untie, a fine-tuned head loaded by assignment) leaves the embedding's name bound to the old
+    tensor while the head's is new: refused naming the head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=True)
+    model = LlamaForCausalLM(cfg).eval()
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    verifier = dspark_compile(model)
+    state = verifier.new_state(max_requests=2, max_context=16)
+    seq = tokens(4)
+    layout = VerifyLayout.pack([4], [0], [0])
+    torch.testing.assert_close(verifier(seq, layout, state), full_logits(model, seq),
+                               rtol=1e-4, atol=1e-4)
+    model.lm_head.weight = torch.nn.Parameter(model.lm_head.weight.detach() * 2)
+    with pytest.raises(StaleWeightsError, match="lm_head.weight was replaced"):
+        verifier(seq, layout, state)
+
+
 def test_in_place_updates_and_unrelated_modules_are_served(llama):
     """Copies in place (load_state_dict, mul_) are seen by the graphs; registering a module
     elsewhere, or re-assigning the same parameter, changes nothing the graphs bind."""
