@@ -178,14 +178,14 @@ class PositionLimit:
     rows: int
     cache: bool = False
     rotary: bool = False
-    """A dynamic rotary (``table``: the module and its type) that keeps its frequencies below
-    ``positions`` only (``frontend/rotary.py``)."""
+    """A dynamic or longrope rotary (``table``: the module and its type) that keeps its
+    frequencies below ``positions`` only (``frontend/rotary.py``)."""
 
     def reason(self) -> str:
         """What serves only ``positions`` tokens, for messages."""
         if self.rotary:
             return (f"the {self.positions} positions below which the rotary {self.table} "
-                    "keeps its frequencies (past them transformers rescales them from the "
+                    "keeps its frequencies (past them transformers changes them from the "
                     "batch's longest position, so one request's logits would depend on the "
                     "others verified with it)")
         if self.cache:

@@ -36,7 +36,7 @@ from .inkling2 import inkling2_hooks, row_sinks_module
 from .relative import RelativeLogits, relative_hooks
 from .zaya import zaya_hooks
 from .longcat import longcat_hooks
-from .rotary import check_rotaries, fixed_rotaries
+from .rotary import check_rotaries, fixed_rotaries, phimoe_hooks
 from .experts import experts_hooks
 from .hybrid import RecurrentLayers, hybrid_hooks
 from .llama4 import temperature_hooks, tuned_queries
@@ -73,8 +73,8 @@ class ModelAdapter:
     site_names: dict[int, str] = field(default_factory=dict)
     """``id(module)`` -> qualified module name, for naming layers in messages."""
     rotary_limit: PositionLimit | None = None
-    """The context below which a dynamic rotary keeps its frequencies (``rotary.py``), None:
-    no such rotary."""
+    """The context below which a dynamic or longrope rotary keeps its frequencies
+    (``rotary.py``), None: no such rotary."""
 
 
 def adapter_for(model: nn.Module) -> ModelAdapter:
@@ -358,7 +358,7 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
                     bloom_hooks(model, names), inline_hooks(model, names), \
                     counted_positions_hooks(model, names), \
                     compressor_hooks(model, names), indexer_hooks(model, names), \
-                    temperature_hooks(model, names):
+                    temperature_hooks(model, names), phimoe_hooks(model, names):
                 yield
         finally:
             if config._attn_implementation != previous:

@@ -43,7 +43,7 @@ from .guards import describe, locate, needs_locating, token_names
 from .evaluate import evaluate_node
 from .own_forward import cache_window_limit, check_own_forward
 from .position_tables import token_id_limit
-from .rotary import fixed_rotaries
+from .rotary import fixed_rotaries, short_frequencies
 from .recurrent import check_linear_calls
 from .scope import CaptureScope, open_scope
 
@@ -414,6 +414,7 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     model = adapter.model
     params = dict(model.named_parameters())
     buffers = dict(model.named_buffers())
+    shorts = short_frequencies(model, buffers)  # a longrope rotary reads its short factors
     specs = [InputSpec("param", n) for n in params] + [InputSpec("buffer", n) for n in buffers]
     samples = _sample_inputs(adapter, dtype, device)
     specs += [s for s, _, _ in samples]
@@ -426,6 +427,7 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
     def dense_verify(*flat):
         p = dict(zip(params, flat[:n_p]))
         b = dict(zip(buffers, flat[n_p:n_p + n_b]))
+        b.update((freq, b[short]) for freq, short in shorts.items())
         ids, pos = flat[n_p + n_b:n_p + n_b + 2]
         scope = _scope_of(adapter, specs[n_p + n_b:], flat[n_p + n_b:])
 

@@ -24,6 +24,8 @@ The variants, by name (applied only where the config has the field):
 - ``rope_linear``, ``rope_yarn``, ``rope_llama3``: scaled rotaries with an original context
   (8) shorter than the sequences; ``rope_dynamic``: NTK scaling past an 8-position context,
   which must be refused (its frequencies follow the batch's longest position);
+  ``rope_longrope``: longrope's short factors (and an attention factor) below a 64-position
+  original context, the zoo states' whole context;
 - ``window5``: a sliding window of 5 (switched on where the config has a switch; GPT-Neo's
   ``window_size``);
 - ``heads6``: 6 heads over a width of 96 where the config names no KV heads (a head count no
@@ -59,6 +61,21 @@ _TOKEN_TABLES = ("vocab_size_per_layer_input",)
 ``vocab131`` variant resizes it too (a longer vocabulary alone would draw ids past its end)."""
 ORIGINAL_CONTEXT = 8
 """The original context of the scaled rotaries (the zoo's sequences run to 19 tokens)."""
+
+LONGROPE_CONTEXT = 64
+"""The original context of ``rope_longrope``: the zoo's states' ``max_context``, so its short
+factors serve every position (longrope is taken below its original context only)."""
+
+
+def _rotary_half_of(text: dict) -> int:
+    """Half the rotary channels of a text config once the tiny rules have shrunk it, as
+    transformers' longrope counts them (the head dim, the rotary part of an MLA head, times the
+    partial factor): the length of its factor lists."""
+    head = SIZES["rope_head_dim"] if text.get("qk_rope_head_dim") else SIZES["head_dim"]
+    rope = text.get("rope_parameters")
+    partial = text.get("partial_rotary_factor") or \
+        (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) or 1.0
+    return int(head * partial) // 2
 
 
 _TYPE_KEYS = frozenset({
@@ -134,6 +151,14 @@ def _overrides(text: dict) -> list[tuple[str, tuple]]:
             "rope_llama3": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                             "high_freq_factor": 4.0, **original},
             "rope_dynamic": {"rope_type": "dynamic", "factor": 2.0}}
+        half = _rotary_half_of(text)
+        if half:  # short factors below a context past the zoo's states, long ones above it
+            scaled["rope_longrope"] = {
+                "rope_type": "longrope", "factor": 4.0, "attention_factor": 1.25,
+                "short_mscale": 1.125, "long_mscale": 1.5,  # PhiMoE's own cos/sin scales
+                "short_factor": [1.0 + i / half for i in range(half)],
+                "long_factor": [4.0 + 2.0 * i for i in range(half)],
+                "original_max_position_embeddings": LONGROPE_CONTEXT}
         for name, kind in scaled.items():
             extra = (("max_position_embeddings", ORIGINAL_CONTEXT),) \
                 if name == "rope_dynamic" else ()
