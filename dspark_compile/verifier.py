@@ -27,6 +27,7 @@ from .config import DSparkConfig
 from .frontend.adapters import ModelAdapter, adapter_for
 from .frontend.position_tables import position_limit, tightest
 from .frontend.capture import CapturedGraph, capture_dense
+from .frontend.peft import adapter_layers
 from .layout import VerifyLayout
 from .graph_inputs import (COMPRESS_KINDS, INDEX_KINDS, KV_KINDS, LINEAR_KINDS, RING_KINDS,
                            WEIGHT_KINDS, WINDOW_KINDS, InputKind)
@@ -58,6 +59,7 @@ def dspark_compile(model: nn.Module, config: DSparkConfig | None = None,
     """
     config = (config or DSparkConfig()).with_overrides(**overrides)
     refuse_hooks(model)
+    adapter_layers(model)  # PEFT layers whose state cannot be watched: refused before capture
     adapter = adapter_for(model)
     param = next((p for p in model.parameters() if p.is_floating_point()), None)
     if param is None:

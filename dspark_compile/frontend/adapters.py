@@ -92,10 +92,15 @@ def adapter_for(model: nn.Module) -> ModelAdapter:
             hooks=contextlib.nullcontext,
             kind="plain",
         )
+    inner = getattr(model, "get_base_model", None)  # a PEFT wrapper: its model is the one
+    hint = (f" ({type(model).__name__} wraps {type(inner()).__name__}: pass "
+            "model.get_base_model(), whose LoRA layers are watched)"
+            if callable(inner) and isinstance(inner(), nn.Module) and inner() is not model
+            else "")
     raise TypeError(
         f"dspark_compile: {type(model).__name__} is neither a Hugging Face causal LM nor a "
         "module with dspark_compile.nn.CachedAttention layers; write its attention with "
-        "CachedAttention so the KV cache can be owned"
+        f"CachedAttention so the KV cache can be owned{hint}"
     )
 
 

@@ -5,8 +5,8 @@ when the verifier is built (``concat_linears`` also stacks some of them into one
 rebinds the parts as row views of it); tier graphs captured later read the same addresses.
 Three ways an engine can change weights under a built verifier, and what each needs:
 
-- in place (``load_state_dict``, ``param.copy_``, an in-place LoRA merge): the bound tensors
-  and the captured addresses see the new values. Nothing to do.
+- in place (``load_state_dict``, ``param.copy_``, a LoRA delta added to the weights by hand):
+  the bound tensors and the captured addresses see the new values. Nothing to do.
 - a parameter, buffer or submodule *replaced* (``module.weight = nn.Parameter(...)``, a LoRA
   or quantisation module swapped in, RL weight sync by assignment): the graphs would go on
   reading the old tensors. torch's global registration hooks bump a counter when any module of
@@ -23,6 +23,12 @@ A refusal is ``StaleWeightsError`` naming the tensor; ``dspark_compile(model)`` 
 
 Not seen: writes to a module's ``_parameters`` dict itself, which bypass ``__setattr__`` (as
 ``model.to()`` does only under ``torch.__future__.set_overwrite_module_params_on_conversion``).
+
+A PEFT LoRA layer's forward also reads Python state (adapters active, disabled, merged, their
+scaling), which the graphs freeze: it is compared on every call (``frontend/peft.py``), and a
+change is ``StaleWeightsError`` naming the layer. An in-place merge through PEFT
+(``merge_adapter``) is such a change: it writes the base weight *and* stops the layer adding
+the delta.
 
 Forward hooks change what a module computes without touching its weights. The verifier is the
 model's forward captured once: a hook present at the build would be traced in with whatever
@@ -45,6 +51,8 @@ import torch
 from torch import nn
 from torch.nn.modules import module as nn_module
 from torch.utils.hooks import RemovableHandle
+
+from ..frontend.peft import AdapterWatch, adapter_layers
 
 __all__ = ["WeightBinding", "StaleWeightsError", "HookedModelError", "forward_hooks",
            "named_tensors", "refuse_hooks"]
@@ -125,6 +133,9 @@ class WeightBinding:
         self._tensors = list(self._bound.values())
         self._ptrs = [t.data_ptr() for t in self._tensors]
         self._modules = {id(m) for m in model.modules()}
+        layers = adapter_layers(model)
+        self._adapters = AdapterWatch(layers) if layers else None
+        """PEFT adapter state the graphs froze (``frontend/peft.py``), None: no PEFT layer."""
         self._changes = 0  # bumped by the hooks when a module of the model registers anything
         self._seen = 0
         ref = weakref.ref(self)
@@ -144,11 +155,20 @@ class WeightBinding:
 
     def check(self) -> None:
         """Raise ``StaleWeightsError`` if a bound tensor was replaced or its storage moved,
-        ``HookedModelError`` if the model gained a forward hook."""
+        ``HookedModelError`` if the model gained a forward hook; ``StaleWeightsError`` too if a
+        PEFT layer's adapter state changed."""
         if RemovableHandle.next_id != self._hook_mark:
             self._check_hooks()
         if self._changes != self._seen:
             self._check_names()
+        if self._adapters is not None:
+            what = self._adapters.changed()
+            if what:
+                raise StaleWeightsError(
+                    f"dspark_compile: the adapter state of {what} changed since this verifier "
+                    "was built (disable_adapter_layers, set_adapter, merge_adapter or "
+                    "set_scale); the verifier's graphs froze it as it was, so a verify would "
+                    "differ from the model. Restore it, or call dspark_compile(model) again")
         if list(map(torch.Tensor.data_ptr, self._tensors)) != self._ptrs:
             for (name, t), ptr in zip(self._bound.items(), self._ptrs):
                 if t.data_ptr() != ptr:
