@@ -117,6 +117,12 @@
 #   e2e_long      e2e.py --concurrency 1 8 --output 1024 --repeats 5, default draft and
 #                 --mean-accepted 1.5 (runs long enough that a mode's repeats can be told apart)
 #   e2e_long_default  the same, default draft only
+#   trust_tests   pytest -m gpu: the causal conv's activations (SiLU, erf and tanh GELU, none;
+#                 float32 tight, bf16) and the BERT-style attention refusal
+#   longrope_zoo  zoo --device cuda --variants --variant rope_longrope over $LONGROPE, float32
+#                 and bfloat16 (zoo_gpu_longrope_*.json)
+#   ncu_paged     Nsight Compute counters of the attention at bs 64, the paged read of its bytes
+#                 (its tiles; 64 keys on 8 warps) and a plain read of them (ncu_paged64.csv)
 #   ncu           Nsight Compute counters of ncu_kernels.py's launches: the experts GEMMs at bs
 #                 256 and 64, the GDN and Mamba-2 forwards and commits at bs 64 all 8, the skinny
 #                 matmul at 3 rows (ncu_<case>.csv)
@@ -298,6 +304,20 @@ job() {
       else families=$(printf '%s\n' $ZOO_FAMILIES | tail -n +21); fi
       python3 -m dspark_compile zoo --device cuda --variants --jobs 14 --timeout 150 \
         --skip-unknown --only $families --out "$OUT/zoo_gpu_${name#zoo_}.json" ;;
+    trust_tests) python3 -m pytest -q -m gpu -p no:cacheprovider tests/ops/test_linear_ops.py \
+        -k conv && python3 -m pytest -q -m gpu -p no:cacheprovider \
+        tests/frontend/test_bert_style_attention.py ;;
+    longrope_zoo) for dtype in float32 bfloat16; do
+        python3 -m dspark_compile zoo --device cuda --dtype $dtype --variants --variant \
+          rope_longrope --jobs 8 --timeout 150 --skip-unknown --only $LONGROPE \
+          --out "$OUT/zoo_gpu_longrope_$dtype.json" || exit 1
+      done ;;
+    ncu_paged)  # the attention at bs 64 beside the paged and plain reads of its bytes
+      ncu --clock-control none --kernel-name "regex:_ragged_attention_kernel|_paged_read|_read_k" \
+        --launch-count 8 --section SpeedOfLight --section MemoryWorkloadAnalysis \
+        --section MemoryWorkloadAnalysis_Tables --section WarpStateStats --section Occupancy \
+        --section LaunchStats --section SchedulerStats --csv --page details \
+        python3 benchmarks/ncu_kernels.py paged --bs 64 >"$OUT/ncu_paged64.csv" ;;
     *) echo "unknown job $1"; return 2 ;;
   esac
 }
@@ -311,6 +331,9 @@ REACH="inkling_text jetmoe zaya bloom recurrent_gemma zamba gpt_neo xglm openai-
   gpt_neox_japanese mpt biogpt bart mbart plbart blenderbot blenderbot-small marian pegasus
   mvp trocr bert electra ernie roc_bert roberta camembert megatron-bert rembert roformer
   gemma3n_text dory gptj codegen"
+
+LONGROPE="llama phi3 phimoe qwen2 qwen3 gemma2 gemma3_text mistral olmo2 deepseek_v3 glm4
+  cohere2 granite stablelm"
 
 if [ "${1:-}" = "--one" ]; then  # one job, under the caller's timeout
   job "$2"

@@ -13,7 +13,12 @@ hardware counters of exactly those launches. Cases:
   at 3 rows (bs 1, mean 3);
 - ``stream``: ``packed_weights.py``'s free stream over ``--repeats`` copies of one ``--shape``
   (``N x K``), 64 x 128 tiles, 5 stages, one program a multiprocessor, ``--rotate`` to deal the
-  tiles on across matmuls.
+  tiles on across matmuls;
+- ``paged``: the KV read at the verify step's ``--bs`` (1024 keys of context, 8 KV heads of
+  128, bf16, a shuffled block table, ragged mean 3): the attention kernel, ``hbm_read.py``'s
+  paged read with the attention's tiles (32 keys, 4 warps, 3 stages), the same with 64 keys on
+  8 warps, and its plain read of the same bytes (16384-element blocks on 8 warps, 2 programs a
+  multiprocessor), in that order (kernel names ``ragged_attention|_paged_read|_read_kernel``).
 
     ncu --clock-control none --kernel-name "regex:_experts_gemm|_combine" --launch-skip 3 \\
         --launch-count 3 --section SpeedOfLight --section MemoryWorkloadAnalysis \\
@@ -94,9 +99,35 @@ def stream(shape: str, repeats: int, rotate: bool) -> None:
     torch.cuda.synchronize()
 
 
+def paged(bs: int) -> None:
+    import attention_kernel as ak
+    import hbm_read as hr
+
+    s = ak.SETTINGS
+    layer = ak.build_layer(ak.verify_lengths(bs, True, s), s, "cuda", seed=bs)
+    args = ak.call_args(layer, s["head_dim"] ** -0.5)
+    for _ in range(WARMUP + 1):
+        ak.ragged_attention_triton(*args, max_query_len=s["max_len"])  # as the step plans it
+    k, v, bt = layer["k_cache"], layer["v_cache"], layer["block_table"]
+    per_req = bt.shape[1]
+    hkv, d, page = s["num_kv_heads"], s["head_dim"], s["page_size"]
+    out = torch.empty(bs * hkv * d, device="cuda", dtype=torch.float32)
+    for tile, warps, stages in ((32, 4, 3), (64, 8, 3)):
+        for _ in range(WARMUP + 1):
+            hr._paged_read_kernel[(bs, hkv)](k, v, bt, out, per_req, page * hkv * d, hkv * d,
+                                             d, HKV=hkv, TILE=tile, PAGE=page, D=d,
+                                             num_warps=warps, num_stages=stages)
+    flat = k.view(-1)
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    sums = torch.empty(2 * sms, device="cuda", dtype=torch.float32)
+    for _ in range(WARMUP + 1):
+        hr._read_kernel[(2 * sms,)](flat, sums, flat.numel(), BLOCK=16384, num_warps=8)
+    torch.cuda.synchronize()
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("case", choices=("moe", "gdn", "ssd", "skinny", "stream"))
+    ap.add_argument("case", choices=("moe", "gdn", "ssd", "skinny", "stream", "paged"))
     ap.add_argument("--bs", type=int, default=64, help="batch size (skinny: rows)")
     ap.add_argument("--shape", default="2048x2048", help="stream: one matmul's N x K")
     ap.add_argument("--repeats", type=int, default=128, help="stream: matmuls in the chain")
@@ -111,6 +142,8 @@ def main() -> None:
         skinny(opts.bs)
     elif opts.case == "stream":
         stream(opts.shape, opts.repeats, opts.rotate)
+    elif opts.case == "paged":
+        paged(opts.bs)
     else:
         recurrent(opts.case, opts.bs, opts.gdn_plan)
 

@@ -683,13 +683,27 @@ def _gpu_layout(bs, seed):
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("bs", [1, 64])
-def test_gpu_conv_bf16_qwen3_next(bs):
+@pytest.mark.parametrize("activation", ["silu", "gelu", "gelu_pytorch_tanh", "none"])
+def test_gpu_conv_float32_activations_match_reference_tightly(activation):
+    """float32 on the GPU against the reference op: tight enough to tell erf GELU from its tanh
+    form (they differ by up to ~5e-4)."""
+    layout = _gpu_layout(16, 5)
+    c = conv_case(layout, dim=512, width=4, seed=5, dtype=torch.float32, device="cuda")
+    want, want_ring = run_conv(c, layout, activation)
+    got, ring = run_conv(c, layout, activation, impl=OPS.causal_conv1d_triton)
+    torch.testing.assert_close(got, want, atol=2e-6, rtol=1e-5)
+    assert torch.equal(ring, want_ring)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("bs, activation", [(1, "silu"), (64, "silu"), (64, "gelu"),
+                                            (8, "gelu_pytorch_tanh"), (8, "none")])
+def test_gpu_conv_bf16_qwen3_next(bs, activation):
     layout = _gpu_layout(bs, bs)
     c = conv_case(layout, dim=8192, width=4, seed=bs, dtype=torch.bfloat16, device="cuda")
     c32 = {n: (t.float() if t is not None else None) for n, t in c.items()}
-    want, want_ring = run_conv(c32, layout)
-    got, ring = run_conv(c, layout, impl=OPS.causal_conv1d_triton)
+    want, want_ring = run_conv(c32, layout, activation)
+    got, ring = run_conv(c, layout, activation, impl=OPS.causal_conv1d_triton)
     torch.testing.assert_close(got.float(), want, atol=2e-2, rtol=2e-2)
     assert torch.equal(ring.float(), want_ring)
     acc, state = accepts(layout, bs), c["conv_state"].clone()
