@@ -315,6 +315,7 @@ class DSparkGeneration:
                         return self._forward(cache, args, kwargs)
                     return hf_forward(*args, **kwargs)
 
+                forward.dspark_route = True  # the build's hook check knows it as ours
                 self._hf_forward = hf_forward
                 self.model.forward = forward
                 # HF refuses assisted generation for models with recurrent state, which cannot

@@ -30,7 +30,10 @@ change is ``StaleWeightsError`` naming the layer. An in-place merge through PEFT
 (``merge_adapter``) is such a change: it writes the base weight *and* stops the layer adding
 the delta.
 
-Forward hooks change what a module computes without touching its weights. The verifier is the
+Forward hooks change what a module computes without touching its weights, and so does a
+``forward`` set on a module instance (accelerate's ``add_hook_to_module``, which
+``device_map`` placements across devices or offloading install, or a patch): both are refused
+at the build like hooks. An instance forward set after the build is not seen. The verifier is the
 model's forward captured once: a hook present at the build would be traced in with whatever
 it closes over frozen (a steering vector scaled by a Python float, say), and one added later
 would be missed, so the verify would no longer be the model's forward. ``dspark_compile``
@@ -93,6 +96,14 @@ def forward_hooks(model: nn.Module) -> list[str]:
                             ("forward hook", module._forward_hooks)):
             found += [f"{path or type(model).__name__}'s {kind} {_hook_name(h)}"
                       for h in hooks.values() if not _inert(h)]
+        own = module.__dict__.get("forward")  # the instance's own forward, not its class's
+        plain = getattr(own, "__func__", None) is type(module).forward and \
+            getattr(own, "__self__", None) is module  # a hook removed leaves the bound method
+        if own is not None and not plain and not getattr(own, "dspark_route", False):
+            how = (f"accelerate's {type(module._hf_hook).__qualname__}"
+                   if hasattr(module, "_hf_hook") else _hook_name(module.__dict__["forward"]))
+            found.append(f"{path or type(model).__name__}'s forward replaced on the instance "
+                         f"({how})")
     return found
 
 

@@ -2,6 +2,7 @@
 thread on a captured state, and out-of-vocabulary ids on the device scheme (run on the CPU)."""
 
 import threading
+import types
 
 import pytest
 import torch
@@ -130,6 +131,24 @@ def _steer(vector):
     return steer
 
 
+def _accelerate_hook(module):
+    """accelerate's hooks (``device_map`` across devices, offloading) replace the module's
+    forward on the instance rather than registering a torch hook."""
+    from accelerate.hooks import ModelHook, add_hook_to_module, remove_hook_from_module
+
+    class _Double(ModelHook):
+        def post_forward(self, module, output):
+            return output * 2
+
+    add_hook_to_module(module, _Double())
+    return types.SimpleNamespace(remove=lambda: remove_hook_from_module(module))
+
+
+def _patched(module):
+    module.forward = lambda x: x
+    return types.SimpleNamespace(remove=lambda: delattr(module, "forward"))
+
+
 @pytest.mark.parametrize("register, match", [
     (lambda m: m.model.layers[0].register_forward_hook(_steer(torch.ones(64))),
      r"model\.layers\.0's forward hook .*steer \(.*test_misuse\.py:\d+\)"),
@@ -140,6 +159,10 @@ def _steer(vector):
      r"LlamaForCausalLM's forward hook"),
     (lambda m: torch.nn.modules.module.register_module_forward_hook(lambda mod, a, out: out),
      r"torch's global forward hook"),
+    (lambda m: _accelerate_hook(m.model.layers[0].mlp),
+     r"model\.layers\.0\.mlp's forward replaced on the instance \(accelerate's .*_Double\)"),
+    (lambda m: _patched(m.model.norm),  # a patch: nothing in torch's hook registry
+     r"model\.norm's forward replaced on the instance \(.*<lambda> \(.*test_misuse\.py:\d+\)"),
 ])
 def test_a_model_with_forward_hooks_is_refused_naming_each(register, match):
     """A hook would be traced in as it computes at the build (its closure frozen) and a later
