@@ -143,11 +143,11 @@ def _short_context(module: nn.Module, label: str, layer_type: str | None,
             "change is unknown, so the model is refused rather than verified wrong")
     if not isinstance(original, int) or isinstance(original, bool) or original < 1 or \
             not isinstance(freq, torch.Tensor) or not isinstance(short, torch.Tensor) or \
-            freq.shape != short.shape:
+            freq.shape != short.shape or f"{prefix}original_inv_freq" not in module._buffers:
         raise NotImplementedError(
             f"{where}: {label}='longrope' lacks the original context (its config's "
             "rope_parameters' original_max_position_embeddings) or the short frequencies "
-            f"({prefix}original_inv_freq, shaped as {prefix}inv_freq) that transformers' "
+            f"({prefix}original_inv_freq, a buffer shaped as {prefix}inv_freq) that transformers' "
             "dynamic_rope_update uses below it; the model is refused rather than verified wrong")
     return original
 

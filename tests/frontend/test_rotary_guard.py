@@ -226,3 +226,15 @@ def test_phimoes_other_scaled_rotaries_are_refused_by_name():
     with pytest.raises(NotImplementedError, match=r"PhimoeRotaryEmbedding 'model.rotary_emb': "
                                                   r"PhiMoE's scaled rotary is taken as longrope"):
         dspark_compile(model)
+
+
+def test_a_longrope_whose_short_factors_are_no_buffer_is_refused():
+    """The capture binds the short factors as a buffer of the model; held as a plain attribute
+    (as older transformers kept them) they are not one, so the module is refused by name."""
+    model = phi3_longrope()
+    rotary = model.model.rotary_emb
+    short = rotary._buffers.pop("original_inv_freq")
+    object.__setattr__(rotary, "original_inv_freq", short)
+    with pytest.raises(NotImplementedError, match=r"rope_type='longrope' lacks the original "
+                                                  r"context .* or the short frequencies"):
+        dspark_compile(model)
