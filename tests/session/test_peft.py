@@ -33,11 +33,17 @@ def _call(verifier, state, seq):
     return verifier(seq, VerifyLayout.pack([len(seq)], [0], [0]), state)
 
 
-def test_lora_verifies_exactly_and_every_adapter_state_change_is_refused():
+def _built(length: int, seed: int):
+    """A LoRA model, its verifier, a state and a ``length``-token sequence."""
     wrapped, model = lora_llama()
     verifier = dspark_compile(model)
     state = verifier.new_state(max_requests=2, max_context=16)
-    seq = torch.randint(0, VOCAB, (4,), generator=torch.Generator().manual_seed(0))
+    seq = torch.randint(0, VOCAB, (length,), generator=torch.Generator().manual_seed(seed))
+    return wrapped, model, verifier, state, seq
+
+
+def test_lora_verifies_exactly_and_every_adapter_state_change_is_refused():
+    wrapped, model, verifier, state, seq = _built(4, 0)
     with_lora = full_logits(model, seq)
     torch.testing.assert_close(_call(verifier, state, seq), with_lora, rtol=1e-4, atol=1e-4)
     changes = [
@@ -62,10 +68,7 @@ def test_lora_verifies_exactly_and_every_adapter_state_change_is_refused():
 
 
 def test_adapter_weights_updated_in_place_are_served():
-    _, model = lora_llama()
-    verifier = dspark_compile(model)
-    state = verifier.new_state(max_requests=2, max_context=16)
-    seq = torch.randint(0, VOCAB, (5,), generator=torch.Generator().manual_seed(1))
+    _, model, verifier, state, seq = _built(5, 1)
     before = full_logits(model, seq)
     with torch.no_grad():
         model.model.layers[0].self_attn.v_proj.lora_B["default"].weight.mul_(3.0)
@@ -75,10 +78,7 @@ def test_adapter_weights_updated_in_place_are_served():
 
 
 def test_merge_and_unload_after_the_build_is_refused():
-    wrapped, model = lora_llama()
-    verifier = dspark_compile(model)
-    state = verifier.new_state(max_requests=2, max_context=16)
-    seq = torch.randint(0, VOCAB, (3,), generator=torch.Generator().manual_seed(2))
+    wrapped, _, verifier, state, seq = _built(3, 2)
     _call(verifier, state, seq)
     wrapped.merge_and_unload()  # the LoRA layers replaced by plain ones
     with pytest.raises(StaleWeightsError, match="was replaced|is gone"):
