@@ -10,8 +10,9 @@ delta in a frozen graph) or ``set_scale`` the verify would no longer be the mode
 
 - :func:`adapter_layers` lists a model's PEFT tuner layers and refuses, by name, any it does not
   know how to watch: a tuner other than LoRA on a plain ``nn.Linear`` (IA3, LoHa, a LoRA
-  embedding, convolution or quantized base), a LoRA variant (DoRA and the like, whose forward
-  keeps state of its own), a scaling that is not a number.
+  embedding, convolution or quantized base), a LoRA ``Linear`` whose forward is not the one
+  these fields were read from (PEFT 0.19 to 0.21, by its source's hash), a LoRA variant (DoRA
+  and the like, whose forward keeps state of its own), a scaling that is not a number.
 - :class:`AdapterWatch` keeps the four fields of each and says, on every call, which layer's
   changed (``session.weights`` raises ``StaleWeightsError`` naming it). Changing adapter
   weights in place (training steps, ``load_state_dict``) is served as for any weight.
@@ -27,10 +28,16 @@ import sys
 
 from torch import nn
 
+from .replaced import source_key
+
 __all__ = ["AdapterWatch", "adapter_layers"]
 
 _STATE = ("_disable_adapters", "_active_adapter", "merged_adapters", "scaling")
-"""The layer fields a LoRA ``Linear.forward`` branches on or scales by (PEFT 0.21)."""
+"""The layer fields a LoRA ``Linear.forward`` branches on or scales by (PEFT 0.19 to 0.21)."""
+
+_LORA_FORWARDS = frozenset({"ec0a80f5c5ce05f5"})
+"""``source_key`` of ``peft.tuners.lora.layer.Linear.forward`` in PEFT 0.19.1, 0.20.0 and
+0.21.0-0.21.2 (the one forward :data:`_STATE` was read from)."""
 
 
 def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
@@ -41,6 +48,7 @@ def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         return []
     lora = sys.modules.get("peft.tuners.lora.layer")
     linear = getattr(lora, "Linear", None)
+    forward = source_key(linear) if linear is not None else None
     out = []
     for name, m in model.named_modules():
         if not isinstance(m, tuners.BaseTunerLayer):
@@ -49,6 +57,10 @@ def adapter_layers(model: nn.Module) -> list[tuple[str, nn.Module]]:
         if linear is None or type(m) is not linear:
             why = (f"is a {type(m).__module__}.{type(m).__qualname__}; PEFT tuner layers are "
                    "taken as LoRA on a plain nn.Linear only")
+        elif forward not in _LORA_FORWARDS or not all(hasattr(m, f) for f in _STATE):
+            version = getattr(sys.modules.get("peft"), "__version__", "?")
+            why = (f"is PEFT {version}'s LoRA Linear, whose forward (sha256 {forward}) is not "
+                   "the one whose adapter state is known (PEFT 0.19 to 0.21)")
         elif type(m.get_base_layer()) is not nn.Linear:
             why = (f"wraps a {type(m.get_base_layer()).__qualname__}, not a plain nn.Linear "
                    "(a quantized or nested base)")

@@ -102,3 +102,20 @@ def test_the_peft_wrapper_itself_is_refused_naming_the_model_to_pass():
     with pytest.raises(TypeError, match=r"PeftModel\w* wraps LlamaForCausalLM: pass "
                                         r"model\.get_base_model\(\)"):
         dspark_compile(wrapped)
+
+
+def test_a_lora_forward_of_unknown_source_is_refused(monkeypatch):
+    """The adapter state watched is what PEFT 0.19-0.21's LoRA forward reads; another forward
+    (another PEFT release, a patch) may read more, so it is refused naming its source."""
+    from peft.tuners.lora import layer
+
+    original = layer.Linear.forward
+
+    def forward(self, x, *args, **kwargs):
+        return original(self, x, *args, **kwargs)
+
+    monkeypatch.setattr(layer.Linear, "forward", forward)
+    with pytest.raises(NotImplementedError, match=r"PEFT layer 'model\.layers\.0\.self_attn\."
+                                                  r"q_proj' is PEFT [\d.]+'s LoRA Linear, whose "
+                                                  r"forward \(sha256 \w+\) is not the one"):
+        dspark_compile(lora_llama()[1])
