@@ -36,6 +36,7 @@ from .inkling2 import inkling2_hooks, row_sinks_module
 from .relative import RelativeLogits, relative_hooks
 from .zaya import zaya_hooks
 from .longcat import longcat_hooks
+from .aria import aria_hooks
 from .rotary import check_rotaries, fixed_rotaries, phimoe_hooks
 from .experts import experts_hooks
 from .hybrid import RecurrentLayers, hybrid_hooks
@@ -354,16 +355,15 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
         else:
             route = _sdpa_route(config)
         try:
-            with route, fixed_rotaries(model), hybrid_hooks(linear), \
-                    vision_hook(model, mrope) if mrope else contextlib.nullcontext(), \
-                    experts_hooks(model), dbrx_hooks(model, names), \
-                    longcat_hooks(model, names), jetmoe_hooks(model, names), \
-                    relative_hooks(model, names), inkling2_hooks(model, names), \
-                    zaya_hooks(model, names), griffin_hooks(model, names), \
-                    bloom_hooks(model, names), inline_hooks(model, names), \
-                    counted_positions_hooks(model, names), \
-                    compressor_hooks(model, names), indexer_hooks(model, names), \
-                    temperature_hooks(model, names), phimoe_hooks(model, names):
+            with contextlib.ExitStack() as stack:  # in this order; each restores on exit
+                for hook in (route, fixed_rotaries(model), hybrid_hooks(linear),
+                             vision_hook(model, mrope) if mrope else contextlib.nullcontext(),
+                             experts_hooks(model), *(family(model, names) for family in (
+                                 dbrx_hooks, longcat_hooks, jetmoe_hooks, relative_hooks,
+                                 inkling2_hooks, zaya_hooks, griffin_hooks, bloom_hooks,
+                                 inline_hooks, counted_positions_hooks, compressor_hooks,
+                                 indexer_hooks, temperature_hooks, phimoe_hooks, aria_hooks))):
+                    stack.enter_context(hook)
                 yield
         finally:
             if config._attn_implementation != previous:
