@@ -422,12 +422,27 @@ def _per_layer_fields(d: dict, n: int) -> tuple[list[str], list[str], list[str]]
     return per, index, keyed
 
 
+_ROUND_TRIP_KEYS = ("_name_or_path", "output_attentions")
+"""Fields ``to_dict`` writes into every sub-config that some sub-config classes then refuse as
+unknown (transformers 5.17's DBRX attention and FFN configs)."""
+
+
 def _build(config_cls, d: dict):
     """``config_cls`` from ``d``; a config that refuses grouped KV heads (its validation wants
-    as many as query heads) is built again with them equal, and ``d`` is updated to match."""
+    as many as query heads) is built again with them equal, and ``d`` is updated to match; one
+    whose sub-configs refuse the fields their own ``to_dict`` wrote is built without them."""
     try:
         return config_cls.from_dict(copy.deepcopy(d))
-    except Exception:
+    except Exception as err:
+        if "unknown kwargs" in str(err):
+            bare = copy.deepcopy(d)
+            for sub in (v for v in bare.values() if isinstance(v, dict) and "model_type" in v):
+                for key in _ROUND_TRIP_KEYS:
+                    sub.pop(key, None)
+            config = config_cls.from_dict(copy.deepcopy(bare))
+            d.clear()
+            d.update(bare)
+            return config
         equal = copy.deepcopy(d)
         if not _equal_kv_heads(equal):
             raise

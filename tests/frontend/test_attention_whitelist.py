@@ -12,6 +12,7 @@ import transformers as T
 from dspark_compile import dspark_compile
 from dspark_compile.frontend.adapters import _check_attention_arguments
 from dspark_compile.frontend.masks import UnprovenMask, WindowMask, causal_only
+from helpers import with_forward
 
 SMALL = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
              num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
@@ -241,8 +242,8 @@ def test_alibi_and_a_scan_keeping_its_state_are_refused_by_name(monkeypatch):
 def test_a_model_with_no_attention_calls_is_refused():
     model = _model(T.LlamaConfig, T.LlamaForCausalLM)
     for layer in model.model.layers:
-        layer.self_attn.forward = lambda hidden_states, **kw: (torch.zeros_like(hidden_states),
-                                                               None)
+        with_forward(layer.self_attn, lambda self, hidden_states, **kw: (
+            torch.zeros_like(hidden_states), None))
     with pytest.raises(TypeError, match="no module of LlamaForCausalLM called the attention"):
         dspark_compile(model)
 

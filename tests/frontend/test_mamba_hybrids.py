@@ -14,13 +14,12 @@ window); mixers that run their conv themselves are refused naming the module.
 """
 
 import random
-import types
 
 import pytest
 import torch
 
 from dspark_compile import VerifyLayout, dspark_compile
-from helpers import Session, assert_nan_drafts_contained, ragged_rounds_error
+from helpers import Session, assert_nan_drafts_contained, ragged_rounds_error, with_forward
 from ssm_models import FAMILIES, MAMBA1, VOCAB, tiny_ssm
 
 TOL = 1e-4
@@ -164,7 +163,7 @@ def test_a_mixer_running_its_own_conv_is_refused_by_name():
         y = self.conv(b * x)[..., :hidden_states.shape[1]]
         return self.out_proj((c * y).transpose(-1, -2))
 
-    mixer.forward = types.MethodType(forward, mixer)
+    with_forward(mixer, forward)
     with pytest.raises(NotImplementedError,
                        match=r"Lfm2ShortConv 'model.layers.0.conv' runs a causal depthwise "
                              r"nn.Conv1d \(Conv1d 'model.layers.0.conv.conv'\)"):
@@ -220,6 +219,6 @@ def test_scan_calls_outside_the_whitelist_are_refused_naming_the_mixer(change, m
 
     model = tiny_ssm("mamba2")
     mixer = model.backbone.layers[0].mixer
-    mixer.forward = types.MethodType(forward, mixer)
+    with_forward(mixer, forward)
     with pytest.raises(NotImplementedError, match=match):
         dspark_compile(model)

@@ -5,13 +5,12 @@ fused verifier equals the unfused one bit for bit; the GPU kernel is in test_tri
 from __future__ import annotations
 
 import re
-import types
 
 import pytest
 import torch
 
 from dspark_compile import DSparkConfig, dspark_compile
-from helpers import prefill_verify_rounds, tiny_llama, tiny_qwen3, tiny_vl
+from helpers import prefill_verify_rounds, tiny_llama, tiny_qwen3, tiny_vl, with_forward
 
 SKINNY = torch.ops.dspark.skinny_linear.default
 
@@ -132,7 +131,7 @@ def test_inductor_writes_the_rotary_tables_once_for_every_layer(epilogue, angles
     model = tiny_llama(layers=layers).half()
     if angles == "matmul":
         rotary = model.model.rotary_emb
-        rotary.forward = types.MethodType(_matmul_angles, rotary)
+        with_forward(rotary, _matmul_angles)
     verifier = dspark_compile(model, group_linears="concat", rotary="triton",
                               fuse_linears="on", inductor=True, rotary_epilogue=epilogue)
     if angles == "matmul":
