@@ -127,7 +127,7 @@ class Verifier:
                  for node in graph.graph.find_nodes(op="placeholder") if node.users
                  for spec in (node.meta["dspark_input"],) if spec.kind in WEIGHT_KINDS
                  for n in (spec.name, *(getattr(spec, "parts", None) or ()))]
-        self._binding = WeightBinding(model, self._weights, bound)
+        self._binding = WeightBinding(model, self._weights, bound, dense.unread)
         """Every model tensor the graphs bind, checked on each call (``session/weights.py``)."""
         vocab = gm.graph.find_nodes(op="output")[0].args[0].meta["val"].shape[1]
         embed = getattr(model, "get_input_embeddings", lambda: None)()

@@ -78,6 +78,10 @@ class CapturedGraph:
     id_limit: tuple[int, str] | None = None
     """``(ids, table)``: token ids past ``ids - 1`` would read past a table the ids index
     directly (:func:`~.position_tables.token_id_limit`), None: no such table."""
+    unread: frozenset[str] = frozenset()
+    """Model tensor names the graph does not read even where they hold a tensor it reads: a
+    longrope rotary's ``inv_freq``, read as its short factors (:func:`~.rotary.short_frequencies`),
+    which HF swaps or overwrites between forwards."""
 
 
 def _sample_inputs(adapter: ModelAdapter, dtype: torch.dtype, device: torch.device):
@@ -471,7 +475,7 @@ def capture_dense(adapter: ModelAdapter, dtype: torch.dtype,
                               adapter.mrope.sections if adapter.mrope else None,
                               id_limit[0] if id_limit else None)
     limit = cache_window_limit(adapter.model, adapter.specs) if adapter.kind == "hf" else None
-    return CapturedGraph(gm, specs, bs, tokens, limit, id_limit)
+    return CapturedGraph(gm, specs, bs, tokens, limit, id_limit, frozenset(shorts))
 
 
 def _token_symbols(gm: fx.GraphModule, shape_env: ShapeEnv) -> tuple[sympy.Symbol, sympy.Symbol]:

@@ -157,8 +157,8 @@ def short_frequencies(model: nn.Module, buffers: dict[str, torch.Tensor]) -> dic
     ``buffers`` (``model.named_buffers()``) of the ``inv_freq`` buffer the forward reads and of
     the tensor it holds below the original context (``original_inv_freq``), which the capture
     binds in its place (module docstring). ``buffers`` gains the short tensor's name where it was
-    missing (the same tensor as ``inv_freq``, as older transformers leave it after a short
-    forward, is listed once); a rotary whose ``inv_freq`` is its short tensor is left out."""
+    missing: transformers 5.17 makes ``inv_freq`` the short tensor itself after a short forward,
+    listed once under its first name, and swaps in a new one after a long forward."""
     out = {}
     names = {id(m): n for n, m in model.named_modules()}
     for module, rope_type in _rotaries(model):
@@ -169,9 +169,6 @@ def short_frequencies(model: nn.Module, buffers: dict[str, torch.Tensor]) -> dic
             path = names[id(module)]
             at = f"{path}." if path else ""
             freq, short = f"{at}{prefix}inv_freq", f"{at}{prefix}original_inv_freq"
-            if getattr(module, f"{prefix}original_inv_freq") is getattr(module,
-                                                                        f"{prefix}inv_freq"):
-                continue
             buffers.setdefault(short, getattr(module, f"{prefix}original_inv_freq"))
             out[freq] = short
     return out

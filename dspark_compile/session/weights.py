@@ -134,13 +134,16 @@ def named_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
 class WeightBinding:
     """Watches the model tensors ``names`` of ``weights`` (see the module docstring)."""
 
-    def __init__(self, model: nn.Module, weights: dict[str, torch.Tensor], names) -> None:
+    def __init__(self, model: nn.Module, weights: dict[str, torch.Tensor], names,
+                 unread=frozenset()) -> None:
         self.model = model
         own = named_tensors(model)
         bound = {id(weights[n]) for n in set(names) if n in own}
         # every name of a bound tensor: a tied name assigned its own tensor (an lm_head untied
-        # from the embedding) leaves the graphs reading the shared one
-        self._bound = {n: t for n, t in sorted(own.items()) if id(t) in bound}
+        # from the embedding) leaves the graphs reading the shared one; but ``unread`` (names
+        # the capture read through another, a longrope rotary's inv_freq)
+        self._bound = {n: t for n, t in sorted(own.items())
+                       if id(t) in bound and n not in unread}
         self._tensors = list(self._bound.values())
         self._ptrs = [t.data_ptr() for t in self._tensors]
         self._modules = {id(m) for m in model.modules()}
