@@ -19,7 +19,8 @@ import torch
 from .scope import active_scope, outside_trace
 from .sparse import INDEXER_KEYS, IndexerMask
 
-__all__ = ["UnprovenMask", "WindowMask", "all_ones", "causal_only", "check_mask", "proof_object", "prove"]
+__all__ = ["UnprovenMask", "WindowMask", "all_ones", "causal_only", "check_mask", "filled_with",
+           "proof_object", "prove"]
 
 _CAUSAL = "causal_mask_function"
 """The causal leaf."""
@@ -35,6 +36,10 @@ _OFFSETS = "add_offsets_to_mask_function.<locals>.inner_mask"
 """Shifts q and kv positions; transparent when both shifts are the same integer."""
 _ALWAYS_TRUE_IN_VERIFY = {"packed_sequence_mask_function.<locals>.inner_mask"}
 """Leaves that hold for every pair a verify computes: each request is one sequence."""
+_OR = "or_masks.<locals>.or_mask"
+"""Union of ``mask_functions``: proven only where every child but one is never true."""
+_BLOCKWISE = "blockwise_overlay.<locals>.inner_mask"
+"""Unmasks the pairs within one non-text block (ids ``>= 0``; ``-1`` is text)."""
 
 
 def causal_only(*args, mask_function=None, attention_mask=None, **kwargs):
@@ -44,10 +49,13 @@ def causal_only(*args, mask_function=None, attention_mask=None, **kwargs):
     window or chunks: its leaves are read by structure (``causal_mask_function``, a
     sliding-window overlay, a chunk overlay, a same-sequence test that holds in a verify),
     combined only by intersection, position remapping or equal offsets, and each leaf is
-    evaluated on probe positions against the ragged op's own rule. Returns None (plain
-    causal), a ``WindowMask``, or an ``UnprovenMask`` naming what was found: sliding-window
-    variants, a window with chunks, bidirectional or blockwise overlays, ``or_masks``, padding
-    and mask functions of the model's own are refused by the layer that receives them."""
+    evaluated on probe positions against the ragged op's own rule; a union (``or_masks``)
+    only where every child but one is a blockwise overlay over text ids the model filled
+    itself (never true). Returns None (plain causal), a ``WindowMask``, or an
+    ``UnprovenMask`` naming what was found: sliding-window variants, a window with chunks,
+    bidirectional overlays, blockwise overlays over ids not known to be text, other unions,
+    padding and mask functions of the model's own are refused by the layer that receives
+    them."""
     if attention_mask is not None and not _masks_nothing(attention_mask):
         raise NotImplementedError("the model passed an attention_mask (padding) into the "
                                   "capture; verify takes none: padding is the layout's job")
@@ -63,8 +71,6 @@ def causal_only(*args, mask_function=None, attention_mask=None, **kwargs):
     return None
 
 
-_ONES = frozenset({"aten.ones.default", "aten.ones_like.default", "aten.new_ones.default"})
-"""Factories of a tensor of ones."""
 _SAME_VALUES = frozenset({
     "aten._to_copy.default", "aten.view.default", "aten._unsafe_view.default",
     "aten.expand.default", "aten.slice.Tensor", "aten.unsqueeze.default",
@@ -72,38 +78,91 @@ _SAME_VALUES = frozenset({
 """Ops whose output holds only values of their first input (ones stay ones, or True)."""
 
 
-def _masks_nothing(mask) -> bool:
-    """:func:`all_ones` in the capture's trace. The discovery forward that comes before it runs
-    without a trace, so nothing there says where a mask came from: it lets the mask pass, and
-    the trace, which every capture runs next over the same forward, decides."""
+def _in_discovery() -> bool:
+    """Whether this is the discovery forward, which runs without a trace: nothing there says
+    where a tensor came from, so the provenance tests below let it pass there, and the trace,
+    which every capture runs next over the same forward, decides."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode
 
-    if get_proxy_mode() is None:
-        scope = active_scope()
-        return scope is not None and scope.discovered is not None
-    return all_ones(mask)
+    scope = active_scope()
+    return get_proxy_mode() is None and scope is not None and scope.discovered is not None
+
+
+def _masks_nothing(mask) -> bool:
+    """:func:`all_ones` in the capture's trace (:func:`_in_discovery`: passes there)."""
+    return _in_discovery() or all_ones(mask)
 
 
 def all_ones(mask) -> bool:
     """Whether the padding mask ``mask`` is, in the capture's trace, a tensor of ones the
-    model made itself (``torch.ones(bs, T)`` where the caller passed no mask: BioGPT), read
-    through casts, views and slices only, with no in-place write to it or its source so far:
-    a padding mask that masks nothing, so the same as none. Anything else (a mask the trace
-    did not make, another factory, a computed mask, one written in place) is not."""
+    model made itself (``torch.ones(bs, T)`` where the caller passed no mask: BioGPT): a
+    padding mask that masks nothing, so the same as none. Anything else (a mask the trace did
+    not make, another factory or fill, a computed mask, one written in place) is not."""
+    values = filled_with(mask)
+    return values is not None and all(v == 1 for v in values)
+
+
+_FILLS = {"aten.ones.default": None, "aten.ones_like.default": None,
+          "aten.new_ones.default": None, "aten.full.default": 1, "aten.full_like.default": 1,
+          "aten.new_full.default": 2}
+"""Factories of one value: the argument that holds it (None: ones)."""
+_PAD = "aten.constant_pad_nd.default"
+"""``F.pad`` with a constant: the input's values and the pad value (argument 2, default 0)."""
+
+
+def filled_with(tensor) -> set | None:
+    """The values of ``tensor`` where, in the capture's trace, the model made it itself with one
+    of the fill factories (``torch.ones``, ``torch.full``, ...) and read it through casts, views,
+    slices and constant pads only, with no in-place write to it or any tensor it came from so
+    far: the fill and each pad value, cast as the chain casts them. None otherwise (no trace, a
+    tensor the trace did not make, a computed one, one written in place)."""
     from torch.fx.experimental.proxy_tensor import get_proxy_mode, get_proxy_slot
 
     mode = get_proxy_mode()
-    if mode is None or not isinstance(mask, torch.Tensor):
-        return False
-    slot = get_proxy_slot(mask, mode.tracer, None)
+    if mode is None or not isinstance(tensor, torch.Tensor):
+        return None
+    slot = get_proxy_slot(tensor, mode.tracer, None)
     node = None if slot is None else slot.proxy.node
     chain = []
-    while node is not None and str(node.target) in _SAME_VALUES:
+    while node is not None and (str(node.target) in _SAME_VALUES or str(node.target) == _PAD):
         chain.append(node)
         node = node.args[0] if node.args and hasattr(node.args[0], "target") else None
-    if node is None or str(node.target) not in _ONES:
+    if node is None or str(node.target) not in _FILLS:
+        return None
+    if any(_writes(user, seen) for seen in (node, *chain) for user in seen.users):
+        return None
+    at = _FILLS[str(node.target)]
+    values = {1 if at is None else node.args[at] if len(node.args) > at else None}
+    for step in (node, *reversed(chain)):
+        if str(step.target) == _PAD:
+            values.add(step.args[2] if len(step.args) > 2 else step.kwargs.get("value", 0))
+        values = {_cast(v, step) for v in values}
+        if None in values:
+            return None
+    return values
+
+
+def _cast(value, node):
+    """``value`` as the output of ``node`` holds it (its dtype), or None if either is not
+    known (a symbolic fill, no tensor metadata)."""
+    val = node.meta.get("val")
+    if type(value) not in (bool, int, float) or not isinstance(val, torch.Tensor):
+        return None
+    with outside_trace():
+        return torch.tensor(value, dtype=torch.float64).to(val.dtype).item()
+
+
+def _never_true(fn) -> bool:
+    """Whether the leaf ``fn`` is false on every pair: a blockwise overlay whose ids are all
+    text (negative) fills the model made itself, as Gemma 4's multimodal models build when
+    given no ``mm_token_type_ids``, the only way a verify calls them (:func:`_in_discovery`:
+    passes there)."""
+    if _hf_mask_name(fn) != _BLOCKWISE:
         return False
-    return not any(_writes(user, seen) for seen in (node, *chain) for user in seen.users)
+    if _in_discovery():
+        return True
+    values = filled_with(_closure(fn, "block_sequence_ids"))
+    return values is not None and all(v < 0 for v in values)
 
 
 def _writes(node, source) -> bool:
@@ -216,6 +275,9 @@ def prove(fn) -> tuple[bool, int, int] | None:
         proof = prove(_closure(fn, "mask_function"))
         # equal shifts keep differences (causal, windows), not chunk edges unless whole chunks
         return proof if proof is None or not proof[2] or q_off % proof[2] == 0 else None
+    if name == _OR:  # a union with leaves that are never true is its one other child
+        kept = [k for k in _children(fn, "mask_functions") if not _never_true(k)]
+        return prove(kept[0]) if len(kept) == 1 else None
     if name == _AND:
         parts = [prove(k) for k in _children(fn, "mask_functions")]
         if any(p is None for p in parts):
@@ -279,9 +341,8 @@ def _probe(fn, causal: bool, window: int, chunk: int = 0) -> bool:
 
 def _describe(fn) -> str:
     name = _hf_mask_name(fn)
-    if name == _AND or name in _TRANSPARENT or name == _OFFSETS or \
-            name == "or_masks.<locals>.or_mask":
-        var = {_AND: "mask_functions", "or_masks.<locals>.or_mask": "mask_functions",
+    if name == _AND or name in _TRANSPARENT or name == _OFFSETS or name == _OR:
+        var = {_AND: "mask_functions", _OR: "mask_functions",
                _OFFSETS: "mask_function", **_TRANSPARENT}[name]
         parts = ", ".join(_describe(k) for k in _children(fn, var))
         return f"{name.split('.')[0]}({parts})"

@@ -280,3 +280,96 @@ def test_data_dependent_control_flow_is_refused_at_its_line(monkeypatch):
     with pytest.raises(NotImplementedError, match=r"branches on a value known only at run "
                        r"time.*in branching: if \(x > 0\).any\(\)"):
         dspark_compile(_model(T.LlamaConfig, T.LlamaForCausalLM))
+
+
+def _traced(build):
+    """What ``build(x)`` returns, computed inside a symbolic trace over ``x [2, 5]`` (the
+    provenance tests read the trace while it runs)."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    seen = []
+
+    def f(x):
+        seen.append(build(x))
+        return x + 1
+
+    make_fx(f, tracing_mode="symbolic")(torch.zeros(2, 5, dtype=torch.long))
+    return seen[0]
+
+
+def _filled(make):
+    from dspark_compile.frontend.masks import filled_with
+
+    return _traced(lambda x: filled_with(make(x)))
+
+
+def _text_ids_written(x):
+    ids = torch.full((x.shape[0], x.shape[1]), -1)
+    ids[:, 2] = 0  # a vision block written in place
+    return ids
+
+
+@pytest.mark.parametrize("make, values", [
+    (lambda x: torch.full((x.shape[0], x.shape[1]), -1), {-1}),
+    (lambda x: torch.full((x.shape[0], x.shape[1]), -1).to(torch.float32)[:, 1:], {-1.0}),
+    # F.pad as transformers' maybe_pad_block_sequence_ids does it: the pad value joins
+    (lambda x: torch.nn.functional.pad(torch.full((2, 5), -1), (0, 3), value=-1), {-1}),
+    (lambda x: torch.nn.functional.pad(torch.full((2, 5), -1), (0, 3)), {-1, 0}),
+    (lambda x: torch.full((2, 5), -1).bool(), {True}),  # a cast that changes the value
+    (lambda x: torch.full((2, 5), -1).to(torch.uint8), {255}),
+    (lambda x: x.new_full((2, 5), -3), {-3}),
+    (lambda x: torch.ones_like(x), {1}),
+    (lambda x: torch.full((2, 5), -1) + 0, None),  # computed
+    (lambda x: torch.where(x == 3, x, -1), None),  # from the input's values
+    (lambda x: x, None),
+    (_text_ids_written, None),
+])
+def test_filled_with_reads_a_fill_the_model_made_through_the_trace(make, values):
+    assert _filled(make) == values
+
+
+def test_a_blockwise_overlay_is_dropped_only_over_text_ids_the_model_filled():
+    """Gemma 4's multimodal models build ``or_masks(causal..., blockwise_overlay(ids))`` with
+    ids ``torch.full(..., -1)`` when given no token types (every verify): the overlay is never
+    true, so the union is its causal child. The same union over ids with a vision block, ids
+    computed from the input, or ids from outside the trace stays refused."""
+    from transformers import masking_utils as M
+
+    def union(ids):
+        return causal_only(mask_function=M.or_masks(
+            M.sliding_window_causal_mask_function(8), M.blockwise_overlay(ids)))
+
+    assert _traced(lambda x: union(torch.full((x.shape[0], x.shape[1]), -1))) == WindowMask(8)
+    padded = lambda x: torch.nn.functional.pad(torch.full((2, 5), -1), (0, 3), value=-1)  # noqa
+    assert _traced(lambda x: union(padded(x))) == WindowMask(8)
+    for ids in (lambda x: torch.full((2, 5), 0),  # one vision block
+                lambda x: torch.nn.functional.pad(torch.full((2, 5), -1), (0, 3), value=2),
+                lambda x: torch.where(x == 3, 0, -1),
+                _text_ids_written):
+        got = _traced(lambda x: union(ids(x)))
+        assert isinstance(got, UnprovenMask) and "blockwise_overlay" in got.description
+    # outside a trace nothing says where the ids came from
+    assert isinstance(union(torch.full((2, 5), -1)), UnprovenMask)
+    # two children that may be true: a union the op does not compute
+    assert isinstance(_traced(lambda x: causal_only(mask_function=M.or_masks(
+        M.causal_mask_function, M.sliding_window_overlay(4)))), UnprovenMask)
+
+
+def test_gemma4_multimodal_verifies_exact_under_the_vision_mask_and_refuses_all():
+    """Gemma 4's multimodal model with its default bidirectional vision mask, text-only as
+    every verify is, and with none: each ragged row equals HF's forward. Bidirectional
+    attention over every token ("all") is refused."""
+    from dspark_compile.zoo import check, select
+    from dspark_compile.zoo.check import TOLERANCE, Entry
+
+    if not hasattr(T, "Gemma4UnifiedForConditionalGeneration"):
+        pytest.skip("this transformers has no Gemma 4 Unified")
+    (base,) = [e for e in select(["gemma4_unified"]) if e.name == "gemma4_unified"]
+    key = "use_bidirectional_attention"
+    for mode in ("vision", None, "all"):
+        result = check(Entry(base.model_type, base.architecture, "", ((key, mode),)))
+        if mode == "all":
+            assert result.status == "refused", (result.status, result.reason)
+            continue
+        assert result.status == "exact", (mode, result.reason, result.where)
+        assert result.max_error <= TOLERANCE, mode
