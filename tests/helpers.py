@@ -204,7 +204,8 @@ def tiny_vl(family: str, seed: int = 0, vocab: int = 64):
     """A tiny Qwen2-VL / Qwen2.5-VL / Qwen3-VL (random weights; special ids at the top of the
     vocabulary: vision start/end ``vocab-5``/``vocab-4``, image ``vocab-3``, video
     ``vocab-2``). mRoPE sections [2, 3, 3] over head_dim 16; ``qwen3_vl`` without DeepStack,
-    ``qwen3_vl_deepstack`` with its one vision block's features added after text layer 0."""
+    ``qwen3_vl_deepstack`` with its one vision block's features added after text layer 0,
+    ``qwen3_vl_deepstack3`` with three blocks' features over the two text layers."""
     import transformers as tf
 
     torch.manual_seed(seed)
@@ -221,6 +222,10 @@ def tiny_vl(family: str, seed: int = 0, vocab: int = 64):
         vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=48, window_size=16,
                       fullatt_block_indexes=[0])
         config_cls, model_cls = tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration
+    elif family == "qwen3_vl_deepstack3":  # three maps over two text layers: HF drops one
+        vision.update(depth=3, hidden_size=32, out_hidden_size=64, intermediate_size=48,
+                      num_position_embeddings=16, deepstack_visual_indexes=[0, 1, 2])
+        config_cls, model_cls = tf.Qwen3VLConfig, tf.Qwen3VLForConditionalGeneration
     else:
         vision.update(hidden_size=32, out_hidden_size=64, intermediate_size=48,
                       num_position_embeddings=16,

@@ -51,22 +51,42 @@ _ARGUMENTS = (("hidden_states",), ("top_k_index", "router_indices"),
 def experts_hooks(model: nn.Module) -> Iterator[None]:
     """Run ``model``'s experts as the ``dspark::experts_*`` ops for the duration of a capture
     (nothing to do for a model whose classes do not use transformers' experts interface);
-    the previous implementation is restored afterwards."""
-    if getattr(model.config, "_experts_implementation", None) is None or \
-            not hasattr(model, "set_experts_implementation") or \
-            not model._can_set_experts_implementation():
+    the previous implementation is restored afterwards. A multimodal wrapper's inner text
+    model is set where the wrapper's own class takes no implementation."""
+    owners = _experts_owners(model)
+    if not owners:
         yield
         return
     from transformers.integrations.moe import ExpertsInterface
 
     ExpertsInterface.register(EXPERTS_NAME, _dspark_experts)
-    getter = getattr(model, "get_experts_implementation", None)  # transformers >= 5.24
-    previous = getter() if getter is not None else model.config._experts_implementation
-    model.set_experts_implementation(EXPERTS_NAME)
-    try:
+    with contextlib.ExitStack() as stack:
+        for owner in owners:
+            getter = getattr(owner, "get_experts_implementation", None)  # transformers >= 5.24
+            previous = getter() if getter is not None else owner.config._experts_implementation
+            owner.set_experts_implementation(EXPERTS_NAME)
+            stack.callback(owner.set_experts_implementation, previous)
         yield
-    finally:
-        model.set_experts_implementation(previous)
+
+
+def _takes_experts(module: nn.Module) -> bool:
+    return getattr(getattr(module, "config", None), "_experts_implementation", None) is not None \
+        and hasattr(module, "set_experts_implementation") and \
+        module._can_set_experts_implementation()
+
+
+def _experts_owners(model: nn.Module) -> list[nn.Module]:
+    """The outermost modules of ``model`` whose class takes an experts implementation: the
+    model itself, or, under a multimodal wrapper whose own class does not (Kimi-K2.5 around a
+    DeepSeek-V3 text model), each such inner model."""
+    if _takes_experts(model):
+        return [model]
+    owners: list[tuple[str, nn.Module]] = []
+    for name, module in model.named_modules():
+        if not any(name.startswith(f"{outer}.") for outer, _ in owners) and \
+                _takes_experts(module):
+            owners.append((name, module))
+    return [module for _, module in owners]
 
 
 def _refuse(where: str, what: str) -> NotImplementedError:

@@ -44,10 +44,12 @@ class MRopeSpec:
     hidden_size: int
     """Width of a vision embedding row (the text model's hidden size)."""
     vision_token_ids: tuple[int, ...]
-    """Token ids whose embedding the vision tower's output replaces (image, video)."""
+    """Token ids whose embedding the vision tower's output replaces (image, video); empty
+    where the config names none (a checkpoint's config sets them): no row is replaced, and
+    ``prefill_inputs`` refuses an image."""
     deepstack_layers: int = 0
     """Text decoder layers that add a DeepStack feature map (Qwen3-VL's
-    ``vision_config.deepstack_visual_indexes``; 0: none)."""
+    ``vision_config.deepstack_visual_indexes``, at most one a text layer; 0: none)."""
 
 
 def mrope_spec(model: nn.Module) -> MRopeSpec | None:
@@ -65,7 +67,10 @@ def mrope_spec(model: nn.Module) -> MRopeSpec | None:
     ids = tuple(i for i in (config.image_token_id, getattr(config, "video_token_id", None))
                 if i is not None)
     vision = getattr(config, "vision_config", None)
-    deepstack = len(getattr(vision, "deepstack_visual_indexes", None) or ())
+    # HF adds map i after text layer i for the maps there are layers for; the rest never reach
+    # the text model
+    deepstack = min(len(getattr(vision, "deepstack_visual_indexes", None) or ()),
+                    getattr(text, "num_hidden_layers", None) or 0)
     return MRopeSpec(sections=3, hidden_size=text.hidden_size, vision_token_ids=ids,
                      deepstack_layers=deepstack)
 
@@ -107,7 +112,8 @@ def _text_layers(model: nn.Module) -> nn.ModuleList:
 def vision_hook(model: nn.Module, spec: MRopeSpec) -> Iterator[None]:
     """For the duration of a capture, merge ``vision_embeds`` into the input embeddings (and
     add ``deepstack_embeds`` to the outputs of the first text decoder layers)."""
-    handles = [model.get_input_embeddings().register_forward_hook(_merge_vision(spec))]
+    handles = [model.get_input_embeddings().register_forward_hook(_merge_vision(spec))] \
+        if spec.vision_token_ids else []  # a config naming no image token: text rows only
     if spec.deepstack_layers:
         layers = _text_layers(model)
         handles += [layers[i].register_forward_hook(_add_deepstack(i))
@@ -198,10 +204,12 @@ def _deepstack_rows(features, spec: MRopeSpec, at: torch.Tensor, into: torch.Ten
                     dtype: torch.dtype) -> torch.Tensor:
     """``into`` (zeros ``[layers, L, hidden]`` if None) with the DeepStack maps at rows ``at``."""
     maps = list(getattr(features, "deepstack_features", None) or ())
-    if len(maps) != spec.deepstack_layers:
+    if len(maps) < spec.deepstack_layers:
         raise ValueError(
             f"prefill_inputs: the vision tower made {len(maps)} DeepStack feature maps; the "
-            f"config's deepstack_visual_indexes name {spec.deepstack_layers}")
+            f"text model adds {spec.deepstack_layers} (deepstack_visual_indexes, at most one a "
+            "text layer)")
+    maps = maps[:spec.deepstack_layers]  # those past the text model's layers: HF drops them
     if into is None:
         into = torch.zeros(spec.deepstack_layers, at.numel(), spec.hidden_size, dtype=dtype)
     for i, m in enumerate(maps):  # per layer: one tensor, or one per image / video (HF 5.x)

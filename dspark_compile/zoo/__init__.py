@@ -59,7 +59,8 @@ def select(names: list[str] | None, skip_unknown: bool = False) -> list[Entry]:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """The ``zoo`` subcommand's options."""
     parser.add_argument("--only", nargs="+", metavar="NAME",
-                        help="model types or class names (default: every *ForCausalLM)")
+                        help="model types or class names (default: every *ForCausalLM and every "
+                        "multimodal LM, verified on text)")
     parser.add_argument("--out", default="zoo.json", help="JSON report (default: zoo.json)")
     parser.add_argument("--jobs", type=int, default=os.cpu_count() or 1,
                         help="checks in parallel, one process each (default: the CPU count)")

@@ -102,16 +102,22 @@ class Entry:
 
 def entries() -> list[Entry]:
     """Every ``*ForCausalLM`` model type of the installed transformers
-    (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``), plus a ``+window`` variant of each config class
-    that has a ``use_sliding_window`` switch defaulting to off (Qwen2's family: its window is
-    exercised only when switched on)."""
+    (``MODEL_FOR_CAUSAL_LM_MAPPING_NAMES``) and every multimodal language model that is not one
+    (``MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES`` and ``MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES``:
+    LLaVA, Qwen-VL, Mistral 3, the speech LMs, ...; verified on text, as every verify step
+    is), plus a ``+window`` variant of each config class that has a ``use_sliding_window``
+    switch defaulting to off (Qwen2's family: its window is exercised only when switched
+    on)."""
     import dataclasses
 
+    from transformers.models.auto import modeling_auto as auto
     from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
+    causal = auto.MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    models = {**getattr(auto, "MODEL_FOR_MULTIMODAL_LM_MAPPING_NAMES", {}),
+              **getattr(auto, "MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES", {}), **causal}
     out = []
-    for model_type, arch in sorted(MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.items()):
+    for model_type, arch in sorted(models.items()):
         out.append(Entry(model_type, arch))
         if model_type not in CONFIG_MAPPING_NAMES:
             continue

@@ -96,6 +96,14 @@ _ADAPTER_OUT = re.compile(r"^adapter_out(put)?_(dim|size)$")
 _LAYER_INDEX_LIST = re.compile(r"layer|idxs|indexes|indices")
 _ROPE_DICTS = {"rope_parameters", "rope_scaling"}
 
+MROPE_SECTIONS: dict[str, list[int]] = {
+    **{name: [16, 24, 24] for name in ("qwen2_vl", "qwen2_5_vl", "paddleocr_vl")},
+    **{name: [8, 12, 12] for name in ("glm4v", "glm4v_moe", "glm46v", "glm_ocr", "glmga")},
+}
+"""mRoPE sections of the types whose text rotary falls back to these full-size values when the
+config names none (their default configs do not): written into the text config's rotary
+parameters before the shrink, which rescales them to the tiny head like any section."""
+
 OVERRIDES: dict[str, dict[str, Any]] = {
     # LFM2's default puts attention in every layer and LFM2-MoE's leaves layer_types None (its
     # model cannot build); real checkpoints mix short-conv and attention layers: take both.
@@ -186,7 +194,9 @@ class TinyConfig:
 
 def _rotary_half(d: dict) -> int:
     head = d.get("qk_rope_head_dim") or SIZES["head_dim"]
-    partial = d.get("partial_rotary_factor") or 1.0
+    rope = d.get("rope_parameters")
+    partial = d.get("partial_rotary_factor") or \
+        (rope.get("partial_rotary_factor") if isinstance(rope, dict) else None) or 1.0
     return max(1, int(head * partial) // 2)
 
 
@@ -525,6 +535,9 @@ def tiny_config(model_type: str, model_cls=None, overrides: dict | None = None) 
     full = default.to_dict()
     text_key = _text_key(default)
     changed: dict[str, tuple[Any, Any]] = {}
+    rope = (full[text_key] if text_key else full).get("rope_parameters")
+    if model_type in MROPE_SECTIONS and isinstance(rope, dict) and "mrope_section" not in rope:
+        rope["mrope_section"] = list(MROPE_SECTIONS[model_type])
     _shrink(full, changed)
     if text_key:
         _adapters_to_text(full, text_key, default.get_text_config().to_dict(), changed)

@@ -54,8 +54,8 @@ class Request:
     def prefill(self):
         """(positions [3, L], delta, vision rows [L, hidden], DeepStack rows [layers, L, hidden]
         or None) of the prompt."""
-        layers = len(getattr(self.model.config.vision_config, "deepstack_visual_indexes", ())
-                     or ())
+        layers = min(len(getattr(self.model.config.vision_config, "deepstack_visual_indexes",
+                                 ()) or ()), self.model.config.text_config.num_hidden_layers)
         if self.grid is None:
             n = self.prompt.numel()
             return (torch.arange(n).expand(3, n), 0, torch.zeros(n, 64),
@@ -150,6 +150,17 @@ def test_ragged_equals_hf_forward(compiled, scenario):
     assert all(d != 0 for d in image_deltas), deltas  # the images do shift positions
     if len(image_deltas) > 1:
         assert len(set(image_deltas)) > 1, deltas  # and by a different amount per request
+
+
+def test_deepstack_maps_past_the_text_layers_are_dropped_as_hf_does():
+    """Three DeepStack maps over two text layers: HF adds the first two and never the third;
+    the verifier takes two maps a row and prefill_inputs hands it two."""
+    model = tiny_vl("qwen3_vl_deepstack3", vocab=VOCAB)
+    verifier = dspark_compile(model)
+    assert verifier.adapter.mrope.deepstack_layers == 2
+    grids, slots, lens_fn = SCENARIOS["text and image prompts, random lengths"]
+    err, _ = run_session(model, verifier, grids, slots, lens_fn)
+    assert err < TOL, f"max |ragged - HF| = {err}"
 
 
 def test_tier_buffers_carry_the_deltas(compiled):
