@@ -25,7 +25,7 @@ from .plain import CachedAttention
 from ..specs import AttentionSpec, LinearSpec, PositionLimit
 from .compressed import compressor_hooks
 from .sparse import indexer_hooks, sparse_attention_module
-from .masks import causal_only, check_mask, proof_object
+from .masks import built_proofs_pass, causal_only, check_mask, proof_object
 from .inline import inline_hooks
 from .counted_positions import counted_positions_hooks
 from .bloom import AlibiSlopes, bloom_hooks
@@ -231,9 +231,11 @@ def _check_sparse(where: str, module, picks, block_picks, index, scope):
 
 
 _PASS_THROUGH = frozenset({"position_ids", "cache_position", "use_cache", "output_attentions",
-                           "output_router_logits", "output_hidden_states", "return_dict"})
+                           "output_router_logits", "output_hidden_states", "return_dict",
+                           "logits_to_keep"})
 """Keywords HF hands every attention function that do not change what attention computes
-(positions reach the graph as the layout's own input)."""
+(positions reach the graph as the layout's own input; ``logits_to_keep`` is the LM head's row
+selection, which a multimodal wrapper's forward hands on down with its other keywords)."""
 
 
 def _check_attention_arguments(where: str, dropout, kwargs: dict, window: int = 0,
@@ -356,7 +358,8 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
             route = _sdpa_route(config)
         try:
             with contextlib.ExitStack() as stack:  # in this order; each restores on exit
-                for hook in (route, fixed_rotaries(model), hybrid_hooks(linear),
+                for hook in (route, built_proofs_pass(), fixed_rotaries(model),
+                             hybrid_hooks(linear),
                              vision_hook(model, mrope) if mrope else contextlib.nullcontext(),
                              experts_hooks(model), *(family(model, names) for family in (
                                  dbrx_hooks, longcat_hooks, jetmoe_hooks, relative_hooks,

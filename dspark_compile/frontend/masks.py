@@ -12,6 +12,7 @@ rule, and returns a proof (None for plain causal, a :class:`WindowMask`) or an
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import torch
@@ -19,8 +20,8 @@ import torch
 from .scope import active_scope, outside_trace
 from .sparse import INDEXER_KEYS, IndexerMask
 
-__all__ = ["UnprovenMask", "WindowMask", "all_ones", "causal_only", "check_mask", "filled_with",
-           "proof_object", "prove"]
+__all__ = ["UnprovenMask", "WindowMask", "all_ones", "built_proofs_pass", "causal_only",
+           "check_mask", "filled_with", "proof_object", "prove"]
 
 _CAUSAL = "causal_mask_function"
 """The causal leaf."""
@@ -369,6 +370,28 @@ def check_mask(where: str, attention_mask) -> tuple[int, int]:
         "the model is refused rather than verified wrong")
 
 
+
+
+@contextlib.contextmanager
+def built_proofs_pass():
+    """For the duration of a capture, a mask proof handed back into transformers' mask
+    creation is returned as it is, as transformers returns a 4-D mask it already built: a
+    multimodal wrapper (PaliGemma) builds the mask and passes it to its text model, whose own
+    ``create_causal_mask`` would otherwise read it as a padding mask."""
+    from transformers import masking_utils
+
+    original = masking_utils._preprocess_mask_arguments
+
+    def preprocess(config, inputs_embeds, attention_mask, *args, **kwargs):
+        if isinstance(attention_mask, WindowMask):
+            return True, attention_mask, None, None, None, None, None
+        return original(config, inputs_embeds, attention_mask, *args, **kwargs)
+
+    masking_utils._preprocess_mask_arguments = preprocess
+    try:
+        yield
+    finally:
+        masking_utils._preprocess_mask_arguments = original
 
 
 def proof_object(*args, **kwargs):

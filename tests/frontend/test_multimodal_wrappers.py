@@ -78,3 +78,41 @@ def test_tiny_configs_of_mrope_families_build_and_verify(model_type):
     """Qwen3-VL's tiny config keeps three DeepStack maps over two text layers (HF adds two);
     GLM-4.5V's rotary falls back to full-size mRoPE sections and rotates half its head."""
     _exact(model_type)
+
+
+def test_a_wrapper_hands_its_mask_proof_to_its_text_model():
+    """PaliGemma builds the mask and passes it to its text model, whose own mask creation
+    returns an already-built mask as it is: so does the capture with its proof (before, the
+    proof was read as a padding mask and the model refused for using its mask outside
+    attention). PaliGemma is then refused for what it is, a prefix LM whose attention is not
+    causal over the prompt."""
+    from transformers import masking_utils
+
+    from dspark_compile.frontend.masks import WindowMask, built_proofs_pass
+
+    config = T.LlamaConfig(hidden_size=32, num_attention_heads=4, num_hidden_layers=1,
+                           vocab_size=16)
+    config._attn_implementation = "sdpa"
+    proof = WindowMask(8)
+    embeds = torch.zeros(1, 5, 32)
+    with built_proofs_pass():
+        assert masking_utils.create_causal_mask(config=config, inputs_embeds=embeds,
+                                                attention_mask=proof, cache=None,
+                                                position_ids=torch.arange(5)[None]) is proof
+    with pytest.raises(AttributeError):  # transformers' own, outside the capture
+        masking_utils.create_causal_mask(config=config, inputs_embeds=embeds,
+                                         attention_mask=proof, cache=None,
+                                         position_ids=torch.arange(5)[None])
+    result = check(_entry("paligemma"))
+    assert result.status == "refused" and "is not causal (is_causal=False)" in result.reason
+
+
+def test_the_lm_heads_row_selection_passed_down_to_attention_is_not_refused():
+    """LLaVA-OneVision's wrapper hands ``logits_to_keep`` on down with its keywords to the
+    attention function, which ignores it (it selects the LM head's rows)."""
+    from dspark_compile.frontend.adapters import _check_attention_arguments
+
+    assert _check_attention_arguments("Attn 'layer' (attention call 0)", 0.0,
+                                      {"logits_to_keep": 0}, 0, torch.zeros(1, 4, 2, 8)) == \
+        (0.0, None)
+    _exact("llava_onevision")
