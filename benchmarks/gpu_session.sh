@@ -121,6 +121,11 @@
 #                 float32 tight, bf16) and the BERT-style attention refusal
 #   longrope_zoo  zoo --device cuda --variants --variant rope_longrope over $LONGROPE, float32
 #                 and bfloat16 (zoo_gpu_longrope_*.json)
+#   aria_dbrx     zoo --device cuda over Aria's text model and DBRX (float32, bfloat16, bfloat16
+#                 --static) and Aria's variants (zoo_gpu_aria_dbrx_*.json)
+#   multimodal_zoo  zoo --device cuda over the multimodal LMs the CPU zoo verifies (text), float32
+#                 and bfloat16 --static (zoo_gpu_multimodal_*.json; types this transformers lacks
+#                 are left out)
 #   ncu_paged     Nsight Compute counters of the attention at bs 64, the paged read of its bytes
 #                 (its tiles; 64 keys on 8 warps) and a plain read of them (ncu_paged64.csv)
 #   ncu           Nsight Compute counters of ncu_kernels.py's launches: the experts GEMMs at bs
@@ -312,6 +317,16 @@ job() {
           rope_longrope --jobs 8 --timeout 150 --skip-unknown --only $LONGROPE \
           --out "$OUT/zoo_gpu_longrope_$dtype.json" || exit 1
       done ;;
+    aria_dbrx) for extra in "--dtype float32" "--dtype bfloat16" "--dtype bfloat16 --static"; do
+        python3 -m dspark_compile zoo --device cuda $extra --jobs 4 --timeout 200 \
+          --only aria_text dbrx --out "$OUT/zoo_gpu_aria_dbrx_$(echo $extra | tr -d ' -').json"
+      done
+      python3 -m dspark_compile zoo --device cuda --variants --jobs 8 --timeout 200 \
+        --only aria_text --out "$OUT/zoo_gpu_aria_variants.json" ;;
+    multimodal_zoo) for extra in "--dtype float32" "--dtype bfloat16 --static"; do
+        python3 -m dspark_compile zoo --device cuda $extra --jobs 8 --timeout 150 --skip-unknown \
+          --only $MULTIMODAL --out "$OUT/zoo_gpu_multimodal_$(echo $extra | tr -d ' -').json"
+      done ;;
     ncu_paged)  # the attention at bs 64 beside the paged and plain reads of its bytes
       ncu --clock-control none --kernel-name "regex:_ragged_attention_kernel|_paged_read|_read_k" \
         --launch-count 8 --section SpeedOfLight --section MemoryWorkloadAnalysis \
@@ -331,6 +346,15 @@ REACH="inkling_text jetmoe zaya bloom recurrent_gemma zamba gpt_neo xglm openai-
   gpt_neox_japanese mpt biogpt bart mbart plbart blenderbot blenderbot-small marian pegasus
   mvp trocr bert electra ernie roc_bert roberta camembert megatron-bert rembert roformer
   gemma3n_text dory gptj codegen"
+
+MULTIMODAL="aria aya_vision cohere2_vision cosmos3_edge cosmos3_omni deepseek_vl
+  deepseek_vl_hybrid exaone4_5 gemma4_unified glm46v glm4v glm4v_moe glm_ocr glmasr glmga
+  granite_speech granite_speech_plus hyperclovax_vision_v2 idefics2 idefics3 inkling_mm_model
+  internvl janus kimi_k25 lfm2_vl lighton_ocr llava llava_next llava_next_video llava_onevision
+  minicpm_ocr minicpmv4_6 minicpmv4_7 minimax_m3_vl mistral3 mistral4 nemotron_h_omni omniasr
+  ovis2 paddleocr_vl pp_chart2table qianfan_ocr qwen2_5_vl qwen2_audio qwen2_vl qwen3_asr
+  qwen3_vl qwen3_vl_moe shieldgemma2 smolvlm vibevoice_asr video_llama_3 video_llava vipllava
+  voxtral"
 
 LONGROPE="llama phi3 phimoe qwen2 qwen3 gemma2 gemma3_text mistral olmo2 deepseek_v3 glm4
   cohere2 granite stablelm"
