@@ -183,7 +183,9 @@ def readme_section(report: dict, link: str = "docs/models.md") -> str:
     lines = [
         BEGIN,
         "`python -m dspark_compile zoo` builds a tiny random config of every `*ForCausalLM` "
-        "in the installed transformers and checks the compiled ragged verify against HF's own "
+        "and every multimodal LM (LLaVA, Qwen-VL, Mistral 3, the speech LMs, ...: verified on "
+        "text, as every verify step is) in the installed transformers and checks the compiled "
+        "ragged verify against HF's own "
         "forward (a prefill and three ragged verify/commit rounds, float32, CPU; transformers "
         f"{env.get('transformers')}; the run's commit is in the linked report), and HF's own "
         "one-token cached decoding against that forward (a model that decodes otherwise is "
