@@ -333,6 +333,9 @@ def _shrink(d: dict, changed: dict, prefix: str = "") -> dict:
             if isinstance(value, dict) and _is_layer_dict(value) and \
                     any(int(k) >= layers for k in value):
                 put(key, {k: v for k, v in value.items() if int(k) < layers})
+        kinds = d.get("layer_types")  # a tower's own layer kinds (the text config's are chosen
+        if isinstance(kinds, list) and len(kinds) > layers:  # by tiny_config): the first ones
+            put("layer_types", kinds[:layers])
     return d
 
 
