@@ -33,7 +33,9 @@ the delta.
 Forward hooks change what a module computes without touching its weights, and so does a
 ``forward`` set on a module instance (accelerate's ``add_hook_to_module``, which
 ``device_map`` placements across devices or offloading install, or a patch): both are refused
-at the build like hooks. An instance forward set after the build is not seen. The verifier is the
+at the build like hooks, and after it (a forward set on an instance changes the size of the
+module's attribute dict, or replaces an instance forward there was, which every call compares
+before it walks the model). The verifier is the
 model's forward captured once: a hook present at the build would be traced in with whatever
 it closes over frozen (a steering vector scaled by a Python float, say), and one added later
 would be missed, so the verify would no longer be the model's forward. ``dspark_compile``
@@ -147,6 +149,7 @@ class WeightBinding:
         self._tensors = list(self._bound.values())
         self._ptrs = [t.data_ptr() for t in self._tensors]
         self._modules = {id(m) for m in model.modules()}
+        self._snapshot_attributes()
         layers = adapter_layers(model)
         self._adapters = AdapterWatch(layers) if layers else None
         """PEFT adapter state the graphs froze (``frontend/peft.py``), None: no PEFT layer."""
@@ -171,7 +174,9 @@ class WeightBinding:
         """Raise ``StaleWeightsError`` if a bound tensor was replaced or its storage moved,
         ``HookedModelError`` if the model gained a forward hook; ``StaleWeightsError`` too if a
         PEFT layer's adapter state changed."""
-        if RemovableHandle.next_id != self._hook_mark:
+        if RemovableHandle.next_id != self._hook_mark or \
+                sum(map(len, self._dicts)) != self._attributes or \
+                any(d.get("forward") is not f for d, f in self._own_forwards):
             self._check_hooks()
         if self._changes != self._seen:
             self._check_names()
@@ -211,10 +216,21 @@ class WeightBinding:
                     "still read the old tensor. Update weights in place (load_state_dict, "
                     "param.copy_) or call dspark_compile(model) again")
         self._modules = {id(m) for m in self.model.modules()}
+        self._snapshot_attributes()
         self._seen = seen
 
+    def _snapshot_attributes(self) -> None:
+        """The modules' attribute dicts, their total size and the instance forwards there
+        are (the bound methods a removed hook leaves): a forward set on an instance adds a
+        key (accelerate's hook adds three) or replaces one of those, which ``check`` sees
+        without a walk (2.6 us for the 215 modules of a 16-layer Llama on a 2-core Xeon)."""
+        self._dicts = [m.__dict__ for m in self.model.modules()]
+        self._attributes = sum(map(len, self._dicts))
+        self._own_forwards = [(d, d["forward"]) for d in self._dicts if "forward" in d]
+
     def _check_hooks(self) -> None:
-        """One walk of the model, after a hook was registered somewhere in the process."""
+        """One walk of the model, after a hook was registered somewhere in the process or a
+        module's attributes changed (a forward set on an instance)."""
         mark = RemovableHandle.next_id
         found = forward_hooks(self.model)
         if found:
@@ -225,6 +241,7 @@ class WeightBinding:
                 "the hook, or fold the change into the model and call dspark_compile(model) "
                 "again")
         self._hook_mark = mark
+        self._snapshot_attributes()
 
 
 def _remove(handles) -> None:

@@ -238,6 +238,48 @@ def test_a_hook_registered_after_the_build_is_refused_on_the_next_call(llama):
     torch.testing.assert_close(verifier(seq, layout, state), want, rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("register, match", [
+    (lambda m: _accelerate_hook(m.model.layers[1].mlp),
+     r"model\.layers\.1\.mlp's forward replaced on the instance \(accelerate's .*_Double\)"),
+    (lambda m: _patched(m.model.layers[0].mlp),
+     r"model\.layers\.0\.mlp's forward replaced on the instance \(.*<lambda>"),
+])
+def test_a_forward_set_on_an_instance_after_the_build_is_refused(register, match):
+    """No torch hook registry sees an instance forward (accelerate's hooks, a patch): the
+    next call sees the module's attribute dict grow and walks the model. A removed hook is
+    served again."""
+    model = tiny_llama(seed=7, layers=2)
+    verifier = dspark_compile(model)
+    state = verifier.new_state(max_requests=1, max_context=16)
+    seq = tokens(4)
+    layout = VerifyLayout.pack([4], [0], [0])
+    want = full_logits(model, seq)
+    handle = register(model)
+    try:
+        assert (full_logits(model, seq) - want).abs().max() > 1e-3  # the change matters
+        with pytest.raises(HookedModelError, match=match):
+            verifier(seq, layout, state)
+    finally:
+        handle.remove()
+    torch.testing.assert_close(verifier(seq, layout, state), want, rtol=1e-4, atol=1e-4)
+
+
+def test_a_bound_forward_left_by_a_removed_hook_replaced_after_the_build_is_refused():
+    model = tiny_llama(seed=8, layers=1)
+    _accelerate_hook(model.model.layers[0].mlp).remove()  # leaves the bound method
+    verifier = dspark_compile(model)
+    state = verifier.new_state(max_requests=1, max_context=16)
+    seq = tokens(4)
+    layout = VerifyLayout.pack([4], [0], [0])
+    verifier(seq, layout, state)
+    mlp = model.model.layers[0].mlp
+    size = len(mlp.__dict__)
+    mlp.forward = lambda x: 2 * x
+    assert len(mlp.__dict__) == size
+    with pytest.raises(HookedModelError, match=r"model\.layers\.0\.mlp's forward replaced"):
+        verifier(seq, layout, state)
+
+
 # --------------------------------------------------------------------------------- threads
 @pytest.fixture(scope="module")
 def small():
