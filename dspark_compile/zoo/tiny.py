@@ -91,7 +91,7 @@ _INTERMEDIATE = re.compile(r"intermediate|ffn|^d_ff$|^dim_ff$|^dff$|^n_inner$|fe
 _DROPOUT = re.compile(r"dropout|pdrop|drop_path|layerdrop")
 _ADAPTER_IN = re.compile(r"^adapter_in(put)?_(dim|size)$")
 """A multimodal tower's adapter input, which must equal the tower's own width."""
-_ADAPTER_OUT = re.compile(r"^adapter_out(put)?_(dim|size)$")
+_ADAPTER_OUT = re.compile(r"^(adapter_out(put)?_(dim|size)|out_hidden_size|text_hidden_size)$")
 """Its output, which must equal the text model's width."""
 _LAYER_INDEX_LIST = re.compile(r"layer|idxs|indexes|indices")
 _ROPE_DICTS = {"rope_parameters", "rope_scaling"}
@@ -158,14 +158,15 @@ OVERRIDES: dict[str, dict[str, Any]] = {
     "dory": {"num_hidden_layers": 6, "n_input_layers": 2, "n_recurrent_layers": 2,
              "n_output_layers": 2, "layer_types": ["sliding_attention", "mlp", "full_attention",
                                                    "mlp", "sliding_attention", "mlp"]},
-    # Cohere Compass's text config defaults to no rotary parameters at all (its model cannot
-    # build: they are per layer type); a checkpoint's pattern instead: sliding layers rotated
+    # Cohere Compass's text config (alone or in its multimodal model) defaults to no rotary
+    # parameters at all (its model cannot build: they are per layer type); a checkpoint's pattern instead: sliding layers rotated
     # (multimodal sections summing to the tiny head's half), full layers without positions
-    "cohere_compass_text": {
+    **{name: {
         "layer_types": ["sliding_attention", "full_attention"],
         "rope_parameters": {"sliding_attention": {"rope_type": "default", "rope_theta": 5e4,
                                                   "mrope_section": [4, 2, 2]},
-                            "full_attention": None}},
+                            "full_attention": None}}
+       for name in ("cohere_compass_text", "cohere_compass")},
 }
 """Per model type, fields no name rule can guess (applied to the text config last)."""
 
