@@ -225,7 +225,7 @@ class Verifier:
 
         mRoPE models (Qwen2-VL, Qwen2.5-VL, Qwen3-VL) take ``vision_embeds [N, hidden]`` for
         a prefill of an image prompt: rows whose token is the image (video) token take that
-        row instead of the token embedding (``frontend.multimodal.prefill_inputs`` makes them
+        row instead of the token embedding (a zero row keeps the token's own) (``frontend.multimodal.prefill_inputs`` makes them
         with HF's vision tower); Qwen3-VL models with DeepStack layers also take
         ``deepstack_embeds [layers, N, hidden]`` (zeros at text rows; None: all zeros). After
         ``capture(state)`` the result is a view of a static buffer, valid until the next call

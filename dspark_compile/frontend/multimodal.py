@@ -9,9 +9,13 @@ at ``context + j + delta`` in all three rows (HF's ``rope_deltas``).
 The capture runs the model on ``input_ids`` with explicit ``position_ids`` and no pixels. The
 vision tower's output enters through one more token-major input, ``vision_embeds [bs, T,
 hidden]``: a forward hook on the input embedding replaces the rows whose id is the image or
-video token, as HF's ``masked_scatter`` does::
+video token and whose vision row is not all zeros, as HF's ``masked_scatter`` does::
 
-    embeds = where((ids == image_token_id) | (ids == video_token_id), vision_embeds, embeds)
+    is_vision = ((ids == image_token_id) | (ids == video_token_id)) & (vision_embeds != 0).any(-1)
+    embeds = where(is_vision, vision_embeds, embeds)
+
+A zero row keeps the token's own embedding: an image token in a verify step (a draft may
+propose any id) is embedded as HF's forward embeds it when given no pixels.
 
 That is a pointwise select, so ``token_axis`` proves it token-wise like the rest. Qwen3-VL's
 DeepStack feature maps enter the same way: ``deepstack_embeds [L, bs, T, hidden]`` (zeros at text
@@ -84,7 +88,11 @@ def _merge_vision(spec: MRopeSpec):
         is_vision = ids == spec.vision_token_ids[0]
         for token in spec.vision_token_ids[1:]:
             is_vision = is_vision | (ids == token)
-        return torch.where(is_vision.unsqueeze(-1), scope.vision_embeds.to(out.dtype), out)
+        # a zero row is no vision row (a text row, or an image token a draft proposed): the
+        # token's own embedding, as HF's forward given no pixels
+        rows = scope.vision_embeds.to(out.dtype)
+        is_vision = is_vision & (rows != 0).any(-1)
+        return torch.where(is_vision.unsqueeze(-1), rows, out)
     return hook
 
 

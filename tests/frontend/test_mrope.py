@@ -152,6 +152,24 @@ def test_ragged_equals_hf_forward(compiled, scenario):
         assert len(set(image_deltas)) > 1, deltas  # and by a different amount per request
 
 
+def test_an_image_token_a_draft_proposes_is_embedded_as_hf_does_without_pixels(compiled):
+    """A draft may propose the image or video token; with no vision row for it (zeros), it
+    keeps its own embedding, as HF's forward does when given no pixels (it was replaced by
+    the zero row before)."""
+    model, verifier = compiled
+    cfg = model.config
+    gen = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, TEXT_IDS, (6,), generator=gen)
+    draft = torch.tensor([5, cfg.image_token_id, 7, cfg.video_token_id, cfg.image_token_id])
+    state = verifier.new_state(max_requests=1, max_context=32)
+    verifier(prompt, VerifyLayout.pack([6], [0], [0], mrope_deltas=[0]), state)
+    verifier.commit(VerifyLayout.pack([6], [0], [0], mrope_deltas=[0]), [6], state)
+    got = verifier(draft, VerifyLayout.pack([5], [6], [0], mrope_deltas=[0]), state)
+    with torch.no_grad():
+        want = model(input_ids=torch.cat([prompt, draft])[None]).logits[0, -5:]
+    assert (got - want).abs().max().item() < TOL
+
+
 def test_deepstack_maps_past_the_text_layers_are_dropped_as_hf_does():
     """Three DeepStack maps over two text layers: HF adds the first two and never the third;
     the verifier takes two maps a row and prefill_inputs hands it two."""
