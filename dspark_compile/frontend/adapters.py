@@ -41,7 +41,7 @@ from .rotary import check_rotaries, fixed_rotaries, phimoe_hooks
 from .experts import experts_hooks
 from .hybrid import RecurrentLayers, hybrid_hooks
 from .llama4 import temperature_hooks, tuned_queries
-from .multimodal import MRopeSpec, mrope_spec, vision_hook
+from .multimodal import MRopeSpec, media_notice, mrope_spec, vision_hook
 from .scope import HF_ATTENTION_NAME, active_scope
 
 __all__ = ["ModelAdapter", "adapter_for"]
@@ -343,6 +343,8 @@ def _hf_adapter(model: nn.Module) -> ModelAdapter:
     config = model.config
     linear = RecurrentLayers(model)
     mrope = mrope_spec(model)
+    if mrope is None:
+        media_notice(model)
     names = {id(m): name for name, m in model.named_modules()}
     rotary_limit = check_rotaries(model, names)
 

@@ -28,6 +28,7 @@ leaves the other rows as they are. The vision tower itself runs outside the veri
 from __future__ import annotations
 
 import contextlib
+import logging
 from dataclasses import dataclass
 from typing import Iterator
 
@@ -36,7 +37,10 @@ from torch import nn
 
 from .scope import active_scope
 
-__all__ = ["MRopeSpec", "mrope_spec", "vision_hook", "prefill_inputs", "PrefillInputs"]
+__all__ = ["MRopeSpec", "media_notice", "mrope_spec", "vision_hook", "prefill_inputs",
+           "PrefillInputs"]
+
+log = logging.getLogger("dspark_compile")
 
 
 @dataclass(frozen=True)
@@ -77,6 +81,28 @@ def mrope_spec(model: nn.Module) -> MRopeSpec | None:
                     getattr(text, "num_hidden_layers", None) or 0)
     return MRopeSpec(sections=3, hidden_size=text.hidden_size, vision_token_ids=ids,
                      deepstack_layers=deepstack)
+
+
+def media_notice(model: nn.Module) -> str | None:
+    """For a multimodal model outside the mRoPE families (LLaVA, Mistral 3, the speech LMs,
+    ...): one log line saying that it is verified on text and takes no media rows, so a
+    prompt's image, video or audio tokens are embedded as HF's forward embeds them when given
+    no media (the line, or None for any other model)."""
+    inner = getattr(model, "model", None)
+    if not any(hasattr(m, f"get_{kind}_features") for m in (model, inner)
+               for kind in ("image", "video", "audio")):
+        return None
+    config = model.config
+    tokens = sorted(f"{k}={v}" for k, v in vars(config).items()
+                    if k.startswith(("image_token", "video_token", "audio_token")) and
+                    isinstance(v, int) and not isinstance(v, bool))
+    line = (f"{type(model).__name__}: verified on text; the verifier takes no image, video or "
+            "audio rows for this model (only the Qwen-VL families take vision rows), so its "
+            f"media tokens ({', '.join(tokens) or 'none named in its config'}) are embedded as "
+            "HF's forward embeds them given no media, and a prompt with media cannot be "
+            "prefilled through it")
+    log.warning(line)
+    return line
 
 
 def _merge_vision(spec: MRopeSpec):

@@ -116,3 +116,35 @@ def test_the_lm_heads_row_selection_passed_down_to_attention_is_not_refused():
                                       {"logits_to_keep": 0}, 0, torch.zeros(1, 4, 2, 8)) == \
         (0.0, None)
     _exact("llava_onevision")
+
+
+def test_a_multimodal_model_without_media_rows_says_so_once(caplog):
+    """LLaVA takes no image rows in the verify: the build says so in one log line naming its
+    image token, and a drafted image token is verified as HF's forward embeds it given no
+    pixels. A Qwen-VL model (vision rows) and a text model say nothing."""
+    import logging
+
+    from dspark_compile import VerifyLayout, dspark_compile
+    from dspark_compile.frontend.multimodal import media_notice
+    from dspark_compile.zoo.tiny import tiny_config
+    from helpers import tiny_llama, tiny_vl
+
+    entry = _entry("llava")
+    cls = getattr(T, entry.architecture)
+    config = tiny_config(entry.model_type, cls).config
+    config.image_token_id = 120  # inside the tiny vocabulary (the default's is past it)
+    torch.manual_seed(0)
+    model = cls._from_config(config, dtype=torch.float32).eval()
+    with caplog.at_level(logging.WARNING, logger="dspark_compile"):
+        verifier = dspark_compile(model)
+    lines = [r.getMessage() for r in caplog.records if "verified on text" in r.getMessage()]
+    image = model.config.image_token_id
+    assert len(lines) == 1 and f"={image}" in lines[0], lines
+    seq = torch.tensor([3, 9, image, 4, image, 7])
+    state = verifier.new_state(max_requests=1, max_context=16)
+    got = verifier(seq, VerifyLayout.pack([6], [0], [0]), state)
+    with torch.no_grad():
+        want = model(input_ids=seq[None]).logits[0]
+    assert (got - want).abs().max().item() < 1e-4
+    assert media_notice(tiny_vl("qwen2_vl")) is not None  # (dspark_compile asks only without mRoPE)
+    assert media_notice(tiny_llama(seed=0, layers=1)) is None
