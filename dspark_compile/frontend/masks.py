@@ -377,7 +377,8 @@ def built_proofs_pass():
     """For the duration of a capture, a mask proof handed back into transformers' mask
     creation is returned as it is, as transformers returns a 4-D mask it already built: a
     multimodal wrapper (PaliGemma) builds the mask and passes it to its text model, whose own
-    ``create_causal_mask`` would otherwise read it as a padding mask."""
+    ``create_causal_mask`` would otherwise read it as a padding mask. The early exit is
+    transformers' own for a built mask (its 7-tuple, the same in 5.17 and 5.24)."""
     from transformers import masking_utils
 
     original = masking_utils._preprocess_mask_arguments
