@@ -112,7 +112,8 @@ def run(gm: fx.GraphModule, ctx: PassContext) -> tuple[fx.GraphModule, PassResul
         new = gm.graph.placeholder("mrope_positions")
     bs, t = old.meta["val"].shape[1:]
     with detect_fake_mode([old.meta["val"]]):
-        new.meta["val"] = torch.empty(sections, bs * t, dtype=old.meta["val"].dtype)
+        new.meta["val"] = torch.empty(sections, bs * t, dtype=old.meta["val"].dtype,
+                                      device=old.meta["val"].device)
     new.meta["dspark_input"] = spec
     ids = find_input(gm, "input_ids")
     tracer = GraphAppendingTracer(gm.graph)
