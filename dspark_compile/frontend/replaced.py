@@ -19,8 +19,8 @@ from typing import Callable, Collection, Iterator
 import torch
 from torch import nn
 
-__all__ = ["PLAIN_FLOATS", "bind_call", "known_forward", "modeling_instances", "source_key",
-           "swapped_forward"]
+__all__ = ["PLAIN_FLOATS", "bind_call", "helper_keys", "known_forward", "modeling_instances",
+           "source_key", "swapped_forward"]
 
 PLAIN_FLOATS = frozenset({torch.float32, torch.float16, torch.bfloat16})
 """Weight dtypes a replaced forward reads as they are (no quantized or packed storage)."""
@@ -42,6 +42,21 @@ def modeling_instances(model: nn.Module, module: str, names: tuple[str, ...],
 def source_key(cls, method: str = "forward") -> str:
     """sha256 prefix of ``cls.<method>``'s source: which forward a capture was derived from."""
     return hashlib.sha256(inspect.getsource(getattr(cls, method)).encode()).hexdigest()[:16]
+
+
+def helper_keys(cls, method: str = "forward") -> dict[str, str]:
+    """:func:`source_key`-style prefixes of the functions of ``cls``'s own module that
+    ``cls.<method>`` names (decorators unwrapped): what it computes beyond its own source, which
+    two models can differ in under the very same forward source (HY-V4-VL's indexer forward is
+    HY-V4's, its module's ``apply_rotary_pos_emb`` interleaved and float32)."""
+    module = sys.modules.get(cls.__module__)
+    code = inspect.unwrap(getattr(cls, method)).__code__
+    found = {}
+    for name in sorted(set(code.co_names)):
+        fn = getattr(module, name, None)
+        if inspect.isfunction(fn):
+            found[name] = hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+    return found
 
 
 def known_forward(module: nn.Module, cls: type, known: Collection[str],

@@ -56,7 +56,7 @@ from torch import nn
 
 from ..ops import sparse as _sparse_ops  # noqa: F401  (registers the ops)
 from ..specs import IndexSpec
-from .replaced import bind_call, source_key
+from .replaced import bind_call, helper_keys, source_key
 from .scope import active_scope
 
 __all__ = ["IndexerMask", "KNOWN_ATTENTION", "KNOWN_INDEXERS", "indexer_hooks",
@@ -97,6 +97,20 @@ KNOWN_INDEXERS: dict[tuple[str, str], tuple[_Variant, frozenset[str]]] = {
 """``(model package, indexer class)`` -> (how it computes, sha256 prefixes of the forward
 sources this was derived from: transformers 5.24, and 5.17 where the model exists there; the
 two differ only in naming the cache argument)."""
+
+_ROPE_HALVES, _ROPE_INTERLEAVE, _ROPE_MINIMAX = "ea234325c15de475", "8ed90f4983a65a1e", \
+    "8e62703ac8727b8f"
+KNOWN_INDEXER_HELPERS: dict[tuple[str, str], dict[str, str]] = {
+    ("deepseek_v32", "DeepseekV32Indexer"): {"apply_rotary_pos_emb": _ROPE_HALVES},
+    ("axk2", "AXK2Indexer"): {"apply_rotary_pos_emb": _ROPE_HALVES},
+    ("glm_moe_dsa", "GlmMoeDsaIndexer"): {"apply_rotary_pos_emb_interleave": _ROPE_INTERLEAVE},
+    ("dots3_note", "Dots3NoteTextIndexer"): {"apply_rotary_pos_emb_interleave": _ROPE_INTERLEAVE},
+    ("hy_v4", "HYV4Indexer"): {"apply_rotary_pos_emb": _ROPE_HALVES},
+    ("minimax_m3_vl", "MiniMaxM3VLIndexer"): {"apply_rotary_pos_emb": _ROPE_MINIMAX},
+}
+"""The module functions each known indexer's forward names, by source (``helper_keys``; the
+same in transformers 5.17 and 5.24): the replacement re-implements them too, so a module whose
+helper differs under the same forward source is not the indexer it was derived from."""
 
 KNOWN_ATTENTION: dict[tuple[str, str], frozenset[str]] = {
     ("deepseek_v32", "DeepseekV32Attention"): frozenset({"202d73849640ee95", "0f8f2e70b43847d2"}),
@@ -296,11 +310,14 @@ def indexer_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
         for m in found:
             where = f"{type(m).__name__} {names.get(id(m), '?')!r}"
             entry = _known(m, KNOWN_INDEXERS)
-            if entry is None:
-                cls = type(m)
+            cls = type(m)
+            helpers = helper_keys(cls) if entry is not None else None
+            if entry is None or helpers != KNOWN_INDEXER_HELPERS[(_package(cls), cls.__name__)]:
                 what = "its forward is replaced on the instance" if "forward" in m.__dict__ \
                     else f"{cls.__module__}.{cls.__name__}.forward (sha256 {source_key(cls)}) " \
-                    "is not one of the known indexer forwards"
+                    "is not one of the known indexer forwards" if entry is None \
+                    else f"the functions its forward calls in {cls.__module__} ({helpers}) " \
+                    "are not those its replacement was derived from"
                 raise _refuse(where, what)
             if entry[0].blocks:
                 m.forward = (lambda mod, w: lambda *a, **k: _block_index_forward(

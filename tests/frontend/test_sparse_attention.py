@@ -74,6 +74,33 @@ def test_an_unknown_indexer_class_is_refused_by_name():
         dspark_compile(model)
 
 
+def test_an_indexer_whose_module_helper_changed_is_refused(monkeypatch):
+    """The replacement re-implements the rotary the forward calls: under the very same forward
+    source, a module whose apply_rotary_pos_emb computes otherwise (HY-V4-VL's is interleaved
+    and float32) is not the indexer it was derived from."""
+    from transformers.models.deepseek_v32 import modeling_deepseek_v32 as modeling
+
+    model = _tiny("deepseek_v32")
+
+    def apply_rotary_pos_emb(q, k, cos, sin, unsqueeze_dim=1):  # a helper of another source
+        return q, k
+
+    monkeypatch.setattr(modeling, "apply_rotary_pos_emb", apply_rotary_pos_emb)
+    with pytest.raises(NotImplementedError, match=r"DeepseekV32Indexer .*the functions its "
+                       r"forward calls in .*modeling_deepseek_v32 \(\{'apply_rotary_pos_emb'"):
+        dspark_compile(model)
+
+
+def test_hy_v4_vl_whose_indexer_forward_is_hy_v4s_is_refused():
+    """HY-V4-VL's indexer forward has HY-V4's source; its rotary does not."""
+    if "hy_v4_vl" not in transformers.models.auto.modeling_auto.MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES:
+        pytest.skip("this transformers has no HY-V4-VL")
+    from dspark_compile.zoo.check import Entry
+
+    result = check(Entry("hy_v4_vl", "HYV4VLForConditionalGeneration"))
+    assert result.status == "refused" and "HYV4VLIndexer" in result.reason
+
+
 def test_indices_from_an_unknown_attention_class_are_refused():
     model = _tiny("deepseek_v32")
     attn = model.model.layers[0].self_attn
