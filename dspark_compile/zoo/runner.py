@@ -26,15 +26,16 @@ _PRELOAD = ["torch", "torch._dynamo", "torch.export", "sympy", "transformers",
 """Imported once by the fork server (imports only: no torch op runs before a fork)."""
 
 
-def _child(entry: Entry, conn, threads: int, device: str, dtype: str, static: bool) -> None:
+def _child(entry: Entry, conn, threads: int, device: str, dtype: str, static: bool,
+           check_fn: Callable[..., Result]) -> None:
     import torch
     import transformers
 
     torch.set_num_threads(threads)
     warnings.filterwarnings("ignore")
     transformers.logging.set_verbosity_error()
-    result = check(entry, phase=lambda step: conn.send(("phase", step)), device=device,
-                   dtype=dtype, static=static)
+    result = check_fn(entry, phase=lambda step: conn.send(("phase", step)), device=device,
+                      dtype=dtype, static=static)
     conn.send(("result", result.to_json()))
     conn.close()
 
@@ -42,12 +43,15 @@ def _child(entry: Entry, conn, threads: int, device: str, dtype: str, static: bo
 def run_checks(selected: Iterable[Entry], jobs: int = 1, timeout: float = 300.0,
                on_result: Callable[[Result], None] = lambda _: None,
                preload: list[str] | None = None, device: str = "cpu",
-               dtype: str = "float32", static: bool = False) -> list[Result]:
+               dtype: str = "float32", static: bool = False,
+               check_fn: Callable[..., Result] = check) -> list[Result]:
     """Check every entry, ``jobs`` at a time; results in the order of ``selected``.
     ``preload``: the modules the fork server imports (default :data:`_PRELOAD`; it takes
     effect only when this process starts its fork server, i.e. on the first call). ``device``,
-    ``dtype``, ``static``: where, in what and how each check runs its model and verifier
-    (``check``)."""
+    ``dtype``, ``static``: where, in what and how each check runs its model and verifier.
+    ``check_fn``: the check (default the zoo's :func:`~.check.check`; another takes the same
+    arguments, returns a :class:`~.check.Result` and is importable by name in a fresh
+    process)."""
     selected = list(selected)
     ctx = mp.get_context("forkserver" if "forkserver" in mp.get_all_start_methods()
                          else "spawn")
@@ -73,7 +77,7 @@ def run_checks(selected: Iterable[Entry], jobs: int = 1, timeout: float = 300.0,
             index, entry = pending.popleft()
             parent, child = ctx.Pipe(duplex=False)
             proc = ctx.Process(target=_child, args=(entry, child, threads, device, dtype,
-                                                    static), daemon=True)
+                                                    static, check_fn), daemon=True)
             proc.start()
             child.close()
             running[parent] = [proc, index, entry, time.monotonic(), "start"]
