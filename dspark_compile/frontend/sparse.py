@@ -83,34 +83,33 @@ _INTERLEAVED = _Variant(interleaved=True)
 _HY = _Variant(rope_last=True, scale_in_weights=True)
 _BLOCKS = _Variant(blocks=True)
 
-KNOWN_INDEXERS: dict[tuple[str, str], tuple[_Variant, frozenset[str]]] = {
+_ROPE_HALVES = {"apply_rotary_pos_emb": "ea234325c15de475"}
+_ROPE_INTERLEAVE = {"apply_rotary_pos_emb_interleave": "8ed90f4983a65a1e"}
+_ROPE_MINIMAX = {"apply_rotary_pos_emb": "8e62703ac8727b8f"}
+
+KNOWN_INDEXERS: dict[tuple[str, str], tuple[_Variant, frozenset[str], dict[str, str]]] = {
     ("deepseek_v32", "DeepseekV32Indexer"): (_V32, frozenset({"d661c778bc189986",
-                                                                "f05b6543a2da203a"})),
-    ("axk2", "AXK2Indexer"): (_V32, frozenset({"d661c778bc189986", "f05b6543a2da203a"})),
+                                                                "f05b6543a2da203a"}),
+                                             _ROPE_HALVES),
+    ("axk2", "AXK2Indexer"): (_V32, frozenset({"d661c778bc189986", "f05b6543a2da203a"}),
+                              _ROPE_HALVES),
     ("glm_moe_dsa", "GlmMoeDsaIndexer"): (_INTERLEAVED, frozenset({"5b484bc355c707d6",
-                                                                   "c0bfda4dc45e68ce"})),
-    ("dots3_note", "Dots3NoteTextIndexer"): (_INTERLEAVED, frozenset({"5b484bc355c707d6"})),
-    ("hy_v4", "HYV4Indexer"): (_HY, frozenset({"1dc7cea02eefd0a1", "5657afa6a7bbcc74"})),
+                                                                   "c0bfda4dc45e68ce"}),
+                                          _ROPE_INTERLEAVE),
+    ("dots3_note", "Dots3NoteTextIndexer"): (_INTERLEAVED, frozenset({"5b484bc355c707d6"}),
+                                             _ROPE_INTERLEAVE),
+    ("hy_v4", "HYV4Indexer"): (_HY, frozenset({"1dc7cea02eefd0a1", "5657afa6a7bbcc74"}),
+                               _ROPE_HALVES),
     ("minimax_m3_vl", "MiniMaxM3VLIndexer"): (_BLOCKS, frozenset({"83606351ef7f4edc",
-                                                                  "a2cd7f4feb57909a"})),
+                                                                  "a2cd7f4feb57909a"}),
+                                              _ROPE_MINIMAX),
 }
 """``(model package, indexer class)`` -> (how it computes, sha256 prefixes of the forward
 sources this was derived from: transformers 5.24, and 5.17 where the model exists there; the
-two differ only in naming the cache argument)."""
-
-_ROPE_HALVES, _ROPE_INTERLEAVE, _ROPE_MINIMAX = "ea234325c15de475", "8ed90f4983a65a1e", \
-    "8e62703ac8727b8f"
-KNOWN_INDEXER_HELPERS: dict[tuple[str, str], dict[str, str]] = {
-    ("deepseek_v32", "DeepseekV32Indexer"): {"apply_rotary_pos_emb": _ROPE_HALVES},
-    ("axk2", "AXK2Indexer"): {"apply_rotary_pos_emb": _ROPE_HALVES},
-    ("glm_moe_dsa", "GlmMoeDsaIndexer"): {"apply_rotary_pos_emb_interleave": _ROPE_INTERLEAVE},
-    ("dots3_note", "Dots3NoteTextIndexer"): {"apply_rotary_pos_emb_interleave": _ROPE_INTERLEAVE},
-    ("hy_v4", "HYV4Indexer"): {"apply_rotary_pos_emb": _ROPE_HALVES},
-    ("minimax_m3_vl", "MiniMaxM3VLIndexer"): {"apply_rotary_pos_emb": _ROPE_MINIMAX},
-}
-"""The module functions each known indexer's forward names, by source (``helper_keys``; the
-same in transformers 5.17 and 5.24): the replacement re-implements them too, so a module whose
-helper differs under the same forward source is not the indexer it was derived from."""
+two differ only in naming the cache argument; and the sources of the functions of its module
+that the forward names, ``helper_keys``, the same in both). The replacement re-implements those
+functions too, so a module whose helper differs under the same forward source is not the
+indexer it was derived from (HY-V4-VL's forward is HY-V4's, its rotary interleaved)."""
 
 KNOWN_ATTENTION: dict[tuple[str, str], frozenset[str]] = {
     ("deepseek_v32", "DeepseekV32Attention"): frozenset({"202d73849640ee95", "0f8f2e70b43847d2"}),
@@ -312,7 +311,7 @@ def indexer_hooks(model: nn.Module, names: dict[int, str]) -> Iterator[None]:
             entry = _known(m, KNOWN_INDEXERS)
             cls = type(m)
             helpers = helper_keys(cls) if entry is not None else None
-            if entry is None or helpers != KNOWN_INDEXER_HELPERS[(_package(cls), cls.__name__)]:
+            if entry is None or helpers != entry[2]:
                 what = "its forward is replaced on the instance" if "forward" in m.__dict__ \
                     else f"{cls.__module__}.{cls.__name__}.forward (sha256 {source_key(cls)}) " \
                     "is not one of the known indexer forwards" if entry is None \
